@@ -1,0 +1,901 @@
+//! Configuration: a TOML file, then `RELAY_*` environment overrides.
+//!
+//! * Layering is [figment](https://docs.rs/figment): `relay.toml`, then
+//!   `RELAY_SECTION__KEY=value` (double underscore between levels, e.g.
+//!   `RELAY_KAFKA__BOOTSTRAP_SERVERS`), then `DATABASE_URL` for the database.
+//! * Invalid configuration fails at start with every problem at once, each
+//!   naming its key (`routes[1].actions[0].endpoint: …`) and what to do.
+//! * Secrets never come from the file: the database URL and provider tokens are
+//!   read from the environment into [`SecretString`]s, whose `Debug` is redacted,
+//!   and Kafka secrets are named by environment variable
+//!   (`[kafka.secret_properties] "sasl.password" = "KAFKA_SASL_PASSWORD"`).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Toml};
+use secrecy::{ExposeSecret, SecretString};
+use serde::{Deserialize, Serialize};
+use url::Url;
+
+use crate::envelope::{FieldOverrides, TopicFormat};
+use crate::retry::BackoffPolicy;
+
+/// The whole configuration of a relay process.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RelayConfig {
+    /// The inbox consumer.
+    #[serde(default)]
+    pub consumer: ConsumerConfig,
+    /// PostgreSQL.
+    #[serde(default)]
+    pub database: DatabaseConfig,
+    /// Kafka client settings shared by the consumer and the publisher.
+    #[serde(default)]
+    pub kafka: KafkaConfig,
+    /// The intent dispatcher.
+    #[serde(default)]
+    pub dispatcher: DispatcherConfig,
+    /// The outbox publisher.
+    #[serde(default)]
+    pub publisher: PublisherConfig,
+    /// Per-topic encoding and field sources, keyed by topic name.
+    #[serde(default)]
+    pub topics: BTreeMap<String, TopicConfig>,
+    /// What to do for each event type on each topic.
+    #[serde(default)]
+    pub routes: Vec<RouteConfig>,
+    /// External HTTP APIs the dispatcher calls, keyed by name.
+    #[serde(default)]
+    pub endpoints: BTreeMap<String, EndpointConfig>,
+}
+
+/// The inbox consumer.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConsumerConfig {
+    /// Consumer name: the inbox namespace and part of every derived id. Two
+    /// deployments with the same name dedup against each other; never rename
+    /// a consumer that has processed events.
+    pub name: String,
+    /// Kafka consumer group; defaults to the consumer name.
+    pub group_id: Option<String>,
+    /// When true, an event type with no route is poison (`unknown_type`);
+    /// when false it is recorded in the inbox as `unrouted` and skipped.
+    pub strict: bool,
+    /// Records larger than this (key + value + headers) are dead-lettered.
+    pub max_record_bytes: usize,
+    /// Most records processed in one database transaction (per partition).
+    pub batch_size: usize,
+    /// Topic that receives a copy of every dead-lettered record.
+    pub dead_letter_topic: Option<String>,
+    /// CloudEvents `source` of events the relay emits; default `relay/<name>`.
+    pub event_source: Option<String>,
+    /// Retry budget for a missing referenced aggregate (R19) or a sequence gap
+    /// (R6) before the record is parked.
+    pub reference_retry: RetryBudget,
+    /// Backoff while the database is unreachable (retried until it is back).
+    pub database_backoff: BackoffPolicy,
+}
+
+impl Default for ConsumerConfig {
+    fn default() -> Self {
+        ConsumerConfig {
+            name: "relay".into(),
+            group_id: None,
+            strict: false,
+            max_record_bytes: 1024 * 1024,
+            batch_size: 200,
+            dead_letter_topic: None,
+            event_source: None,
+            reference_retry: RetryBudget::default(),
+            database_backoff: BackoffPolicy {
+                min_delay: Duration::from_millis(200),
+                max_delay: Duration::from_secs(10),
+                factor: 2.0,
+            },
+        }
+    }
+}
+
+impl ConsumerConfig {
+    /// The Kafka group id in effect.
+    pub fn group(&self) -> &str {
+        self.group_id.as_deref().unwrap_or(&self.name)
+    }
+
+    /// The CloudEvents `source` of emitted events.
+    pub fn source(&self) -> String {
+        self.event_source
+            .clone()
+            .unwrap_or_else(|| format!("relay/{}", self.name))
+    }
+}
+
+/// A bounded retry: at most `max_attempts` tries, `backoff` between them.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryBudget {
+    /// Attempts in total, the first included.
+    pub max_attempts: u32,
+    /// Delay between attempts.
+    pub backoff: BackoffPolicy,
+}
+
+impl Default for RetryBudget {
+    fn default() -> Self {
+        RetryBudget {
+            max_attempts: 8,
+            backoff: BackoffPolicy {
+                min_delay: Duration::from_millis(200),
+                max_delay: Duration::from_secs(5),
+                factor: 2.0,
+            },
+        }
+    }
+}
+
+/// PostgreSQL connection. TLS is set in the URL (`?sslmode=verify-full&sslrootcert=…`).
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DatabaseConfig {
+    /// Connection URL; from `DATABASE_URL` or `RELAY_DATABASE__URL`.
+    pub url: Option<SecretString>,
+    /// Pool size of this process.
+    pub max_connections: u32,
+    /// How long to wait for a pooled connection before the attempt fails.
+    #[serde(with = "humantime_serde")]
+    pub acquire_timeout: Duration,
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        DatabaseConfig {
+            url: None,
+            max_connections: 10,
+            acquire_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl fmt::Debug for DatabaseConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DatabaseConfig")
+            .field("url", &self.url.as_ref().map(|_| "[redacted]"))
+            .field("max_connections", &self.max_connections)
+            .finish()
+    }
+}
+
+impl DatabaseConfig {
+    /// The URL, or an error that says how to set it.
+    pub fn url(&self) -> Result<&str, ConfigError> {
+        self.url
+            .as_ref()
+            .map(|u| u.expose_secret())
+            .ok_or_else(|| ConfigError::Invalid {
+                problems: vec![
+                    "database.url: not set; export DATABASE_URL=postgres://user:password@host/db \
+                 (or RELAY_DATABASE__URL)"
+                        .into(),
+                ],
+            })
+    }
+}
+
+/// Kafka client settings. Any librdkafka property passes through, so
+/// SASL_SSL to a managed cluster is `security.protocol`, `sasl.mechanism`,
+/// `sasl.username` here and the password in `secret_properties`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KafkaConfig {
+    /// `bootstrap.servers`.
+    pub bootstrap_servers: String,
+    /// librdkafka properties for both consumer and producer.
+    pub properties: BTreeMap<String, String>,
+    /// librdkafka properties for the consumer only.
+    pub consumer_properties: BTreeMap<String, String>,
+    /// librdkafka properties for the producer only.
+    pub producer_properties: BTreeMap<String, String>,
+    /// librdkafka property → name of the environment variable holding its value.
+    pub secret_properties: BTreeMap<String, String>,
+}
+
+impl Default for KafkaConfig {
+    fn default() -> Self {
+        KafkaConfig {
+            bootstrap_servers: "127.0.0.1:9092".into(),
+            properties: BTreeMap::new(),
+            consumer_properties: BTreeMap::new(),
+            producer_properties: BTreeMap::new(),
+            secret_properties: BTreeMap::new(),
+        }
+    }
+}
+
+impl KafkaConfig {
+    /// Secret properties read from the environment. Missing variables are errors.
+    pub fn secrets(&self) -> Result<Vec<(String, SecretString)>, ConfigError> {
+        let mut out = Vec::new();
+        let mut problems = Vec::new();
+        for (prop, var) in &self.secret_properties {
+            match std::env::var(var) {
+                Ok(v) => out.push((prop.clone(), SecretString::from(v))),
+                Err(_) => problems.push(format!(
+                    "kafka.secret_properties.{prop:?}: environment variable {var} is not set"
+                )),
+            }
+        }
+        if problems.is_empty() {
+            Ok(out)
+        } else {
+            Err(ConfigError::Invalid { problems })
+        }
+    }
+}
+
+/// The intent dispatcher.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DispatcherConfig {
+    /// Name recorded on claims and attempts; default `<hostname>-<pid>`.
+    pub worker_id: Option<String>,
+    /// Calls in flight at once in this process (each endpoint also has its own limit).
+    pub concurrency: usize,
+    /// Most intents claimed by one statement.
+    pub claim_batch: u32,
+    /// How long a claim is ours. Must exceed every endpoint's connect + request timeout.
+    #[serde(with = "humantime_serde")]
+    pub lease: Duration,
+    /// Fallback poll when no NOTIFY arrives.
+    #[serde(with = "humantime_serde")]
+    pub poll_interval: Duration,
+    /// How often expired leases are rescued.
+    #[serde(with = "humantime_serde")]
+    pub rescue_interval: Duration,
+}
+
+impl Default for DispatcherConfig {
+    fn default() -> Self {
+        DispatcherConfig {
+            worker_id: None,
+            concurrency: 64,
+            claim_batch: 32,
+            lease: Duration::from_secs(60),
+            poll_interval: Duration::from_secs(1),
+            rescue_interval: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The outbox publisher.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PublisherConfig {
+    /// Most rows claimed and produced per round.
+    pub batch_size: u32,
+    /// How long a claim is ours; must exceed `delivery_timeout`.
+    #[serde(with = "humantime_serde")]
+    pub lease: Duration,
+    /// librdkafka `message.timeout.ms`: give up on a delivery after this.
+    #[serde(with = "humantime_serde")]
+    pub delivery_timeout: Duration,
+    /// Fallback poll when no NOTIFY arrives.
+    #[serde(with = "humantime_serde")]
+    pub poll_interval: Duration,
+    /// Delay before a failed publish is tried again.
+    pub backoff: BackoffPolicy,
+}
+
+impl Default for PublisherConfig {
+    fn default() -> Self {
+        PublisherConfig {
+            batch_size: 200,
+            lease: Duration::from_secs(60),
+            delivery_timeout: Duration::from_secs(30),
+            poll_interval: Duration::from_secs(1),
+            backoff: BackoffPolicy::default(),
+        }
+    }
+}
+
+/// How the records of one topic are read.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TopicConfig {
+    /// CloudEvents (default) or plain JSON.
+    pub format: TopicFormat,
+    /// Where id, type and the guard fields come from.
+    pub fields: FieldOverrides,
+}
+
+/// What to do with one event type on one topic.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// Route name for logs and metrics; default `<topic>/<type>`.
+    pub name: Option<String>,
+    /// Source topic.
+    pub topic: String,
+    /// CloudEvents type this route takes.
+    #[serde(rename = "type")]
+    pub event_type: String,
+    /// JSON Schema file (relative to the configuration file) the data must satisfy.
+    pub schema: Option<PathBuf>,
+    /// Overrides of where the guard fields come from.
+    #[serde(default)]
+    pub fields: FieldOverrides,
+    /// Apply only when `aggregate version > last applied version` (R5).
+    #[serde(default)]
+    pub version_guard: bool,
+    /// Apply only the next sequence number of the aggregate (R6).
+    #[serde(default)]
+    pub sequence_guard: bool,
+    /// Business counter incremented once per unique applied event (R20).
+    pub counter: Option<String>,
+    /// Name of a handler registered in code, run in the same transaction.
+    pub handler: Option<String>,
+    /// The actions, in order. Saga moves are guards: if one is a no-op, no
+    /// intent or event of this route is written for the event.
+    #[serde(default)]
+    pub actions: Vec<ActionConfig>,
+}
+
+impl RouteConfig {
+    /// The route's name in effect.
+    pub fn display_name(&self) -> String {
+        self.name
+            .clone()
+            .unwrap_or_else(|| format!("{}/{}", self.topic, self.event_type))
+    }
+}
+
+/// One action of a route.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ActionConfig {
+    /// Call an endpoint (through an intent).
+    Call(CallAction),
+    /// Emit an event (through the outbox).
+    Emit(EmitAction),
+    /// Move a saga (guarded transition).
+    Saga(SagaAction),
+}
+
+impl ActionConfig {
+    /// The action's name (part of derived ids: never rename a live action).
+    pub fn name(&self) -> &str {
+        match self {
+            ActionConfig::Call(a) => &a.name,
+            ActionConfig::Emit(a) => &a.name,
+            ActionConfig::Saga(a) => &a.name,
+        }
+    }
+}
+
+/// Call an endpoint.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CallAction {
+    /// Action name, unique in the route.
+    pub name: String,
+    /// Key into `[endpoints]`.
+    pub endpoint: String,
+    /// HTTP method.
+    #[serde(default = "default_method")]
+    pub method: String,
+    /// Path template, appended to the endpoint's base URL.
+    pub path: String,
+    /// JSON body template.
+    pub body: Option<serde_json::Value>,
+    /// Extra request header templates.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// Idempotency key template; default: the intent's derived id.
+    pub idempotency_key: Option<String>,
+    /// Per-key ordering template (R13): no call for this key starts while an
+    /// earlier one is unfinished.
+    pub ordering_key: Option<String>,
+    /// Effects recorded when the call succeeds.
+    #[serde(default)]
+    pub on_success: OutcomeConfig,
+    /// Effects recorded when the call dies (permanent error or budget spent).
+    #[serde(default)]
+    pub on_dead: OutcomeConfig,
+}
+
+fn default_method() -> String {
+    "POST".into()
+}
+
+/// Effects of a finished call.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutcomeConfig {
+    /// Events to emit.
+    #[serde(default)]
+    pub emit: Vec<EmitAction>,
+    /// Saga moves to make.
+    #[serde(default)]
+    pub saga: Vec<SagaAction>,
+}
+
+impl OutcomeConfig {
+    fn is_empty(&self) -> bool {
+        self.emit.is_empty() && self.saga.is_empty()
+    }
+}
+
+/// Emit an event.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct EmitAction {
+    /// Action name, unique in the route.
+    pub name: String,
+    /// CloudEvents type of the emitted event.
+    #[serde(rename = "type")]
+    pub event_type: String,
+    /// Destination topic.
+    pub topic: String,
+    /// Record key template; default: the input's aggregate id, if any.
+    pub key: Option<String>,
+    /// CloudEvents `subject` template.
+    pub subject: Option<String>,
+    /// Data template (a JSON document with templated strings); default: the input data.
+    pub data: Option<serde_json::Value>,
+    /// Publish in order with earlier events of the same topic and key.
+    #[serde(default = "yes")]
+    pub ordered: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Move a saga from one of `from` to `to`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SagaAction {
+    /// Action name, unique in the route.
+    pub name: String,
+    /// Saga type (e.g. `order`).
+    pub saga: String,
+    /// Saga id template.
+    pub id: String,
+    /// States the transition may start from.
+    #[serde(default)]
+    pub from: Vec<String>,
+    /// Target state.
+    pub to: String,
+    /// Creates the saga in `to` (it must not exist yet) instead of moving it.
+    #[serde(default)]
+    pub start: bool,
+}
+
+/// An external HTTP API.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointConfig {
+    /// Base URL; action paths are appended.
+    pub base_url: Url,
+    /// Whole-request timeout (after which the outcome is unknown).
+    #[serde(default = "default_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+    /// Connect timeout (the request was certainly not delivered).
+    #[serde(default = "default_connect_timeout", with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// Calls in flight at once to this endpoint, per dispatcher process.
+    #[serde(default = "default_endpoint_concurrency")]
+    pub concurrency: usize,
+    /// Calls started per second, per dispatcher process.
+    pub rate_limit_per_second: Option<u64>,
+    /// Attempts in total before the intent is dead.
+    #[serde(default = "default_max_attempts")]
+    pub max_attempts: u32,
+    /// No attempt starts this long after the intent was written.
+    #[serde(default = "default_max_age", with = "humantime_serde")]
+    pub max_age: Duration,
+    /// Delay between attempts.
+    #[serde(default)]
+    pub backoff: BackoffPolicy,
+    /// Header carrying the idempotency key.
+    #[serde(default = "default_idempotency_header")]
+    pub idempotency_header: String,
+    /// Environment variable holding a bearer token for this endpoint.
+    pub token_env: Option<String>,
+    /// Static request headers.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+}
+
+fn default_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+fn default_connect_timeout() -> Duration {
+    Duration::from_secs(3)
+}
+fn default_endpoint_concurrency() -> usize {
+    16
+}
+fn default_max_attempts() -> u32 {
+    10
+}
+fn default_max_age() -> Duration {
+    Duration::from_secs(24 * 3600)
+}
+fn default_idempotency_header() -> String {
+    "Idempotency-Key".into()
+}
+
+impl EndpointConfig {
+    /// The bearer token, read from `token_env`.
+    pub fn token(&self) -> Result<Option<SecretString>, String> {
+        match &self.token_env {
+            None => Ok(None),
+            Some(var) => std::env::var(var)
+                .map(|v| Some(SecretString::from(v)))
+                .map_err(|_| format!("environment variable {var} (token_env) is not set")),
+        }
+    }
+}
+
+/// Configuration could not be loaded or is invalid.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read or a value has the wrong type.
+    #[error("configuration could not be read: {0}")]
+    Load(String),
+    /// One or more values are invalid.
+    #[error("configuration is invalid:\n  - {}", problems.join("\n  - "))]
+    Invalid {
+        /// Every problem found, each naming its key.
+        problems: Vec<String>,
+    },
+}
+
+impl RelayConfig {
+    /// Load `path` (if given), then the environment, then validate.
+    pub fn load(path: Option<&Path>) -> Result<RelayConfig, ConfigError> {
+        let mut fig = Figment::new();
+        if let Some(p) = path {
+            if !p.exists() {
+                return Err(ConfigError::Load(format!(
+                    "{} does not exist (pass --config PATH or set RELAY_CONFIG)",
+                    p.display()
+                )));
+            }
+            fig = fig.merge(Toml::file(p));
+        }
+        fig = fig
+            .merge(Env::prefixed("RELAY_").split("__").ignore(&["config"]))
+            .merge(
+                Env::raw()
+                    .only(&["DATABASE_URL"])
+                    .map(|_| "database.url".into()),
+            );
+        let mut cfg: RelayConfig = fig.extract().map_err(|e| {
+            ConfigError::Load(
+                e.into_iter()
+                    .map(|e| e.to_string())
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            )
+        })?;
+        if let Some(dir) = path.and_then(Path::parent) {
+            for r in &mut cfg.routes {
+                if let Some(s) = &mut r.schema
+                    && s.is_relative()
+                {
+                    *s = dir.join(&*s);
+                }
+            }
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Parse a TOML string (no environment), then validate. For tests and tools.
+    pub fn from_toml(text: &str) -> Result<RelayConfig, ConfigError> {
+        let cfg: RelayConfig = Figment::from(Toml::string(text))
+            .extract()
+            .map_err(|e| ConfigError::Load(e.to_string()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Every topic the consumer subscribes to: the routed ones and the declared ones.
+    pub fn subscribed_topics(&self) -> Vec<String> {
+        let mut t: Vec<String> = self.routes.iter().map(|r| r.topic.clone()).collect();
+        t.extend(self.topics.keys().cloned());
+        t.sort();
+        t.dedup();
+        t
+    }
+
+    /// Check everything that can be checked without I/O to the broker or database.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut p = Vec::new();
+        let c = &self.consumer;
+        if c.name.trim().is_empty() {
+            p.push("consumer.name: must not be empty (it namespaces the inbox)".into());
+        }
+        if c.batch_size == 0 {
+            p.push("consumer.batch_size: must be at least 1".into());
+        }
+        if c.reference_retry.max_attempts == 0 {
+            p.push("consumer.reference_retry.max_attempts: must be at least 1".into());
+        }
+        if self.dispatcher.concurrency == 0 {
+            p.push("dispatcher.concurrency: must be at least 1".into());
+        }
+        if self.dispatcher.claim_batch == 0 {
+            p.push("dispatcher.claim_batch: must be at least 1".into());
+        }
+        if self.publisher.lease <= self.publisher.delivery_timeout {
+            p.push(format!(
+                "publisher.lease ({:?}) must be longer than publisher.delivery_timeout ({:?}), or a \
+                 second publisher could claim a row that is still being delivered",
+                self.publisher.lease, self.publisher.delivery_timeout
+            ));
+        }
+        for (topic, t) in &self.topics {
+            if t.format == TopicFormat::Json
+                && (t.fields.id.is_none() || t.fields.event_type.is_none())
+            {
+                p.push(format!(
+                    "topics.{topic:?}: format = \"json\" needs fields.id and fields.type \
+                     (e.g. fields.id = {{ header = \"id\" }}, fields.type = {{ value = \"OrderPlaced\" }})"
+                ));
+            }
+        }
+        for (name, e) in &self.endpoints {
+            let at = format!("endpoints.{name}");
+            if e.concurrency == 0 {
+                p.push(format!("{at}.concurrency: must be at least 1"));
+            }
+            if e.max_attempts == 0 {
+                p.push(format!("{at}.max_attempts: must be at least 1"));
+            }
+            if e.rate_limit_per_second == Some(0) {
+                p.push(format!(
+                    "{at}.rate_limit_per_second: must be at least 1 (or leave it out)"
+                ));
+            }
+            if e.idempotency_header.trim().is_empty() {
+                p.push(format!("{at}.idempotency_header: must not be empty"));
+            }
+            let worst = e.timeout + e.connect_timeout;
+            if self.dispatcher.lease <= worst {
+                p.push(format!(
+                    "dispatcher.lease ({:?}) must be longer than {at}.timeout + connect_timeout ({worst:?}), \
+                     or a rescued intent could run twice at once",
+                    self.dispatcher.lease
+                ));
+            }
+        }
+        let mut seen = BTreeMap::new();
+        for (i, r) in self.routes.iter().enumerate() {
+            let at = format!("routes[{i}]");
+            if r.topic.trim().is_empty() {
+                p.push(format!("{at}.topic: must not be empty"));
+            }
+            if r.event_type.trim().is_empty() {
+                p.push(format!("{at}.type: must not be empty"));
+            }
+            if let Some(prev) = seen.insert((r.topic.clone(), r.event_type.clone()), i) {
+                p.push(format!(
+                    "{at}: topic {:?} type {:?} is already routed by routes[{prev}]",
+                    r.topic, r.event_type
+                ));
+            }
+            if r.fields.id.is_some() || r.fields.event_type.is_some() {
+                p.push(format!(
+                    "{at}.fields: id and type are read before routing; set them under [topics.{:?}.fields]",
+                    r.topic
+                ));
+            }
+            if let Some(s) = &r.schema
+                && !s.exists()
+            {
+                p.push(format!("{at}.schema: {} does not exist", s.display()));
+            }
+            let mut names = BTreeMap::new();
+            for (j, a) in r.actions.iter().enumerate() {
+                let aat = format!("{at}.actions[{j}]");
+                self.validate_action(&aat, a, &mut names, &mut p);
+            }
+            if r.actions.is_empty() && r.handler.is_none() && r.counter.is_none() {
+                p.push(format!(
+                    "{at}: has no actions, handler or counter; it would do nothing"
+                ));
+            }
+        }
+        if p.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError::Invalid { problems: p })
+        }
+    }
+
+    fn validate_action(
+        &self,
+        at: &str,
+        a: &ActionConfig,
+        names: &mut BTreeMap<String, String>,
+        p: &mut Vec<String>,
+    ) {
+        let name = a.name();
+        if name.trim().is_empty() {
+            p.push(format!(
+                "{at}.name: must not be empty (it is part of the derived ids)"
+            ));
+        } else if let Some(prev) = names.insert(name.to_owned(), at.to_owned()) {
+            p.push(format!("{at}.name: {name:?} is already used by {prev}"));
+        }
+        match a {
+            ActionConfig::Call(c) => {
+                if !self.endpoints.contains_key(&c.endpoint) {
+                    let known: Vec<_> = self.endpoints.keys().map(String::as_str).collect();
+                    p.push(format!(
+                        "{at}.endpoint: {:?} is not defined under [endpoints] (defined: {})",
+                        c.endpoint,
+                        if known.is_empty() {
+                            "none".into()
+                        } else {
+                            known.join(", ")
+                        }
+                    ));
+                }
+                if http::Method::from_bytes(c.method.as_bytes()).is_err() {
+                    p.push(format!("{at}.method: {:?} is not an HTTP method", c.method));
+                }
+                for (k, e) in c.on_success.emit.iter().chain(&c.on_dead.emit).enumerate() {
+                    if e.name.trim().is_empty() {
+                        p.push(format!("{at}: outcome emit #{k} has an empty name"));
+                    }
+                }
+                if !c.on_success.is_empty() || !c.on_dead.is_empty() {
+                    for s in c.on_success.saga.iter().chain(&c.on_dead.saga) {
+                        if s.start && !s.from.is_empty() {
+                            p.push(format!(
+                                "{at}: outcome saga {:?} has start = true and from",
+                                s.name
+                            ));
+                        }
+                    }
+                }
+            }
+            ActionConfig::Emit(e) => {
+                if e.topic.trim().is_empty() {
+                    p.push(format!("{at}.topic: must not be empty"));
+                }
+            }
+            ActionConfig::Saga(s) => {
+                if s.start && !s.from.is_empty() {
+                    p.push(format!(
+                        "{at}: start = true creates the saga; it cannot also have from"
+                    ));
+                }
+                if !s.start && s.from.is_empty() {
+                    p.push(format!(
+                        "{at}.from: list the states the saga may move from (or set start = true)"
+                    ));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VALID: &str = r#"
+        [consumer]
+        name = "payments"
+
+        [endpoints.psp]
+        base_url = "http://127.0.0.1:9000"
+        timeout = "5s"
+
+        [[routes]]
+        topic = "orders"
+        type = "order.placed"
+        counter = "orders_placed"
+
+        [[routes.actions]]
+        kind = "saga"
+        name = "start"
+        saga = "order"
+        id = "{{ data.order_id }}"
+        to = "payment_pending"
+        start = true
+
+        [[routes.actions]]
+        kind = "call"
+        name = "capture"
+        endpoint = "psp"
+        path = "/captures"
+        body = { order = "{{ data.order_id }}", amount = "{{ data.amount }}" }
+        idempotency_key = "capture:{{ data.order_id }}"
+
+        [[routes.actions.on_success.emit]]
+        name = "captured"
+        type = "payment.captured"
+        topic = "payments"
+    "#;
+
+    #[test]
+    fn a_valid_file_parses_with_defaults_filled_in() {
+        let cfg = RelayConfig::from_toml(VALID).unwrap();
+        assert_eq!(cfg.consumer.group(), "payments");
+        assert_eq!(cfg.endpoints["psp"].max_attempts, 10);
+        assert_eq!(cfg.endpoints["psp"].timeout, Duration::from_secs(5));
+        assert_eq!(cfg.routes[0].actions.len(), 2);
+        match &cfg.routes[0].actions[1] {
+            ActionConfig::Call(c) => {
+                assert_eq!(c.method, "POST");
+                assert_eq!(c.on_success.emit[0].topic, "payments");
+            }
+            other => panic!("expected a call, got {other:?}"),
+        }
+        assert_eq!(cfg.subscribed_topics(), vec!["orders".to_string()]);
+    }
+
+    #[test]
+    fn an_unknown_endpoint_names_the_key_and_the_known_endpoints() {
+        let text = VALID.replace("endpoint = \"psp\"", "endpoint = \"pps\"");
+        let err = RelayConfig::from_toml(&text).unwrap_err().to_string();
+        assert!(err.contains("routes[0].actions[1].endpoint"), "{err}");
+        assert!(err.contains("\"pps\""), "{err}");
+        assert!(err.contains("defined: psp"), "{err}");
+    }
+
+    #[test]
+    fn a_wrong_type_names_the_key() {
+        let text = VALID.replace("timeout = \"5s\"", "timeout = 5");
+        let err = RelayConfig::from_toml(&text).unwrap_err().to_string();
+        assert!(err.contains("timeout"), "{err}");
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected_not_ignored() {
+        let text = VALID.replace("counter = \"orders_placed\"", "countr = \"orders_placed\"");
+        let err = RelayConfig::from_toml(&text).unwrap_err().to_string();
+        assert!(err.contains("countr"), "{err}");
+    }
+
+    #[test]
+    fn a_lease_shorter_than_a_call_is_rejected() {
+        let text = format!("[dispatcher]\nlease = \"6s\"\n{VALID}");
+        let err = RelayConfig::from_toml(&text).unwrap_err().to_string();
+        assert!(err.contains("dispatcher.lease"), "{err}");
+    }
+
+    #[test]
+    fn duplicate_action_names_and_routes_are_rejected() {
+        let text = VALID.replace("name = \"capture\"", "name = \"start\"");
+        let err = RelayConfig::from_toml(&text).unwrap_err().to_string();
+        assert!(err.contains("\"start\" is already used"), "{err}");
+    }
+
+    #[test]
+    fn json_topics_must_say_where_id_and_type_come_from() {
+        let text = format!("{VALID}\n[topics.legacy]\nformat = \"json\"\n");
+        let err = RelayConfig::from_toml(&text).unwrap_err().to_string();
+        assert!(err.contains("topics.\"legacy\""), "{err}");
+    }
+
+    #[test]
+    fn the_database_url_is_never_printed() {
+        let cfg = DatabaseConfig {
+            url: Some(SecretString::from("postgres://u:hunter2@h/db")),
+            ..Default::default()
+        };
+        assert!(!format!("{cfg:?}").contains("hunter2"));
+    }
+}

@@ -1,0 +1,321 @@
+//! What processing an event produces, before it is written: saga moves,
+//! calls (future intents) and events (future outbox rows).
+//!
+//! Declarative routes render to these types and code handlers return them, so
+//! both go through the same writer and get the same derived ids (R7). They are
+//! also stored (as JSON) on an intent as its outcome effects, which is why they
+//! are serializable.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use uuid::Uuid;
+
+use crate::envelope::{Header, Poison, RawRecord};
+
+/// A guarded saga transition.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SagaMove {
+    /// Action name (history key).
+    pub action: String,
+    /// Saga type.
+    pub saga_type: String,
+    /// Saga id.
+    pub saga_id: String,
+    /// Allowed current states (ignored when `start`).
+    pub from: Vec<String>,
+    /// Target state.
+    pub to: String,
+    /// Create the saga in `to`; it must not exist yet.
+    pub start: bool,
+}
+
+/// An external call to make, later, through an intent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CallSpec {
+    /// Action name; part of the intent's derived id.
+    pub action: String,
+    /// Endpoint name (from configuration).
+    pub endpoint: String,
+    /// HTTP method.
+    pub method: String,
+    /// Path appended to the endpoint's base URL.
+    pub path: String,
+    /// JSON body.
+    pub body: Option<Value>,
+    /// Extra request headers.
+    pub headers: BTreeMap<String, String>,
+    /// Idempotency key; `None` uses the intent id.
+    pub idempotency_key: Option<String>,
+    /// Per-key ordering (R13).
+    pub ordering_key: Option<String>,
+    /// Effects when the call succeeds.
+    pub on_success: Outcome,
+    /// Effects when the call dies.
+    pub on_dead: Outcome,
+}
+
+/// Effects of a finished call.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Outcome {
+    /// Events to emit.
+    #[serde(default)]
+    pub emit: Vec<EmitSpec>,
+    /// Saga moves to make.
+    #[serde(default)]
+    pub saga: Vec<SagaMove>,
+}
+
+impl Outcome {
+    /// Nothing to do.
+    pub fn is_empty(&self) -> bool {
+        self.emit.is_empty() && self.saga.is_empty()
+    }
+}
+
+/// An event to emit through the outbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EmitSpec {
+    /// Action name; part of the event's derived id.
+    pub action: String,
+    /// CloudEvents type.
+    pub event_type: String,
+    /// Destination topic.
+    pub topic: String,
+    /// Record key (also the ordering key when `ordered`).
+    pub key: Option<String>,
+    /// CloudEvents subject.
+    pub subject: Option<String>,
+    /// Data.
+    pub data: Value,
+    /// Publish after earlier unpublished events of the same topic and key.
+    pub ordered: bool,
+}
+
+/// Everything one event produces.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Plan {
+    /// Guarded transitions, applied first.
+    pub sagas: Vec<SagaMove>,
+    /// Calls to make.
+    pub calls: Vec<CallSpec>,
+    /// Events to emit.
+    pub emits: Vec<EmitSpec>,
+}
+
+impl Plan {
+    /// Append another plan (e.g. a code handler's) to this one.
+    pub fn extend(&mut self, other: Plan) {
+        self.sagas.extend(other.sagas);
+        self.calls.extend(other.calls);
+        self.emits.extend(other.emits);
+    }
+}
+
+/// Where an emitted event comes from, for its CloudEvents attributes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Provenance {
+    /// CloudEvents `source` of the relay.
+    pub source: String,
+    /// Correlation id carried forward (the input's, else the input id).
+    pub correlation_id: Option<String>,
+    /// The id of the event (or intent) that caused this one.
+    pub causation_id: Option<String>,
+    /// W3C trace context carried forward.
+    pub traceparent: Option<String>,
+    /// Aggregate id of the input.
+    pub aggregate_id: Option<String>,
+}
+
+/// A Kafka record ready for the outbox table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxRecord {
+    /// Derived id (also the CloudEvents id of events).
+    pub id: Uuid,
+    /// Action that produced it.
+    pub action: String,
+    /// Destination topic.
+    pub topic: String,
+    /// Record key.
+    pub key: Option<Vec<u8>>,
+    /// Record headers.
+    pub headers: Vec<Header>,
+    /// Record value.
+    pub payload: Option<Vec<u8>>,
+    /// Event type, for logs and counts.
+    pub event_type: Option<String>,
+    /// Publish order key (same topic), when ordered.
+    pub ordering_key: Option<String>,
+}
+
+/// Encode an event as a CloudEvents binary-mode Kafka record with id `id`.
+pub fn encode_event(
+    id: Uuid,
+    spec: &EmitSpec,
+    prov: &Provenance,
+    now: DateTime<Utc>,
+) -> OutboxRecord {
+    let mut headers = vec![
+        Header::text("ce_specversion", "1.0"),
+        Header::text("ce_id", id.to_string()),
+        Header::text("ce_type", &spec.event_type),
+        Header::text("ce_source", &prov.source),
+        Header::text("ce_time", now.to_rfc3339_opts(SecondsFormat::Millis, true)),
+        Header::text("content-type", "application/json"),
+    ];
+    let mut opt = |name: &str, v: &Option<String>| {
+        if let Some(v) = v {
+            headers.push(Header::text(name, v));
+        }
+    };
+    opt("ce_subject", &spec.subject);
+    opt("ce_correlationid", &prov.correlation_id);
+    opt("ce_causationid", &prov.causation_id);
+    opt("ce_traceparent", &prov.traceparent);
+    opt("ce_aggregateid", &prov.aggregate_id);
+    let key = spec.key.clone().or_else(|| prov.aggregate_id.clone());
+    OutboxRecord {
+        id,
+        action: spec.action.clone(),
+        topic: spec.topic.clone(),
+        key: key.as_ref().map(|k| k.as_bytes().to_vec()),
+        headers,
+        payload: Some(serde_json::to_vec(&spec.data).unwrap_or_default()),
+        event_type: Some(spec.event_type.clone()),
+        ordering_key: if spec.ordered { key } else { None },
+    }
+}
+
+/// Header names added to a dead-letter copy of a record.
+pub mod dlq_headers {
+    /// Original topic.
+    pub const TOPIC: &str = "relay_dlq_topic";
+    /// Original partition.
+    pub const PARTITION: &str = "relay_dlq_partition";
+    /// Original offset.
+    pub const OFFSET: &str = "relay_dlq_offset";
+    /// Event id, when known.
+    pub const EVENT_ID: &str = "relay_dlq_event_id";
+    /// Error class.
+    pub const CLASS: &str = "relay_dlq_error_class";
+    /// Human-readable reason.
+    pub const REASON: &str = "relay_dlq_reason";
+    /// Attempts made.
+    pub const ATTEMPTS: &str = "relay_dlq_attempts";
+    /// Consumer that parked it.
+    pub const CONSUMER: &str = "relay_dlq_consumer";
+}
+
+/// Encode the dead-letter copy of `record`: the original key, value and
+/// headers, plus `relay_dlq_*` headers saying where it came from and why.
+pub fn encode_dead_letter(
+    consumer: &str,
+    topic: &str,
+    record: &RawRecord,
+    poison: &Poison,
+    attempts: u32,
+) -> OutboxRecord {
+    let mut headers = record.headers.clone();
+    headers.push(Header::text(dlq_headers::TOPIC, &record.topic));
+    headers.push(Header::text(
+        dlq_headers::PARTITION,
+        record.partition.to_string(),
+    ));
+    headers.push(Header::text(dlq_headers::OFFSET, record.offset.to_string()));
+    if let Some(id) = &poison.event_id {
+        headers.push(Header::text(dlq_headers::EVENT_ID, id));
+    }
+    headers.push(Header::text(dlq_headers::CLASS, poison.class.as_str()));
+    headers.push(Header::text(dlq_headers::REASON, &poison.reason));
+    headers.push(Header::text(dlq_headers::ATTEMPTS, attempts.to_string()));
+    headers.push(Header::text(dlq_headers::CONSUMER, consumer));
+    OutboxRecord {
+        id: crate::ids::dead_letter_id(consumer, &record.topic, record.partition, record.offset),
+        action: "dead_letter".into(),
+        topic: topic.to_owned(),
+        key: record.key.clone(),
+        headers,
+        payload: record.payload.clone(),
+        event_type: poison.event_type.clone(),
+        ordering_key: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope::PoisonClass;
+    use serde_json::json;
+
+    fn header<'a>(r: &'a OutboxRecord, name: &str) -> Option<&'a str> {
+        r.headers
+            .iter()
+            .find(|h| h.name == name)
+            .and_then(|h| h.value.as_deref())
+            .map(|v| std::str::from_utf8(v).unwrap())
+    }
+
+    #[test]
+    fn emitted_events_are_cloudevents_with_the_derived_id_and_causation() {
+        let id = Uuid::new_v4();
+        let spec = EmitSpec {
+            action: "accepted".into(),
+            event_type: "order.accepted".into(),
+            topic: "out".into(),
+            key: None,
+            subject: Some("o-1".into()),
+            data: json!({"a": 1}),
+            ordered: true,
+        };
+        let prov = Provenance {
+            source: "relay/test".into(),
+            correlation_id: Some("corr".into()),
+            causation_id: Some("evt-1".into()),
+            traceparent: None,
+            aggregate_id: Some("o-1".into()),
+        };
+        let r = encode_event(id, &spec, &prov, Utc::now());
+        assert_eq!(header(&r, "ce_id"), Some(id.to_string().as_str()));
+        assert_eq!(header(&r, "ce_causationid"), Some("evt-1"));
+        assert_eq!(header(&r, "ce_type"), Some("order.accepted"));
+        assert_eq!(
+            r.key.as_deref(),
+            Some(&b"o-1"[..]),
+            "key defaults to the aggregate id"
+        );
+        assert_eq!(r.ordering_key.as_deref(), Some("o-1"));
+        assert_eq!(r.payload.as_deref(), Some(&br#"{"a":1}"#[..]));
+    }
+
+    #[test]
+    fn dead_letters_keep_the_original_bytes_and_say_where_from_and_why() {
+        let rec = RawRecord {
+            topic: "orders".into(),
+            partition: 2,
+            offset: 41,
+            key: Some(b"k".to_vec()),
+            payload: Some(b"{bad".to_vec()),
+            headers: vec![Header::text("ce_id", "e-1")],
+        };
+        let poison = Poison::new(PoisonClass::BadJson, "nope").with_identity(Some("e-1"), None);
+        let r = encode_dead_letter("c", "orders.dlq", &rec, &poison, 1);
+        assert_eq!(r.topic, "orders.dlq");
+        assert_eq!(r.payload, rec.payload);
+        assert_eq!(header(&r, dlq_headers::TOPIC), Some("orders"));
+        assert_eq!(header(&r, dlq_headers::PARTITION), Some("2"));
+        assert_eq!(header(&r, dlq_headers::OFFSET), Some("41"));
+        assert_eq!(header(&r, dlq_headers::EVENT_ID), Some("e-1"));
+        assert_eq!(header(&r, dlq_headers::CLASS), Some("bad_json"));
+        assert_eq!(
+            header(&r, "ce_id"),
+            Some("e-1"),
+            "original headers are kept"
+        );
+        assert_eq!(
+            r.id,
+            encode_dead_letter("c", "orders.dlq", &rec, &poison, 3).id
+        );
+    }
+}

@@ -1,0 +1,980 @@
+//! From a Kafka record to an [`InputEvent`], or to a classified [`Poison`].
+//!
+//! Input is CloudEvents 1.0 in either Kafka binding mode:
+//!
+//! * **binary**: attributes in `ce_*` headers, `content-type` header for
+//!   `datacontenttype`, the data in the record value;
+//! * **structured**: `content-type: application/cloudevents+json` and the whole
+//!   event as JSON in the value.
+//!
+//! Topics whose producers do not speak CloudEvents (a Debezium outbox, a legacy
+//! service) are declared `format = "json"` and say where the id and type come
+//! from ([`FieldSource`]).
+//!
+//! The attribute mapping itself is the CloudEvents SDK's: we implement its
+//! [`BinaryDeserializer`] over our own header list instead of enabling the SDK's
+//! `rdkafka` feature, because that feature pins an older rdkafka (a second
+//! librdkafka build) and unwraps header values, so a record with a null header
+//! would panic the consumer instead of being dead-lettered.
+//!
+//! What must stay true: nothing here invents an event id (R3). A record that
+//! has no usable id is [`PoisonClass::MissingId`], never processed under a
+//! fresh one.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use chrono::{DateTime, Utc};
+use cloudevents::event::SpecVersion;
+use cloudevents::message::{
+    BinaryDeserializer, BinarySerializer, Error as CeError, MessageAttributeValue,
+    Result as CeResult,
+};
+use cloudevents::{AttributesReader, Data, Event};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// `content-type` of a structured-mode CloudEvent.
+pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json";
+
+/// One Kafka header. Kafka allows a header without a value; so do we.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Header {
+    /// Header name.
+    pub name: String,
+    /// Raw value; `None` is Kafka's null header value.
+    pub value: Option<Vec<u8>>,
+}
+
+impl Header {
+    /// A header with a UTF-8 value.
+    pub fn text(name: impl Into<String>, value: impl AsRef<str>) -> Self {
+        Header {
+            name: name.into(),
+            value: Some(value.as_ref().as_bytes().to_vec()),
+        }
+    }
+}
+
+/// A Kafka record, independent of the client library, as the consumer hands
+/// it to the processor and as a dead letter stores it for replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawRecord {
+    /// Source topic.
+    pub topic: String,
+    /// Source partition.
+    pub partition: i32,
+    /// Offset of this record in its partition.
+    pub offset: i64,
+    /// Record key, if any.
+    pub key: Option<Vec<u8>>,
+    /// Record value; `None` for a tombstone.
+    pub payload: Option<Vec<u8>>,
+    /// Headers in wire order.
+    pub headers: Vec<Header>,
+}
+
+impl RawRecord {
+    /// Size counted against `max_record_bytes`: key, value and headers.
+    pub fn size(&self) -> usize {
+        let headers: usize = self
+            .headers
+            .iter()
+            .map(|h| h.name.len() + h.value.as_ref().map_or(0, Vec::len))
+            .sum();
+        self.key.as_ref().map_or(0, Vec::len) + self.payload.as_ref().map_or(0, Vec::len) + headers
+    }
+
+    /// The last header named `name` (Kafka allows repeats; the last one wins).
+    pub fn header(&self, name: &str) -> Option<&Header> {
+        self.headers
+            .iter()
+            .rev()
+            .find(|h| h.name.eq_ignore_ascii_case(name))
+    }
+}
+
+/// Why a record can never be processed as it is. Each class is a
+/// dead-letter `error_class` and a metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PoisonClass {
+    /// Larger than `consumer.max_record_bytes`.
+    Oversized,
+    /// The value or data is not valid JSON (or not valid UTF-8 where text is needed).
+    BadJson,
+    /// No usable event id (R3).
+    MissingId,
+    /// No usable event type.
+    MissingType,
+    /// Not a CloudEvent on a CloudEvents topic, or an invalid one.
+    NotCloudEvent,
+    /// A header has no value or is not UTF-8 where text is required.
+    BadHeader,
+    /// A guard field (version, sequence, …) has the wrong type.
+    BadField,
+    /// The data does not validate against the route's JSON Schema.
+    SchemaInvalid,
+    /// No route for the event type and the consumer is strict.
+    UnknownType,
+    /// A route template could not be rendered from this event.
+    TemplateError,
+    /// The database rejected the event's data (constraint, type), or a
+    /// handler rejected it as permanently invalid.
+    Rejected,
+    /// A referenced aggregate never appeared within the retry budget (R19).
+    MissingReference,
+    /// A sequence gap never closed within the retry budget (R6).
+    SequenceGap,
+}
+
+impl PoisonClass {
+    /// Stable snake_case name, as stored and logged.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PoisonClass::Oversized => "oversized",
+            PoisonClass::BadJson => "bad_json",
+            PoisonClass::MissingId => "missing_id",
+            PoisonClass::MissingType => "missing_type",
+            PoisonClass::NotCloudEvent => "not_cloudevent",
+            PoisonClass::BadHeader => "bad_header",
+            PoisonClass::BadField => "bad_field",
+            PoisonClass::SchemaInvalid => "schema_invalid",
+            PoisonClass::UnknownType => "unknown_type",
+            PoisonClass::TemplateError => "template_error",
+            PoisonClass::Rejected => "rejected",
+            PoisonClass::MissingReference => "missing_reference",
+            PoisonClass::SequenceGap => "sequence_gap",
+        }
+    }
+}
+
+impl fmt::Display for PoisonClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A record that must be dead-lettered: the class, a reason a human can act
+/// on, and whatever identity could be read before it failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Poison {
+    /// Classification.
+    pub class: PoisonClass,
+    /// Human-readable cause, naming the field or header at fault. Never the payload.
+    pub reason: String,
+    /// Event id, when it could be read.
+    pub event_id: Option<String>,
+    /// Event type, when it could be read.
+    pub event_type: Option<String>,
+}
+
+impl Poison {
+    /// A poison with no identity known yet.
+    pub fn new(class: PoisonClass, reason: impl Into<String>) -> Self {
+        Poison {
+            class,
+            reason: reason.into(),
+            event_id: None,
+            event_type: None,
+        }
+    }
+
+    /// Attach the identity read so far.
+    pub fn with_identity(mut self, id: Option<&str>, ty: Option<&str>) -> Self {
+        self.event_id = self.event_id.or_else(|| id.map(str::to_owned));
+        self.event_type = self.event_type.or_else(|| ty.map(str::to_owned));
+        self
+    }
+}
+
+impl fmt::Display for Poison {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.class, self.reason)
+    }
+}
+
+impl std::error::Error for Poison {}
+
+/// Where a field of the event comes from, when not from its default
+/// CloudEvents attribute or extension.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum FieldSource {
+    /// A Kafka header (UTF-8 value).
+    Header(String),
+    /// A JSON pointer into the event data, e.g. `/order/id`.
+    Pointer(String),
+    /// A CloudEvents extension attribute.
+    Extension(String),
+    /// The Kafka record key (UTF-8).
+    Key,
+    /// A constant, e.g. a fixed event type for a single-type topic.
+    Value(String),
+}
+
+impl fmt::Display for FieldSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FieldSource::Header(h) => write!(f, "header {h:?}"),
+            FieldSource::Pointer(p) => write!(f, "data pointer {p:?}"),
+            FieldSource::Extension(e) => write!(f, "extension {e:?}"),
+            FieldSource::Key => f.write_str("record key"),
+            FieldSource::Value(v) => write!(f, "constant {v:?}"),
+        }
+    }
+}
+
+/// How the records of a topic are encoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TopicFormat {
+    /// CloudEvents 1.0, binary or structured mode (detected per record).
+    #[default]
+    Cloudevents,
+    /// Plain JSON values; id and type come from configured [`FieldSource`]s.
+    Json,
+}
+
+/// The guard fields of an event and where each may be overridden from.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FieldOverrides {
+    /// Event id (topic level only: needed before routing).
+    pub id: Option<FieldSource>,
+    /// Event type (topic level only: needed before routing).
+    #[serde(rename = "type")]
+    pub event_type: Option<FieldSource>,
+    /// Aggregate / entity id. Default: extension `aggregateid`.
+    pub aggregate_id: Option<FieldSource>,
+    /// Aggregate version for the version guard. Default: extension `aggregateversion`.
+    pub aggregate_version: Option<FieldSource>,
+    /// Per-aggregate sequence number for the sequence guard. Default: extension `sequence`.
+    pub sequence: Option<FieldSource>,
+    /// Business idempotency key (R4). Default: extension `idempotencykey`.
+    pub idempotency_key: Option<FieldSource>,
+    /// Correlation id. Default: extension `correlationid`.
+    pub correlation_id: Option<FieldSource>,
+    /// Causation id. Default: extension `causationid`.
+    pub causation_id: Option<FieldSource>,
+    /// W3C trace context. Default: extension `traceparent`.
+    pub traceparent: Option<FieldSource>,
+}
+
+impl FieldOverrides {
+    /// Each field from `self`, else from `fallback`.
+    pub fn or(&self, fallback: &FieldOverrides) -> FieldOverrides {
+        let pick =
+            |a: &Option<FieldSource>, b: &Option<FieldSource>| a.clone().or_else(|| b.clone());
+        FieldOverrides {
+            id: pick(&self.id, &fallback.id),
+            event_type: pick(&self.event_type, &fallback.event_type),
+            aggregate_id: pick(&self.aggregate_id, &fallback.aggregate_id),
+            aggregate_version: pick(&self.aggregate_version, &fallback.aggregate_version),
+            sequence: pick(&self.sequence, &fallback.sequence),
+            idempotency_key: pick(&self.idempotency_key, &fallback.idempotency_key),
+            correlation_id: pick(&self.correlation_id, &fallback.correlation_id),
+            causation_id: pick(&self.causation_id, &fallback.causation_id),
+            traceparent: pick(&self.traceparent, &fallback.traceparent),
+        }
+    }
+}
+
+/// A record decoded far enough to route it: id, type and data are known, the
+/// guard fields are not resolved yet (their sources depend on the route).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodedEvent {
+    /// Event id (CloudEvents `id` or the topic's id source).
+    pub id: String,
+    /// Event type.
+    pub event_type: String,
+    /// CloudEvents `source` (the topic name for plain JSON topics).
+    pub source: String,
+    /// CloudEvents `subject`.
+    pub subject: Option<String>,
+    /// CloudEvents `time`.
+    pub time: Option<DateTime<Utc>>,
+    /// The data as JSON (`Null` when the event carries none).
+    pub data: Value,
+    /// CloudEvents extension attributes, as text.
+    pub extensions: BTreeMap<String, String>,
+}
+
+/// A fully resolved input event: what routes, guards and templates see.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InputEvent {
+    /// Event id (R3); the inbox key together with the consumer name.
+    pub id: String,
+    /// Event type.
+    pub event_type: String,
+    /// CloudEvents `source`.
+    pub source: String,
+    /// CloudEvents `subject`.
+    pub subject: Option<String>,
+    /// CloudEvents `time`.
+    pub time: Option<DateTime<Utc>>,
+    /// Event data.
+    pub data: Value,
+    /// Extension attributes, as text.
+    pub extensions: BTreeMap<String, String>,
+    /// Aggregate id, if the event names one.
+    pub aggregate_id: Option<String>,
+    /// Aggregate version, for the version guard.
+    pub aggregate_version: Option<i64>,
+    /// Per-aggregate sequence number, for the sequence guard.
+    pub sequence: Option<i64>,
+    /// Business idempotency key (R4).
+    pub idempotency_key: Option<String>,
+    /// Correlation id.
+    pub correlation_id: Option<String>,
+    /// Causation id.
+    pub causation_id: Option<String>,
+    /// W3C `traceparent`.
+    pub traceparent: Option<String>,
+}
+
+/// Decode limits and the topic's encoding.
+#[derive(Debug, Clone)]
+pub struct DecodeOptions<'a> {
+    /// Records larger than this are [`PoisonClass::Oversized`].
+    pub max_record_bytes: usize,
+    /// The topic's format.
+    pub format: TopicFormat,
+    /// Topic-level field sources (id and type are read from here).
+    pub fields: &'a FieldOverrides,
+}
+
+/// Decode a record to a [`DecodedEvent`], or say exactly why it is poison.
+pub fn decode(record: &RawRecord, opts: &DecodeOptions<'_>) -> Result<DecodedEvent, Poison> {
+    let size = record.size();
+    if size > opts.max_record_bytes {
+        return Err(Poison::new(
+            PoisonClass::Oversized,
+            format!(
+                "record is {size} bytes, over consumer.max_record_bytes = {}",
+                opts.max_record_bytes
+            ),
+        ));
+    }
+    let mut decoded = match opts.format {
+        TopicFormat::Cloudevents => decode_cloudevent(record)?,
+        TopicFormat::Json => decode_plain_json(record, opts.fields)?,
+    };
+    // Topic-level overrides of id and type apply to CloudEvents topics too
+    // (a producer that puts the business id in a header, say).
+    if opts.format == TopicFormat::Cloudevents {
+        if let Some(src) = &opts.fields.id {
+            decoded.id = required_text(record, &decoded, src, "event id", PoisonClass::MissingId)?;
+        }
+        if let Some(src) = &opts.fields.event_type {
+            decoded.event_type = required_text(
+                record,
+                &decoded,
+                src,
+                "event type",
+                PoisonClass::MissingType,
+            )?;
+        }
+    }
+    Ok(decoded)
+}
+
+fn required_text(
+    record: &RawRecord,
+    partial: &DecodedEvent,
+    src: &FieldSource,
+    what: &str,
+    class: PoisonClass,
+) -> Result<String, Poison> {
+    match read_source(record, partial, src)? {
+        Some(v) if !v.trim().is_empty() => Ok(v),
+        Some(_) => Err(Poison::new(class, format!("{what} from {src} is empty"))),
+        None => Err(Poison::new(class, format!("{what} is missing: no {src}"))),
+    }
+}
+
+fn decode_plain_json(record: &RawRecord, fields: &FieldOverrides) -> Result<DecodedEvent, Poison> {
+    let data = match &record.payload {
+        None => Value::Null,
+        Some(bytes) => serde_json::from_slice(bytes).map_err(|e| {
+            Poison::new(
+                PoisonClass::BadJson,
+                format!("record value is not valid JSON: {e}"),
+            )
+        })?,
+    };
+    let mut partial = DecodedEvent {
+        id: String::new(),
+        event_type: String::new(),
+        source: record.topic.clone(),
+        subject: None,
+        time: None,
+        data,
+        extensions: BTreeMap::new(),
+    };
+    let id_src = fields.id.as_ref().ok_or_else(|| {
+        Poison::new(
+            PoisonClass::MissingId,
+            "topic has format = \"json\" but no fields.id source",
+        )
+    })?;
+    partial.id = required_text(record, &partial, id_src, "event id", PoisonClass::MissingId)?;
+    let ty_src = fields.event_type.as_ref().ok_or_else(|| {
+        Poison::new(
+            PoisonClass::MissingType,
+            "topic has format = \"json\" but no fields.type source",
+        )
+        .with_identity(Some(&partial.id), None)
+    })?;
+    partial.event_type = required_text(
+        record,
+        &partial,
+        ty_src,
+        "event type",
+        PoisonClass::MissingType,
+    )
+    .map_err(|p| p.with_identity(Some(&partial.id), None))?;
+    Ok(partial)
+}
+
+fn decode_cloudevent(record: &RawRecord) -> Result<DecodedEvent, Poison> {
+    let content_type = header_text(record, "content-type")?;
+    let structured = content_type
+        .as_deref()
+        .is_some_and(|ct| ct.to_ascii_lowercase().starts_with(STRUCTURED_CONTENT_TYPE));
+    let event = if structured {
+        decode_structured(record)?
+    } else if record.header("ce_specversion").is_some() {
+        decode_binary(record)?
+    } else {
+        return Err(Poison::new(
+            PoisonClass::NotCloudEvent,
+            "record is not a CloudEvent: no ce_specversion header (binary mode) and content-type \
+             is not application/cloudevents+json (structured mode); declare the topic with \
+             format = \"json\" and fields.id / fields.type if its producer does not speak CloudEvents",
+        ));
+    };
+    let id = event.id().to_owned();
+    let ty = event.ty().to_owned();
+    let ident = |p: Poison| p.with_identity(Some(&id), Some(&ty));
+    if id.trim().is_empty() {
+        return Err(ident(Poison::new(
+            PoisonClass::MissingId,
+            "CloudEvents id is empty",
+        )));
+    }
+    if ty.trim().is_empty() {
+        return Err(ident(Poison::new(
+            PoisonClass::MissingType,
+            "CloudEvents type is empty",
+        )));
+    }
+    let data = event_data_as_json(&event).map_err(ident)?;
+    let extensions = event
+        .iter_extensions()
+        .map(|(k, v)| (k.to_owned(), v.to_string()))
+        .collect();
+    Ok(DecodedEvent {
+        id,
+        event_type: ty,
+        source: event.source().to_string(),
+        subject: event.subject().map(str::to_owned),
+        time: event.time().copied(),
+        data,
+        extensions,
+    })
+}
+
+fn decode_structured(record: &RawRecord) -> Result<Event, Poison> {
+    let bytes = record.payload.as_deref().ok_or_else(|| {
+        Poison::new(
+            PoisonClass::BadJson,
+            "structured CloudEvent has an empty record value",
+        )
+    })?;
+    let json: Value = serde_json::from_slice(bytes).map_err(|e| {
+        Poison::new(
+            PoisonClass::BadJson,
+            format!("structured CloudEvent is not valid JSON: {e}"),
+        )
+    })?;
+    let id = json.get("id").and_then(Value::as_str).map(str::to_owned);
+    let ty = json.get("type").and_then(Value::as_str).map(str::to_owned);
+    match json.get("id") {
+        None | Some(Value::Null) => {
+            return Err(Poison::new(
+                PoisonClass::MissingId,
+                "structured CloudEvent has no \"id\"",
+            )
+            .with_identity(None, ty.as_deref()));
+        }
+        Some(Value::String(_)) => {}
+        Some(other) => {
+            return Err(Poison::new(
+                PoisonClass::MissingId,
+                format!(
+                    "structured CloudEvent \"id\" must be a string, found {}",
+                    json_kind(other)
+                ),
+            )
+            .with_identity(None, ty.as_deref()));
+        }
+    }
+    serde_json::from_value::<Event>(json).map_err(|e| {
+        Poison::new(
+            PoisonClass::NotCloudEvent,
+            format!("invalid structured CloudEvent: {e}"),
+        )
+        .with_identity(id.as_deref(), ty.as_deref())
+    })
+}
+
+fn decode_binary(record: &RawRecord) -> Result<Event, Poison> {
+    let id = header_text(record, "ce_id")?;
+    let ty = header_text(record, "ce_type")?;
+    if id.is_none() {
+        return Err(Poison::new(
+            PoisonClass::MissingId,
+            "binary CloudEvent has no ce_id header",
+        )
+        .with_identity(None, ty.as_deref()));
+    }
+    let mut headers = Vec::with_capacity(record.headers.len());
+    for h in &record.headers {
+        let lower = h.name.to_ascii_lowercase();
+        if lower.starts_with("ce_") || lower == "content-type" {
+            let text = header_text(record, &h.name)?.unwrap_or_default();
+            headers.push((lower, text));
+        }
+    }
+    KafkaBinary {
+        headers,
+        payload: record.payload.clone(),
+    }
+    .into_event()
+    .map_err(|e| {
+        Poison::new(
+            PoisonClass::NotCloudEvent,
+            format!("invalid binary CloudEvent: {e}"),
+        )
+        .with_identity(id.as_deref(), ty.as_deref())
+    })
+}
+
+/// The CloudEvents Kafka binding, binary mode, over already-validated text headers.
+struct KafkaBinary {
+    headers: Vec<(String, String)>,
+    payload: Option<Vec<u8>>,
+}
+
+impl BinaryDeserializer for KafkaBinary {
+    fn deserialize_binary<R: Sized, V: BinarySerializer<R>>(self, mut visitor: V) -> CeResult<R> {
+        let spec = self
+            .headers
+            .iter()
+            .rev()
+            .find(|(n, _)| n == "ce_specversion")
+            .map(|(_, v)| v.clone())
+            .ok_or(CeError::WrongEncoding {})?;
+        let spec = SpecVersion::try_from(spec.as_str())?;
+        let attribute_names = spec.attribute_names();
+        visitor = visitor.set_spec_version(spec)?;
+        for (name, value) in self.headers {
+            if name == "ce_specversion" {
+                continue;
+            }
+            if name == "content-type" {
+                visitor = visitor
+                    .set_attribute("datacontenttype", MessageAttributeValue::String(value))?;
+                continue;
+            }
+            let attr = &name["ce_".len()..];
+            visitor = if attribute_names.contains(&attr) {
+                visitor.set_attribute(attr, MessageAttributeValue::String(value))?
+            } else {
+                visitor.set_extension(attr, MessageAttributeValue::String(value))?
+            };
+        }
+        match self.payload {
+            Some(bytes) => visitor.end_with_data(bytes),
+            None => visitor.end(),
+        }
+    }
+}
+
+fn is_json_content_type(ct: Option<&str>) -> bool {
+    match ct {
+        None => true,
+        Some(ct) => {
+            let ct = ct
+                .split(';')
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_ascii_lowercase();
+            ct == "application/json" || ct == "text/json" || ct.ends_with("+json")
+        }
+    }
+}
+
+fn event_data_as_json(event: &Event) -> Result<Value, Poison> {
+    let json_ct = is_json_content_type(event.datacontenttype());
+    match event.data() {
+        None => Ok(Value::Null),
+        Some(Data::Json(v)) => Ok(v.clone()),
+        Some(Data::String(s)) if json_ct => serde_json::from_str(s).map_err(|e| {
+            Poison::new(
+                PoisonClass::BadJson,
+                format!("event data is not valid JSON: {e}"),
+            )
+        }),
+        Some(Data::String(s)) => Ok(Value::String(s.clone())),
+        Some(Data::Binary(b)) if json_ct => serde_json::from_slice(b).map_err(|e| {
+            Poison::new(
+                PoisonClass::BadJson,
+                format!("event data is not valid JSON: {e}"),
+            )
+        }),
+        Some(Data::Binary(b)) => match std::str::from_utf8(b) {
+            Ok(s)
+                if event
+                    .datacontenttype()
+                    .is_some_and(|ct| ct.starts_with("text/")) =>
+            {
+                Ok(Value::String(s.to_owned()))
+            }
+            _ => Err(Poison::new(
+                PoisonClass::BadJson,
+                format!(
+                    "event data has content type {:?}; the relay routes on JSON (or text) data",
+                    event.datacontenttype().unwrap_or_default()
+                ),
+            )),
+        },
+    }
+}
+
+fn header_text(record: &RawRecord, name: &str) -> Result<Option<String>, Poison> {
+    match record.header(name) {
+        None => Ok(None),
+        Some(Header { value: None, .. }) => Err(Poison::new(
+            PoisonClass::BadHeader,
+            format!("header {name:?} has no value"),
+        )),
+        Some(Header { value: Some(v), .. }) => {
+            String::from_utf8(v.clone()).map(Some).map_err(|_| {
+                Poison::new(
+                    PoisonClass::BadHeader,
+                    format!("header {name:?} is not valid UTF-8"),
+                )
+            })
+        }
+    }
+}
+
+fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Read one field from its source; `Ok(None)` when the source is absent.
+fn read_source(
+    record: &RawRecord,
+    event: &DecodedEvent,
+    src: &FieldSource,
+) -> Result<Option<String>, Poison> {
+    match src {
+        FieldSource::Header(name) => header_text(record, name),
+        FieldSource::Extension(name) => Ok(event.extensions.get(name).cloned()),
+        FieldSource::Value(v) => Ok(Some(v.clone())),
+        FieldSource::Key => match &record.key {
+            None => Ok(None),
+            Some(k) => String::from_utf8(k.clone())
+                .map(Some)
+                .map_err(|_| Poison::new(PoisonClass::BadField, "record key is not valid UTF-8")),
+        },
+        FieldSource::Pointer(p) => match event.data.pointer(p) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(v @ (Value::Number(_) | Value::Bool(_))) => Ok(Some(v.to_string())),
+            Some(other) => Err(Poison::new(
+                PoisonClass::BadField,
+                format!(
+                    "data pointer {p:?} points at {}, expected a string or number",
+                    json_kind(other)
+                ),
+            )),
+        },
+    }
+}
+
+/// Resolve the guard fields of a decoded event from `fields` (route level
+/// already merged over topic level), defaulting to the CloudEvents extensions.
+pub fn resolve(
+    record: &RawRecord,
+    decoded: DecodedEvent,
+    fields: &FieldOverrides,
+) -> Result<InputEvent, Poison> {
+    let ident = |p: Poison| p.with_identity(Some(&decoded.id), Some(&decoded.event_type));
+    let text = |src: &Option<FieldSource>, default_ext: &str| -> Result<Option<String>, Poison> {
+        let fallback = FieldSource::Extension(default_ext.to_owned());
+        read_source(record, &decoded, src.as_ref().unwrap_or(&fallback)).map_err(ident)
+    };
+    let int =
+        |src: &Option<FieldSource>, default_ext: &str, what: &str| -> Result<Option<i64>, Poison> {
+            match text(src, default_ext)? {
+                None => Ok(None),
+                Some(s) => s.trim().parse::<i64>().map(Some).map_err(|_| {
+                    let from = src
+                        .clone()
+                        .unwrap_or(FieldSource::Extension(default_ext.to_owned()));
+                    ident(Poison::new(
+                        PoisonClass::BadField,
+                        format!("{what} from {from} is {s:?}, not an integer"),
+                    ))
+                }),
+            }
+        };
+    let aggregate_id = text(&fields.aggregate_id, "aggregateid")?;
+    let aggregate_version = int(
+        &fields.aggregate_version,
+        "aggregateversion",
+        "aggregate version",
+    )?;
+    let sequence = int(&fields.sequence, "sequence", "sequence")?;
+    let idempotency_key = text(&fields.idempotency_key, "idempotencykey")?;
+    let correlation_id = text(&fields.correlation_id, "correlationid")?;
+    let causation_id = text(&fields.causation_id, "causationid")?;
+    let traceparent = text(&fields.traceparent, "traceparent")?;
+    Ok(InputEvent {
+        id: decoded.id,
+        event_type: decoded.event_type,
+        source: decoded.source,
+        subject: decoded.subject,
+        time: decoded.time,
+        data: decoded.data,
+        extensions: decoded.extensions,
+        aggregate_id,
+        aggregate_version,
+        sequence,
+        idempotency_key,
+        correlation_id,
+        causation_id,
+        traceparent,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn record(headers: Vec<Header>, payload: Option<&[u8]>) -> RawRecord {
+        RawRecord {
+            topic: "orders".into(),
+            partition: 0,
+            offset: 7,
+            key: Some(b"order-1".to_vec()),
+            payload: payload.map(<[u8]>::to_vec),
+            headers,
+        }
+    }
+
+    fn opts(fields: &FieldOverrides) -> DecodeOptions<'_> {
+        DecodeOptions {
+            max_record_bytes: 1 << 20,
+            format: TopicFormat::Cloudevents,
+            fields,
+        }
+    }
+
+    fn binary(extra: &[(&str, &str)], data: &[u8]) -> RawRecord {
+        let mut headers = vec![
+            Header::text("ce_specversion", "1.0"),
+            Header::text("ce_id", "evt-1"),
+            Header::text("ce_type", "order.placed"),
+            Header::text("ce_source", "/shop"),
+            Header::text("content-type", "application/json"),
+        ];
+        headers.extend(extra.iter().map(|(k, v)| Header::text(*k, v)));
+        record(headers, Some(data))
+    }
+
+    #[test]
+    fn binary_mode_reads_attributes_extensions_and_json_data() {
+        let rec = binary(
+            &[
+                ("ce_aggregateid", "order-1"),
+                ("ce_aggregateversion", "3"),
+                ("ce_idempotencykey", "k-1"),
+            ],
+            br#"{"order_id":"order-1","amount":12}"#,
+        );
+        let none = FieldOverrides::default();
+        let decoded = decode(&rec, &opts(&none)).unwrap();
+        assert_eq!(decoded.id, "evt-1");
+        assert_eq!(decoded.event_type, "order.placed");
+        assert_eq!(decoded.source, "/shop");
+        assert_eq!(decoded.data, json!({"order_id": "order-1", "amount": 12}));
+        let event = resolve(&rec, decoded, &none).unwrap();
+        assert_eq!(event.aggregate_id.as_deref(), Some("order-1"));
+        assert_eq!(event.aggregate_version, Some(3));
+        assert_eq!(event.idempotency_key.as_deref(), Some("k-1"));
+        assert_eq!(event.sequence, None);
+    }
+
+    #[test]
+    fn structured_mode_reads_the_whole_event_from_the_value() {
+        let body = json!({
+            "specversion": "1.0", "id": "evt-9", "type": "order.placed", "source": "/shop",
+            "datacontenttype": "application/json", "correlationid": "corr-1",
+            "data": {"order_id": "o-9"}
+        });
+        let rec = record(
+            vec![Header::text(
+                "content-type",
+                "application/cloudevents+json; charset=utf-8",
+            )],
+            Some(body.to_string().as_bytes()),
+        );
+        let none = FieldOverrides::default();
+        let event = resolve(&rec, decode(&rec, &opts(&none)).unwrap(), &none).unwrap();
+        assert_eq!(event.id, "evt-9");
+        assert_eq!(event.data, json!({"order_id": "o-9"}));
+        assert_eq!(event.correlation_id.as_deref(), Some("corr-1"));
+    }
+
+    #[test]
+    fn a_record_without_an_id_is_poison_and_never_gets_an_invented_one() {
+        let mut rec = binary(&[], b"{}");
+        rec.headers.retain(|h| h.name != "ce_id");
+        let err = decode(&rec, &opts(&FieldOverrides::default())).unwrap_err();
+        assert_eq!(err.class, PoisonClass::MissingId);
+        assert_eq!(err.event_type.as_deref(), Some("order.placed"));
+
+        let rec = record(
+            vec![Header::text("content-type", STRUCTURED_CONTENT_TYPE)],
+            Some(br#"{"specversion":"1.0","type":"t","source":"/s"}"#),
+        );
+        assert_eq!(
+            decode(&rec, &opts(&FieldOverrides::default()))
+                .unwrap_err()
+                .class,
+            PoisonClass::MissingId
+        );
+    }
+
+    #[test]
+    fn bad_json_data_is_poison_with_the_event_identity() {
+        let rec = binary(&[], b"{not json");
+        let err = decode(&rec, &opts(&FieldOverrides::default())).unwrap_err();
+        assert_eq!(err.class, PoisonClass::BadJson);
+        assert_eq!(err.event_id.as_deref(), Some("evt-1"));
+    }
+
+    #[test]
+    fn a_null_or_non_utf8_header_is_poison_not_a_panic() {
+        let mut rec = binary(&[], b"{}");
+        rec.headers.push(Header {
+            name: "ce_subject".into(),
+            value: None,
+        });
+        assert_eq!(
+            decode(&rec, &opts(&FieldOverrides::default()))
+                .unwrap_err()
+                .class,
+            PoisonClass::BadHeader
+        );
+        let mut rec = binary(&[], b"{}");
+        rec.headers.push(Header {
+            name: "ce_subject".into(),
+            value: Some(vec![0xff, 0xfe]),
+        });
+        let err = decode(&rec, &opts(&FieldOverrides::default())).unwrap_err();
+        assert_eq!(err.class, PoisonClass::BadHeader);
+        assert!(err.reason.contains("ce_subject"), "{err}");
+    }
+
+    #[test]
+    fn a_plain_json_record_on_a_cloudevents_topic_says_how_to_fix_it() {
+        let rec = record(vec![], Some(br#"{"id":"x"}"#));
+        let err = decode(&rec, &opts(&FieldOverrides::default())).unwrap_err();
+        assert_eq!(err.class, PoisonClass::NotCloudEvent);
+        assert!(err.reason.contains("format = \"json\""), "{err}");
+    }
+
+    #[test]
+    fn oversized_records_are_poison_before_any_parsing() {
+        let rec = binary(&[], &vec![b' '; 2048]);
+        let fields = FieldOverrides::default();
+        let o = DecodeOptions {
+            max_record_bytes: 1024,
+            ..opts(&fields)
+        };
+        let err = decode(&rec, &o).unwrap_err();
+        assert_eq!(err.class, PoisonClass::Oversized);
+        assert!(err.reason.contains("1024"), "{err}");
+    }
+
+    #[test]
+    fn plain_json_topics_take_id_and_type_from_configured_sources() {
+        // A Debezium outbox event router record: id in a header, aggregate in the key.
+        let rec = RawRecord {
+            headers: vec![
+                Header::text("id", "dbz-1"),
+                Header::text("eventType", "OrderCreated"),
+            ],
+            ..record(vec![], Some(br#"{"order":{"id":"o-1","version":4}}"#))
+        };
+        let fields = FieldOverrides {
+            id: Some(FieldSource::Header("id".into())),
+            event_type: Some(FieldSource::Header("eventType".into())),
+            aggregate_id: Some(FieldSource::Key),
+            aggregate_version: Some(FieldSource::Pointer("/order/version".into())),
+            ..FieldOverrides::default()
+        };
+        let o = DecodeOptions {
+            format: TopicFormat::Json,
+            ..opts(&fields)
+        };
+        let event = resolve(&rec, decode(&rec, &o).unwrap(), &fields).unwrap();
+        assert_eq!(event.id, "dbz-1");
+        assert_eq!(event.event_type, "OrderCreated");
+        assert_eq!(event.aggregate_id.as_deref(), Some("order-1"));
+        assert_eq!(event.aggregate_version, Some(4));
+        assert_eq!(event.source, "orders");
+    }
+
+    #[test]
+    fn plain_json_without_an_id_source_value_is_missing_id() {
+        let rec = record(vec![], Some(br#"{"a":1}"#));
+        let fields = FieldOverrides {
+            id: Some(FieldSource::Pointer("/id".into())),
+            event_type: Some(FieldSource::Value("T".into())),
+            ..FieldOverrides::default()
+        };
+        let o = DecodeOptions {
+            format: TopicFormat::Json,
+            ..opts(&fields)
+        };
+        let err = decode(&rec, &o).unwrap_err();
+        assert_eq!(err.class, PoisonClass::MissingId);
+        assert!(err.reason.contains("/id"), "{err}");
+    }
+
+    #[test]
+    fn a_non_integer_version_is_a_bad_field_naming_its_source() {
+        let rec = binary(&[("ce_aggregateversion", "three")], b"{}");
+        let none = FieldOverrides::default();
+        let err = resolve(&rec, decode(&rec, &opts(&none)).unwrap(), &none).unwrap_err();
+        assert_eq!(err.class, PoisonClass::BadField);
+        assert!(err.reason.contains("aggregateversion"), "{err}");
+        assert_eq!(err.event_id.as_deref(), Some("evt-1"));
+    }
+}

@@ -1,0 +1,22 @@
+//! The relay's pure domain: how a Kafka record becomes an input event, which
+//! route applies, what the route produces, which ids those products get, and
+//! how failed calls are classified and retried.
+//!
+//! Nothing in this crate performs I/O. That is what makes its decisions
+//! deterministic: the same record under the same configuration always decodes,
+//! routes and renders to the same plan with the same derived ids (R7), and a
+//! permanent failure here is permanent for that record (it is dead-lettered,
+//! not retried).
+
+pub mod config;
+pub mod effects;
+pub mod envelope;
+pub mod ids;
+pub mod retry;
+pub mod router;
+pub mod template;
+
+pub use config::RelayConfig;
+pub use effects::{CallSpec, EmitSpec, OutboxRecord, Outcome, Plan, Provenance, SagaMove};
+pub use envelope::{Header, InputEvent, Poison, PoisonClass, RawRecord};
+pub use router::{CompiledRoute, Routed, Router};

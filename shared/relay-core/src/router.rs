@@ -1,0 +1,672 @@
+//! Routes compiled once at start, then applied to every record: decode,
+//! find the route, resolve guard fields, validate the data, render the plan.
+//!
+//! Everything here is pure (no I/O) and deterministic for a given record and
+//! configuration, so a permanent failure here is permanent for that record:
+//! it is dead-lettered, never retried.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use serde_json::{Value, json};
+
+use crate::config::{
+    ActionConfig, EmitAction, EndpointConfig, OutcomeConfig, RelayConfig, SagaAction,
+};
+use crate::effects::{CallSpec, EmitSpec, Outcome, Plan, Provenance, SagaMove};
+use crate::envelope::{
+    DecodeOptions, FieldOverrides, InputEvent, Poison, PoisonClass, RawRecord, TopicFormat, decode,
+    resolve,
+};
+use crate::template::{
+    CompileError, JsonTemplate, TemplateBuilder, Templates, TextTemplate, context,
+};
+
+/// A route ready to apply.
+#[derive(Debug)]
+pub struct CompiledRoute {
+    /// Route name (logs, metrics).
+    pub name: String,
+    /// Guard field sources (route over topic level).
+    pub fields: FieldOverrides,
+    /// Version guard on.
+    pub version_guard: bool,
+    /// Sequence guard on.
+    pub sequence_guard: bool,
+    /// Business counter.
+    pub counter: Option<String>,
+    /// Code handler to run.
+    pub handler: Option<String>,
+    schema: Option<Arc<jsonschema::Validator>>,
+    actions: Vec<CompiledAction>,
+}
+
+#[derive(Debug)]
+enum CompiledAction {
+    Call(CompiledCall),
+    Emit(CompiledEmit),
+    Saga(CompiledSaga),
+}
+
+#[derive(Debug)]
+struct CompiledCall {
+    name: String,
+    endpoint: String,
+    method: String,
+    path: TextTemplate,
+    body: Option<JsonTemplate>,
+    headers: Vec<(String, TextTemplate)>,
+    idempotency_key: Option<TextTemplate>,
+    ordering_key: Option<TextTemplate>,
+    on_success: CompiledOutcome,
+    on_dead: CompiledOutcome,
+}
+
+#[derive(Debug, Default)]
+struct CompiledOutcome {
+    emit: Vec<CompiledEmit>,
+    saga: Vec<CompiledSaga>,
+}
+
+#[derive(Debug)]
+struct CompiledEmit {
+    name: String,
+    event_type: String,
+    topic: String,
+    key: Option<TextTemplate>,
+    subject: Option<TextTemplate>,
+    data: Option<JsonTemplate>,
+    ordered: bool,
+}
+
+#[derive(Debug)]
+struct CompiledSaga {
+    name: String,
+    saga_type: String,
+    id: TextTemplate,
+    from: Vec<String>,
+    to: String,
+    start: bool,
+}
+
+/// What routing a record gave.
+#[derive(Debug)]
+pub enum Routed<'a> {
+    /// A route applies.
+    Route(&'a CompiledRoute, InputEvent),
+    /// No route for this type and the consumer is not strict: record and skip.
+    Unrouted(InputEvent),
+}
+
+/// The compiled routing table of one consumer.
+#[derive(Debug)]
+pub struct Router {
+    consumer: String,
+    source: String,
+    strict: bool,
+    max_record_bytes: usize,
+    dead_letter_topic: Option<String>,
+    topics: BTreeMap<String, (TopicFormat, FieldOverrides)>,
+    routes: HashMap<(String, String), CompiledRoute>,
+    endpoints: BTreeMap<String, EndpointConfig>,
+    templates: Templates,
+}
+
+/// Routes could not be compiled.
+#[derive(Debug, thiserror::Error)]
+#[error("routes are invalid:\n  - {}", .0.join("\n  - "))]
+pub struct RouterError(pub Vec<String>);
+
+impl Router {
+    /// Compile every route of `cfg` (templates and schemas); every error at once.
+    pub fn new(cfg: &RelayConfig) -> Result<Router, RouterError> {
+        let mut b = TemplateBuilder::default();
+        let mut problems = Vec::new();
+        let topics: BTreeMap<_, _> = cfg
+            .topics
+            .iter()
+            .map(|(k, t)| (k.clone(), (t.format, t.fields.clone())))
+            .collect();
+        let mut routes = HashMap::new();
+        for (i, r) in cfg.routes.iter().enumerate() {
+            let at = format!("routes[{i}]");
+            let topic_fields = topics
+                .get(&r.topic)
+                .map(|(_, f)| f.clone())
+                .unwrap_or_default();
+            let schema = match &r.schema {
+                None => None,
+                Some(path) => match load_schema(path) {
+                    Ok(v) => Some(Arc::new(v)),
+                    Err(e) => {
+                        problems.push(format!("{at}.schema: {e}"));
+                        None
+                    }
+                },
+            };
+            let actions = r
+                .actions
+                .iter()
+                .enumerate()
+                .map(|(j, a)| compile_action(&mut b, &format!("{at}.actions[{j}]"), a))
+                .collect();
+            routes.insert(
+                (r.topic.clone(), r.event_type.clone()),
+                CompiledRoute {
+                    name: r.display_name(),
+                    fields: r.fields.or(&topic_fields),
+                    version_guard: r.version_guard,
+                    sequence_guard: r.sequence_guard,
+                    counter: r.counter.clone(),
+                    handler: r.handler.clone(),
+                    schema,
+                    actions,
+                },
+            );
+        }
+        let templates = match b.finish() {
+            Ok(t) => Some(t),
+            Err(errs) => {
+                problems.extend(errs.iter().map(CompileError::to_string));
+                None
+            }
+        };
+        match templates {
+            Some(templates) if problems.is_empty() => Ok(Router {
+                consumer: cfg.consumer.name.clone(),
+                source: cfg.consumer.source(),
+                strict: cfg.consumer.strict,
+                max_record_bytes: cfg.consumer.max_record_bytes,
+                dead_letter_topic: cfg.consumer.dead_letter_topic.clone(),
+                topics,
+                routes,
+                endpoints: cfg.endpoints.clone(),
+                templates,
+            }),
+            _ => Err(RouterError(problems)),
+        }
+    }
+
+    /// The consumer name (inbox namespace).
+    pub fn consumer(&self) -> &str {
+        &self.consumer
+    }
+
+    /// CloudEvents source of emitted events.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Where dead-letter copies go, if anywhere.
+    pub fn dead_letter_topic(&self) -> Option<&str> {
+        self.dead_letter_topic.as_deref()
+    }
+
+    /// The endpoint named `name`.
+    pub fn endpoint(&self, name: &str) -> Option<&EndpointConfig> {
+        self.endpoints.get(name)
+    }
+
+    /// Decode and route a record.
+    pub fn route<'a>(&'a self, record: &RawRecord) -> Result<Routed<'a>, Poison> {
+        let default = (TopicFormat::Cloudevents, FieldOverrides::default());
+        let (format, topic_fields) = self.topics.get(&record.topic).unwrap_or(&default);
+        let opts = DecodeOptions {
+            max_record_bytes: self.max_record_bytes,
+            format: *format,
+            fields: topic_fields,
+        };
+        let decoded = decode(record, &opts)?;
+        let key = (record.topic.clone(), decoded.event_type.clone());
+        let Some(route) = self.routes.get(&key) else {
+            if self.strict {
+                return Err(Poison::new(
+                    PoisonClass::UnknownType,
+                    format!(
+                        "no route for type {:?} on topic {:?} and consumer.strict = true",
+                        decoded.event_type, record.topic
+                    ),
+                )
+                .with_identity(Some(&decoded.id), Some(&decoded.event_type)));
+            }
+            return Ok(Routed::Unrouted(resolve(record, decoded, topic_fields)?));
+        };
+        let event = resolve(record, decoded, &route.fields)?;
+        if let Some(schema) = &route.schema {
+            let errors: Vec<String> = schema
+                .iter_errors(&event.data)
+                .take(5)
+                .map(|e| {
+                    let path = e.instance_path().to_string();
+                    format!("{} at {}", e, if path.is_empty() { "/" } else { &path })
+                })
+                .collect();
+            if !errors.is_empty() {
+                return Err(Poison::new(
+                    PoisonClass::SchemaInvalid,
+                    format!(
+                        "data does not match the schema of route {}: {}",
+                        route.name,
+                        errors.join("; ")
+                    ),
+                )
+                .with_identity(Some(&event.id), Some(&event.event_type)));
+            }
+        }
+        if route.version_guard
+            && (event.aggregate_id.is_none() || event.aggregate_version.is_none())
+        {
+            return Err(missing_guard_field(
+                route,
+                &event,
+                "version_guard",
+                "aggregate id and version",
+            ));
+        }
+        if route.sequence_guard && (event.aggregate_id.is_none() || event.sequence.is_none()) {
+            return Err(missing_guard_field(
+                route,
+                &event,
+                "sequence_guard",
+                "aggregate id and sequence",
+            ));
+        }
+        Ok(Routed::Route(route, event))
+    }
+
+    /// The template context of an event.
+    pub fn context(&self, event: &InputEvent, record: &RawRecord) -> Value {
+        let s = |v: &Option<String>| v.as_ref().map(|v| json!(v));
+        context(BTreeMap::from([
+            ("consumer", Some(json!(self.consumer))),
+            ("id", Some(json!(event.id))),
+            ("type", Some(json!(event.event_type))),
+            ("source", Some(json!(event.source))),
+            ("subject", s(&event.subject)),
+            ("time", event.time.map(|t| json!(t.to_rfc3339()))),
+            ("data", Some(event.data.clone())),
+            ("extensions", Some(json!(event.extensions))),
+            ("aggregate_id", s(&event.aggregate_id)),
+            (
+                "aggregate_version",
+                event.aggregate_version.map(|v| json!(v)),
+            ),
+            ("sequence", event.sequence.map(|v| json!(v))),
+            ("idempotency_key", s(&event.idempotency_key)),
+            ("correlation_id", s(&event.correlation_id)),
+            ("causation_id", s(&event.causation_id)),
+            ("traceparent", s(&event.traceparent)),
+            ("topic", Some(json!(record.topic))),
+            ("partition", Some(json!(record.partition))),
+            ("offset", Some(json!(record.offset))),
+        ]))
+    }
+
+    /// Provenance of events emitted because of `event`.
+    pub fn provenance(&self, event: &InputEvent) -> Provenance {
+        Provenance {
+            source: self.source.clone(),
+            correlation_id: Some(
+                event
+                    .correlation_id
+                    .clone()
+                    .unwrap_or_else(|| event.id.clone()),
+            ),
+            causation_id: Some(event.id.clone()),
+            traceparent: event.traceparent.clone(),
+            aggregate_id: event.aggregate_id.clone(),
+        }
+    }
+
+    /// Render the route's actions for `event`. A template that cannot be
+    /// rendered is a permanent error naming the template and the field.
+    pub fn plan(
+        &self,
+        route: &CompiledRoute,
+        event: &InputEvent,
+        record: &RawRecord,
+    ) -> Result<Plan, Poison> {
+        let ctx = self.context(event, record);
+        let poison = |e: crate::template::RenderError| {
+            Poison::new(PoisonClass::TemplateError, e.0)
+                .with_identity(Some(&event.id), Some(&event.event_type))
+        };
+        let mut plan = Plan::default();
+        for a in &route.actions {
+            match a {
+                CompiledAction::Saga(s) => {
+                    plan.sagas.push(self.render_saga(s, &ctx).map_err(poison)?)
+                }
+                CompiledAction::Emit(e) => {
+                    plan.emits.push(self.render_emit(e, &ctx).map_err(poison)?)
+                }
+                CompiledAction::Call(c) => {
+                    plan.calls.push(self.render_call(c, &ctx).map_err(poison)?)
+                }
+            }
+        }
+        Ok(plan)
+    }
+
+    fn render_saga(
+        &self,
+        s: &CompiledSaga,
+        ctx: &Value,
+    ) -> Result<SagaMove, crate::template::RenderError> {
+        Ok(SagaMove {
+            action: s.name.clone(),
+            saga_type: s.saga_type.clone(),
+            saga_id: self.templates.render(&s.id, ctx)?,
+            from: s.from.clone(),
+            to: s.to.clone(),
+            start: s.start,
+        })
+    }
+
+    fn render_emit(
+        &self,
+        e: &CompiledEmit,
+        ctx: &Value,
+    ) -> Result<EmitSpec, crate::template::RenderError> {
+        let t = &self.templates;
+        Ok(EmitSpec {
+            action: e.name.clone(),
+            event_type: e.event_type.clone(),
+            topic: e.topic.clone(),
+            key: e.key.as_ref().map(|k| t.render(k, ctx)).transpose()?,
+            subject: e.subject.as_ref().map(|k| t.render(k, ctx)).transpose()?,
+            data: match &e.data {
+                Some(d) => t.render_json(d, ctx)?,
+                None => ctx.get("data").cloned().unwrap_or(Value::Null),
+            },
+            ordered: e.ordered,
+        })
+    }
+
+    fn render_outcome(
+        &self,
+        o: &CompiledOutcome,
+        ctx: &Value,
+    ) -> Result<Outcome, crate::template::RenderError> {
+        Ok(Outcome {
+            emit: o
+                .emit
+                .iter()
+                .map(|e| self.render_emit(e, ctx))
+                .collect::<Result<_, _>>()?,
+            saga: o
+                .saga
+                .iter()
+                .map(|s| self.render_saga(s, ctx))
+                .collect::<Result<_, _>>()?,
+        })
+    }
+
+    fn render_call(
+        &self,
+        c: &CompiledCall,
+        ctx: &Value,
+    ) -> Result<CallSpec, crate::template::RenderError> {
+        let t = &self.templates;
+        Ok(CallSpec {
+            action: c.name.clone(),
+            endpoint: c.endpoint.clone(),
+            method: c.method.clone(),
+            path: t.render(&c.path, ctx)?,
+            body: c.body.as_ref().map(|b| t.render_json(b, ctx)).transpose()?,
+            headers: c
+                .headers
+                .iter()
+                .map(|(k, v)| Ok((k.clone(), t.render(v, ctx)?)))
+                .collect::<Result<_, crate::template::RenderError>>()?,
+            idempotency_key: c
+                .idempotency_key
+                .as_ref()
+                .map(|k| t.render(k, ctx))
+                .transpose()?,
+            ordering_key: c
+                .ordering_key
+                .as_ref()
+                .map(|k| t.render(k, ctx))
+                .transpose()?,
+            on_success: self.render_outcome(&c.on_success, ctx)?,
+            on_dead: self.render_outcome(&c.on_dead, ctx)?,
+        })
+    }
+}
+
+fn missing_guard_field(
+    route: &CompiledRoute,
+    event: &InputEvent,
+    guard: &str,
+    what: &str,
+) -> Poison {
+    Poison::new(
+        PoisonClass::BadField,
+        format!(
+            "route {} has {guard} = true but the event has no {what}",
+            route.name
+        ),
+    )
+    .with_identity(Some(&event.id), Some(&event.event_type))
+}
+
+fn load_schema(path: &std::path::Path) -> Result<jsonschema::Validator, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let doc: Value =
+        serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))?;
+    jsonschema::validator_for(&doc)
+        .map_err(|e| format!("{} is not a valid JSON Schema: {e}", path.display()))
+}
+
+fn compile_emit(b: &mut TemplateBuilder, at: &str, e: &EmitAction) -> CompiledEmit {
+    CompiledEmit {
+        name: e.name.clone(),
+        event_type: e.event_type.clone(),
+        topic: e.topic.clone(),
+        key: e.key.as_ref().map(|k| b.text(&format!("{at}.key"), k)),
+        subject: e
+            .subject
+            .as_ref()
+            .map(|k| b.text(&format!("{at}.subject"), k)),
+        data: e.data.as_ref().map(|d| b.json(&format!("{at}.data"), d)),
+        ordered: e.ordered,
+    }
+}
+
+fn compile_saga(b: &mut TemplateBuilder, at: &str, s: &SagaAction) -> CompiledSaga {
+    CompiledSaga {
+        name: s.name.clone(),
+        saga_type: s.saga.clone(),
+        id: b.text(&format!("{at}.id"), &s.id),
+        from: s.from.clone(),
+        to: s.to.clone(),
+        start: s.start,
+    }
+}
+
+fn compile_outcome(b: &mut TemplateBuilder, at: &str, o: &OutcomeConfig) -> CompiledOutcome {
+    CompiledOutcome {
+        emit: o
+            .emit
+            .iter()
+            .enumerate()
+            .map(|(i, e)| compile_emit(b, &format!("{at}.emit[{i}]"), e))
+            .collect(),
+        saga: o
+            .saga
+            .iter()
+            .enumerate()
+            .map(|(i, s)| compile_saga(b, &format!("{at}.saga[{i}]"), s))
+            .collect(),
+    }
+}
+
+fn compile_action(b: &mut TemplateBuilder, at: &str, a: &ActionConfig) -> CompiledAction {
+    match a {
+        ActionConfig::Emit(e) => CompiledAction::Emit(compile_emit(b, at, e)),
+        ActionConfig::Saga(s) => CompiledAction::Saga(compile_saga(b, at, s)),
+        ActionConfig::Call(c) => CompiledAction::Call(CompiledCall {
+            name: c.name.clone(),
+            endpoint: c.endpoint.clone(),
+            method: c.method.to_ascii_uppercase(),
+            path: b.text(&format!("{at}.path"), &c.path),
+            body: c.body.as_ref().map(|d| b.json(&format!("{at}.body"), d)),
+            headers: c
+                .headers
+                .iter()
+                .map(|(k, v)| (k.clone(), b.text(&format!("{at}.headers.{k}"), v)))
+                .collect(),
+            idempotency_key: c
+                .idempotency_key
+                .as_ref()
+                .map(|k| b.text(&format!("{at}.idempotency_key"), k)),
+            ordering_key: c
+                .ordering_key
+                .as_ref()
+                .map(|k| b.text(&format!("{at}.ordering_key"), k)),
+            on_success: compile_outcome(b, &format!("{at}.on_success"), &c.on_success),
+            on_dead: compile_outcome(b, &format!("{at}.on_dead"), &c.on_dead),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope::Header;
+
+    fn cfg(extra: &str) -> RelayConfig {
+        RelayConfig::from_toml(&format!(
+            r#"
+            [consumer]
+            name = "c"
+            [endpoints.psp]
+            base_url = "http://127.0.0.1:1"
+            [[routes]]
+            topic = "orders"
+            type = "order.placed"
+            [[routes.actions]]
+            kind = "call"
+            name = "capture"
+            endpoint = "psp"
+            path = "/orders/{{{{ data.order_id }}}}/capture"
+            body = {{ amount = "{{{{ data.amount }}}}" }}
+            idempotency_key = "cap:{{{{ data.order_id }}}}"
+            [[routes.actions.on_success.emit]]
+            name = "captured"
+            type = "payment.captured"
+            topic = "payments"
+            data = {{ order = "{{{{ data.order_id }}}}" }}
+            {extra}
+            "#
+        ))
+        .unwrap()
+    }
+
+    fn record(ty: &str, data: &str) -> RawRecord {
+        RawRecord {
+            topic: "orders".into(),
+            partition: 0,
+            offset: 1,
+            key: None,
+            payload: Some(data.as_bytes().to_vec()),
+            headers: vec![
+                Header::text("ce_specversion", "1.0"),
+                Header::text("ce_id", "e-1"),
+                Header::text("ce_type", ty),
+                Header::text("ce_source", "/s"),
+            ],
+        }
+    }
+
+    #[test]
+    fn a_routed_event_renders_its_calls_and_outcome_events() {
+        let router = Router::new(&cfg("")).unwrap();
+        let rec = record("order.placed", r#"{"order_id":"o-1","amount":5}"#);
+        let Routed::Route(route, event) = router.route(&rec).unwrap() else {
+            panic!("not routed")
+        };
+        let plan = router.plan(route, &event, &rec).unwrap();
+        assert_eq!(plan.calls.len(), 1);
+        let call = &plan.calls[0];
+        assert_eq!(call.path, "/orders/o-1/capture");
+        assert_eq!(call.body, Some(json!({"amount": 5})));
+        assert_eq!(call.idempotency_key.as_deref(), Some("cap:o-1"));
+        assert_eq!(call.on_success.emit[0].data, json!({"order": "o-1"}));
+    }
+
+    #[test]
+    fn unknown_types_are_unrouted_unless_strict() {
+        let router = Router::new(&cfg("")).unwrap();
+        let rec = record("order.cancelled", "{}");
+        assert!(matches!(router.route(&rec).unwrap(), Routed::Unrouted(_)));
+        let strict = Router::new(&RelayConfig {
+            consumer: crate::config::ConsumerConfig {
+                strict: true,
+                ..cfg("").consumer
+            },
+            ..cfg("")
+        })
+        .unwrap();
+        assert_eq!(
+            strict.route(&rec).unwrap_err().class,
+            PoisonClass::UnknownType
+        );
+    }
+
+    #[test]
+    fn a_template_over_a_missing_field_is_poison_naming_the_field() {
+        let router = Router::new(&cfg("")).unwrap();
+        let rec = record("order.placed", r#"{"amount":5}"#);
+        let Routed::Route(route, event) = router.route(&rec).unwrap() else {
+            panic!("not routed")
+        };
+        let err = router.plan(route, &event, &rec).unwrap_err();
+        assert_eq!(err.class, PoisonClass::TemplateError);
+        assert!(err.reason.contains("data.order_id"), "{err}");
+        assert_eq!(err.event_id.as_deref(), Some("e-1"));
+    }
+
+    #[test]
+    fn schema_invalid_data_is_poison_with_the_failing_path() {
+        let dir = std::env::temp_dir().join(format!("relay-schema-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let schema = dir.join("s.json");
+        std::fs::write(
+            &schema,
+            r#"{"type":"object","required":["order_id"],"properties":{"amount":{"type":"integer"}}}"#,
+        )
+        .unwrap();
+        let mut c = cfg("");
+        c.routes[0].schema = Some(schema);
+        let router = Router::new(&c).unwrap();
+        let rec = record("order.placed", r#"{"order_id":"o","amount":"five"}"#);
+        let err = router.route(&rec).unwrap_err();
+        assert_eq!(err.class, PoisonClass::SchemaInvalid);
+        assert!(err.reason.contains("/amount"), "{err}");
+    }
+
+    #[test]
+    fn a_version_guarded_route_needs_a_version() {
+        let mut c = cfg("");
+        c.routes[0].version_guard = true;
+        let router = Router::new(&c).unwrap();
+        let err = router
+            .route(&record("order.placed", r#"{"order_id":"o"}"#))
+            .unwrap_err();
+        assert_eq!(err.class, PoisonClass::BadField);
+        assert!(err.reason.contains("version_guard"), "{err}");
+    }
+
+    #[test]
+    fn template_syntax_errors_fail_at_start() {
+        let mut c = cfg("");
+        if let ActionConfig::Call(call) = &mut c.routes[0].actions[0] {
+            call.path = "/x/{{ data.".into();
+        }
+        let err = Router::new(&c).unwrap_err().to_string();
+        assert!(err.contains("routes[0].actions[0].path"), "{err}");
+    }
+}
