@@ -112,6 +112,8 @@ CREATE TABLE relay.intents (
     method           text        NOT NULL,
     path             text        NOT NULL,
     body             jsonb,
+    -- Extra request headers rendered from the route ({"name": "value"}).
+    request_headers  jsonb       NOT NULL DEFAULT '{}'::jsonb,
     -- Sent unchanged on every attempt (R8).
     idempotency_key  text        NOT NULL,
     -- When set, no intent with this key starts while an earlier one is unfinished.
@@ -134,6 +136,8 @@ CREATE TABLE relay.intents (
     -- rendered at ingest so a dispatcher needs no route configuration.
     on_success       jsonb       NOT NULL DEFAULT '{}'::jsonb,
     on_dead          jsonb       NOT NULL DEFAULT '{}'::jsonb,
+    -- Provenance carried onto outcome events (CloudEvents source, ids, trace).
+    emit_source      text        NOT NULL,
     aggregate_id     text,
     correlation_id   text,
     causation_id     text,

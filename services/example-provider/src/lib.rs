@@ -1,1 +1,382 @@
-//! wip
+//! A stand-in for a third-party HTTP API (a payment service provider, a
+//! notification gateway) that behaves the way the good ones do:
+//!
+//! * every request must carry an idempotency key (header `Idempotency-Key`);
+//! * the first request with a key applies the effect once and stores the
+//!   response; later requests with the key get the stored response back
+//!   (`Idempotent-Replayed: true`) and apply nothing;
+//! * a request whose key is still being processed gets `409 Conflict`.
+//!
+//! It counts every request and every applied effect per key, so tests check
+//! "exactly one effect" at the provider instead of inferring it from the
+//! relay's own tables, and it can be told to misbehave (status codes,
+//! `Retry-After`, timeouts before or after applying) through `/_control/faults`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+/// How a faulty request behaves.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum FaultKind {
+    /// Answer with `status` (and `Retry-After`, if set) without applying.
+    Status {
+        /// HTTP status.
+        status: u16,
+        /// `Retry-After` seconds.
+        #[serde(default)]
+        retry_after_secs: Option<u64>,
+    },
+    /// Apply the effect, then answer only after `delay_ms` (the client times out).
+    TimeoutAfterApply {
+        /// Delay before answering.
+        delay_ms: u64,
+    },
+    /// Wait `delay_ms`, then answer 503 without applying.
+    TimeoutBeforeApply {
+        /// Delay before answering.
+        delay_ms: u64,
+    },
+}
+
+/// A fault rule: which requests misbehave, how, and how often.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FaultRule {
+    /// Only paths starting with this.
+    #[serde(default)]
+    pub path_prefix: Option<String>,
+    /// Only idempotency keys starting with this.
+    #[serde(default)]
+    pub key_prefix: Option<String>,
+    /// The first `times` requests of each key misbehave; `None` = all of them.
+    #[serde(default)]
+    pub times: Option<u32>,
+    /// How.
+    #[serde(flatten)]
+    pub kind: FaultKind,
+}
+
+/// Counts for one idempotency key.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyStats {
+    /// Requests received with the key.
+    pub requests: u32,
+    /// Effects applied for the key (must never exceed 1).
+    pub applied: u32,
+    /// Requests that arrived while another with the key was in progress.
+    pub concurrent: u32,
+}
+
+/// What the provider has seen.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stats {
+    /// Requests in total.
+    pub requests: u64,
+    /// Effects applied in total.
+    pub applied: u64,
+    /// Requests answered from the stored response.
+    pub replayed: u64,
+    /// Requests refused for want of an idempotency key.
+    pub missing_key: u64,
+    /// Per key.
+    pub by_key: BTreeMap<String, KeyStats>,
+}
+
+impl Stats {
+    /// Keys whose effect was applied more than once (must be empty).
+    pub fn double_applied(&self) -> Vec<String> {
+        self.by_key
+            .iter()
+            .filter(|(_, s)| s.applied > 1)
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    /// Effects applied for `key`.
+    pub fn applied_for(&self, key: &str) -> u32 {
+        self.by_key.get(key).map_or(0, |s| s.applied)
+    }
+
+    /// Requests received for `key`.
+    pub fn requests_for(&self, key: &str) -> u32 {
+        self.by_key.get(key).map_or(0, |s| s.requests)
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    stats: Stats,
+    stored: HashMap<String, (u16, serde_json::Value)>,
+    in_progress: HashMap<String, u32>,
+    rules: Vec<FaultRule>,
+    /// Applied effects in order: (key, method, path, body).
+    log: Vec<Applied>,
+}
+
+/// One applied effect.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Applied {
+    /// Idempotency key.
+    pub key: String,
+    /// Method.
+    pub method: String,
+    /// Path.
+    pub path: String,
+    /// Body (JSON, or null).
+    pub body: serde_json::Value,
+}
+
+/// Provider settings.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Header carrying the idempotency key.
+    pub idempotency_header: String,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            idempotency_header: "Idempotency-Key".into(),
+        }
+    }
+}
+
+#[derive(Clone)]
+struct AppState {
+    inner: Arc<Mutex<Inner>>,
+    settings: Arc<Settings>,
+}
+
+/// A running provider.
+#[derive(Clone)]
+pub struct Provider {
+    state: AppState,
+    addr: SocketAddr,
+}
+
+impl Provider {
+    /// Start on `bind` (use port 0 for a free port) in the current runtime.
+    pub async fn start(bind: SocketAddr, settings: Settings) -> anyhow::Result<Provider> {
+        let state = AppState {
+            inner: Arc::default(),
+            settings: Arc::new(settings),
+        };
+        let app = router(state.clone());
+        let listener = tokio::net::TcpListener::bind(bind).await?;
+        let addr = listener.local_addr()?;
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!(error = %e, "provider server stopped");
+            }
+        });
+        Ok(Provider { state, addr })
+    }
+
+    /// Base URL, e.g. `http://127.0.0.1:41234`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// A snapshot of the counts.
+    pub fn stats(&self) -> Stats {
+        self.state
+            .inner
+            .lock()
+            .expect("provider lock")
+            .stats
+            .clone()
+    }
+
+    /// Applied effects, in order.
+    pub fn applied(&self) -> Vec<Applied> {
+        self.state.inner.lock().expect("provider lock").log.clone()
+    }
+
+    /// Replace the fault rules.
+    pub fn set_faults(&self, rules: Vec<FaultRule>) {
+        self.state.inner.lock().expect("provider lock").rules = rules;
+    }
+}
+
+/// The provider's routes (also used by the binary).
+fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/_control/stats", get(stats))
+        .route("/_control/faults", post(set_faults))
+        .fallback(call)
+        .with_state(state)
+}
+
+async fn stats(State(s): State<AppState>) -> impl IntoResponse {
+    axum::Json(s.inner.lock().expect("provider lock").stats.clone())
+}
+
+async fn set_faults(
+    State(s): State<AppState>,
+    axum::Json(rules): axum::Json<Vec<FaultRule>>,
+) -> impl IntoResponse {
+    s.inner.lock().expect("provider lock").rules = rules;
+    StatusCode::NO_CONTENT
+}
+
+enum Plan {
+    Replay(u16, serde_json::Value),
+    Conflict,
+    Applied {
+        response: serde_json::Value,
+        delay_after: Option<u64>,
+    },
+    Fail(u16, Option<u64>),
+    SlowFail(u64),
+}
+
+async fn call(
+    State(s): State<AppState>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let path = uri.path().to_owned();
+    let Some(key) = headers
+        .get(s.settings.idempotency_header.as_str())
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+    else {
+        s.inner.lock().expect("provider lock").stats.missing_key += 1;
+        let msg = format!("{} header is required", s.settings.idempotency_header);
+        return (StatusCode::BAD_REQUEST, axum::Json(json!({"error": msg}))).into_response();
+    };
+    let plan = 'plan: {
+        let mut g = s.inner.lock().expect("provider lock");
+        let inner = &mut *g;
+        inner.stats.requests += 1;
+        let ks = inner.stats.by_key.entry(key.clone()).or_default();
+        ks.requests += 1;
+        let nth = ks.requests;
+        if inner.in_progress.get(&key).copied().unwrap_or(0) > 0 {
+            ks.concurrent += 1;
+            Plan::Conflict
+        } else if let Some((status, body)) = inner.stored.get(&key) {
+            inner.stats.replayed += 1;
+            Plan::Replay(*status, body.clone())
+        } else {
+            let rule = inner.rules.iter().find(|r| {
+                r.path_prefix.as_deref().is_none_or(|p| path.starts_with(p))
+                    && r.key_prefix.as_deref().is_none_or(|p| key.starts_with(p))
+                    && r.times.is_none_or(|t| nth <= t)
+            });
+            let delay_after = match rule.map(|r| r.kind.clone()) {
+                Some(FaultKind::Status {
+                    status,
+                    retry_after_secs,
+                }) => break 'plan Plan::Fail(status, retry_after_secs),
+                Some(FaultKind::TimeoutBeforeApply { delay_ms }) => {
+                    break 'plan Plan::SlowFail(delay_ms);
+                }
+                Some(FaultKind::TimeoutAfterApply { delay_ms }) => Some(delay_ms),
+                None => None,
+            };
+            // The effect is applied and its response stored in the same
+            // critical section that checked the key: a concurrent request with
+            // the key sees it in progress (409), a later one gets the replay.
+            let body_json: serde_json::Value =
+                serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+            *inner.in_progress.entry(key.clone()).or_default() += 1;
+            let resource = json!({"id": format!("res_{}", inner.stats.applied + 1), "idempotency_key": key, "path": path});
+            inner.stats.applied += 1;
+            inner.stats.by_key.entry(key.clone()).or_default().applied += 1;
+            inner.stored.insert(key.clone(), (201, resource.clone()));
+            inner.log.push(Applied {
+                key: key.clone(),
+                method: method.to_string(),
+                path: path.clone(),
+                body: body_json,
+            });
+            Plan::Applied {
+                response: resource,
+                delay_after,
+            }
+        }
+    };
+    match plan {
+        Plan::Conflict => (
+            StatusCode::CONFLICT,
+            axum::Json(json!({"error": "a request with this key is in progress"})),
+        )
+            .into_response(),
+        Plan::Replay(status, body) => {
+            let mut r = (
+                StatusCode::from_u16(status).unwrap_or(StatusCode::OK),
+                axum::Json(body),
+            )
+                .into_response();
+            r.headers_mut().insert(
+                "idempotent-replayed",
+                "true".parse().expect("static header"),
+            );
+            r
+        }
+        Plan::Fail(status, retry_after) => fail(status, retry_after),
+        Plan::SlowFail(ms) => delay_then_fail(ms).await,
+        Plan::Applied {
+            response,
+            delay_after,
+        } => {
+            if let Some(ms) = delay_after {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+            if let Some(n) = s
+                .inner
+                .lock()
+                .expect("provider lock")
+                .in_progress
+                .get_mut(&key)
+            {
+                *n -= 1;
+            }
+            (StatusCode::CREATED, axum::Json(response)).into_response()
+        }
+    }
+}
+
+fn fail(status: u16, retry_after: Option<u64>) -> Response {
+    let mut r = (
+        StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+        axum::Json(json!({"error": format!("injected {status}")})),
+    )
+        .into_response();
+    if let Some(secs) = retry_after {
+        r.headers_mut()
+            .insert("retry-after", secs.to_string().parse().expect("digits"));
+    }
+    r
+}
+
+async fn delay_then_fail(ms: u64) -> Response {
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        axum::Json(json!({"error": "injected slow failure"})),
+    )
+        .into_response()
+}
+
+/// Serve on `bind` until the process ends (the binary's main).
+pub async fn serve(bind: SocketAddr, settings: Settings) -> anyhow::Result<()> {
+    let p = Provider::start(bind, settings).await?;
+    tracing::info!(url = %p.url(), "example provider listening");
+    std::future::pending::<()>().await;
+    Ok(())
+}

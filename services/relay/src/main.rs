@@ -1,1 +1,5 @@
-fn main() {}
+//! `relay` — see `relay --help` and the README.
+
+fn main() -> std::process::ExitCode {
+    relay::cli::main()
+}

@@ -1,1 +1,437 @@
-//! wip
+//! Test harness for the relay: one fresh PostgreSQL database per test, topics
+//! with random names on the test broker, a producer for CloudEvents, a reader
+//! for what the relay published, and a polling helper with a deadline.
+//!
+//! The services come from `scripts/test.sh`, which exports
+//! `RELAY_TEST_DATABASE_URL` (a role that may create databases) and
+//! `RELAY_TEST_KAFKA_BOOTSTRAP` (an Apache Kafka broker). Tests fail with a
+//! message saying so when they are missing: a test that needs a broker never
+//! silently passes without one.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Header as KHeader, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+use serde_json::Value;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{Connection, PgConnection, PgPool};
+use uuid::Uuid;
+
+/// How long helpers wait for the system under test before failing.
+pub const DEADLINE: Duration = Duration::from_secs(60);
+
+/// A random name with a readable prefix, for topics, groups and consumers.
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}-{}", &Uuid::new_v4().simple().to_string()[..12])
+}
+
+fn env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| {
+        panic!("{name} is not set: run the tests with scripts/test.sh, which starts PostgreSQL and Kafka")
+    })
+}
+
+/// The test broker's bootstrap address.
+pub fn kafka_bootstrap() -> String {
+    env("RELAY_TEST_KAFKA_BOOTSTRAP")
+}
+
+/// A fresh, migrated database owned by one test.
+pub struct TestDb {
+    /// Pool on the database.
+    pub pool: PgPool,
+    /// Its URL (for relay processes under test).
+    pub url: String,
+    /// Its name.
+    pub name: String,
+}
+
+impl TestDb {
+    /// Create and migrate a new database.
+    pub async fn new() -> anyhow::Result<TestDb> {
+        let admin_url = env("RELAY_TEST_DATABASE_URL");
+        let name = format!("relay_test_{}", Uuid::new_v4().simple());
+        let mut admin = PgConnection::connect(&admin_url)
+            .await
+            .context("connect as the test role")?;
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut admin)
+            .await?;
+        admin.close().await?;
+        let url = replace_db(&admin_url, &name);
+        let pool = PgPoolOptions::new()
+            .max_connections(10)
+            .connect(&url)
+            .await?;
+        relay_store::migrate(&pool).await?;
+        Ok(TestDb { pool, url, name })
+    }
+
+    /// A connection from the pool.
+    pub async fn conn(&self) -> anyhow::Result<sqlx::pool::PoolConnection<sqlx::Postgres>> {
+        Ok(self.pool.acquire().await?)
+    }
+
+    /// `SELECT count(*)` with a WHERE clause over a relay table.
+    pub async fn count(&self, table: &str, filter: &str) -> i64 {
+        sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM relay.{table} WHERE {filter}"
+        ))
+        .fetch_one(&self.pool)
+        .await
+        .unwrap_or_else(|e| panic!("count relay.{table} WHERE {filter}: {e}"))
+    }
+}
+
+fn replace_db(url: &str, db: &str) -> String {
+    let (base, query) = url
+        .split_once('?')
+        .map_or((url, None), |(b, q)| (b, Some(q)));
+    let cut = base.rfind('/').expect("database URL has a path");
+    let mut out = format!("{}/{db}", &base[..cut]);
+    if let Some(q) = query {
+        out.push('?');
+        out.push_str(q);
+    }
+    out
+}
+
+/// Poll `check` until it returns `Some`, or fail after `deadline` with `what`.
+pub async fn eventually<T, F, Fut>(what: &str, deadline: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let end = Instant::now() + deadline;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        if Instant::now() > end {
+            panic!("timed out after {deadline:?} waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn client(bootstrap: &str) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", bootstrap);
+    c
+}
+
+/// Create topics with `partitions` partitions and wait until they are usable.
+pub async fn create_topics(bootstrap: &str, names: &[&str], partitions: i32) -> anyhow::Result<()> {
+    let admin: AdminClient<DefaultClientContext> = client(bootstrap).create()?;
+    let topics: Vec<NewTopic> = names
+        .iter()
+        .map(|n| NewTopic::new(n, partitions, TopicReplication::Fixed(1)))
+        .collect();
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    for r in admin.create_topics(&topics, &opts).await? {
+        if let Err((topic, code)) = r
+            && code != rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists
+        {
+            bail!("create topic {topic}: {code}");
+        }
+    }
+    // Wait until every partition has a leader.
+    let probe: BaseConsumer = client(bootstrap).create()?;
+    let end = Instant::now() + Duration::from_secs(30);
+    for name in names {
+        loop {
+            let md = probe.fetch_metadata(Some(name), Duration::from_secs(5))?;
+            let ready = md.topics().first().is_some_and(|t| {
+                t.error().is_none()
+                    && t.partitions().len() == partitions as usize
+                    && t.partitions().iter().all(|p| p.leader() >= 0)
+            });
+            if ready {
+                break;
+            }
+            if Instant::now() > end {
+                bail!("topic {name} not ready after 30 s");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    Ok(())
+}
+
+/// A CloudEvent to produce in binary mode.
+#[derive(Debug, Clone)]
+pub struct TestEvent {
+    /// `ce_id`; `None` produces a record without one.
+    pub id: Option<String>,
+    /// `ce_type`.
+    pub event_type: String,
+    /// Data (JSON).
+    pub data: Value,
+    /// Extensions (`ce_<name>` headers).
+    pub extensions: Vec<(String, String)>,
+    /// Record key.
+    pub key: Option<String>,
+    /// Explicit partition.
+    pub partition: Option<i32>,
+}
+
+impl TestEvent {
+    /// A new event.
+    pub fn new(id: &str, event_type: &str, data: Value) -> TestEvent {
+        TestEvent {
+            id: Some(id.into()),
+            event_type: event_type.into(),
+            data,
+            extensions: Vec::new(),
+            key: None,
+            partition: None,
+        }
+    }
+
+    /// Add an extension attribute.
+    pub fn ext(mut self, name: &str, value: impl ToString) -> TestEvent {
+        self.extensions.push((name.into(), value.to_string()));
+        self
+    }
+
+    /// Set the key.
+    pub fn key(mut self, key: &str) -> TestEvent {
+        self.key = Some(key.into());
+        self
+    }
+
+    /// Set the partition.
+    pub fn partition(mut self, p: i32) -> TestEvent {
+        self.partition = Some(p);
+        self
+    }
+}
+
+/// A producer for tests.
+pub struct TestProducer {
+    inner: FutureProducer,
+}
+
+impl TestProducer {
+    /// Connect.
+    pub fn new(bootstrap: &str) -> anyhow::Result<TestProducer> {
+        let inner = client(bootstrap)
+            .set("message.timeout.ms", "30000")
+            .create()?;
+        Ok(TestProducer { inner })
+    }
+
+    /// Produce a CloudEvent in binary mode; returns (partition, offset).
+    pub async fn event(&self, topic: &str, e: &TestEvent) -> anyhow::Result<(i32, i64)> {
+        let mut headers = vec![
+            ("ce_specversion".to_string(), b"1.0".to_vec()),
+            ("ce_type".to_string(), e.event_type.as_bytes().to_vec()),
+            ("ce_source".to_string(), b"/tests".to_vec()),
+            ("content-type".to_string(), b"application/json".to_vec()),
+        ];
+        if let Some(id) = &e.id {
+            headers.push(("ce_id".into(), id.as_bytes().to_vec()));
+        }
+        for (k, v) in &e.extensions {
+            headers.push((format!("ce_{k}"), v.as_bytes().to_vec()));
+        }
+        let payload = serde_json::to_vec(&e.data)?;
+        self.raw(
+            topic,
+            e.partition,
+            e.key.as_deref().map(str::as_bytes),
+            &headers,
+            Some(&payload),
+        )
+        .await
+    }
+
+    /// Produce any record; returns (partition, offset).
+    pub async fn raw(
+        &self,
+        topic: &str,
+        partition: Option<i32>,
+        key: Option<&[u8]>,
+        headers: &[(String, Vec<u8>)],
+        payload: Option<&[u8]>,
+    ) -> anyhow::Result<(i32, i64)> {
+        let mut hs = OwnedHeaders::new();
+        for (k, v) in headers {
+            hs = hs.insert(KHeader {
+                key: k,
+                value: Some(v),
+            });
+        }
+        let mut rec: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic).headers(hs);
+        if let Some(p) = partition {
+            rec = rec.partition(p);
+        }
+        if let Some(k) = key {
+            rec = rec.key(k);
+        }
+        if let Some(p) = payload {
+            rec = rec.payload(p);
+        }
+        let delivery = self
+            .inner
+            .send(rec, Duration::from_secs(30))
+            .await
+            .map_err(|(e, _)| anyhow::anyhow!("produce to {topic}: {e}"))?;
+        Ok((delivery.partition, delivery.offset))
+    }
+}
+
+/// A record read back from a topic.
+#[derive(Debug, Clone)]
+pub struct ReadRecord {
+    /// Partition.
+    pub partition: i32,
+    /// Offset.
+    pub offset: i64,
+    /// Key.
+    pub key: Option<Vec<u8>>,
+    /// Headers (UTF-8 values; non-UTF-8 lossily).
+    pub headers: HashMap<String, String>,
+    /// Value.
+    pub payload: Option<Vec<u8>>,
+}
+
+impl ReadRecord {
+    /// A header's value.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(String::as_str)
+    }
+
+    /// The value as JSON.
+    pub fn json(&self) -> Value {
+        self.payload
+            .as_deref()
+            .and_then(|p| serde_json::from_slice(p).ok())
+            .unwrap_or(Value::Null)
+    }
+}
+
+/// Read every record of `topic` from the beginning until at least `min`
+/// records arrived and no more come for a moment, or the deadline passes.
+pub async fn read_topic(
+    bootstrap: &str,
+    topic: &str,
+    min: usize,
+) -> anyhow::Result<Vec<ReadRecord>> {
+    let bootstrap = bootstrap.to_owned();
+    let topic = topic.to_owned();
+    tokio::task::spawn_blocking(move || read_topic_blocking(&bootstrap, &topic, min)).await?
+}
+
+fn read_topic_blocking(
+    bootstrap: &str,
+    topic: &str,
+    min: usize,
+) -> anyhow::Result<Vec<ReadRecord>> {
+    let consumer: BaseConsumer = client(bootstrap)
+        .set("group.id", unique("reader"))
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .create()?;
+    let md = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
+    let mut tpl = TopicPartitionList::new();
+    for p in md
+        .topics()
+        .first()
+        .map(|t| t.partitions())
+        .unwrap_or_default()
+    {
+        tpl.add_partition_offset(topic, p.id(), Offset::Beginning)?;
+    }
+    consumer.assign(&tpl)?;
+    let mut out = Vec::new();
+    let end = Instant::now() + DEADLINE;
+    let mut quiet_since = Instant::now();
+    loop {
+        match consumer.poll(Duration::from_millis(200)) {
+            Some(Ok(m)) => {
+                let headers = m
+                    .headers()
+                    .map(|hs| {
+                        hs.iter()
+                            .map(|h| {
+                                (
+                                    h.key.to_owned(),
+                                    h.value
+                                        .map(|v| String::from_utf8_lossy(v).into_owned())
+                                        .unwrap_or_default(),
+                                )
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                out.push(ReadRecord {
+                    partition: m.partition(),
+                    offset: m.offset(),
+                    key: m.key().map(<[u8]>::to_vec),
+                    headers,
+                    payload: m.payload().map(<[u8]>::to_vec),
+                });
+                quiet_since = Instant::now();
+            }
+            Some(Err(e)) => bail!("reading {topic}: {e}"),
+            None => {
+                if out.len() >= min && quiet_since.elapsed() > Duration::from_millis(500) {
+                    return Ok(out);
+                }
+            }
+        }
+        if Instant::now() > end {
+            bail!(
+                "read {} records from {topic}, expected at least {min}",
+                out.len()
+            );
+        }
+    }
+}
+
+/// Committed offsets of `group` on `topic`, by partition (`None` = nothing committed).
+pub async fn committed_offsets(
+    bootstrap: &str,
+    group: &str,
+    topic: &str,
+) -> anyhow::Result<HashMap<i32, Option<i64>>> {
+    let (bootstrap, group, topic) = (bootstrap.to_owned(), group.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = client(&bootstrap).set("group.id", &group).create()?;
+        let md = consumer.fetch_metadata(Some(&topic), Duration::from_secs(10))?;
+        let mut tpl = TopicPartitionList::new();
+        for p in md
+            .topics()
+            .first()
+            .map(|t| t.partitions())
+            .unwrap_or_default()
+        {
+            tpl.add_partition(&topic, p.id());
+        }
+        let committed = consumer.committed_offsets(tpl, Duration::from_secs(10))?;
+        Ok(committed
+            .elements()
+            .iter()
+            .map(|e| {
+                (
+                    e.partition(),
+                    if let Offset::Offset(o) = e.offset() {
+                        Some(o)
+                    } else {
+                        None
+                    },
+                )
+            })
+            .collect())
+    })
+    .await?
+}

@@ -1,0 +1,146 @@
+# Shared helpers for the relay's scripts: start what the tests and the demo
+# need on a machine that may have nothing running (CI, a fresh checkout).
+# Source it; every function prints progress on stderr and fails loudly.
+# shellcheck shell=bash
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CACHE="${RELAY_CACHE_DIR:-$ROOT/.cache}"
+PG_VERSION="${PG_VERSION:-15}"
+STARTED_POSTGRES=""
+KAFKA_PID=""
+KAFKA_DIR=""
+
+say() { printf '[relay] %s\n' "$*" >&2; }
+die() { printf '[relay] error: %s\n' "$*" >&2; exit 1; }
+
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+}
+
+wait_for_port() { # host port seconds
+  local deadline=$((SECONDS + $3))
+  until (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; do
+    [ $SECONDS -lt $deadline ] || return 1
+    sleep 0.2
+  done
+}
+
+# Start the local PostgreSQL cluster if it is not running, installing it when
+# missing, and make sure role $1 (password = name) exists with CREATEDB.
+ensure_postgres() {
+  local role="$1"
+  if ! command -v pg_ctlcluster >/dev/null; then
+    say "PostgreSQL is not installed; installing it with apt-get"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+  fi
+  if ! pg_lsclusters -h | grep -q "^$PG_VERSION main"; then
+    PG_VERSION=$(pg_lsclusters -h | awk 'NR==1{print $1}')
+    [ -n "$PG_VERSION" ] || { say "creating a PostgreSQL cluster"; pg_createcluster 15 main >/dev/null; PG_VERSION=15; }
+  fi
+  if ! pg_lsclusters -h | awk -v v="$PG_VERSION" '$1==v && $2=="main"{print $4}' | grep -q online; then
+    say "starting PostgreSQL $PG_VERSION"
+    pg_ctlcluster "$PG_VERSION" main start
+    STARTED_POSTGRES=1
+  fi
+  wait_for_port 127.0.0.1 5432 30 || die "PostgreSQL did not open 127.0.0.1:5432 (see /var/log/postgresql/)"
+  su postgres -c "psql -q -v ON_ERROR_STOP=1" <<SQL >/dev/null
+DO \$\$ BEGIN
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '$role') THEN
+    CREATE ROLE $role LOGIN CREATEDB PASSWORD '$role';
+  END IF;
+END \$\$;
+SQL
+}
+
+stop_postgres_if_started() {
+  if [ -n "$STARTED_POSTGRES" ]; then
+    say "stopping PostgreSQL (this script started it)"
+    pg_ctlcluster "$PG_VERSION" main stop || true
+  fi
+}
+
+# (Re)create database $2 owned by role $1.
+fresh_database() {
+  su postgres -c "psql -q -v ON_ERROR_STOP=1" <<SQL >/dev/null
+DROP DATABASE IF EXISTS $2 WITH (FORCE);
+CREATE DATABASE $2 OWNER $1;
+SQL
+}
+
+# Fetch Apache Kafka's jars from Maven Central into $CACHE/kafka-libs (once).
+# Verified here on 2026-11-30: kafka_2.13 4.4.0 resolves with Maven 3.8.7 and
+# runs as a single KRaft node on OpenJDK 17 (see scripts/kafka/pom.xml).
+fetch_kafka() {
+  local libs="$CACHE/kafka-libs"
+  local stamp="$libs/.complete-$(sha1sum "$ROOT/scripts/kafka/pom.xml" | cut -c1-12)"
+  if [ ! -f "$stamp" ]; then
+    command -v mvn >/dev/null || die "Maven (mvn) is needed to fetch Apache Kafka's jars; apt-get install maven"
+    command -v java >/dev/null || die "Java 17+ is needed to run Apache Kafka; apt-get install openjdk-17-jre-headless"
+    say "fetching Apache Kafka jars from Maven Central into $libs"
+    rm -rf "$libs"; mkdir -p "$libs"
+    mvn -q -B -f "$ROOT/scripts/kafka/pom.xml" dependency:copy-dependencies -DoutputDirectory="$libs" >&2 \
+      || die "could not fetch Kafka's jars with Maven"
+    touch "$stamp"
+  fi
+  echo "$libs"
+}
+
+# Start a single-node KRaft Apache Kafka broker in a fresh temp dir.
+# Sets KAFKA_BOOTSTRAP, KAFKA_PID, KAFKA_DIR. Port: $1 or a free one.
+start_kafka() {
+  local libs port ctl
+  libs=$(fetch_kafka)
+  port="${1:-$(free_port)}"
+  ctl=$(free_port)
+  KAFKA_DIR=$(mktemp -d /tmp/relay-kafka.XXXXXX)
+  cat >"$KAFKA_DIR/server.properties" <<PROPS
+process.roles=broker,controller
+node.id=1
+controller.quorum.bootstrap.servers=127.0.0.1:$ctl
+listeners=PLAINTEXT://127.0.0.1:$port,CONTROLLER://127.0.0.1:$ctl
+advertised.listeners=PLAINTEXT://127.0.0.1:$port
+controller.listener.names=CONTROLLER
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+inter.broker.listener.name=PLAINTEXT
+log.dirs=$KAFKA_DIR/data
+num.partitions=1
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=4
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+group.initial.rebalance.delay.ms=0
+auto.create.topics.enable=true
+PROPS
+  cp "$ROOT/scripts/kafka/log4j2.yaml" "$KAFKA_DIR/log4j2.yaml"
+  local cluster_id
+  cluster_id=$(python3 -c 'import uuid,base64;print(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))')
+  java -Xmx512m -cp "$libs/*" -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.yaml" -Dkafka.logs.dir="$KAFKA_DIR" \
+    kafka.tools.StorageTool format --standalone -t "$cluster_id" -c "$KAFKA_DIR/server.properties" \
+    >"$KAFKA_DIR/format.log" 2>&1 || { cat "$KAFKA_DIR/format.log" >&2; die "formatting Kafka storage failed"; }
+  say "starting Apache Kafka on 127.0.0.1:$port (logs: $KAFKA_DIR/broker.log)"
+  KAFKA_HEAP_OPTS= java -Xms256m -Xmx768m -XX:+UseG1GC -cp "$libs/*" \
+    -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.yaml" -Dkafka.logs.dir="$KAFKA_DIR" \
+    kafka.Kafka "$KAFKA_DIR/server.properties" >"$KAFKA_DIR/stdout.log" 2>&1 &
+  KAFKA_PID=$!
+  echo "$KAFKA_PID" >"$KAFKA_DIR/pid"
+  local deadline=$((SECONDS + 90))
+  until grep -q "Kafka Server started" "$KAFKA_DIR/broker.log" 2>/dev/null; do
+    kill -0 "$KAFKA_PID" 2>/dev/null || { tail -50 "$KAFKA_DIR/stdout.log" "$KAFKA_DIR/broker.log" >&2 2>/dev/null; die "Kafka exited during start"; }
+    [ $SECONDS -lt $deadline ] || { tail -50 "$KAFKA_DIR/broker.log" >&2; die "Kafka did not start within 90 s"; }
+    sleep 0.3
+  done
+  KAFKA_BOOTSTRAP="127.0.0.1:$port"
+  say "Kafka is up at $KAFKA_BOOTSTRAP"
+}
+
+stop_kafka() {
+  if [ -n "$KAFKA_PID" ] && kill -0 "$KAFKA_PID" 2>/dev/null; then
+    say "stopping Kafka"
+    kill "$KAFKA_PID" 2>/dev/null || true
+    local deadline=$((SECONDS + 20))
+    while kill -0 "$KAFKA_PID" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
+    kill -9 "$KAFKA_PID" 2>/dev/null || true
+  fi
+  [ -n "$KAFKA_DIR" ] && rm -rf "$KAFKA_DIR"
+  KAFKA_PID=""
+}

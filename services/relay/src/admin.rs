@@ -1,0 +1,65 @@
+//! Operator actions on dead letters: replay (through the same guards, with
+//! the original event id) and purge.
+
+use relay_store::dead_letters;
+use sqlx::{Connection, PgPool};
+
+use crate::processor::{Processor, Step};
+
+/// What a replay did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReplayOutcome {
+    /// Processed now: the effects were written.
+    Applied,
+    /// Already processed before (the inbox has it): nothing written.
+    Duplicate,
+    /// Processed as a classified no-op (stale, invalid transition, …).
+    NoOp(String),
+    /// Still failing: stays a dead letter.
+    StillFailing(String),
+    /// No dead letter with that id.
+    NotFound,
+}
+
+impl ReplayOutcome {
+    /// Whether the dead letter is resolved.
+    pub fn resolved(&self) -> bool {
+        matches!(
+            self,
+            ReplayOutcome::Applied | ReplayOutcome::Duplicate | ReplayOutcome::NoOp(_)
+        )
+    }
+
+    fn stored(&self) -> String {
+        match self {
+            ReplayOutcome::Applied => "applied".into(),
+            ReplayOutcome::Duplicate => "duplicate".into(),
+            ReplayOutcome::NoOp(o) => o.clone(),
+            ReplayOutcome::StillFailing(why) => format!("failed: {why}"),
+            ReplayOutcome::NotFound => "not_found".into(),
+        }
+    }
+}
+
+/// Replay dead letter `id` through `processor` in one transaction.
+pub async fn replay(
+    pool: &PgPool,
+    processor: &Processor,
+    id: i64,
+) -> anyhow::Result<ReplayOutcome> {
+    let mut conn = pool.acquire().await?;
+    let mut tx = conn.begin().await?;
+    let Some(dl) = dead_letters::get(&mut tx, id).await? else {
+        return Ok(ReplayOutcome::NotFound);
+    };
+    let processed = processor.process(&mut tx, &dl.record).await?;
+    let outcome = match processed.step {
+        Step::Applied { .. } => ReplayOutcome::Applied,
+        Step::Duplicate => ReplayOutcome::Duplicate,
+        Step::NoOp { outcome, .. } => ReplayOutcome::NoOp(outcome.as_str().to_owned()),
+        Step::Poison(p) | Step::RetryLater(p) => ReplayOutcome::StillFailing(p.to_string()),
+    };
+    dead_letters::mark_replayed(&mut tx, id, &outcome.stored()).await?;
+    tx.commit().await?;
+    Ok(outcome)
+}

@@ -1,0 +1,190 @@
+//! Assembly: a configured relay — database pool, routes, handlers, faults —
+//! and the components it can run in one process.
+
+use std::sync::Arc;
+
+use relay_core::{RelayConfig, Router};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info};
+
+use crate::consumer::{ConsumerSettings, InboxConsumer};
+use crate::dispatcher::Dispatcher;
+use crate::faults::Faults;
+use crate::handler::Handlers;
+use crate::processor::Processor;
+use crate::publisher::Publisher;
+
+/// Which components to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Components {
+    /// The inbox consumer.
+    pub consumer: bool,
+    /// The intent dispatcher.
+    pub dispatcher: bool,
+    /// The outbox publisher.
+    pub publisher: bool,
+}
+
+impl Components {
+    /// Everything.
+    pub const ALL: Components = Components {
+        consumer: true,
+        dispatcher: true,
+        publisher: true,
+    };
+}
+
+/// A configured relay.
+#[derive(Clone)]
+pub struct Relay {
+    cfg: RelayConfig,
+    pool: PgPool,
+    router: Arc<Router>,
+    handlers: Handlers,
+    faults: Faults,
+}
+
+impl Relay {
+    /// Connect to the database, compile the routes, and check the schema is current.
+    pub async fn new(
+        cfg: RelayConfig,
+        handlers: Handlers,
+        faults: Faults,
+    ) -> anyhow::Result<Relay> {
+        let router = Arc::new(Router::new(&cfg)?);
+        let wanted = cfg.routes.iter().filter_map(|r| r.handler.as_deref());
+        let missing = handlers.missing(wanted);
+        if !missing.is_empty() {
+            anyhow::bail!(
+                "routes name handlers that are not registered in this binary: {}",
+                missing.join(", ")
+            );
+        }
+        let pool = connect(&cfg).await?;
+        if !relay_store::migrations_current(&pool).await? {
+            anyhow::bail!("the database schema is not current: run `relay migrate` first");
+        }
+        Ok(Relay {
+            cfg,
+            pool,
+            router,
+            handlers,
+            faults,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RelayConfig {
+        &self.cfg
+    }
+
+    /// The database pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// A record processor over this relay's routes (for replays).
+    pub fn processor(&self) -> Processor {
+        Processor::new(self.router.clone(), self.handlers.clone())
+    }
+
+    /// The inbox consumer.
+    pub fn consumer(&self) -> anyhow::Result<InboxConsumer> {
+        let c = &self.cfg.consumer;
+        let topics = self.cfg.subscribed_topics();
+        if topics.is_empty() {
+            anyhow::bail!(
+                "no topics to consume: add [[routes]] (or [topics.NAME]) to the configuration"
+            );
+        }
+        let settings = ConsumerSettings {
+            name: c.name.clone(),
+            group: c.group().to_owned(),
+            topics,
+            batch_size: c.batch_size,
+            reference_retry: c.reference_retry,
+            database_backoff: c.database_backoff,
+        };
+        InboxConsumer::new(
+            &self.cfg.kafka,
+            settings,
+            self.processor(),
+            self.pool.clone(),
+            self.faults.clone(),
+        )
+    }
+
+    /// The intent dispatcher.
+    pub fn dispatcher(&self) -> anyhow::Result<Dispatcher> {
+        Dispatcher::new(
+            self.pool.clone(),
+            self.cfg.dispatcher.clone(),
+            &self.cfg.endpoints,
+            self.faults.clone(),
+        )
+    }
+
+    /// The outbox publisher.
+    pub fn publisher(&self) -> anyhow::Result<Publisher> {
+        Publisher::new(
+            self.pool.clone(),
+            &self.cfg.kafka,
+            self.cfg.publisher.clone(),
+            self.faults.clone(),
+        )
+    }
+
+    /// Run `which` until `shutdown` is cancelled or one of them fails (then
+    /// the others are stopped gracefully and the first error is returned).
+    pub async fn run(&self, which: Components, shutdown: CancellationToken) -> anyhow::Result<()> {
+        let inner = shutdown.child_token();
+        let mut set = tokio::task::JoinSet::new();
+        if which.consumer {
+            let c = self.consumer()?;
+            let t = inner.clone();
+            set.spawn(async move { ("consumer", c.run(t).await) });
+        }
+        if which.dispatcher {
+            let d = self.dispatcher()?;
+            let t = inner.clone();
+            set.spawn(async move { ("dispatcher", d.run(t).await) });
+        }
+        if which.publisher {
+            let p = self.publisher()?;
+            let t = inner.clone();
+            set.spawn(async move { ("publisher", p.run(t).await) });
+        }
+        let mut first_error = None;
+        while let Some(joined) = set.join_next().await {
+            let (name, result) = joined?;
+            match result {
+                Ok(()) => info!(component = name, "component stopped"),
+                Err(e) => {
+                    error!(
+                        component = name,
+                        error = format!("{e:#}"),
+                        "component failed; stopping the others"
+                    );
+                    inner.cancel();
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+}
+
+/// Open the pool described by the configuration.
+pub async fn connect(cfg: &RelayConfig) -> anyhow::Result<PgPool> {
+    let url = cfg.database.url()?;
+    PgPoolOptions::new()
+        .max_connections(cfg.database.max_connections)
+        .acquire_timeout(cfg.database.acquire_timeout)
+        .connect(url)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!("cannot connect to PostgreSQL (database.url / DATABASE_URL): {e}")
+        })
+}

@@ -1,0 +1,517 @@
+//! The `relay` command line: run the components, migrate, operate dead
+//! letters, show counts. Errors name their cause and the fix; the exit code
+//! is 1 on error, 2 on bad usage.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use relay_core::RelayConfig;
+use relay_store::dead_letters::{self, Filter, Resolution};
+use relay_store::stats::{self, Stats};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::admin::{self, ReplayOutcome};
+use crate::app::{Components, Relay, connect};
+use crate::faults::Faults;
+use crate::handler::Handlers;
+use crate::telemetry::{self, LogFormat};
+
+/// relay — exactly-once effects from Kafka's at-least-once delivery.
+#[derive(Debug, Parser)]
+#[command(name = "relay", version, propagate_version = true)]
+pub struct Cli {
+    /// Configuration file (TOML). Environment overrides: RELAY_SECTION__KEY, DATABASE_URL.
+    #[arg(long, short, env = "RELAY_CONFIG", global = true)]
+    pub config: Option<PathBuf>,
+    /// Log format.
+    #[arg(
+        long,
+        value_enum,
+        default_value = "text",
+        env = "RELAY_LOG_FORMAT",
+        global = true
+    )]
+    pub log_format: LogFormat,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Apply pending database migrations.
+    Migrate,
+    /// Check the configuration (and the routes' templates and schemas) and print a summary.
+    CheckConfig,
+    /// Run the inbox consumer.
+    Consume,
+    /// Run the dispatcher: intent calls and outbox publishing.
+    Dispatch {
+        /// Only make intent calls (run the outbox publisher elsewhere).
+        #[arg(long, conflicts_with = "outbox_only")]
+        intents_only: bool,
+        /// Only publish the outbox.
+        #[arg(long)]
+        outbox_only: bool,
+    },
+    /// Run consumer, dispatcher and publisher in one process.
+    Run,
+    /// List, inspect, replay and purge dead letters.
+    #[command(subcommand)]
+    DeadLetters(DeadLetterCommand),
+    /// Show counts: inbox outcomes, intents by state, oldest pending, outbox, dead letters.
+    Stats {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// End-to-end demo: an embedded Kafka (librdkafka's mock cluster), a local
+    /// fake provider, example events with duplicates and poison. Needs DATABASE_URL.
+    Demo,
+}
+
+/// Dead-letter commands.
+#[derive(Debug, Subcommand)]
+pub enum DeadLetterCommand {
+    /// List dead letters (unresolved ones unless --all).
+    List {
+        /// Only this error class (e.g. bad_json, missing_id, schema_invalid).
+        #[arg(long)]
+        class: Option<String>,
+        /// Only this source topic.
+        #[arg(long)]
+        topic: Option<String>,
+        /// Include dead letters already replayed successfully.
+        #[arg(long)]
+        all: bool,
+        /// At most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        /// Print JSON lines.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one dead letter with its headers and value.
+    Show {
+        /// Dead letter id.
+        id: i64,
+    },
+    /// Replay dead letters through the same guards, keeping their event ids.
+    Replay {
+        /// Dead letter ids.
+        ids: Vec<i64>,
+        /// Replay every unresolved dead letter (optionally of one --class).
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+        /// With --all: only this error class.
+        #[arg(long, requires = "all")]
+        class: Option<String>,
+    },
+    /// Delete dead letters.
+    Purge {
+        /// Dead letter ids.
+        ids: Vec<i64>,
+        /// Delete every dead letter matching the filters.
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+        /// With --all: only this error class.
+        #[arg(long, requires = "all")]
+        class: Option<String>,
+        /// With --all: only those already resolved by a replay.
+        #[arg(long, requires = "all")]
+        resolved: bool,
+        /// Do it (without this, only say what would be deleted).
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+/// Entry point of the binary.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    telemetry::init(cli.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn load(cli: &Cli) -> anyhow::Result<RelayConfig> {
+    let path = cli.config.clone().or_else(|| {
+        let default = PathBuf::from("relay.toml");
+        default.exists().then_some(default)
+    });
+    Ok(RelayConfig::load(path.as_deref())?)
+}
+
+/// Run one parsed command.
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    match &cli.command {
+        Command::Demo => return crate::demo::run().await,
+        Command::Migrate => {
+            let cfg = load(&cli)?;
+            let pool = connect(&cfg).await?;
+            relay_store::migrate(&pool).await?;
+            println!("migrations applied; the schema is current");
+            return Ok(());
+        }
+        Command::CheckConfig => {
+            let cfg = load(&cli)?;
+            relay_core::Router::new(&cfg)?;
+            println!("configuration is valid");
+            println!(
+                "  consumer {:?} (group {:?}), topics: {}",
+                cfg.consumer.name,
+                cfg.consumer.group(),
+                cfg.subscribed_topics().join(", ")
+            );
+            for r in &cfg.routes {
+                println!(
+                    "  route {} -> {} action(s)",
+                    r.display_name(),
+                    r.actions.len()
+                );
+            }
+            for (name, e) in &cfg.endpoints {
+                println!(
+                    "  endpoint {name}: {} (timeout {:?}, {} attempts, max age {:?})",
+                    e.base_url, e.timeout, e.max_attempts, e.max_age
+                );
+            }
+            return Ok(());
+        }
+        _ => {}
+    }
+    let cfg = load(&cli)?;
+    let faults = Faults::from_env().map_err(anyhow::Error::msg)?;
+    let shutdown = CancellationToken::new();
+    match cli.command {
+        Command::Consume | Command::Dispatch { .. } | Command::Run => {
+            let which = match cli.command {
+                Command::Consume => Components {
+                    consumer: true,
+                    dispatcher: false,
+                    publisher: false,
+                },
+                Command::Dispatch {
+                    intents_only,
+                    outbox_only,
+                } => Components {
+                    consumer: false,
+                    dispatcher: !outbox_only,
+                    publisher: !intents_only,
+                },
+                _ => Components::ALL,
+            };
+            let relay = Relay::new(cfg, Handlers::default(), faults).await?;
+            tokio::spawn(on_signal(shutdown.clone()));
+            relay.run(which, shutdown).await
+        }
+        Command::DeadLetters(cmd) => dead_letter_command(cfg, cmd).await,
+        Command::Stats { json } => {
+            let pool = connect(&cfg).await?;
+            let s = stats::snapshot(&mut *pool.acquire().await?).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&s)?);
+            } else {
+                print_stats(&s);
+            }
+            Ok(())
+        }
+        Command::Migrate | Command::CheckConfig | Command::Demo => unreachable!("handled above"),
+    }
+}
+
+/// Cancel `token` on SIGTERM or Ctrl-C; a second signal exits at once.
+pub async fn on_signal(token: CancellationToken) {
+    wait_for_signal().await;
+    info!("shutdown requested: finishing work in flight and committing (signal again to exit now)");
+    token.cancel();
+    wait_for_signal().await;
+    warn!("second signal: exiting without waiting");
+    std::process::exit(130);
+}
+
+async fn wait_for_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
+        tokio::select! { _ = ctrl_c => {}, _ = term.recv() => {} }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+fn print_stats(s: &Stats) {
+    println!("inbox (by outcome):");
+    if s.inbox.is_empty() {
+        println!("  (empty)");
+    }
+    for (outcome, n) in &s.inbox {
+        println!("  {outcome:<22} {n}");
+    }
+    println!("intents (by state):");
+    for state in ["pending", "running", "succeeded", "dead"] {
+        println!("  {state:<22} {}", Stats::count(&s.intents, state));
+    }
+    match s.oldest_pending_intent_secs {
+        Some(age) => println!("  oldest unfinished        {age:.1}s"),
+        None => println!("  oldest unfinished        -"),
+    }
+    println!("outbox (by state):");
+    for state in ["pending", "running", "published"] {
+        println!("  {state:<22} {}", Stats::count(&s.outbox, state));
+    }
+    if let Some(age) = s.oldest_unpublished_outbox_secs {
+        println!("  oldest unpublished       {age:.1}s");
+    }
+    println!(
+        "dead letters: {} unresolved, {} in total",
+        s.dead_letters_unresolved, s.dead_letters_total
+    );
+    if !s.counters.is_empty() {
+        println!("business counters:");
+        for (consumer, name, v) in &s.counters {
+            println!("  {consumer}/{name:<18} {v}");
+        }
+    }
+}
+
+async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow::Result<()> {
+    let pool = connect(&cfg).await?;
+    let consumer = cfg.consumer.name.clone();
+    match cmd {
+        DeadLetterCommand::List {
+            class,
+            topic,
+            all,
+            limit,
+            json,
+        } => {
+            let resolution = if all {
+                Resolution::Any
+            } else {
+                Resolution::Unresolved
+            };
+            let f = Filter {
+                consumer: Some(consumer),
+                error_class: class,
+                topic,
+                resolution,
+            };
+            let rows = dead_letters::list(&mut *pool.acquire().await?, &f, 0, limit).await?;
+            if json {
+                for r in &rows {
+                    println!("{}", serde_json::to_string(r)?);
+                }
+            } else if rows.is_empty() {
+                println!("no dead letters");
+            } else {
+                println!(
+                    "{:>6}  {:<20} {:<28} {:<16} {:<20} reason",
+                    "id", "parked", "source", "class", "event id"
+                );
+                for r in &rows {
+                    let source = format!("{}[{}]@{}", r.topic, r.partition, r.offset);
+                    let replay = r
+                        .replay_outcome
+                        .as_deref()
+                        .map(|o| format!(" (replayed: {o})"))
+                        .unwrap_or_default();
+                    println!(
+                        "{:>6}  {:<20} {:<28} {:<16} {:<20} {}{replay}",
+                        r.id,
+                        r.created_at.format("%Y-%m-%d %H:%M:%S"),
+                        source,
+                        r.error_class,
+                        r.event_id.as_deref().unwrap_or("-"),
+                        r.reason
+                    );
+                }
+            }
+            Ok(())
+        }
+        DeadLetterCommand::Show { id } => {
+            let Some(dl) = dead_letters::get(&mut *pool.acquire().await?, id).await? else {
+                anyhow::bail!("no dead letter with id {id} (see `relay dead-letters list --all`)");
+            };
+            let m = &dl.meta;
+            println!("dead letter {id}");
+            println!(
+                "  source     {}[{}] offset {}",
+                m.topic, m.partition, m.offset
+            );
+            println!(
+                "  event      id {} type {}",
+                m.event_id.as_deref().unwrap_or("-"),
+                m.event_type.as_deref().unwrap_or("-")
+            );
+            println!("  class      {}", m.error_class);
+            println!("  reason     {}", m.reason);
+            println!("  attempts   {}", m.attempts);
+            println!("  parked at  {}", m.created_at);
+            if let Some(at) = m.replayed_at {
+                println!(
+                    "  replayed   {at}: {}",
+                    m.replay_outcome.as_deref().unwrap_or("")
+                );
+            }
+            println!(
+                "  key        {}",
+                dl.record
+                    .key
+                    .as_deref()
+                    .map(|k| String::from_utf8_lossy(k).into_owned())
+                    .unwrap_or_else(|| "-".into())
+            );
+            println!("  headers");
+            for h in &dl.record.headers {
+                let v = h
+                    .value
+                    .as_deref()
+                    .map(|v| String::from_utf8_lossy(v).into_owned())
+                    .unwrap_or_else(|| "(null)".into());
+                println!("    {}: {v}", h.name);
+            }
+            let value = dl
+                .record
+                .payload
+                .as_deref()
+                .map(|v| String::from_utf8_lossy(&v[..v.len().min(4096)]).into_owned());
+            println!(
+                "  value ({} bytes)",
+                dl.record.payload.as_ref().map_or(0, Vec::len)
+            );
+            println!("    {}", value.unwrap_or_else(|| "(null)".into()));
+            Ok(())
+        }
+        DeadLetterCommand::Replay { ids, all, class } => {
+            let relay = Relay::new(cfg, Handlers::default(), Faults::none()).await?;
+            let ids = if all {
+                let f = Filter {
+                    consumer: Some(consumer),
+                    error_class: class,
+                    topic: None,
+                    resolution: Resolution::Unresolved,
+                };
+                all_ids(&pool, &f).await?
+            } else {
+                ids
+            };
+            if ids.is_empty() {
+                anyhow::bail!("nothing to replay: give dead letter ids, or --all");
+            }
+            let processor = relay.processor();
+            let (mut resolved, mut failing) = (0, 0);
+            for (i, id) in ids.iter().enumerate() {
+                let outcome = admin::replay(&pool, &processor, *id).await?;
+                if outcome.resolved() {
+                    resolved += 1;
+                } else {
+                    failing += 1;
+                }
+                match &outcome {
+                    ReplayOutcome::StillFailing(why) => {
+                        println!("[{}/{}] {id}: still failing: {why}", i + 1, ids.len())
+                    }
+                    ReplayOutcome::NotFound => {
+                        println!("[{}/{}] {id}: no such dead letter", i + 1, ids.len())
+                    }
+                    other => println!("[{}/{}] {id}: {other:?}", i + 1, ids.len()),
+                }
+            }
+            println!(
+                "replayed {}: {resolved} resolved, {failing} still failing",
+                ids.len()
+            );
+            Ok(())
+        }
+        DeadLetterCommand::Purge {
+            ids,
+            all,
+            class,
+            resolved,
+            yes,
+        } => {
+            let mut conn = pool.acquire().await?;
+            if all {
+                let resolution = if resolved {
+                    Resolution::Resolved
+                } else {
+                    Resolution::Any
+                };
+                let f = Filter {
+                    consumer: Some(consumer),
+                    error_class: class,
+                    topic: None,
+                    resolution,
+                };
+                let n = dead_letters::count(&mut conn, &f).await?;
+                if !yes {
+                    println!("would delete {n} dead letter(s); add --yes to delete them");
+                    return Ok(());
+                }
+                let mut deleted = 0;
+                loop {
+                    let batch = dead_letters::purge(&mut conn, &f, 1000).await?;
+                    if batch == 0 {
+                        break;
+                    }
+                    deleted += batch;
+                    eprintln!("  deleted {deleted} of {n}");
+                }
+                println!("deleted {deleted} dead letter(s)");
+                return Ok(());
+            }
+            if ids.is_empty() {
+                anyhow::bail!("nothing to purge: give dead letter ids, or --all");
+            }
+            if !yes {
+                println!(
+                    "would delete {} dead letter(s); add --yes to delete them",
+                    ids.len()
+                );
+                return Ok(());
+            }
+            let mut deleted = 0;
+            for id in &ids {
+                deleted += usize::from(dead_letters::delete(&mut conn, *id).await?);
+            }
+            println!("deleted {deleted} dead letter(s)");
+            Ok(())
+        }
+    }
+}
+
+async fn all_ids(pool: &sqlx::PgPool, f: &Filter) -> anyhow::Result<Vec<i64>> {
+    let mut conn = pool.acquire().await?;
+    let mut out = Vec::new();
+    let mut after = 0;
+    loop {
+        let page = dead_letters::list(&mut conn, f, after, 1000).await?;
+        let Some(last) = page.last() else { break };
+        after = last.id;
+        out.extend(page.iter().map(|d| d.id));
+    }
+    Ok(out)
+}

@@ -1,0 +1,539 @@
+//! The inbox consumer: Kafka records in, one PostgreSQL transaction per
+//! partition batch, offsets committed only after that transaction (R1).
+//!
+//! Loop: receive a batch (what is already fetched, up to `batch_size`),
+//! split it by partition, and for each partition run its records in order in
+//! one transaction, each record in a savepoint (R12). After the commit the next
+//! offset of the partition is stored and committed. The committed offset is
+//! always the end of a contiguous processed prefix:
+//!
+//! * a poison record is parked (dead-letter table + dead-letter topic) in the
+//!   same transaction and counts as processed: the partition keeps moving (R11);
+//! * a record that is "not yet" processable (missing saga, sequence gap) stops
+//!   its partition's batch: what came before is committed, the record is
+//!   retried with backoff, and parked when the budget is spent (R19);
+//! * if the database is unreachable nothing is committed: the batch is retried
+//!   with backoff until it succeeds or the process shuts down.
+//!
+//! Rebalance (R13): records are only received between batches, so when a
+//! partition is revoked no record of it is being processed. The revoke
+//! callback commits what was processed for it (synchronously), and records of
+//! the revoked partition that were fetched but not started are dropped.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rdkafka::client::ClientContext;
+use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
+};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{BorrowedMessage, Headers, Message};
+use rdkafka::{Offset, TopicPartitionList};
+use relay_core::config::{KafkaConfig, RetryBudget};
+use relay_core::retry::BackoffPolicy;
+use relay_core::{Header, Poison, RawRecord};
+use sqlx::{Connection, PgPool};
+use tokio_util::sync::CancellationToken;
+use tracing::{Level, debug, error, info, warn};
+
+use crate::faults::{FaultInjected, Faults, point};
+use crate::kafka::{Role, client_config};
+use crate::processor::{Processed, Processor, Step};
+
+type Tp = (String, i32);
+
+#[derive(Default)]
+struct PartitionState {
+    /// Bumped on every revoke.
+    generation: u64,
+    /// Generation at which each partition was last revoked.
+    revoked_at: HashMap<Tp, u64>,
+    /// Next offset to commit per owned partition (end of the processed prefix).
+    next_offsets: HashMap<Tp, i64>,
+}
+
+/// Consumer context: commits on revoke, forwards librdkafka logs to tracing.
+pub struct RelayContext {
+    state: Arc<Mutex<PartitionState>>,
+    name: String,
+}
+
+impl ClientContext for RelayContext {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        match level {
+            RDKafkaLogLevel::Emerg
+            | RDKafkaLogLevel::Alert
+            | RDKafkaLogLevel::Critical
+            | RDKafkaLogLevel::Error => {
+                error!(consumer = %self.name, facility = fac, "librdkafka: {log_message}")
+            }
+            RDKafkaLogLevel::Warning => {
+                warn!(consumer = %self.name, facility = fac, "librdkafka: {log_message}")
+            }
+            _ => debug!(consumer = %self.name, facility = fac, "librdkafka: {log_message}"),
+        }
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        warn!(consumer = %self.name, error = %error, "Kafka client error: {reason}");
+    }
+}
+
+impl ConsumerContext for RelayContext {
+    fn pre_rebalance(&self, base: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Revoke(tpl) => {
+                let mut commit = TopicPartitionList::new();
+                let revoked: Vec<String>;
+                {
+                    let mut s = self.state.lock().expect("partition state lock");
+                    s.generation += 1;
+                    let generation = s.generation;
+                    revoked = tpl
+                        .elements()
+                        .iter()
+                        .map(|e| format!("{}[{}]", e.topic(), e.partition()))
+                        .collect();
+                    for e in tpl.elements() {
+                        let tp = (e.topic().to_owned(), e.partition());
+                        s.revoked_at.insert(tp.clone(), generation);
+                        if let Some(next) = s.next_offsets.remove(&tp) {
+                            let _ = commit.add_partition_offset(&tp.0, tp.1, Offset::Offset(next));
+                        }
+                    }
+                }
+                if commit.count() > 0
+                    && let Err(e) = base.commit(&commit, CommitMode::Sync)
+                {
+                    warn!(consumer = %self.name, error = %e, "committing offsets of revoked partitions failed; \
+                              their records will be redelivered and deduplicated by the inbox");
+                }
+                info!(consumer = %self.name, partitions = ?revoked, "partitions revoked; processed offsets committed");
+            }
+            Rebalance::Assign(_) => {}
+            Rebalance::Error(e) => warn!(consumer = %self.name, error = %e, "rebalance error"),
+        }
+    }
+
+    fn post_rebalance(&self, _base: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(tpl) = rebalance {
+            let assigned: Vec<String> = tpl
+                .elements()
+                .iter()
+                .map(|e| format!("{}[{}]", e.topic(), e.partition()))
+                .collect();
+            info!(consumer = %self.name, partitions = ?assigned, "partitions assigned");
+        }
+    }
+}
+
+/// Settings of the consumer loop.
+#[derive(Debug, Clone)]
+pub struct ConsumerSettings {
+    /// Consumer (inbox) name.
+    pub name: String,
+    /// Kafka group.
+    pub group: String,
+    /// Topics to subscribe to.
+    pub topics: Vec<String>,
+    /// Most records per batch.
+    pub batch_size: usize,
+    /// Budget for "not yet" records.
+    pub reference_retry: RetryBudget,
+    /// Backoff while the database is down.
+    pub database_backoff: BackoffPolicy,
+}
+
+/// The inbox consumer.
+pub struct InboxConsumer {
+    consumer: StreamConsumer<RelayContext>,
+    state: Arc<Mutex<PartitionState>>,
+    processor: Processor,
+    pool: PgPool,
+    settings: ConsumerSettings,
+    faults: Faults,
+}
+
+struct BatchRun {
+    done: usize,
+    stopped: Option<Poison>,
+}
+
+enum BatchError {
+    Db(sqlx::Error),
+    Fault(FaultInjected),
+}
+
+impl From<sqlx::Error> for BatchError {
+    fn from(e: sqlx::Error) -> Self {
+        BatchError::Db(e)
+    }
+}
+
+impl From<FaultInjected> for BatchError {
+    fn from(e: FaultInjected) -> Self {
+        BatchError::Fault(e)
+    }
+}
+
+/// How one partition's records ended.
+struct PartitionRun {
+    interrupted: bool,
+}
+
+impl InboxConsumer {
+    /// Create the Kafka consumer and subscribe.
+    pub fn new(
+        kafka: &KafkaConfig,
+        settings: ConsumerSettings,
+        processor: Processor,
+        pool: PgPool,
+        faults: Faults,
+    ) -> anyhow::Result<InboxConsumer> {
+        let state = Arc::new(Mutex::new(PartitionState::default()));
+        let mut cfg = client_config(kafka, Role::Consumer)?;
+        cfg.set("group.id", &settings.group);
+        cfg.set_log_level(RDKafkaLogLevel::Warning);
+        let ctx = RelayContext {
+            state: state.clone(),
+            name: settings.name.clone(),
+        };
+        let consumer: StreamConsumer<RelayContext> = cfg.create_with_context(ctx)?;
+        let topics: Vec<&str> = settings.topics.iter().map(String::as_str).collect();
+        consumer.subscribe(&topics)?;
+        info!(consumer = %settings.name, group = %settings.group, topics = ?settings.topics, "inbox consumer subscribed");
+        Ok(InboxConsumer {
+            consumer,
+            state,
+            processor,
+            pool,
+            settings,
+            faults,
+        })
+    }
+
+    /// Run until `shutdown` is cancelled (then finish the batch in flight and
+    /// commit) or a fault point fails (then stop without committing, like a crash).
+    pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        let result = self.run_loop(&shutdown).await;
+        if result.is_ok() {
+            self.commit_all(CommitMode::Sync);
+        }
+        self.consumer.unsubscribe();
+        info!(consumer = %self.settings.name, "inbox consumer stopped");
+        result
+    }
+
+    async fn run_loop(&self, shutdown: &CancellationToken) -> anyhow::Result<()> {
+        loop {
+            let first = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return Ok(()),
+                m = self.consumer.recv() => m,
+            };
+            let mut batch = Vec::with_capacity(self.settings.batch_size);
+            match first {
+                Ok(m) => batch.push(self.take(&m)),
+                Err(e) => {
+                    warn!(consumer = %self.settings.name, error = %e, "Kafka receive error; the client reconnects by itself");
+                    continue;
+                }
+            }
+            while batch.len() < self.settings.batch_size {
+                match self.consumer.recv().now_or_never() {
+                    Some(Ok(m)) => batch.push(self.take(&m)),
+                    Some(Err(e)) => {
+                        warn!(consumer = %self.settings.name, error = %e, "Kafka receive error");
+                        break;
+                    }
+                    None => break,
+                }
+            }
+            let runs = self.process_batch(batch, shutdown).await?;
+            if runs.iter().any(|r| r.interrupted) {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Copy a message out of librdkafka's buffer, tagged with the revoke generation.
+    fn take(&self, m: &BorrowedMessage<'_>) -> (RawRecord, u64) {
+        let headers = m
+            .headers()
+            .map(|hs| {
+                hs.iter()
+                    .map(|h| Header {
+                        name: h.key.to_owned(),
+                        value: h.value.map(<[u8]>::to_vec),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let record = RawRecord {
+            topic: m.topic().to_owned(),
+            partition: m.partition(),
+            offset: m.offset(),
+            key: m.key().map(<[u8]>::to_vec),
+            payload: m.payload().map(<[u8]>::to_vec),
+            headers,
+        };
+        (
+            record,
+            self.state.lock().expect("partition state lock").generation,
+        )
+    }
+
+    async fn process_batch(
+        &self,
+        batch: Vec<(RawRecord, u64)>,
+        shutdown: &CancellationToken,
+    ) -> anyhow::Result<Vec<PartitionRun>> {
+        let mut by_partition: BTreeMap<Tp, Vec<RawRecord>> = BTreeMap::new();
+        {
+            let s = self.state.lock().expect("partition state lock");
+            for (record, generation) in batch {
+                let tp = (record.topic.clone(), record.partition);
+                if s.revoked_at
+                    .get(&tp)
+                    .is_some_and(|revoked| *revoked > generation)
+                {
+                    debug!(topic = %tp.0, partition = tp.1, offset = record.offset, "dropping a fetched record of a revoked partition");
+                    continue;
+                }
+                by_partition.entry(tp).or_default().push(record);
+            }
+        }
+        let runs = futures::future::join_all(
+            by_partition
+                .into_iter()
+                .map(|(tp, records)| self.process_partition(tp, records, shutdown)),
+        )
+        .await;
+        runs.into_iter()
+            .collect::<Result<Vec<_>, FaultInjected>>()
+            .map_err(Into::into)
+    }
+
+    /// Store and commit `next` as the end of `tp`'s processed prefix. Called
+    /// after every database commit, so progress before a stuck record is
+    /// committed while the record waits.
+    fn advance(&self, tp: &Tp, next: i64) {
+        self.state
+            .lock()
+            .expect("partition state lock")
+            .next_offsets
+            .insert(tp.clone(), next);
+        let mut tpl = TopicPartitionList::new();
+        if tpl
+            .add_partition_offset(&tp.0, tp.1, Offset::Offset(next))
+            .is_err()
+        {
+            return;
+        }
+        if let Err(e) = self.consumer.store_offsets(&tpl) {
+            debug!(error = %e, "storing offsets failed (partition no longer assigned?)");
+        }
+        if let Err(e) = self.consumer.commit(&tpl, CommitMode::Async) {
+            warn!(consumer = %self.settings.name, error = %e, "offset commit failed; it is retried with the next batch");
+        }
+    }
+
+    fn commit_all(&self, mode: CommitMode) {
+        let mut tpl = TopicPartitionList::new();
+        for ((topic, partition), next) in &self
+            .state
+            .lock()
+            .expect("partition state lock")
+            .next_offsets
+        {
+            let _ = tpl.add_partition_offset(topic, *partition, Offset::Offset(*next));
+        }
+        if tpl.count() > 0
+            && let Err(e) = self.consumer.commit(&tpl, mode)
+        {
+            warn!(consumer = %self.settings.name, error = %e, "final offset commit failed; records will be redelivered and deduplicated");
+        }
+    }
+
+    async fn process_partition(
+        &self,
+        tp: Tp,
+        records: Vec<RawRecord>,
+        shutdown: &CancellationToken,
+    ) -> Result<PartitionRun, FaultInjected> {
+        let mut run = PartitionRun { interrupted: false };
+        let mut i = 0;
+        let mut not_yet = 0u32;
+        let mut db_failures = 0u32;
+        let mut rng = StdRng::from_os_rng();
+        while i < records.len() {
+            let wait = match self.run_batch(&records[i..]).await {
+                Ok(BatchRun { done, stopped }) => {
+                    db_failures = 0;
+                    if done > 0 {
+                        i += done;
+                        self.advance(&tp, records[i - 1].offset + 1);
+                        not_yet = 0;
+                    }
+                    let Some(poison) = stopped else { continue };
+                    not_yet += 1;
+                    let record = &records[i];
+                    let budget = self.settings.reference_retry;
+                    if not_yet >= budget.max_attempts {
+                        match self.park_alone(record, &poison, not_yet).await {
+                            Ok(()) => {
+                                warn!(
+                                    consumer = %self.settings.name, topic = %record.topic, partition = record.partition,
+                                    offset = record.offset, event_id = poison.event_id.as_deref().unwrap_or(""),
+                                    error_class = %poison.class, attempts = not_yet,
+                                    "record parked after its retry budget: {}", poison.reason
+                                );
+                                i += 1;
+                                self.advance(&tp, record.offset + 1);
+                                not_yet = 0;
+                                continue;
+                            }
+                            Err(BatchError::Fault(f)) => return Err(f),
+                            Err(BatchError::Db(e)) => {
+                                db_failures += 1;
+                                self.db_unavailable(&e, db_failures, &mut rng)
+                            }
+                        }
+                    } else {
+                        let delay = budget.backoff.delay(not_yet, &mut rng);
+                        warn!(
+                            consumer = %self.settings.name, topic = %record.topic, partition = record.partition,
+                            offset = record.offset, event_id = poison.event_id.as_deref().unwrap_or(""),
+                            error_class = %poison.class, attempt = not_yet, retry_in_ms = delay.as_millis() as u64,
+                            "record not processable yet; the partition waits for it: {}", poison.reason
+                        );
+                        delay
+                    }
+                }
+                Err(BatchError::Fault(f)) => return Err(f),
+                Err(BatchError::Db(e)) => {
+                    db_failures += 1;
+                    self.db_unavailable(&e, db_failures, &mut rng)
+                }
+            };
+            tokio::select! {
+                _ = shutdown.cancelled() => { run.interrupted = true; return Ok(run); }
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+        Ok(run)
+    }
+
+    fn db_unavailable(&self, e: &sqlx::Error, failures: u32, rng: &mut impl rand::Rng) -> Duration {
+        let delay = self
+            .settings
+            .database_backoff
+            .delay(failures, rng)
+            .max(Duration::from_millis(50));
+        error!(
+            consumer = %self.settings.name, error = %e, attempt = failures, retry_in_ms = delay.as_millis() as u64,
+            "database error; nothing was committed for this batch and its offsets stay where they were; retrying"
+        );
+        delay
+    }
+
+    /// One transaction over `records` (one partition, in order).
+    async fn run_batch(&self, records: &[RawRecord]) -> Result<BatchRun, BatchError> {
+        let mut conn = self.pool.acquire().await?;
+        let mut tx = conn.begin().await?;
+        let mut done = 0;
+        let mut stopped = None;
+        let mut log = Vec::with_capacity(records.len());
+        for record in records {
+            let started = Instant::now();
+            let processed = self.processor.process(&mut tx, record).await?;
+            match &processed.step {
+                Step::Poison(poison) => {
+                    self.processor.park(&mut tx, record, poison, 1).await?;
+                }
+                Step::RetryLater(poison) => {
+                    stopped = Some(poison.clone());
+                    break;
+                }
+                _ => {}
+            }
+            done += 1;
+            log.push((record, processed, started.elapsed()));
+        }
+        self.faults.hit(point::CONSUMER_BEFORE_DB_COMMIT).await?;
+        tx.commit().await?;
+        self.faults.hit(point::CONSUMER_AFTER_DB_COMMIT).await?;
+        for (record, processed, took) in log {
+            self.log_record(record, &processed, took);
+        }
+        Ok(BatchRun { done, stopped })
+    }
+
+    async fn park_alone(
+        &self,
+        record: &RawRecord,
+        poison: &Poison,
+        attempts: u32,
+    ) -> Result<(), BatchError> {
+        let mut conn = self.pool.acquire().await?;
+        let mut tx = conn.begin().await?;
+        self.processor
+            .park(&mut tx, record, poison, attempts)
+            .await?;
+        self.faults.hit(point::CONSUMER_BEFORE_DB_COMMIT).await?;
+        tx.commit().await?;
+        self.faults.hit(point::CONSUMER_AFTER_DB_COMMIT).await?;
+        Ok(())
+    }
+
+    fn log_record(&self, record: &RawRecord, p: &Processed, took: Duration) {
+        let level = match &p.step {
+            Step::Applied { .. } => Level::DEBUG,
+            Step::Duplicate | Step::NoOp { .. } => Level::INFO,
+            Step::Poison(_) | Step::RetryLater(_) => Level::WARN,
+        };
+        let detail = match &p.step {
+            Step::Applied { intents, events } => {
+                format!("applied: {intents} intent(s), {events} event(s) written")
+            }
+            Step::Duplicate => "duplicate: already in the inbox, nothing written".into(),
+            Step::NoOp { outcome, detail } => format!("{}: {detail}", outcome.as_str()),
+            Step::Poison(poison) => format!("dead-lettered ({}): {}", poison.class, poison.reason),
+            Step::RetryLater(poison) => format!("not yet ({}): {}", poison.class, poison.reason),
+        };
+        let i = &p.info;
+        macro_rules! emit {
+            ($lvl:expr) => {
+                tracing::event!(
+                    $lvl,
+                    consumer = %self.settings.name,
+                    group = %self.settings.group,
+                    topic = %record.topic,
+                    partition = record.partition,
+                    offset = record.offset,
+                    event_id = i.id.as_deref().unwrap_or(""),
+                    event_type = i.event_type.as_deref().unwrap_or(""),
+                    route = i.route.as_deref().unwrap_or(""),
+                    idempotency_key = i.idempotency_key.as_deref().unwrap_or(""),
+                    aggregate_id = i.aggregate_id.as_deref().unwrap_or(""),
+                    correlation_id = i.correlation_id.as_deref().unwrap_or(""),
+                    causation_id = i.causation_id.as_deref().unwrap_or(""),
+                    result = p.step.result(),
+                    duration_us = took.as_micros() as u64,
+                    "{detail}"
+                )
+            };
+        }
+        match level {
+            Level::WARN => emit!(Level::WARN),
+            Level::INFO => emit!(Level::INFO),
+            _ => emit!(Level::DEBUG),
+        }
+    }
+}

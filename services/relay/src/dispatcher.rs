@@ -1,0 +1,567 @@
+//! The intent dispatcher: claim due intents, call the provider outside any
+//! transaction, record the outcome in a second short transaction that checks
+//! the lease is still ours (fencing).
+//!
+//! ```text
+//! claim (1 statement: SKIP LOCKED + lease + attempts+1)  -- commit
+//! HTTP call with the intent's idempotency key            -- no transaction open
+//! finalize (fenced UPDATE + outcome effects)             -- commit
+//! ```
+//!
+//! Retry schedule (per endpoint, stored with the intent as `next_attempt_at`):
+//! full-jitter exponential backoff from [`relay_core::retry::BackoffPolicy`],
+//! at least the provider's `Retry-After`, until `max_attempts` attempts or
+//! `max_age` since the intent was written; then the intent is dead with its
+//! last status and error, and its `on_dead` effects are recorded.
+//!
+//! If this process dies anywhere in that sequence, the lease expires, any
+//! dispatcher's rescuer returns the intent to pending, and it is sent again
+//! with the same key (C9, C10). A worker that finishes after its lease was
+//! rescued finds its token gone and records nothing (C17).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::Utc;
+use relay_core::config::{DispatcherConfig, EndpointConfig};
+use relay_core::effects::encode_event;
+use relay_core::ids::outcome_id;
+use relay_core::retry::{Verdict, classify};
+use relay_core::{Outcome, Provenance};
+use relay_store::intents::{self, AttemptRecord, ClaimedIntent, Fenced};
+use relay_store::sagas::{self, Transition};
+use relay_store::{inbox, outbox};
+use sqlx::postgres::PgListener;
+use sqlx::{Connection, PgConnection, PgPool};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+use crate::faults::{FaultInjected, Faults, point};
+use crate::http::{CallResult, EndpointClient};
+
+/// Channel the intents trigger notifies.
+pub const CHANNEL: &str = "relay_intents";
+
+/// The intent dispatcher of one process.
+#[derive(Clone)]
+pub struct Dispatcher {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: PgPool,
+    settings: DispatcherConfig,
+    worker: String,
+    endpoints: HashMap<String, EndpointClient>,
+    faults: Faults,
+}
+
+/// How an intent's claim ended, for the log and the tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finished {
+    /// Succeeded.
+    Succeeded,
+    /// Scheduled for another attempt.
+    Retrying,
+    /// Dead.
+    Dead,
+    /// The lease was lost before the outcome was recorded.
+    LeaseLost,
+}
+
+impl Dispatcher {
+    /// A dispatcher over `endpoints`. Must be called inside a tokio runtime.
+    pub fn new(
+        pool: PgPool,
+        settings: DispatcherConfig,
+        endpoints: &std::collections::BTreeMap<String, EndpointConfig>,
+        faults: Faults,
+    ) -> anyhow::Result<Dispatcher> {
+        let worker = settings.worker_id.clone().unwrap_or_else(default_worker_id);
+        let endpoints = endpoints
+            .iter()
+            .map(|(name, cfg)| Ok((name.clone(), EndpointClient::new(name, cfg)?)))
+            .collect::<anyhow::Result<_>>()?;
+        Ok(Dispatcher {
+            inner: Arc::new(Inner {
+                pool,
+                settings,
+                worker,
+                endpoints,
+                faults,
+            }),
+        })
+    }
+
+    /// This dispatcher's worker id.
+    pub fn worker(&self) -> &str {
+        &self.inner.worker
+    }
+
+    /// Run until `shutdown`: stop claiming, let calls in flight finish and
+    /// record their outcome, then return. A fault point that fails stops the
+    /// loop at once, leaving claimed intents to the rescuer (like a crash).
+    pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        let s = &self.inner.settings;
+        info!(worker = %self.inner.worker, concurrency = s.concurrency, lease = ?s.lease, "dispatcher started");
+        let mut listener = listen(&self.inner.pool, CHANNEL).await;
+        let rescuer = tokio::spawn(self.clone().rescue_loop(shutdown.clone()));
+        let permits = Arc::new(Semaphore::new(s.concurrency));
+        let mut tasks: JoinSet<Result<(), FaultInjected>> = JoinSet::new();
+        let mut failures = 0u32;
+        let result = loop {
+            if shutdown.is_cancelled() {
+                break Ok(());
+            }
+            // Reap finished calls; a failed fault point means "crash now".
+            let mut crashed = None;
+            while let Some(done) = tasks.try_join_next() {
+                if let Ok(Err(f)) = done {
+                    crashed = Some(f);
+                }
+            }
+            if let Some(f) = crashed {
+                break Err(f.into());
+            }
+            let free = permits.available_permits();
+            if free == 0 {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break Ok(()),
+                    done = tasks.join_next() => {
+                        if let Some(Ok(Err(f))) = done { break Err(f.into()); }
+                    }
+                }
+                continue;
+            }
+            let want = free.min(s.claim_batch as usize);
+            let claimed = match self.claim(want).await {
+                Ok(c) => {
+                    failures = 0;
+                    c
+                }
+                Err(e) => {
+                    failures += 1;
+                    let delay = s
+                        .poll_interval
+                        .min(Duration::from_millis(100 * u64::from(failures.min(50))));
+                    error!(worker = %self.inner.worker, error = %e, "claiming intents failed; retrying");
+                    tokio::select! { _ = shutdown.cancelled() => break Ok(()), _ = tokio::time::sleep(delay) => {} }
+                    continue;
+                }
+            };
+            let n = claimed.len();
+            if n > 0
+                && let Err(f) = self.inner.faults.hit(point::DISPATCHER_AFTER_CLAIM).await
+            {
+                break Err(f.into());
+            }
+            for intent in claimed {
+                let permit = permits
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .expect("semaphore never closed");
+                let me = self.clone();
+                tasks.spawn(async move {
+                    let _permit = permit;
+                    me.execute(intent).await.map(|_| ())
+                });
+            }
+            if n == want {
+                continue; // more may be due right now
+            }
+            let wait = self.idle_wait().await;
+            tokio::select! {
+                _ = shutdown.cancelled() => break Ok(()),
+                _ = notified(&mut listener) => {}
+                _ = tokio::time::sleep(wait) => {}
+                Some(done) = tasks.join_next(), if !tasks.is_empty() => {
+                    if let Ok(Err(f)) = done { break Err(f.into()); }
+                }
+            }
+        };
+        if result.is_ok() {
+            info!(worker = %self.inner.worker, in_flight = tasks.len(), "dispatcher stopping; finishing calls in flight");
+            while let Some(done) = tasks.join_next().await {
+                if let Ok(Err(f)) = done {
+                    warn!(error = %f, "fault during shutdown");
+                }
+            }
+        } else {
+            tasks.abort_all();
+        }
+        rescuer.abort();
+        info!(worker = %self.inner.worker, "dispatcher stopped");
+        result
+    }
+
+    async fn claim(&self, limit: usize) -> Result<Vec<ClaimedIntent>, sqlx::Error> {
+        let mut conn = self.inner.pool.acquire().await?;
+        intents::claim(
+            &mut conn,
+            &self.inner.worker,
+            limit as i64,
+            self.inner.settings.lease,
+        )
+        .await
+    }
+
+    /// How long to sleep when nothing is due: until the next retry is due,
+    /// at most the poll interval (NOTIFY wakes us earlier for new intents).
+    async fn idle_wait(&self) -> Duration {
+        let poll = self.inner.settings.poll_interval;
+        let Ok(mut conn) = self.inner.pool.acquire().await else {
+            return poll;
+        };
+        match intents::next_due_at(&mut conn).await {
+            Ok(Some(at)) => (at - Utc::now())
+                .to_std()
+                .unwrap_or(Duration::ZERO)
+                .clamp(Duration::from_millis(5), poll),
+            _ => poll,
+        }
+    }
+
+    async fn rescue_loop(self, shutdown: CancellationToken) {
+        let every = self.inner.settings.rescue_interval;
+        loop {
+            tokio::select! { _ = shutdown.cancelled() => return, _ = tokio::time::sleep(every) => {} }
+            match self.rescue_once().await {
+                Ok(ids) if !ids.is_empty() => {
+                    warn!(worker = %self.inner.worker, rescued = ids.len(), intents = ?ids,
+                          "rescued intents whose lease expired; they will be sent again with the same idempotency key")
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    warn!(worker = %self.inner.worker, error = %e, "rescuing expired leases failed; retrying")
+                }
+            }
+        }
+    }
+
+    /// Return intents with expired leases to pending (normally run by the rescue loop).
+    pub async fn rescue_once(&self) -> Result<Vec<uuid::Uuid>, sqlx::Error> {
+        let mut conn = self.inner.pool.acquire().await?;
+        intents::rescue_expired(&mut conn, 500).await
+    }
+
+    /// Make one attempt of a claimed intent and record its outcome.
+    pub async fn execute(&self, intent: ClaimedIntent) -> Result<Finished, FaultInjected> {
+        let started = std::time::Instant::now();
+        let now = Utc::now();
+        let endpoint = self.inner.endpoints.get(&intent.endpoint);
+        let (verdict, result) = if intent.over_budget(now) {
+            let why = if intent.attempts > intent.max_attempts {
+                format!(
+                    "retry budget exhausted: {} attempts made (last error: {})",
+                    intent.max_attempts,
+                    intent.last_error.as_deref().unwrap_or("none")
+                )
+            } else {
+                format!(
+                    "max age passed at {} (last error: {})",
+                    intent.expires_at,
+                    intent.last_error.as_deref().unwrap_or("none")
+                )
+            };
+            let r = CallResult {
+                attempt: relay_core::retry::AttemptResult::Connect,
+                status: None,
+                error_class: Some("budget"),
+                error: Some(why),
+            };
+            (Verdict::Permanent, r)
+        } else if let Some(client) = endpoint {
+            let r = client.call(&intent).await;
+            self.inner.faults.hit(point::DISPATCHER_AFTER_CALL).await?;
+            (classify(&r.attempt), r)
+        } else {
+            let r = CallResult {
+                attempt: relay_core::retry::AttemptResult::Connect,
+                status: None,
+                error_class: Some("endpoint_unknown"),
+                error: Some(format!(
+                    "endpoint {:?} is not configured in this dispatcher",
+                    intent.endpoint
+                )),
+            };
+            (classify(&r.attempt), r)
+        };
+        let finished = self
+            .finalize(&intent, verdict, &result, endpoint.map(|e| e.config()))
+            .await;
+        let took = started.elapsed();
+        let fields = (
+            intent.id,
+            intent.attempts,
+            result.status.map(i64::from).unwrap_or(-1),
+            result.error_class.unwrap_or(""),
+        );
+        match finished {
+            Finished::Succeeded => debug!(
+                worker = %self.inner.worker, intent_id = %fields.0, endpoint = %intent.endpoint, action = %intent.action,
+                event_id = %intent.source_event_id, idempotency_key = %intent.idempotency_key,
+                aggregate_id = intent.aggregate_id.as_deref().unwrap_or(""), correlation_id = intent.correlation_id.as_deref().unwrap_or(""),
+                attempt = fields.1, status = fields.2, result = "succeeded", duration_ms = took.as_millis() as u64,
+                "call succeeded"
+            ),
+            Finished::Retrying => warn!(
+                worker = %self.inner.worker, intent_id = %fields.0, endpoint = %intent.endpoint, action = %intent.action,
+                event_id = %intent.source_event_id, idempotency_key = %intent.idempotency_key,
+                aggregate_id = intent.aggregate_id.as_deref().unwrap_or(""), correlation_id = intent.correlation_id.as_deref().unwrap_or(""),
+                attempt = fields.1, status = fields.2, error_class = fields.3, result = "retrying", duration_ms = took.as_millis() as u64,
+                "call failed; retrying with the same idempotency key: {}", result.error.as_deref().unwrap_or("")
+            ),
+            Finished::Dead => error!(
+                worker = %self.inner.worker, intent_id = %fields.0, endpoint = %intent.endpoint, action = %intent.action,
+                event_id = %intent.source_event_id, idempotency_key = %intent.idempotency_key,
+                aggregate_id = intent.aggregate_id.as_deref().unwrap_or(""), correlation_id = intent.correlation_id.as_deref().unwrap_or(""),
+                attempt = fields.1, status = fields.2, error_class = fields.3, result = "dead", duration_ms = took.as_millis() as u64,
+                "intent is dead and will not be retried (replay it once the cause is fixed): {}", result.error.as_deref().unwrap_or("")
+            ),
+            Finished::LeaseLost => warn!(
+                worker = %self.inner.worker, intent_id = %fields.0, endpoint = %intent.endpoint, event_id = %intent.source_event_id,
+                attempt = fields.1, result = "lease_lost",
+                "lease lost before the outcome was recorded; another worker owns this intent now, nothing recorded"
+            ),
+        }
+        Ok(finished)
+    }
+
+    /// Record the outcome, retrying database errors until the lease would expire.
+    async fn finalize(
+        &self,
+        intent: &ClaimedIntent,
+        verdict: Verdict,
+        r: &CallResult,
+        cfg: Option<&EndpointConfig>,
+    ) -> Finished {
+        let deadline = std::time::Instant::now() + self.inner.settings.lease;
+        let mut attempt = 0u32;
+        loop {
+            match self.finalize_once(intent, verdict, r, cfg).await {
+                Ok(f) => return f,
+                Err(e) => {
+                    attempt += 1;
+                    let delay = Duration::from_millis(100 * u64::from(attempt.min(30)));
+                    if std::time::Instant::now() + delay >= deadline {
+                        error!(intent_id = %intent.id, error = %e,
+                               "could not record the outcome before the lease expires; the intent will be rescued and re-sent with the same key");
+                        return Finished::LeaseLost;
+                    }
+                    warn!(intent_id = %intent.id, error = %e, "recording the outcome failed; retrying");
+                    tokio::time::sleep(delay).await;
+                }
+            }
+        }
+    }
+
+    async fn finalize_once(
+        &self,
+        intent: &ClaimedIntent,
+        verdict: Verdict,
+        r: &CallResult,
+        cfg: Option<&EndpointConfig>,
+    ) -> Result<Finished, sqlx::Error> {
+        let mut conn = self.inner.pool.acquire().await?;
+        let mut tx = conn.begin().await?;
+        let status = r.status.map(i32::from);
+        let record = |outcome| attempt_record(outcome, status, r);
+        let finished = match verdict {
+            Verdict::Success => match intents::mark_succeeded(
+                &mut tx,
+                intent.id,
+                intent.lease_token,
+                &record("succeeded"),
+            )
+            .await?
+            {
+                Fenced::LeaseLost => Finished::LeaseLost,
+                Fenced::Done => {
+                    self.apply_outcome(&mut tx, intent, &intent.on_success, "succeeded")
+                        .await?;
+                    Finished::Succeeded
+                }
+            },
+            Verdict::Retry {
+                retry_after,
+                uncertain,
+            } => {
+                let outcome = if uncertain { "uncertain" } else { "retryable" };
+                let backoff = cfg.map(|c| c.backoff).unwrap_or_default();
+                let attempt = u32::try_from(intent.attempts).unwrap_or(1);
+                let mut delay = backoff.delay(attempt, &mut rand::rng());
+                if let Some(ra) = retry_after {
+                    delay = delay.max(ra);
+                }
+                let next_at = Utc::now() + chrono::Duration::from_std(delay).unwrap_or_default();
+                if intent.attempts >= intent.max_attempts || next_at >= intent.expires_at {
+                    let mut rec = record(outcome);
+                    let why = if intent.attempts >= intent.max_attempts {
+                        format!("retry budget exhausted after {} attempts", intent.attempts)
+                    } else {
+                        format!(
+                            "max age would pass before the next attempt ({})",
+                            intent.expires_at
+                        )
+                    };
+                    rec.error = Some(format!(
+                        "{why}; last error: {}",
+                        r.error.as_deref().unwrap_or("none")
+                    ));
+                    self.die(&mut tx, intent, &rec).await?
+                } else {
+                    match intents::schedule_retry(
+                        &mut tx,
+                        intent.id,
+                        intent.lease_token,
+                        delay,
+                        &record(outcome),
+                    )
+                    .await?
+                    {
+                        Fenced::Done => Finished::Retrying,
+                        Fenced::LeaseLost => Finished::LeaseLost,
+                    }
+                }
+            }
+            Verdict::Permanent => self.die(&mut tx, intent, &record("permanent")).await?,
+        };
+        if finished == Finished::LeaseLost {
+            tx.rollback().await?;
+        } else {
+            tx.commit().await?;
+        }
+        Ok(finished)
+    }
+
+    async fn die(
+        &self,
+        tx: &mut PgConnection,
+        intent: &ClaimedIntent,
+        rec: &AttemptRecord,
+    ) -> Result<Finished, sqlx::Error> {
+        Ok(
+            match intents::mark_dead(tx, intent.id, intent.lease_token, rec).await? {
+                Fenced::LeaseLost => Finished::LeaseLost,
+                Fenced::Done => {
+                    self.apply_outcome(tx, intent, &intent.on_dead, "dead")
+                        .await?;
+                    Finished::Dead
+                }
+            },
+        )
+    }
+
+    /// Record an outcome's events and saga moves, with ids derived from
+    /// (intent, outcome, action), in the transaction that finishes the intent.
+    async fn apply_outcome(
+        &self,
+        tx: &mut PgConnection,
+        intent: &ClaimedIntent,
+        effects: &serde_json::Value,
+        label: &str,
+    ) -> Result<(), sqlx::Error> {
+        let outcome: Outcome = match serde_json::from_value(effects.clone()) {
+            Ok(o) => o,
+            Err(e) => {
+                error!(intent_id = %intent.id, error = %e, "stored outcome effects are unreadable; none recorded");
+                return Ok(());
+            }
+        };
+        if outcome.is_empty() {
+            return Ok(());
+        }
+        let prov = Provenance {
+            source: intent.emit_source.clone(),
+            correlation_id: intent.correlation_id.clone(),
+            causation_id: intent.causation_id.clone(),
+            traceparent: intent.traceparent.clone(),
+            aggregate_id: intent.aggregate_id.clone(),
+        };
+        let now = Utc::now();
+        let source_id = format!("{}:{label}", intent.id);
+        for emit in &outcome.emit {
+            let rec = encode_event(outcome_id(intent.id, label, &emit.action), emit, &prov, now);
+            outbox::insert(tx, &intent.consumer, &source_id, &rec).await?;
+        }
+        for m in &outcome.saga {
+            let t = if m.start {
+                sagas::start(tx, &m.saga_type, &m.saga_id, &m.to, &source_id).await?
+            } else {
+                sagas::transition(tx, &m.saga_type, &m.saga_id, &m.from, &m.to, &source_id).await?
+            };
+            let subject = format!("{}/{}", m.saga_type, m.saga_id);
+            match t {
+                Transition::Applied => {
+                    let detail = serde_json::json!({"from": m.from, "to": m.to, "intent": intent.id, "outcome": label});
+                    inbox::record_history(
+                        tx,
+                        &intent.consumer,
+                        &source_id,
+                        &m.action,
+                        "outcome",
+                        Some(&subject),
+                        &detail,
+                    )
+                    .await?;
+                }
+                other => {
+                    warn!(intent_id = %intent.id, saga = %subject, action = %m.action, result = ?other,
+                               "outcome saga move was a no-op")
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn attempt_record(outcome: &'static str, status: Option<i32>, r: &CallResult) -> AttemptRecord {
+    AttemptRecord {
+        outcome,
+        status,
+        error_class: r.error_class.map(str::to_owned),
+        error: r.error.clone(),
+    }
+}
+
+/// `<hostname>-<pid>`.
+pub fn default_worker_id() -> String {
+    let host = std::fs::read_to_string("/etc/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "host".into());
+    format!("{host}-{}", std::process::id())
+}
+
+/// LISTEN on `channel`; `None` (polling only) if it cannot be set up.
+pub(crate) async fn listen(pool: &PgPool, channel: &str) -> Option<PgListener> {
+    match PgListener::connect_with(pool).await {
+        Ok(mut l) => match l.listen(channel).await {
+            Ok(()) => Some(l),
+            Err(e) => {
+                warn!(error = %e, channel, "LISTEN failed; falling back to polling");
+                None
+            }
+        },
+        Err(e) => {
+            warn!(error = %e, channel, "could not open a LISTEN connection; falling back to polling");
+            None
+        }
+    }
+}
+
+/// Resolve on the next notification (never, without a listener).
+pub(crate) async fn notified(listener: &mut Option<PgListener>) {
+    match listener {
+        Some(l) => {
+            if let Err(e) = l.recv().await {
+                debug!(error = %e, "LISTEN connection error; it reconnects on the next wait");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,175 @@
+//! Fault points: named places in the pipeline where a test can make the
+//! process crash, pause or fail, to hit exact windows of the crash matrix
+//! (e.g. after the DB commit and before the offset commit, C2).
+//!
+//! Enabled only by configuration: `RELAY_FAULTS="consumer.after_db_commit=abort@3"`
+//! (abort the process the 3rd time the point is reached) for process-level
+//! tests, or [`Faults::new`] with [`FaultAction::Fail`] for in-process ones.
+//! With no faults configured every point is a single atomic load.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// The named fault points.
+pub mod point {
+    /// Consumer: the batch is written, the transaction not yet committed.
+    pub const CONSUMER_BEFORE_DB_COMMIT: &str = "consumer.before_db_commit";
+    /// Consumer: the transaction committed, the offset not yet stored/committed.
+    pub const CONSUMER_AFTER_DB_COMMIT: &str = "consumer.after_db_commit";
+    /// Dispatcher: intents claimed, no call made yet.
+    pub const DISPATCHER_AFTER_CLAIM: &str = "dispatcher.after_claim";
+    /// Dispatcher: the provider answered, the outcome not yet recorded.
+    pub const DISPATCHER_AFTER_CALL: &str = "dispatcher.after_call";
+    /// Publisher: the broker acknowledged, the rows not yet marked published.
+    pub const PUBLISHER_AFTER_ACK: &str = "publisher.after_ack";
+}
+
+/// What happens when a fault point fires.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultAction {
+    /// `std::process::abort()`: like kill -9, nothing is flushed or committed.
+    Abort,
+    /// Sleep, then continue (to widen a race window).
+    Pause(Duration),
+    /// Return [`FaultInjected`] to the caller, which stops like a crash
+    /// would: nothing after the point is done (in-process tests).
+    Fail,
+}
+
+#[derive(Debug)]
+struct Fault {
+    action: FaultAction,
+    /// Fire on this hit (1-based); 0 = every hit.
+    on_hit: u64,
+    hits: AtomicU64,
+}
+
+/// A fault fired with [`FaultAction::Fail`].
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("fault injected at {0}")]
+pub struct FaultInjected(pub String);
+
+/// The configured faults. Cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct Faults {
+    points: Arc<HashMap<String, Fault>>,
+}
+
+impl Faults {
+    /// No faults.
+    pub fn none() -> Faults {
+        Faults::default()
+    }
+
+    /// Faults from `(point, action, on_hit)` triples; `on_hit` 0 fires every time.
+    pub fn new(specs: &[(&str, FaultAction, u64)]) -> Faults {
+        let points = specs
+            .iter()
+            .map(|(p, a, n)| {
+                (
+                    (*p).to_owned(),
+                    Fault {
+                        action: *a,
+                        on_hit: *n,
+                        hits: AtomicU64::new(0),
+                    },
+                )
+            })
+            .collect();
+        Faults {
+            points: Arc::new(points),
+        }
+    }
+
+    /// Parse `point=abort[@n],point=pause:500ms[@n],point=fail[@n]`.
+    pub fn parse(spec: &str) -> Result<Faults, String> {
+        let mut out = Vec::new();
+        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (point, rest) = item
+                .split_once('=')
+                .ok_or_else(|| format!("RELAY_FAULTS item {item:?}: expected point=action"))?;
+            let (action, hit) = match rest.split_once('@') {
+                Some((a, n)) => (
+                    a,
+                    n.parse::<u64>()
+                        .map_err(|_| format!("RELAY_FAULTS item {item:?}: bad hit count"))?,
+                ),
+                None => (rest, 0),
+            };
+            let action = match action {
+                "abort" => FaultAction::Abort,
+                "fail" => FaultAction::Fail,
+                a if a.starts_with("pause:") => FaultAction::Pause(
+                    humantime::parse_duration(&a["pause:".len()..])
+                        .map_err(|e| format!("RELAY_FAULTS item {item:?}: {e}"))?,
+                ),
+                other => {
+                    return Err(format!(
+                        "RELAY_FAULTS item {item:?}: unknown action {other:?} (abort, fail, pause:DURATION)"
+                    ));
+                }
+            };
+            out.push((point.to_owned(), action, hit));
+        }
+        let refs: Vec<(&str, FaultAction, u64)> =
+            out.iter().map(|(p, a, n)| (p.as_str(), *a, *n)).collect();
+        Ok(Faults::new(&refs))
+    }
+
+    /// From `RELAY_FAULTS`, if set.
+    pub fn from_env() -> Result<Faults, String> {
+        match std::env::var("RELAY_FAULTS") {
+            Ok(s) => Faults::parse(&s),
+            Err(_) => Ok(Faults::none()),
+        }
+    }
+
+    /// Pass fault point `name`.
+    pub async fn hit(&self, name: &str) -> Result<(), FaultInjected> {
+        let Some(f) = self.points.get(name) else {
+            return Ok(());
+        };
+        let n = f.hits.fetch_add(1, Ordering::SeqCst) + 1;
+        if f.on_hit != 0 && f.on_hit != n {
+            return Ok(());
+        }
+        match f.action {
+            FaultAction::Abort => {
+                tracing::warn!(point = name, hit = n, "fault point: aborting the process");
+                std::process::abort();
+            }
+            FaultAction::Pause(d) => {
+                tracing::warn!(point = name, hit = n, pause = ?d, "fault point: pausing");
+                tokio::time::sleep(d).await;
+                Ok(())
+            }
+            FaultAction::Fail => {
+                tracing::warn!(point = name, hit = n, "fault point: failing");
+                Err(FaultInjected(name.to_owned()))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_fault_fires_only_on_its_hit() {
+        let f = Faults::parse("consumer.after_db_commit=fail@2").unwrap();
+        assert!(f.hit("consumer.after_db_commit").await.is_ok());
+        assert!(f.hit("consumer.after_db_commit").await.is_err());
+        assert!(f.hit("consumer.after_db_commit").await.is_ok());
+        assert!(f.hit("other").await.is_ok());
+    }
+
+    #[test]
+    fn bad_specs_say_what_is_wrong() {
+        let err = Faults::parse("x=explode").unwrap_err();
+        assert!(err.contains("explode"), "{err}");
+        assert!(Faults::parse("x=pause:20ms@1").is_ok());
+    }
+}

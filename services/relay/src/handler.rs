@@ -1,0 +1,72 @@
+//! Handlers registered in code, for logic a declarative route cannot say.
+//!
+//! A handler runs inside the event's database transaction (a savepoint of
+//! it), may read and write the application's own tables through the
+//! connection it is given, and returns the calls and events to make. It is
+//! never given an HTTP client or a producer: the relay makes every external
+//! call through an intent, after the transaction commits.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use relay_core::{InputEvent, Plan};
+use sqlx::PgConnection;
+
+/// Why a handler did not produce a plan.
+#[derive(Debug, thiserror::Error)]
+pub enum HandlerError {
+    /// Something the event refers to is not there yet (R19): retry the
+    /// record with backoff, then park it.
+    #[error("not yet: {0}")]
+    NotYet(String),
+    /// The event is permanently unacceptable: dead-letter it with this reason.
+    #[error("rejected: {0}")]
+    Reject(String),
+    /// A database error (transient ones retry the transaction; data errors dead-letter).
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+/// A handler for one route (`handler = "name"` in the route).
+#[async_trait]
+pub trait Handler: Send + Sync + 'static {
+    /// Apply `event` using `tx` (inside the inbox transaction) and return the
+    /// calls and events it causes. Ids of returned calls and events are
+    /// derived from (consumer, event id, action name): use stable action names.
+    async fn handle(&self, tx: &mut PgConnection, event: &InputEvent)
+    -> Result<Plan, HandlerError>;
+}
+
+/// Handlers by name.
+#[derive(Clone, Default)]
+pub struct Handlers {
+    by_name: HashMap<String, Arc<dyn Handler>>,
+}
+
+impl std::fmt::Debug for Handlers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.by_name.keys()).finish()
+    }
+}
+
+impl Handlers {
+    /// Register `handler` under `name`.
+    pub fn register(mut self, name: impl Into<String>, handler: impl Handler) -> Handlers {
+        self.by_name.insert(name.into(), Arc::new(handler));
+        self
+    }
+
+    /// The handler named `name`.
+    pub fn get(&self, name: &str) -> Option<&Arc<dyn Handler>> {
+        self.by_name.get(name)
+    }
+
+    /// Names the configuration refers to that are not registered.
+    pub fn missing<'a>(&self, wanted: impl Iterator<Item = &'a str>) -> Vec<String> {
+        wanted
+            .filter(|n| !self.by_name.contains_key(*n))
+            .map(str::to_owned)
+            .collect()
+    }
+}

@@ -1,0 +1,248 @@
+//! Calls to one external endpoint: reqwest under tower layers (concurrency
+//! limit, per-request timeout) plus an optional rate limit, the idempotency
+//! key on every attempt (R8), and the outcome reduced to an [`AttemptResult`].
+//!
+//! Why the rate limit is `governor` and not tower's `RateLimit`: tower's
+//! limiter needs `&mut self` and is not `Clone`, so sharing it between
+//! concurrent calls needs a `Buffer`, and the buffer's response future fails
+//! rustc's higher-ranked `Send` check when the dispatcher spawns the call.
+//! governor's limiter is shared behind an `Arc` and awaited before the call.
+
+use std::time::Duration;
+
+use relay_core::config::EndpointConfig;
+use relay_core::retry::{AttemptResult, parse_retry_after};
+use relay_store::intents::ClaimedIntent;
+use reqwest::header::{HeaderName, HeaderValue, RETRY_AFTER};
+use secrecy::{ExposeSecret, SecretString};
+use std::sync::Arc;
+
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use tower::{BoxError, ServiceBuilder, ServiceExt};
+
+type HttpService = tower::limit::ConcurrencyLimit<tower::timeout::Timeout<reqwest::Client>>;
+
+/// What one attempt produced, for classification, the audit row and the log.
+#[derive(Debug, Clone)]
+pub struct CallResult {
+    /// For [`relay_core::retry::classify`].
+    pub attempt: AttemptResult,
+    /// HTTP status, if the provider answered.
+    pub status: Option<u16>,
+    /// Error class for the audit row (`http_status`, `timeout`, `connect`, `transport`, `request`).
+    pub error_class: Option<&'static str>,
+    /// Short error text (a status line and at most 256 bytes of the response body).
+    pub error: Option<String>,
+}
+
+/// The client of one endpoint. Cheap to clone.
+#[derive(Clone)]
+pub struct EndpointClient {
+    name: String,
+    cfg: EndpointConfig,
+    token: Option<SecretString>,
+    http: reqwest::Client,
+    svc: HttpService,
+    limiter: Option<Arc<DefaultDirectRateLimiter>>,
+}
+
+impl std::fmt::Debug for EndpointClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EndpointClient")
+            .field("name", &self.name)
+            .field("base_url", &self.cfg.base_url.as_str())
+            .finish()
+    }
+}
+
+impl EndpointClient {
+    /// Build the client for endpoint `name`. Must be called inside a tokio runtime.
+    pub fn new(name: &str, cfg: &EndpointConfig) -> anyhow::Result<EndpointClient> {
+        let token = cfg
+            .token()
+            .map_err(|e| anyhow::anyhow!("endpoints.{name}: {e}"))?;
+        let http = reqwest::Client::builder()
+            .connect_timeout(cfg.connect_timeout)
+            .pool_max_idle_per_host(cfg.concurrency)
+            .user_agent(concat!("relay/", env!("CARGO_PKG_VERSION")))
+            .build()?;
+        let svc = ServiceBuilder::new()
+            .concurrency_limit(cfg.concurrency)
+            .timeout(cfg.timeout)
+            .service(http.clone());
+        let limiter = cfg
+            .rate_limit_per_second
+            .and_then(|n| std::num::NonZeroU32::new(u32::try_from(n).unwrap_or(u32::MAX)))
+            .map(|n| Arc::new(RateLimiter::direct(Quota::per_second(n))));
+        Ok(EndpointClient {
+            name: name.to_owned(),
+            cfg: cfg.clone(),
+            token,
+            http,
+            svc,
+            limiter,
+        })
+    }
+
+    /// The endpoint's configuration.
+    pub fn config(&self) -> &EndpointConfig {
+        &self.cfg
+    }
+
+    fn request(&self, intent: &ClaimedIntent) -> Result<reqwest::Request, String> {
+        let base = self.cfg.base_url.as_str().trim_end_matches('/');
+        let path = intent.path.trim_start_matches('/');
+        let url = format!("{base}/{path}");
+        let method = reqwest::Method::from_bytes(intent.method.as_bytes())
+            .map_err(|e| format!("method {:?}: {e}", intent.method))?;
+        let mut req = self
+            .http
+            .request(method, &url)
+            .header(
+                self.cfg.idempotency_header.as_str(),
+                intent.idempotency_key.as_str(),
+            )
+            .header("x-relay-intent-id", intent.id.to_string())
+            .header("x-relay-attempt", intent.attempts.to_string());
+        if let Some(t) = &intent.traceparent {
+            req = req.header("traceparent", t);
+        }
+        if let Some(c) = &intent.correlation_id {
+            req = req.header("x-correlation-id", c);
+        }
+        for (k, v) in &self.cfg.headers {
+            req = req.header(k, v);
+        }
+        if let Some(obj) = intent.request_headers.as_object() {
+            for (k, v) in obj {
+                let name = HeaderName::from_bytes(k.as_bytes())
+                    .map_err(|e| format!("header name {k:?}: {e}"))?;
+                let value = HeaderValue::from_str(v.as_str().unwrap_or_default())
+                    .map_err(|e| format!("header {k}: {e}"))?;
+                req = req.header(name, value);
+            }
+        }
+        if let Some(token) = &self.token {
+            req = req.bearer_auth(token.expose_secret());
+        }
+        if let Some(body) = &intent.body {
+            req = req.json(body);
+        }
+        req.build()
+            .map_err(|e| format!("cannot build the request: {e}"))
+    }
+
+    /// Make one attempt.
+    pub async fn call(&self, intent: &ClaimedIntent) -> CallResult {
+        let req = match self.request(intent) {
+            Ok(r) => r,
+            Err(e) => {
+                // The request cannot be expressed at all: as permanent as a 400.
+                return CallResult {
+                    attempt: AttemptResult::Response {
+                        status: 400,
+                        retry_after: None,
+                    },
+                    status: None,
+                    error_class: Some("request"),
+                    error: Some(e),
+                };
+            }
+        };
+        if let Some(limiter) = &self.limiter {
+            limiter.until_ready().await;
+        }
+        match self.svc.clone().oneshot(req).await {
+            Ok(resp) => {
+                let status = resp.status().as_u16();
+                let retry_after = resp
+                    .headers()
+                    .get(RETRY_AFTER)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| parse_retry_after(v, chrono::Utc::now()));
+                let error = if resp.status().is_success() {
+                    None
+                } else {
+                    let reason = resp.status().canonical_reason().unwrap_or("").to_owned();
+                    let body = tokio::time::timeout(self.cfg.timeout, resp.bytes())
+                        .await
+                        .ok()
+                        .and_then(Result::ok);
+                    let snippet = body
+                        .map(|b| String::from_utf8_lossy(&b[..b.len().min(256)]).into_owned())
+                        .unwrap_or_default();
+                    Some(
+                        format!("HTTP {status} {reason}: {snippet}")
+                            .trim_end_matches([' ', ':'])
+                            .to_owned(),
+                    )
+                };
+                CallResult {
+                    attempt: AttemptResult::Response {
+                        status,
+                        retry_after,
+                    },
+                    status: Some(status),
+                    error_class: error.as_ref().map(|_| "http_status"),
+                    error,
+                }
+            }
+            Err(e) => classify_transport(e, self.cfg.timeout),
+        }
+    }
+}
+
+fn classify_transport(e: BoxError, timeout: Duration) -> CallResult {
+    let (attempt, class, text) = if e.is::<tower::timeout::error::Elapsed>() {
+        (
+            AttemptResult::Timeout { sent: true },
+            "timeout",
+            format!(
+                "no response within {timeout:?}; the request may have been applied (uncertain)"
+            ),
+        )
+    } else if let Some(re) = e.downcast_ref::<reqwest::Error>() {
+        if re.is_connect() {
+            (
+                AttemptResult::Connect,
+                "connect",
+                format!("could not connect: {}", error_chain(re)),
+            )
+        } else if re.is_timeout() {
+            (
+                AttemptResult::Timeout { sent: true },
+                "timeout",
+                format!("timed out: {}", error_chain(re)),
+            )
+        } else {
+            (
+                AttemptResult::Transport,
+                "transport",
+                format!("transport error: {}", error_chain(re)),
+            )
+        }
+    } else {
+        (
+            AttemptResult::Transport,
+            "transport",
+            format!("transport error: {e}"),
+        )
+    };
+    CallResult {
+        attempt,
+        status: None,
+        error_class: Some(class),
+        error: Some(text),
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        cur = s.source();
+    }
+    out
+}

@@ -1,0 +1,102 @@
+//! librdkafka client configuration from [`KafkaConfig`]: the relay's
+//! required settings, then every user property passed through unchanged (so
+//! SASL_SSL, client racks, tuning all work), then secrets from the environment.
+
+use rdkafka::config::ClientConfig;
+use relay_core::config::{ConfigError, KafkaConfig};
+use secrecy::ExposeSecret;
+
+/// Which client is being configured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// The inbox consumer.
+    Consumer,
+    /// The outbox publisher.
+    Producer,
+}
+
+/// Settings the relay's guarantees depend on; a user property may not change them.
+fn required(role: Role) -> &'static [(&'static str, &'static str)] {
+    match role {
+        // Offsets are stored and committed by the relay only after the DB commit (R1).
+        Role::Consumer => &[
+            ("enable.auto.commit", "false"),
+            ("enable.auto.offset.store", "false"),
+        ],
+        // Idempotent producer, acks from all in-sync replicas (R10).
+        Role::Producer => &[("enable.idempotence", "true"), ("acks", "all")],
+    }
+}
+
+/// Build a client configuration.
+pub fn client_config(cfg: &KafkaConfig, role: Role) -> Result<ClientConfig, ConfigError> {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &cfg.bootstrap_servers);
+    match role {
+        Role::Consumer => {
+            c.set("auto.offset.reset", "earliest");
+            c.set("session.timeout.ms", "10000");
+            c.set("heartbeat.interval.ms", "1000");
+        }
+        Role::Producer => {
+            c.set("linger.ms", "5");
+            c.set("compression.type", "lz4");
+        }
+    }
+    let role_props = match role {
+        Role::Consumer => &cfg.consumer_properties,
+        Role::Producer => &cfg.producer_properties,
+    };
+    let mut problems = Vec::new();
+    for (k, v) in cfg.properties.iter().chain(role_props) {
+        if let Some((_, want)) = required(role).iter().find(|(rk, _)| rk == k) {
+            if v != want {
+                problems.push(format!(
+                    "kafka property {k} = {v:?}: the relay needs {k} = {want} for its delivery guarantees"
+                ));
+            }
+            continue;
+        }
+        c.set(k, v);
+    }
+    for (k, v) in cfg.secrets()? {
+        c.set(k, v.expose_secret());
+    }
+    for (k, v) in required(role) {
+        c.set(*k, *v);
+    }
+    if problems.is_empty() {
+        Ok(c)
+    } else {
+        Err(ConfigError::Invalid { problems })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn user_properties_pass_through_but_guarantees_cannot_be_turned_off() {
+        let mut cfg = KafkaConfig::default();
+        cfg.properties
+            .insert("security.protocol".into(), "SASL_SSL".into());
+        let c = client_config(&cfg, Role::Consumer).unwrap();
+        assert_eq!(c.get("security.protocol"), Some("SASL_SSL"));
+        assert_eq!(c.get("enable.auto.offset.store"), Some("false"));
+
+        cfg.consumer_properties
+            .insert("enable.auto.commit".into(), "true".into());
+        let err = client_config(&cfg, Role::Consumer).unwrap_err().to_string();
+        assert!(err.contains("enable.auto.commit"), "{err}");
+    }
+
+    #[test]
+    fn secret_properties_come_from_the_environment() {
+        let mut cfg = KafkaConfig::default();
+        cfg.secret_properties
+            .insert("sasl.password".into(), "RELAY_TEST_NOT_SET_ANYWHERE".into());
+        let err = client_config(&cfg, Role::Producer).unwrap_err().to_string();
+        assert!(err.contains("RELAY_TEST_NOT_SET_ANYWHERE"), "{err}");
+    }
+}

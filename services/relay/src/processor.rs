@@ -1,0 +1,532 @@
+//! One record, inside the caller's transaction: route, guard, write.
+//!
+//! The caller (the consumer's batch loop, or a dead-letter replay) owns the
+//! transaction; each record runs in a savepoint of it, so a record that turns
+//! out to be poison, a no-op or "not yet" rolls back only its own writes and
+//! its neighbours in the batch are unaffected (R12).
+//!
+//! Order of work for a routed event, all in one transaction (R2–R7, R14, R20):
+//!
+//! 1. inbox row, `ON CONFLICT DO NOTHING` — zero rows: duplicate, done;
+//! 2. business idempotency key — taken: `duplicate_key`;
+//! 3. version guard / sequence guard — `stale`, `duplicate_version`,
+//!    `duplicate_sequence`; a sequence gap is "retry later";
+//! 4. saga moves — `duplicate_transition`, `invalid_transition`; a missing
+//!    saga is "retry later" (R19);
+//! 5. the code handler, if any;
+//! 6. intents and outbox rows with derived ids, history rows, counters.
+//!
+//! A no-op from steps 2–4 rolls the savepoint back and records the inbox row
+//! with the no-op's class, so every event is recorded once with what happened.
+
+use std::sync::Arc;
+
+use chrono::Utc;
+use relay_core::effects::{encode_dead_letter, encode_event};
+use relay_core::ids::derived_id;
+use relay_core::{
+    CallSpec, CompiledRoute, InputEvent, Plan, Poison, PoisonClass, Provenance, RawRecord, Routed,
+    Router,
+};
+use relay_store::inbox::{
+    self, InboxInsert, InboxOutcome, KeyClaim, NewInboxRow, SequenceCheck, VersionCheck,
+};
+use relay_store::intents::{self, NewIntent};
+use relay_store::sagas::{self, Transition};
+use relay_store::{DbErrorKind, classify_error, dead_letters, outbox};
+use serde_json::json;
+use sqlx::{Connection, PgConnection};
+
+use crate::handler::{HandlerError, Handlers};
+
+/// The identity of a processed event, for logs (R16). Never the payload.
+#[derive(Debug, Clone, Default)]
+pub struct EventInfo {
+    /// Event id.
+    pub id: Option<String>,
+    /// Event type.
+    pub event_type: Option<String>,
+    /// Route name.
+    pub route: Option<String>,
+    /// Business idempotency key.
+    pub idempotency_key: Option<String>,
+    /// Aggregate id.
+    pub aggregate_id: Option<String>,
+    /// Correlation id.
+    pub correlation_id: Option<String>,
+    /// Causation id.
+    pub causation_id: Option<String>,
+}
+
+impl EventInfo {
+    fn of(event: &InputEvent, route: Option<&CompiledRoute>) -> EventInfo {
+        EventInfo {
+            id: Some(event.id.clone()),
+            event_type: Some(event.event_type.clone()),
+            route: route.map(|r| r.name.clone()),
+            idempotency_key: event.idempotency_key.clone(),
+            aggregate_id: event.aggregate_id.clone(),
+            correlation_id: event.correlation_id.clone(),
+            causation_id: event.causation_id.clone(),
+        }
+    }
+
+    fn of_poison(p: &Poison) -> EventInfo {
+        EventInfo {
+            id: p.event_id.clone(),
+            event_type: p.event_type.clone(),
+            ..EventInfo::default()
+        }
+    }
+}
+
+/// What processing a record decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// The effects were written.
+    Applied {
+        /// Intents written (new rows).
+        intents: usize,
+        /// Outbox events written (new rows).
+        events: usize,
+    },
+    /// Already in the inbox: a duplicate delivery or replay; nothing written.
+    Duplicate,
+    /// Recorded in the inbox as a classified no-op (R5).
+    NoOp {
+        /// The class.
+        outcome: InboxOutcome,
+        /// Why, for the log line.
+        detail: String,
+    },
+    /// Permanently unprocessable: the caller parks it.
+    Poison(Poison),
+    /// Not yet processable (missing reference, sequence gap): the caller
+    /// retries it with backoff, then parks it.
+    RetryLater(Poison),
+}
+
+impl Step {
+    /// Short name for logs and counts.
+    pub fn result(&self) -> &'static str {
+        match self {
+            Step::Applied { .. } => "applied",
+            Step::Duplicate => "duplicate",
+            Step::NoOp { outcome, .. } => outcome.as_str(),
+            Step::Poison(_) => "poison",
+            Step::RetryLater(_) => "retry_later",
+        }
+    }
+}
+
+/// A processed record: the decision and who it was.
+#[derive(Debug, Clone)]
+pub struct Processed {
+    /// The decision.
+    pub step: Step,
+    /// The event's identity, as far as it could be read.
+    pub info: EventInfo,
+}
+
+enum Applied {
+    Written { intents: usize, events: usize },
+    Duplicate,
+    NoOp(InboxOutcome, String),
+}
+
+enum ApplyError {
+    RetryLater(Poison),
+    Poison(Poison),
+    Db(sqlx::Error),
+}
+
+impl From<sqlx::Error> for ApplyError {
+    fn from(e: sqlx::Error) -> Self {
+        ApplyError::Db(e)
+    }
+}
+
+/// Turns records into database writes. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Processor {
+    router: Arc<Router>,
+    handlers: Handlers,
+}
+
+impl Processor {
+    /// A processor over compiled routes and registered handlers.
+    pub fn new(router: Arc<Router>, handlers: Handlers) -> Processor {
+        Processor { router, handlers }
+    }
+
+    /// The routing table.
+    pub fn router(&self) -> &Router {
+        &self.router
+    }
+
+    /// Process `record` inside the caller's transaction. `Err` only for
+    /// transient database errors: the caller rolls back and retries the whole
+    /// transaction later, committing no offset meanwhile.
+    pub async fn process(
+        &self,
+        conn: &mut PgConnection,
+        record: &RawRecord,
+    ) -> Result<Processed, sqlx::Error> {
+        let (route, event) = match self.router.route(record) {
+            Err(p) => {
+                return Ok(Processed {
+                    info: EventInfo::of_poison(&p),
+                    step: Step::Poison(p),
+                });
+            }
+            Ok(Routed::Unrouted(event)) => {
+                let info = EventInfo::of(&event, None);
+                let step = match inbox::insert(
+                    conn,
+                    &self.inbox_row(&event, record, InboxOutcome::Unrouted),
+                )
+                .await
+                {
+                    Ok(InboxInsert::Inserted) => Step::NoOp {
+                        outcome: InboxOutcome::Unrouted,
+                        detail: "no route for this type".into(),
+                    },
+                    Ok(InboxInsert::Duplicate) => Step::Duplicate,
+                    Err(e) if classify_error(&e) == DbErrorKind::Permanent => {
+                        Step::Poison(rejected(&e, &event))
+                    }
+                    Err(e) => return Err(e),
+                };
+                return Ok(Processed { step, info });
+            }
+            Ok(Routed::Route(route, event)) => (route, event),
+        };
+        let info = EventInfo::of(&event, Some(route));
+        let plan = match self.router.plan(route, &event, record) {
+            Ok(plan) => plan,
+            Err(p) => {
+                return Ok(Processed {
+                    step: Step::Poison(p),
+                    info,
+                });
+            }
+        };
+        let mut sp = conn.begin().await?;
+        let step = match self.apply(&mut sp, route, &event, record, plan).await {
+            Ok(Applied::Written { intents, events }) => {
+                sp.commit().await?;
+                Step::Applied { intents, events }
+            }
+            Ok(Applied::Duplicate) => {
+                sp.commit().await?;
+                Step::Duplicate
+            }
+            Ok(Applied::NoOp(outcome, detail)) => {
+                sp.rollback().await?;
+                match inbox::insert(conn, &self.inbox_row(&event, record, outcome)).await? {
+                    InboxInsert::Inserted => Step::NoOp { outcome, detail },
+                    InboxInsert::Duplicate => Step::Duplicate,
+                }
+            }
+            Err(ApplyError::RetryLater(p)) => {
+                sp.rollback().await?;
+                Step::RetryLater(p)
+            }
+            Err(ApplyError::Poison(p)) => {
+                sp.rollback().await?;
+                Step::Poison(p)
+            }
+            Err(ApplyError::Db(e)) if classify_error(&e) == DbErrorKind::Permanent => {
+                sp.rollback().await?;
+                Step::Poison(rejected(&e, &event))
+            }
+            Err(ApplyError::Db(e)) => return Err(e),
+        };
+        Ok(Processed { step, info })
+    }
+
+    fn inbox_row<'a>(
+        &'a self,
+        event: &'a InputEvent,
+        record: &'a RawRecord,
+        outcome: InboxOutcome,
+    ) -> NewInboxRow<'a> {
+        NewInboxRow {
+            consumer: self.router.consumer(),
+            event_id: &event.id,
+            event_type: &event.event_type,
+            topic: &record.topic,
+            partition: record.partition,
+            offset: record.offset,
+            idempotency_key: event.idempotency_key.as_deref(),
+            aggregate_id: event.aggregate_id.as_deref(),
+            correlation_id: event.correlation_id.as_deref(),
+            outcome,
+        }
+    }
+
+    async fn apply(
+        &self,
+        tx: &mut PgConnection,
+        route: &CompiledRoute,
+        event: &InputEvent,
+        record: &RawRecord,
+        mut plan: Plan,
+    ) -> Result<Applied, ApplyError> {
+        let consumer = self.router.consumer();
+        if inbox::insert(tx, &self.inbox_row(event, record, InboxOutcome::Applied)).await?
+            == InboxInsert::Duplicate
+        {
+            return Ok(Applied::Duplicate);
+        }
+        if let Some(key) = &event.idempotency_key
+            && let KeyClaim::Duplicate { first_event_id } =
+                inbox::claim_idempotency_key(tx, consumer, key, &event.id).await?
+        {
+            let detail = format!("idempotency key {key:?} was taken by event {first_event_id}");
+            return Ok(Applied::NoOp(InboxOutcome::DuplicateKey, detail));
+        }
+        // The router guarantees aggregate id and version/sequence exist when a guard is on.
+        let aggregate = event.aggregate_id.as_deref().unwrap_or_default();
+        if route.version_guard {
+            let version = event.aggregate_version.unwrap_or_default();
+            match inbox::check_version(tx, consumer, aggregate, version).await? {
+                VersionCheck::Applied => {}
+                VersionCheck::Duplicate => {
+                    return Ok(Applied::NoOp(
+                        InboxOutcome::DuplicateVersion,
+                        format!("version {version} of {aggregate} was applied already"),
+                    ));
+                }
+                VersionCheck::Stale { current } => {
+                    return Ok(Applied::NoOp(
+                        InboxOutcome::Stale,
+                        format!(
+                            "version {version} of {aggregate} is older than applied version {current}"
+                        ),
+                    ));
+                }
+            }
+        }
+        if route.sequence_guard {
+            let seq = event.sequence.unwrap_or_default();
+            match inbox::check_sequence(tx, consumer, aggregate, seq).await? {
+                SequenceCheck::Applied => {}
+                SequenceCheck::Duplicate { last } => {
+                    return Ok(Applied::NoOp(
+                        InboxOutcome::DuplicateSequence,
+                        format!(
+                            "sequence {seq} of {aggregate} is at or below the last applied {last}"
+                        ),
+                    ));
+                }
+                SequenceCheck::Gap { last } => {
+                    return Err(ApplyError::RetryLater(identified(
+                        Poison::new(
+                            PoisonClass::SequenceGap,
+                            format!(
+                                "sequence {seq} of {aggregate} arrived while the last applied is {last}; waiting for {}",
+                                last + 1
+                            ),
+                        ),
+                        event,
+                    )));
+                }
+            }
+        }
+        for m in &plan.sagas {
+            let t = if m.start {
+                sagas::start(tx, &m.saga_type, &m.saga_id, &m.to, &event.id).await?
+            } else {
+                sagas::transition(tx, &m.saga_type, &m.saga_id, &m.from, &m.to, &event.id).await?
+            };
+            let subject = format!("{}/{}", m.saga_type, m.saga_id);
+            match t {
+                Transition::Applied => {
+                    let detail = json!({"from": m.from, "to": m.to, "start": m.start});
+                    inbox::record_history(
+                        tx,
+                        consumer,
+                        &event.id,
+                        &m.action,
+                        "saga",
+                        Some(&subject),
+                        &detail,
+                    )
+                    .await?;
+                }
+                Transition::AlreadyThere => {
+                    let detail = format!("saga {subject} is already {:?}", m.to);
+                    return Ok(Applied::NoOp(InboxOutcome::DuplicateTransition, detail));
+                }
+                Transition::Invalid { current } => {
+                    let detail = format!(
+                        "saga {subject} is {current:?}; {} may only move it from {:?}",
+                        m.action, m.from
+                    );
+                    return Ok(Applied::NoOp(InboxOutcome::InvalidTransition, detail));
+                }
+                Transition::Missing => {
+                    return Err(ApplyError::RetryLater(identified(
+                        Poison::new(
+                            PoisonClass::MissingReference,
+                            format!("saga {subject} does not exist (yet)"),
+                        ),
+                        event,
+                    )));
+                }
+            }
+        }
+        if let Some(name) = &route.handler {
+            let handler = self.handlers.get(name).ok_or_else(|| {
+                ApplyError::Poison(identified(
+                    Poison::new(
+                        PoisonClass::Rejected,
+                        format!("handler {name:?} is not registered"),
+                    ),
+                    event,
+                ))
+            })?;
+            match handler.handle(tx, event).await {
+                Ok(more) => plan.extend(more),
+                Err(HandlerError::NotYet(why)) => {
+                    return Err(ApplyError::RetryLater(identified(
+                        Poison::new(PoisonClass::MissingReference, why),
+                        event,
+                    )));
+                }
+                Err(HandlerError::Reject(why)) => {
+                    return Err(ApplyError::Poison(identified(
+                        Poison::new(PoisonClass::Rejected, why),
+                        event,
+                    )));
+                }
+                Err(HandlerError::Db(e)) => return Err(ApplyError::Db(e)),
+            }
+        }
+        let prov = self.router.provenance(event);
+        let mut written = (0, 0);
+        for call in &plan.calls {
+            let intent = self
+                .new_intent(event, call, &prov)
+                .map_err(|p| ApplyError::Poison(identified(p, event)))?;
+            written.0 += usize::from(intents::insert(tx, &intent).await?);
+        }
+        let now = Utc::now();
+        for emit in &plan.emits {
+            let rec = encode_event(
+                derived_id(consumer, &event.id, &emit.action),
+                emit,
+                &prov,
+                now,
+            );
+            written.1 += usize::from(outbox::insert(tx, consumer, &event.id, &rec).await?);
+        }
+        if let Some(counter) = &route.counter {
+            inbox::increment_counter(tx, consumer, counter).await?;
+        }
+        Ok(Applied::Written {
+            intents: written.0,
+            events: written.1,
+        })
+    }
+
+    fn new_intent(
+        &self,
+        event: &InputEvent,
+        call: &CallSpec,
+        prov: &Provenance,
+    ) -> Result<NewIntent, Poison> {
+        let consumer = self.router.consumer();
+        let endpoint = self.router.endpoint(&call.endpoint).ok_or_else(|| {
+            Poison::new(
+                PoisonClass::Rejected,
+                format!(
+                    "call {:?} names unknown endpoint {:?}",
+                    call.action, call.endpoint
+                ),
+            )
+        })?;
+        let id = derived_id(consumer, &event.id, &call.action);
+        let to_json = |v: &relay_core::Outcome| serde_json::to_value(v).unwrap_or_default();
+        Ok(NewIntent {
+            id,
+            consumer: consumer.to_owned(),
+            source_event_id: event.id.clone(),
+            action: call.action.clone(),
+            endpoint: call.endpoint.clone(),
+            method: call.method.clone(),
+            path: call.path.clone(),
+            body: call.body.clone(),
+            headers: json!(call.headers),
+            idempotency_key: call
+                .idempotency_key
+                .clone()
+                .unwrap_or_else(|| id.to_string()),
+            ordering_key: call.ordering_key.clone(),
+            max_attempts: i32::try_from(endpoint.max_attempts).unwrap_or(i32::MAX),
+            max_age: endpoint.max_age,
+            on_success: to_json(&call.on_success),
+            on_dead: to_json(&call.on_dead),
+            emit_source: prov.source.clone(),
+            aggregate_id: prov.aggregate_id.clone(),
+            correlation_id: prov.correlation_id.clone(),
+            causation_id: prov.causation_id.clone(),
+            traceparent: prov.traceparent.clone(),
+        })
+    }
+
+    /// Park `record` as a dead letter (and queue its copy to the dead-letter
+    /// topic) in the caller's transaction. `false` if it was parked already.
+    pub async fn park(
+        &self,
+        conn: &mut PgConnection,
+        record: &RawRecord,
+        poison: &Poison,
+        attempts: u32,
+    ) -> Result<bool, sqlx::Error> {
+        let consumer = self.router.consumer();
+        let clean = sanitized(poison);
+        let attempts_i32 = i32::try_from(attempts).unwrap_or(i32::MAX);
+        let Some(_) = dead_letters::insert(conn, consumer, record, &clean, attempts_i32).await?
+        else {
+            return Ok(false);
+        };
+        if let Some(topic) = self.router.dead_letter_topic() {
+            let copy = encode_dead_letter(consumer, topic, record, &clean, attempts);
+            outbox::insert(
+                conn,
+                consumer,
+                &format!("{}/{}/{}", record.topic, record.partition, record.offset),
+                &copy,
+            )
+            .await?;
+        }
+        Ok(true)
+    }
+}
+
+fn identified(p: Poison, event: &InputEvent) -> Poison {
+    p.with_identity(Some(&event.id), Some(&event.event_type))
+}
+
+fn rejected(e: &sqlx::Error, event: &InputEvent) -> Poison {
+    identified(
+        Poison::new(
+            PoisonClass::Rejected,
+            format!("the database rejected the event: {e}"),
+        ),
+        event,
+    )
+}
+
+/// PostgreSQL text cannot hold U+0000; a dead letter must always be storable.
+fn sanitized(p: &Poison) -> Poison {
+    let clean = |s: &str| s.replace('\0', "\u{fffd}");
+    Poison {
+        class: p.class,
+        reason: clean(&p.reason),
+        event_id: p.event_id.as_deref().map(clean),
+        event_type: p.event_type.as_deref().map(clean),
+    }
+}

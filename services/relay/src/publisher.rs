@@ -1,0 +1,254 @@
+//! The outbox publisher: claim pending outbox rows, produce them with an
+//! idempotent producer (`acks=all`), and mark them published only after the
+//! broker acknowledged them (R10).
+//!
+//! A crash between the acknowledgement and the mark republishes the same
+//! record with the same CloudEvents id after the lease expires (C14);
+//! consumers downstream dedup on that id, as the relay's own inbox does.
+
+use std::time::Duration;
+
+use futures::future::join_all;
+use rdkafka::ClientContext;
+use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header as KHeader, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer, ProducerContext};
+use rdkafka::util::Timeout;
+use relay_core::config::{KafkaConfig, PublisherConfig};
+use relay_store::outbox::{self, ClaimedRow};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+use crate::dispatcher::{listen, notified};
+use crate::faults::{Faults, point};
+use crate::kafka::{Role, client_config};
+
+/// Channel the outbox trigger notifies.
+pub const CHANNEL: &str = "relay_outbox";
+
+/// Forwards librdkafka's logs to tracing.
+pub struct LogContext;
+
+impl ClientContext for LogContext {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        match level {
+            RDKafkaLogLevel::Emerg
+            | RDKafkaLogLevel::Alert
+            | RDKafkaLogLevel::Critical
+            | RDKafkaLogLevel::Error => {
+                error!(facility = fac, "librdkafka producer: {log_message}")
+            }
+            RDKafkaLogLevel::Warning => warn!(facility = fac, "librdkafka producer: {log_message}"),
+            _ => debug!(facility = fac, "librdkafka producer: {log_message}"),
+        }
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        warn!(error = %error, "Kafka producer error: {reason}");
+    }
+}
+
+impl ProducerContext for LogContext {
+    type DeliveryOpaque = ();
+    fn delivery(&self, _: &rdkafka::message::DeliveryResult<'_>, _: Self::DeliveryOpaque) {}
+}
+
+/// The outbox publisher of one process.
+pub struct Publisher {
+    pool: PgPool,
+    producer: FutureProducer<LogContext>,
+    settings: PublisherConfig,
+    faults: Faults,
+}
+
+impl Publisher {
+    /// Create the producer.
+    pub fn new(
+        pool: PgPool,
+        kafka: &KafkaConfig,
+        settings: PublisherConfig,
+        faults: Faults,
+    ) -> anyhow::Result<Publisher> {
+        let mut cfg = client_config(kafka, Role::Producer)?;
+        cfg.set(
+            "message.timeout.ms",
+            settings.delivery_timeout.as_millis().to_string(),
+        );
+        cfg.set_log_level(RDKafkaLogLevel::Warning);
+        let producer = cfg.create_with_context(LogContext)?;
+        Ok(Publisher {
+            pool,
+            producer,
+            settings,
+            faults,
+        })
+    }
+
+    /// Run until `shutdown`: finish the batch in flight, flush, return.
+    pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        info!(batch = self.settings.batch_size, "outbox publisher started");
+        let mut listener = listen(&self.pool, CHANNEL).await;
+        let mut last_rescue = std::time::Instant::now();
+        let mut failures = 0u32;
+        let result = loop {
+            if shutdown.is_cancelled() {
+                break Ok(());
+            }
+            if last_rescue.elapsed() >= self.settings.lease / 4 {
+                last_rescue = std::time::Instant::now();
+                match self.rescue().await {
+                    Ok(0) => {}
+                    Ok(n) => warn!(
+                        rescued = n,
+                        "outbox rows whose publisher lost its lease are pending again; they will be republished under the same ids"
+                    ),
+                    Err(e) => warn!(error = %e, "rescuing outbox leases failed"),
+                }
+            }
+            match self.publish_batch().await {
+                Ok(n) if n == self.settings.batch_size as usize => {
+                    failures = 0;
+                    continue;
+                }
+                Ok(_) => failures = 0,
+                Err(PublishError::Fault(f)) => break Err(anyhow::Error::from(f)),
+                Err(PublishError::Db(e)) => {
+                    failures += 1;
+                    error!(error = %e, attempt = failures, "outbox database error; retrying");
+                    let delay = Duration::from_millis(100 * u64::from(failures.min(50)));
+                    tokio::select! { _ = shutdown.cancelled() => break Ok(()), _ = tokio::time::sleep(delay) => {} }
+                    continue;
+                }
+            }
+            let wait = self.idle_wait().await;
+            tokio::select! {
+                _ = shutdown.cancelled() => break Ok(()),
+                _ = notified(&mut listener) => {}
+                _ = tokio::time::sleep(wait) => {}
+            }
+        };
+        if result.is_ok() {
+            let _ = self
+                .producer
+                .flush(Timeout::After(self.settings.delivery_timeout));
+        }
+        info!("outbox publisher stopped");
+        result
+    }
+
+    async fn rescue(&self) -> Result<u64, sqlx::Error> {
+        let mut conn = self.pool.acquire().await?;
+        outbox::rescue_expired(&mut conn, 1000).await
+    }
+
+    async fn idle_wait(&self) -> Duration {
+        let poll = self.settings.poll_interval;
+        let Ok(mut conn) = self.pool.acquire().await else {
+            return poll;
+        };
+        match outbox::next_due_at(&mut conn).await {
+            Ok(Some(at)) => (at - chrono::Utc::now())
+                .to_std()
+                .unwrap_or(Duration::ZERO)
+                .clamp(Duration::from_millis(5), poll),
+            _ => poll,
+        }
+    }
+
+    /// Claim, produce and mark one batch. Returns the number of rows claimed.
+    pub async fn publish_batch(&self) -> Result<usize, PublishError> {
+        let rows = {
+            let mut conn = self.pool.acquire().await?;
+            outbox::claim(
+                &mut conn,
+                i64::from(self.settings.batch_size),
+                self.settings.lease,
+            )
+            .await?
+        };
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        // Enqueue in seq order (the idempotent producer keeps per-partition order), then await all.
+        let deliveries = join_all(rows.iter().map(|row| self.produce(row))).await;
+        self.faults
+            .hit(point::PUBLISHER_AFTER_ACK)
+            .await
+            .map_err(PublishError::Fault)?;
+        let mut ok_ids = Vec::new();
+        let mut ok_tokens = Vec::new();
+        let mut conn = self.pool.acquire().await?;
+        for (row, result) in rows.iter().zip(deliveries) {
+            match result {
+                Ok((partition, offset)) => {
+                    debug!(outbox_id = %row.id, topic = %row.topic, partition, offset, event_type = row.event_type.as_deref().unwrap_or(""), "published");
+                    ok_ids.push(row.id);
+                    ok_tokens.push(row.lease_token);
+                }
+                Err(e) => {
+                    let delay = self
+                        .settings
+                        .backoff
+                        .delay(u32::try_from(row.attempts).unwrap_or(1), &mut rand::rng());
+                    warn!(outbox_id = %row.id, topic = %row.topic, attempt = row.attempts, retry_in_ms = delay.as_millis() as u64,
+                          error = %e, "publishing failed; it will be retried under the same id");
+                    outbox::schedule_retry(
+                        &mut conn,
+                        row.id,
+                        row.lease_token,
+                        delay,
+                        &e.to_string(),
+                    )
+                    .await?;
+                }
+            }
+        }
+        if !ok_ids.is_empty() {
+            let marked = outbox::mark_published(&mut conn, &ok_ids, &ok_tokens).await?;
+            if marked < ok_ids.len() as u64 {
+                warn!(
+                    published = ok_ids.len(),
+                    marked,
+                    "some rows' leases expired during delivery; they will be published again under the same ids"
+                );
+            }
+        }
+        Ok(rows.len())
+    }
+
+    async fn produce(&self, row: &ClaimedRow) -> Result<(i32, i64), KafkaError> {
+        let headers = row.headers();
+        let mut hs = OwnedHeaders::new_with_capacity(headers.len());
+        for h in &headers {
+            hs = hs.insert(KHeader {
+                key: &h.name,
+                value: h.value.as_deref(),
+            });
+        }
+        let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&row.topic).headers(hs);
+        if let Some(k) = &row.key {
+            record = record.key(k.as_slice());
+        }
+        if let Some(p) = &row.payload {
+            record = record.payload(p.as_slice());
+        }
+        self.producer
+            .send(record, Timeout::After(self.settings.delivery_timeout))
+            .await
+            .map(|d| (d.partition, d.offset))
+            .map_err(|(e, _)| e)
+    }
+}
+
+/// Why a publish round failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    /// Database error: the round is retried.
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+    /// A fault point fired.
+    #[error(transparent)]
+    Fault(crate::faults::FaultInjected),
+}

@@ -1,0 +1,242 @@
+//! Parked input records (R11, R19): kept with the original bytes, position
+//! and reason, so an operator can inspect them and replay them through the
+//! same guards with their original event id.
+
+use chrono::{DateTime, Utc};
+use relay_core::{Poison, RawRecord};
+use serde_json::Value;
+use sqlx::{FromRow, PgConnection};
+
+use crate::headers;
+
+/// Park a record. `None` when the same position was parked already (a
+/// redelivery after a crash between the DB commit and the offset commit).
+pub async fn insert(
+    conn: &mut PgConnection,
+    consumer: &str,
+    record: &RawRecord,
+    poison: &Poison,
+    attempts: i32,
+) -> Result<Option<i64>, sqlx::Error> {
+    sqlx::query_scalar(
+        r#"INSERT INTO relay.dead_letters
+               (consumer, topic, partition, "offset", event_id, event_type, key, payload, headers,
+                error_class, reason, attempts)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+           ON CONFLICT (consumer, topic, partition, "offset") DO NOTHING
+           RETURNING id"#,
+    )
+    .bind(consumer)
+    .bind(&record.topic)
+    .bind(record.partition)
+    .bind(record.offset)
+    .bind(&poison.event_id)
+    .bind(&poison.event_type)
+    .bind(&record.key)
+    .bind(&record.payload)
+    .bind(headers::to_json(&record.headers))
+    .bind(poison.class.as_str())
+    .bind(&poison.reason)
+    .bind(attempts)
+    .fetch_optional(conn)
+    .await
+}
+
+/// A dead letter.
+#[derive(Debug, Clone, FromRow, serde::Serialize)]
+pub struct DeadLetter {
+    /// Id.
+    pub id: i64,
+    /// Consumer.
+    pub consumer: String,
+    /// Source topic.
+    pub topic: String,
+    /// Source partition.
+    pub partition: i32,
+    /// Source offset.
+    pub offset: i64,
+    /// Event id, if it could be read.
+    pub event_id: Option<String>,
+    /// Event type, if it could be read.
+    pub event_type: Option<String>,
+    /// Error class.
+    pub error_class: String,
+    /// Reason.
+    pub reason: String,
+    /// Attempts made.
+    pub attempts: i32,
+    /// Parked at.
+    pub created_at: DateTime<Utc>,
+    /// Last replay.
+    pub replayed_at: Option<DateTime<Utc>>,
+    /// Last replay's outcome.
+    pub replay_outcome: Option<String>,
+    /// Payload size in bytes.
+    pub payload_bytes: Option<i32>,
+}
+
+/// A dead letter with the original record, for inspection and replay.
+#[derive(Debug, Clone)]
+pub struct DeadLetterRecord {
+    /// Metadata.
+    pub meta: DeadLetter,
+    /// The original record.
+    pub record: RawRecord,
+}
+
+/// Filters for listing and purging.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    /// Only this consumer.
+    pub consumer: Option<String>,
+    /// Only this error class.
+    pub error_class: Option<String>,
+    /// Only this topic.
+    pub topic: Option<String>,
+    /// Which ones by replay state.
+    pub resolution: Resolution,
+}
+
+/// Dead letters by replay state. A dead letter is *resolved* once a replay
+/// processed it (applied, duplicate or a classified no-op).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Resolution {
+    /// All of them.
+    #[default]
+    Any,
+    /// Not (yet) resolved by a replay.
+    Unresolved,
+    /// Resolved by a replay.
+    Resolved,
+}
+
+impl Resolution {
+    fn as_str(self) -> &'static str {
+        match self {
+            Resolution::Any => "any",
+            Resolution::Unresolved => "unresolved",
+            Resolution::Resolved => "resolved",
+        }
+    }
+}
+
+/// SQL predicate: the dead letter was resolved by a replay.
+pub const RESOLVED: &str = "(replay_outcome IS NOT NULL AND replay_outcome NOT LIKE 'failed%')";
+
+const COLUMNS: &str = r#"id, consumer, topic, partition, "offset", event_id, event_type, error_class, reason,
+    attempts, created_at, replayed_at, replay_outcome, octet_length(payload) AS payload_bytes"#;
+
+const WHERE: &str = "($1::text IS NULL OR consumer = $1) AND ($2::text IS NULL OR error_class = $2)
+    AND ($3::text IS NULL OR topic = $3)
+    AND ($4 = 'any' OR ($4 = 'resolved') = (replay_outcome IS NOT NULL AND replay_outcome NOT LIKE 'failed%'))";
+
+/// List dead letters, oldest first, after id `after`.
+pub async fn list(
+    conn: &mut PgConnection,
+    f: &Filter,
+    after: i64,
+    limit: i64,
+) -> Result<Vec<DeadLetter>, sqlx::Error> {
+    sqlx::query_as(&format!(
+        "SELECT {COLUMNS} FROM relay.dead_letters WHERE {WHERE} AND id > $5 ORDER BY id LIMIT $6"
+    ))
+    .bind(&f.consumer)
+    .bind(&f.error_class)
+    .bind(&f.topic)
+    .bind(f.resolution.as_str())
+    .bind(after)
+    .bind(limit)
+    .fetch_all(conn)
+    .await
+}
+
+/// Count dead letters matching `f`.
+pub async fn count(conn: &mut PgConnection, f: &Filter) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM relay.dead_letters WHERE {WHERE}"
+    ))
+    .bind(&f.consumer)
+    .bind(&f.error_class)
+    .bind(&f.topic)
+    .bind(f.resolution.as_str())
+    .fetch_one(conn)
+    .await
+}
+
+#[derive(FromRow)]
+struct Raw {
+    key: Option<Vec<u8>>,
+    payload: Option<Vec<u8>>,
+    headers: Value,
+}
+
+/// One dead letter with its original record.
+pub async fn get(
+    conn: &mut PgConnection,
+    id: i64,
+) -> Result<Option<DeadLetterRecord>, sqlx::Error> {
+    let Some(meta) = sqlx::query_as::<_, DeadLetter>(&format!(
+        "SELECT {COLUMNS} FROM relay.dead_letters WHERE id = $1"
+    ))
+    .bind(id)
+    .fetch_optional(&mut *conn)
+    .await?
+    else {
+        return Ok(None);
+    };
+    let raw: Raw =
+        sqlx::query_as("SELECT key, payload, headers FROM relay.dead_letters WHERE id = $1")
+            .bind(id)
+            .fetch_one(conn)
+            .await?;
+    let record = RawRecord {
+        topic: meta.topic.clone(),
+        partition: meta.partition,
+        offset: meta.offset,
+        key: raw.key,
+        payload: raw.payload,
+        headers: headers::from_json(&raw.headers),
+    };
+    Ok(Some(DeadLetterRecord { meta, record }))
+}
+
+/// Record the outcome of a replay.
+pub async fn mark_replayed(
+    conn: &mut PgConnection,
+    id: i64,
+    outcome: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE relay.dead_letters SET replayed_at = now(), replay_outcome = $2 WHERE id = $1",
+    )
+    .bind(id)
+    .bind(outcome)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Delete one dead letter.
+pub async fn delete(conn: &mut PgConnection, id: i64) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query("DELETE FROM relay.dead_letters WHERE id = $1")
+        .bind(id)
+        .execute(conn)
+        .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Delete dead letters matching `f`, at most `limit` (bounded batches).
+pub async fn purge(conn: &mut PgConnection, f: &Filter, limit: i64) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(&format!(
+        "DELETE FROM relay.dead_letters WHERE id IN (
+             SELECT id FROM relay.dead_letters WHERE {WHERE} ORDER BY id LIMIT $5)"
+    ))
+    .bind(&f.consumer)
+    .bind(&f.error_class)
+    .bind(&f.topic)
+    .bind(f.resolution.as_str())
+    .bind(limit)
+    .execute(conn)
+    .await?;
+    Ok(done.rows_affected())
+}

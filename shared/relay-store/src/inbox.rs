@@ -1,0 +1,334 @@
+//! The inbox and the guards that run in the same transaction: technical
+//! dedup (R2), business idempotency keys (R4), version and sequence guards
+//! (R5, R6), history rows (R14) and business counters (R20).
+
+use sqlx::PgConnection;
+
+/// What the inbox insert found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InboxInsert {
+    /// First time this (consumer, event id) is recorded.
+    Inserted,
+    /// Already recorded: a duplicate delivery, a successful no-op.
+    Duplicate,
+}
+
+/// The recorded result of an event, stored in `inbox.outcome`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InboxOutcome {
+    /// The route's effects were written.
+    Applied,
+    /// Another event with the same business idempotency key came first.
+    DuplicateKey,
+    /// Its aggregate version is lower than one already applied.
+    Stale,
+    /// Its aggregate version equals the one already applied.
+    DuplicateVersion,
+    /// The saga was already in the target state.
+    DuplicateTransition,
+    /// The saga is in a state the transition may not start from.
+    InvalidTransition,
+    /// Its sequence number was already applied.
+    DuplicateSequence,
+    /// No route for its type (non-strict consumer).
+    Unrouted,
+}
+
+impl InboxOutcome {
+    /// Stored / logged name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InboxOutcome::Applied => "applied",
+            InboxOutcome::DuplicateKey => "duplicate_key",
+            InboxOutcome::Stale => "stale",
+            InboxOutcome::DuplicateVersion => "duplicate_version",
+            InboxOutcome::DuplicateTransition => "duplicate_transition",
+            InboxOutcome::InvalidTransition => "invalid_transition",
+            InboxOutcome::DuplicateSequence => "duplicate_sequence",
+            InboxOutcome::Unrouted => "unrouted",
+        }
+    }
+}
+
+/// One inbox row to write.
+#[derive(Debug, Clone)]
+pub struct NewInboxRow<'a> {
+    /// Consumer name.
+    pub consumer: &'a str,
+    /// Event id.
+    pub event_id: &'a str,
+    /// Event type.
+    pub event_type: &'a str,
+    /// Source topic.
+    pub topic: &'a str,
+    /// Source partition.
+    pub partition: i32,
+    /// Source offset.
+    pub offset: i64,
+    /// Business idempotency key.
+    pub idempotency_key: Option<&'a str>,
+    /// Aggregate id.
+    pub aggregate_id: Option<&'a str>,
+    /// Correlation id.
+    pub correlation_id: Option<&'a str>,
+    /// Outcome to record.
+    pub outcome: InboxOutcome,
+}
+
+/// `INSERT … ON CONFLICT DO NOTHING` the inbox row (R2).
+pub async fn insert(
+    conn: &mut PgConnection,
+    row: &NewInboxRow<'_>,
+) -> Result<InboxInsert, sqlx::Error> {
+    let done = sqlx::query(
+        r#"INSERT INTO relay.inbox
+               (consumer, event_id, event_type, topic, partition, "offset",
+                idempotency_key, aggregate_id, correlation_id, outcome)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+           ON CONFLICT (consumer, event_id) DO NOTHING"#,
+    )
+    .bind(row.consumer)
+    .bind(row.event_id)
+    .bind(row.event_type)
+    .bind(row.topic)
+    .bind(row.partition)
+    .bind(row.offset)
+    .bind(row.idempotency_key)
+    .bind(row.aggregate_id)
+    .bind(row.correlation_id)
+    .bind(row.outcome.as_str())
+    .execute(conn)
+    .await?;
+    Ok(if done.rows_affected() == 1 {
+        InboxInsert::Inserted
+    } else {
+        InboxInsert::Duplicate
+    })
+}
+
+/// What claiming a business idempotency key found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyClaim {
+    /// This event owns the key.
+    Claimed,
+    /// Another event claimed it first.
+    Duplicate {
+        /// The event that owns the key.
+        first_event_id: String,
+    },
+}
+
+/// Claim a business idempotency key for `event_id` (R4).
+pub async fn claim_idempotency_key(
+    conn: &mut PgConnection,
+    consumer: &str,
+    key: &str,
+    event_id: &str,
+) -> Result<KeyClaim, sqlx::Error> {
+    let done = sqlx::query(
+        "INSERT INTO relay.idempotency_keys (consumer, idempotency_key, event_id)
+         VALUES ($1, $2, $3) ON CONFLICT (consumer, idempotency_key) DO NOTHING",
+    )
+    .bind(consumer)
+    .bind(key)
+    .bind(event_id)
+    .execute(&mut *conn)
+    .await?;
+    if done.rows_affected() == 1 {
+        return Ok(KeyClaim::Claimed);
+    }
+    let first_event_id: String = sqlx::query_scalar(
+        "SELECT event_id FROM relay.idempotency_keys WHERE consumer = $1 AND idempotency_key = $2",
+    )
+    .bind(consumer)
+    .bind(key)
+    .fetch_one(conn)
+    .await?;
+    Ok(KeyClaim::Duplicate { first_event_id })
+}
+
+/// What the version guard decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VersionCheck {
+    /// The version is newer than any applied: recorded, apply.
+    Applied,
+    /// The same version was applied already.
+    Duplicate,
+    /// A newer version was applied already.
+    Stale {
+        /// The version already applied.
+        current: i64,
+    },
+}
+
+/// Advance the aggregate's version to `version` if it is newer (R5).
+pub async fn check_version(
+    conn: &mut PgConnection,
+    consumer: &str,
+    aggregate_id: &str,
+    version: i64,
+) -> Result<VersionCheck, sqlx::Error> {
+    let done = sqlx::query(
+        "INSERT INTO relay.aggregates AS a (consumer, aggregate_id, version)
+         VALUES ($1, $2, $3)
+         ON CONFLICT (consumer, aggregate_id) DO UPDATE
+             SET version = EXCLUDED.version, updated_at = now()
+             WHERE a.version IS NULL OR a.version < EXCLUDED.version",
+    )
+    .bind(consumer)
+    .bind(aggregate_id)
+    .bind(version)
+    .execute(&mut *conn)
+    .await?;
+    if done.rows_affected() == 1 {
+        return Ok(VersionCheck::Applied);
+    }
+    let current: i64 = sqlx::query_scalar(
+        "SELECT version FROM relay.aggregates WHERE consumer = $1 AND aggregate_id = $2",
+    )
+    .bind(consumer)
+    .bind(aggregate_id)
+    .fetch_one(conn)
+    .await?;
+    Ok(if current == version {
+        VersionCheck::Duplicate
+    } else {
+        VersionCheck::Stale { current }
+    })
+}
+
+/// What the sequence guard decided (R6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SequenceCheck {
+    /// `seq == last + 1`: recorded, apply.
+    Applied,
+    /// `seq <= last`: already applied.
+    Duplicate {
+        /// Last applied sequence number.
+        last: i64,
+    },
+    /// `seq > last + 1`: an earlier event is missing; retry later, never apply.
+    Gap {
+        /// Last applied sequence number.
+        last: i64,
+    },
+}
+
+/// Apply sequence number `seq` of the aggregate if it is the next one.
+pub async fn check_sequence(
+    conn: &mut PgConnection,
+    consumer: &str,
+    aggregate_id: &str,
+    seq: i64,
+) -> Result<SequenceCheck, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE relay.aggregates SET last_seq = $3, updated_at = now()
+         WHERE consumer = $1 AND aggregate_id = $2 AND last_seq = $3 - 1",
+    )
+    .bind(consumer)
+    .bind(aggregate_id)
+    .bind(seq)
+    .execute(&mut *conn)
+    .await?;
+    if done.rows_affected() == 1 {
+        return Ok(SequenceCheck::Applied);
+    }
+    if seq == 1 {
+        let done = sqlx::query(
+            "INSERT INTO relay.aggregates (consumer, aggregate_id, last_seq) VALUES ($1, $2, 1)
+             ON CONFLICT (consumer, aggregate_id) DO NOTHING",
+        )
+        .bind(consumer)
+        .bind(aggregate_id)
+        .execute(&mut *conn)
+        .await?;
+        if done.rows_affected() == 1 {
+            return Ok(SequenceCheck::Applied);
+        }
+    }
+    let last: Option<i64> = sqlx::query_scalar(
+        "SELECT last_seq FROM relay.aggregates WHERE consumer = $1 AND aggregate_id = $2",
+    )
+    .bind(consumer)
+    .bind(aggregate_id)
+    .fetch_optional(conn)
+    .await?;
+    let last = last.unwrap_or(0);
+    Ok(if seq <= last {
+        SequenceCheck::Duplicate { last }
+    } else {
+        SequenceCheck::Gap { last }
+    })
+}
+
+/// Record a history row keyed by its source (R14); a replay writes nothing.
+pub async fn record_history(
+    conn: &mut PgConnection,
+    consumer: &str,
+    source_id: &str,
+    action: &str,
+    kind: &str,
+    subject: Option<&str>,
+    detail: &serde_json::Value,
+) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query(
+        "INSERT INTO relay.history (consumer, source_id, action, kind, subject, detail)
+         VALUES ($1, $2, $3, $4, $5, $6)
+         ON CONFLICT (consumer, source_id, action) DO NOTHING",
+    )
+    .bind(consumer)
+    .bind(source_id)
+    .bind(action)
+    .bind(kind)
+    .bind(subject)
+    .bind(detail)
+    .execute(conn)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Add one to a business counter. Call only where a new inbox row was
+/// inserted in the same transaction, so the counter counts unique events (R20).
+pub async fn increment_counter(
+    conn: &mut PgConnection,
+    consumer: &str,
+    name: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO relay.counters (consumer, name, value) VALUES ($1, $2, 1)
+         ON CONFLICT (consumer, name) DO UPDATE SET value = relay.counters.value + 1",
+    )
+    .bind(consumer)
+    .bind(name)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// A business counter's value (0 when never incremented).
+pub async fn counter(
+    conn: &mut PgConnection,
+    consumer: &str,
+    name: &str,
+) -> Result<i64, sqlx::Error> {
+    let v: Option<i64> =
+        sqlx::query_scalar("SELECT value FROM relay.counters WHERE consumer = $1 AND name = $2")
+            .bind(consumer)
+            .bind(name)
+            .fetch_optional(conn)
+            .await?;
+    Ok(v.unwrap_or(0))
+}
+
+/// Whether (consumer, event id) is in the inbox, and with which outcome.
+pub async fn outcome_of(
+    conn: &mut PgConnection,
+    consumer: &str,
+    event_id: &str,
+) -> Result<Option<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT outcome FROM relay.inbox WHERE consumer = $1 AND event_id = $2")
+        .bind(consumer)
+        .bind(event_id)
+        .fetch_optional(conn)
+        .await
+}

@@ -1,0 +1,172 @@
+//! Outbox rows: Kafka records to publish, claimed by publishers with a lease
+//! and marked published only after the broker acknowledged them (R10).
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use relay_core::{Header, OutboxRecord};
+use serde_json::Value;
+use sqlx::{FromRow, PgConnection};
+use uuid::Uuid;
+
+use crate::headers;
+
+/// Insert an outbox record; `false` when it already exists (same derived id).
+pub async fn insert(
+    conn: &mut PgConnection,
+    consumer: &str,
+    source_id: &str,
+    r: &OutboxRecord,
+) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query(
+        "INSERT INTO relay.outbox
+             (id, consumer, source_id, action, topic, key, headers, payload, event_type, ordering_key)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+         ON CONFLICT (id) DO NOTHING",
+    )
+    .bind(r.id)
+    .bind(consumer)
+    .bind(source_id)
+    .bind(&r.action)
+    .bind(&r.topic)
+    .bind(&r.key)
+    .bind(headers::to_json(&r.headers))
+    .bind(&r.payload)
+    .bind(&r.event_type)
+    .bind(&r.ordering_key)
+    .execute(conn)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// A claimed outbox row.
+#[derive(Debug, Clone, FromRow)]
+pub struct ClaimedRow {
+    /// Id (the CloudEvents id of events).
+    pub id: Uuid,
+    /// Insertion order: rows are produced in this order.
+    pub seq: i64,
+    /// Fencing token.
+    pub lease_token: Uuid,
+    /// Topic.
+    pub topic: String,
+    /// Key.
+    pub key: Option<Vec<u8>>,
+    /// Headers (see [`crate::headers`]).
+    pub headers: Value,
+    /// Value.
+    pub payload: Option<Vec<u8>>,
+    /// Event type.
+    pub event_type: Option<String>,
+    /// Attempts including this one.
+    pub attempts: i32,
+}
+
+impl ClaimedRow {
+    /// Headers decoded.
+    pub fn headers(&self) -> Vec<Header> {
+        headers::from_json(&self.headers)
+    }
+}
+
+/// Claim up to `limit` due rows, oldest first. A row whose topic and
+/// ordering key has an earlier unpublished row waits for it, so events of one
+/// key reach the partition in the order they were written.
+pub async fn claim(
+    conn: &mut PgConnection,
+    limit: i64,
+    lease: Duration,
+) -> Result<Vec<ClaimedRow>, sqlx::Error> {
+    let mut rows: Vec<ClaimedRow> = sqlx::query_as(
+        "WITH due AS (
+             SELECT o.id FROM relay.outbox o
+              WHERE o.state = 'pending' AND o.next_attempt_at <= now()
+                AND (o.ordering_key IS NULL OR NOT EXISTS (
+                        SELECT 1 FROM relay.outbox e
+                         WHERE e.topic = o.topic AND e.ordering_key = o.ordering_key
+                           AND e.seq < o.seq AND e.state IN ('pending', 'running')))
+              ORDER BY o.seq
+              LIMIT $1
+              FOR UPDATE SKIP LOCKED
+         )
+         UPDATE relay.outbox o
+            SET state = 'running', attempts = o.attempts + 1, lease_token = gen_random_uuid(),
+                locked_until = now() + make_interval(secs => $2)
+           FROM due WHERE o.id = due.id
+         RETURNING o.id, o.seq, o.lease_token, o.topic, o.key, o.headers, o.payload, o.event_type, o.attempts",
+    )
+    .bind(limit)
+    .bind(lease.as_secs_f64())
+    .fetch_all(conn)
+    .await?;
+    rows.sort_by_key(|r| r.seq);
+    Ok(rows)
+}
+
+/// Mark rows published, each only if we still hold its lease. Returns how many were ours.
+pub async fn mark_published(
+    conn: &mut PgConnection,
+    ids: &[Uuid],
+    tokens: &[Uuid],
+) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE relay.outbox o
+            SET state = 'published', published_at = now(), lease_token = NULL, locked_until = NULL,
+                last_error = NULL
+           FROM unnest($1::uuid[], $2::uuid[]) AS f(id, token)
+          WHERE o.id = f.id AND o.lease_token = f.token AND o.state = 'running'",
+    )
+    .bind(ids)
+    .bind(tokens)
+    .execute(conn)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+/// Put a row back to pending after a failed delivery (fenced).
+pub async fn schedule_retry(
+    conn: &mut PgConnection,
+    id: Uuid,
+    token: Uuid,
+    delay: Duration,
+    error: &str,
+) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE relay.outbox
+            SET state = 'pending', next_attempt_at = now() + make_interval(secs => $3),
+                last_error = $4, lease_token = NULL, locked_until = NULL
+          WHERE id = $1 AND lease_token = $2 AND state = 'running'",
+    )
+    .bind(id)
+    .bind(token)
+    .bind(delay.as_secs_f64())
+    .bind(error)
+    .execute(conn)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Return rows whose publisher lost its lease to pending.
+pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(
+        "WITH expired AS (
+             SELECT id FROM relay.outbox WHERE state = 'running' AND locked_until < now()
+              ORDER BY locked_until LIMIT $1 FOR UPDATE SKIP LOCKED
+         )
+         UPDATE relay.outbox o
+            SET state = 'pending', next_attempt_at = now(), lease_token = NULL, locked_until = NULL,
+                last_error = 'lease expired: the publisher holding it was lost'
+           FROM expired WHERE o.id = expired.id",
+    )
+    .bind(limit)
+    .execute(conn)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+/// When the next pending row becomes due.
+pub async fn next_due_at(conn: &mut PgConnection) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
+    sqlx::query_scalar("SELECT min(next_attempt_at) FROM relay.outbox WHERE state = 'pending'")
+        .fetch_one(conn)
+        .await
+}

@@ -1,0 +1,97 @@
+//! Saga state moved by guarded transitions (R5): the `WHERE state = ANY(from)`
+//! is the guard, and zero affected rows is classified, never ignored.
+
+use sqlx::PgConnection;
+
+/// What a guarded transition did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Transition {
+    /// The saga moved (or was started).
+    Applied,
+    /// The saga is already in the target state: a duplicate.
+    AlreadyThere,
+    /// The saga is in a state the transition may not start from.
+    Invalid {
+        /// Its current state.
+        current: String,
+    },
+    /// The saga does not exist (yet): a missing reference (R19).
+    Missing,
+}
+
+/// Create saga `(saga_type, saga_id)` in state `to`, unless it exists.
+pub async fn start(
+    conn: &mut PgConnection,
+    saga_type: &str,
+    saga_id: &str,
+    to: &str,
+    event_id: &str,
+) -> Result<Transition, sqlx::Error> {
+    let done = sqlx::query(
+        "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ($1, $2, $3, $4)
+         ON CONFLICT (saga_type, saga_id) DO NOTHING",
+    )
+    .bind(saga_type)
+    .bind(saga_id)
+    .bind(to)
+    .bind(event_id)
+    .execute(&mut *conn)
+    .await?;
+    if done.rows_affected() == 1 {
+        return Ok(Transition::Applied);
+    }
+    classify(conn, saga_type, saga_id, to).await
+}
+
+/// Move the saga to `to` if it is in one of `from`.
+pub async fn transition(
+    conn: &mut PgConnection,
+    saga_type: &str,
+    saga_id: &str,
+    from: &[String],
+    to: &str,
+    event_id: &str,
+) -> Result<Transition, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE relay.sagas
+            SET state = $4, version = version + 1, last_event_id = $5, updated_at = now()
+          WHERE saga_type = $1 AND saga_id = $2 AND state = ANY($3)",
+    )
+    .bind(saga_type)
+    .bind(saga_id)
+    .bind(from)
+    .bind(to)
+    .bind(event_id)
+    .execute(&mut *conn)
+    .await?;
+    if done.rows_affected() == 1 {
+        return Ok(Transition::Applied);
+    }
+    classify(conn, saga_type, saga_id, to).await
+}
+
+async fn classify(
+    conn: &mut PgConnection,
+    saga_type: &str,
+    saga_id: &str,
+    to: &str,
+) -> Result<Transition, sqlx::Error> {
+    Ok(match state(conn, saga_type, saga_id).await? {
+        None => Transition::Missing,
+        Some(s) if s == to => Transition::AlreadyThere,
+        Some(current) => Transition::Invalid { current },
+    })
+}
+
+/// The saga's current state.
+pub async fn state(
+    conn: &mut PgConnection,
+    saga_type: &str,
+    saga_id: &str,
+) -> Result<Option<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT state FROM relay.sagas WHERE saga_type = $1 AND saga_id = $2")
+        .bind(saga_type)
+        .bind(saga_id)
+        .fetch_optional(conn)
+        .await
+}

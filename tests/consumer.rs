@@ -1,0 +1,730 @@
+//! The inbox consumer against real PostgreSQL and a real Kafka broker:
+//! dedup (C3–C6), poison (C7), crashes around the DB commit (C1, C2),
+//! contiguous offsets, missing references (R19), sequence guard (R6),
+//! code handlers, dead-letter replay.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
+use async_trait::async_trait;
+use relay::admin::{self, ReplayOutcome};
+use relay::{Components, FaultAction, Faults, Handler, HandlerError, Handlers};
+use relay_core::{CallSpec, InputEvent, Plan};
+use relay_store::inbox;
+use relay_testkit::{TestEvent, read_topic, unique};
+use serde_json::json;
+use support::*;
+
+const CONSUMER_ONLY: Components = Components {
+    consumer: true,
+    dispatcher: false,
+    publisher: false,
+};
+
+#[tokio::test]
+async fn a_duplicate_event_id_at_another_offset_causes_one_effect() {
+    let h = Harness::new(1).await;
+    let first = h.send(&order("evt-1", "o-1")).await;
+    let second = h.send(&order("evt-1", "o-1")).await;
+    assert_ne!(first.1, second.1, "the duplicate sits at another offset");
+    h.send(&order("evt-2", "o-2")).await;
+    let run = h
+        .start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults())
+        .await;
+    h.await_committed(0, 3).await;
+    h.await_intents_finished(2).await;
+    h.await_published(2).await;
+    run.stop().await.unwrap();
+
+    assert_eq!(h.inbox().await, 2);
+    let stats = h.provider.stats();
+    assert_eq!(stats.applied_for("capture:o-1"), 1);
+    assert_eq!(stats.applied_for("capture:o-2"), 1);
+    assert_eq!(
+        stats.requests, 2,
+        "the duplicate never became a second intent"
+    );
+    let mut conn = h.db.conn().await.unwrap();
+    assert_eq!(
+        inbox::counter(&mut conn, &h.consumer, "orders")
+            .await
+            .unwrap(),
+        2,
+        "business counter counts unique events"
+    );
+    // Downstream sees each outcome event once, under its derived CloudEvents id.
+    let out = read_topic(&h.bootstrap, &h.out, 2).await.unwrap();
+    assert_eq!(out.len(), 2);
+    assert!(
+        out.iter()
+            .all(|r| r.header("ce_type") == Some("payment.captured")
+                && r.header("ce_causationid").is_some())
+    );
+}
+
+#[tokio::test]
+async fn replaying_the_topic_from_offset_zero_in_a_new_group_causes_no_new_effects() {
+    let h = Harness::new(2).await;
+    for i in 0..20 {
+        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
+    }
+    let run = h
+        .start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults())
+        .await;
+    h.await_inbox(20).await;
+    h.await_intents_finished(20).await;
+    run.stop().await.unwrap();
+    let before = h.provider.stats();
+
+    // Same consumer name, new group: reads the whole topic again from offset 0.
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    let new_group = unique("replay-group");
+    cfg.consumer.group_id = Some(new_group.clone());
+    let run = h.start(cfg, Components::ALL, no_faults()).await;
+    eventually(
+        "the new group to reach the end of both partitions",
+        DEADLINE,
+        || async {
+            let c = relay_testkit::committed_offsets(&h.bootstrap, &new_group, &h.topic)
+                .await
+                .unwrap();
+            let total: i64 = c.values().map(|o| o.unwrap_or(0)).sum();
+            (total == 20).then_some(())
+        },
+    )
+    .await;
+    run.stop().await.unwrap();
+
+    assert_eq!(h.inbox().await, 20);
+    assert_eq!(h.db.count("intents", "true").await, 20);
+    let after = h.provider.stats();
+    assert_eq!(
+        after.applied, before.applied,
+        "no new effect at the provider"
+    );
+    assert_eq!(after.requests, before.requests, "no new call at all");
+}
+
+#[tokio::test]
+async fn a_new_event_id_with_the_same_idempotency_key_causes_one_effect() {
+    let h = Harness::new(1).await;
+    h.send(&order("evt-1", "o-1").ext("idempotencykey", "place:o-1"))
+        .await;
+    // An upstream retry minted a new event id for the same operation.
+    h.send(&order("evt-1-retry", "o-1").ext("idempotencykey", "place:o-1"))
+        .await;
+    let run = h
+        .start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults())
+        .await;
+    h.await_committed(0, 2).await;
+    h.await_intents_finished(1).await;
+    run.stop().await.unwrap();
+
+    let mut conn = h.db.conn().await.unwrap();
+    assert_eq!(h.outcome("evt-1").await.as_deref(), Some("applied"));
+    assert_eq!(
+        h.outcome("evt-1-retry").await.as_deref(),
+        Some("duplicate_key")
+    );
+    assert_eq!(h.db.count("intents", "true").await, 1);
+    assert_eq!(h.provider.stats().applied, 1);
+    assert_eq!(
+        inbox::counter(&mut conn, &h.consumer, "orders")
+            .await
+            .unwrap(),
+        1
+    );
+}
+
+const VERSIONED_ROUTE: &str = r#"
+[[routes]]
+topic = "{topic}"
+type = "order.updated"
+version_guard = true
+counter = "updates"
+
+[[routes.actions]]
+kind = "emit"
+name = "changed"
+type = "order.changed"
+topic = "{out}"
+data = { version = "{{ aggregate_version }}" }
+"#;
+
+#[tokio::test]
+async fn an_older_version_after_a_newer_one_is_ignored_and_counted_as_stale() {
+    let h = Harness::new(1).await;
+    let update = |id: &str, v: i64| {
+        TestEvent::new(id, "order.updated", json!({"order_id": "o-1"}))
+            .ext("aggregateid", "o-1")
+            .ext("aggregateversion", v)
+    };
+    h.send(&update("u-1", 1)).await;
+    h.send(&update("u-3", 3)).await;
+    h.send(&update("u-2", 2)).await; // late
+    h.send(&update("u-3b", 3)).await; // same version again, new id
+    let run = h
+        .start(h.config(VERSIONED_ROUTE), CONSUMER_ONLY, no_faults())
+        .await;
+    h.await_committed(0, 4).await;
+    run.stop().await.unwrap();
+
+    let mut conn = h.db.conn().await.unwrap();
+    assert_eq!(h.outcome("u-1").await.as_deref(), Some("applied"));
+    assert_eq!(h.outcome("u-3").await.as_deref(), Some("applied"));
+    assert_eq!(h.outcome("u-2").await.as_deref(), Some("stale"));
+    assert_eq!(
+        h.outcome("u-3b").await.as_deref(),
+        Some("duplicate_version")
+    );
+    assert_eq!(
+        h.db.count("inbox", "outcome = 'stale'").await,
+        1,
+        "stale events are counted"
+    );
+    assert_eq!(
+        h.db.count("outbox", "true").await,
+        2,
+        "only applied versions emit"
+    );
+    assert_eq!(
+        inbox::counter(&mut conn, &h.consumer, "updates")
+            .await
+            .unwrap(),
+        2
+    );
+}
+
+const SCHEMA_ROUTE: &str = r#"
+[[routes]]
+topic = "{topic}"
+type = "order.placed"
+schema = "SCHEMA"
+counter = "orders"
+
+[[routes.actions]]
+kind = "emit"
+name = "accepted"
+type = "order.accepted"
+topic = "{out}"
+key = "{{ data.order_id }}"
+"#;
+
+#[tokio::test]
+async fn poison_records_are_dead_lettered_with_their_reason_while_the_partition_keeps_moving() {
+    let h = Harness::new(1).await;
+    let schema = std::env::temp_dir().join(format!("{}.schema.json", unique("order")));
+    std::fs::write(
+        &schema,
+        r#"{"type":"object","required":["order_id"],"properties":{"order_id":{"type":"string"}}}"#,
+    )
+    .unwrap();
+    let mut cfg = h.config(&SCHEMA_ROUTE.replace("SCHEMA", &schema.display().to_string()));
+    cfg.consumer.strict = true;
+
+    h.send(&order("ok-1", "o-1")).await;
+    // Bad JSON.
+    let headers = |id: Option<&str>| {
+        let mut v = vec![
+            ("ce_specversion".to_string(), b"1.0".to_vec()),
+            ("ce_type".to_string(), b"order.placed".to_vec()),
+            ("ce_source".to_string(), b"/t".to_vec()),
+        ];
+        if let Some(id) = id {
+            v.push(("ce_id".to_string(), id.as_bytes().to_vec()));
+        }
+        v
+    };
+    let (_, bad_json) = h
+        .producer
+        .raw(
+            &h.topic,
+            None,
+            None,
+            &headers(Some("bad-1")),
+            Some(b"{\"order_id\": "),
+        )
+        .await
+        .unwrap();
+    // No event id.
+    let (_, no_id) = h
+        .producer
+        .raw(
+            &h.topic,
+            None,
+            None,
+            &headers(None),
+            Some(b"{\"order_id\":\"o-x\"}"),
+        )
+        .await
+        .unwrap();
+    // Schema-invalid.
+    let (_, invalid) = h
+        .send(&TestEvent::new(
+            "bad-3",
+            "order.placed",
+            json!({"order_id": 42}),
+        ))
+        .await;
+    // Unknown type on a strict consumer.
+    let (_, unknown) = h
+        .send(&TestEvent::new("bad-4", "order.exploded", json!({})))
+        .await;
+    // Oversized.
+    let (_, oversized) = h
+        .send(&TestEvent::new(
+            "bad-5",
+            "order.placed",
+            json!({"order_id": "x".repeat(70_000)}),
+        ))
+        .await;
+    // Invalid UTF-8 in a CloudEvents header.
+    let mut bin = headers(Some("bad-6"));
+    bin.push(("ce_subject".to_string(), vec![0xff, 0xfe]));
+    let (_, bad_header) = h
+        .producer
+        .raw(&h.topic, None, None, &bin, Some(b"{\"order_id\":\"o-y\"}"))
+        .await
+        .unwrap();
+    let (_, last) = h.send(&order("ok-2", "o-2")).await;
+
+    let run = h
+        .start(
+            cfg,
+            Components {
+                consumer: true,
+                dispatcher: false,
+                publisher: true,
+            },
+            no_faults(),
+        )
+        .await;
+    h.await_committed(0, last + 1).await;
+    h.await_published(2 + 6).await;
+    run.stop().await.unwrap();
+
+    assert_eq!(h.inbox().await, 2, "both good records were processed");
+    let rows: Vec<(i64, String, Option<String>, String)> =
+        sqlx::query_as(r#"SELECT "offset", error_class, event_id, reason FROM relay.dead_letters ORDER BY "offset""#)
+            .fetch_all(&h.db.pool)
+            .await
+            .unwrap();
+    let classes: Vec<(i64, &str)> = rows.iter().map(|(o, c, _, _)| (*o, c.as_str())).collect();
+    assert_eq!(
+        classes,
+        vec![
+            (bad_json, "bad_json"),
+            (no_id, "missing_id"),
+            (invalid, "schema_invalid"),
+            (unknown, "unknown_type"),
+            (oversized, "oversized"),
+            (bad_header, "bad_header")
+        ]
+    );
+    assert_eq!(
+        rows[0].2.as_deref(),
+        Some("bad-1"),
+        "the id is kept when it could be read"
+    );
+    assert!(
+        rows[2].3.contains("/order_id"),
+        "schema errors name the field: {}",
+        rows[2].3
+    );
+    assert!(
+        rows[4].3.contains("65536"),
+        "oversize names the limit: {}",
+        rows[4].3
+    );
+
+    // The dead-letter topic has a copy of each, with where it came from and why.
+    let dlq = read_topic(&h.bootstrap, &h.dlq, 6).await.unwrap();
+    assert_eq!(dlq.len(), 6);
+    let copy = dlq
+        .iter()
+        .find(|r| r.header("relay_dlq_offset") == Some(&invalid.to_string()))
+        .expect("schema-invalid copy");
+    assert_eq!(copy.header("relay_dlq_topic"), Some(h.topic.as_str()));
+    assert_eq!(copy.header("relay_dlq_partition"), Some("0"));
+    assert_eq!(copy.header("relay_dlq_event_id"), Some("bad-3"));
+    assert_eq!(copy.header("relay_dlq_error_class"), Some("schema_invalid"));
+    assert_eq!(
+        copy.json(),
+        json!({"order_id": 42}),
+        "the original value is kept"
+    );
+}
+
+#[tokio::test]
+async fn a_consumer_that_dies_after_the_db_commit_gets_the_record_again_and_applies_nothing_twice()
+{
+    let h = Harness::new(1).await;
+    h.send(&order("evt-1", "o-1")).await;
+    // C2: stop right after the commit, before the offset is stored.
+    let faults = Faults::new(&[(
+        relay::faults::point::CONSUMER_AFTER_DB_COMMIT,
+        FaultAction::Fail,
+        1,
+    )]);
+    let run = h
+        .start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, faults)
+        .await;
+    assert!(
+        run.finished().await.is_err(),
+        "the fault stops the consumer like a crash"
+    );
+    assert_eq!(h.inbox().await, 1, "the transaction committed");
+    assert_eq!(
+        h.committed().await.get(&0).copied().flatten(),
+        None,
+        "no offset was committed"
+    );
+
+    // A new consumer in the same group gets the record again.
+    let run = h
+        .start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults())
+        .await;
+    h.await_committed(0, 1).await;
+    h.await_intents_finished(1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.inbox().await, 1);
+    assert_eq!(h.db.count("intents", "true").await, 1);
+    assert_eq!(h.provider.stats().applied, 1);
+    let mut conn = h.db.conn().await.unwrap();
+    assert_eq!(
+        inbox::counter(&mut conn, &h.consumer, "orders")
+            .await
+            .unwrap(),
+        1,
+        "the redelivery did not count twice"
+    );
+}
+
+#[tokio::test]
+async fn a_consumer_that_dies_before_the_db_commit_gets_the_record_again_and_applies_it_once() {
+    let h = Harness::new(1).await;
+    h.send(&order("evt-1", "o-1")).await;
+    // C1: die with the batch written but not committed.
+    let faults = Faults::new(&[(
+        relay::faults::point::CONSUMER_BEFORE_DB_COMMIT,
+        FaultAction::Fail,
+        1,
+    )]);
+    let run = h
+        .start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, faults)
+        .await;
+    assert!(run.finished().await.is_err());
+    assert_eq!(h.inbox().await, 0, "nothing was committed");
+
+    let run = h
+        .start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults())
+        .await;
+    h.await_committed(0, 1).await;
+    h.await_intents_finished(1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.inbox().await, 1);
+    assert_eq!(h.provider.stats().applied, 1);
+}
+
+/// A handler that refuses an order until `ready` is set, counting refusals.
+struct WaitsForCustomer {
+    ready: Arc<AtomicBool>,
+    refusals: Arc<AtomicU32>,
+}
+
+#[async_trait]
+impl Handler for WaitsForCustomer {
+    async fn handle(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        event: &InputEvent,
+    ) -> Result<Plan, HandlerError> {
+        if event.data["order_id"] == "o-stuck" && !self.ready.load(Ordering::SeqCst) {
+            self.refusals.fetch_add(1, Ordering::SeqCst);
+            return Err(HandlerError::NotYet("customer c-1 is not known yet".into()));
+        }
+        // The handler writes the application's own state in the same transaction.
+        sqlx::query("CREATE TABLE IF NOT EXISTS public.app_orders (order_id text PRIMARY KEY)")
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("INSERT INTO public.app_orders VALUES ($1)")
+            .bind(event.data["order_id"].as_str())
+            .execute(&mut *tx)
+            .await?;
+        Ok(Plan {
+            calls: vec![CallSpec {
+                action: "capture".into(),
+                endpoint: "psp".into(),
+                method: "POST".into(),
+                path: "/captures".into(),
+                body: Some(event.data.clone()),
+                headers: Default::default(),
+                idempotency_key: None,
+                ordering_key: None,
+                on_success: Default::default(),
+                on_dead: Default::default(),
+            }],
+            ..Plan::default()
+        })
+    }
+}
+
+const HANDLER_ROUTE: &str = r#"
+[[routes]]
+topic = "{topic}"
+type = "order.placed"
+handler = "waits-for-customer"
+"#;
+
+#[tokio::test]
+async fn the_committed_offset_never_passes_a_record_that_is_not_processed_yet() {
+    let h = Harness::new(1).await;
+    let ready = Arc::new(AtomicBool::new(false));
+    let refusals = Arc::new(AtomicU32::new(0));
+    let handlers = Handlers::default().register(
+        "waits-for-customer",
+        WaitsForCustomer {
+            ready: ready.clone(),
+            refusals: refusals.clone(),
+        },
+    );
+    let mut cfg = h.config(HANDLER_ROUTE);
+    cfg.consumer.reference_retry.max_attempts = 1000; // keep it waiting; the test releases it
+
+    h.send(&order("evt-1", "o-1")).await;
+    let (_, stuck) = h.send(&order("evt-2", "o-stuck")).await;
+    h.send(&order("evt-3", "o-3")).await;
+    let run = h
+        .start_with(cfg, CONSUMER_ONLY, handlers, no_faults())
+        .await;
+
+    // The record before it is committed (asynchronously) ...
+    h.await_committed(0, stuck).await;
+    // ... and while the stuck record keeps being retried, the offset stays there.
+    let seen = refusals.load(Ordering::SeqCst);
+    eventually(
+        "the stuck record to be retried twice more",
+        DEADLINE,
+        || async { (refusals.load(Ordering::SeqCst) >= seen + 2).then_some(()) },
+    )
+    .await;
+    assert_eq!(
+        h.committed().await.get(&0).copied().flatten(),
+        Some(stuck),
+        "committed up to, not past, the stuck record"
+    );
+    assert_eq!(
+        h.inbox().await,
+        1,
+        "the record after it waits too (per-partition order)"
+    );
+
+    ready.store(true, Ordering::SeqCst);
+    h.await_committed(0, stuck + 2).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.inbox().await, 3);
+    let app_rows: i64 = sqlx::query_scalar("SELECT count(*) FROM public.app_orders")
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        app_rows, 3,
+        "the handler's own writes committed with the inbox rows"
+    );
+    assert_eq!(h.db.count("intents", "action = 'capture'").await, 3);
+}
+
+const SAGA_ROUTE: &str = r#"
+[[routes]]
+topic = "{topic}"
+type = "payment.confirmed"
+
+[[routes.actions]]
+kind = "saga"
+name = "mark-paid"
+saga = "order"
+id = "{{ data.order_id }}"
+from = ["pending"]
+to = "paid"
+"#;
+
+#[tokio::test]
+async fn an_event_for_an_aggregate_that_never_appears_is_retried_then_parked_and_replayable() {
+    let h = Harness::new(1).await;
+    let confirmed =
+        |id: &str, order: &str| TestEvent::new(id, "payment.confirmed", json!({"order_id": order}));
+    let (_, missing) = h.send(&confirmed("p-1", "o-missing")).await;
+    let (_, last) = h.send(&confirmed("p-2", "o-missing-too")).await;
+    let cfg = h.config(SAGA_ROUTE);
+    let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+
+    let (class, attempts, offset): (String, i32, i64) = sqlx::query_as(
+        r#"SELECT error_class, attempts, "offset" FROM relay.dead_letters WHERE event_id = 'p-1'"#,
+    )
+    .fetch_one(&h.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (class.as_str(), attempts, offset),
+        ("missing_reference", 4, missing),
+        "parked after its 4 attempts, never dropped"
+    );
+    assert_eq!(h.inbox().await, 0);
+
+    // The aggregate shows up; the operator replays the dead letter: same event id, same guards.
+    sqlx::query("INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-missing', 'pending', 'seed')")
+        .execute(&h.db.pool)
+        .await
+        .unwrap();
+    let relay = h.relay(cfg, Handlers::default(), no_faults()).await;
+    let id: i64 = sqlx::query_scalar("SELECT id FROM relay.dead_letters WHERE event_id = 'p-1'")
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        admin::replay(&h.db.pool, &relay.processor(), id)
+            .await
+            .unwrap(),
+        ReplayOutcome::Applied
+    );
+    assert_eq!(
+        admin::replay(&h.db.pool, &relay.processor(), id)
+            .await
+            .unwrap(),
+        ReplayOutcome::Duplicate,
+        "a second replay is a no-op"
+    );
+    let state: String =
+        sqlx::query_scalar("SELECT state FROM relay.sagas WHERE saga_id = 'o-missing'")
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(state, "paid");
+    assert_eq!(h.outcome("p-1").await.as_deref(), Some("applied"));
+}
+
+#[tokio::test]
+async fn saga_moves_are_guarded_and_every_no_op_is_classified() {
+    let h = Harness::new(1).await;
+    sqlx::query("INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-1', 'pending', 's'), ('order', 'o-2', 'shipped', 's')")
+        .execute(&h.db.pool)
+        .await
+        .unwrap();
+    let confirmed =
+        |id: &str, order: &str| TestEvent::new(id, "payment.confirmed", json!({"order_id": order}));
+    h.send(&confirmed("p-1", "o-1")).await; // pending -> paid
+    h.send(&confirmed("p-1-again", "o-1")).await; // already paid: duplicate transition
+    let (_, last) = h.send(&confirmed("p-2", "o-2")).await; // shipped: invalid transition
+    let run = h
+        .start(h.config(SAGA_ROUTE), CONSUMER_ONLY, no_faults())
+        .await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+
+    assert_eq!(h.outcome("p-1").await.as_deref(), Some("applied"));
+    assert_eq!(
+        h.outcome("p-1-again").await.as_deref(),
+        Some("duplicate_transition")
+    );
+    assert_eq!(
+        h.outcome("p-2").await.as_deref(),
+        Some("invalid_transition")
+    );
+    let history =
+        h.db.count("history", "kind = 'saga' AND source_id = 'p-1'")
+            .await;
+    assert_eq!(
+        history, 1,
+        "the applied transition has one history row keyed by its event"
+    );
+}
+
+const SEQUENCE_ROUTE: &str = r#"
+[[routes]]
+topic = "{topic}"
+type = "account.entry"
+sequence_guard = true
+
+[[routes.actions]]
+kind = "emit"
+name = "posted"
+type = "account.posted"
+topic = "{out}"
+data = { seq = "{{ sequence }}" }
+"#;
+
+#[tokio::test]
+async fn the_sequence_guard_applies_in_order_and_never_applies_across_a_gap() {
+    let h = Harness::new(1).await;
+    let entry = |id: &str, seq: i64| {
+        TestEvent::new(id, "account.entry", json!({}))
+            .ext("aggregateid", "acct-1")
+            .ext("sequence", seq)
+    };
+    h.send(&entry("e-1", 1)).await;
+    h.send(&entry("e-1-dup", 1)).await; // seq <= last: duplicate
+    let (_, gap) = h.send(&entry("e-3", 3)).await; // gap: waits, then parked
+    let (_, last) = h.send(&entry("e-2", 2)).await; // the missing one, behind it in the partition
+    let cfg = h.config(SEQUENCE_ROUTE);
+    let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+
+    assert_eq!(
+        h.outcome("e-1-dup").await.as_deref(),
+        Some("duplicate_sequence")
+    );
+    assert_eq!(h.outcome("e-2").await.as_deref(), Some("applied"));
+    assert_eq!(h.outcome("e-3").await, None, "never applied across the gap");
+    let (id, class, offset): (i64, String, i64) =
+        sqlx::query_as(r#"SELECT id, error_class, "offset" FROM relay.dead_letters"#)
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap();
+    assert_eq!((class.as_str(), offset), ("sequence_gap", gap));
+
+    // Now that 2 is applied, replaying 3 applies it.
+    let relay = h.relay(cfg, Handlers::default(), no_faults()).await;
+    assert_eq!(
+        admin::replay(&h.db.pool, &relay.processor(), id)
+            .await
+            .unwrap(),
+        ReplayOutcome::Applied
+    );
+    let last_seq: i64 =
+        sqlx::query_scalar("SELECT last_seq FROM relay.aggregates WHERE aggregate_id = 'acct-1'")
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(last_seq, 3);
+}
+
+#[tokio::test]
+async fn a_template_that_references_a_missing_field_dead_letters_the_event_naming_the_field() {
+    let h = Harness::new(1).await;
+    let (_, bad) = h
+        .send(&TestEvent::new(
+            "evt-1",
+            "order.placed",
+            json!({"amount": 5}),
+        ))
+        .await;
+    let (_, last) = h.send(&order("evt-2", "o-2")).await;
+    let run = h
+        .start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, no_faults())
+        .await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+    let (class, reason, offset): (String, String, i64) =
+        sqlx::query_as(r#"SELECT error_class, reason, "offset" FROM relay.dead_letters"#)
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap();
+    assert_eq!((class.as_str(), offset), ("template_error", bad));
+    assert!(reason.contains("data.order_id"), "{reason}");
+    assert_eq!(h.inbox().await, 1);
+}

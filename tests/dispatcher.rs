@@ -1,0 +1,1 @@
+//! placeholder until the dispatcher tests land in the next step

@@ -1,0 +1,288 @@
+//! Shared setup of the end-to-end tests: a fresh database, fresh topics, a
+//! fake provider, and a relay configured against them, run in-process.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use example_provider::{Provider, Settings};
+use relay::{Components, Faults, Handlers, Relay};
+use relay_core::RelayConfig;
+use relay_testkit::{TestDb, TestProducer, create_topics, kafka_bootstrap, unique};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use relay_testkit::{DEADLINE, TestEvent, eventually};
+
+/// Route used by most tests: order.placed → capture call (+ payment.captured on success).
+pub const CAPTURE_ROUTE: &str = r#"
+[[routes]]
+name = "order-placed"
+topic = "{topic}"
+type = "order.placed"
+counter = "orders"
+
+[[routes.actions]]
+kind = "call"
+name = "capture"
+endpoint = "psp"
+path = "/captures/{{ data.order_id }}"
+idempotency_key = "capture:{{ data.order_id }}"
+body = { order_id = "{{ data.order_id }}", amount = "{{ data.amount }}" }
+
+[[routes.actions.on_success.emit]]
+name = "captured"
+type = "payment.captured"
+topic = "{out}"
+key = "{{ data.order_id }}"
+data = { order_id = "{{ data.order_id }}" }
+
+[[routes.actions.on_dead.emit]]
+name = "failed"
+type = "payment.failed"
+topic = "{out}"
+key = "{{ data.order_id }}"
+data = { order_id = "{{ data.order_id }}" }
+"#;
+
+pub struct Harness {
+    pub db: TestDb,
+    pub bootstrap: String,
+    pub provider: Provider,
+    pub topic: String,
+    pub out: String,
+    pub dlq: String,
+    pub consumer: String,
+    pub group: String,
+    pub producer: TestProducer,
+}
+
+pub struct Running {
+    token: CancellationToken,
+    handle: JoinHandle<anyhow::Result<()>>,
+}
+
+impl Running {
+    /// Graceful stop; returns the run's result.
+    pub async fn stop(self) -> anyhow::Result<()> {
+        self.token.cancel();
+        self.handle.await?
+    }
+
+    /// Wait for the run to end by itself (e.g. a fault point), with a deadline.
+    pub async fn finished(self) -> anyhow::Result<()> {
+        tokio::time::timeout(DEADLINE, self.handle)
+            .await
+            .expect("the relay did not stop")?
+    }
+}
+
+pub fn init_logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn,relay=info".into()))
+        .with_test_writer()
+        .try_init();
+}
+
+impl Harness {
+    pub async fn new(partitions: i32) -> Harness {
+        init_logs();
+        let bootstrap = kafka_bootstrap();
+        let topic = unique("orders");
+        let out = unique("out");
+        let dlq = unique("dlq");
+        create_topics(&bootstrap, &[&topic, &out, &dlq], partitions)
+            .await
+            .expect("create topics");
+        let provider = Provider::start(SocketAddr::from(([127, 0, 0, 1], 0)), Settings::default())
+            .await
+            .expect("provider");
+        Harness {
+            db: TestDb::new().await.expect("test database"),
+            producer: TestProducer::new(&bootstrap).expect("producer"),
+            bootstrap,
+            provider,
+            topic,
+            out,
+            dlq,
+            consumer: unique("consumer"),
+            group: unique("group"),
+        }
+    }
+
+    /// The base configuration plus `routes` ({topic}, {out} substituted).
+    pub fn config(&self, routes: &str) -> RelayConfig {
+        let text = format!(
+            r#"
+[consumer]
+name = "{consumer}"
+group_id = "{group}"
+dead_letter_topic = "{dlq}"
+batch_size = 50
+max_record_bytes = 65536
+[consumer.reference_retry]
+max_attempts = 4
+backoff = {{ min_delay = "50ms", max_delay = "200ms", factor = 2.0 }}
+[consumer.database_backoff]
+min_delay = "50ms"
+max_delay = "500ms"
+
+[kafka]
+bootstrap_servers = "{bootstrap}"
+
+[database]
+max_connections = 8
+
+[dispatcher]
+lease = "3s"
+poll_interval = "100ms"
+rescue_interval = "200ms"
+concurrency = 16
+
+[publisher]
+lease = "8s"
+delivery_timeout = "5s"
+poll_interval = "100ms"
+
+[endpoints.psp]
+base_url = "{provider}"
+timeout = "1s"
+connect_timeout = "500ms"
+max_attempts = 5
+backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
+{routes}
+"#,
+            consumer = self.consumer,
+            group = self.group,
+            dlq = self.dlq,
+            bootstrap = self.bootstrap,
+            provider = self.provider.url(),
+            routes = routes
+                .replace("{topic}", &self.topic)
+                .replace("{out}", &self.out),
+        );
+        let mut cfg =
+            RelayConfig::from_toml(&text).unwrap_or_else(|e| panic!("test config: {e}\n{text}"));
+        cfg.database.url = Some(self.db.url.clone().into());
+        cfg
+    }
+
+    pub async fn relay(&self, cfg: RelayConfig, handlers: Handlers, faults: Faults) -> Relay {
+        Relay::new(cfg, handlers, faults).await.expect("relay")
+    }
+
+    pub async fn start(&self, cfg: RelayConfig, which: Components, faults: Faults) -> Running {
+        self.start_with(cfg, which, Handlers::default(), faults)
+            .await
+    }
+
+    pub async fn start_with(
+        &self,
+        cfg: RelayConfig,
+        which: Components,
+        handlers: Handlers,
+        faults: Faults,
+    ) -> Running {
+        let relay = self.relay(cfg, handlers, faults).await;
+        let token = CancellationToken::new();
+        let t = token.clone();
+        let handle = tokio::spawn(async move { relay.run(which, t).await });
+        Running { token, handle }
+    }
+
+    pub async fn send(&self, e: &TestEvent) -> (i32, i64) {
+        self.producer.event(&self.topic, e).await.expect("produce")
+    }
+
+    /// Inbox rows of this consumer.
+    pub async fn inbox(&self) -> i64 {
+        self.db
+            .count("inbox", &format!("consumer = '{}'", self.consumer))
+            .await
+    }
+
+    /// The inbox outcome of event `id`, if recorded.
+    pub async fn outcome(&self, id: &str) -> Option<String> {
+        let mut conn = self.db.conn().await.expect("connection");
+        relay_store::inbox::outcome_of(&mut conn, &self.consumer, id)
+            .await
+            .expect("inbox lookup")
+    }
+
+    pub async fn intents_in(&self, state: &str) -> i64 {
+        self.db
+            .count("intents", &format!("state = '{state}'"))
+            .await
+    }
+
+    /// Wait until the inbox has `n` rows.
+    pub async fn await_inbox(&self, n: i64) {
+        eventually(&format!("{n} inbox rows"), DEADLINE, || async {
+            (self.inbox().await >= n).then_some(())
+        })
+        .await;
+        assert_eq!(self.inbox().await, n, "inbox rows");
+    }
+
+    /// Wait until no intent is pending or running and `n` are finished.
+    pub async fn await_intents_finished(&self, n: i64) {
+        eventually(&format!("{n} finished intents"), DEADLINE, || async {
+            let finished = self
+                .db
+                .count("intents", "state IN ('succeeded', 'dead')")
+                .await;
+            let open = self
+                .db
+                .count("intents", "state IN ('pending', 'running')")
+                .await;
+            (finished >= n && open == 0).then_some(())
+        })
+        .await;
+    }
+
+    /// Wait until the outbox has nothing left to publish and at least `n` rows published.
+    pub async fn await_published(&self, n: i64) {
+        eventually(&format!("{n} published outbox rows"), DEADLINE, || async {
+            let published = self.db.count("outbox", "state = 'published'").await;
+            let open = self.db.count("outbox", "state <> 'published'").await;
+            (published >= n && open == 0).then_some(())
+        })
+        .await;
+    }
+
+    /// Committed offset of our group on the input topic, per partition.
+    pub async fn committed(&self) -> std::collections::HashMap<i32, Option<i64>> {
+        relay_testkit::committed_offsets(&self.bootstrap, &self.group, &self.topic)
+            .await
+            .expect("committed offsets")
+    }
+
+    /// Wait until partition `p`'s committed offset is exactly `offset`.
+    pub async fn await_committed(&self, p: i32, offset: i64) {
+        eventually(
+            &format!("committed offset {offset} on partition {p}"),
+            DEADLINE,
+            || async {
+                (self.committed().await.get(&p).copied().flatten() == Some(offset)).then_some(())
+            },
+        )
+        .await;
+    }
+}
+
+pub fn order(id: &str, order: &str) -> TestEvent {
+    TestEvent::new(
+        id,
+        "order.placed",
+        serde_json::json!({"order_id": order, "amount": 100}),
+    )
+    .key(order)
+}
+
+pub fn no_faults() -> Faults {
+    Faults::none()
+}
+
+pub async fn sleep_ms(ms: u64) {
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+}
