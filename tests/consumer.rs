@@ -17,11 +17,7 @@ use relay_testkit::{TestEvent, read_topic, unique};
 use serde_json::json;
 use support::*;
 
-const CONSUMER_ONLY: Components = Components {
-    consumer: true,
-    dispatcher: false,
-    publisher: false,
-};
+const CONSUMER_ONLY: Components = Components { consumer: true, dispatcher: false, publisher: false };
 
 #[tokio::test]
 async fn a_duplicate_event_id_at_another_offset_causes_one_effect() {
@@ -30,9 +26,7 @@ async fn a_duplicate_event_id_at_another_offset_causes_one_effect() {
     let second = h.send(&order("evt-1", "o-1")).await;
     assert_ne!(first.1, second.1, "the duplicate sits at another offset");
     h.send(&order("evt-2", "o-2")).await;
-    let run = h
-        .start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults())
-        .await;
+    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_committed(0, 3).await;
     h.await_intents_finished(2).await;
     h.await_published(2).await;
@@ -42,15 +36,10 @@ async fn a_duplicate_event_id_at_another_offset_causes_one_effect() {
     let stats = h.provider.stats();
     assert_eq!(stats.applied_for("capture:o-1"), 1);
     assert_eq!(stats.applied_for("capture:o-2"), 1);
-    assert_eq!(
-        stats.requests, 2,
-        "the duplicate never became a second intent"
-    );
+    assert_eq!(stats.requests, 2, "the duplicate never became a second intent");
     let mut conn = h.db.conn().await.unwrap();
     assert_eq!(
-        inbox::counter(&mut conn, &h.consumer, "orders")
-            .await
-            .unwrap(),
+        inbox::counter(&mut conn, &h.consumer, "orders").await.unwrap(),
         2,
         "business counter counts unique events"
     );
@@ -58,9 +47,7 @@ async fn a_duplicate_event_id_at_another_offset_causes_one_effect() {
     let out = read_topic(&h.bootstrap, &h.out, 2).await.unwrap();
     assert_eq!(out.len(), 2);
     assert!(
-        out.iter()
-            .all(|r| r.header("ce_type") == Some("payment.captured")
-                && r.header("ce_causationid").is_some())
+        out.iter().all(|r| r.header("ce_type") == Some("payment.captured") && r.header("ce_causationid").is_some())
     );
 }
 
@@ -70,9 +57,7 @@ async fn replaying_the_topic_from_offset_zero_in_a_new_group_causes_no_new_effec
     for i in 0..20 {
         h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
     }
-    let run = h
-        .start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults())
-        .await;
+    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_inbox(20).await;
     h.await_intents_finished(20).await;
     run.stop().await.unwrap();
@@ -83,59 +68,38 @@ async fn replaying_the_topic_from_offset_zero_in_a_new_group_causes_no_new_effec
     let new_group = unique("replay-group");
     cfg.consumer.group_id = Some(new_group.clone());
     let run = h.start(cfg, Components::ALL, no_faults()).await;
-    eventually(
-        "the new group to reach the end of both partitions",
-        DEADLINE,
-        || async {
-            let c = relay_testkit::committed_offsets(&h.bootstrap, &new_group, &h.topic)
-                .await
-                .unwrap();
-            let total: i64 = c.values().map(|o| o.unwrap_or(0)).sum();
-            (total == 20).then_some(())
-        },
-    )
+    eventually("the new group to reach the end of both partitions", DEADLINE, || async {
+        let c = relay_testkit::committed_offsets(&h.bootstrap, &new_group, &h.topic).await.unwrap();
+        let total: i64 = c.values().map(|o| o.unwrap_or(0)).sum();
+        (total == 20).then_some(())
+    })
     .await;
     run.stop().await.unwrap();
 
     assert_eq!(h.inbox().await, 20);
     assert_eq!(h.db.count("intents", "true").await, 20);
     let after = h.provider.stats();
-    assert_eq!(
-        after.applied, before.applied,
-        "no new effect at the provider"
-    );
+    assert_eq!(after.applied, before.applied, "no new effect at the provider");
     assert_eq!(after.requests, before.requests, "no new call at all");
 }
 
 #[tokio::test]
 async fn a_new_event_id_with_the_same_idempotency_key_causes_one_effect() {
     let h = Harness::new(1).await;
-    h.send(&order("evt-1", "o-1").ext("idempotencykey", "place:o-1"))
-        .await;
+    h.send(&order("evt-1", "o-1").ext("idempotencykey", "place:o-1")).await;
     // An upstream retry minted a new event id for the same operation.
-    h.send(&order("evt-1-retry", "o-1").ext("idempotencykey", "place:o-1"))
-        .await;
-    let run = h
-        .start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults())
-        .await;
+    h.send(&order("evt-1-retry", "o-1").ext("idempotencykey", "place:o-1")).await;
+    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_committed(0, 2).await;
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
 
     let mut conn = h.db.conn().await.unwrap();
     assert_eq!(h.outcome("evt-1").await.as_deref(), Some("applied"));
-    assert_eq!(
-        h.outcome("evt-1-retry").await.as_deref(),
-        Some("duplicate_key")
-    );
+    assert_eq!(h.outcome("evt-1-retry").await.as_deref(), Some("duplicate_key"));
     assert_eq!(h.db.count("intents", "true").await, 1);
     assert_eq!(h.provider.stats().applied, 1);
-    assert_eq!(
-        inbox::counter(&mut conn, &h.consumer, "orders")
-            .await
-            .unwrap(),
-        1
-    );
+    assert_eq!(inbox::counter(&mut conn, &h.consumer, "orders").await.unwrap(), 1);
 }
 
 const VERSIONED_ROUTE: &str = r#"
@@ -165,9 +129,7 @@ async fn an_older_version_after_a_newer_one_is_ignored_and_counted_as_stale() {
     h.send(&update("u-3", 3)).await;
     h.send(&update("u-2", 2)).await; // late
     h.send(&update("u-3b", 3)).await; // same version again, new id
-    let run = h
-        .start(h.config(VERSIONED_ROUTE), CONSUMER_ONLY, no_faults())
-        .await;
+    let run = h.start(h.config(VERSIONED_ROUTE), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, 4).await;
     run.stop().await.unwrap();
 
@@ -175,26 +137,10 @@ async fn an_older_version_after_a_newer_one_is_ignored_and_counted_as_stale() {
     assert_eq!(h.outcome("u-1").await.as_deref(), Some("applied"));
     assert_eq!(h.outcome("u-3").await.as_deref(), Some("applied"));
     assert_eq!(h.outcome("u-2").await.as_deref(), Some("stale"));
-    assert_eq!(
-        h.outcome("u-3b").await.as_deref(),
-        Some("duplicate_version")
-    );
-    assert_eq!(
-        h.db.count("inbox", "outcome = 'stale'").await,
-        1,
-        "stale events are counted"
-    );
-    assert_eq!(
-        h.db.count("outbox", "true").await,
-        2,
-        "only applied versions emit"
-    );
-    assert_eq!(
-        inbox::counter(&mut conn, &h.consumer, "updates")
-            .await
-            .unwrap(),
-        2
-    );
+    assert_eq!(h.outcome("u-3b").await.as_deref(), Some("duplicate_version"));
+    assert_eq!(h.db.count("inbox", "outcome = 'stale'").await, 1, "stale events are counted");
+    assert_eq!(h.db.count("outbox", "true").await, 2, "only applied versions emit");
+    assert_eq!(inbox::counter(&mut conn, &h.consumer, "updates").await.unwrap(), 2);
 }
 
 const SCHEMA_ROUTE: &str = r#"
@@ -216,11 +162,8 @@ key = "{{ data.order_id }}"
 async fn poison_records_are_dead_lettered_with_their_reason_while_the_partition_keeps_moving() {
     let h = Harness::new(1).await;
     let schema = std::env::temp_dir().join(format!("{}.schema.json", unique("order")));
-    std::fs::write(
-        &schema,
-        r#"{"type":"object","required":["order_id"],"properties":{"order_id":{"type":"string"}}}"#,
-    )
-    .unwrap();
+    std::fs::write(&schema, r#"{"type":"object","required":["order_id"],"properties":{"order_id":{"type":"string"}}}"#)
+        .unwrap();
     let mut cfg = h.config(&SCHEMA_ROUTE.replace("SCHEMA", &schema.display().to_string()));
     cfg.consumer.strict = true;
 
@@ -237,70 +180,25 @@ async fn poison_records_are_dead_lettered_with_their_reason_while_the_partition_
         }
         v
     };
-    let (_, bad_json) = h
-        .producer
-        .raw(
-            &h.topic,
-            None,
-            None,
-            &headers(Some("bad-1")),
-            Some(b"{\"order_id\": "),
-        )
-        .await
-        .unwrap();
+    let (_, bad_json) =
+        h.producer.raw(&h.topic, None, None, &headers(Some("bad-1")), Some(b"{\"order_id\": ")).await.unwrap();
     // No event id.
-    let (_, no_id) = h
-        .producer
-        .raw(
-            &h.topic,
-            None,
-            None,
-            &headers(None),
-            Some(b"{\"order_id\":\"o-x\"}"),
-        )
-        .await
-        .unwrap();
+    let (_, no_id) =
+        h.producer.raw(&h.topic, None, None, &headers(None), Some(b"{\"order_id\":\"o-x\"}")).await.unwrap();
     // Schema-invalid.
-    let (_, invalid) = h
-        .send(&TestEvent::new(
-            "bad-3",
-            "order.placed",
-            json!({"order_id": 42}),
-        ))
-        .await;
+    let (_, invalid) = h.send(&TestEvent::new("bad-3", "order.placed", json!({"order_id": 42}))).await;
     // Unknown type on a strict consumer.
-    let (_, unknown) = h
-        .send(&TestEvent::new("bad-4", "order.exploded", json!({})))
-        .await;
+    let (_, unknown) = h.send(&TestEvent::new("bad-4", "order.exploded", json!({}))).await;
     // Oversized.
-    let (_, oversized) = h
-        .send(&TestEvent::new(
-            "bad-5",
-            "order.placed",
-            json!({"order_id": "x".repeat(70_000)}),
-        ))
-        .await;
+    let (_, oversized) =
+        h.send(&TestEvent::new("bad-5", "order.placed", json!({"order_id": "x".repeat(70_000)}))).await;
     // Invalid UTF-8 in a CloudEvents header.
     let mut bin = headers(Some("bad-6"));
     bin.push(("ce_subject".to_string(), vec![0xff, 0xfe]));
-    let (_, bad_header) = h
-        .producer
-        .raw(&h.topic, None, None, &bin, Some(b"{\"order_id\":\"o-y\"}"))
-        .await
-        .unwrap();
+    let (_, bad_header) = h.producer.raw(&h.topic, None, None, &bin, Some(b"{\"order_id\":\"o-y\"}")).await.unwrap();
     let (_, last) = h.send(&order("ok-2", "o-2")).await;
 
-    let run = h
-        .start(
-            cfg,
-            Components {
-                consumer: true,
-                dispatcher: false,
-                publisher: true,
-            },
-            no_faults(),
-        )
-        .await;
+    let run = h.start(cfg, Components { consumer: true, dispatcher: false, publisher: true }, no_faults()).await;
     h.await_committed(0, last + 1).await;
     h.await_published(2 + 6).await;
     run.stop().await.unwrap();
@@ -323,69 +221,35 @@ async fn poison_records_are_dead_lettered_with_their_reason_while_the_partition_
             (bad_header, "bad_header")
         ]
     );
-    assert_eq!(
-        rows[0].2.as_deref(),
-        Some("bad-1"),
-        "the id is kept when it could be read"
-    );
-    assert!(
-        rows[2].3.contains("/order_id"),
-        "schema errors name the field: {}",
-        rows[2].3
-    );
-    assert!(
-        rows[4].3.contains("65536"),
-        "oversize names the limit: {}",
-        rows[4].3
-    );
+    assert_eq!(rows[0].2.as_deref(), Some("bad-1"), "the id is kept when it could be read");
+    assert!(rows[2].3.contains("/order_id"), "schema errors name the field: {}", rows[2].3);
+    assert!(rows[4].3.contains("65536"), "oversize names the limit: {}", rows[4].3);
 
     // The dead-letter topic has a copy of each, with where it came from and why.
     let dlq = read_topic(&h.bootstrap, &h.dlq, 6).await.unwrap();
     assert_eq!(dlq.len(), 6);
-    let copy = dlq
-        .iter()
-        .find(|r| r.header("relay_dlq_offset") == Some(&invalid.to_string()))
-        .expect("schema-invalid copy");
+    let copy =
+        dlq.iter().find(|r| r.header("relay_dlq_offset") == Some(&invalid.to_string())).expect("schema-invalid copy");
     assert_eq!(copy.header("relay_dlq_topic"), Some(h.topic.as_str()));
     assert_eq!(copy.header("relay_dlq_partition"), Some("0"));
     assert_eq!(copy.header("relay_dlq_event_id"), Some("bad-3"));
     assert_eq!(copy.header("relay_dlq_error_class"), Some("schema_invalid"));
-    assert_eq!(
-        copy.json(),
-        json!({"order_id": 42}),
-        "the original value is kept"
-    );
+    assert_eq!(copy.json(), json!({"order_id": 42}), "the original value is kept");
 }
 
 #[tokio::test]
-async fn a_consumer_that_dies_after_the_db_commit_gets_the_record_again_and_applies_nothing_twice()
-{
+async fn a_consumer_that_dies_after_the_db_commit_gets_the_record_again_and_applies_nothing_twice() {
     let h = Harness::new(1).await;
     h.send(&order("evt-1", "o-1")).await;
     // C2: stop right after the commit, before the offset is stored.
-    let faults = Faults::new(&[(
-        relay::faults::point::CONSUMER_AFTER_DB_COMMIT,
-        FaultAction::Fail,
-        1,
-    )]);
-    let run = h
-        .start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, faults)
-        .await;
-    assert!(
-        run.finished().await.is_err(),
-        "the fault stops the consumer like a crash"
-    );
+    let faults = Faults::new(&[(relay::faults::point::CONSUMER_AFTER_DB_COMMIT, FaultAction::Fail, 1)]);
+    let run = h.start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, faults).await;
+    assert!(run.finished().await.is_err(), "the fault stops the consumer like a crash");
     assert_eq!(h.inbox().await, 1, "the transaction committed");
-    assert_eq!(
-        h.committed().await.get(&0).copied().flatten(),
-        None,
-        "no offset was committed"
-    );
+    assert_eq!(h.committed().await.get(&0).copied().flatten(), None, "no offset was committed");
 
     // A new consumer in the same group gets the record again.
-    let run = h
-        .start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults())
-        .await;
+    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_committed(0, 1).await;
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
@@ -394,9 +258,7 @@ async fn a_consumer_that_dies_after_the_db_commit_gets_the_record_again_and_appl
     assert_eq!(h.provider.stats().applied, 1);
     let mut conn = h.db.conn().await.unwrap();
     assert_eq!(
-        inbox::counter(&mut conn, &h.consumer, "orders")
-            .await
-            .unwrap(),
+        inbox::counter(&mut conn, &h.consumer, "orders").await.unwrap(),
         1,
         "the redelivery did not count twice"
     );
@@ -407,20 +269,12 @@ async fn a_consumer_that_dies_before_the_db_commit_gets_the_record_again_and_app
     let h = Harness::new(1).await;
     h.send(&order("evt-1", "o-1")).await;
     // C1: die with the batch written but not committed.
-    let faults = Faults::new(&[(
-        relay::faults::point::CONSUMER_BEFORE_DB_COMMIT,
-        FaultAction::Fail,
-        1,
-    )]);
-    let run = h
-        .start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, faults)
-        .await;
+    let faults = Faults::new(&[(relay::faults::point::CONSUMER_BEFORE_DB_COMMIT, FaultAction::Fail, 1)]);
+    let run = h.start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, faults).await;
     assert!(run.finished().await.is_err());
     assert_eq!(h.inbox().await, 0, "nothing was committed");
 
-    let run = h
-        .start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults())
-        .await;
+    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_committed(0, 1).await;
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
@@ -436,11 +290,7 @@ struct WaitsForCustomer {
 
 #[async_trait]
 impl Handler for WaitsForCustomer {
-    async fn handle(
-        &self,
-        tx: &mut sqlx::PgConnection,
-        event: &InputEvent,
-    ) -> Result<Plan, HandlerError> {
+    async fn handle(&self, tx: &mut sqlx::PgConnection, event: &InputEvent) -> Result<Plan, HandlerError> {
         if event.data["order_id"] == "o-stuck" && !self.ready.load(Ordering::SeqCst) {
             self.refusals.fetch_add(1, Ordering::SeqCst);
             return Err(HandlerError::NotYet("customer c-1 is not known yet".into()));
@@ -483,56 +333,38 @@ async fn the_committed_offset_never_passes_a_record_that_is_not_processed_yet() 
     let h = Harness::new(1).await;
     let ready = Arc::new(AtomicBool::new(false));
     let refusals = Arc::new(AtomicU32::new(0));
-    let handlers = Handlers::default().register(
-        "waits-for-customer",
-        WaitsForCustomer {
-            ready: ready.clone(),
-            refusals: refusals.clone(),
-        },
-    );
+    let handlers = Handlers::default()
+        .register("waits-for-customer", WaitsForCustomer { ready: ready.clone(), refusals: refusals.clone() });
     let mut cfg = h.config(HANDLER_ROUTE);
     cfg.consumer.reference_retry.max_attempts = 1000; // keep it waiting; the test releases it
 
     h.send(&order("evt-1", "o-1")).await;
     let (_, stuck) = h.send(&order("evt-2", "o-stuck")).await;
     h.send(&order("evt-3", "o-3")).await;
-    let run = h
-        .start_with(cfg, CONSUMER_ONLY, handlers, no_faults())
-        .await;
+    let run = h.start_with(cfg, CONSUMER_ONLY, handlers, no_faults()).await;
 
     // The record before it is committed (asynchronously) ...
     h.await_committed(0, stuck).await;
     // ... and while the stuck record keeps being retried, the offset stays there.
     let seen = refusals.load(Ordering::SeqCst);
-    eventually(
-        "the stuck record to be retried twice more",
-        DEADLINE,
-        || async { (refusals.load(Ordering::SeqCst) >= seen + 2).then_some(()) },
-    )
+    eventually("the stuck record to be retried twice more", DEADLINE, || async {
+        (refusals.load(Ordering::SeqCst) >= seen + 2).then_some(())
+    })
     .await;
     assert_eq!(
         h.committed().await.get(&0).copied().flatten(),
         Some(stuck),
         "committed up to, not past, the stuck record"
     );
-    assert_eq!(
-        h.inbox().await,
-        1,
-        "the record after it waits too (per-partition order)"
-    );
+    assert_eq!(h.inbox().await, 1, "the record after it waits too (per-partition order)");
 
     ready.store(true, Ordering::SeqCst);
     h.await_committed(0, stuck + 2).await;
     run.stop().await.unwrap();
     assert_eq!(h.inbox().await, 3);
-    let app_rows: i64 = sqlx::query_scalar("SELECT count(*) FROM public.app_orders")
-        .fetch_one(&h.db.pool)
-        .await
-        .unwrap();
-    assert_eq!(
-        app_rows, 3,
-        "the handler's own writes committed with the inbox rows"
-    );
+    let app_rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM public.app_orders").fetch_one(&h.db.pool).await.unwrap();
+    assert_eq!(app_rows, 3, "the handler's own writes committed with the inbox rows");
     assert_eq!(h.db.count("intents", "action = 'capture'").await, 3);
 }
 
@@ -553,8 +385,7 @@ to = "paid"
 #[tokio::test]
 async fn an_event_for_an_aggregate_that_never_appears_is_retried_then_parked_and_replayable() {
     let h = Harness::new(1).await;
-    let confirmed =
-        |id: &str, order: &str| TestEvent::new(id, "payment.confirmed", json!({"order_id": order}));
+    let confirmed = |id: &str, order: &str| TestEvent::new(id, "payment.confirmed", json!({"order_id": order}));
     let (_, missing) = h.send(&confirmed("p-1", "o-missing")).await;
     let (_, last) = h.send(&confirmed("p-2", "o-missing-too")).await;
     let cfg = h.config(SAGA_ROUTE);
@@ -562,12 +393,11 @@ async fn an_event_for_an_aggregate_that_never_appears_is_retried_then_parked_and
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
 
-    let (class, attempts, offset): (String, i32, i64) = sqlx::query_as(
-        r#"SELECT error_class, attempts, "offset" FROM relay.dead_letters WHERE event_id = 'p-1'"#,
-    )
-    .fetch_one(&h.db.pool)
-    .await
-    .unwrap();
+    let (class, attempts, offset): (String, i32, i64) =
+        sqlx::query_as(r#"SELECT error_class, attempts, "offset" FROM relay.dead_letters WHERE event_id = 'p-1'"#)
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap();
     assert_eq!(
         (class.as_str(), attempts, offset),
         ("missing_reference", 4, missing),
@@ -585,24 +415,16 @@ async fn an_event_for_an_aggregate_that_never_appears_is_retried_then_parked_and
         .fetch_one(&h.db.pool)
         .await
         .unwrap();
+    assert_eq!(admin::replay(&h.db.pool, &relay.processor(), id).await.unwrap(), ReplayOutcome::Applied);
     assert_eq!(
-        admin::replay(&h.db.pool, &relay.processor(), id)
-            .await
-            .unwrap(),
-        ReplayOutcome::Applied
-    );
-    assert_eq!(
-        admin::replay(&h.db.pool, &relay.processor(), id)
-            .await
-            .unwrap(),
+        admin::replay(&h.db.pool, &relay.processor(), id).await.unwrap(),
         ReplayOutcome::Duplicate,
         "a second replay is a no-op"
     );
-    let state: String =
-        sqlx::query_scalar("SELECT state FROM relay.sagas WHERE saga_id = 'o-missing'")
-            .fetch_one(&h.db.pool)
-            .await
-            .unwrap();
+    let state: String = sqlx::query_scalar("SELECT state FROM relay.sagas WHERE saga_id = 'o-missing'")
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
     assert_eq!(state, "paid");
     assert_eq!(h.outcome("p-1").await.as_deref(), Some("applied"));
 }
@@ -614,33 +436,19 @@ async fn saga_moves_are_guarded_and_every_no_op_is_classified() {
         .execute(&h.db.pool)
         .await
         .unwrap();
-    let confirmed =
-        |id: &str, order: &str| TestEvent::new(id, "payment.confirmed", json!({"order_id": order}));
+    let confirmed = |id: &str, order: &str| TestEvent::new(id, "payment.confirmed", json!({"order_id": order}));
     h.send(&confirmed("p-1", "o-1")).await; // pending -> paid
     h.send(&confirmed("p-1-again", "o-1")).await; // already paid: duplicate transition
     let (_, last) = h.send(&confirmed("p-2", "o-2")).await; // shipped: invalid transition
-    let run = h
-        .start(h.config(SAGA_ROUTE), CONSUMER_ONLY, no_faults())
-        .await;
+    let run = h.start(h.config(SAGA_ROUTE), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
 
     assert_eq!(h.outcome("p-1").await.as_deref(), Some("applied"));
-    assert_eq!(
-        h.outcome("p-1-again").await.as_deref(),
-        Some("duplicate_transition")
-    );
-    assert_eq!(
-        h.outcome("p-2").await.as_deref(),
-        Some("invalid_transition")
-    );
-    let history =
-        h.db.count("history", "kind = 'saga' AND source_id = 'p-1'")
-            .await;
-    assert_eq!(
-        history, 1,
-        "the applied transition has one history row keyed by its event"
-    );
+    assert_eq!(h.outcome("p-1-again").await.as_deref(), Some("duplicate_transition"));
+    assert_eq!(h.outcome("p-2").await.as_deref(), Some("invalid_transition"));
+    let history = h.db.count("history", "kind = 'saga' AND source_id = 'p-1'").await;
+    assert_eq!(history, 1, "the applied transition has one history row keyed by its event");
 }
 
 const SEQUENCE_ROUTE: &str = r#"
@@ -661,9 +469,7 @@ data = { seq = "{{ sequence }}" }
 async fn the_sequence_guard_applies_in_order_and_never_applies_across_a_gap() {
     let h = Harness::new(1).await;
     let entry = |id: &str, seq: i64| {
-        TestEvent::new(id, "account.entry", json!({}))
-            .ext("aggregateid", "acct-1")
-            .ext("sequence", seq)
+        TestEvent::new(id, "account.entry", json!({})).ext("aggregateid", "acct-1").ext("sequence", seq)
     };
     h.send(&entry("e-1", 1)).await;
     h.send(&entry("e-1-dup", 1)).await; // seq <= last: duplicate
@@ -674,10 +480,7 @@ async fn the_sequence_guard_applies_in_order_and_never_applies_across_a_gap() {
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
 
-    assert_eq!(
-        h.outcome("e-1-dup").await.as_deref(),
-        Some("duplicate_sequence")
-    );
+    assert_eq!(h.outcome("e-1-dup").await.as_deref(), Some("duplicate_sequence"));
     assert_eq!(h.outcome("e-2").await.as_deref(), Some("applied"));
     assert_eq!(h.outcome("e-3").await, None, "never applied across the gap");
     let (id, class, offset): (i64, String, i64) =
@@ -689,34 +492,20 @@ async fn the_sequence_guard_applies_in_order_and_never_applies_across_a_gap() {
 
     // Now that 2 is applied, replaying 3 applies it.
     let relay = h.relay(cfg, Handlers::default(), no_faults()).await;
-    assert_eq!(
-        admin::replay(&h.db.pool, &relay.processor(), id)
-            .await
-            .unwrap(),
-        ReplayOutcome::Applied
-    );
-    let last_seq: i64 =
-        sqlx::query_scalar("SELECT last_seq FROM relay.aggregates WHERE aggregate_id = 'acct-1'")
-            .fetch_one(&h.db.pool)
-            .await
-            .unwrap();
+    assert_eq!(admin::replay(&h.db.pool, &relay.processor(), id).await.unwrap(), ReplayOutcome::Applied);
+    let last_seq: i64 = sqlx::query_scalar("SELECT last_seq FROM relay.aggregates WHERE aggregate_id = 'acct-1'")
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
     assert_eq!(last_seq, 3);
 }
 
 #[tokio::test]
 async fn a_template_that_references_a_missing_field_dead_letters_the_event_naming_the_field() {
     let h = Harness::new(1).await;
-    let (_, bad) = h
-        .send(&TestEvent::new(
-            "evt-1",
-            "order.placed",
-            json!({"amount": 5}),
-        ))
-        .await;
+    let (_, bad) = h.send(&TestEvent::new("evt-1", "order.placed", json!({"amount": 5}))).await;
     let (_, last) = h.send(&order("evt-2", "o-2")).await;
-    let run = h
-        .start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, no_faults())
-        .await;
+    let run = h.start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
     let (class, reason, offset): (String, String, i64) =

@@ -1,1 +1,400 @@
-//! placeholder until the dispatcher tests land in the next step
+//! The dispatcher against real PostgreSQL, a real broker and a fake provider
+//! that honours idempotency keys and counts effects: crashes around the call
+//! (C9, C10), timeouts (C11), retryable and permanent failures (C12, C13),
+//! fencing and concurrent dispatchers (C17), per-key ordering (R13), NOTIFY.
+
+mod support;
+
+use std::time::Duration;
+
+use example_provider::{FaultKind, FaultRule};
+use relay::faults::point;
+use relay::{Components, FaultAction, Faults};
+use relay_store::intents::{self, AttemptRecord, Fenced};
+use relay_testkit::read_topic;
+use serde_json::json;
+use support::*;
+
+const INGEST: Components = Components { consumer: true, dispatcher: false, publisher: true };
+const DISPATCH: Components = Components { consumer: false, dispatcher: true, publisher: false };
+
+fn rule(key_prefix: &str, times: Option<u32>, kind: FaultKind) -> FaultRule {
+    FaultRule { path_prefix: None, key_prefix: Some(key_prefix.into()), times, kind }
+}
+
+/// Attempt outcomes of the intent with idempotency key `key`, in order.
+async fn attempts(h: &Harness, key: &str) -> Vec<(String, Option<i32>)> {
+    sqlx::query_as(
+        "SELECT a.outcome, a.status FROM relay.intent_attempts a JOIN relay.intents i ON i.id = a.intent_id
+          WHERE i.idempotency_key = $1 ORDER BY a.attempt",
+    )
+    .bind(key)
+    .fetch_all(&h.db.pool)
+    .await
+    .unwrap()
+}
+
+async fn intent_state(h: &Harness, key: &str) -> (String, i32, Option<i32>, Option<String>) {
+    sqlx::query_as("SELECT state, attempts, last_status, last_error FROM relay.intents WHERE idempotency_key = $1")
+        .bind(key)
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_dispatcher_that_dies_after_the_call_is_replaced_and_the_provider_sees_one_effect() {
+    let h = Harness::new(1).await;
+    h.send(&order("evt-1", "o-1")).await;
+    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    h.await_inbox(1).await;
+
+    // C10: the provider applied the capture, then the dispatcher died before recording it.
+    let faults = Faults::new(&[(point::DISPATCHER_AFTER_CALL, FaultAction::Fail, 1)]);
+    let crashed = h.start(h.config(CAPTURE_ROUTE), DISPATCH, faults).await;
+    assert!(crashed.finished().await.is_err(), "the fault stops the dispatcher like a crash");
+    assert_eq!(h.provider.stats().applied_for("capture:o-1"), 1);
+    assert_eq!(intent_state(&h, "capture:o-1").await.0, "running", "nothing recorded: the lease is still held");
+
+    // Another dispatcher rescues the expired lease and sends the same key again.
+    let replacement = h.start(h.config(CAPTURE_ROUTE), DISPATCH, no_faults()).await;
+    h.await_intents_finished(1).await;
+    h.await_published(1).await;
+    replacement.stop().await.unwrap();
+    ingest.stop().await.unwrap();
+
+    let stats = h.provider.stats();
+    assert_eq!(stats.requests_for("capture:o-1"), 2, "re-sent");
+    assert_eq!(stats.applied_for("capture:o-1"), 1, "but applied once");
+    assert_eq!(stats.replayed, 1, "the provider answered the re-send from its stored response");
+    assert_eq!(intent_state(&h, "capture:o-1").await.0, "succeeded");
+    let a = attempts(&h, "capture:o-1").await;
+    assert_eq!(a, vec![("lease_expired".into(), None), ("succeeded".into(), Some(201))]);
+    let out = read_topic(&h.bootstrap, &h.out, 1).await.unwrap();
+    assert_eq!(out.len(), 1, "one payment.captured");
+}
+
+#[tokio::test]
+async fn a_dispatcher_that_dies_after_claiming_leaves_the_intent_to_be_rescued_when_the_lease_expires() {
+    let h = Harness::new(1).await;
+    for i in 0..5 {
+        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
+    }
+    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    h.await_inbox(5).await;
+
+    // C9: claimed, then died before any call.
+    let faults = Faults::new(&[(point::DISPATCHER_AFTER_CLAIM, FaultAction::Fail, 1)]);
+    let crashed = h.start(h.config(CAPTURE_ROUTE), DISPATCH, faults).await;
+    assert!(crashed.finished().await.is_err());
+    assert_eq!(h.provider.stats().requests, 0, "no call was made");
+    assert_eq!(h.intents_in("running").await, 5, "claimed and leased");
+
+    let replacement = h.start(h.config(CAPTURE_ROUTE), DISPATCH, no_faults()).await;
+    h.await_intents_finished(5).await;
+    replacement.stop().await.unwrap();
+    ingest.stop().await.unwrap();
+    let stats = h.provider.stats();
+    assert_eq!(stats.applied, 5);
+    assert!(stats.double_applied().is_empty());
+    for i in 0..5 {
+        let key = format!("capture:o-{i}");
+        assert_eq!(attempts(&h, &key).await, vec![("lease_expired".into(), None), ("succeeded".into(), Some(201))]);
+    }
+}
+
+#[tokio::test]
+async fn a_worker_whose_lease_was_rescued_cannot_finish_the_intent() {
+    let h = Harness::new(1).await;
+    h.send(&order("evt-1", "o-1")).await;
+    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    h.await_inbox(1).await;
+    ingest.stop().await.unwrap();
+
+    let mut conn = h.db.conn().await.unwrap();
+    let stale = intents::claim(&mut conn, "worker-a", 10, Duration::from_secs(60)).await.unwrap().remove(0);
+    // Worker A stalls past its lease; the rescuer returns the intent and worker B claims it.
+    sqlx::query("UPDATE relay.intents SET locked_until = now() - interval '1 second'")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(intents::rescue_expired(&mut conn, 10).await.unwrap(), vec![stale.id]);
+    let fresh = intents::claim(&mut conn, "worker-b", 10, Duration::from_secs(60)).await.unwrap().remove(0);
+    assert_eq!(fresh.id, stale.id);
+    assert_eq!(fresh.attempts, 2, "the lost attempt still counts");
+
+    let done = AttemptRecord { outcome: "succeeded", status: Some(201), error_class: None, error: None };
+    assert_eq!(
+        intents::mark_succeeded(&mut conn, stale.id, stale.lease_token, &done).await.unwrap(),
+        Fenced::LeaseLost
+    );
+    assert_eq!(
+        intents::schedule_retry(&mut conn, stale.id, stale.lease_token, Duration::ZERO, &done).await.unwrap(),
+        Fenced::LeaseLost
+    );
+    assert_eq!(intents::mark_dead(&mut conn, stale.id, stale.lease_token, &done).await.unwrap(), Fenced::LeaseLost);
+    assert_eq!(intent_state(&h, "capture:o-1").await.0, "running", "the stale worker changed nothing");
+    assert_eq!(intents::mark_succeeded(&mut conn, fresh.id, fresh.lease_token, &done).await.unwrap(), Fenced::Done);
+    assert_eq!(
+        attempts(&h, "capture:o-1").await,
+        vec![("lease_expired".into(), None), ("succeeded".into(), Some(201))]
+    );
+}
+
+#[tokio::test]
+async fn a_provider_timeout_after_applying_is_retried_with_the_same_key_and_applied_once() {
+    let h = Harness::new(1).await;
+    // C11: the provider applies, then answers after the client's 1 s timeout.
+    h.provider.set_faults(vec![rule("capture:o-1", Some(1), FaultKind::TimeoutAfterApply { delay_ms: 1500 })]);
+    h.send(&order("evt-1", "o-1")).await;
+    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    h.await_intents_finished(1).await;
+    run.stop().await.unwrap();
+
+    assert_eq!(h.provider.stats().applied_for("capture:o-1"), 1);
+    // Attempt 1 timed out (uncertain); retries while the provider is still
+    // applying it get 409 + Retry-After (retried); the last gets the stored response.
+    let a = attempts(&h, "capture:o-1").await;
+    assert_eq!(a.first(), Some(&("uncertain".into(), None)), "{a:?}");
+    assert_eq!(a.last(), Some(&("succeeded".into(), Some(201))), "{a:?}");
+    assert!(a[1..a.len() - 1].iter().all(|x| x == &("retryable".to_string(), Some(409))), "{a:?}");
+    assert_eq!(intent_state(&h, "capture:o-1").await.0, "succeeded");
+}
+
+#[tokio::test]
+async fn server_errors_and_throttling_are_retried_with_backoff_until_the_call_succeeds() {
+    let h = Harness::new(1).await;
+    // C12: 503 twice for one order, 429 with Retry-After: 1 once for another.
+    h.provider.set_faults(vec![
+        rule("capture:o-503", Some(2), FaultKind::Status { status: 503, retry_after_secs: None }),
+        rule("capture:o-429", Some(1), FaultKind::Status { status: 429, retry_after_secs: Some(1) }),
+    ]);
+    h.send(&order("evt-1", "o-503")).await;
+    h.send(&order("evt-2", "o-429")).await;
+    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    h.await_intents_finished(2).await;
+    run.stop().await.unwrap();
+
+    let stats = h.provider.stats();
+    assert_eq!(stats.applied, 2);
+    assert_eq!(stats.requests_for("capture:o-503"), 3);
+    assert_eq!(
+        attempts(&h, "capture:o-503").await,
+        vec![("retryable".into(), Some(503)), ("retryable".into(), Some(503)), ("succeeded".into(), Some(201))]
+    );
+    assert_eq!(
+        attempts(&h, "capture:o-429").await,
+        vec![("retryable".into(), Some(429)), ("succeeded".into(), Some(201))]
+    );
+    // Retry-After: 1 is honoured even though the backoff alone would retry within 100 ms.
+    let gap: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM max(a.started_at) - min(a.started_at))::float8 FROM relay.intent_attempts a
+           JOIN relay.intents i ON i.id = a.intent_id WHERE i.idempotency_key = 'capture:o-429'",
+    )
+    .fetch_one(&h.db.pool)
+    .await
+    .unwrap();
+    assert!(gap >= 0.95, "second attempt came {gap:.3}s after the first");
+}
+
+#[tokio::test]
+async fn a_permanent_client_error_or_a_spent_budget_leaves_the_intent_dead_with_its_error() {
+    let h = Harness::new(1).await;
+    // C13: 422 is permanent; 503 forever spends the 5-attempt budget.
+    h.provider.set_faults(vec![
+        rule("capture:o-422", None, FaultKind::Status { status: 422, retry_after_secs: None }),
+        rule("capture:o-down", None, FaultKind::Status { status: 503, retry_after_secs: None }),
+    ]);
+    h.send(&order("evt-1", "o-422")).await;
+    h.send(&order("evt-2", "o-down")).await;
+    h.send(&order("evt-3", "o-fine")).await;
+    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    h.await_intents_finished(3).await;
+    h.await_published(3).await;
+    run.stop().await.unwrap();
+
+    let (state, attempts_made, status, error) = intent_state(&h, "capture:o-422").await;
+    assert_eq!((state.as_str(), attempts_made, status), ("dead", 1, Some(422)));
+    assert!(error.unwrap().contains("422"));
+    let (state, attempts_made, status, error) = intent_state(&h, "capture:o-down").await;
+    assert_eq!((state.as_str(), attempts_made, status), ("dead", 5, Some(503)));
+    let error = error.unwrap();
+    assert!(error.contains("budget exhausted after 5 attempts") && error.contains("503"), "{error}");
+    assert_eq!(h.provider.stats().requests_for("capture:o-down"), 5, "nothing is retried forever");
+    assert_eq!(intent_state(&h, "capture:o-fine").await.0, "succeeded");
+
+    // The dead calls emitted payment.failed, the good one payment.captured.
+    let out = read_topic(&h.bootstrap, &h.out, 3).await.unwrap();
+    let mut types: Vec<&str> = out.iter().filter_map(|r| r.header("ce_type")).collect();
+    types.sort();
+    assert_eq!(types, vec!["payment.captured", "payment.failed", "payment.failed"]);
+}
+
+#[tokio::test]
+async fn two_dispatchers_on_the_same_intents_never_run_one_twice() {
+    let h = Harness::new(4).await;
+    // Slow answers widen the window in which a second worker could take the same row.
+    h.provider.set_faults(vec![rule("capture:", None, FaultKind::TimeoutAfterApply { delay_ms: 20 })]);
+    let n = 200;
+    for i in 0..n {
+        h.send(&order(&format!("evt-{i}"), &format!("o-{i}")).partition(i % 4)).await;
+    }
+    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    h.await_inbox(i64::from(n)).await;
+    // C17: two dispatchers with different worker ids on one queue.
+    let mut a = h.config(CAPTURE_ROUTE);
+    a.dispatcher.worker_id = Some("worker-a".into());
+    let mut b = h.config(CAPTURE_ROUTE);
+    b.dispatcher.worker_id = Some("worker-b".into());
+    let (ra, rb) = (h.start(a, DISPATCH, no_faults()).await, h.start(b, DISPATCH, no_faults()).await);
+    h.await_intents_finished(i64::from(n)).await;
+    ra.stop().await.unwrap();
+    rb.stop().await.unwrap();
+    ingest.stop().await.unwrap();
+
+    let stats = h.provider.stats();
+    assert_eq!(stats.applied, u64::from(n as u32));
+    for (key, s) in &stats.by_key {
+        assert_eq!((s.requests, s.applied, s.concurrent), (1, 1, 0), "{key} was sent more than once");
+    }
+    let workers: Vec<(String, i64)> =
+        sqlx::query_as("SELECT worker, count(*) FROM relay.intent_attempts GROUP BY worker ORDER BY worker")
+            .fetch_all(&h.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(workers.len(), 2, "both dispatchers took work: {workers:?}");
+    assert_eq!(h.db.count("intent_attempts", "outcome <> 'succeeded'").await, 0);
+}
+
+const ORDERED_ROUTE: &str = r#"
+[[routes]]
+topic = "{topic}"
+type = "order.placed"
+
+[[routes.actions]]
+kind = "call"
+name = "capture"
+endpoint = "psp"
+path = "/captures"
+idempotency_key = "capture:{{ data.order_id }}"
+ordering_key = "{{ data.customer }}"
+body = { order_id = "{{ data.order_id }}" }
+"#;
+
+#[tokio::test]
+async fn with_an_ordering_key_no_call_starts_before_the_earlier_one_for_the_key_finished() {
+    let h = Harness::new(1).await;
+    // The first order of customer c-1 fails twice; the second must wait for it.
+    h.provider.set_faults(vec![rule(
+        "capture:first",
+        Some(2),
+        FaultKind::Status { status: 503, retry_after_secs: None },
+    )]);
+    let placed = |id: &str, order: &str, customer: &str| {
+        support::TestEvent::new(id, "order.placed", json!({"order_id": order, "customer": customer}))
+    };
+    h.send(&placed("e-1", "first", "c-1")).await;
+    h.send(&placed("e-2", "second", "c-1")).await;
+    h.send(&placed("e-3", "other", "c-2")).await;
+    let run = h.start(h.config(ORDERED_ROUTE), Components::ALL, no_faults()).await;
+    h.await_intents_finished(3).await;
+    run.stop().await.unwrap();
+
+    let order: Vec<String> = h.provider.applied().into_iter().map(|a| a.key).collect();
+    let pos = |k: &str| order.iter().position(|x| x == k).unwrap();
+    assert!(pos("capture:first") < pos("capture:second"), "per-key order kept: {order:?}");
+    let second_started: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM (SELECT min(started_at) FROM relay.intent_attempts a JOIN relay.intents i ON i.id = a.intent_id
+                                     WHERE i.idempotency_key = 'capture:second')
+                                 - (SELECT finished_at FROM relay.intents WHERE idempotency_key = 'capture:first'))::float8",
+    )
+    .fetch_one(&h.db.pool)
+    .await
+    .unwrap();
+    assert!(second_started >= 0.0, "the second call started {second_started:.3}s after the first finished");
+}
+
+#[tokio::test]
+async fn new_intents_wake_the_dispatcher_through_notify_long_before_the_poll_interval() {
+    let h = Harness::new(1).await;
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.dispatcher.poll_interval = Duration::from_secs(60);
+    cfg.dispatcher.rescue_interval = Duration::from_secs(60);
+    let dispatcher = h.start(cfg, DISPATCH, no_faults()).await;
+    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    h.await_inbox(0).await;
+    // Give the dispatcher time to go idle on its first (empty) claim: wait for its LISTEN.
+    eventually("the dispatcher to LISTEN", DEADLINE, || async {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query ILIKE 'LISTEN%'",
+        )
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+        (n >= 1).then_some(())
+    })
+    .await;
+    h.send(&order("evt-1", "o-1")).await;
+    eventually("the call to be made", Duration::from_secs(10), || async {
+        (h.provider.stats().applied == 1).then_some(())
+    })
+    .await;
+    let latency: f64 =
+        sqlx::query_scalar("SELECT extract(epoch FROM finished_at - created_at)::float8 FROM relay.intents")
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap();
+    assert!(latency < 6.0, "intent written to call finished took {latency:.3}s with a 60 s poll interval");
+    dispatcher.stop().await.unwrap();
+    ingest.stop().await.unwrap();
+}
+
+const SAGA_OUTCOME_ROUTE: &str = r#"
+[[routes]]
+topic = "{topic}"
+type = "order.placed"
+
+[[routes.actions]]
+kind = "saga"
+name = "start"
+saga = "order"
+id = "{{ data.order_id }}"
+start = true
+to = "payment_pending"
+
+[[routes.actions]]
+kind = "call"
+name = "capture"
+endpoint = "psp"
+path = "/captures"
+idempotency_key = "capture:{{ data.order_id }}"
+
+[[routes.actions.on_success.saga]]
+name = "paid"
+saga = "order"
+id = "{{ data.order_id }}"
+from = ["payment_pending"]
+to = "paid"
+
+[[routes.actions.on_dead.saga]]
+name = "failed"
+saga = "order"
+id = "{{ data.order_id }}"
+from = ["payment_pending"]
+to = "payment_failed"
+"#;
+
+#[tokio::test]
+async fn call_outcomes_move_the_saga_in_the_transaction_that_records_them() {
+    let h = Harness::new(1).await;
+    h.provider.set_faults(vec![rule("capture:o-bad", None, FaultKind::Status { status: 400, retry_after_secs: None })]);
+    h.send(&order("evt-1", "o-good")).await;
+    h.send(&order("evt-2", "o-bad")).await;
+    let run = h.start(h.config(SAGA_OUTCOME_ROUTE), Components::ALL, no_faults()).await;
+    h.await_intents_finished(2).await;
+    run.stop().await.unwrap();
+    let states: Vec<(String, String)> =
+        sqlx::query_as("SELECT saga_id, state FROM relay.sagas ORDER BY saga_id").fetch_all(&h.db.pool).await.unwrap();
+    assert_eq!(states, vec![("o-bad".into(), "payment_failed".into()), ("o-good".into(), "paid".into())]);
+    assert_eq!(h.db.count("history", "kind = 'outcome'").await, 2, "each outcome transition has its history row");
+}

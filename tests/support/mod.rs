@@ -71,9 +71,7 @@ impl Running {
 
     /// Wait for the run to end by itself (e.g. a fault point), with a deadline.
     pub async fn finished(self) -> anyhow::Result<()> {
-        tokio::time::timeout(DEADLINE, self.handle)
-            .await
-            .expect("the relay did not stop")?
+        tokio::time::timeout(DEADLINE, self.handle).await.expect("the relay did not stop")?
     }
 }
 
@@ -91,12 +89,9 @@ impl Harness {
         let topic = unique("orders");
         let out = unique("out");
         let dlq = unique("dlq");
-        create_topics(&bootstrap, &[&topic, &out, &dlq], partitions)
-            .await
-            .expect("create topics");
-        let provider = Provider::start(SocketAddr::from(([127, 0, 0, 1], 0)), Settings::default())
-            .await
-            .expect("provider");
+        create_topics(&bootstrap, &[&topic, &out, &dlq], partitions).await.expect("create topics");
+        let provider =
+            Provider::start(SocketAddr::from(([127, 0, 0, 1], 0)), Settings::default()).await.expect("provider");
         Harness {
             db: TestDb::new().await.expect("test database"),
             producer: TestProducer::new(&bootstrap).expect("producer"),
@@ -157,12 +152,9 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
             dlq = self.dlq,
             bootstrap = self.bootstrap,
             provider = self.provider.url(),
-            routes = routes
-                .replace("{topic}", &self.topic)
-                .replace("{out}", &self.out),
+            routes = routes.replace("{topic}", &self.topic).replace("{out}", &self.out),
         );
-        let mut cfg =
-            RelayConfig::from_toml(&text).unwrap_or_else(|e| panic!("test config: {e}\n{text}"));
+        let mut cfg = RelayConfig::from_toml(&text).unwrap_or_else(|e| panic!("test config: {e}\n{text}"));
         cfg.database.url = Some(self.db.url.clone().into());
         cfg
     }
@@ -172,17 +164,10 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
     }
 
     pub async fn start(&self, cfg: RelayConfig, which: Components, faults: Faults) -> Running {
-        self.start_with(cfg, which, Handlers::default(), faults)
-            .await
+        self.start_with(cfg, which, Handlers::default(), faults).await
     }
 
-    pub async fn start_with(
-        &self,
-        cfg: RelayConfig,
-        which: Components,
-        handlers: Handlers,
-        faults: Faults,
-    ) -> Running {
+    pub async fn start_with(&self, cfg: RelayConfig, which: Components, handlers: Handlers, faults: Faults) -> Running {
         let relay = self.relay(cfg, handlers, faults).await;
         let token = CancellationToken::new();
         let t = token.clone();
@@ -196,45 +181,30 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
 
     /// Inbox rows of this consumer.
     pub async fn inbox(&self) -> i64 {
-        self.db
-            .count("inbox", &format!("consumer = '{}'", self.consumer))
-            .await
+        self.db.count("inbox", &format!("consumer = '{}'", self.consumer)).await
     }
 
     /// The inbox outcome of event `id`, if recorded.
     pub async fn outcome(&self, id: &str) -> Option<String> {
         let mut conn = self.db.conn().await.expect("connection");
-        relay_store::inbox::outcome_of(&mut conn, &self.consumer, id)
-            .await
-            .expect("inbox lookup")
+        relay_store::inbox::outcome_of(&mut conn, &self.consumer, id).await.expect("inbox lookup")
     }
 
     pub async fn intents_in(&self, state: &str) -> i64 {
-        self.db
-            .count("intents", &format!("state = '{state}'"))
-            .await
+        self.db.count("intents", &format!("state = '{state}'")).await
     }
 
     /// Wait until the inbox has `n` rows.
     pub async fn await_inbox(&self, n: i64) {
-        eventually(&format!("{n} inbox rows"), DEADLINE, || async {
-            (self.inbox().await >= n).then_some(())
-        })
-        .await;
+        eventually(&format!("{n} inbox rows"), DEADLINE, || async { (self.inbox().await >= n).then_some(()) }).await;
         assert_eq!(self.inbox().await, n, "inbox rows");
     }
 
     /// Wait until no intent is pending or running and `n` are finished.
     pub async fn await_intents_finished(&self, n: i64) {
         eventually(&format!("{n} finished intents"), DEADLINE, || async {
-            let finished = self
-                .db
-                .count("intents", "state IN ('succeeded', 'dead')")
-                .await;
-            let open = self
-                .db
-                .count("intents", "state IN ('pending', 'running')")
-                .await;
+            let finished = self.db.count("intents", "state IN ('succeeded', 'dead')").await;
+            let open = self.db.count("intents", "state IN ('pending', 'running')").await;
             (finished >= n && open == 0).then_some(())
         })
         .await;
@@ -252,31 +222,20 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
 
     /// Committed offset of our group on the input topic, per partition.
     pub async fn committed(&self) -> std::collections::HashMap<i32, Option<i64>> {
-        relay_testkit::committed_offsets(&self.bootstrap, &self.group, &self.topic)
-            .await
-            .expect("committed offsets")
+        relay_testkit::committed_offsets(&self.bootstrap, &self.group, &self.topic).await.expect("committed offsets")
     }
 
     /// Wait until partition `p`'s committed offset is exactly `offset`.
     pub async fn await_committed(&self, p: i32, offset: i64) {
-        eventually(
-            &format!("committed offset {offset} on partition {p}"),
-            DEADLINE,
-            || async {
-                (self.committed().await.get(&p).copied().flatten() == Some(offset)).then_some(())
-            },
-        )
+        eventually(&format!("committed offset {offset} on partition {p}"), DEADLINE, || async {
+            (self.committed().await.get(&p).copied().flatten() == Some(offset)).then_some(())
+        })
         .await;
     }
 }
 
 pub fn order(id: &str, order: &str) -> TestEvent {
-    TestEvent::new(
-        id,
-        "order.placed",
-        serde_json::json!({"order_id": order, "amount": 100}),
-    )
-    .key(order)
+    TestEvent::new(id, "order.placed", serde_json::json!({"order_id": order, "amount": 100})).key(order)
 }
 
 pub fn no_faults() -> Faults {

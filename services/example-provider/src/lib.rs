@@ -96,11 +96,7 @@ pub struct Stats {
 impl Stats {
     /// Keys whose effect was applied more than once (must be empty).
     pub fn double_applied(&self) -> Vec<String> {
-        self.by_key
-            .iter()
-            .filter(|(_, s)| s.applied > 1)
-            .map(|(k, _)| k.clone())
-            .collect()
+        self.by_key.iter().filter(|(_, s)| s.applied > 1).map(|(k, _)| k.clone()).collect()
     }
 
     /// Effects applied for `key`.
@@ -146,9 +142,7 @@ pub struct Settings {
 
 impl Default for Settings {
     fn default() -> Self {
-        Settings {
-            idempotency_header: "Idempotency-Key".into(),
-        }
+        Settings { idempotency_header: "Idempotency-Key".into() }
     }
 }
 
@@ -168,10 +162,7 @@ pub struct Provider {
 impl Provider {
     /// Start on `bind` (use port 0 for a free port) in the current runtime.
     pub async fn start(bind: SocketAddr, settings: Settings) -> anyhow::Result<Provider> {
-        let state = AppState {
-            inner: Arc::default(),
-            settings: Arc::new(settings),
-        };
+        let state = AppState { inner: Arc::default(), settings: Arc::new(settings) };
         let app = router(state.clone());
         let listener = tokio::net::TcpListener::bind(bind).await?;
         let addr = listener.local_addr()?;
@@ -190,12 +181,7 @@ impl Provider {
 
     /// A snapshot of the counts.
     pub fn stats(&self) -> Stats {
-        self.state
-            .inner
-            .lock()
-            .expect("provider lock")
-            .stats
-            .clone()
+        self.state.inner.lock().expect("provider lock").stats.clone()
     }
 
     /// Applied effects, in order.
@@ -222,10 +208,7 @@ async fn stats(State(s): State<AppState>) -> impl IntoResponse {
     axum::Json(s.inner.lock().expect("provider lock").stats.clone())
 }
 
-async fn set_faults(
-    State(s): State<AppState>,
-    axum::Json(rules): axum::Json<Vec<FaultRule>>,
-) -> impl IntoResponse {
+async fn set_faults(State(s): State<AppState>, axum::Json(rules): axum::Json<Vec<FaultRule>>) -> impl IntoResponse {
     s.inner.lock().expect("provider lock").rules = rules;
     StatusCode::NO_CONTENT
 }
@@ -233,26 +216,15 @@ async fn set_faults(
 enum Plan {
     Replay(u16, serde_json::Value),
     Conflict,
-    Applied {
-        response: serde_json::Value,
-        delay_after: Option<u64>,
-    },
+    Applied { response: serde_json::Value, delay_after: Option<u64> },
     Fail(u16, Option<u64>),
     SlowFail(u64),
 }
 
-async fn call(
-    State(s): State<AppState>,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
     let path = uri.path().to_owned();
-    let Some(key) = headers
-        .get(s.settings.idempotency_header.as_str())
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned)
+    let Some(key) =
+        headers.get(s.settings.idempotency_header.as_str()).and_then(|v| v.to_str().ok()).map(str::to_owned)
     else {
         s.inner.lock().expect("provider lock").stats.missing_key += 1;
         let msg = format!("{} header is required", s.settings.idempotency_header);
@@ -278,10 +250,9 @@ async fn call(
                     && r.times.is_none_or(|t| nth <= t)
             });
             let delay_after = match rule.map(|r| r.kind.clone()) {
-                Some(FaultKind::Status {
-                    status,
-                    retry_after_secs,
-                }) => break 'plan Plan::Fail(status, retry_after_secs),
+                Some(FaultKind::Status { status, retry_after_secs }) => {
+                    break 'plan Plan::Fail(status, retry_after_secs);
+                }
                 Some(FaultKind::TimeoutBeforeApply { delay_ms }) => {
                     break 'plan Plan::SlowFail(delay_ms);
                 }
@@ -291,10 +262,10 @@ async fn call(
             // The effect is applied and its response stored in the same
             // critical section that checked the key: a concurrent request with
             // the key sees it in progress (409), a later one gets the replay.
-            let body_json: serde_json::Value =
-                serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+            let body_json: serde_json::Value = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
             *inner.in_progress.entry(key.clone()).or_default() += 1;
-            let resource = json!({"id": format!("res_{}", inner.stats.applied + 1), "idempotency_key": key, "path": path});
+            let resource =
+                json!({"id": format!("res_{}", inner.stats.applied + 1), "idempotency_key": key, "path": path});
             inner.stats.applied += 1;
             inner.stats.by_key.entry(key.clone()).or_default().applied += 1;
             inner.stored.insert(key.clone(), (201, resource.clone()));
@@ -304,49 +275,47 @@ async fn call(
                 path: path.clone(),
                 body: body_json,
             });
-            Plan::Applied {
-                response: resource,
-                delay_after,
-            }
+            Plan::Applied { response: resource, delay_after }
         }
     };
     match plan {
-        Plan::Conflict => (
-            StatusCode::CONFLICT,
-            axum::Json(json!({"error": "a request with this key is in progress"})),
-        )
-            .into_response(),
+        Plan::Conflict => {
+            // As the IETF Idempotency-Key draft asks: 409 while the first request is in progress.
+            let body = axum::Json(json!({"error": "a request with this key is in progress"}));
+            let mut r = (StatusCode::CONFLICT, body).into_response();
+            r.headers_mut().insert("retry-after", "1".parse().expect("digits"));
+            r
+        }
         Plan::Replay(status, body) => {
-            let mut r = (
-                StatusCode::from_u16(status).unwrap_or(StatusCode::OK),
-                axum::Json(body),
-            )
-                .into_response();
-            r.headers_mut().insert(
-                "idempotent-replayed",
-                "true".parse().expect("static header"),
-            );
+            let mut r = (StatusCode::from_u16(status).unwrap_or(StatusCode::OK), axum::Json(body)).into_response();
+            r.headers_mut().insert("idempotent-replayed", "true".parse().expect("static header"));
             r
         }
         Plan::Fail(status, retry_after) => fail(status, retry_after),
         Plan::SlowFail(ms) => delay_then_fail(ms).await,
-        Plan::Applied {
-            response,
-            delay_after,
-        } => {
+        Plan::Applied { response, delay_after } => {
+            // Ends "in progress" even when the client hangs up first and the
+            // server drops this future mid-sleep (a timeout after applying).
+            let _in_progress = InProgress { inner: s.inner.clone(), key };
             if let Some(ms) = delay_after {
                 tokio::time::sleep(Duration::from_millis(ms)).await;
             }
-            if let Some(n) = s
-                .inner
-                .lock()
-                .expect("provider lock")
-                .in_progress
-                .get_mut(&key)
-            {
-                *n -= 1;
-            }
             (StatusCode::CREATED, axum::Json(response)).into_response()
+        }
+    }
+}
+
+struct InProgress {
+    inner: Arc<Mutex<Inner>>,
+    key: String,
+}
+
+impl Drop for InProgress {
+    fn drop(&mut self) {
+        if let Ok(mut g) = self.inner.lock()
+            && let Some(n) = g.in_progress.get_mut(&self.key)
+        {
+            *n = n.saturating_sub(1);
         }
     }
 }
@@ -358,19 +327,14 @@ fn fail(status: u16, retry_after: Option<u64>) -> Response {
     )
         .into_response();
     if let Some(secs) = retry_after {
-        r.headers_mut()
-            .insert("retry-after", secs.to_string().parse().expect("digits"));
+        r.headers_mut().insert("retry-after", secs.to_string().parse().expect("digits"));
     }
     r
 }
 
 async fn delay_then_fail(ms: u64) -> Response {
     tokio::time::sleep(Duration::from_millis(ms)).await;
-    (
-        StatusCode::SERVICE_UNAVAILABLE,
-        axum::Json(json!({"error": "injected slow failure"})),
-    )
-        .into_response()
+    (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"error": "injected slow failure"}))).into_response()
 }
 
 /// Serve on `bind` until the process ends (the binary's main).

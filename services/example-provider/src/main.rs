@@ -4,9 +4,7 @@
 use clap::Parser;
 
 #[derive(Parser)]
-#[command(
-    about = "A fake third-party HTTP API that honours Idempotency-Key and counts applied effects"
-)]
+#[command(about = "A fake third-party HTTP API that honours Idempotency-Key and counts applied effects")]
 struct Args {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:8081", env = "PROVIDER_LISTEN")]
@@ -18,15 +16,8 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .init();
+    tracing_subscriber::fmt().with_writer(std::io::stderr).init();
     let args = Args::parse();
-    example_provider::serve(
-        args.listen,
-        example_provider::Settings {
-            idempotency_header: args.idempotency_header,
-        },
-    )
-    .await
+    example_provider::serve(args.listen, example_provider::Settings { idempotency_header: args.idempotency_header })
+        .await
 }

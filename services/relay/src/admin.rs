@@ -24,10 +24,7 @@ pub enum ReplayOutcome {
 impl ReplayOutcome {
     /// Whether the dead letter is resolved.
     pub fn resolved(&self) -> bool {
-        matches!(
-            self,
-            ReplayOutcome::Applied | ReplayOutcome::Duplicate | ReplayOutcome::NoOp(_)
-        )
+        matches!(self, ReplayOutcome::Applied | ReplayOutcome::Duplicate | ReplayOutcome::NoOp(_))
     }
 
     fn stored(&self) -> String {
@@ -42,11 +39,7 @@ impl ReplayOutcome {
 }
 
 /// Replay dead letter `id` through `processor` in one transaction.
-pub async fn replay(
-    pool: &PgPool,
-    processor: &Processor,
-    id: i64,
-) -> anyhow::Result<ReplayOutcome> {
+pub async fn replay(pool: &PgPool, processor: &Processor, id: i64) -> anyhow::Result<ReplayOutcome> {
     let mut conn = pool.acquire().await?;
     let mut tx = conn.begin().await?;
     let Some(dl) = dead_letters::get(&mut tx, id).await? else {

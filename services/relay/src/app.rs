@@ -29,11 +29,7 @@ pub struct Components {
 
 impl Components {
     /// Everything.
-    pub const ALL: Components = Components {
-        consumer: true,
-        dispatcher: true,
-        publisher: true,
-    };
+    pub const ALL: Components = Components { consumer: true, dispatcher: true, publisher: true };
 }
 
 /// A configured relay.
@@ -48,31 +44,18 @@ pub struct Relay {
 
 impl Relay {
     /// Connect to the database, compile the routes, and check the schema is current.
-    pub async fn new(
-        cfg: RelayConfig,
-        handlers: Handlers,
-        faults: Faults,
-    ) -> anyhow::Result<Relay> {
+    pub async fn new(cfg: RelayConfig, handlers: Handlers, faults: Faults) -> anyhow::Result<Relay> {
         let router = Arc::new(Router::new(&cfg)?);
         let wanted = cfg.routes.iter().filter_map(|r| r.handler.as_deref());
         let missing = handlers.missing(wanted);
         if !missing.is_empty() {
-            anyhow::bail!(
-                "routes name handlers that are not registered in this binary: {}",
-                missing.join(", ")
-            );
+            anyhow::bail!("routes name handlers that are not registered in this binary: {}", missing.join(", "));
         }
         let pool = connect(&cfg).await?;
         if !relay_store::migrations_current(&pool).await? {
             anyhow::bail!("the database schema is not current: run `relay migrate` first");
         }
-        Ok(Relay {
-            cfg,
-            pool,
-            router,
-            handlers,
-            faults,
-        })
+        Ok(Relay { cfg, pool, router, handlers, faults })
     }
 
     /// The configuration.
@@ -95,9 +78,7 @@ impl Relay {
         let c = &self.cfg.consumer;
         let topics = self.cfg.subscribed_topics();
         if topics.is_empty() {
-            anyhow::bail!(
-                "no topics to consume: add [[routes]] (or [topics.NAME]) to the configuration"
-            );
+            anyhow::bail!("no topics to consume: add [[routes]] (or [topics.NAME]) to the configuration");
         }
         let settings = ConsumerSettings {
             name: c.name.clone(),
@@ -107,33 +88,17 @@ impl Relay {
             reference_retry: c.reference_retry,
             database_backoff: c.database_backoff,
         };
-        InboxConsumer::new(
-            &self.cfg.kafka,
-            settings,
-            self.processor(),
-            self.pool.clone(),
-            self.faults.clone(),
-        )
+        InboxConsumer::new(&self.cfg.kafka, settings, self.processor(), self.pool.clone(), self.faults.clone())
     }
 
     /// The intent dispatcher.
     pub fn dispatcher(&self) -> anyhow::Result<Dispatcher> {
-        Dispatcher::new(
-            self.pool.clone(),
-            self.cfg.dispatcher.clone(),
-            &self.cfg.endpoints,
-            self.faults.clone(),
-        )
+        Dispatcher::new(self.pool.clone(), self.cfg.dispatcher.clone(), &self.cfg.endpoints, self.faults.clone())
     }
 
     /// The outbox publisher.
     pub fn publisher(&self) -> anyhow::Result<Publisher> {
-        Publisher::new(
-            self.pool.clone(),
-            &self.cfg.kafka,
-            self.cfg.publisher.clone(),
-            self.faults.clone(),
-        )
+        Publisher::new(self.pool.clone(), &self.cfg.kafka, self.cfg.publisher.clone(), self.faults.clone())
     }
 
     /// Run `which` until `shutdown` is cancelled or one of them fails (then
@@ -162,11 +127,7 @@ impl Relay {
             match result {
                 Ok(()) => info!(component = name, "component stopped"),
                 Err(e) => {
-                    error!(
-                        component = name,
-                        error = format!("{e:#}"),
-                        "component failed; stopping the others"
-                    );
+                    error!(component = name, error = format!("{e:#}"), "component failed; stopping the others");
                     inner.cancel();
                     first_error.get_or_insert(e);
                 }
@@ -184,7 +145,5 @@ pub async fn connect(cfg: &RelayConfig) -> anyhow::Result<PgPool> {
         .acquire_timeout(cfg.database.acquire_timeout)
         .connect(url)
         .await
-        .map_err(|e| {
-            anyhow::anyhow!("cannot connect to PostgreSQL (database.url / DATABASE_URL): {e}")
-        })
+        .map_err(|e| anyhow::anyhow!("cannot connect to PostgreSQL (database.url / DATABASE_URL): {e}"))
 }

@@ -26,13 +26,7 @@ pub struct Cli {
     #[arg(long, short, env = "RELAY_CONFIG", global = true)]
     pub config: Option<PathBuf>,
     /// Log format.
-    #[arg(
-        long,
-        value_enum,
-        default_value = "text",
-        env = "RELAY_LOG_FORMAT",
-        global = true
-    )]
+    #[arg(long, value_enum, default_value = "text", env = "RELAY_LOG_FORMAT", global = true)]
     pub log_format: LogFormat,
     /// What to do.
     #[command(subcommand)]
@@ -133,10 +127,7 @@ pub enum DeadLetterCommand {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     telemetry::init(cli.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -182,11 +173,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 cfg.subscribed_topics().join(", ")
             );
             for r in &cfg.routes {
-                println!(
-                    "  route {} -> {} action(s)",
-                    r.display_name(),
-                    r.actions.len()
-                );
+                println!("  route {} -> {} action(s)", r.display_name(), r.actions.len());
             }
             for (name, e) in &cfg.endpoints {
                 println!(
@@ -204,19 +191,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Consume | Command::Dispatch { .. } | Command::Run => {
             let which = match cli.command {
-                Command::Consume => Components {
-                    consumer: true,
-                    dispatcher: false,
-                    publisher: false,
-                },
-                Command::Dispatch {
-                    intents_only,
-                    outbox_only,
-                } => Components {
-                    consumer: false,
-                    dispatcher: !outbox_only,
-                    publisher: !intents_only,
-                },
+                Command::Consume => Components { consumer: true, dispatcher: false, publisher: false },
+                Command::Dispatch { intents_only, outbox_only } => {
+                    Components { consumer: false, dispatcher: !outbox_only, publisher: !intents_only }
+                }
                 _ => Components::ALL,
             };
             let relay = Relay::new(cfg, Handlers::default(), faults).await?;
@@ -252,8 +230,8 @@ async fn wait_for_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("SIGTERM handler");
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
         tokio::select! { _ = ctrl_c => {}, _ = term.recv() => {} }
     }
     #[cfg(not(unix))]
@@ -285,10 +263,7 @@ fn print_stats(s: &Stats) {
     if let Some(age) = s.oldest_unpublished_outbox_secs {
         println!("  oldest unpublished       {age:.1}s");
     }
-    println!(
-        "dead letters: {} unresolved, {} in total",
-        s.dead_letters_unresolved, s.dead_letters_total
-    );
+    println!("dead letters: {} unresolved, {} in total", s.dead_letters_unresolved, s.dead_letters_total);
     if !s.counters.is_empty() {
         println!("business counters:");
         for (consumer, name, v) in &s.counters {
@@ -301,24 +276,9 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
     let pool = connect(&cfg).await?;
     let consumer = cfg.consumer.name.clone();
     match cmd {
-        DeadLetterCommand::List {
-            class,
-            topic,
-            all,
-            limit,
-            json,
-        } => {
-            let resolution = if all {
-                Resolution::Any
-            } else {
-                Resolution::Unresolved
-            };
-            let f = Filter {
-                consumer: Some(consumer),
-                error_class: class,
-                topic,
-                resolution,
-            };
+        DeadLetterCommand::List { class, topic, all, limit, json } => {
+            let resolution = if all { Resolution::Any } else { Resolution::Unresolved };
+            let f = Filter { consumer: Some(consumer), error_class: class, topic, resolution };
             let rows = dead_letters::list(&mut *pool.acquire().await?, &f, 0, limit).await?;
             if json {
                 for r in &rows {
@@ -327,17 +287,10 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
             } else if rows.is_empty() {
                 println!("no dead letters");
             } else {
-                println!(
-                    "{:>6}  {:<20} {:<28} {:<16} {:<20} reason",
-                    "id", "parked", "source", "class", "event id"
-                );
+                println!("{:>6}  {:<20} {:<28} {:<16} {:<20} reason", "id", "parked", "source", "class", "event id");
                 for r in &rows {
                     let source = format!("{}[{}]@{}", r.topic, r.partition, r.offset);
-                    let replay = r
-                        .replay_outcome
-                        .as_deref()
-                        .map(|o| format!(" (replayed: {o})"))
-                        .unwrap_or_default();
+                    let replay = r.replay_outcome.as_deref().map(|o| format!(" (replayed: {o})")).unwrap_or_default();
                     println!(
                         "{:>6}  {:<20} {:<28} {:<16} {:<20} {}{replay}",
                         r.id,
@@ -357,10 +310,7 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
             };
             let m = &dl.meta;
             println!("dead letter {id}");
-            println!(
-                "  source     {}[{}] offset {}",
-                m.topic, m.partition, m.offset
-            );
+            println!("  source     {}[{}] offset {}", m.topic, m.partition, m.offset);
             println!(
                 "  event      id {} type {}",
                 m.event_id.as_deref().unwrap_or("-"),
@@ -371,18 +321,11 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
             println!("  attempts   {}", m.attempts);
             println!("  parked at  {}", m.created_at);
             if let Some(at) = m.replayed_at {
-                println!(
-                    "  replayed   {at}: {}",
-                    m.replay_outcome.as_deref().unwrap_or("")
-                );
+                println!("  replayed   {at}: {}", m.replay_outcome.as_deref().unwrap_or(""));
             }
             println!(
                 "  key        {}",
-                dl.record
-                    .key
-                    .as_deref()
-                    .map(|k| String::from_utf8_lossy(k).into_owned())
-                    .unwrap_or_else(|| "-".into())
+                dl.record.key.as_deref().map(|k| String::from_utf8_lossy(k).into_owned()).unwrap_or_else(|| "-".into())
             );
             println!("  headers");
             for h in &dl.record.headers {
@@ -393,15 +336,9 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
                     .unwrap_or_else(|| "(null)".into());
                 println!("    {}: {v}", h.name);
             }
-            let value = dl
-                .record
-                .payload
-                .as_deref()
-                .map(|v| String::from_utf8_lossy(&v[..v.len().min(4096)]).into_owned());
-            println!(
-                "  value ({} bytes)",
-                dl.record.payload.as_ref().map_or(0, Vec::len)
-            );
+            let value =
+                dl.record.payload.as_deref().map(|v| String::from_utf8_lossy(&v[..v.len().min(4096)]).into_owned());
+            println!("  value ({} bytes)", dl.record.payload.as_ref().map_or(0, Vec::len));
             println!("    {}", value.unwrap_or_else(|| "(null)".into()));
             Ok(())
         }
@@ -440,32 +377,14 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
                     other => println!("[{}/{}] {id}: {other:?}", i + 1, ids.len()),
                 }
             }
-            println!(
-                "replayed {}: {resolved} resolved, {failing} still failing",
-                ids.len()
-            );
+            println!("replayed {}: {resolved} resolved, {failing} still failing", ids.len());
             Ok(())
         }
-        DeadLetterCommand::Purge {
-            ids,
-            all,
-            class,
-            resolved,
-            yes,
-        } => {
+        DeadLetterCommand::Purge { ids, all, class, resolved, yes } => {
             let mut conn = pool.acquire().await?;
             if all {
-                let resolution = if resolved {
-                    Resolution::Resolved
-                } else {
-                    Resolution::Any
-                };
-                let f = Filter {
-                    consumer: Some(consumer),
-                    error_class: class,
-                    topic: None,
-                    resolution,
-                };
+                let resolution = if resolved { Resolution::Resolved } else { Resolution::Any };
+                let f = Filter { consumer: Some(consumer), error_class: class, topic: None, resolution };
                 let n = dead_letters::count(&mut conn, &f).await?;
                 if !yes {
                     println!("would delete {n} dead letter(s); add --yes to delete them");
@@ -487,10 +406,7 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
                 anyhow::bail!("nothing to purge: give dead letter ids, or --all");
             }
             if !yes {
-                println!(
-                    "would delete {} dead letter(s); add --yes to delete them",
-                    ids.len()
-                );
+                println!("would delete {} dead letter(s); add --yes to delete them", ids.len());
                 return Ok(());
             }
             let mut deleted = 0;

@@ -29,9 +29,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rdkafka::client::ClientContext;
 use rdkafka::config::RDKafkaLogLevel;
-use rdkafka::consumer::{
-    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
-};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
@@ -67,10 +65,7 @@ pub struct RelayContext {
 impl ClientContext for RelayContext {
     fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
         match level {
-            RDKafkaLogLevel::Emerg
-            | RDKafkaLogLevel::Alert
-            | RDKafkaLogLevel::Critical
-            | RDKafkaLogLevel::Error => {
+            RDKafkaLogLevel::Emerg | RDKafkaLogLevel::Alert | RDKafkaLogLevel::Critical | RDKafkaLogLevel::Error => {
                 error!(consumer = %self.name, facility = fac, "librdkafka: {log_message}")
             }
             RDKafkaLogLevel::Warning => {
@@ -95,11 +90,7 @@ impl ConsumerContext for RelayContext {
                     let mut s = self.state.lock().expect("partition state lock");
                     s.generation += 1;
                     let generation = s.generation;
-                    revoked = tpl
-                        .elements()
-                        .iter()
-                        .map(|e| format!("{}[{}]", e.topic(), e.partition()))
-                        .collect();
+                    revoked = tpl.elements().iter().map(|e| format!("{}[{}]", e.topic(), e.partition())).collect();
                     for e in tpl.elements() {
                         let tp = (e.topic().to_owned(), e.partition());
                         s.revoked_at.insert(tp.clone(), generation);
@@ -123,11 +114,8 @@ impl ConsumerContext for RelayContext {
 
     fn post_rebalance(&self, _base: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(tpl) = rebalance {
-            let assigned: Vec<String> = tpl
-                .elements()
-                .iter()
-                .map(|e| format!("{}[{}]", e.topic(), e.partition()))
-                .collect();
+            let assigned: Vec<String> =
+                tpl.elements().iter().map(|e| format!("{}[{}]", e.topic(), e.partition())).collect();
             info!(consumer = %self.name, partitions = ?assigned, "partitions assigned");
         }
     }
@@ -200,22 +188,12 @@ impl InboxConsumer {
         let mut cfg = client_config(kafka, Role::Consumer)?;
         cfg.set("group.id", &settings.group);
         cfg.set_log_level(RDKafkaLogLevel::Warning);
-        let ctx = RelayContext {
-            state: state.clone(),
-            name: settings.name.clone(),
-        };
+        let ctx = RelayContext { state: state.clone(), name: settings.name.clone() };
         let consumer: StreamConsumer<RelayContext> = cfg.create_with_context(ctx)?;
         let topics: Vec<&str> = settings.topics.iter().map(String::as_str).collect();
         consumer.subscribe(&topics)?;
         info!(consumer = %settings.name, group = %settings.group, topics = ?settings.topics, "inbox consumer subscribed");
-        Ok(InboxConsumer {
-            consumer,
-            state,
-            processor,
-            pool,
-            settings,
-            faults,
-        })
+        Ok(InboxConsumer { consumer, state, processor, pool, settings, faults })
     }
 
     /// Run until `shutdown` is cancelled (then finish the batch in flight and
@@ -267,12 +245,7 @@ impl InboxConsumer {
         let headers = m
             .headers()
             .map(|hs| {
-                hs.iter()
-                    .map(|h| Header {
-                        name: h.key.to_owned(),
-                        value: h.value.map(<[u8]>::to_vec),
-                    })
-                    .collect()
+                hs.iter().map(|h| Header { name: h.key.to_owned(), value: h.value.map(<[u8]>::to_vec) }).collect()
             })
             .unwrap_or_default();
         let record = RawRecord {
@@ -283,10 +256,7 @@ impl InboxConsumer {
             payload: m.payload().map(<[u8]>::to_vec),
             headers,
         };
-        (
-            record,
-            self.state.lock().expect("partition state lock").generation,
-        )
+        (record, self.state.lock().expect("partition state lock").generation)
     }
 
     async fn process_batch(
@@ -299,10 +269,7 @@ impl InboxConsumer {
             let s = self.state.lock().expect("partition state lock");
             for (record, generation) in batch {
                 let tp = (record.topic.clone(), record.partition);
-                if s.revoked_at
-                    .get(&tp)
-                    .is_some_and(|revoked| *revoked > generation)
-                {
+                if s.revoked_at.get(&tp).is_some_and(|revoked| *revoked > generation) {
                     debug!(topic = %tp.0, partition = tp.1, offset = record.offset, "dropping a fetched record of a revoked partition");
                     continue;
                 }
@@ -310,30 +277,19 @@ impl InboxConsumer {
             }
         }
         let runs = futures::future::join_all(
-            by_partition
-                .into_iter()
-                .map(|(tp, records)| self.process_partition(tp, records, shutdown)),
+            by_partition.into_iter().map(|(tp, records)| self.process_partition(tp, records, shutdown)),
         )
         .await;
-        runs.into_iter()
-            .collect::<Result<Vec<_>, FaultInjected>>()
-            .map_err(Into::into)
+        runs.into_iter().collect::<Result<Vec<_>, FaultInjected>>().map_err(Into::into)
     }
 
     /// Store and commit `next` as the end of `tp`'s processed prefix. Called
     /// after every database commit, so progress before a stuck record is
     /// committed while the record waits.
     fn advance(&self, tp: &Tp, next: i64) {
-        self.state
-            .lock()
-            .expect("partition state lock")
-            .next_offsets
-            .insert(tp.clone(), next);
+        self.state.lock().expect("partition state lock").next_offsets.insert(tp.clone(), next);
         let mut tpl = TopicPartitionList::new();
-        if tpl
-            .add_partition_offset(&tp.0, tp.1, Offset::Offset(next))
-            .is_err()
-        {
+        if tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(next)).is_err() {
             return;
         }
         if let Err(e) = self.consumer.store_offsets(&tpl) {
@@ -346,12 +302,7 @@ impl InboxConsumer {
 
     fn commit_all(&self, mode: CommitMode) {
         let mut tpl = TopicPartitionList::new();
-        for ((topic, partition), next) in &self
-            .state
-            .lock()
-            .expect("partition state lock")
-            .next_offsets
-        {
+        for ((topic, partition), next) in &self.state.lock().expect("partition state lock").next_offsets {
             let _ = tpl.add_partition_offset(topic, *partition, Offset::Offset(*next));
         }
         if tpl.count() > 0
@@ -431,11 +382,7 @@ impl InboxConsumer {
     }
 
     fn db_unavailable(&self, e: &sqlx::Error, failures: u32, rng: &mut impl rand::Rng) -> Duration {
-        let delay = self
-            .settings
-            .database_backoff
-            .delay(failures, rng)
-            .max(Duration::from_millis(50));
+        let delay = self.settings.database_backoff.delay(failures, rng).max(Duration::from_millis(50));
         error!(
             consumer = %self.settings.name, error = %e, attempt = failures, retry_in_ms = delay.as_millis() as u64,
             "database error; nothing was committed for this batch and its offsets stay where they were; retrying"
@@ -475,17 +422,10 @@ impl InboxConsumer {
         Ok(BatchRun { done, stopped })
     }
 
-    async fn park_alone(
-        &self,
-        record: &RawRecord,
-        poison: &Poison,
-        attempts: u32,
-    ) -> Result<(), BatchError> {
+    async fn park_alone(&self, record: &RawRecord, poison: &Poison, attempts: u32) -> Result<(), BatchError> {
         let mut conn = self.pool.acquire().await?;
         let mut tx = conn.begin().await?;
-        self.processor
-            .park(&mut tx, record, poison, attempts)
-            .await?;
+        self.processor.park(&mut tx, record, poison, attempts).await?;
         self.faults.hit(point::CONSUMER_BEFORE_DB_COMMIT).await?;
         tx.commit().await?;
         self.faults.hit(point::CONSUMER_AFTER_DB_COMMIT).await?;

@@ -29,10 +29,7 @@ use crate::handler::Handlers;
 
 const CONFIG: &str = include_str!("../../../relay.example.toml");
 const SCHEMAS: &[(&str, &str)] = &[
-    (
-        "contracts/schemas/order-placed.schema.json",
-        include_str!("../../../contracts/schemas/order-placed.schema.json"),
-    ),
+    ("contracts/schemas/order-placed.schema.json", include_str!("../../../contracts/schemas/order-placed.schema.json")),
     (
         "contracts/schemas/order-cancelled.schema.json",
         include_str!("../../../contracts/schemas/order-cancelled.schema.json"),
@@ -54,11 +51,7 @@ fn order_placed(id: &str, order: &str, customer: &str, amount: i64, idem: &str) 
         headers: ce_headers(
             id,
             "com.example.order.placed",
-            &[
-                ("aggregateid", order),
-                ("idempotencykey", idem),
-                ("correlationid", &format!("checkout-{order}")),
-            ],
+            &[("aggregateid", order), ("idempotencykey", idem), ("correlationid", &format!("checkout-{order}"))],
         ),
         value: data.to_string().into_bytes(),
     }
@@ -72,10 +65,7 @@ fn ce_headers(id: &str, ty: &str, ext: &[(&str, &str)]) -> Vec<(String, String)>
         ("ce_source".into(), "/shop/orders".into()),
         ("content-type".into(), "application/json".into()),
     ];
-    h.extend(
-        ext.iter()
-            .map(|(k, v)| (format!("ce_{k}"), (*v).to_string())),
-    );
+    h.extend(ext.iter().map(|(k, v)| (format!("ce_{k}"), (*v).to_string())));
     h
 }
 
@@ -83,22 +73,10 @@ fn inputs() -> Vec<Input> {
     let mut v = Vec::new();
     for i in 1..=5 {
         let order = format!("order-{}", 1000 + i);
-        v.push(order_placed(
-            &format!("evt-{i}"),
-            &order,
-            &format!("cust-{i}"),
-            1000 * i,
-            &format!("place:{order}"),
-        ));
+        v.push(order_placed(&format!("evt-{i}"), &order, &format!("cust-{i}"), 1000 * i, &format!("place:{order}")));
     }
     // The provider will refuse this one (422): its intent dies, payment.failed is emitted.
-    v.push(order_placed(
-        "evt-6",
-        "order-1006",
-        "cust-6",
-        999_999,
-        "place:order-1006",
-    ));
+    v.push(order_placed("evt-6", "order-1006", "cust-6", 999_999, "place:order-1006"));
     // Duplicates: the same event ids again, at later offsets.
     let mut dup = order_placed("evt-2", "order-1002", "cust-2", 2000, "place:order-1002");
     dup.what = "duplicate delivery (same event id)";
@@ -107,13 +85,7 @@ fn inputs() -> Vec<Input> {
     dup.what = "duplicate delivery (same event id)";
     v.push(dup);
     // An upstream retry: new event id, same business idempotency key.
-    let mut retry = order_placed(
-        "evt-4-retry",
-        "order-1004",
-        "cust-4",
-        4000,
-        "place:order-1004",
-    );
+    let mut retry = order_placed("evt-4-retry", "order-1004", "cust-4", 4000, "place:order-1004");
     retry.what = "upstream retry (new id, same idempotency key)";
     v.push(retry);
     // Cancellations with versions: v3 applies; v2 arrives late and is stale.
@@ -125,9 +97,7 @@ fn inputs() -> Vec<Input> {
             "com.example.order.cancelled",
             &[("aggregateid", "order-1006"), ("aggregateversion", version)],
         ),
-        value: json!({"order_id": "order-1006", "reason": "customer request"})
-            .to_string()
-            .into_bytes(),
+        value: json!({"order_id": "order-1006", "reason": "customer request"}).to_string().into_bytes(),
     };
     v.push(cancel("evt-7", "3", "order cancelled (version 3)"));
     v.push(cancel("evt-8", "2", "late cancellation (version 2: stale)"));
@@ -140,17 +110,14 @@ fn inputs() -> Vec<Input> {
     });
     let mut no_id = ce_headers("x", "com.example.order.placed", &[]);
     no_id.retain(|(k, _)| k != "ce_id");
-    v.push(Input {
-        what: "poison: no event id",
-        key: "order-1002".into(),
-        headers: no_id,
-        value: b"{}".to_vec(),
-    });
+    v.push(Input { what: "poison: no event id", key: "order-1002".into(), headers: no_id, value: b"{}".to_vec() });
     v.push(Input {
         what: "poison: schema-invalid (amount is a string)",
         key: "order-1003".into(),
         headers: ce_headers("evt-10", "com.example.order.placed", &[]),
-        value: json!({"order_id": "order-1010", "customer_id": "c", "amount_cents": "ten", "currency": "EUR"}).to_string().into_bytes(),
+        value: json!({"order_id": "order-1010", "customer_id": "c", "amount_cents": "ten", "currency": "EUR"})
+            .to_string()
+            .into_bytes(),
     });
     v
 }
@@ -158,31 +125,21 @@ fn inputs() -> Vec<Input> {
 /// Run the demo. `DATABASE_URL` must point at an empty database.
 pub async fn run() -> anyhow::Result<()> {
     let db_url = std::env::var("DATABASE_URL").map_err(|_| {
-        anyhow::anyhow!(
-            "DATABASE_URL is not set; run scripts/demo.sh, which starts PostgreSQL and sets it"
-        )
+        anyhow::anyhow!("DATABASE_URL is not set; run scripts/demo.sh, which starts PostgreSQL and sets it")
     })?;
     println!("relay demo\n==========");
     let mock = MockCluster::new(1)?;
     let bootstrap = mock.bootstrap_servers();
-    for (topic, partitions) in [
-        ("orders", 3),
-        ("payments.events", 3),
-        ("relay.dead-letters", 1),
-    ] {
+    for (topic, partitions) in [("orders", 3), ("payments.events", 3), ("relay.dead-letters", 1)] {
         mock.create_topic(topic, partitions, 1)?;
     }
     println!("* embedded Kafka (librdkafka mock cluster) at {bootstrap}");
-    let provider =
-        Provider::start(SocketAddr::from(([127, 0, 0, 1], 0)), Settings::default()).await?;
+    let provider = Provider::start(SocketAddr::from(([127, 0, 0, 1], 0)), Settings::default()).await?;
     provider.set_faults(vec![FaultRule {
         path_prefix: None,
         key_prefix: Some("capture:order-1006".into()),
         times: None,
-        kind: FaultKind::Status {
-            status: 422,
-            retry_after_secs: None,
-        },
+        kind: FaultKind::Status { status: 422, retry_after_secs: None },
     }]);
     println!("* example payment provider at {}", provider.url());
 
@@ -192,18 +149,15 @@ pub async fn run() -> anyhow::Result<()> {
         std::fs::create_dir_all(p.parent().expect("schema path has a parent"))?;
         std::fs::write(&p, text)?;
     }
-    let mut cfg = RelayConfig::from_toml(&CONFIG.replace(
-        "schema = \"contracts/",
-        &format!("schema = \"{}/contracts/", dir.display()),
-    ))?;
+    let mut cfg = RelayConfig::from_toml(
+        &CONFIG.replace("schema = \"contracts/", &format!("schema = \"{}/contracts/", dir.display())),
+    )?;
     cfg.kafka.bootstrap_servers = bootstrap.clone();
     cfg.database.url = Some(db_url.into());
     cfg.dispatcher.poll_interval = Duration::from_millis(200);
     cfg.publisher.poll_interval = Duration::from_millis(200);
-    cfg.endpoints
-        .get_mut("payments")
-        .expect("example config has the payments endpoint")
-        .base_url = provider.url().parse()?;
+    cfg.endpoints.get_mut("payments").expect("example config has the payments endpoint").base_url =
+        provider.url().parse()?;
     let pool = crate::app::connect(&cfg).await?;
     relay_store::migrate(&pool).await?;
     println!("* PostgreSQL migrated");
@@ -216,36 +170,18 @@ pub async fn run() -> anyhow::Result<()> {
         tokio::spawn(async move { relay.run(Components::ALL, token).await })
     };
 
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", &bootstrap)
-        .create()?;
+    let producer: FutureProducer = ClientConfig::new().set("bootstrap.servers", &bootstrap).create()?;
     let inputs = inputs();
     println!("\nproducing {} records to topic \"orders\":", inputs.len());
     for input in &inputs {
         let mut hs = OwnedHeaders::new();
         for (k, v) in &input.headers {
-            hs = hs.insert(KHeader {
-                key: k,
-                value: Some(v.as_bytes()),
-            });
+            hs = hs.insert(KHeader { key: k, value: Some(v.as_bytes()) });
         }
-        let rec = FutureRecord::to("orders")
-            .key(input.key.as_bytes())
-            .payload(&input.value)
-            .headers(hs);
-        let d = producer
-            .send(rec, Duration::from_secs(10))
-            .await
-            .map_err(|(e, _)| e)?;
-        let id = input
-            .headers
-            .iter()
-            .find(|(k, _)| k == "ce_id")
-            .map_or("-", |(_, v)| v.as_str());
-        println!(
-            "  [{}@{:<2}] {:<12} {}",
-            d.partition, d.offset, id, input.what
-        );
+        let rec = FutureRecord::to("orders").key(input.key.as_bytes()).payload(&input.value).headers(hs);
+        let d = producer.send(rec, Duration::from_secs(10)).await.map_err(|(e, _)| e)?;
+        let id = input.headers.iter().find(|(k, _)| k == "ce_id").map_or("-", |(_, v)| v.as_str());
+        println!("  [{}@{:<2}] {:<12} {}", d.partition, d.offset, id, input.what);
     }
 
     // Wait for everything to settle: all recorded or parked, calls finished, outbox published.
@@ -320,26 +256,20 @@ async fn report(pool: &sqlx::PgPool, provider: &Provider, s: &Stats) -> anyhow::
     )
     .fetch_all(pool)
     .await?;
-    println!(
-        "\ndead letters (also copied to topic relay.dead-letters; `relay dead-letters list` shows them):"
-    );
+    println!("\ndead letters (also copied to topic relay.dead-letters; `relay dead-letters list` shows them):");
     for (id, topic, part, off, class, reason) in &dls {
         let reason: String = reason.chars().take(90).collect();
         println!("  #{id} {topic}[{part}]@{off} {class}: {reason}");
     }
-    let sagas: Vec<(String, String)> = sqlx::query_as(
-        "SELECT saga_id, state FROM relay.sagas WHERE saga_type = 'order' ORDER BY saga_id",
-    )
-    .fetch_all(pool)
-    .await?;
+    let sagas: Vec<(String, String)> =
+        sqlx::query_as("SELECT saga_id, state FROM relay.sagas WHERE saga_type = 'order' ORDER BY saga_id")
+            .fetch_all(pool)
+            .await?;
     println!("\norder sagas:");
-    let by_state: BTreeMap<&str, Vec<&str>> =
-        sagas.iter().fold(BTreeMap::new(), |mut m, (id, st)| {
-            m.entry(st.as_str())
-                .or_insert_with(Vec::new)
-                .push(id.as_str());
-            m
-        });
+    let by_state: BTreeMap<&str, Vec<&str>> = sagas.iter().fold(BTreeMap::new(), |mut m, (id, st)| {
+        m.entry(st.as_str()).or_insert_with(Vec::new).push(id.as_str());
+        m
+    });
     for (state, ids) in &by_state {
         println!("  {state:<16} {}", ids.join(", "));
     }
@@ -350,38 +280,21 @@ async fn report(pool: &sqlx::PgPool, provider: &Provider, s: &Stats) -> anyhow::
 
     // The invariants, checked.
     let mut problems = Vec::new();
-    let captured: Value = json!(
-        p.by_key
-            .keys()
-            .filter(|k| k.starts_with("capture:"))
-            .count()
-    );
+    let captured: Value = json!(p.by_key.keys().filter(|k| k.starts_with("capture:")).count());
     if !p.double_applied().is_empty() {
-        problems.push(format!(
-            "keys applied more than once at the provider: {:?}",
-            p.double_applied()
-        ));
+        problems.push(format!("keys applied more than once at the provider: {:?}", p.double_applied()));
     }
     if p.applied != 5 {
-        problems.push(format!(
-            "expected 5 captures applied at the provider, saw {} (keys: {captured})",
-            p.applied
-        ));
+        problems.push(format!("expected 5 captures applied at the provider, saw {} (keys: {captured})", p.applied));
     }
     if Stats::count(&s.intents, "succeeded") != 5 || Stats::count(&s.intents, "dead") != 1 {
-        problems.push(format!(
-            "expected 5 succeeded and 1 dead intent, saw {:?}",
-            s.intents
-        ));
+        problems.push(format!("expected 5 succeeded and 1 dead intent, saw {:?}", s.intents));
     }
     if dls.len() != 3 {
         problems.push(format!("expected 3 dead letters, saw {}", dls.len()));
     }
     if Stats::count(&s.inbox, "duplicate_key") != 1 || Stats::count(&s.inbox, "stale") != 1 {
-        problems.push(format!(
-            "expected 1 duplicate_key and 1 stale inbox row, saw {:?}",
-            s.inbox
-        ));
+        problems.push(format!("expected 1 duplicate_key and 1 stale inbox row, saw {:?}", s.inbox));
     }
     if problems.is_empty() {
         println!(
@@ -389,9 +302,6 @@ async fn report(pool: &sqlx::PgPool, provider: &Provider, s: &Stats) -> anyhow::
         );
         Ok(())
     } else {
-        anyhow::bail!(
-            "the demo found violations:\n  - {}",
-            problems.join("\n  - ")
-        )
+        anyhow::bail!("the demo found violations:\n  - {}", problems.join("\n  - "))
     }
 }

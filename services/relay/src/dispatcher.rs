@@ -85,15 +85,7 @@ impl Dispatcher {
             .iter()
             .map(|(name, cfg)| Ok((name.clone(), EndpointClient::new(name, cfg)?)))
             .collect::<anyhow::Result<_>>()?;
-        Ok(Dispatcher {
-            inner: Arc::new(Inner {
-                pool,
-                settings,
-                worker,
-                endpoints,
-                faults,
-            }),
-        })
+        Ok(Dispatcher { inner: Arc::new(Inner { pool, settings, worker, endpoints, faults }) })
     }
 
     /// This dispatcher's worker id.
@@ -144,9 +136,7 @@ impl Dispatcher {
                 }
                 Err(e) => {
                     failures += 1;
-                    let delay = s
-                        .poll_interval
-                        .min(Duration::from_millis(100 * u64::from(failures.min(50))));
+                    let delay = s.poll_interval.min(Duration::from_millis(100 * u64::from(failures.min(50))));
                     error!(worker = %self.inner.worker, error = %e, "claiming intents failed; retrying");
                     tokio::select! { _ = shutdown.cancelled() => break Ok(()), _ = tokio::time::sleep(delay) => {} }
                     continue;
@@ -159,11 +149,7 @@ impl Dispatcher {
                 break Err(f.into());
             }
             for intent in claimed {
-                let permit = permits
-                    .clone()
-                    .acquire_owned()
-                    .await
-                    .expect("semaphore never closed");
+                let permit = permits.clone().acquire_owned().await.expect("semaphore never closed");
                 let me = self.clone();
                 tasks.spawn(async move {
                     let _permit = permit;
@@ -200,13 +186,7 @@ impl Dispatcher {
 
     async fn claim(&self, limit: usize) -> Result<Vec<ClaimedIntent>, sqlx::Error> {
         let mut conn = self.inner.pool.acquire().await?;
-        intents::claim(
-            &mut conn,
-            &self.inner.worker,
-            limit as i64,
-            self.inner.settings.lease,
-        )
-        .await
+        intents::claim(&mut conn, &self.inner.worker, limit as i64, self.inner.settings.lease).await
     }
 
     /// How long to sleep when nothing is due: until the next retry is due,
@@ -217,10 +197,7 @@ impl Dispatcher {
             return poll;
         };
         match intents::next_due_at(&mut conn).await {
-            Ok(Some(at)) => (at - Utc::now())
-                .to_std()
-                .unwrap_or(Duration::ZERO)
-                .clamp(Duration::from_millis(5), poll),
+            Ok(Some(at)) => (at - Utc::now()).to_std().unwrap_or(Duration::ZERO).clamp(Duration::from_millis(5), poll),
             _ => poll,
         }
     }
@@ -277,29 +254,20 @@ impl Dispatcher {
         } else if let Some(client) = endpoint {
             let r = client.call(&intent).await;
             self.inner.faults.hit(point::DISPATCHER_AFTER_CALL).await?;
-            (classify(&r.attempt), r)
+            (classify(&r.attempt, &client.config().retryable_statuses), r)
         } else {
             let r = CallResult {
                 attempt: relay_core::retry::AttemptResult::Connect,
                 status: None,
                 error_class: Some("endpoint_unknown"),
-                error: Some(format!(
-                    "endpoint {:?} is not configured in this dispatcher",
-                    intent.endpoint
-                )),
+                error: Some(format!("endpoint {:?} is not configured in this dispatcher", intent.endpoint)),
             };
-            (classify(&r.attempt), r)
+            (classify(&r.attempt, &[]), r)
         };
-        let finished = self
-            .finalize(&intent, verdict, &result, endpoint.map(|e| e.config()))
-            .await;
+        let finished = self.finalize(&intent, verdict, &result, endpoint.map(|e| e.config())).await;
         let took = started.elapsed();
-        let fields = (
-            intent.id,
-            intent.attempts,
-            result.status.map(i64::from).unwrap_or(-1),
-            result.error_class.unwrap_or(""),
-        );
+        let fields =
+            (intent.id, intent.attempts, result.status.map(i64::from).unwrap_or(-1), result.error_class.unwrap_or(""));
         match finished {
             Finished::Succeeded => debug!(
                 worker = %self.inner.worker, intent_id = %fields.0, endpoint = %intent.endpoint, action = %intent.action,
@@ -371,25 +339,16 @@ impl Dispatcher {
         let status = r.status.map(i32::from);
         let record = |outcome| attempt_record(outcome, status, r);
         let finished = match verdict {
-            Verdict::Success => match intents::mark_succeeded(
-                &mut tx,
-                intent.id,
-                intent.lease_token,
-                &record("succeeded"),
-            )
-            .await?
-            {
-                Fenced::LeaseLost => Finished::LeaseLost,
-                Fenced::Done => {
-                    self.apply_outcome(&mut tx, intent, &intent.on_success, "succeeded")
-                        .await?;
-                    Finished::Succeeded
+            Verdict::Success => {
+                match intents::mark_succeeded(&mut tx, intent.id, intent.lease_token, &record("succeeded")).await? {
+                    Fenced::LeaseLost => Finished::LeaseLost,
+                    Fenced::Done => {
+                        self.apply_outcome(&mut tx, intent, &intent.on_success, "succeeded").await?;
+                        Finished::Succeeded
+                    }
                 }
-            },
-            Verdict::Retry {
-                retry_after,
-                uncertain,
-            } => {
+            }
+            Verdict::Retry { retry_after, uncertain } => {
                 let outcome = if uncertain { "uncertain" } else { "retryable" };
                 let backoff = cfg.map(|c| c.backoff).unwrap_or_default();
                 let attempt = u32::try_from(intent.attempts).unwrap_or(1);
@@ -403,25 +362,13 @@ impl Dispatcher {
                     let why = if intent.attempts >= intent.max_attempts {
                         format!("retry budget exhausted after {} attempts", intent.attempts)
                     } else {
-                        format!(
-                            "max age would pass before the next attempt ({})",
-                            intent.expires_at
-                        )
+                        format!("max age would pass before the next attempt ({})", intent.expires_at)
                     };
-                    rec.error = Some(format!(
-                        "{why}; last error: {}",
-                        r.error.as_deref().unwrap_or("none")
-                    ));
+                    rec.error = Some(format!("{why}; last error: {}", r.error.as_deref().unwrap_or("none")));
                     self.die(&mut tx, intent, &rec).await?
                 } else {
-                    match intents::schedule_retry(
-                        &mut tx,
-                        intent.id,
-                        intent.lease_token,
-                        delay,
-                        &record(outcome),
-                    )
-                    .await?
+                    match intents::schedule_retry(&mut tx, intent.id, intent.lease_token, delay, &record(outcome))
+                        .await?
                     {
                         Fenced::Done => Finished::Retrying,
                         Fenced::LeaseLost => Finished::LeaseLost,
@@ -444,16 +391,13 @@ impl Dispatcher {
         intent: &ClaimedIntent,
         rec: &AttemptRecord,
     ) -> Result<Finished, sqlx::Error> {
-        Ok(
-            match intents::mark_dead(tx, intent.id, intent.lease_token, rec).await? {
-                Fenced::LeaseLost => Finished::LeaseLost,
-                Fenced::Done => {
-                    self.apply_outcome(tx, intent, &intent.on_dead, "dead")
-                        .await?;
-                    Finished::Dead
-                }
-            },
-        )
+        Ok(match intents::mark_dead(tx, intent.id, intent.lease_token, rec).await? {
+            Fenced::LeaseLost => Finished::LeaseLost,
+            Fenced::Done => {
+                self.apply_outcome(tx, intent, &intent.on_dead, "dead").await?;
+                Finished::Dead
+            }
+        })
     }
 
     /// Record an outcome's events and saga moves, with ids derived from
@@ -520,19 +464,12 @@ impl Dispatcher {
 }
 
 fn attempt_record(outcome: &'static str, status: Option<i32>, r: &CallResult) -> AttemptRecord {
-    AttemptRecord {
-        outcome,
-        status,
-        error_class: r.error_class.map(str::to_owned),
-        error: r.error.clone(),
-    }
+    AttemptRecord { outcome, status, error_class: r.error_class.map(str::to_owned), error: r.error.clone() }
 }
 
 /// `<hostname>-<pid>`.
 pub fn default_worker_id() -> String {
-    let host = std::fs::read_to_string("/etc/hostname")
-        .map(|h| h.trim().to_owned())
-        .unwrap_or_else(|_| "host".into());
+    let host = std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_owned()).unwrap_or_else(|_| "host".into());
     format!("{host}-{}", std::process::id())
 }
 

@@ -67,35 +67,21 @@ impl Faults {
     pub fn new(specs: &[(&str, FaultAction, u64)]) -> Faults {
         let points = specs
             .iter()
-            .map(|(p, a, n)| {
-                (
-                    (*p).to_owned(),
-                    Fault {
-                        action: *a,
-                        on_hit: *n,
-                        hits: AtomicU64::new(0),
-                    },
-                )
-            })
+            .map(|(p, a, n)| ((*p).to_owned(), Fault { action: *a, on_hit: *n, hits: AtomicU64::new(0) }))
             .collect();
-        Faults {
-            points: Arc::new(points),
-        }
+        Faults { points: Arc::new(points) }
     }
 
     /// Parse `point=abort[@n],point=pause:500ms[@n],point=fail[@n]`.
     pub fn parse(spec: &str) -> Result<Faults, String> {
         let mut out = Vec::new();
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let (point, rest) = item
-                .split_once('=')
-                .ok_or_else(|| format!("RELAY_FAULTS item {item:?}: expected point=action"))?;
+            let (point, rest) =
+                item.split_once('=').ok_or_else(|| format!("RELAY_FAULTS item {item:?}: expected point=action"))?;
             let (action, hit) = match rest.split_once('@') {
-                Some((a, n)) => (
-                    a,
-                    n.parse::<u64>()
-                        .map_err(|_| format!("RELAY_FAULTS item {item:?}: bad hit count"))?,
-                ),
+                Some((a, n)) => {
+                    (a, n.parse::<u64>().map_err(|_| format!("RELAY_FAULTS item {item:?}: bad hit count"))?)
+                }
                 None => (rest, 0),
             };
             let action = match action {
@@ -113,8 +99,7 @@ impl Faults {
             };
             out.push((point.to_owned(), action, hit));
         }
-        let refs: Vec<(&str, FaultAction, u64)> =
-            out.iter().map(|(p, a, n)| (p.as_str(), *a, *n)).collect();
+        let refs: Vec<(&str, FaultAction, u64)> = out.iter().map(|(p, a, n)| (p.as_str(), *a, *n)).collect();
         Ok(Faults::new(&refs))
     }
 

@@ -34,8 +34,7 @@ pub trait Handler: Send + Sync + 'static {
     /// Apply `event` using `tx` (inside the inbox transaction) and return the
     /// calls and events it causes. Ids of returned calls and events are
     /// derived from (consumer, event id, action name): use stable action names.
-    async fn handle(&self, tx: &mut PgConnection, event: &InputEvent)
-    -> Result<Plan, HandlerError>;
+    async fn handle(&self, tx: &mut PgConnection, event: &InputEvent) -> Result<Plan, HandlerError>;
 }
 
 /// Handlers by name.
@@ -64,9 +63,6 @@ impl Handlers {
 
     /// Names the configuration refers to that are not registered.
     pub fn missing<'a>(&self, wanted: impl Iterator<Item = &'a str>) -> Vec<String> {
-        wanted
-            .filter(|n| !self.by_name.contains_key(*n))
-            .map(str::to_owned)
-            .collect()
+        wanted.filter(|n| !self.by_name.contains_key(*n)).map(str::to_owned).collect()
     }
 }

@@ -58,30 +58,18 @@ impl std::fmt::Debug for EndpointClient {
 impl EndpointClient {
     /// Build the client for endpoint `name`. Must be called inside a tokio runtime.
     pub fn new(name: &str, cfg: &EndpointConfig) -> anyhow::Result<EndpointClient> {
-        let token = cfg
-            .token()
-            .map_err(|e| anyhow::anyhow!("endpoints.{name}: {e}"))?;
+        let token = cfg.token().map_err(|e| anyhow::anyhow!("endpoints.{name}: {e}"))?;
         let http = reqwest::Client::builder()
             .connect_timeout(cfg.connect_timeout)
             .pool_max_idle_per_host(cfg.concurrency)
             .user_agent(concat!("relay/", env!("CARGO_PKG_VERSION")))
             .build()?;
-        let svc = ServiceBuilder::new()
-            .concurrency_limit(cfg.concurrency)
-            .timeout(cfg.timeout)
-            .service(http.clone());
+        let svc = ServiceBuilder::new().concurrency_limit(cfg.concurrency).timeout(cfg.timeout).service(http.clone());
         let limiter = cfg
             .rate_limit_per_second
             .and_then(|n| std::num::NonZeroU32::new(u32::try_from(n).unwrap_or(u32::MAX)))
             .map(|n| Arc::new(RateLimiter::direct(Quota::per_second(n))));
-        Ok(EndpointClient {
-            name: name.to_owned(),
-            cfg: cfg.clone(),
-            token,
-            http,
-            svc,
-            limiter,
-        })
+        Ok(EndpointClient { name: name.to_owned(), cfg: cfg.clone(), token, http, svc, limiter })
     }
 
     /// The endpoint's configuration.
@@ -98,10 +86,7 @@ impl EndpointClient {
         let mut req = self
             .http
             .request(method, &url)
-            .header(
-                self.cfg.idempotency_header.as_str(),
-                intent.idempotency_key.as_str(),
-            )
+            .header(self.cfg.idempotency_header.as_str(), intent.idempotency_key.as_str())
             .header("x-relay-intent-id", intent.id.to_string())
             .header("x-relay-attempt", intent.attempts.to_string());
         if let Some(t) = &intent.traceparent {
@@ -115,10 +100,9 @@ impl EndpointClient {
         }
         if let Some(obj) = intent.request_headers.as_object() {
             for (k, v) in obj {
-                let name = HeaderName::from_bytes(k.as_bytes())
-                    .map_err(|e| format!("header name {k:?}: {e}"))?;
-                let value = HeaderValue::from_str(v.as_str().unwrap_or_default())
-                    .map_err(|e| format!("header {k}: {e}"))?;
+                let name = HeaderName::from_bytes(k.as_bytes()).map_err(|e| format!("header name {k:?}: {e}"))?;
+                let value =
+                    HeaderValue::from_str(v.as_str().unwrap_or_default()).map_err(|e| format!("header {k}: {e}"))?;
                 req = req.header(name, value);
             }
         }
@@ -128,8 +112,7 @@ impl EndpointClient {
         if let Some(body) = &intent.body {
             req = req.json(body);
         }
-        req.build()
-            .map_err(|e| format!("cannot build the request: {e}"))
+        req.build().map_err(|e| format!("cannot build the request: {e}"))
     }
 
     /// Make one attempt.
@@ -139,10 +122,7 @@ impl EndpointClient {
             Err(e) => {
                 // The request cannot be expressed at all: as permanent as a 400.
                 return CallResult {
-                    attempt: AttemptResult::Response {
-                        status: 400,
-                        retry_after: None,
-                    },
+                    attempt: AttemptResult::Response { status: 400, retry_after: None },
                     status: None,
                     error_class: Some("request"),
                     error: Some(e),
@@ -164,24 +144,13 @@ impl EndpointClient {
                     None
                 } else {
                     let reason = resp.status().canonical_reason().unwrap_or("").to_owned();
-                    let body = tokio::time::timeout(self.cfg.timeout, resp.bytes())
-                        .await
-                        .ok()
-                        .and_then(Result::ok);
-                    let snippet = body
-                        .map(|b| String::from_utf8_lossy(&b[..b.len().min(256)]).into_owned())
-                        .unwrap_or_default();
-                    Some(
-                        format!("HTTP {status} {reason}: {snippet}")
-                            .trim_end_matches([' ', ':'])
-                            .to_owned(),
-                    )
+                    let body = tokio::time::timeout(self.cfg.timeout, resp.bytes()).await.ok().and_then(Result::ok);
+                    let snippet =
+                        body.map(|b| String::from_utf8_lossy(&b[..b.len().min(256)]).into_owned()).unwrap_or_default();
+                    Some(format!("HTTP {status} {reason}: {snippet}").trim_end_matches([' ', ':']).to_owned())
                 };
                 CallResult {
-                    attempt: AttemptResult::Response {
-                        status,
-                        retry_after,
-                    },
+                    attempt: AttemptResult::Response { status, retry_after },
                     status: Some(status),
                     error_class: error.as_ref().map(|_| "http_status"),
                     error,
@@ -197,43 +166,20 @@ fn classify_transport(e: BoxError, timeout: Duration) -> CallResult {
         (
             AttemptResult::Timeout { sent: true },
             "timeout",
-            format!(
-                "no response within {timeout:?}; the request may have been applied (uncertain)"
-            ),
+            format!("no response within {timeout:?}; the request may have been applied (uncertain)"),
         )
     } else if let Some(re) = e.downcast_ref::<reqwest::Error>() {
         if re.is_connect() {
-            (
-                AttemptResult::Connect,
-                "connect",
-                format!("could not connect: {}", error_chain(re)),
-            )
+            (AttemptResult::Connect, "connect", format!("could not connect: {}", error_chain(re)))
         } else if re.is_timeout() {
-            (
-                AttemptResult::Timeout { sent: true },
-                "timeout",
-                format!("timed out: {}", error_chain(re)),
-            )
+            (AttemptResult::Timeout { sent: true }, "timeout", format!("timed out: {}", error_chain(re)))
         } else {
-            (
-                AttemptResult::Transport,
-                "transport",
-                format!("transport error: {}", error_chain(re)),
-            )
+            (AttemptResult::Transport, "transport", format!("transport error: {}", error_chain(re)))
         }
     } else {
-        (
-            AttemptResult::Transport,
-            "transport",
-            format!("transport error: {e}"),
-        )
+        (AttemptResult::Transport, "transport", format!("transport error: {e}"))
     };
-    CallResult {
-        attempt,
-        status: None,
-        error_class: Some(class),
-        error: Some(text),
-    }
+    CallResult { attempt, status: None, error_class: Some(class), error: Some(text) }
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {

@@ -19,10 +19,7 @@ pub enum Role {
 fn required(role: Role) -> &'static [(&'static str, &'static str)] {
     match role {
         // Offsets are stored and committed by the relay only after the DB commit (R1).
-        Role::Consumer => &[
-            ("enable.auto.commit", "false"),
-            ("enable.auto.offset.store", "false"),
-        ],
+        Role::Consumer => &[("enable.auto.commit", "false"), ("enable.auto.offset.store", "false")],
         // Idempotent producer, acks from all in-sync replicas (R10).
         Role::Producer => &[("enable.idempotence", "true"), ("acks", "all")],
     }
@@ -65,11 +62,7 @@ pub fn client_config(cfg: &KafkaConfig, role: Role) -> Result<ClientConfig, Conf
     for (k, v) in required(role) {
         c.set(*k, *v);
     }
-    if problems.is_empty() {
-        Ok(c)
-    } else {
-        Err(ConfigError::Invalid { problems })
-    }
+    if problems.is_empty() { Ok(c) } else { Err(ConfigError::Invalid { problems }) }
 }
 
 #[cfg(test)]
@@ -79,14 +72,12 @@ mod tests {
     #[test]
     fn user_properties_pass_through_but_guarantees_cannot_be_turned_off() {
         let mut cfg = KafkaConfig::default();
-        cfg.properties
-            .insert("security.protocol".into(), "SASL_SSL".into());
+        cfg.properties.insert("security.protocol".into(), "SASL_SSL".into());
         let c = client_config(&cfg, Role::Consumer).unwrap();
         assert_eq!(c.get("security.protocol"), Some("SASL_SSL"));
         assert_eq!(c.get("enable.auto.offset.store"), Some("false"));
 
-        cfg.consumer_properties
-            .insert("enable.auto.commit".into(), "true".into());
+        cfg.consumer_properties.insert("enable.auto.commit".into(), "true".into());
         let err = client_config(&cfg, Role::Consumer).unwrap_err().to_string();
         assert!(err.contains("enable.auto.commit"), "{err}");
     }
@@ -94,8 +85,7 @@ mod tests {
     #[test]
     fn secret_properties_come_from_the_environment() {
         let mut cfg = KafkaConfig::default();
-        cfg.secret_properties
-            .insert("sasl.password".into(), "RELAY_TEST_NOT_SET_ANYWHERE".into());
+        cfg.secret_properties.insert("sasl.password".into(), "RELAY_TEST_NOT_SET_ANYWHERE".into());
         let err = client_config(&cfg, Role::Producer).unwrap_err().to_string();
         assert!(err.contains("RELAY_TEST_NOT_SET_ANYWHERE"), "{err}");
     }

@@ -25,12 +25,9 @@ use chrono::Utc;
 use relay_core::effects::{encode_dead_letter, encode_event};
 use relay_core::ids::derived_id;
 use relay_core::{
-    CallSpec, CompiledRoute, InputEvent, Plan, Poison, PoisonClass, Provenance, RawRecord, Routed,
-    Router,
+    CallSpec, CompiledRoute, InputEvent, Plan, Poison, PoisonClass, Provenance, RawRecord, Routed, Router,
 };
-use relay_store::inbox::{
-    self, InboxInsert, InboxOutcome, KeyClaim, NewInboxRow, SequenceCheck, VersionCheck,
-};
+use relay_store::inbox::{self, InboxInsert, InboxOutcome, KeyClaim, NewInboxRow, SequenceCheck, VersionCheck};
 use relay_store::intents::{self, NewIntent};
 use relay_store::sagas::{self, Transition};
 use relay_store::{DbErrorKind, classify_error, dead_letters, outbox};
@@ -72,11 +69,7 @@ impl EventInfo {
     }
 
     fn of_poison(p: &Poison) -> EventInfo {
-        EventInfo {
-            id: p.event_id.clone(),
-            event_type: p.event_type.clone(),
-            ..EventInfo::default()
-        }
+        EventInfo { id: p.event_id.clone(), event_type: p.event_type.clone(), ..EventInfo::default() }
     }
 }
 
@@ -167,34 +160,19 @@ impl Processor {
     /// Process `record` inside the caller's transaction. `Err` only for
     /// transient database errors: the caller rolls back and retries the whole
     /// transaction later, committing no offset meanwhile.
-    pub async fn process(
-        &self,
-        conn: &mut PgConnection,
-        record: &RawRecord,
-    ) -> Result<Processed, sqlx::Error> {
+    pub async fn process(&self, conn: &mut PgConnection, record: &RawRecord) -> Result<Processed, sqlx::Error> {
         let (route, event) = match self.router.route(record) {
             Err(p) => {
-                return Ok(Processed {
-                    info: EventInfo::of_poison(&p),
-                    step: Step::Poison(p),
-                });
+                return Ok(Processed { info: EventInfo::of_poison(&p), step: Step::Poison(p) });
             }
             Ok(Routed::Unrouted(event)) => {
                 let info = EventInfo::of(&event, None);
-                let step = match inbox::insert(
-                    conn,
-                    &self.inbox_row(&event, record, InboxOutcome::Unrouted),
-                )
-                .await
-                {
-                    Ok(InboxInsert::Inserted) => Step::NoOp {
-                        outcome: InboxOutcome::Unrouted,
-                        detail: "no route for this type".into(),
-                    },
-                    Ok(InboxInsert::Duplicate) => Step::Duplicate,
-                    Err(e) if classify_error(&e) == DbErrorKind::Permanent => {
-                        Step::Poison(rejected(&e, &event))
+                let step = match inbox::insert(conn, &self.inbox_row(&event, record, InboxOutcome::Unrouted)).await {
+                    Ok(InboxInsert::Inserted) => {
+                        Step::NoOp { outcome: InboxOutcome::Unrouted, detail: "no route for this type".into() }
                     }
+                    Ok(InboxInsert::Duplicate) => Step::Duplicate,
+                    Err(e) if classify_error(&e) == DbErrorKind::Permanent => Step::Poison(rejected(&e, &event)),
                     Err(e) => return Err(e),
                 };
                 return Ok(Processed { step, info });
@@ -205,10 +183,7 @@ impl Processor {
         let plan = match self.router.plan(route, &event, record) {
             Ok(plan) => plan,
             Err(p) => {
-                return Ok(Processed {
-                    step: Step::Poison(p),
-                    info,
-                });
+                return Ok(Processed { step: Step::Poison(p), info });
             }
         };
         let mut sp = conn.begin().await?;
@@ -245,12 +220,7 @@ impl Processor {
         Ok(Processed { step, info })
     }
 
-    fn inbox_row<'a>(
-        &'a self,
-        event: &'a InputEvent,
-        record: &'a RawRecord,
-        outcome: InboxOutcome,
-    ) -> NewInboxRow<'a> {
+    fn inbox_row<'a>(&'a self, event: &'a InputEvent, record: &'a RawRecord, outcome: InboxOutcome) -> NewInboxRow<'a> {
         NewInboxRow {
             consumer: self.router.consumer(),
             event_id: &event.id,
@@ -274,9 +244,7 @@ impl Processor {
         mut plan: Plan,
     ) -> Result<Applied, ApplyError> {
         let consumer = self.router.consumer();
-        if inbox::insert(tx, &self.inbox_row(event, record, InboxOutcome::Applied)).await?
-            == InboxInsert::Duplicate
-        {
+        if inbox::insert(tx, &self.inbox_row(event, record, InboxOutcome::Applied)).await? == InboxInsert::Duplicate {
             return Ok(Applied::Duplicate);
         }
         if let Some(key) = &event.idempotency_key
@@ -301,9 +269,7 @@ impl Processor {
                 VersionCheck::Stale { current } => {
                     return Ok(Applied::NoOp(
                         InboxOutcome::Stale,
-                        format!(
-                            "version {version} of {aggregate} is older than applied version {current}"
-                        ),
+                        format!("version {version} of {aggregate} is older than applied version {current}"),
                     ));
                 }
             }
@@ -315,9 +281,7 @@ impl Processor {
                 SequenceCheck::Duplicate { last } => {
                     return Ok(Applied::NoOp(
                         InboxOutcome::DuplicateSequence,
-                        format!(
-                            "sequence {seq} of {aggregate} is at or below the last applied {last}"
-                        ),
+                        format!("sequence {seq} of {aggregate} is at or below the last applied {last}"),
                     ));
                 }
                 SequenceCheck::Gap { last } => {
@@ -344,34 +308,20 @@ impl Processor {
             match t {
                 Transition::Applied => {
                     let detail = json!({"from": m.from, "to": m.to, "start": m.start});
-                    inbox::record_history(
-                        tx,
-                        consumer,
-                        &event.id,
-                        &m.action,
-                        "saga",
-                        Some(&subject),
-                        &detail,
-                    )
-                    .await?;
+                    inbox::record_history(tx, consumer, &event.id, &m.action, "saga", Some(&subject), &detail).await?;
                 }
                 Transition::AlreadyThere => {
                     let detail = format!("saga {subject} is already {:?}", m.to);
                     return Ok(Applied::NoOp(InboxOutcome::DuplicateTransition, detail));
                 }
                 Transition::Invalid { current } => {
-                    let detail = format!(
-                        "saga {subject} is {current:?}; {} may only move it from {:?}",
-                        m.action, m.from
-                    );
+                    let detail =
+                        format!("saga {subject} is {current:?}; {} may only move it from {:?}", m.action, m.from);
                     return Ok(Applied::NoOp(InboxOutcome::InvalidTransition, detail));
                 }
                 Transition::Missing => {
                     return Err(ApplyError::RetryLater(identified(
-                        Poison::new(
-                            PoisonClass::MissingReference,
-                            format!("saga {subject} does not exist (yet)"),
-                        ),
+                        Poison::new(PoisonClass::MissingReference, format!("saga {subject} does not exist (yet)")),
                         event,
                     )));
                 }
@@ -380,10 +330,7 @@ impl Processor {
         if let Some(name) = &route.handler {
             let handler = self.handlers.get(name).ok_or_else(|| {
                 ApplyError::Poison(identified(
-                    Poison::new(
-                        PoisonClass::Rejected,
-                        format!("handler {name:?} is not registered"),
-                    ),
+                    Poison::new(PoisonClass::Rejected, format!("handler {name:?} is not registered")),
                     event,
                 ))
             })?;
@@ -396,10 +343,7 @@ impl Processor {
                     )));
                 }
                 Err(HandlerError::Reject(why)) => {
-                    return Err(ApplyError::Poison(identified(
-                        Poison::new(PoisonClass::Rejected, why),
-                        event,
-                    )));
+                    return Err(ApplyError::Poison(identified(Poison::new(PoisonClass::Rejected, why), event)));
                 }
                 Err(HandlerError::Db(e)) => return Err(ApplyError::Db(e)),
             }
@@ -407,44 +351,26 @@ impl Processor {
         let prov = self.router.provenance(event);
         let mut written = (0, 0);
         for call in &plan.calls {
-            let intent = self
-                .new_intent(event, call, &prov)
-                .map_err(|p| ApplyError::Poison(identified(p, event)))?;
+            let intent = self.new_intent(event, call, &prov).map_err(|p| ApplyError::Poison(identified(p, event)))?;
             written.0 += usize::from(intents::insert(tx, &intent).await?);
         }
         let now = Utc::now();
         for emit in &plan.emits {
-            let rec = encode_event(
-                derived_id(consumer, &event.id, &emit.action),
-                emit,
-                &prov,
-                now,
-            );
+            let rec = encode_event(derived_id(consumer, &event.id, &emit.action), emit, &prov, now);
             written.1 += usize::from(outbox::insert(tx, consumer, &event.id, &rec).await?);
         }
         if let Some(counter) = &route.counter {
             inbox::increment_counter(tx, consumer, counter).await?;
         }
-        Ok(Applied::Written {
-            intents: written.0,
-            events: written.1,
-        })
+        Ok(Applied::Written { intents: written.0, events: written.1 })
     }
 
-    fn new_intent(
-        &self,
-        event: &InputEvent,
-        call: &CallSpec,
-        prov: &Provenance,
-    ) -> Result<NewIntent, Poison> {
+    fn new_intent(&self, event: &InputEvent, call: &CallSpec, prov: &Provenance) -> Result<NewIntent, Poison> {
         let consumer = self.router.consumer();
         let endpoint = self.router.endpoint(&call.endpoint).ok_or_else(|| {
             Poison::new(
                 PoisonClass::Rejected,
-                format!(
-                    "call {:?} names unknown endpoint {:?}",
-                    call.action, call.endpoint
-                ),
+                format!("call {:?} names unknown endpoint {:?}", call.action, call.endpoint),
             )
         })?;
         let id = derived_id(consumer, &event.id, &call.action);
@@ -459,10 +385,7 @@ impl Processor {
             path: call.path.clone(),
             body: call.body.clone(),
             headers: json!(call.headers),
-            idempotency_key: call
-                .idempotency_key
-                .clone()
-                .unwrap_or_else(|| id.to_string()),
+            idempotency_key: call.idempotency_key.clone().unwrap_or_else(|| id.to_string()),
             ordering_key: call.ordering_key.clone(),
             max_attempts: i32::try_from(endpoint.max_attempts).unwrap_or(i32::MAX),
             max_age: endpoint.max_age,
@@ -488,19 +411,13 @@ impl Processor {
         let consumer = self.router.consumer();
         let clean = sanitized(poison);
         let attempts_i32 = i32::try_from(attempts).unwrap_or(i32::MAX);
-        let Some(_) = dead_letters::insert(conn, consumer, record, &clean, attempts_i32).await?
-        else {
+        let Some(_) = dead_letters::insert(conn, consumer, record, &clean, attempts_i32).await? else {
             return Ok(false);
         };
         if let Some(topic) = self.router.dead_letter_topic() {
             let copy = encode_dead_letter(consumer, topic, record, &clean, attempts);
-            outbox::insert(
-                conn,
-                consumer,
-                &format!("{}/{}/{}", record.topic, record.partition, record.offset),
-                &copy,
-            )
-            .await?;
+            outbox::insert(conn, consumer, &format!("{}/{}/{}", record.topic, record.partition, record.offset), &copy)
+                .await?;
         }
         Ok(true)
     }
@@ -511,13 +428,7 @@ fn identified(p: Poison, event: &InputEvent) -> Poison {
 }
 
 fn rejected(e: &sqlx::Error, event: &InputEvent) -> Poison {
-    identified(
-        Poison::new(
-            PoisonClass::Rejected,
-            format!("the database rejected the event: {e}"),
-        ),
-        event,
-    )
+    identified(Poison::new(PoisonClass::Rejected, format!("the database rejected the event: {e}")), event)
 }
 
 /// PostgreSQL text cannot hold U+0000; a dead letter must always be storable.

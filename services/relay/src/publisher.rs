@@ -34,10 +34,7 @@ pub struct LogContext;
 impl ClientContext for LogContext {
     fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
         match level {
-            RDKafkaLogLevel::Emerg
-            | RDKafkaLogLevel::Alert
-            | RDKafkaLogLevel::Critical
-            | RDKafkaLogLevel::Error => {
+            RDKafkaLogLevel::Emerg | RDKafkaLogLevel::Alert | RDKafkaLogLevel::Critical | RDKafkaLogLevel::Error => {
                 error!(facility = fac, "librdkafka producer: {log_message}")
             }
             RDKafkaLogLevel::Warning => warn!(facility = fac, "librdkafka producer: {log_message}"),
@@ -72,18 +69,10 @@ impl Publisher {
         faults: Faults,
     ) -> anyhow::Result<Publisher> {
         let mut cfg = client_config(kafka, Role::Producer)?;
-        cfg.set(
-            "message.timeout.ms",
-            settings.delivery_timeout.as_millis().to_string(),
-        );
+        cfg.set("message.timeout.ms", settings.delivery_timeout.as_millis().to_string());
         cfg.set_log_level(RDKafkaLogLevel::Warning);
         let producer = cfg.create_with_context(LogContext)?;
-        Ok(Publisher {
-            pool,
-            producer,
-            settings,
-            faults,
-        })
+        Ok(Publisher { pool, producer, settings, faults })
     }
 
     /// Run until `shutdown`: finish the batch in flight, flush, return.
@@ -130,9 +119,7 @@ impl Publisher {
             }
         };
         if result.is_ok() {
-            let _ = self
-                .producer
-                .flush(Timeout::After(self.settings.delivery_timeout));
+            let _ = self.producer.flush(Timeout::After(self.settings.delivery_timeout));
         }
         info!("outbox publisher stopped");
         result
@@ -149,10 +136,9 @@ impl Publisher {
             return poll;
         };
         match outbox::next_due_at(&mut conn).await {
-            Ok(Some(at)) => (at - chrono::Utc::now())
-                .to_std()
-                .unwrap_or(Duration::ZERO)
-                .clamp(Duration::from_millis(5), poll),
+            Ok(Some(at)) => {
+                (at - chrono::Utc::now()).to_std().unwrap_or(Duration::ZERO).clamp(Duration::from_millis(5), poll)
+            }
             _ => poll,
         }
     }
@@ -161,22 +147,14 @@ impl Publisher {
     pub async fn publish_batch(&self) -> Result<usize, PublishError> {
         let rows = {
             let mut conn = self.pool.acquire().await?;
-            outbox::claim(
-                &mut conn,
-                i64::from(self.settings.batch_size),
-                self.settings.lease,
-            )
-            .await?
+            outbox::claim(&mut conn, i64::from(self.settings.batch_size), self.settings.lease).await?
         };
         if rows.is_empty() {
             return Ok(0);
         }
         // Enqueue in seq order (the idempotent producer keeps per-partition order), then await all.
         let deliveries = join_all(rows.iter().map(|row| self.produce(row))).await;
-        self.faults
-            .hit(point::PUBLISHER_AFTER_ACK)
-            .await
-            .map_err(PublishError::Fault)?;
+        self.faults.hit(point::PUBLISHER_AFTER_ACK).await.map_err(PublishError::Fault)?;
         let mut ok_ids = Vec::new();
         let mut ok_tokens = Vec::new();
         let mut conn = self.pool.acquire().await?;
@@ -188,20 +166,10 @@ impl Publisher {
                     ok_tokens.push(row.lease_token);
                 }
                 Err(e) => {
-                    let delay = self
-                        .settings
-                        .backoff
-                        .delay(u32::try_from(row.attempts).unwrap_or(1), &mut rand::rng());
+                    let delay = self.settings.backoff.delay(u32::try_from(row.attempts).unwrap_or(1), &mut rand::rng());
                     warn!(outbox_id = %row.id, topic = %row.topic, attempt = row.attempts, retry_in_ms = delay.as_millis() as u64,
                           error = %e, "publishing failed; it will be retried under the same id");
-                    outbox::schedule_retry(
-                        &mut conn,
-                        row.id,
-                        row.lease_token,
-                        delay,
-                        &e.to_string(),
-                    )
-                    .await?;
+                    outbox::schedule_retry(&mut conn, row.id, row.lease_token, delay, &e.to_string()).await?;
                 }
             }
         }
@@ -222,10 +190,7 @@ impl Publisher {
         let headers = row.headers();
         let mut hs = OwnedHeaders::new_with_capacity(headers.len());
         for h in &headers {
-            hs = hs.insert(KHeader {
-                key: &h.name,
-                value: h.value.as_deref(),
-            });
+            hs = hs.insert(KHeader { key: &h.name, value: h.value.as_deref() });
         }
         let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&row.topic).headers(hs);
         if let Some(k) = &row.key {

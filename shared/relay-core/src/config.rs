@@ -110,9 +110,7 @@ impl ConsumerConfig {
 
     /// The CloudEvents `source` of emitted events.
     pub fn source(&self) -> String {
-        self.event_source
-            .clone()
-            .unwrap_or_else(|| format!("relay/{}", self.name))
+        self.event_source.clone().unwrap_or_else(|| format!("relay/{}", self.name))
     }
 }
 
@@ -154,11 +152,7 @@ pub struct DatabaseConfig {
 
 impl Default for DatabaseConfig {
     fn default() -> Self {
-        DatabaseConfig {
-            url: None,
-            max_connections: 10,
-            acquire_timeout: Duration::from_secs(5),
-        }
+        DatabaseConfig { url: None, max_connections: 10, acquire_timeout: Duration::from_secs(5) }
     }
 }
 
@@ -174,16 +168,13 @@ impl fmt::Debug for DatabaseConfig {
 impl DatabaseConfig {
     /// The URL, or an error that says how to set it.
     pub fn url(&self) -> Result<&str, ConfigError> {
-        self.url
-            .as_ref()
-            .map(|u| u.expose_secret())
-            .ok_or_else(|| ConfigError::Invalid {
-                problems: vec![
-                    "database.url: not set; export DATABASE_URL=postgres://user:password@host/db \
+        self.url.as_ref().map(|u| u.expose_secret()).ok_or_else(|| ConfigError::Invalid {
+            problems: vec![
+                "database.url: not set; export DATABASE_URL=postgres://user:password@host/db \
                  (or RELAY_DATABASE__URL)"
-                        .into(),
-                ],
-            })
+                    .into(),
+            ],
+        })
     }
 }
 
@@ -225,16 +216,12 @@ impl KafkaConfig {
         for (prop, var) in &self.secret_properties {
             match std::env::var(var) {
                 Ok(v) => out.push((prop.clone(), SecretString::from(v))),
-                Err(_) => problems.push(format!(
-                    "kafka.secret_properties.{prop:?}: environment variable {var} is not set"
-                )),
+                Err(_) => {
+                    problems.push(format!("kafka.secret_properties.{prop:?}: environment variable {var} is not set"))
+                }
             }
         }
-        if problems.is_empty() {
-            Ok(out)
-        } else {
-            Err(ConfigError::Invalid { problems })
-        }
+        if problems.is_empty() { Ok(out) } else { Err(ConfigError::Invalid { problems }) }
     }
 }
 
@@ -348,9 +335,7 @@ pub struct RouteConfig {
 impl RouteConfig {
     /// The route's name in effect.
     pub fn display_name(&self) -> String {
-        self.name
-            .clone()
-            .unwrap_or_else(|| format!("{}/{}", self.topic, self.event_type))
+        self.name.clone().unwrap_or_else(|| format!("{}/{}", self.topic, self.event_type))
     }
 }
 
@@ -502,6 +487,10 @@ pub struct EndpointConfig {
     /// Delay between attempts.
     #[serde(default)]
     pub backoff: BackoffPolicy,
+    /// Statuses retried besides 408, 425, 429 and 5xx (see
+    /// [`crate::retry::classify`] for why 409 is the default).
+    #[serde(default = "default_retryable_statuses")]
+    pub retryable_statuses: Vec<u16>,
     /// Header carrying the idempotency key.
     #[serde(default = "default_idempotency_header")]
     pub idempotency_header: String,
@@ -526,6 +515,9 @@ fn default_max_attempts() -> u32 {
 }
 fn default_max_age() -> Duration {
     Duration::from_secs(24 * 3600)
+}
+fn default_retryable_statuses() -> Vec<u16> {
+    vec![409]
 }
 fn default_idempotency_header() -> String {
     "Idempotency-Key".into()
@@ -572,19 +564,10 @@ impl RelayConfig {
         }
         fig = fig
             .merge(Env::prefixed("RELAY_").split("__").ignore(&["config"]))
-            .merge(
-                Env::raw()
-                    .only(&["DATABASE_URL"])
-                    .map(|_| "database.url".into()),
-            );
-        let mut cfg: RelayConfig = fig.extract().map_err(|e| {
-            ConfigError::Load(
-                e.into_iter()
-                    .map(|e| e.to_string())
-                    .collect::<Vec<_>>()
-                    .join("; "),
-            )
-        })?;
+            .merge(Env::raw().only(&["DATABASE_URL"]).map(|_| "database.url".into()));
+        let mut cfg: RelayConfig = fig
+            .extract()
+            .map_err(|e| ConfigError::Load(e.into_iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; ")))?;
         if let Some(dir) = path.and_then(Path::parent) {
             for r in &mut cfg.routes {
                 if let Some(s) = &mut r.schema
@@ -600,9 +583,8 @@ impl RelayConfig {
 
     /// Parse a TOML string (no environment), then validate. For tests and tools.
     pub fn from_toml(text: &str) -> Result<RelayConfig, ConfigError> {
-        let cfg: RelayConfig = Figment::from(Toml::string(text))
-            .extract()
-            .map_err(|e| ConfigError::Load(e.to_string()))?;
+        let cfg: RelayConfig =
+            Figment::from(Toml::string(text)).extract().map_err(|e| ConfigError::Load(e.to_string()))?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -643,9 +625,7 @@ impl RelayConfig {
             ));
         }
         for (topic, t) in &self.topics {
-            if t.format == TopicFormat::Json
-                && (t.fields.id.is_none() || t.fields.event_type.is_none())
-            {
+            if t.format == TopicFormat::Json && (t.fields.id.is_none() || t.fields.event_type.is_none()) {
                 p.push(format!(
                     "topics.{topic:?}: format = \"json\" needs fields.id and fields.type \
                      (e.g. fields.id = {{ header = \"id\" }}, fields.type = {{ value = \"OrderPlaced\" }})"
@@ -661,9 +641,7 @@ impl RelayConfig {
                 p.push(format!("{at}.max_attempts: must be at least 1"));
             }
             if e.rate_limit_per_second == Some(0) {
-                p.push(format!(
-                    "{at}.rate_limit_per_second: must be at least 1 (or leave it out)"
-                ));
+                p.push(format!("{at}.rate_limit_per_second: must be at least 1 (or leave it out)"));
             }
             if e.idempotency_header.trim().is_empty() {
                 p.push(format!("{at}.idempotency_header: must not be empty"));
@@ -709,30 +687,16 @@ impl RelayConfig {
                 self.validate_action(&aat, a, &mut names, &mut p);
             }
             if r.actions.is_empty() && r.handler.is_none() && r.counter.is_none() {
-                p.push(format!(
-                    "{at}: has no actions, handler or counter; it would do nothing"
-                ));
+                p.push(format!("{at}: has no actions, handler or counter; it would do nothing"));
             }
         }
-        if p.is_empty() {
-            Ok(())
-        } else {
-            Err(ConfigError::Invalid { problems: p })
-        }
+        if p.is_empty() { Ok(()) } else { Err(ConfigError::Invalid { problems: p }) }
     }
 
-    fn validate_action(
-        &self,
-        at: &str,
-        a: &ActionConfig,
-        names: &mut BTreeMap<String, String>,
-        p: &mut Vec<String>,
-    ) {
+    fn validate_action(&self, at: &str, a: &ActionConfig, names: &mut BTreeMap<String, String>, p: &mut Vec<String>) {
         let name = a.name();
         if name.trim().is_empty() {
-            p.push(format!(
-                "{at}.name: must not be empty (it is part of the derived ids)"
-            ));
+            p.push(format!("{at}.name: must not be empty (it is part of the derived ids)"));
         } else if let Some(prev) = names.insert(name.to_owned(), at.to_owned()) {
             p.push(format!("{at}.name: {name:?} is already used by {prev}"));
         }
@@ -743,11 +707,7 @@ impl RelayConfig {
                     p.push(format!(
                         "{at}.endpoint: {:?} is not defined under [endpoints] (defined: {})",
                         c.endpoint,
-                        if known.is_empty() {
-                            "none".into()
-                        } else {
-                            known.join(", ")
-                        }
+                        if known.is_empty() { "none".into() } else { known.join(", ") }
                     ));
                 }
                 if http::Method::from_bytes(c.method.as_bytes()).is_err() {
@@ -761,10 +721,7 @@ impl RelayConfig {
                 if !c.on_success.is_empty() || !c.on_dead.is_empty() {
                     for s in c.on_success.saga.iter().chain(&c.on_dead.saga) {
                         if s.start && !s.from.is_empty() {
-                            p.push(format!(
-                                "{at}: outcome saga {:?} has start = true and from",
-                                s.name
-                            ));
+                            p.push(format!("{at}: outcome saga {:?} has start = true and from", s.name));
                         }
                     }
                 }
@@ -776,14 +733,10 @@ impl RelayConfig {
             }
             ActionConfig::Saga(s) => {
                 if s.start && !s.from.is_empty() {
-                    p.push(format!(
-                        "{at}: start = true creates the saga; it cannot also have from"
-                    ));
+                    p.push(format!("{at}: start = true creates the saga; it cannot also have from"));
                 }
                 if !s.start && s.from.is_empty() {
-                    p.push(format!(
-                        "{at}.from: list the states the saga may move from (or set start = true)"
-                    ));
+                    p.push(format!("{at}.from: list the states the saga may move from (or set start = true)"));
                 }
             }
         }
@@ -892,10 +845,7 @@ mod tests {
 
     #[test]
     fn the_database_url_is_never_printed() {
-        let cfg = DatabaseConfig {
-            url: Some(SecretString::from("postgres://u:hunter2@h/db")),
-            ..Default::default()
-        };
+        let cfg = DatabaseConfig { url: Some(SecretString::from("postgres://u:hunter2@h/db")), ..Default::default() };
         assert!(!format!("{cfg:?}").contains("hunter2"));
     }
 }

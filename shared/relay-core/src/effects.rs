@@ -151,12 +151,7 @@ pub struct OutboxRecord {
 }
 
 /// Encode an event as a CloudEvents binary-mode Kafka record with id `id`.
-pub fn encode_event(
-    id: Uuid,
-    spec: &EmitSpec,
-    prov: &Provenance,
-    now: DateTime<Utc>,
-) -> OutboxRecord {
+pub fn encode_event(id: Uuid, spec: &EmitSpec, prov: &Provenance, now: DateTime<Utc>) -> OutboxRecord {
     let mut headers = vec![
         Header::text("ce_specversion", "1.0"),
         Header::text("ce_id", id.to_string()),
@@ -219,10 +214,7 @@ pub fn encode_dead_letter(
 ) -> OutboxRecord {
     let mut headers = record.headers.clone();
     headers.push(Header::text(dlq_headers::TOPIC, &record.topic));
-    headers.push(Header::text(
-        dlq_headers::PARTITION,
-        record.partition.to_string(),
-    ));
+    headers.push(Header::text(dlq_headers::PARTITION, record.partition.to_string()));
     headers.push(Header::text(dlq_headers::OFFSET, record.offset.to_string()));
     if let Some(id) = &poison.event_id {
         headers.push(Header::text(dlq_headers::EVENT_ID, id));
@@ -280,11 +272,7 @@ mod tests {
         assert_eq!(header(&r, "ce_id"), Some(id.to_string().as_str()));
         assert_eq!(header(&r, "ce_causationid"), Some("evt-1"));
         assert_eq!(header(&r, "ce_type"), Some("order.accepted"));
-        assert_eq!(
-            r.key.as_deref(),
-            Some(&b"o-1"[..]),
-            "key defaults to the aggregate id"
-        );
+        assert_eq!(r.key.as_deref(), Some(&b"o-1"[..]), "key defaults to the aggregate id");
         assert_eq!(r.ordering_key.as_deref(), Some("o-1"));
         assert_eq!(r.payload.as_deref(), Some(&br#"{"a":1}"#[..]));
     }
@@ -308,14 +296,7 @@ mod tests {
         assert_eq!(header(&r, dlq_headers::OFFSET), Some("41"));
         assert_eq!(header(&r, dlq_headers::EVENT_ID), Some("e-1"));
         assert_eq!(header(&r, dlq_headers::CLASS), Some("bad_json"));
-        assert_eq!(
-            header(&r, "ce_id"),
-            Some("e-1"),
-            "original headers are kept"
-        );
-        assert_eq!(
-            r.id,
-            encode_dead_letter("c", "orders.dlq", &rec, &poison, 3).id
-        );
+        assert_eq!(header(&r, "ce_id"), Some("e-1"), "original headers are kept");
+        assert_eq!(r.id, encode_dead_letter("c", "orders.dlq", &rec, &poison, 3).id);
     }
 }

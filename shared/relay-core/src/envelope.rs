@@ -27,8 +27,7 @@ use std::fmt;
 use chrono::{DateTime, Utc};
 use cloudevents::event::SpecVersion;
 use cloudevents::message::{
-    BinaryDeserializer, BinarySerializer, Error as CeError, MessageAttributeValue,
-    Result as CeResult,
+    BinaryDeserializer, BinarySerializer, Error as CeError, MessageAttributeValue, Result as CeResult,
 };
 use cloudevents::{AttributesReader, Data, Event};
 use serde::{Deserialize, Serialize};
@@ -49,10 +48,7 @@ pub struct Header {
 impl Header {
     /// A header with a UTF-8 value.
     pub fn text(name: impl Into<String>, value: impl AsRef<str>) -> Self {
-        Header {
-            name: name.into(),
-            value: Some(value.as_ref().as_bytes().to_vec()),
-        }
+        Header { name: name.into(), value: Some(value.as_ref().as_bytes().to_vec()) }
     }
 }
 
@@ -77,20 +73,13 @@ pub struct RawRecord {
 impl RawRecord {
     /// Size counted against `max_record_bytes`: key, value and headers.
     pub fn size(&self) -> usize {
-        let headers: usize = self
-            .headers
-            .iter()
-            .map(|h| h.name.len() + h.value.as_ref().map_or(0, Vec::len))
-            .sum();
+        let headers: usize = self.headers.iter().map(|h| h.name.len() + h.value.as_ref().map_or(0, Vec::len)).sum();
         self.key.as_ref().map_or(0, Vec::len) + self.payload.as_ref().map_or(0, Vec::len) + headers
     }
 
     /// The last header named `name` (Kafka allows repeats; the last one wins).
     pub fn header(&self, name: &str) -> Option<&Header> {
-        self.headers
-            .iter()
-            .rev()
-            .find(|h| h.name.eq_ignore_ascii_case(name))
+        self.headers.iter().rev().find(|h| h.name.eq_ignore_ascii_case(name))
     }
 }
 
@@ -172,12 +161,7 @@ pub struct Poison {
 impl Poison {
     /// A poison with no identity known yet.
     pub fn new(class: PoisonClass, reason: impl Into<String>) -> Self {
-        Poison {
-            class,
-            reason: reason.into(),
-            event_id: None,
-            event_type: None,
-        }
+        Poison { class, reason: reason.into(), event_id: None, event_type: None }
     }
 
     /// Attach the identity read so far.
@@ -264,8 +248,7 @@ pub struct FieldOverrides {
 impl FieldOverrides {
     /// Each field from `self`, else from `fallback`.
     pub fn or(&self, fallback: &FieldOverrides) -> FieldOverrides {
-        let pick =
-            |a: &Option<FieldSource>, b: &Option<FieldSource>| a.clone().or_else(|| b.clone());
+        let pick = |a: &Option<FieldSource>, b: &Option<FieldSource>| a.clone().or_else(|| b.clone());
         FieldOverrides {
             id: pick(&self.id, &fallback.id),
             event_type: pick(&self.event_type, &fallback.event_type),
@@ -350,10 +333,7 @@ pub fn decode(record: &RawRecord, opts: &DecodeOptions<'_>) -> Result<DecodedEve
     if size > opts.max_record_bytes {
         return Err(Poison::new(
             PoisonClass::Oversized,
-            format!(
-                "record is {size} bytes, over consumer.max_record_bytes = {}",
-                opts.max_record_bytes
-            ),
+            format!("record is {size} bytes, over consumer.max_record_bytes = {}", opts.max_record_bytes),
         ));
     }
     let mut decoded = match opts.format {
@@ -367,13 +347,7 @@ pub fn decode(record: &RawRecord, opts: &DecodeOptions<'_>) -> Result<DecodedEve
             decoded.id = required_text(record, &decoded, src, "event id", PoisonClass::MissingId)?;
         }
         if let Some(src) = &opts.fields.event_type {
-            decoded.event_type = required_text(
-                record,
-                &decoded,
-                src,
-                "event type",
-                PoisonClass::MissingType,
-            )?;
+            decoded.event_type = required_text(record, &decoded, src, "event type", PoisonClass::MissingType)?;
         }
     }
     Ok(decoded)
@@ -396,12 +370,8 @@ fn required_text(
 fn decode_plain_json(record: &RawRecord, fields: &FieldOverrides) -> Result<DecodedEvent, Poison> {
     let data = match &record.payload {
         None => Value::Null,
-        Some(bytes) => serde_json::from_slice(bytes).map_err(|e| {
-            Poison::new(
-                PoisonClass::BadJson,
-                format!("record value is not valid JSON: {e}"),
-            )
-        })?,
+        Some(bytes) => serde_json::from_slice(bytes)
+            .map_err(|e| Poison::new(PoisonClass::BadJson, format!("record value is not valid JSON: {e}")))?,
     };
     let mut partial = DecodedEvent {
         id: String::new(),
@@ -412,36 +382,24 @@ fn decode_plain_json(record: &RawRecord, fields: &FieldOverrides) -> Result<Deco
         data,
         extensions: BTreeMap::new(),
     };
-    let id_src = fields.id.as_ref().ok_or_else(|| {
-        Poison::new(
-            PoisonClass::MissingId,
-            "topic has format = \"json\" but no fields.id source",
-        )
-    })?;
+    let id_src = fields
+        .id
+        .as_ref()
+        .ok_or_else(|| Poison::new(PoisonClass::MissingId, "topic has format = \"json\" but no fields.id source"))?;
     partial.id = required_text(record, &partial, id_src, "event id", PoisonClass::MissingId)?;
     let ty_src = fields.event_type.as_ref().ok_or_else(|| {
-        Poison::new(
-            PoisonClass::MissingType,
-            "topic has format = \"json\" but no fields.type source",
-        )
-        .with_identity(Some(&partial.id), None)
+        Poison::new(PoisonClass::MissingType, "topic has format = \"json\" but no fields.type source")
+            .with_identity(Some(&partial.id), None)
     })?;
-    partial.event_type = required_text(
-        record,
-        &partial,
-        ty_src,
-        "event type",
-        PoisonClass::MissingType,
-    )
-    .map_err(|p| p.with_identity(Some(&partial.id), None))?;
+    partial.event_type = required_text(record, &partial, ty_src, "event type", PoisonClass::MissingType)
+        .map_err(|p| p.with_identity(Some(&partial.id), None))?;
     Ok(partial)
 }
 
 fn decode_cloudevent(record: &RawRecord) -> Result<DecodedEvent, Poison> {
     let content_type = header_text(record, "content-type")?;
-    let structured = content_type
-        .as_deref()
-        .is_some_and(|ct| ct.to_ascii_lowercase().starts_with(STRUCTURED_CONTENT_TYPE));
+    let structured =
+        content_type.as_deref().is_some_and(|ct| ct.to_ascii_lowercase().starts_with(STRUCTURED_CONTENT_TYPE));
     let event = if structured {
         decode_structured(record)?
     } else if record.header("ce_specversion").is_some() {
@@ -458,22 +416,13 @@ fn decode_cloudevent(record: &RawRecord) -> Result<DecodedEvent, Poison> {
     let ty = event.ty().to_owned();
     let ident = |p: Poison| p.with_identity(Some(&id), Some(&ty));
     if id.trim().is_empty() {
-        return Err(ident(Poison::new(
-            PoisonClass::MissingId,
-            "CloudEvents id is empty",
-        )));
+        return Err(ident(Poison::new(PoisonClass::MissingId, "CloudEvents id is empty")));
     }
     if ty.trim().is_empty() {
-        return Err(ident(Poison::new(
-            PoisonClass::MissingType,
-            "CloudEvents type is empty",
-        )));
+        return Err(ident(Poison::new(PoisonClass::MissingType, "CloudEvents type is empty")));
     }
     let data = event_data_as_json(&event).map_err(ident)?;
-    let extensions = event
-        .iter_extensions()
-        .map(|(k, v)| (k.to_owned(), v.to_string()))
-        .collect();
+    let extensions = event.iter_extensions().map(|(k, v)| (k.to_owned(), v.to_string())).collect();
     Ok(DecodedEvent {
         id,
         event_type: ty,
@@ -486,46 +435,31 @@ fn decode_cloudevent(record: &RawRecord) -> Result<DecodedEvent, Poison> {
 }
 
 fn decode_structured(record: &RawRecord) -> Result<Event, Poison> {
-    let bytes = record.payload.as_deref().ok_or_else(|| {
-        Poison::new(
-            PoisonClass::BadJson,
-            "structured CloudEvent has an empty record value",
-        )
-    })?;
-    let json: Value = serde_json::from_slice(bytes).map_err(|e| {
-        Poison::new(
-            PoisonClass::BadJson,
-            format!("structured CloudEvent is not valid JSON: {e}"),
-        )
-    })?;
+    let bytes = record
+        .payload
+        .as_deref()
+        .ok_or_else(|| Poison::new(PoisonClass::BadJson, "structured CloudEvent has an empty record value"))?;
+    let json: Value = serde_json::from_slice(bytes)
+        .map_err(|e| Poison::new(PoisonClass::BadJson, format!("structured CloudEvent is not valid JSON: {e}")))?;
     let id = json.get("id").and_then(Value::as_str).map(str::to_owned);
     let ty = json.get("type").and_then(Value::as_str).map(str::to_owned);
     match json.get("id") {
         None | Some(Value::Null) => {
-            return Err(Poison::new(
-                PoisonClass::MissingId,
-                "structured CloudEvent has no \"id\"",
-            )
-            .with_identity(None, ty.as_deref()));
+            return Err(Poison::new(PoisonClass::MissingId, "structured CloudEvent has no \"id\"")
+                .with_identity(None, ty.as_deref()));
         }
         Some(Value::String(_)) => {}
         Some(other) => {
             return Err(Poison::new(
                 PoisonClass::MissingId,
-                format!(
-                    "structured CloudEvent \"id\" must be a string, found {}",
-                    json_kind(other)
-                ),
+                format!("structured CloudEvent \"id\" must be a string, found {}", json_kind(other)),
             )
             .with_identity(None, ty.as_deref()));
         }
     }
     serde_json::from_value::<Event>(json).map_err(|e| {
-        Poison::new(
-            PoisonClass::NotCloudEvent,
-            format!("invalid structured CloudEvent: {e}"),
-        )
-        .with_identity(id.as_deref(), ty.as_deref())
+        Poison::new(PoisonClass::NotCloudEvent, format!("invalid structured CloudEvent: {e}"))
+            .with_identity(id.as_deref(), ty.as_deref())
     })
 }
 
@@ -533,11 +467,8 @@ fn decode_binary(record: &RawRecord) -> Result<Event, Poison> {
     let id = header_text(record, "ce_id")?;
     let ty = header_text(record, "ce_type")?;
     if id.is_none() {
-        return Err(Poison::new(
-            PoisonClass::MissingId,
-            "binary CloudEvent has no ce_id header",
-        )
-        .with_identity(None, ty.as_deref()));
+        return Err(Poison::new(PoisonClass::MissingId, "binary CloudEvent has no ce_id header")
+            .with_identity(None, ty.as_deref()));
     }
     let mut headers = Vec::with_capacity(record.headers.len());
     for h in &record.headers {
@@ -547,17 +478,9 @@ fn decode_binary(record: &RawRecord) -> Result<Event, Poison> {
             headers.push((lower, text));
         }
     }
-    KafkaBinary {
-        headers,
-        payload: record.payload.clone(),
-    }
-    .into_event()
-    .map_err(|e| {
-        Poison::new(
-            PoisonClass::NotCloudEvent,
-            format!("invalid binary CloudEvent: {e}"),
-        )
-        .with_identity(id.as_deref(), ty.as_deref())
+    KafkaBinary { headers, payload: record.payload.clone() }.into_event().map_err(|e| {
+        Poison::new(PoisonClass::NotCloudEvent, format!("invalid binary CloudEvent: {e}"))
+            .with_identity(id.as_deref(), ty.as_deref())
     })
 }
 
@@ -584,8 +507,7 @@ impl BinaryDeserializer for KafkaBinary {
                 continue;
             }
             if name == "content-type" {
-                visitor = visitor
-                    .set_attribute("datacontenttype", MessageAttributeValue::String(value))?;
+                visitor = visitor.set_attribute("datacontenttype", MessageAttributeValue::String(value))?;
                 continue;
             }
             let attr = &name["ce_".len()..];
@@ -606,12 +528,7 @@ fn is_json_content_type(ct: Option<&str>) -> bool {
     match ct {
         None => true,
         Some(ct) => {
-            let ct = ct
-                .split(';')
-                .next()
-                .unwrap_or_default()
-                .trim()
-                .to_ascii_lowercase();
+            let ct = ct.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
             ct == "application/json" || ct == "text/json" || ct.ends_with("+json")
         }
     }
@@ -622,25 +539,13 @@ fn event_data_as_json(event: &Event) -> Result<Value, Poison> {
     match event.data() {
         None => Ok(Value::Null),
         Some(Data::Json(v)) => Ok(v.clone()),
-        Some(Data::String(s)) if json_ct => serde_json::from_str(s).map_err(|e| {
-            Poison::new(
-                PoisonClass::BadJson,
-                format!("event data is not valid JSON: {e}"),
-            )
-        }),
+        Some(Data::String(s)) if json_ct => serde_json::from_str(s)
+            .map_err(|e| Poison::new(PoisonClass::BadJson, format!("event data is not valid JSON: {e}"))),
         Some(Data::String(s)) => Ok(Value::String(s.clone())),
-        Some(Data::Binary(b)) if json_ct => serde_json::from_slice(b).map_err(|e| {
-            Poison::new(
-                PoisonClass::BadJson,
-                format!("event data is not valid JSON: {e}"),
-            )
-        }),
+        Some(Data::Binary(b)) if json_ct => serde_json::from_slice(b)
+            .map_err(|e| Poison::new(PoisonClass::BadJson, format!("event data is not valid JSON: {e}"))),
         Some(Data::Binary(b)) => match std::str::from_utf8(b) {
-            Ok(s)
-                if event
-                    .datacontenttype()
-                    .is_some_and(|ct| ct.starts_with("text/")) =>
-            {
+            Ok(s) if event.datacontenttype().is_some_and(|ct| ct.starts_with("text/")) => {
                 Ok(Value::String(s.to_owned()))
             }
             _ => Err(Poison::new(
@@ -657,18 +562,12 @@ fn event_data_as_json(event: &Event) -> Result<Value, Poison> {
 fn header_text(record: &RawRecord, name: &str) -> Result<Option<String>, Poison> {
     match record.header(name) {
         None => Ok(None),
-        Some(Header { value: None, .. }) => Err(Poison::new(
-            PoisonClass::BadHeader,
-            format!("header {name:?} has no value"),
-        )),
-        Some(Header { value: Some(v), .. }) => {
-            String::from_utf8(v.clone()).map(Some).map_err(|_| {
-                Poison::new(
-                    PoisonClass::BadHeader,
-                    format!("header {name:?} is not valid UTF-8"),
-                )
-            })
+        Some(Header { value: None, .. }) => {
+            Err(Poison::new(PoisonClass::BadHeader, format!("header {name:?} has no value")))
         }
+        Some(Header { value: Some(v), .. }) => String::from_utf8(v.clone())
+            .map(Some)
+            .map_err(|_| Poison::new(PoisonClass::BadHeader, format!("header {name:?} is not valid UTF-8"))),
     }
 }
 
@@ -684,11 +583,7 @@ fn json_kind(v: &Value) -> &'static str {
 }
 
 /// Read one field from its source; `Ok(None)` when the source is absent.
-fn read_source(
-    record: &RawRecord,
-    event: &DecodedEvent,
-    src: &FieldSource,
-) -> Result<Option<String>, Poison> {
+fn read_source(record: &RawRecord, event: &DecodedEvent, src: &FieldSource) -> Result<Option<String>, Poison> {
     match src {
         FieldSource::Header(name) => header_text(record, name),
         FieldSource::Extension(name) => Ok(event.extensions.get(name).cloned()),
@@ -705,10 +600,7 @@ fn read_source(
             Some(v @ (Value::Number(_) | Value::Bool(_))) => Ok(Some(v.to_string())),
             Some(other) => Err(Poison::new(
                 PoisonClass::BadField,
-                format!(
-                    "data pointer {p:?} points at {}, expected a string or number",
-                    json_kind(other)
-                ),
+                format!("data pointer {p:?} points at {}, expected a string or number", json_kind(other)),
             )),
         },
     }
@@ -716,37 +608,23 @@ fn read_source(
 
 /// Resolve the guard fields of a decoded event from `fields` (route level
 /// already merged over topic level), defaulting to the CloudEvents extensions.
-pub fn resolve(
-    record: &RawRecord,
-    decoded: DecodedEvent,
-    fields: &FieldOverrides,
-) -> Result<InputEvent, Poison> {
+pub fn resolve(record: &RawRecord, decoded: DecodedEvent, fields: &FieldOverrides) -> Result<InputEvent, Poison> {
     let ident = |p: Poison| p.with_identity(Some(&decoded.id), Some(&decoded.event_type));
     let text = |src: &Option<FieldSource>, default_ext: &str| -> Result<Option<String>, Poison> {
         let fallback = FieldSource::Extension(default_ext.to_owned());
         read_source(record, &decoded, src.as_ref().unwrap_or(&fallback)).map_err(ident)
     };
-    let int =
-        |src: &Option<FieldSource>, default_ext: &str, what: &str| -> Result<Option<i64>, Poison> {
-            match text(src, default_ext)? {
-                None => Ok(None),
-                Some(s) => s.trim().parse::<i64>().map(Some).map_err(|_| {
-                    let from = src
-                        .clone()
-                        .unwrap_or(FieldSource::Extension(default_ext.to_owned()));
-                    ident(Poison::new(
-                        PoisonClass::BadField,
-                        format!("{what} from {from} is {s:?}, not an integer"),
-                    ))
-                }),
-            }
-        };
+    let int = |src: &Option<FieldSource>, default_ext: &str, what: &str| -> Result<Option<i64>, Poison> {
+        match text(src, default_ext)? {
+            None => Ok(None),
+            Some(s) => s.trim().parse::<i64>().map(Some).map_err(|_| {
+                let from = src.clone().unwrap_or(FieldSource::Extension(default_ext.to_owned()));
+                ident(Poison::new(PoisonClass::BadField, format!("{what} from {from} is {s:?}, not an integer")))
+            }),
+        }
+    };
     let aggregate_id = text(&fields.aggregate_id, "aggregateid")?;
-    let aggregate_version = int(
-        &fields.aggregate_version,
-        "aggregateversion",
-        "aggregate version",
-    )?;
+    let aggregate_version = int(&fields.aggregate_version, "aggregateversion", "aggregate version")?;
     let sequence = int(&fields.sequence, "sequence", "sequence")?;
     let idempotency_key = text(&fields.idempotency_key, "idempotencykey")?;
     let correlation_id = text(&fields.correlation_id, "correlationid")?;
@@ -787,11 +665,7 @@ mod tests {
     }
 
     fn opts(fields: &FieldOverrides) -> DecodeOptions<'_> {
-        DecodeOptions {
-            max_record_bytes: 1 << 20,
-            format: TopicFormat::Cloudevents,
-            fields,
-        }
+        DecodeOptions { max_record_bytes: 1 << 20, format: TopicFormat::Cloudevents, fields }
     }
 
     fn binary(extra: &[(&str, &str)], data: &[u8]) -> RawRecord {
@@ -809,11 +683,7 @@ mod tests {
     #[test]
     fn binary_mode_reads_attributes_extensions_and_json_data() {
         let rec = binary(
-            &[
-                ("ce_aggregateid", "order-1"),
-                ("ce_aggregateversion", "3"),
-                ("ce_idempotencykey", "k-1"),
-            ],
+            &[("ce_aggregateid", "order-1"), ("ce_aggregateversion", "3"), ("ce_idempotencykey", "k-1")],
             br#"{"order_id":"order-1","amount":12}"#,
         );
         let none = FieldOverrides::default();
@@ -837,10 +707,7 @@ mod tests {
             "data": {"order_id": "o-9"}
         });
         let rec = record(
-            vec![Header::text(
-                "content-type",
-                "application/cloudevents+json; charset=utf-8",
-            )],
+            vec![Header::text("content-type", "application/cloudevents+json; charset=utf-8")],
             Some(body.to_string().as_bytes()),
         );
         let none = FieldOverrides::default();
@@ -862,12 +729,7 @@ mod tests {
             vec![Header::text("content-type", STRUCTURED_CONTENT_TYPE)],
             Some(br#"{"specversion":"1.0","type":"t","source":"/s"}"#),
         );
-        assert_eq!(
-            decode(&rec, &opts(&FieldOverrides::default()))
-                .unwrap_err()
-                .class,
-            PoisonClass::MissingId
-        );
+        assert_eq!(decode(&rec, &opts(&FieldOverrides::default())).unwrap_err().class, PoisonClass::MissingId);
     }
 
     #[test]
@@ -881,21 +743,10 @@ mod tests {
     #[test]
     fn a_null_or_non_utf8_header_is_poison_not_a_panic() {
         let mut rec = binary(&[], b"{}");
-        rec.headers.push(Header {
-            name: "ce_subject".into(),
-            value: None,
-        });
-        assert_eq!(
-            decode(&rec, &opts(&FieldOverrides::default()))
-                .unwrap_err()
-                .class,
-            PoisonClass::BadHeader
-        );
+        rec.headers.push(Header { name: "ce_subject".into(), value: None });
+        assert_eq!(decode(&rec, &opts(&FieldOverrides::default())).unwrap_err().class, PoisonClass::BadHeader);
         let mut rec = binary(&[], b"{}");
-        rec.headers.push(Header {
-            name: "ce_subject".into(),
-            value: Some(vec![0xff, 0xfe]),
-        });
+        rec.headers.push(Header { name: "ce_subject".into(), value: Some(vec![0xff, 0xfe]) });
         let err = decode(&rec, &opts(&FieldOverrides::default())).unwrap_err();
         assert_eq!(err.class, PoisonClass::BadHeader);
         assert!(err.reason.contains("ce_subject"), "{err}");
@@ -913,10 +764,7 @@ mod tests {
     fn oversized_records_are_poison_before_any_parsing() {
         let rec = binary(&[], &vec![b' '; 2048]);
         let fields = FieldOverrides::default();
-        let o = DecodeOptions {
-            max_record_bytes: 1024,
-            ..opts(&fields)
-        };
+        let o = DecodeOptions { max_record_bytes: 1024, ..opts(&fields) };
         let err = decode(&rec, &o).unwrap_err();
         assert_eq!(err.class, PoisonClass::Oversized);
         assert!(err.reason.contains("1024"), "{err}");
@@ -926,10 +774,7 @@ mod tests {
     fn plain_json_topics_take_id_and_type_from_configured_sources() {
         // A Debezium outbox event router record: id in a header, aggregate in the key.
         let rec = RawRecord {
-            headers: vec![
-                Header::text("id", "dbz-1"),
-                Header::text("eventType", "OrderCreated"),
-            ],
+            headers: vec![Header::text("id", "dbz-1"), Header::text("eventType", "OrderCreated")],
             ..record(vec![], Some(br#"{"order":{"id":"o-1","version":4}}"#))
         };
         let fields = FieldOverrides {
@@ -939,10 +784,7 @@ mod tests {
             aggregate_version: Some(FieldSource::Pointer("/order/version".into())),
             ..FieldOverrides::default()
         };
-        let o = DecodeOptions {
-            format: TopicFormat::Json,
-            ..opts(&fields)
-        };
+        let o = DecodeOptions { format: TopicFormat::Json, ..opts(&fields) };
         let event = resolve(&rec, decode(&rec, &o).unwrap(), &fields).unwrap();
         assert_eq!(event.id, "dbz-1");
         assert_eq!(event.event_type, "OrderCreated");
@@ -959,10 +801,7 @@ mod tests {
             event_type: Some(FieldSource::Value("T".into())),
             ..FieldOverrides::default()
         };
-        let o = DecodeOptions {
-            format: TopicFormat::Json,
-            ..opts(&fields)
-        };
+        let o = DecodeOptions { format: TopicFormat::Json, ..opts(&fields) };
         let err = decode(&rec, &o).unwrap_err();
         assert_eq!(err.class, PoisonClass::MissingId);
         assert!(err.reason.contains("/id"), "{err}");

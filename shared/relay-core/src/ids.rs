@@ -32,20 +32,14 @@ pub fn derived_id(consumer: &str, event_id: &str, action: &str) -> Uuid {
 /// same position always yields the same dead-letter record id.
 pub fn dead_letter_id(consumer: &str, topic: &str, partition: i32, offset: i64) -> Uuid {
     let (partition, offset) = (partition.to_string(), offset.to_string());
-    Uuid::new_v5(
-        &NAMESPACE,
-        name(&["dlq", consumer, topic, &partition, &offset]).as_bytes(),
-    )
+    Uuid::new_v5(&NAMESPACE, name(&["dlq", consumer, topic, &partition, &offset]).as_bytes())
 }
 
 /// Id of an effect recorded when intent `intent_id` finishes (`outcome` is
 /// `succeeded` or `dead`, `action` the name of the effect).
 pub fn outcome_id(intent_id: Uuid, outcome: &str, action: &str) -> Uuid {
     let intent_id = intent_id.to_string();
-    Uuid::new_v5(
-        &NAMESPACE,
-        name(&["outcome", &intent_id, outcome, action]).as_bytes(),
-    )
+    Uuid::new_v5(&NAMESPACE, name(&["outcome", &intent_id, outcome, action]).as_bytes())
 }
 
 #[cfg(test)]
@@ -67,10 +61,7 @@ mod tests {
 
     #[test]
     fn parts_cannot_bleed_into_each_other() {
-        assert_ne!(
-            derived_id("a", "b\u{1f}c", "x"),
-            derived_id("a\u{1f}b", "c", "x")
-        );
+        assert_ne!(derived_id("a", "b\u{1f}c", "x"), derived_id("a\u{1f}b", "c", "x"));
         assert_ne!(derived_id("ab", "c", "x"), derived_id("a", "bc", "x"));
     }
 
@@ -83,9 +74,6 @@ mod tests {
     #[test]
     fn the_namespace_is_pinned() {
         // Changing NAMESPACE would silently re-key every stored intent.
-        assert_eq!(
-            derived_id("relay", "evt-1", "capture").to_string(),
-            "9c8c32ed-5b43-5349-9391-95fe2caf462d"
-        );
+        assert_eq!(derived_id("relay", "evt-1", "capture").to_string(), "9c8c32ed-5b43-5349-9391-95fe2caf462d");
     }
 }

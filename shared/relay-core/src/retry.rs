@@ -64,40 +64,32 @@ pub enum Verdict {
 /// |---|---|
 /// | 2xx | success |
 /// | 408, 425, 429, 5xx except 501 | retry (honouring `Retry-After`) |
+/// | a status in the endpoint's `also_retry` (default: 409) | retry (honouring `Retry-After`) |
 /// | timeout before/after sending | retry (uncertain when after) |
 /// | connection refused / DNS / connect timeout | retry |
 /// | other transport error | retry, uncertain |
 /// | 501 and every other status | permanent |
-pub fn classify(result: &AttemptResult) -> Verdict {
+///
+/// Why 409 is retried by default: providers that implement idempotency keys
+/// (the IETF `Idempotency-Key` header draft, Stripe) answer `409 Conflict`
+/// while a request with the same key is *still being processed*, which is
+/// exactly what the relay meets when it retries after a timeout (an uncertain
+/// attempt). Treating that 409 as permanent would declare the call dead, and
+/// record its `on_dead` effects, while the provider is applying it. An
+/// endpoint whose API uses 409 for business conflicts sets `retryable_statuses = []`.
+pub fn classify(result: &AttemptResult, also_retry: &[u16]) -> Verdict {
     match *result {
-        AttemptResult::Response {
-            status,
-            retry_after,
-        } => match status {
+        AttemptResult::Response { status, retry_after } => match status {
             200..=299 => Verdict::Success,
-            408 | 425 | 429 => Verdict::Retry {
-                retry_after,
-                uncertain: false,
-            },
+            s if also_retry.contains(&s) => Verdict::Retry { retry_after, uncertain: false },
+            408 | 425 | 429 => Verdict::Retry { retry_after, uncertain: false },
             501 => Verdict::Permanent,
-            500..=599 => Verdict::Retry {
-                retry_after,
-                uncertain: false,
-            },
+            500..=599 => Verdict::Retry { retry_after, uncertain: false },
             _ => Verdict::Permanent,
         },
-        AttemptResult::Timeout { sent } => Verdict::Retry {
-            retry_after: None,
-            uncertain: sent,
-        },
-        AttemptResult::Connect => Verdict::Retry {
-            retry_after: None,
-            uncertain: false,
-        },
-        AttemptResult::Transport => Verdict::Retry {
-            retry_after: None,
-            uncertain: true,
-        },
+        AttemptResult::Timeout { sent } => Verdict::Retry { retry_after: None, uncertain: sent },
+        AttemptResult::Connect => Verdict::Retry { retry_after: None, uncertain: false },
+        AttemptResult::Transport => Verdict::Retry { retry_after: None, uncertain: true },
     }
 }
 
@@ -128,11 +120,7 @@ pub struct BackoffPolicy {
 
 impl Default for BackoffPolicy {
     fn default() -> Self {
-        BackoffPolicy {
-            min_delay: Duration::from_millis(500),
-            max_delay: Duration::from_secs(60),
-            factor: 2.0,
-        }
+        BackoffPolicy { min_delay: Duration::from_millis(500), max_delay: Duration::from_secs(60), factor: 2.0 }
     }
 }
 
@@ -165,10 +153,7 @@ mod tests {
     use rand::rngs::StdRng;
 
     fn status(s: u16) -> Verdict {
-        classify(&AttemptResult::Response {
-            status: s,
-            retry_after: None,
-        })
+        classify(&AttemptResult::Response { status: s, retry_after: None }, &[])
     }
 
     #[test]
@@ -181,16 +166,7 @@ mod tests {
     #[test]
     fn throttling_timeouts_and_server_errors_are_retried() {
         for s in [408, 425, 429, 500, 502, 503, 504, 599] {
-            assert!(
-                matches!(
-                    status(s),
-                    Verdict::Retry {
-                        uncertain: false,
-                        ..
-                    }
-                ),
-                "{s}"
-            );
+            assert!(matches!(status(s), Verdict::Retry { uncertain: false, .. }), "{s}");
         }
     }
 
@@ -204,57 +180,38 @@ mod tests {
     #[test]
     fn a_timeout_after_sending_is_an_uncertain_retry() {
         assert_eq!(
-            classify(&AttemptResult::Timeout { sent: true }),
-            Verdict::Retry {
-                retry_after: None,
-                uncertain: true
-            }
+            classify(&AttemptResult::Timeout { sent: true }, &[]),
+            Verdict::Retry { retry_after: None, uncertain: true }
         );
         assert_eq!(
-            classify(&AttemptResult::Timeout { sent: false }),
-            Verdict::Retry {
-                retry_after: None,
-                uncertain: false
-            }
+            classify(&AttemptResult::Timeout { sent: false }, &[]),
+            Verdict::Retry { retry_after: None, uncertain: false }
         );
+        assert_eq!(classify(&AttemptResult::Connect, &[]), Verdict::Retry { retry_after: None, uncertain: false });
+    }
+
+    #[test]
+    fn an_endpoint_may_retry_more_statuses() {
+        let r = AttemptResult::Response { status: 409, retry_after: Some(Duration::from_secs(1)) };
+        assert_eq!(classify(&r, &[]), Verdict::Permanent);
         assert_eq!(
-            classify(&AttemptResult::Connect),
-            Verdict::Retry {
-                retry_after: None,
-                uncertain: false
-            }
+            classify(&r, &[409]),
+            Verdict::Retry { retry_after: Some(Duration::from_secs(1)), uncertain: false }
         );
     }
 
     #[test]
     fn retry_after_is_passed_through() {
-        let v = classify(&AttemptResult::Response {
-            status: 429,
-            retry_after: Some(Duration::from_secs(3)),
-        });
-        assert_eq!(
-            v,
-            Verdict::Retry {
-                retry_after: Some(Duration::from_secs(3)),
-                uncertain: false
-            }
-        );
+        let v = classify(&AttemptResult::Response { status: 429, retry_after: Some(Duration::from_secs(3)) }, &[]);
+        assert_eq!(v, Verdict::Retry { retry_after: Some(Duration::from_secs(3)), uncertain: false });
     }
 
     #[test]
     fn retry_after_accepts_seconds_and_http_dates() {
-        let now = chrono::DateTime::parse_from_rfc3339("2026-11-30T12:00:00Z")
-            .unwrap()
-            .to_utc();
+        let now = chrono::DateTime::parse_from_rfc3339("2026-11-30T12:00:00Z").unwrap().to_utc();
         assert_eq!(parse_retry_after("7", now), Some(Duration::from_secs(7)));
-        assert_eq!(
-            parse_retry_after("Mon, 30 Nov 2026 12:00:30 GMT", now),
-            Some(Duration::from_secs(30))
-        );
-        assert_eq!(
-            parse_retry_after("Mon, 30 Nov 2026 11:00:00 GMT", now),
-            Some(Duration::ZERO)
-        );
+        assert_eq!(parse_retry_after("Mon, 30 Nov 2026 12:00:30 GMT", now), Some(Duration::from_secs(30)));
+        assert_eq!(parse_retry_after("Mon, 30 Nov 2026 11:00:00 GMT", now), Some(Duration::ZERO));
         assert_eq!(parse_retry_after("soon", now), None);
     }
 
@@ -262,10 +219,7 @@ mod tests {
     fn ceilings_grow_exponentially_up_to_the_cap() {
         let p = BackoffPolicy::default();
         let ceilings: Vec<_> = (1..=9).map(|a| p.ceiling(a).as_millis()).collect();
-        assert_eq!(
-            ceilings,
-            vec![500, 1000, 2000, 4000, 8000, 16000, 32000, 60000, 60000]
-        );
+        assert_eq!(ceilings, vec![500, 1000, 2000, 4000, 8000, 16000, 32000, 60000, 60000]);
     }
 
     #[test]

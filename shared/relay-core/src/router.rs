@@ -10,17 +10,12 @@ use std::sync::Arc;
 
 use serde_json::{Value, json};
 
-use crate::config::{
-    ActionConfig, EmitAction, EndpointConfig, OutcomeConfig, RelayConfig, SagaAction,
-};
+use crate::config::{ActionConfig, EmitAction, EndpointConfig, OutcomeConfig, RelayConfig, SagaAction};
 use crate::effects::{CallSpec, EmitSpec, Outcome, Plan, Provenance, SagaMove};
 use crate::envelope::{
-    DecodeOptions, FieldOverrides, InputEvent, Poison, PoisonClass, RawRecord, TopicFormat, decode,
-    resolve,
+    DecodeOptions, FieldOverrides, InputEvent, Poison, PoisonClass, RawRecord, TopicFormat, decode, resolve,
 };
-use crate::template::{
-    CompileError, JsonTemplate, TemplateBuilder, Templates, TextTemplate, context,
-};
+use crate::template::{CompileError, JsonTemplate, TemplateBuilder, Templates, TextTemplate, context};
 
 /// A route ready to apply.
 #[derive(Debug)]
@@ -122,18 +117,12 @@ impl Router {
     pub fn new(cfg: &RelayConfig) -> Result<Router, RouterError> {
         let mut b = TemplateBuilder::default();
         let mut problems = Vec::new();
-        let topics: BTreeMap<_, _> = cfg
-            .topics
-            .iter()
-            .map(|(k, t)| (k.clone(), (t.format, t.fields.clone())))
-            .collect();
+        let topics: BTreeMap<_, _> =
+            cfg.topics.iter().map(|(k, t)| (k.clone(), (t.format, t.fields.clone()))).collect();
         let mut routes = HashMap::new();
         for (i, r) in cfg.routes.iter().enumerate() {
             let at = format!("routes[{i}]");
-            let topic_fields = topics
-                .get(&r.topic)
-                .map(|(_, f)| f.clone())
-                .unwrap_or_default();
+            let topic_fields = topics.get(&r.topic).map(|(_, f)| f.clone()).unwrap_or_default();
             let schema = match &r.schema {
                 None => None,
                 Some(path) => match load_schema(path) {
@@ -211,11 +200,7 @@ impl Router {
     pub fn route<'a>(&'a self, record: &RawRecord) -> Result<Routed<'a>, Poison> {
         let default = (TopicFormat::Cloudevents, FieldOverrides::default());
         let (format, topic_fields) = self.topics.get(&record.topic).unwrap_or(&default);
-        let opts = DecodeOptions {
-            max_record_bytes: self.max_record_bytes,
-            format: *format,
-            fields: topic_fields,
-        };
+        let opts = DecodeOptions { max_record_bytes: self.max_record_bytes, format: *format, fields: topic_fields };
         let decoded = decode(record, &opts)?;
         let key = (record.topic.clone(), decoded.event_type.clone());
         let Some(route) = self.routes.get(&key) else {
@@ -244,32 +229,16 @@ impl Router {
             if !errors.is_empty() {
                 return Err(Poison::new(
                     PoisonClass::SchemaInvalid,
-                    format!(
-                        "data does not match the schema of route {}: {}",
-                        route.name,
-                        errors.join("; ")
-                    ),
+                    format!("data does not match the schema of route {}: {}", route.name, errors.join("; ")),
                 )
                 .with_identity(Some(&event.id), Some(&event.event_type)));
             }
         }
-        if route.version_guard
-            && (event.aggregate_id.is_none() || event.aggregate_version.is_none())
-        {
-            return Err(missing_guard_field(
-                route,
-                &event,
-                "version_guard",
-                "aggregate id and version",
-            ));
+        if route.version_guard && (event.aggregate_id.is_none() || event.aggregate_version.is_none()) {
+            return Err(missing_guard_field(route, &event, "version_guard", "aggregate id and version"));
         }
         if route.sequence_guard && (event.aggregate_id.is_none() || event.sequence.is_none()) {
-            return Err(missing_guard_field(
-                route,
-                &event,
-                "sequence_guard",
-                "aggregate id and sequence",
-            ));
+            return Err(missing_guard_field(route, &event, "sequence_guard", "aggregate id and sequence"));
         }
         Ok(Routed::Route(route, event))
     }
@@ -287,10 +256,7 @@ impl Router {
             ("data", Some(event.data.clone())),
             ("extensions", Some(json!(event.extensions))),
             ("aggregate_id", s(&event.aggregate_id)),
-            (
-                "aggregate_version",
-                event.aggregate_version.map(|v| json!(v)),
-            ),
+            ("aggregate_version", event.aggregate_version.map(|v| json!(v))),
             ("sequence", event.sequence.map(|v| json!(v))),
             ("idempotency_key", s(&event.idempotency_key)),
             ("correlation_id", s(&event.correlation_id)),
@@ -306,12 +272,7 @@ impl Router {
     pub fn provenance(&self, event: &InputEvent) -> Provenance {
         Provenance {
             source: self.source.clone(),
-            correlation_id: Some(
-                event
-                    .correlation_id
-                    .clone()
-                    .unwrap_or_else(|| event.id.clone()),
-            ),
+            correlation_id: Some(event.correlation_id.clone().unwrap_or_else(|| event.id.clone())),
             causation_id: Some(event.id.clone()),
             traceparent: event.traceparent.clone(),
             aggregate_id: event.aggregate_id.clone(),
@@ -320,39 +281,23 @@ impl Router {
 
     /// Render the route's actions for `event`. A template that cannot be
     /// rendered is a permanent error naming the template and the field.
-    pub fn plan(
-        &self,
-        route: &CompiledRoute,
-        event: &InputEvent,
-        record: &RawRecord,
-    ) -> Result<Plan, Poison> {
+    pub fn plan(&self, route: &CompiledRoute, event: &InputEvent, record: &RawRecord) -> Result<Plan, Poison> {
         let ctx = self.context(event, record);
         let poison = |e: crate::template::RenderError| {
-            Poison::new(PoisonClass::TemplateError, e.0)
-                .with_identity(Some(&event.id), Some(&event.event_type))
+            Poison::new(PoisonClass::TemplateError, e.0).with_identity(Some(&event.id), Some(&event.event_type))
         };
         let mut plan = Plan::default();
         for a in &route.actions {
             match a {
-                CompiledAction::Saga(s) => {
-                    plan.sagas.push(self.render_saga(s, &ctx).map_err(poison)?)
-                }
-                CompiledAction::Emit(e) => {
-                    plan.emits.push(self.render_emit(e, &ctx).map_err(poison)?)
-                }
-                CompiledAction::Call(c) => {
-                    plan.calls.push(self.render_call(c, &ctx).map_err(poison)?)
-                }
+                CompiledAction::Saga(s) => plan.sagas.push(self.render_saga(s, &ctx).map_err(poison)?),
+                CompiledAction::Emit(e) => plan.emits.push(self.render_emit(e, &ctx).map_err(poison)?),
+                CompiledAction::Call(c) => plan.calls.push(self.render_call(c, &ctx).map_err(poison)?),
             }
         }
         Ok(plan)
     }
 
-    fn render_saga(
-        &self,
-        s: &CompiledSaga,
-        ctx: &Value,
-    ) -> Result<SagaMove, crate::template::RenderError> {
+    fn render_saga(&self, s: &CompiledSaga, ctx: &Value) -> Result<SagaMove, crate::template::RenderError> {
         Ok(SagaMove {
             action: s.name.clone(),
             saga_type: s.saga_type.clone(),
@@ -363,11 +308,7 @@ impl Router {
         })
     }
 
-    fn render_emit(
-        &self,
-        e: &CompiledEmit,
-        ctx: &Value,
-    ) -> Result<EmitSpec, crate::template::RenderError> {
+    fn render_emit(&self, e: &CompiledEmit, ctx: &Value) -> Result<EmitSpec, crate::template::RenderError> {
         let t = &self.templates;
         Ok(EmitSpec {
             action: e.name.clone(),
@@ -383,30 +324,14 @@ impl Router {
         })
     }
 
-    fn render_outcome(
-        &self,
-        o: &CompiledOutcome,
-        ctx: &Value,
-    ) -> Result<Outcome, crate::template::RenderError> {
+    fn render_outcome(&self, o: &CompiledOutcome, ctx: &Value) -> Result<Outcome, crate::template::RenderError> {
         Ok(Outcome {
-            emit: o
-                .emit
-                .iter()
-                .map(|e| self.render_emit(e, ctx))
-                .collect::<Result<_, _>>()?,
-            saga: o
-                .saga
-                .iter()
-                .map(|s| self.render_saga(s, ctx))
-                .collect::<Result<_, _>>()?,
+            emit: o.emit.iter().map(|e| self.render_emit(e, ctx)).collect::<Result<_, _>>()?,
+            saga: o.saga.iter().map(|s| self.render_saga(s, ctx)).collect::<Result<_, _>>()?,
         })
     }
 
-    fn render_call(
-        &self,
-        c: &CompiledCall,
-        ctx: &Value,
-    ) -> Result<CallSpec, crate::template::RenderError> {
+    fn render_call(&self, c: &CompiledCall, ctx: &Value) -> Result<CallSpec, crate::template::RenderError> {
         let t = &self.templates;
         Ok(CallSpec {
             action: c.name.clone(),
@@ -419,45 +344,23 @@ impl Router {
                 .iter()
                 .map(|(k, v)| Ok((k.clone(), t.render(v, ctx)?)))
                 .collect::<Result<_, crate::template::RenderError>>()?,
-            idempotency_key: c
-                .idempotency_key
-                .as_ref()
-                .map(|k| t.render(k, ctx))
-                .transpose()?,
-            ordering_key: c
-                .ordering_key
-                .as_ref()
-                .map(|k| t.render(k, ctx))
-                .transpose()?,
+            idempotency_key: c.idempotency_key.as_ref().map(|k| t.render(k, ctx)).transpose()?,
+            ordering_key: c.ordering_key.as_ref().map(|k| t.render(k, ctx)).transpose()?,
             on_success: self.render_outcome(&c.on_success, ctx)?,
             on_dead: self.render_outcome(&c.on_dead, ctx)?,
         })
     }
 }
 
-fn missing_guard_field(
-    route: &CompiledRoute,
-    event: &InputEvent,
-    guard: &str,
-    what: &str,
-) -> Poison {
-    Poison::new(
-        PoisonClass::BadField,
-        format!(
-            "route {} has {guard} = true but the event has no {what}",
-            route.name
-        ),
-    )
-    .with_identity(Some(&event.id), Some(&event.event_type))
+fn missing_guard_field(route: &CompiledRoute, event: &InputEvent, guard: &str, what: &str) -> Poison {
+    Poison::new(PoisonClass::BadField, format!("route {} has {guard} = true but the event has no {what}", route.name))
+        .with_identity(Some(&event.id), Some(&event.event_type))
 }
 
 fn load_schema(path: &std::path::Path) -> Result<jsonschema::Validator, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let doc: Value =
-        serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))?;
-    jsonschema::validator_for(&doc)
-        .map_err(|e| format!("{} is not a valid JSON Schema: {e}", path.display()))
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let doc: Value = serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))?;
+    jsonschema::validator_for(&doc).map_err(|e| format!("{} is not a valid JSON Schema: {e}", path.display()))
 }
 
 fn compile_emit(b: &mut TemplateBuilder, at: &str, e: &EmitAction) -> CompiledEmit {
@@ -466,10 +369,7 @@ fn compile_emit(b: &mut TemplateBuilder, at: &str, e: &EmitAction) -> CompiledEm
         event_type: e.event_type.clone(),
         topic: e.topic.clone(),
         key: e.key.as_ref().map(|k| b.text(&format!("{at}.key"), k)),
-        subject: e
-            .subject
-            .as_ref()
-            .map(|k| b.text(&format!("{at}.subject"), k)),
+        subject: e.subject.as_ref().map(|k| b.text(&format!("{at}.subject"), k)),
         data: e.data.as_ref().map(|d| b.json(&format!("{at}.data"), d)),
         ordered: e.ordered,
     }
@@ -488,18 +388,8 @@ fn compile_saga(b: &mut TemplateBuilder, at: &str, s: &SagaAction) -> CompiledSa
 
 fn compile_outcome(b: &mut TemplateBuilder, at: &str, o: &OutcomeConfig) -> CompiledOutcome {
     CompiledOutcome {
-        emit: o
-            .emit
-            .iter()
-            .enumerate()
-            .map(|(i, e)| compile_emit(b, &format!("{at}.emit[{i}]"), e))
-            .collect(),
-        saga: o
-            .saga
-            .iter()
-            .enumerate()
-            .map(|(i, s)| compile_saga(b, &format!("{at}.saga[{i}]"), s))
-            .collect(),
+        emit: o.emit.iter().enumerate().map(|(i, e)| compile_emit(b, &format!("{at}.emit[{i}]"), e)).collect(),
+        saga: o.saga.iter().enumerate().map(|(i, s)| compile_saga(b, &format!("{at}.saga[{i}]"), s)).collect(),
     }
 }
 
@@ -513,19 +403,9 @@ fn compile_action(b: &mut TemplateBuilder, at: &str, a: &ActionConfig) -> Compil
             method: c.method.to_ascii_uppercase(),
             path: b.text(&format!("{at}.path"), &c.path),
             body: c.body.as_ref().map(|d| b.json(&format!("{at}.body"), d)),
-            headers: c
-                .headers
-                .iter()
-                .map(|(k, v)| (k.clone(), b.text(&format!("{at}.headers.{k}"), v)))
-                .collect(),
-            idempotency_key: c
-                .idempotency_key
-                .as_ref()
-                .map(|k| b.text(&format!("{at}.idempotency_key"), k)),
-            ordering_key: c
-                .ordering_key
-                .as_ref()
-                .map(|k| b.text(&format!("{at}.ordering_key"), k)),
+            headers: c.headers.iter().map(|(k, v)| (k.clone(), b.text(&format!("{at}.headers.{k}"), v))).collect(),
+            idempotency_key: c.idempotency_key.as_ref().map(|k| b.text(&format!("{at}.idempotency_key"), k)),
+            ordering_key: c.ordering_key.as_ref().map(|k| b.text(&format!("{at}.ordering_key"), k)),
             on_success: compile_outcome(b, &format!("{at}.on_success"), &c.on_success),
             on_dead: compile_outcome(b, &format!("{at}.on_dead"), &c.on_dead),
         }),
@@ -585,9 +465,7 @@ mod tests {
     fn a_routed_event_renders_its_calls_and_outcome_events() {
         let router = Router::new(&cfg("")).unwrap();
         let rec = record("order.placed", r#"{"order_id":"o-1","amount":5}"#);
-        let Routed::Route(route, event) = router.route(&rec).unwrap() else {
-            panic!("not routed")
-        };
+        let Routed::Route(route, event) = router.route(&rec).unwrap() else { panic!("not routed") };
         let plan = router.plan(route, &event, &rec).unwrap();
         assert_eq!(plan.calls.len(), 1);
         let call = &plan.calls[0];
@@ -603,26 +481,18 @@ mod tests {
         let rec = record("order.cancelled", "{}");
         assert!(matches!(router.route(&rec).unwrap(), Routed::Unrouted(_)));
         let strict = Router::new(&RelayConfig {
-            consumer: crate::config::ConsumerConfig {
-                strict: true,
-                ..cfg("").consumer
-            },
+            consumer: crate::config::ConsumerConfig { strict: true, ..cfg("").consumer },
             ..cfg("")
         })
         .unwrap();
-        assert_eq!(
-            strict.route(&rec).unwrap_err().class,
-            PoisonClass::UnknownType
-        );
+        assert_eq!(strict.route(&rec).unwrap_err().class, PoisonClass::UnknownType);
     }
 
     #[test]
     fn a_template_over_a_missing_field_is_poison_naming_the_field() {
         let router = Router::new(&cfg("")).unwrap();
         let rec = record("order.placed", r#"{"amount":5}"#);
-        let Routed::Route(route, event) = router.route(&rec).unwrap() else {
-            panic!("not routed")
-        };
+        let Routed::Route(route, event) = router.route(&rec).unwrap() else { panic!("not routed") };
         let err = router.plan(route, &event, &rec).unwrap_err();
         assert_eq!(err.class, PoisonClass::TemplateError);
         assert!(err.reason.contains("data.order_id"), "{err}");
@@ -653,9 +523,7 @@ mod tests {
         let mut c = cfg("");
         c.routes[0].version_guard = true;
         let router = Router::new(&c).unwrap();
-        let err = router
-            .route(&record("order.placed", r#"{"order_id":"o"}"#))
-            .unwrap_err();
+        let err = router.route(&record("order.placed", r#"{"order_id":"o"}"#)).unwrap_err();
         assert_eq!(err.class, PoisonClass::BadField);
         assert!(err.reason.contains("version_guard"), "{err}");
     }

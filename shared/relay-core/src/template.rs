@@ -78,10 +78,7 @@ impl Default for TemplateBuilder {
         env.set_undefined_behavior(UndefinedBehavior::Strict);
         // Templates build keys and URLs, not HTML: never escape.
         env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
-        TemplateBuilder {
-            env,
-            errors: Vec::new(),
-        }
+        TemplateBuilder { env, errors: Vec::new() }
     }
 }
 
@@ -90,10 +87,7 @@ impl TemplateBuilder {
     pub fn text(&mut self, location: &str, source: &str) -> TextTemplate {
         let name = location.to_owned();
         if let Err(e) = self.env.add_template_owned(name.clone(), source.to_owned()) {
-            self.errors.push(CompileError {
-                location: location.to_owned(),
-                message: e.to_string(),
-            });
+            self.errors.push(CompileError { location: location.to_owned(), message: e.to_string() });
         }
         TextTemplate { name }
     }
@@ -102,25 +96,15 @@ impl TemplateBuilder {
     pub fn json(&mut self, location: &str, doc: &Value) -> JsonTemplate {
         match doc {
             Value::String(s) => match single_expression(s) {
-                Some(expr) => {
-                    JsonTemplate::Expr(self.text(location, &format!("{{{{ ({expr}) | tojson }}}}")))
-                }
-                None if s.contains("{{") || s.contains("{%") => {
-                    JsonTemplate::Text(self.text(location, s))
-                }
+                Some(expr) => JsonTemplate::Expr(self.text(location, &format!("{{{{ ({expr}) | tojson }}}}"))),
+                None if s.contains("{{") || s.contains("{%") => JsonTemplate::Text(self.text(location, s)),
                 None => JsonTemplate::Literal(doc.clone()),
             },
             Value::Array(items) => JsonTemplate::Array(
-                items
-                    .iter()
-                    .enumerate()
-                    .map(|(i, v)| self.json(&format!("{location}[{i}]"), v))
-                    .collect(),
+                items.iter().enumerate().map(|(i, v)| self.json(&format!("{location}[{i}]"), v)).collect(),
             ),
             Value::Object(map) => JsonTemplate::Object(
-                map.iter()
-                    .map(|(k, v)| (k.clone(), self.json(&format!("{location}.{k}"), v)))
-                    .collect(),
+                map.iter().map(|(k, v)| (k.clone(), self.json(&format!("{location}.{k}"), v))).collect(),
             ),
             other => JsonTemplate::Literal(other.clone()),
         }
@@ -128,13 +112,7 @@ impl TemplateBuilder {
 
     /// Freeze the templates, or return every compile error at once.
     pub fn finish(self) -> Result<Templates, Vec<CompileError>> {
-        if self.errors.is_empty() {
-            Ok(Templates {
-                env: Arc::new(self.env),
-            })
-        } else {
-            Err(self.errors)
-        }
+        if self.errors.is_empty() { Ok(Templates { env: Arc::new(self.env) }) } else { Err(self.errors) }
     }
 }
 
@@ -150,17 +128,11 @@ fn single_expression(s: &str) -> Option<&str> {
 impl Templates {
     /// Render a string template against `ctx`.
     pub fn render(&self, t: &TextTemplate, ctx: &Value) -> Result<String, RenderError> {
-        let tmpl = self
-            .env
-            .get_template(&t.name)
-            .map_err(|e| RenderError(format!("{}: {e}", t.name)))?;
+        let tmpl = self.env.get_template(&t.name).map_err(|e| RenderError(format!("{}: {e}", t.name)))?;
         tmpl.render(ctx).map_err(|e| {
             if e.kind() == ErrorKind::UndefinedError {
-                let mut missing: Vec<String> = tmpl
-                    .undeclared_variables(true)
-                    .into_iter()
-                    .filter(|path| lookup(ctx, path).is_none())
-                    .collect();
+                let mut missing: Vec<String> =
+                    tmpl.undeclared_variables(true).into_iter().filter(|path| lookup(ctx, path).is_none()).collect();
                 missing.sort();
                 if !missing.is_empty() {
                     return RenderError(format!(
@@ -181,16 +153,12 @@ impl Templates {
             JsonTemplate::Text(t) => Value::String(self.render(t, ctx)?),
             JsonTemplate::Expr(t) => {
                 let text = self.render(t, ctx)?;
-                serde_json::from_str(&text).map_err(|e| {
-                    RenderError(format!("template {} produced invalid JSON: {e}", t.name))
-                })?
+                serde_json::from_str(&text)
+                    .map_err(|e| RenderError(format!("template {} produced invalid JSON: {e}", t.name)))?
             }
-            JsonTemplate::Array(items) => Value::Array(
-                items
-                    .iter()
-                    .map(|i| self.render_json(i, ctx))
-                    .collect::<Result<_, _>>()?,
-            ),
+            JsonTemplate::Array(items) => {
+                Value::Array(items.iter().map(|i| self.render_json(i, ctx)).collect::<Result<_, _>>()?)
+            }
             JsonTemplate::Object(fields) => {
                 let mut map = Map::with_capacity(fields.len());
                 for (k, v) in fields {
@@ -215,12 +183,7 @@ fn lookup<'a>(ctx: &'a Value, path: &str) -> Option<&'a Value> {
 /// Build a template context, leaving out absent optional fields so strict
 /// mode reports them as missing.
 pub fn context(fields: BTreeMap<&str, Option<Value>>) -> Value {
-    Value::Object(
-        fields
-            .into_iter()
-            .filter_map(|(k, v)| v.map(|v| (k.to_owned(), v)))
-            .collect(),
-    )
+    Value::Object(fields.into_iter().filter_map(|(k, v)| v.map(|v| (k.to_owned(), v))).collect())
 }
 
 #[cfg(test)]
@@ -270,10 +233,7 @@ mod tests {
         let t = b.json("body", &json!({"note": "{{ data.note }}"}));
         let ts = b.finish().unwrap();
         let c = json!({"data": {"note": "say \"hi\"\n"}});
-        assert_eq!(
-            ts.render_json(&t, &c).unwrap(),
-            json!({"note": "say \"hi\"\n"})
-        );
+        assert_eq!(ts.render_json(&t, &c).unwrap(), json!({"note": "say \"hi\"\n"}));
     }
 
     #[test]
@@ -282,13 +242,7 @@ mod tests {
         b.text("routes[1].actions[0].idempotency_key", "{{ data.x ");
         let errs = b.finish().unwrap_err();
         assert_eq!(errs.len(), 1);
-        assert!(
-            errs[0]
-                .to_string()
-                .starts_with("routes[1].actions[0].idempotency_key"),
-            "{}",
-            errs[0]
-        );
+        assert!(errs[0].to_string().starts_with("routes[1].actions[0].idempotency_key"), "{}", errs[0]);
     }
 
     #[test]
@@ -296,9 +250,6 @@ mod tests {
         let mut b = TemplateBuilder::default();
         let t = b.text("p", "/a?x={{ data.q }}");
         let ts = b.finish().unwrap();
-        assert_eq!(
-            ts.render(&t, &json!({"data": {"q": "a&b<c>"}})).unwrap(),
-            "/a?x=a&b<c>"
-        );
+        assert_eq!(ts.render(&t, &json!({"data": {"q": "a&b<c>"}})).unwrap(), "/a?x=a&b<c>");
     }
 }

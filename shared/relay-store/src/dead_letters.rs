@@ -131,36 +131,27 @@ const WHERE: &str = "($1::text IS NULL OR consumer = $1) AND ($2::text IS NULL O
     AND ($4 = 'any' OR ($4 = 'resolved') = (replay_outcome IS NOT NULL AND replay_outcome NOT LIKE 'failed%'))";
 
 /// List dead letters, oldest first, after id `after`.
-pub async fn list(
-    conn: &mut PgConnection,
-    f: &Filter,
-    after: i64,
-    limit: i64,
-) -> Result<Vec<DeadLetter>, sqlx::Error> {
-    sqlx::query_as(&format!(
-        "SELECT {COLUMNS} FROM relay.dead_letters WHERE {WHERE} AND id > $5 ORDER BY id LIMIT $6"
-    ))
-    .bind(&f.consumer)
-    .bind(&f.error_class)
-    .bind(&f.topic)
-    .bind(f.resolution.as_str())
-    .bind(after)
-    .bind(limit)
-    .fetch_all(conn)
-    .await
+pub async fn list(conn: &mut PgConnection, f: &Filter, after: i64, limit: i64) -> Result<Vec<DeadLetter>, sqlx::Error> {
+    sqlx::query_as(&format!("SELECT {COLUMNS} FROM relay.dead_letters WHERE {WHERE} AND id > $5 ORDER BY id LIMIT $6"))
+        .bind(&f.consumer)
+        .bind(&f.error_class)
+        .bind(&f.topic)
+        .bind(f.resolution.as_str())
+        .bind(after)
+        .bind(limit)
+        .fetch_all(conn)
+        .await
 }
 
 /// Count dead letters matching `f`.
 pub async fn count(conn: &mut PgConnection, f: &Filter) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar(&format!(
-        "SELECT count(*) FROM relay.dead_letters WHERE {WHERE}"
-    ))
-    .bind(&f.consumer)
-    .bind(&f.error_class)
-    .bind(&f.topic)
-    .bind(f.resolution.as_str())
-    .fetch_one(conn)
-    .await
+    sqlx::query_scalar(&format!("SELECT count(*) FROM relay.dead_letters WHERE {WHERE}"))
+        .bind(&f.consumer)
+        .bind(&f.error_class)
+        .bind(&f.topic)
+        .bind(f.resolution.as_str())
+        .fetch_one(conn)
+        .await
 }
 
 #[derive(FromRow)]
@@ -171,24 +162,19 @@ struct Raw {
 }
 
 /// One dead letter with its original record.
-pub async fn get(
-    conn: &mut PgConnection,
-    id: i64,
-) -> Result<Option<DeadLetterRecord>, sqlx::Error> {
-    let Some(meta) = sqlx::query_as::<_, DeadLetter>(&format!(
-        "SELECT {COLUMNS} FROM relay.dead_letters WHERE id = $1"
-    ))
-    .bind(id)
-    .fetch_optional(&mut *conn)
-    .await?
+pub async fn get(conn: &mut PgConnection, id: i64) -> Result<Option<DeadLetterRecord>, sqlx::Error> {
+    let Some(meta) =
+        sqlx::query_as::<_, DeadLetter>(&format!("SELECT {COLUMNS} FROM relay.dead_letters WHERE id = $1"))
+            .bind(id)
+            .fetch_optional(&mut *conn)
+            .await?
     else {
         return Ok(None);
     };
-    let raw: Raw =
-        sqlx::query_as("SELECT key, payload, headers FROM relay.dead_letters WHERE id = $1")
-            .bind(id)
-            .fetch_one(conn)
-            .await?;
+    let raw: Raw = sqlx::query_as("SELECT key, payload, headers FROM relay.dead_letters WHERE id = $1")
+        .bind(id)
+        .fetch_one(conn)
+        .await?;
     let record = RawRecord {
         topic: meta.topic.clone(),
         partition: meta.partition,
@@ -201,27 +187,18 @@ pub async fn get(
 }
 
 /// Record the outcome of a replay.
-pub async fn mark_replayed(
-    conn: &mut PgConnection,
-    id: i64,
-    outcome: &str,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "UPDATE relay.dead_letters SET replayed_at = now(), replay_outcome = $2 WHERE id = $1",
-    )
-    .bind(id)
-    .bind(outcome)
-    .execute(conn)
-    .await?;
+pub async fn mark_replayed(conn: &mut PgConnection, id: i64, outcome: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE relay.dead_letters SET replayed_at = now(), replay_outcome = $2 WHERE id = $1")
+        .bind(id)
+        .bind(outcome)
+        .execute(conn)
+        .await?;
     Ok(())
 }
 
 /// Delete one dead letter.
 pub async fn delete(conn: &mut PgConnection, id: i64) -> Result<bool, sqlx::Error> {
-    let done = sqlx::query("DELETE FROM relay.dead_letters WHERE id = $1")
-        .bind(id)
-        .execute(conn)
-        .await?;
+    let done = sqlx::query("DELETE FROM relay.dead_letters WHERE id = $1").bind(id).execute(conn).await?;
     Ok(done.rows_affected() == 1)
 }
 

@@ -54,18 +54,9 @@ mod tests {
     fn headers_round_trip_exactly_including_binary_and_null_values() {
         let hs = vec![
             Header::text("ce_id", "e-1"),
-            Header {
-                name: "bin".into(),
-                value: Some(vec![0xff, 0x00, 0x10]),
-            },
-            Header {
-                name: "nothing".into(),
-                value: None,
-            },
-            Header {
-                name: "nul".into(),
-                value: Some(b"a\0b".to_vec()),
-            },
+            Header { name: "bin".into(), value: Some(vec![0xff, 0x00, 0x10]) },
+            Header { name: "nothing".into(), value: None },
+            Header { name: "nul".into(), value: Some(b"a\0b".to_vec()) },
         ];
         assert_eq!(from_json(&to_json(&hs)), hs);
         assert_eq!(to_json(&hs)[0], json!({"name": "ce_id", "text": "e-1"}));

@@ -76,10 +76,7 @@ pub struct NewInboxRow<'a> {
 }
 
 /// `INSERT … ON CONFLICT DO NOTHING` the inbox row (R2).
-pub async fn insert(
-    conn: &mut PgConnection,
-    row: &NewInboxRow<'_>,
-) -> Result<InboxInsert, sqlx::Error> {
+pub async fn insert(conn: &mut PgConnection, row: &NewInboxRow<'_>) -> Result<InboxInsert, sqlx::Error> {
     let done = sqlx::query(
         r#"INSERT INTO relay.inbox
                (consumer, event_id, event_type, topic, partition, "offset",
@@ -99,11 +96,7 @@ pub async fn insert(
     .bind(row.outcome.as_str())
     .execute(conn)
     .await?;
-    Ok(if done.rows_affected() == 1 {
-        InboxInsert::Inserted
-    } else {
-        InboxInsert::Duplicate
-    })
+    Ok(if done.rows_affected() == 1 { InboxInsert::Inserted } else { InboxInsert::Duplicate })
 }
 
 /// What claiming a business idempotency key found.
@@ -137,13 +130,12 @@ pub async fn claim_idempotency_key(
     if done.rows_affected() == 1 {
         return Ok(KeyClaim::Claimed);
     }
-    let first_event_id: String = sqlx::query_scalar(
-        "SELECT event_id FROM relay.idempotency_keys WHERE consumer = $1 AND idempotency_key = $2",
-    )
-    .bind(consumer)
-    .bind(key)
-    .fetch_one(conn)
-    .await?;
+    let first_event_id: String =
+        sqlx::query_scalar("SELECT event_id FROM relay.idempotency_keys WHERE consumer = $1 AND idempotency_key = $2")
+            .bind(consumer)
+            .bind(key)
+            .fetch_one(conn)
+            .await?;
     Ok(KeyClaim::Duplicate { first_event_id })
 }
 
@@ -183,18 +175,13 @@ pub async fn check_version(
     if done.rows_affected() == 1 {
         return Ok(VersionCheck::Applied);
     }
-    let current: i64 = sqlx::query_scalar(
-        "SELECT version FROM relay.aggregates WHERE consumer = $1 AND aggregate_id = $2",
-    )
-    .bind(consumer)
-    .bind(aggregate_id)
-    .fetch_one(conn)
-    .await?;
-    Ok(if current == version {
-        VersionCheck::Duplicate
-    } else {
-        VersionCheck::Stale { current }
-    })
+    let current: i64 =
+        sqlx::query_scalar("SELECT version FROM relay.aggregates WHERE consumer = $1 AND aggregate_id = $2")
+            .bind(consumer)
+            .bind(aggregate_id)
+            .fetch_one(conn)
+            .await?;
+    Ok(if current == version { VersionCheck::Duplicate } else { VersionCheck::Stale { current } })
 }
 
 /// What the sequence guard decided (R6).
@@ -246,19 +233,14 @@ pub async fn check_sequence(
             return Ok(SequenceCheck::Applied);
         }
     }
-    let last: Option<i64> = sqlx::query_scalar(
-        "SELECT last_seq FROM relay.aggregates WHERE consumer = $1 AND aggregate_id = $2",
-    )
-    .bind(consumer)
-    .bind(aggregate_id)
-    .fetch_optional(conn)
-    .await?;
+    let last: Option<i64> =
+        sqlx::query_scalar("SELECT last_seq FROM relay.aggregates WHERE consumer = $1 AND aggregate_id = $2")
+            .bind(consumer)
+            .bind(aggregate_id)
+            .fetch_optional(conn)
+            .await?;
     let last = last.unwrap_or(0);
-    Ok(if seq <= last {
-        SequenceCheck::Duplicate { last }
-    } else {
-        SequenceCheck::Gap { last }
-    })
+    Ok(if seq <= last { SequenceCheck::Duplicate { last } } else { SequenceCheck::Gap { last } })
 }
 
 /// Record a history row keyed by its source (R14); a replay writes nothing.
@@ -289,11 +271,7 @@ pub async fn record_history(
 
 /// Add one to a business counter. Call only where a new inbox row was
 /// inserted in the same transaction, so the counter counts unique events (R20).
-pub async fn increment_counter(
-    conn: &mut PgConnection,
-    consumer: &str,
-    name: &str,
-) -> Result<(), sqlx::Error> {
+pub async fn increment_counter(conn: &mut PgConnection, consumer: &str, name: &str) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO relay.counters (consumer, name, value) VALUES ($1, $2, 1)
          ON CONFLICT (consumer, name) DO UPDATE SET value = relay.counters.value + 1",
@@ -306,17 +284,12 @@ pub async fn increment_counter(
 }
 
 /// A business counter's value (0 when never incremented).
-pub async fn counter(
-    conn: &mut PgConnection,
-    consumer: &str,
-    name: &str,
-) -> Result<i64, sqlx::Error> {
-    let v: Option<i64> =
-        sqlx::query_scalar("SELECT value FROM relay.counters WHERE consumer = $1 AND name = $2")
-            .bind(consumer)
-            .bind(name)
-            .fetch_optional(conn)
-            .await?;
+pub async fn counter(conn: &mut PgConnection, consumer: &str, name: &str) -> Result<i64, sqlx::Error> {
+    let v: Option<i64> = sqlx::query_scalar("SELECT value FROM relay.counters WHERE consumer = $1 AND name = $2")
+        .bind(consumer)
+        .bind(name)
+        .fetch_optional(conn)
+        .await?;
     Ok(v.unwrap_or(0))
 }
 

@@ -228,12 +228,7 @@ pub enum Fenced {
     LeaseLost,
 }
 
-async fn close_attempt(
-    conn: &mut PgConnection,
-    id: Uuid,
-    token: Uuid,
-    rec: &AttemptRecord,
-) -> Result<(), sqlx::Error> {
+async fn close_attempt(conn: &mut PgConnection, id: Uuid, token: Uuid, rec: &AttemptRecord) -> Result<(), sqlx::Error> {
     sqlx::query(
         "UPDATE relay.intent_attempts
             SET finished_at = now(), outcome = $3, status = $4, error_class = $5, error = $6
@@ -367,9 +362,7 @@ pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<Vec<U
 
 /// When the next pending intent becomes due (for the dispatcher's sleep).
 pub async fn next_due_at(conn: &mut PgConnection) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
-    sqlx::query_scalar("SELECT min(next_attempt_at) FROM relay.intents WHERE state = 'pending'")
-        .fetch_one(conn)
-        .await
+    sqlx::query_scalar("SELECT min(next_attempt_at) FROM relay.intents WHERE state = 'pending'").fetch_one(conn).await
 }
 
 /// An intent as shown to operators.

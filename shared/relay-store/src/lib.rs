@@ -41,16 +41,13 @@ pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
 
 /// Whether every embedded migration has been applied to this database.
 pub async fn migrations_current(pool: &PgPool) -> Result<bool, sqlx::Error> {
-    let applied: Vec<i64> =
-        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success ORDER BY version")
-            .fetch_all(pool)
-            .await
-            .or_else(|e| match &e {
-                sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => {
-                    Ok(Vec::new())
-                }
-                _ => Err(e),
-            })?;
+    let applied: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success ORDER BY version")
+        .fetch_all(pool)
+        .await
+        .or_else(|e| match &e {
+            sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Ok(Vec::new()),
+            _ => Err(e),
+        })?;
     Ok(MIGRATOR.iter().all(|m| applied.contains(&m.version)))
 }
 

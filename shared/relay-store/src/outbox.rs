@@ -72,11 +72,7 @@ impl ClaimedRow {
 /// Claim up to `limit` due rows, oldest first. A row whose topic and
 /// ordering key has an earlier unpublished row waits for it, so events of one
 /// key reach the partition in the order they were written.
-pub async fn claim(
-    conn: &mut PgConnection,
-    limit: i64,
-    lease: Duration,
-) -> Result<Vec<ClaimedRow>, sqlx::Error> {
+pub async fn claim(conn: &mut PgConnection, limit: i64, lease: Duration) -> Result<Vec<ClaimedRow>, sqlx::Error> {
     let mut rows: Vec<ClaimedRow> = sqlx::query_as(
         "WITH due AS (
              SELECT o.id FROM relay.outbox o
@@ -104,11 +100,7 @@ pub async fn claim(
 }
 
 /// Mark rows published, each only if we still hold its lease. Returns how many were ours.
-pub async fn mark_published(
-    conn: &mut PgConnection,
-    ids: &[Uuid],
-    tokens: &[Uuid],
-) -> Result<u64, sqlx::Error> {
+pub async fn mark_published(conn: &mut PgConnection, ids: &[Uuid], tokens: &[Uuid]) -> Result<u64, sqlx::Error> {
     let done = sqlx::query(
         "UPDATE relay.outbox o
             SET state = 'published', published_at = now(), lease_token = NULL, locked_until = NULL,
@@ -166,7 +158,5 @@ pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<u64, 
 
 /// When the next pending row becomes due.
 pub async fn next_due_at(conn: &mut PgConnection) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
-    sqlx::query_scalar("SELECT min(next_attempt_at) FROM relay.outbox WHERE state = 'pending'")
-        .fetch_one(conn)
-        .await
+    sqlx::query_scalar("SELECT min(next_attempt_at) FROM relay.outbox WHERE state = 'pending'").fetch_one(conn).await
 }

@@ -84,11 +84,7 @@ async fn classify(
 }
 
 /// The saga's current state.
-pub async fn state(
-    conn: &mut PgConnection,
-    saga_type: &str,
-    saga_id: &str,
-) -> Result<Option<String>, sqlx::Error> {
+pub async fn state(conn: &mut PgConnection, saga_type: &str, saga_id: &str) -> Result<Option<String>, sqlx::Error> {
     sqlx::query_scalar("SELECT state FROM relay.sagas WHERE saga_type = $1 AND saga_id = $2")
         .bind(saga_type)
         .bind(saga_id)

@@ -33,25 +33,21 @@ impl Stats {
 
 /// Take a snapshot.
 pub async fn snapshot(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
-    let inbox = sqlx::query_as(
-        "SELECT outcome, count(*) FROM relay.inbox GROUP BY outcome ORDER BY outcome",
-    )
-    .fetch_all(&mut *conn)
-    .await?;
-    let intents =
-        sqlx::query_as("SELECT state, count(*) FROM relay.intents GROUP BY state ORDER BY state")
-            .fetch_all(&mut *conn)
-            .await?;
+    let inbox = sqlx::query_as("SELECT outcome, count(*) FROM relay.inbox GROUP BY outcome ORDER BY outcome")
+        .fetch_all(&mut *conn)
+        .await?;
+    let intents = sqlx::query_as("SELECT state, count(*) FROM relay.intents GROUP BY state ORDER BY state")
+        .fetch_all(&mut *conn)
+        .await?;
     let oldest_pending_intent_secs = sqlx::query_scalar(
         "SELECT extract(epoch FROM now() - min(created_at))::float8 FROM relay.intents
           WHERE state IN ('pending', 'running')",
     )
     .fetch_one(&mut *conn)
     .await?;
-    let outbox =
-        sqlx::query_as("SELECT state, count(*) FROM relay.outbox GROUP BY state ORDER BY state")
-            .fetch_all(&mut *conn)
-            .await?;
+    let outbox = sqlx::query_as("SELECT state, count(*) FROM relay.outbox GROUP BY state ORDER BY state")
+        .fetch_all(&mut *conn)
+        .await?;
     let oldest_unpublished_outbox_secs = sqlx::query_scalar(
         "SELECT extract(epoch FROM now() - min(created_at))::float8 FROM relay.outbox
           WHERE state IN ('pending', 'running')",
@@ -64,10 +60,9 @@ pub async fn snapshot(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
     )
     .fetch_one(&mut *conn)
     .await?;
-    let counters =
-        sqlx::query_as("SELECT consumer, name, value FROM relay.counters ORDER BY consumer, name")
-            .fetch_all(&mut *conn)
-            .await?;
+    let counters = sqlx::query_as("SELECT consumer, name, value FROM relay.counters ORDER BY consumer, name")
+        .fetch_all(&mut *conn)
+        .await?;
     Ok(Stats {
         inbox,
         intents,

@@ -59,18 +59,11 @@ impl TestDb {
     pub async fn new() -> anyhow::Result<TestDb> {
         let admin_url = env("RELAY_TEST_DATABASE_URL");
         let name = format!("relay_test_{}", Uuid::new_v4().simple());
-        let mut admin = PgConnection::connect(&admin_url)
-            .await
-            .context("connect as the test role")?;
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(&mut admin)
-            .await?;
+        let mut admin = PgConnection::connect(&admin_url).await.context("connect as the test role")?;
+        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut admin).await?;
         admin.close().await?;
         let url = replace_db(&admin_url, &name);
-        let pool = PgPoolOptions::new()
-            .max_connections(10)
-            .connect(&url)
-            .await?;
+        let pool = PgPoolOptions::new().max_connections(10).connect(&url).await?;
         relay_store::migrate(&pool).await?;
         Ok(TestDb { pool, url, name })
     }
@@ -82,19 +75,15 @@ impl TestDb {
 
     /// `SELECT count(*)` with a WHERE clause over a relay table.
     pub async fn count(&self, table: &str, filter: &str) -> i64 {
-        sqlx::query_scalar(&format!(
-            "SELECT count(*) FROM relay.{table} WHERE {filter}"
-        ))
-        .fetch_one(&self.pool)
-        .await
-        .unwrap_or_else(|e| panic!("count relay.{table} WHERE {filter}: {e}"))
+        sqlx::query_scalar(&format!("SELECT count(*) FROM relay.{table} WHERE {filter}"))
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("count relay.{table} WHERE {filter}: {e}"))
     }
 }
 
 fn replace_db(url: &str, db: &str) -> String {
-    let (base, query) = url
-        .split_once('?')
-        .map_or((url, None), |(b, q)| (b, Some(q)));
+    let (base, query) = url.split_once('?').map_or((url, None), |(b, q)| (b, Some(q)));
     let cut = base.rfind('/').expect("database URL has a path");
     let mut out = format!("{}/{db}", &base[..cut]);
     if let Some(q) = query {
@@ -131,10 +120,8 @@ fn client(bootstrap: &str) -> ClientConfig {
 /// Create topics with `partitions` partitions and wait until they are usable.
 pub async fn create_topics(bootstrap: &str, names: &[&str], partitions: i32) -> anyhow::Result<()> {
     let admin: AdminClient<DefaultClientContext> = client(bootstrap).create()?;
-    let topics: Vec<NewTopic> = names
-        .iter()
-        .map(|n| NewTopic::new(n, partitions, TopicReplication::Fixed(1)))
-        .collect();
+    let topics: Vec<NewTopic> =
+        names.iter().map(|n| NewTopic::new(n, partitions, TopicReplication::Fixed(1))).collect();
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
     for r in admin.create_topics(&topics, &opts).await? {
         if let Err((topic, code)) = r
@@ -223,9 +210,7 @@ pub struct TestProducer {
 impl TestProducer {
     /// Connect.
     pub fn new(bootstrap: &str) -> anyhow::Result<TestProducer> {
-        let inner = client(bootstrap)
-            .set("message.timeout.ms", "30000")
-            .create()?;
+        let inner = client(bootstrap).set("message.timeout.ms", "30000").create()?;
         Ok(TestProducer { inner })
     }
 
@@ -244,14 +229,7 @@ impl TestProducer {
             headers.push((format!("ce_{k}"), v.as_bytes().to_vec()));
         }
         let payload = serde_json::to_vec(&e.data)?;
-        self.raw(
-            topic,
-            e.partition,
-            e.key.as_deref().map(str::as_bytes),
-            &headers,
-            Some(&payload),
-        )
-        .await
+        self.raw(topic, e.partition, e.key.as_deref().map(str::as_bytes), &headers, Some(&payload)).await
     }
 
     /// Produce any record; returns (partition, offset).
@@ -265,10 +243,7 @@ impl TestProducer {
     ) -> anyhow::Result<(i32, i64)> {
         let mut hs = OwnedHeaders::new();
         for (k, v) in headers {
-            hs = hs.insert(KHeader {
-                key: k,
-                value: Some(v),
-            });
+            hs = hs.insert(KHeader { key: k, value: Some(v) });
         }
         let mut rec: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic).headers(hs);
         if let Some(p) = partition {
@@ -312,30 +287,19 @@ impl ReadRecord {
 
     /// The value as JSON.
     pub fn json(&self) -> Value {
-        self.payload
-            .as_deref()
-            .and_then(|p| serde_json::from_slice(p).ok())
-            .unwrap_or(Value::Null)
+        self.payload.as_deref().and_then(|p| serde_json::from_slice(p).ok()).unwrap_or(Value::Null)
     }
 }
 
 /// Read every record of `topic` from the beginning until at least `min`
 /// records arrived and no more come for a moment, or the deadline passes.
-pub async fn read_topic(
-    bootstrap: &str,
-    topic: &str,
-    min: usize,
-) -> anyhow::Result<Vec<ReadRecord>> {
+pub async fn read_topic(bootstrap: &str, topic: &str, min: usize) -> anyhow::Result<Vec<ReadRecord>> {
     let bootstrap = bootstrap.to_owned();
     let topic = topic.to_owned();
     tokio::task::spawn_blocking(move || read_topic_blocking(&bootstrap, &topic, min)).await?
 }
 
-fn read_topic_blocking(
-    bootstrap: &str,
-    topic: &str,
-    min: usize,
-) -> anyhow::Result<Vec<ReadRecord>> {
+fn read_topic_blocking(bootstrap: &str, topic: &str, min: usize) -> anyhow::Result<Vec<ReadRecord>> {
     let consumer: BaseConsumer = client(bootstrap)
         .set("group.id", unique("reader"))
         .set("enable.auto.commit", "false")
@@ -343,12 +307,7 @@ fn read_topic_blocking(
         .create()?;
     let md = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
     let mut tpl = TopicPartitionList::new();
-    for p in md
-        .topics()
-        .first()
-        .map(|t| t.partitions())
-        .unwrap_or_default()
-    {
+    for p in md.topics().first().map(|t| t.partitions()).unwrap_or_default() {
         tpl.add_partition_offset(topic, p.id(), Offset::Beginning)?;
     }
     consumer.assign(&tpl)?;
@@ -365,9 +324,7 @@ fn read_topic_blocking(
                             .map(|h| {
                                 (
                                     h.key.to_owned(),
-                                    h.value
-                                        .map(|v| String::from_utf8_lossy(v).into_owned())
-                                        .unwrap_or_default(),
+                                    h.value.map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default(),
                                 )
                             })
                             .collect()
@@ -390,47 +347,26 @@ fn read_topic_blocking(
             }
         }
         if Instant::now() > end {
-            bail!(
-                "read {} records from {topic}, expected at least {min}",
-                out.len()
-            );
+            bail!("read {} records from {topic}, expected at least {min}", out.len());
         }
     }
 }
 
 /// Committed offsets of `group` on `topic`, by partition (`None` = nothing committed).
-pub async fn committed_offsets(
-    bootstrap: &str,
-    group: &str,
-    topic: &str,
-) -> anyhow::Result<HashMap<i32, Option<i64>>> {
+pub async fn committed_offsets(bootstrap: &str, group: &str, topic: &str) -> anyhow::Result<HashMap<i32, Option<i64>>> {
     let (bootstrap, group, topic) = (bootstrap.to_owned(), group.to_owned(), topic.to_owned());
     tokio::task::spawn_blocking(move || {
         let consumer: BaseConsumer = client(&bootstrap).set("group.id", &group).create()?;
         let md = consumer.fetch_metadata(Some(&topic), Duration::from_secs(10))?;
         let mut tpl = TopicPartitionList::new();
-        for p in md
-            .topics()
-            .first()
-            .map(|t| t.partitions())
-            .unwrap_or_default()
-        {
+        for p in md.topics().first().map(|t| t.partitions()).unwrap_or_default() {
             tpl.add_partition(&topic, p.id());
         }
         let committed = consumer.committed_offsets(tpl, Duration::from_secs(10))?;
         Ok(committed
             .elements()
             .iter()
-            .map(|e| {
-                (
-                    e.partition(),
-                    if let Offset::Offset(o) = e.offset() {
-                        Some(o)
-                    } else {
-                        None
-                    },
-                )
-            })
+            .map(|e| (e.partition(), if let Offset::Offset(o) = e.offset() { Some(o) } else { None }))
             .collect())
     })
     .await?
