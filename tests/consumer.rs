@@ -517,3 +517,168 @@ async fn a_template_that_references_a_missing_field_dead_letters_the_event_namin
     assert!(reason.contains("data.order_id"), "{reason}");
     assert_eq!(h.inbox().await, 1);
 }
+
+#[tokio::test]
+async fn while_the_database_is_down_nothing_is_committed_and_processing_resumes_when_it_is_back() {
+    let h = Harness::new(1).await;
+    let proxy = relay_testkit::TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await.unwrap();
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.database.url = Some(relay_testkit::url_via(&h.db.url, proxy.addr()).into());
+    cfg.database.acquire_timeout = std::time::Duration::from_millis(500);
+    for i in 0..5 {
+        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
+    }
+    let run = h.start(cfg, CONSUMER_ONLY, no_faults()).await;
+    h.await_committed(0, 5).await;
+
+    proxy.cut();
+    let before = proxy.attempts();
+    for i in 5..10 {
+        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
+    }
+    // The consumer keeps trying to reach the database (with backoff) ...
+    eventually("the consumer to retry the database", DEADLINE, || async {
+        (proxy.attempts() >= before + 3).then_some(())
+    })
+    .await;
+    // ... and meanwhile commits no offset for the records it could not record.
+    assert_eq!(h.committed().await.get(&0).copied().flatten(), Some(5));
+    assert_eq!(h.inbox().await, 5);
+
+    proxy.restore();
+    h.await_committed(0, 10).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.inbox().await, 10, "nothing lost");
+    assert_eq!(h.db.count("intents", "true").await, 10, "nothing doubled");
+}
+
+#[tokio::test]
+async fn consumers_joining_and_leaving_the_group_mid_stream_lose_nothing_and_double_nothing() {
+    let h = Harness::new(4).await;
+    let n = 400;
+    for i in 0..n {
+        h.send(&order(&format!("evt-{i}"), &format!("o-{i}")).partition(i % 4)).await;
+    }
+    let mut small = h.config(CAPTURE_ROUTE);
+    small.consumer.batch_size = 5; // many small batches: the rebalance lands mid-stream
+    // Each instance counts its committed batches at a fault point; A is slowed
+    // down so that B joins while most records are still unprocessed.
+    let after_commit = relay::faults::point::CONSUMER_AFTER_DB_COMMIT;
+    let a_faults = Faults::new(&[(after_commit, FaultAction::Pause(std::time::Duration::from_millis(30)), 0)]);
+    let b_faults = Faults::new(&[(after_commit, FaultAction::Pause(std::time::Duration::ZERO), 0)]);
+    let a = h.start(small.clone(), CONSUMER_ONLY, a_faults.clone()).await;
+    eventually("consumer A to make progress", DEADLINE, || async { (h.inbox().await >= 20).then_some(()) }).await;
+    let b = h.start(small.clone(), CONSUMER_ONLY, b_faults.clone()).await;
+    eventually("consumer B to get partitions and commit work", DEADLINE, || async {
+        (b_faults.hits(after_commit) >= 3).then_some(())
+    })
+    .await;
+    let a_batches = a_faults.hits(after_commit);
+    assert!(h.inbox().await < i64::from(n), "B joined while records were still in flight");
+    a.stop().await.unwrap(); // A leaves: B takes its partitions
+    let dispatch = h
+        .start(h.config(CAPTURE_ROUTE), Components { consumer: false, dispatcher: true, publisher: true }, no_faults())
+        .await;
+    h.await_inbox(i64::from(n)).await;
+    eventually("every offset committed", DEADLINE, || async {
+        let total: i64 = h.committed().await.values().map(|o| o.unwrap_or(0)).sum();
+        (total == i64::from(n)).then_some(())
+    })
+    .await;
+    h.await_intents_finished(i64::from(n)).await;
+    b.stop().await.unwrap();
+    dispatch.stop().await.unwrap();
+
+    let stats = h.provider.stats();
+    assert_eq!(stats.applied, u64::from(n as u32), "every order captured");
+    assert!(stats.double_applied().is_empty());
+    assert_eq!(h.db.count("intents", "true").await, i64::from(n));
+    assert!(a_batches > 0 && b_faults.hits(after_commit) > 3, "both instances did work");
+}
+
+#[tokio::test]
+async fn the_database_connection_uses_tls_when_the_url_asks_for_it() {
+    let h = Harness::new(1).await;
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    let sep = if h.db.url.contains('?') { '&' } else { '?' };
+    cfg.database.url = Some(format!("{}{sep}sslmode=require", h.db.url).into());
+    let relay = h.relay(cfg, relay::Handlers::default(), no_faults()).await;
+    let ssl: bool = sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+        .fetch_one(relay.pool())
+        .await
+        .unwrap();
+    assert!(ssl, "sslmode=require in the URL gives a TLS connection");
+}
+
+const DEBEZIUM_ROUTE: &str = r#"
+[topics."{topic}"]
+format = "json"
+fields.id = { header = "id" }
+fields.type = { header = "eventType" }
+fields.aggregate_id = "key"
+
+[[routes]]
+topic = "{topic}"
+type = "OrderCreated"
+fields.idempotency_key = { pointer = "/request/id" }
+counter = "created"
+
+[[routes.actions]]
+kind = "emit"
+name = "seen"
+type = "order.seen"
+topic = "{out}"
+data = { order = "{{ aggregate_id }}", request = "{{ idempotency_key }}" }
+"#;
+
+#[tokio::test]
+async fn producers_that_do_not_speak_cloudevents_are_read_through_configured_field_sources() {
+    let h = Harness::new(1).await;
+    // A Debezium outbox event router record: id and type in headers, aggregate in the key.
+    let dbz = |id: &str, request: &str| {
+        let headers =
+            vec![("id".to_string(), id.as_bytes().to_vec()), ("eventType".to_string(), b"OrderCreated".to_vec())];
+        (headers, json!({"request": {"id": request}, "total": 5}).to_string())
+    };
+    let (hs, body) = dbz("dbz-1", "req-1");
+    h.producer.raw(&h.topic, None, Some(b"order-9"), &hs, Some(body.as_bytes())).await.unwrap();
+    let (hs, body) = dbz("dbz-2", "req-1"); // same request id: a business duplicate
+    h.producer.raw(&h.topic, None, Some(b"order-9"), &hs, Some(body.as_bytes())).await.unwrap();
+    let (_, body) = dbz("unused", "req-2");
+    let (_, last) = h.producer.raw(&h.topic, None, Some(b"order-9"), &[], Some(body.as_bytes())).await.unwrap(); // no id header
+    let run = h
+        .start(h.config(DEBEZIUM_ROUTE), Components { consumer: true, dispatcher: false, publisher: true }, no_faults())
+        .await;
+    h.await_committed(0, last + 1).await;
+    h.await_published(2).await; // one event + one dead-letter copy
+    run.stop().await.unwrap();
+
+    assert_eq!(h.outcome("dbz-1").await.as_deref(), Some("applied"));
+    assert_eq!(h.outcome("dbz-2").await.as_deref(), Some("duplicate_key"));
+    let class: String =
+        sqlx::query_scalar("SELECT error_class FROM relay.dead_letters").fetch_one(&h.db.pool).await.unwrap();
+    assert_eq!(class, "missing_id", "a record without its id header is never processed under an invented id");
+    let out = read_topic(&h.bootstrap, &h.out, 1).await.unwrap();
+    assert_eq!(out[0].json(), json!({"order": "order-9", "request": "req-1"}));
+    assert_eq!(out[0].key.as_deref(), Some(&b"order-9"[..]), "the key defaults to the aggregate id");
+}
+
+#[tokio::test]
+async fn structured_mode_cloudevents_are_processed_like_binary_mode_ones() {
+    let h = Harness::new(1).await;
+    let structured = json!({
+        "specversion": "1.0", "id": "evt-s1", "type": "order.placed", "source": "/shop",
+        "datacontenttype": "application/json", "idempotencykey": "place:o-1",
+        "data": {"order_id": "o-1", "amount": 100}
+    });
+    let ct = vec![("content-type".to_string(), b"application/cloudevents+json".to_vec())];
+    h.producer.raw(&h.topic, None, Some(b"o-1"), &ct, Some(structured.to_string().as_bytes())).await.unwrap();
+    // The same event again in binary mode: same id, so a duplicate.
+    let (_, last) = h.send(&order("evt-s1", "o-1").ext("idempotencykey", "place:o-1")).await;
+    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    h.await_intents_finished(1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.inbox().await, 1);
+    assert_eq!(h.provider.stats().applied_for("capture:o-1"), 1);
+}

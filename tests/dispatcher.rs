@@ -398,3 +398,45 @@ async fn call_outcomes_move_the_saga_in_the_transaction_that_records_them() {
     assert_eq!(states, vec![("o-bad".into(), "payment_failed".into()), ("o-good".into(), "paid".into())]);
     assert_eq!(h.db.count("history", "kind = 'outcome'").await, 2, "each outcome transition has its history row");
 }
+
+#[tokio::test]
+async fn outbox_rows_are_marked_published_only_after_the_ack_and_a_crash_republishes_the_same_ids() {
+    let h = Harness::new(1).await;
+    for i in 0..3 {
+        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
+    }
+    let calls = h
+        .start(h.config(CAPTURE_ROUTE), Components { consumer: true, dispatcher: true, publisher: false }, no_faults())
+        .await;
+    h.await_intents_finished(3).await;
+    assert_eq!(h.db.count("outbox", "state = 'pending'").await, 3, "written, not yet published");
+
+    // The broker acknowledged, then the publisher died before marking the rows.
+    let faults = Faults::new(&[(point::PUBLISHER_AFTER_ACK, FaultAction::Fail, 1)]);
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.publisher.lease = Duration::from_secs(6);
+    cfg.publisher.delivery_timeout = Duration::from_secs(5);
+    let crashed =
+        h.start(cfg.clone(), Components { consumer: false, dispatcher: false, publisher: true }, faults).await;
+    assert!(crashed.finished().await.is_err());
+    assert_eq!(h.db.count("outbox", "state = 'published'").await, 0, "not marked: no ack was recorded");
+    let first = read_topic(&h.bootstrap, &h.out, 3).await.unwrap();
+    assert_eq!(first.len(), 3, "but the broker has them");
+
+    // After the lease expires another publisher republishes them, under the same ids.
+    let publisher = h.start(cfg, Components { consumer: false, dispatcher: false, publisher: true }, no_faults()).await;
+    h.await_published(3).await;
+    publisher.stop().await.unwrap();
+    calls.stop().await.unwrap();
+    let all = read_topic(&h.bootstrap, &h.out, 6).await.unwrap();
+    assert_eq!(all.len(), 6, "each event twice on the topic");
+    let mut ids: Vec<&str> = all.iter().filter_map(|r| r.header("ce_id")).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 3, "a consumer deduplicating on the CloudEvents id sees each event once");
+    let ours: Vec<String> =
+        sqlx::query_scalar("SELECT id::text FROM relay.outbox ORDER BY 1").fetch_all(&h.db.pool).await.unwrap();
+    let mut ours: Vec<&str> = ours.iter().map(String::as_str).collect();
+    ours.sort();
+    assert_eq!(ids, ours, "the record ids are the outbox row ids");
+}

@@ -111,6 +111,11 @@ impl Faults {
         }
     }
 
+    /// How many times point `name` was reached (only counted for configured points).
+    pub fn hits(&self, name: &str) -> u64 {
+        self.points.get(name).map_or(0, |f| f.hits.load(Ordering::SeqCst))
+    }
+
     /// Pass fault point `name`.
     pub async fn hit(&self, name: &str) -> Result<(), FaultInjected> {
         let Some(f) = self.points.get(name) else {

@@ -563,7 +563,9 @@ impl RelayConfig {
             fig = fig.merge(Toml::file(p));
         }
         fig = fig
-            .merge(Env::prefixed("RELAY_").split("__").ignore(&["config"]))
+            // Only RELAY_SECTION__KEY variables configure the relay; others with
+            // the prefix (RELAY_CONFIG, RELAY_FAULTS, RELAY_LOG_FORMAT) are not config keys.
+            .merge(Env::prefixed("RELAY_").filter(|k| k.as_str().contains("__")).split("__"))
             .merge(Env::raw().only(&["DATABASE_URL"]).map(|_| "database.url".into()));
         let mut cfg: RelayConfig = fig
             .extract()

@@ -93,6 +93,76 @@ fn replace_db(url: &str, db: &str) -> String {
     out
 }
 
+/// A TCP proxy a test can cut and restore, to take a dependency "down" for
+/// one component without touching the shared server.
+pub struct TcpProxy {
+    addr: std::net::SocketAddr,
+    open: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    attempts: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    kill: tokio::sync::watch::Sender<u64>,
+}
+
+impl TcpProxy {
+    /// Proxy 127.0.0.1:<free port> to `target`.
+    pub async fn start(target: std::net::SocketAddr) -> anyhow::Result<TcpProxy> {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let open = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let attempts = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (kill, _) = tokio::sync::watch::channel(0u64);
+        let (o, a, k) = (open.clone(), attempts.clone(), kill.clone());
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                a.fetch_add(1, Ordering::SeqCst);
+                if !o.load(Ordering::SeqCst) {
+                    drop(client);
+                    continue;
+                }
+                let mut killed = k.subscribe();
+                tokio::spawn(async move {
+                    let Ok(mut server) = tokio::net::TcpStream::connect(target).await else { return };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = killed.changed() => {}
+                    }
+                });
+            }
+        });
+        Ok(TcpProxy { addr, open, attempts, kill })
+    }
+
+    /// The proxy's address.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+
+    /// Drop every open connection and refuse new ones.
+    pub fn cut(&self) {
+        self.open.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.kill.send_modify(|n| *n += 1);
+    }
+
+    /// Accept connections again.
+    pub fn restore(&self) {
+        self.open.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Connection attempts so far.
+    pub fn attempts(&self) -> u64 {
+        self.attempts.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// Replace the host:port of a PostgreSQL URL.
+pub fn url_via(url: &str, addr: std::net::SocketAddr) -> String {
+    let (scheme, rest) = url.split_once("://").expect("URL has a scheme");
+    let (auth, after) = rest.rsplit_once('@').map_or(("", rest), |(a, b)| (a, b));
+    let path = after.find('/').map_or("", |i| &after[i..]);
+    let auth = if auth.is_empty() { String::new() } else { format!("{auth}@") };
+    format!("{scheme}://{auth}{addr}{path}")
+}
+
 /// Poll `check` until it returns `Some`, or fail after `deadline` with `what`.
 pub async fn eventually<T, F, Fut>(what: &str, deadline: Duration, mut check: F) -> T
 where

@@ -1,0 +1,18 @@
+# The relay and the example provider in one image (two binaries).
+# Build: docker build -t relay .   (compose.yaml does this for you)
+FROM rust:1.95-bookworm AS build
+RUN apt-get update && apt-get install -y --no-install-recommends cmake && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY . .
+RUN cargo build --release --locked -p relay -p example-provider
+
+FROM debian:bookworm-slim
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates && rm -rf /var/lib/apt/lists/* \
+ && useradd --system --uid 10001 relay
+COPY --from=build /src/target/release/relay /src/target/release/example-provider /usr/local/bin/
+COPY relay.example.toml /etc/relay/relay.toml
+COPY contracts /etc/relay/contracts
+USER relay
+WORKDIR /etc/relay
+ENTRYPOINT ["relay"]
+CMD ["--config", "/etc/relay/relay.toml", "run"]

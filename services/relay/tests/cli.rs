@@ -1,0 +1,238 @@
+//! The `relay` binary as an operator uses it: configuration errors that name
+//! the key, a real `relay run` process that is stopped with SIGTERM, logs that
+//! carry no payload or secret, and the dead-letter and stats commands.
+
+use std::io::Read;
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use example_provider::{Provider, Settings};
+use relay_testkit::{DEADLINE, TestDb, TestEvent, TestProducer, create_topics, eventually, kafka_bootstrap, unique};
+use serde_json::json;
+
+fn relay() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_relay"));
+    c.env_remove("DATABASE_URL").env_remove("RELAY_CONFIG").env("NO_COLOR", "1");
+    c
+}
+
+fn output(c: &mut Command) -> (bool, String, String) {
+    let out = c.output().expect("run relay");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn write_config(text: &str) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("{}.toml", unique("relay-cli")));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn check_config_accepts_the_example_configuration() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let (ok, stdout, stderr) =
+        output(relay().current_dir(&root).args(["--config", "relay.example.toml", "check-config"]));
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("configuration is valid") && stdout.contains("route order-placed"), "{stdout}");
+}
+
+#[test]
+fn environment_variables_override_the_file() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let (ok, stdout, stderr) = output(
+        relay()
+            .current_dir(&root)
+            .env("RELAY_CONSUMER__NAME", "from-env")
+            .env("RELAY_KAFKA__BOOTSTRAP_SERVERS", "broker.example:9093")
+            .args(["--config", "relay.example.toml", "check-config"]),
+    );
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("consumer \"from-env\""), "{stdout}");
+    let (ok, _, stderr) = output(relay().current_dir(&root).env("RELAY_DISPATCHER__LEASE", "soon").args([
+        "--config",
+        "relay.example.toml",
+        "check-config",
+    ]));
+    assert!(!ok);
+    assert!(stderr.to_lowercase().contains("dispatcher.lease"), "a bad override names its key: {stderr}");
+}
+
+#[test]
+fn an_invalid_configuration_fails_at_start_naming_the_key_and_the_fix() {
+    let path = write_config(
+        r#"
+[endpoints.psp]
+base_url = "http://127.0.0.1:1"
+[[routes]]
+topic = "t"
+type = "x"
+[[routes.actions]]
+kind = "call"
+name = "c"
+endpoint = "pssp"
+path = "/"
+"#,
+    );
+    let (ok, _, stderr) = output(relay().arg("--config").arg(&path).arg("check-config"));
+    assert!(!ok);
+    assert!(stderr.contains("routes[0].actions[0].endpoint") && stderr.contains("defined: psp"), "{stderr}");
+
+    let path = write_config("[dispatcher]\nconcurrency = \"many\"\n");
+    let (ok, _, stderr) = output(relay().arg("--config").arg(&path).arg("check-config"));
+    assert!(!ok);
+    assert!(stderr.contains("concurrency"), "{stderr}");
+}
+
+#[test]
+fn a_missing_database_url_says_how_to_set_it() {
+    let path = write_config("[consumer]\nname = \"x\"\n");
+    let (ok, _, stderr) = output(relay().arg("--config").arg(&path).arg("stats"));
+    assert!(!ok);
+    assert!(stderr.contains("DATABASE_URL"), "{stderr}");
+}
+
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn relay_run_processes_events_stops_cleanly_on_sigterm_and_logs_no_payload_or_secret() {
+    let db = TestDb::new().await.unwrap();
+    let bootstrap = kafka_bootstrap();
+    let (topic, out, dlq) = (unique("orders"), unique("out"), unique("dlq"));
+    create_topics(&bootstrap, &[&topic, &out, &dlq], 2).await.unwrap();
+    let provider = Provider::start(SocketAddr::from(([127, 0, 0, 1], 0)), Settings::default()).await.unwrap();
+    let config = write_config(&format!(
+        r#"
+[consumer]
+name = "cli-test"
+dead_letter_topic = "{dlq}"
+[kafka]
+bootstrap_servers = "{bootstrap}"
+[dispatcher]
+lease = "3s"
+poll_interval = "100ms"
+[publisher]
+lease = "8s"
+delivery_timeout = "5s"
+poll_interval = "100ms"
+[endpoints.psp]
+base_url = "{provider}"
+timeout = "1s"
+connect_timeout = "500ms"
+token_env = "PSP_TOKEN"
+[[routes]]
+topic = "{topic}"
+type = "order.placed"
+[[routes.actions]]
+kind = "call"
+name = "capture"
+endpoint = "psp"
+path = "/captures"
+idempotency_key = "capture:{{{{ data.order_id }}}}"
+body = {{ order_id = "{{{{ data.order_id }}}}", card = "{{{{ data.card }}}}" }}
+"#,
+        provider = provider.url()
+    ));
+    let (ok, _, stderr) = output(relay().env("DATABASE_URL", &db.url).arg("--config").arg(&config).arg("migrate"));
+    assert!(ok, "{stderr}");
+
+    let producer = TestProducer::new(&bootstrap).unwrap();
+    let secret_payload = "4111-1111-1111-1111";
+    for i in 0..5 {
+        let e = TestEvent::new(
+            &format!("evt-{i}"),
+            "order.placed",
+            json!({"order_id": format!("o-{i}"), "card": secret_payload}),
+        );
+        producer.event(&topic, &e).await.unwrap();
+    }
+    let poison = TestEvent::new("evt-poison", "order.placed", json!({"card": secret_payload})); // template needs order_id
+    producer.event(&topic, &poison).await.unwrap();
+
+    let child = relay()
+        .env("DATABASE_URL", &db.url)
+        .env("RUST_LOG", "debug")
+        .env("PSP_TOKEN", "tok-very-secret-42")
+        .arg("--config")
+        .arg(&config)
+        .arg("run")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut child = Running(child);
+    eventually("5 captures at the provider", DEADLINE, || async { (provider.stats().applied == 5).then_some(()) })
+        .await;
+    eventually("the poison record parked", DEADLINE, || async {
+        (db.count("dead_letters", "true").await == 1).then_some(())
+    })
+    .await;
+
+    let pid = child.0.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let status = tokio::task::spawn_blocking(move || {
+        let started = std::time::Instant::now();
+        loop {
+            if let Some(status) = child.0.try_wait().unwrap() {
+                let mut logs = String::new();
+                child.0.stderr.take().unwrap().read_to_string(&mut logs).unwrap();
+                return Some((status, logs));
+            }
+            if started.elapsed() > Duration::from_secs(30) {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    })
+    .await
+    .unwrap();
+    let (status, logs) = status.expect("relay run did not stop within 30 s of SIGTERM");
+    assert!(status.success(), "exit status {status:?}\n{logs}");
+    assert!(logs.contains("shutdown requested"), "{logs}");
+    assert!(logs.contains("inbox consumer stopped") && logs.contains("dispatcher stopped"), "{logs}");
+    assert!(logs.contains("evt-3"), "records are logged with their event id");
+    assert!(!logs.contains(secret_payload), "a payload leaked into the logs");
+    assert!(!logs.contains("tok-very-secret-42"), "the provider token leaked into the logs");
+    let password_part = db.url.split('@').next().unwrap();
+    assert!(!logs.contains(password_part), "the database URL leaked into the logs");
+
+    // Operator commands on what the run left behind.
+    let cli = |args: &[&str]| output(relay().env("DATABASE_URL", &db.url).arg("--config").arg(&config).args(args));
+    // A token variable that is missing is named at start.
+    let (ok, _, stderr) = cli(&["run"]);
+    assert!(!ok);
+    assert!(stderr.contains("PSP_TOKEN"), "{stderr}");
+    let (ok, stdout, stderr) = cli(&["stats"]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("applied") && stdout.contains("succeeded              5"), "{stdout}");
+    assert!(stdout.contains("dead letters: 1 unresolved"), "{stdout}");
+
+    let (ok, stdout, _) = cli(&["dead-letters", "list"]);
+    assert!(ok);
+    assert!(stdout.contains("template_error") && stdout.contains("evt-poison"), "{stdout}");
+    let id: i64 = sqlx::query_scalar("SELECT id FROM relay.dead_letters").fetch_one(&db.pool).await.unwrap();
+    let (ok, stdout, _) = cli(&["dead-letters", "show", &id.to_string()]);
+    assert!(ok);
+    assert!(stdout.contains("data.order_id") && stdout.contains("ce_id: evt-poison"), "{stdout}");
+    let (ok, stdout, _) = cli(&["dead-letters", "replay", &id.to_string()]);
+    assert!(ok);
+    assert!(stdout.contains("still failing") && stdout.contains("0 resolved, 1 still failing"), "{stdout}");
+    let (ok, stdout, _) = cli(&["dead-letters", "purge", "--all"]);
+    assert!(ok);
+    assert!(stdout.contains("would delete 1"), "{stdout}");
+    assert_eq!(db.count("dead_letters", "true").await, 1, "nothing deleted without --yes");
+    let (ok, stdout, _) = cli(&["dead-letters", "purge", "--all", "--yes"]);
+    assert!(ok);
+    assert!(stdout.contains("deleted 1"), "{stdout}");
+    assert_eq!(db.count("dead_letters", "true").await, 0);
+}
