@@ -164,7 +164,10 @@ CREATE TABLE relay.intent_attempts (
     attempt     integer     NOT NULL,
     worker      text        NOT NULL,
     lease_token uuid        NOT NULL,
-    started_at  timestamptz NOT NULL DEFAULT now(),
+    claimed_at  timestamptz NOT NULL DEFAULT now(),
+    -- When the request was handed to the HTTP client (after waiting for the
+    -- endpoint's concurrency and rate limits); NULL if the worker was lost first.
+    started_at  timestamptz,
     finished_at timestamptz,
     outcome     text        NOT NULL DEFAULT 'running',
     status      integer,

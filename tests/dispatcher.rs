@@ -123,7 +123,8 @@ async fn a_worker_whose_lease_was_rescued_cannot_finish_the_intent() {
     assert_eq!(fresh.id, stale.id);
     assert_eq!(fresh.attempts, 2, "the lost attempt still counts");
 
-    let done = AttemptRecord { outcome: "succeeded", status: Some(201), error_class: None, error: None };
+    let done =
+        AttemptRecord { started_at: None, outcome: "succeeded", status: Some(201), error_class: None, error: None };
     assert_eq!(
         intents::mark_succeeded(&mut conn, stale.id, stale.lease_token, &done).await.unwrap(),
         Fenced::LeaseLost
@@ -439,4 +440,32 @@ async fn outbox_rows_are_marked_published_only_after_the_ack_and_a_crash_republi
     let mut ours: Vec<&str> = ours.iter().map(String::as_str).collect();
     ours.sort();
     assert_eq!(ids, ours, "the record ids are the outbox row ids");
+}
+
+#[tokio::test]
+async fn each_endpoint_keeps_to_its_concurrency_limit_and_rate_limit() {
+    let h = Harness::new(1).await;
+    h.provider.set_faults(vec![rule("capture:", None, FaultKind::TimeoutAfterApply { delay_ms: 100 })]);
+    for i in 0..12 {
+        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
+    }
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    let psp = cfg.endpoints.get_mut("psp").unwrap();
+    psp.concurrency = 2;
+    psp.rate_limit_per_second = Some(8);
+    let run = h.start(cfg, Components::ALL, no_faults()).await;
+    h.await_intents_finished(12).await;
+    run.stop().await.unwrap();
+
+    let stats = h.provider.stats();
+    assert_eq!(stats.applied, 12);
+    assert!(stats.max_in_flight <= 2, "at most 2 calls at once, saw {}", stats.max_in_flight);
+    // 8 per second: after the first (burst) call, each later one waits its 125 ms slot.
+    let span: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM max(started_at) - min(started_at))::float8 FROM relay.intent_attempts",
+    )
+    .fetch_one(&h.db.pool)
+    .await
+    .unwrap();
+    assert!(span >= 1.2, "12 calls at 8/s took {span:.3}s");
 }

@@ -89,6 +89,8 @@ pub struct Stats {
     pub replayed: u64,
     /// Requests refused for want of an idempotency key.
     pub missing_key: u64,
+    /// Most requests being applied at the same moment.
+    pub max_in_flight: u32,
     /// Per key.
     pub by_key: BTreeMap<String, KeyStats>,
 }
@@ -115,6 +117,7 @@ struct Inner {
     stats: Stats,
     stored: HashMap<String, (u16, serde_json::Value)>,
     in_progress: HashMap<String, u32>,
+    in_flight: u32,
     rules: Vec<FaultRule>,
     /// Applied effects in order: (key, method, path, body).
     log: Vec<Applied>,
@@ -264,6 +267,8 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
             // the key sees it in progress (409), a later one gets the replay.
             let body_json: serde_json::Value = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
             *inner.in_progress.entry(key.clone()).or_default() += 1;
+            inner.in_flight += 1;
+            inner.stats.max_in_flight = inner.stats.max_in_flight.max(inner.in_flight);
             let resource =
                 json!({"id": format!("res_{}", inner.stats.applied + 1), "idempotency_key": key, "path": path});
             inner.stats.applied += 1;
@@ -312,10 +317,11 @@ struct InProgress {
 
 impl Drop for InProgress {
     fn drop(&mut self) {
-        if let Ok(mut g) = self.inner.lock()
-            && let Some(n) = g.in_progress.get_mut(&self.key)
-        {
-            *n = n.saturating_sub(1);
+        if let Ok(mut g) = self.inner.lock() {
+            g.in_flight = g.in_flight.saturating_sub(1);
+            if let Some(n) = g.in_progress.get_mut(&self.key) {
+                *n = n.saturating_sub(1);
+            }
         }
     }
 }

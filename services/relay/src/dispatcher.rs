@@ -189,17 +189,13 @@ impl Dispatcher {
         intents::claim(&mut conn, &self.inner.worker, limit as i64, self.inner.settings.lease).await
     }
 
-    /// How long to sleep when nothing is due: until the next retry is due,
-    /// at most the poll interval (NOTIFY wakes us earlier for new intents).
+    /// How long to sleep after a claim that did not fill up: until the next
+    /// retry comes due, at most the poll interval (NOTIFY wakes us earlier for
+    /// new intents, and a finished call of ours wakes the loop too).
     async fn idle_wait(&self) -> Duration {
         let poll = self.inner.settings.poll_interval;
-        let Ok(mut conn) = self.inner.pool.acquire().await else {
-            return poll;
-        };
-        match intents::next_due_at(&mut conn).await {
-            Ok(Some(at)) => (at - Utc::now()).to_std().unwrap_or(Duration::ZERO).clamp(Duration::from_millis(5), poll),
-            _ => poll,
-        }
+        let Ok(mut conn) = self.inner.pool.acquire().await else { return poll };
+        until_due(intents::next_due_at(&mut conn).await.ok().flatten(), poll)
     }
 
     async fn rescue_loop(self, shutdown: CancellationToken) {
@@ -249,6 +245,7 @@ impl Dispatcher {
                 status: None,
                 error_class: Some("budget"),
                 error: Some(why),
+                started_at: None,
             };
             (Verdict::Permanent, r)
         } else if let Some(client) = endpoint {
@@ -261,6 +258,7 @@ impl Dispatcher {
                 status: None,
                 error_class: Some("endpoint_unknown"),
                 error: Some(format!("endpoint {:?} is not configured in this dispatcher", intent.endpoint)),
+                started_at: None,
             };
             (classify(&r.attempt, &[]), r)
         };
@@ -464,7 +462,26 @@ impl Dispatcher {
 }
 
 fn attempt_record(outcome: &'static str, status: Option<i32>, r: &CallResult) -> AttemptRecord {
-    AttemptRecord { outcome, status, error_class: r.error_class.map(str::to_owned), error: r.error.clone() }
+    AttemptRecord {
+        started_at: r.started_at,
+        outcome,
+        status,
+        error_class: r.error_class.map(str::to_owned),
+        error: r.error.clone(),
+    }
+}
+
+/// The sleep before the next claim when the earliest pending row is due at
+/// `next_due`. A row that is already due but was not claimed is waiting for
+/// an earlier row of its ordering key (or is locked by another worker):
+/// re-claiming at once would spin, so wait the poll interval instead.
+pub(crate) fn until_due(next_due: Option<chrono::DateTime<Utc>>, poll: Duration) -> Duration {
+    match next_due.map(|at| at - Utc::now()) {
+        Some(ahead) if ahead > chrono::Duration::zero() => {
+            ahead.to_std().unwrap_or(poll).clamp(Duration::from_millis(5), poll)
+        }
+        _ => poll,
+    }
 }
 
 /// `<hostname>-<pid>`.
@@ -500,5 +517,26 @@ pub(crate) async fn notified(listener: &mut Option<PgListener>) {
             }
         }
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_retry_due_later_is_waited_for_but_never_longer_than_the_poll_interval() {
+        let poll = Duration::from_secs(1);
+        let soon = until_due(Some(Utc::now() + chrono::Duration::milliseconds(300)), poll);
+        assert!(soon <= Duration::from_millis(300) && soon >= Duration::from_millis(200), "{soon:?}");
+        assert_eq!(until_due(Some(Utc::now() + chrono::Duration::seconds(30)), poll), poll);
+        assert_eq!(until_due(None, poll), poll);
+    }
+
+    #[test]
+    fn a_due_row_that_was_not_claimable_does_not_make_the_loop_spin() {
+        // Due in the past but not claimed: blocked by an earlier row of its key.
+        let poll = Duration::from_millis(700);
+        assert_eq!(until_due(Some(Utc::now() - chrono::Duration::seconds(5)), poll), poll);
     }
 }

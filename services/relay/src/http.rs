@@ -18,7 +18,7 @@ use secrecy::{ExposeSecret, SecretString};
 use std::sync::Arc;
 
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
-use tower::{BoxError, ServiceBuilder, ServiceExt};
+use tower::{BoxError, Service, ServiceBuilder, ServiceExt};
 
 type HttpService = tower::limit::ConcurrencyLimit<tower::timeout::Timeout<reqwest::Client>>;
 
@@ -33,6 +33,8 @@ pub struct CallResult {
     pub error_class: Option<&'static str>,
     /// Short error text (a status line and at most 256 bytes of the response body).
     pub error: Option<String>,
+    /// When the request was handed to the HTTP client (`None`: never sent).
+    pub started_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 /// The client of one endpoint. Cheap to clone.
@@ -68,7 +70,8 @@ impl EndpointClient {
         let limiter = cfg
             .rate_limit_per_second
             .and_then(|n| std::num::NonZeroU32::new(u32::try_from(n).unwrap_or(u32::MAX)))
-            .map(|n| Arc::new(RateLimiter::direct(Quota::per_second(n))));
+            // Evenly spaced (no burst): a provider's "n per second" is never exceeded in any window.
+            .map(|n| Arc::new(RateLimiter::direct(Quota::per_second(n).allow_burst(std::num::NonZeroU32::MIN))));
         Ok(EndpointClient { name: name.to_owned(), cfg: cfg.clone(), token, http, svc, limiter })
     }
 
@@ -126,13 +129,20 @@ impl EndpointClient {
                     status: None,
                     error_class: Some("request"),
                     error: Some(e),
+                    started_at: None,
                 };
             }
         };
         if let Some(limiter) = &self.limiter {
             limiter.until_ready().await;
         }
-        match self.svc.clone().oneshot(req).await {
+        // Wait for a concurrency permit first, so the recorded start is the send.
+        let mut svc = match self.svc.clone().ready_oneshot().await {
+            Ok(svc) => svc,
+            Err(e) => return classify_transport(e, self.cfg.timeout, None),
+        };
+        let started_at = Some(chrono::Utc::now());
+        match svc.call(req).await {
             Ok(resp) => {
                 let status = resp.status().as_u16();
                 let retry_after = resp
@@ -154,14 +164,15 @@ impl EndpointClient {
                     status: Some(status),
                     error_class: error.as_ref().map(|_| "http_status"),
                     error,
+                    started_at,
                 }
             }
-            Err(e) => classify_transport(e, self.cfg.timeout),
+            Err(e) => classify_transport(e, self.cfg.timeout, started_at),
         }
     }
 }
 
-fn classify_transport(e: BoxError, timeout: Duration) -> CallResult {
+fn classify_transport(e: BoxError, timeout: Duration, started_at: Option<chrono::DateTime<chrono::Utc>>) -> CallResult {
     let (attempt, class, text) = if e.is::<tower::timeout::error::Elapsed>() {
         (
             AttemptResult::Timeout { sent: true },
@@ -179,7 +190,7 @@ fn classify_transport(e: BoxError, timeout: Duration) -> CallResult {
     } else {
         (AttemptResult::Transport, "transport", format!("transport error: {e}"))
     };
-    CallResult { attempt, status: None, error_class: Some(class), error: Some(text) }
+    CallResult { attempt, status: None, error_class: Some(class), error: Some(text), started_at }
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {

@@ -21,7 +21,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::dispatcher::{listen, notified};
+use crate::dispatcher::{listen, notified, until_due};
 use crate::faults::{Faults, point};
 use crate::kafka::{Role, client_config};
 
@@ -132,15 +132,8 @@ impl Publisher {
 
     async fn idle_wait(&self) -> Duration {
         let poll = self.settings.poll_interval;
-        let Ok(mut conn) = self.pool.acquire().await else {
-            return poll;
-        };
-        match outbox::next_due_at(&mut conn).await {
-            Ok(Some(at)) => {
-                (at - chrono::Utc::now()).to_std().unwrap_or(Duration::ZERO).clamp(Duration::from_millis(5), poll)
-            }
-            _ => poll,
-        }
+        let Ok(mut conn) = self.pool.acquire().await else { return poll };
+        until_due(outbox::next_due_at(&mut conn).await.ok().flatten(), poll)
     }
 
     /// Claim, produce and mark one batch. Returns the number of rows claimed.

@@ -209,6 +209,8 @@ pub async fn claim(
 /// How one attempt ended, for the audit row and the intent's last_* columns.
 #[derive(Debug, Clone)]
 pub struct AttemptRecord {
+    /// When the request was sent (`None` if no request was made).
+    pub started_at: Option<DateTime<Utc>>,
     /// `succeeded`, `retryable`, `permanent` or `uncertain`.
     pub outcome: &'static str,
     /// HTTP status, if the provider answered.
@@ -231,7 +233,7 @@ pub enum Fenced {
 async fn close_attempt(conn: &mut PgConnection, id: Uuid, token: Uuid, rec: &AttemptRecord) -> Result<(), sqlx::Error> {
     sqlx::query(
         "UPDATE relay.intent_attempts
-            SET finished_at = now(), outcome = $3, status = $4, error_class = $5, error = $6
+            SET started_at = $7, finished_at = now(), outcome = $3, status = $4, error_class = $5, error = $6
           WHERE intent_id = $1 AND lease_token = $2 AND outcome = 'running'",
     )
     .bind(id)
@@ -240,6 +242,7 @@ async fn close_attempt(conn: &mut PgConnection, id: Uuid, token: Uuid, rec: &Att
     .bind(rec.status)
     .bind(&rec.error_class)
     .bind(&rec.error)
+    .bind(rec.started_at)
     .execute(conn)
     .await?;
     Ok(())
@@ -424,8 +427,10 @@ pub struct AttemptView {
     pub attempt: i32,
     /// Worker.
     pub worker: String,
-    /// Started.
-    pub started_at: DateTime<Utc>,
+    /// Claimed.
+    pub claimed_at: DateTime<Utc>,
+    /// Request sent.
+    pub started_at: Option<DateTime<Utc>>,
     /// Finished.
     pub finished_at: Option<DateTime<Utc>>,
     /// Outcome.
@@ -441,7 +446,7 @@ pub struct AttemptView {
 /// The attempts of an intent, oldest first.
 pub async fn attempts(conn: &mut PgConnection, id: Uuid) -> Result<Vec<AttemptView>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT attempt, worker, started_at, finished_at, outcome, status, error_class, error
+        "SELECT attempt, worker, claimed_at, started_at, finished_at, outcome, status, error_class, error
            FROM relay.intent_attempts WHERE intent_id = $1 ORDER BY attempt",
     )
     .bind(id)
