@@ -29,6 +29,47 @@ pub enum HandlerError {
 }
 
 /// A handler for one route (`handler = "name"` in the route).
+///
+/// ```no_run
+/// use relay::{Handler, HandlerError, Handlers};
+/// use relay_core::{CallSpec, InputEvent, Plan};
+///
+/// struct ReserveStock;
+///
+/// #[async_trait::async_trait]
+/// impl Handler for ReserveStock {
+///     async fn handle(&self, tx: &mut sqlx::PgConnection, event: &InputEvent) -> Result<Plan, HandlerError> {
+///         let sku = event.data["sku"].as_str().ok_or_else(|| HandlerError::Reject("no sku".into()))?;
+///         // A guarded write in the inbox transaction: zero rows means "not yet".
+///         let done = sqlx::query("UPDATE stock SET reserved = reserved + 1 WHERE sku = $1 AND available > reserved")
+///             .bind(sku)
+///             .execute(&mut *tx)
+///             .await?;
+///         if done.rows_affected() == 0 {
+///             return Err(HandlerError::NotYet(format!("no stock for {sku} yet")));
+///         }
+///         // The call is made later by the dispatcher, with a stable idempotency key.
+///         Ok(Plan {
+///             calls: vec![CallSpec {
+///                 action: "notify-warehouse".into(),
+///                 endpoint: "warehouse".into(),
+///                 method: "POST".into(),
+///                 path: "/reservations".into(),
+///                 body: Some(event.data.clone()),
+///                 headers: Default::default(),
+///                 idempotency_key: None, // the intent id
+///                 ordering_key: Some(sku.to_owned()),
+///                 on_success: Default::default(),
+///                 on_dead: Default::default(),
+///             }],
+///             ..Plan::default()
+///         })
+///     }
+/// }
+///
+/// let handlers = Handlers::default().register("reserve-stock", ReserveStock);
+/// # let _ = handlers;
+/// ```
 #[async_trait]
 pub trait Handler: Send + Sync + 'static {
     /// Apply `event` using `tx` (inside the inbox transaction) and return the
