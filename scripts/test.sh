@@ -29,6 +29,7 @@ export RELAY_TEST_DATABASE_URL="postgres://$TEST_ROLE:$TEST_ROLE@127.0.0.1:5432/
 start_kafka
 export RELAY_TEST_KAFKA_BOOTSTRAP="$KAFKA_BOOTSTRAP"
 export RELAY_TEST_KAFKA_PID="$KAFKA_PID"
+export RELAY_TEST_KAFKA_LIBS="$CACHE/kafka-libs"   # for tests that run a broker of their own
 
 say "running cargo test (PostgreSQL at 127.0.0.1:5432, Kafka at $KAFKA_BOOTSTRAP)"
 cargo test --workspace --locked "$@"

@@ -8,6 +8,7 @@ use std::time::Duration;
 use example_provider::{Provider, Settings};
 use relay::{Components, Faults, Handlers, Relay};
 use relay_core::RelayConfig;
+use relay_testkit::process::{RelayProcess, RelaySpec};
 use relay_testkit::{TestDb, TestProducer, create_topics, kafka_bootstrap, unique};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -107,7 +108,15 @@ impl Harness {
 
     /// The base configuration plus `routes` ({topic}, {out} substituted).
     pub fn config(&self, routes: &str) -> RelayConfig {
-        let text = format!(
+        let text = self.config_text(routes);
+        let mut cfg = RelayConfig::from_toml(&text).unwrap_or_else(|e| panic!("test config: {e}\n{text}"));
+        cfg.database.url = Some(self.db.url.clone().into());
+        cfg
+    }
+
+    /// The configuration as TOML (no database URL: processes get DATABASE_URL).
+    pub fn config_text(&self, routes: &str) -> String {
+        format!(
             r#"
 [consumer]
 name = "{consumer}"
@@ -153,10 +162,31 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
             bootstrap = self.bootstrap,
             provider = self.provider.url(),
             routes = routes.replace("{topic}", &self.topic).replace("{out}", &self.out),
-        );
-        let mut cfg = RelayConfig::from_toml(&text).unwrap_or_else(|e| panic!("test config: {e}\n{text}"));
-        cfg.database.url = Some(self.db.url.clone().into());
-        cfg
+        )
+    }
+
+    /// Write `text` to a config file of this test.
+    pub fn write_config(&self, text: &str) -> std::path::PathBuf {
+        let path = std::env::temp_dir().join(format!("{}.toml", unique("relay-test")));
+        std::fs::write(&path, text).expect("write config");
+        path
+    }
+
+    /// A `relay` process (`args` e.g. `["consume"]`) on `config`, logging to a temp file.
+    pub fn process(&self, config: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> RelayProcess {
+        let bin = option_env!("CARGO_BIN_EXE_relay").expect("process tests live in the relay package");
+        let mut all =
+            vec![("DATABASE_URL".to_string(), self.db.url.clone()), ("RUST_LOG".to_string(), "info".to_string())];
+        all.extend(env.iter().map(|(k, v)| ((*k).to_string(), (*v).to_string())));
+        let log = std::env::temp_dir().join(format!("{}.log", unique(&format!("relay-{}", args[0]))));
+        RelayProcess::start(RelaySpec {
+            bin: bin.into(),
+            config: config.to_path_buf(),
+            args: args.iter().map(|a| (*a).to_string()).collect(),
+            env: all,
+            log,
+        })
+        .expect("start relay process")
     }
 
     pub async fn relay(&self, cfg: RelayConfig, handlers: Handlers, faults: Faults) -> Relay {

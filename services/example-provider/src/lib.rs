@@ -134,6 +134,10 @@ pub struct Applied {
     pub path: String,
     /// Body (JSON, or null).
     pub body: serde_json::Value,
+    /// The relay's `X-Relay-Intent-Id` header, if sent: lets a checker tie
+    /// effects to intents even when keys differ.
+    #[serde(default)]
+    pub intent_id: Option<String>,
 }
 
 /// Provider settings.
@@ -203,12 +207,18 @@ fn router(state: AppState) -> Router {
     Router::new()
         .route("/_control/stats", get(stats))
         .route("/_control/faults", post(set_faults))
+        .route("/_control/effects", get(effects))
         .fallback(call)
         .with_state(state)
 }
 
 async fn stats(State(s): State<AppState>) -> impl IntoResponse {
     axum::Json(s.inner.lock().expect("provider lock").stats.clone())
+}
+
+/// Every applied effect, in order (the provider's record for `relay verify`).
+async fn effects(State(s): State<AppState>) -> impl IntoResponse {
+    axum::Json(s.inner.lock().expect("provider lock").log.clone())
 }
 
 async fn set_faults(State(s): State<AppState>, axum::Json(rules): axum::Json<Vec<FaultRule>>) -> impl IntoResponse {
@@ -274,11 +284,13 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
             inner.stats.applied += 1;
             inner.stats.by_key.entry(key.clone()).or_default().applied += 1;
             inner.stored.insert(key.clone(), (201, resource.clone()));
+            let intent_id = headers.get("x-relay-intent-id").and_then(|v| v.to_str().ok()).map(str::to_owned);
             inner.log.push(Applied {
                 key: key.clone(),
                 method: method.to_string(),
                 path: path.clone(),
                 body: body_json,
+                intent_id,
             });
             Plan::Applied { response: resource, delay_after }
         }

@@ -70,7 +70,7 @@ impl Relay {
 
     /// A record processor over this relay's routes (for replays).
     pub fn processor(&self) -> Processor {
-        Processor::new(self.router.clone(), self.handlers.clone())
+        Processor::new(self.router.clone(), self.handlers.clone()).sabotaged(self.faults.sabotage())
     }
 
     /// The inbox consumer.

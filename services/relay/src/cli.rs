@@ -62,6 +62,22 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Check the final state against the relay's invariants: input topics vs
+    /// inbox and dead letters, intents vs the provider's record, outbox vs the
+    /// output topics, stuck rows, business counters. Exit code 1 on a violation.
+    Verify {
+        /// The provider's record of applied effects: a URL (e.g. the example
+        /// provider's /_control/effects) or a file (JSON array or JSON lines of
+        /// {"idempotency_key": …, "intent_id": …}).
+        #[arg(long)]
+        provider_effects: Option<String>,
+        /// Rows past their lease or due time by more than this count as stuck.
+        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+        grace: std::time::Duration,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// End-to-end demo: an embedded Kafka (librdkafka's mock cluster), a local
     /// fake provider, example events with duplicates and poison. Needs DATABASE_URL.
     Demo,
@@ -202,6 +218,20 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             relay.run(which, shutdown).await
         }
         Command::DeadLetters(cmd) => dead_letter_command(cfg, cmd).await,
+        Command::Verify { provider_effects, grace, json } => {
+            let pool = connect(&cfg).await?;
+            let effects = match &provider_effects {
+                Some(src) => Some(crate::verify::load_effects(src).await?),
+                None => None,
+            };
+            let report = crate::verify::verify(&cfg, &pool, &crate::verify::VerifyOptions { effects, grace }).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", report.render());
+            }
+            if report.ok() { Ok(()) } else { anyhow::bail!("{} invariant violation(s)", report.violations.len()) }
+        }
         Command::Stats { json } => {
             let pool = connect(&cfg).await?;
             let s = stats::snapshot(&mut *pool.acquire().await?).await?;

@@ -286,7 +286,7 @@ impl InboxConsumer {
     /// Store and commit `next` as the end of `tp`'s processed prefix. Called
     /// after every database commit, so progress before a stuck record is
     /// committed while the record waits.
-    fn advance(&self, tp: &Tp, next: i64) {
+    fn advance(&self, tp: &Tp, next: i64, mode: CommitMode) {
         self.state.lock().expect("partition state lock").next_offsets.insert(tp.clone(), next);
         let mut tpl = TopicPartitionList::new();
         if tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(next)).is_err() {
@@ -295,7 +295,7 @@ impl InboxConsumer {
         if let Err(e) = self.consumer.store_offsets(&tpl) {
             debug!(error = %e, "storing offsets failed (partition no longer assigned?)");
         }
-        if let Err(e) = self.consumer.commit(&tpl, CommitMode::Async) {
+        if let Err(e) = self.consumer.commit(&tpl, mode) {
             warn!(consumer = %self.settings.name, error = %e, "offset commit failed; it is retried with the next batch");
         }
     }
@@ -324,12 +324,12 @@ impl InboxConsumer {
         let mut db_failures = 0u32;
         let mut rng = StdRng::from_os_rng();
         while i < records.len() {
-            let wait = match self.run_batch(&records[i..]).await {
+            let wait = match self.run_batch(&tp, &records[i..]).await {
                 Ok(BatchRun { done, stopped }) => {
                     db_failures = 0;
                     if done > 0 {
                         i += done;
-                        self.advance(&tp, records[i - 1].offset + 1);
+                        self.advance(&tp, records[i - 1].offset + 1, CommitMode::Async);
                         not_yet = 0;
                     }
                     let Some(poison) = stopped else { continue };
@@ -346,7 +346,7 @@ impl InboxConsumer {
                                     "record parked after its retry budget: {}", poison.reason
                                 );
                                 i += 1;
-                                self.advance(&tp, record.offset + 1);
+                                self.advance(&tp, record.offset + 1, CommitMode::Async);
                                 not_yet = 0;
                                 continue;
                             }
@@ -391,7 +391,7 @@ impl InboxConsumer {
     }
 
     /// One transaction over `records` (one partition, in order).
-    async fn run_batch(&self, records: &[RawRecord]) -> Result<BatchRun, BatchError> {
+    async fn run_batch(&self, tp: &Tp, records: &[RawRecord]) -> Result<BatchRun, BatchError> {
         let mut conn = self.pool.acquire().await?;
         let mut tx = conn.begin().await?;
         let mut done = 0;
@@ -412,6 +412,10 @@ impl InboxConsumer {
             }
             done += 1;
             log.push((record, processed, started.elapsed()));
+        }
+        if self.faults.sabotage().offset_before_commit && done > 0 {
+            // Deliberately wrong (R1): the offset goes out before the data is safe.
+            self.advance(tp, records[done - 1].offset + 1, CommitMode::Sync);
         }
         self.faults.hit(point::CONSUMER_BEFORE_DB_COMMIT).await?;
         tx.commit().await?;

@@ -249,7 +249,14 @@ impl Dispatcher {
             };
             (Verdict::Permanent, r)
         } else if let Some(client) = endpoint {
-            let r = client.call(&intent).await;
+            let r = if self.inner.faults.sabotage().fresh_idempotency_key {
+                // Deliberately wrong (R8): a new key per attempt.
+                let mut fresh = intent.clone();
+                fresh.idempotency_key = format!("{}:{}", intent.idempotency_key, uuid::Uuid::new_v4());
+                client.call(&fresh).await
+            } else {
+                client.call(&intent).await
+            };
             self.inner.faults.hit(point::DISPATCHER_AFTER_CALL).await?;
             (classify(&r.attempt, &client.config().retryable_statuses), r)
         } else {

@@ -51,10 +51,50 @@ struct Fault {
 #[error("fault injected at {0}")]
 pub struct FaultInjected(pub String);
 
+/// Deliberately broken behaviour, to prove that `relay verify` and the soak
+/// catch the bugs the relay's design exists to prevent. Never set in
+/// production: every process that has one logs it at ERROR when it starts.
+/// `RELAY_SABOTAGE=offset-before-commit,no-inbox-dedup,fresh-idempotency-key`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Sabotage {
+    /// Commit the Kafka offset *before* the database transaction (breaks R1).
+    pub offset_before_commit: bool,
+    /// Ignore the inbox's "already recorded" and apply duplicates again (breaks R2).
+    pub no_inbox_dedup: bool,
+    /// Send a new idempotency key on every attempt (breaks R8).
+    pub fresh_idempotency_key: bool,
+}
+
+impl Sabotage {
+    /// Parse the comma-separated list.
+    pub fn parse(spec: &str) -> Result<Sabotage, String> {
+        let mut s = Sabotage::default();
+        for item in spec.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            match item {
+                "offset-before-commit" => s.offset_before_commit = true,
+                "no-inbox-dedup" => s.no_inbox_dedup = true,
+                "fresh-idempotency-key" => s.fresh_idempotency_key = true,
+                other => {
+                    return Err(format!(
+                        "RELAY_SABOTAGE: unknown item {other:?} (offset-before-commit, no-inbox-dedup, fresh-idempotency-key)"
+                    ));
+                }
+            }
+        }
+        Ok(s)
+    }
+
+    /// Any sabotage on.
+    pub fn any(&self) -> bool {
+        *self != Sabotage::default()
+    }
+}
+
 /// The configured faults. Cheap to clone.
 #[derive(Debug, Clone, Default)]
 pub struct Faults {
     points: Arc<HashMap<String, Fault>>,
+    sabotage: Sabotage,
 }
 
 impl Faults {
@@ -69,7 +109,18 @@ impl Faults {
             .iter()
             .map(|(p, a, n)| ((*p).to_owned(), Fault { action: *a, on_hit: *n, hits: AtomicU64::new(0) }))
             .collect();
-        Faults { points: Arc::new(points) }
+        Faults { points: Arc::new(points), sabotage: Sabotage::default() }
+    }
+
+    /// The same faults with `sabotage` switched on.
+    pub fn with_sabotage(mut self, sabotage: Sabotage) -> Faults {
+        self.sabotage = sabotage;
+        self
+    }
+
+    /// The sabotage in effect.
+    pub fn sabotage(&self) -> Sabotage {
+        self.sabotage
     }
 
     /// Parse `point=abort[@n],point=pause:500ms[@n],point=fail[@n]`.
@@ -103,12 +154,23 @@ impl Faults {
         Ok(Faults::new(&refs))
     }
 
-    /// From `RELAY_FAULTS`, if set.
+    /// From `RELAY_FAULTS` and `RELAY_SABOTAGE`, if set.
     pub fn from_env() -> Result<Faults, String> {
-        match std::env::var("RELAY_FAULTS") {
-            Ok(s) => Faults::parse(&s),
-            Err(_) => Ok(Faults::none()),
+        let faults = match std::env::var("RELAY_FAULTS") {
+            Ok(s) => Faults::parse(&s)?,
+            Err(_) => Faults::none(),
+        };
+        let sabotage = match std::env::var("RELAY_SABOTAGE") {
+            Ok(s) => Sabotage::parse(&s)?,
+            Err(_) => Sabotage::default(),
+        };
+        if sabotage.any() {
+            tracing::error!(
+                ?sabotage,
+                "RELAY_SABOTAGE is set: this process is deliberately broken (for checker tests only)"
+            );
         }
+        Ok(faults.with_sabotage(sabotage))
     }
 
     /// How many times point `name` was reached (only counted for configured points).

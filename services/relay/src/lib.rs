@@ -29,6 +29,7 @@ pub mod kafka;
 pub mod processor;
 pub mod publisher;
 pub mod telemetry;
+pub mod verify;
 
 pub use app::{Components, Relay};
 pub use faults::{FaultAction, Faults};

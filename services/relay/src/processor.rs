@@ -34,6 +34,7 @@ use relay_store::{DbErrorKind, classify_error, dead_letters, outbox};
 use serde_json::json;
 use sqlx::{Connection, PgConnection};
 
+use crate::faults::Sabotage;
 use crate::handler::{HandlerError, Handlers};
 
 /// The identity of a processed event, for logs (R16). Never the payload.
@@ -144,12 +145,19 @@ impl From<sqlx::Error> for ApplyError {
 pub struct Processor {
     router: Arc<Router>,
     handlers: Handlers,
+    sabotage: Sabotage,
 }
 
 impl Processor {
     /// A processor over compiled routes and registered handlers.
     pub fn new(router: Arc<Router>, handlers: Handlers) -> Processor {
-        Processor { router, handlers }
+        Processor { router, handlers, sabotage: Sabotage::default() }
+    }
+
+    /// The same processor, deliberately broken (see [`Sabotage`]).
+    pub fn sabotaged(mut self, sabotage: Sabotage) -> Processor {
+        self.sabotage = sabotage;
+        self
     }
 
     /// The routing table.
@@ -244,7 +252,9 @@ impl Processor {
         mut plan: Plan,
     ) -> Result<Applied, ApplyError> {
         let consumer = self.router.consumer();
-        if inbox::insert(tx, &self.inbox_row(event, record, InboxOutcome::Applied)).await? == InboxInsert::Duplicate {
+        if inbox::insert(tx, &self.inbox_row(event, record, InboxOutcome::Applied)).await? == InboxInsert::Duplicate
+            && !self.sabotage.no_inbox_dedup
+        {
             return Ok(Applied::Duplicate);
         }
         if let Some(key) = &event.idempotency_key

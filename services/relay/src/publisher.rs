@@ -25,6 +25,9 @@ use crate::dispatcher::{listen, notified, until_due};
 use crate::faults::{Faults, point};
 use crate::kafka::{Role, client_config};
 
+/// Header carrying the outbox row id on every published record.
+pub const OUTBOX_ID_HEADER: &str = "relay_outbox_id";
+
 /// Channel the outbox trigger notifies.
 pub const CHANNEL: &str = "relay_outbox";
 
@@ -181,10 +184,14 @@ impl Publisher {
 
     async fn produce(&self, row: &ClaimedRow) -> Result<(i32, i64), KafkaError> {
         let headers = row.headers();
-        let mut hs = OwnedHeaders::new_with_capacity(headers.len());
+        let mut hs = OwnedHeaders::new_with_capacity(headers.len() + 1);
         for h in &headers {
             hs = hs.insert(KHeader { key: &h.name, value: h.value.as_deref() });
         }
+        // Lets anyone (and `relay verify`) match a record to its outbox row,
+        // dead-letter copies included; for events it equals `ce_id`.
+        let id = row.id.to_string();
+        hs = hs.insert(KHeader { key: OUTBOX_ID_HEADER, value: Some(id.as_bytes()) });
         let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&row.topic).headers(hs);
         if let Some(k) = &row.key {
             record = record.key(k.as_slice());

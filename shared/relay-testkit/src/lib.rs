@@ -8,6 +8,8 @@
 //! message saying so when they are missing: a test that needs a broker never
 //! silently passes without one.
 
+pub mod process;
+
 use std::collections::HashMap;
 use std::future::Future;
 use std::time::{Duration, Instant};
