@@ -133,6 +133,8 @@ max_delay = "500ms"
 
 [kafka]
 bootstrap_servers = "{bootstrap}"
+# The broker's minimum: a killed member's partitions move on sooner.
+consumer_properties = {{ "session.timeout.ms" = "6000" }}
 
 [database]
 max_connections = 8
