@@ -144,3 +144,25 @@ stop_kafka() {
   [ -n "$KAFKA_DIR" ] && rm -rf "$KAFKA_DIR"
   KAFKA_PID=""
 }
+
+# PostgreSQL (started if needed) + a fresh Apache Kafka broker for tests and
+# the soak; exports RELAY_TEST_* and installs a cleanup trap.
+start_test_services() {
+  TEST_ROLE=relay_test
+  ensure_postgres "$TEST_ROLE"
+  export RELAY_TEST_DATABASE_URL="postgres://$TEST_ROLE:$TEST_ROLE@127.0.0.1:5432/postgres"
+  start_kafka
+  export RELAY_TEST_KAFKA_BOOTSTRAP="$KAFKA_BOOTSTRAP"
+  export RELAY_TEST_KAFKA_LIBS="$CACHE/kafka-libs"   # for tests that run a broker of their own
+  trap cleanup_test_services EXIT INT TERM
+}
+
+cleanup_test_services() {
+  local rc=$?
+  stop_kafka
+  # Drop the databases tests and soaks created.
+  su postgres -c "psql -qAt -c \"SELECT datname FROM pg_database WHERE datname LIKE 'relay_test_%'\"" 2>/dev/null |
+    while read -r db; do su postgres -c "psql -q -c 'DROP DATABASE IF EXISTS \"$db\" WITH (FORCE)'" >/dev/null 2>&1 || true; done
+  stop_postgres_if_started
+  exit $rc
+}

@@ -469,3 +469,27 @@ async fn each_endpoint_keeps_to_its_concurrency_limit_and_rate_limit() {
     .unwrap();
     assert!(span >= 1.2, "12 calls at 8/s took {span:.3}s");
 }
+
+#[tokio::test]
+async fn provider_answers_that_are_not_json_are_classified_by_status_alone() {
+    let h = Harness::new(1).await;
+    h.provider.set_faults(vec![
+        rule("capture:o-page", None, FaultKind::Html { status: 200 }),
+        rule("capture:o-gateway", Some(2), FaultKind::Html { status: 502 }),
+        rule("capture:o-forbidden", None, FaultKind::Html { status: 403 }),
+    ]);
+    h.send(&order("evt-1", "o-page")).await;
+    h.send(&order("evt-2", "o-gateway")).await;
+    h.send(&order("evt-3", "o-forbidden")).await;
+    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    h.await_intents_finished(3).await;
+    run.stop().await.unwrap();
+    assert_eq!(intent_state(&h, "capture:o-page").await.0, "succeeded", "a 2xx HTML page is still a success");
+    assert_eq!(
+        attempts(&h, "capture:o-gateway").await,
+        vec![("retryable".into(), Some(502)), ("retryable".into(), Some(502)), ("succeeded".into(), Some(201))]
+    );
+    let (state, _, status, error) = intent_state(&h, "capture:o-forbidden").await;
+    assert_eq!((state.as_str(), status), ("dead", Some(403)));
+    assert!(error.unwrap().contains("<html>"), "the error keeps a bounded snippet of the body");
+}

@@ -48,6 +48,34 @@ pub enum FaultKind {
         /// Delay before answering.
         delay_ms: u64,
     },
+    /// Answer with an HTML page instead of JSON: applied when `status` is
+    /// 2xx, not applied otherwise (a misconfigured gateway, a maintenance page).
+    Html {
+        /// HTTP status.
+        status: u16,
+    },
+    /// Misbehave at random (deterministically per key and request number):
+    /// out of every 1000 requests, about `per_mille_503` get 503, `per_mille_429`
+    /// get 429 with `Retry-After: 1`, `per_mille_timeout` are applied and then
+    /// answered only after `timeout_ms`.
+    Chaos {
+        /// 503s per 1000 requests.
+        per_mille_503: u16,
+        /// 429s per 1000 requests.
+        per_mille_429: u16,
+        /// Timeouts after applying per 1000 requests.
+        per_mille_timeout: u16,
+        /// How late a timed-out request is answered.
+        timeout_ms: u64,
+    },
+}
+
+/// A number in 0..1000 fixed by (key, request number).
+fn dice(key: &str, nth: u32) -> u16 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (key, nth).hash(&mut h);
+    (h.finish() % 1000) as u16
 }
 
 /// A fault rule: which requests misbehave, how, and how often.
@@ -229,7 +257,8 @@ async fn set_faults(State(s): State<AppState>, axum::Json(rules): axum::Json<Vec
 enum Plan {
     Replay(u16, serde_json::Value),
     Conflict,
-    Applied { response: serde_json::Value, delay_after: Option<u64> },
+    Applied { response: serde_json::Value, delay_after: Option<u64>, html: bool },
+    HtmlFail(u16),
     Fail(u16, Option<u64>),
     SlowFail(u64),
 }
@@ -262,10 +291,34 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
                     && r.key_prefix.as_deref().is_none_or(|p| key.starts_with(p))
                     && r.times.is_none_or(|t| nth <= t)
             });
-            let delay_after = match rule.map(|r| r.kind.clone()) {
+            let kind = match rule.map(|r| r.kind.clone()) {
+                Some(FaultKind::Chaos { per_mille_503, per_mille_429, per_mille_timeout, timeout_ms }) => {
+                    let d = dice(&key, nth);
+                    if d < per_mille_503 {
+                        Some(FaultKind::Status { status: 503, retry_after_secs: None })
+                    } else if d < per_mille_503 + per_mille_429 {
+                        Some(FaultKind::Status { status: 429, retry_after_secs: Some(1) })
+                    } else if d < per_mille_503 + per_mille_429 + per_mille_timeout {
+                        Some(FaultKind::TimeoutAfterApply { delay_ms: timeout_ms })
+                    } else {
+                        None
+                    }
+                }
+                other => other,
+            };
+            let mut html = false;
+            let delay_after = match kind {
                 Some(FaultKind::Status { status, retry_after_secs }) => {
                     break 'plan Plan::Fail(status, retry_after_secs);
                 }
+                Some(FaultKind::Html { status }) if !(200..300).contains(&status) => {
+                    break 'plan Plan::HtmlFail(status);
+                }
+                Some(FaultKind::Html { .. }) => {
+                    html = true;
+                    None
+                }
+                Some(FaultKind::Chaos { .. }) => None,
                 Some(FaultKind::TimeoutBeforeApply { delay_ms }) => {
                     break 'plan Plan::SlowFail(delay_ms);
                 }
@@ -292,7 +345,7 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
                 body: body_json,
                 intent_id,
             });
-            Plan::Applied { response: resource, delay_after }
+            Plan::Applied { response: resource, delay_after, html }
         }
     };
     match plan {
@@ -310,16 +363,26 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
         }
         Plan::Fail(status, retry_after) => fail(status, retry_after),
         Plan::SlowFail(ms) => delay_then_fail(ms).await,
-        Plan::Applied { response, delay_after } => {
+        Plan::HtmlFail(status) => html_page(status),
+        Plan::Applied { response, delay_after, html } => {
             // Ends "in progress" even when the client hangs up first and the
             // server drops this future mid-sleep (a timeout after applying).
             let _in_progress = InProgress { inner: s.inner.clone(), key };
             if let Some(ms) = delay_after {
                 tokio::time::sleep(Duration::from_millis(ms)).await;
             }
+            if html {
+                return html_page(200);
+            }
             (StatusCode::CREATED, axum::Json(response)).into_response()
         }
     }
+}
+
+fn html_page(status: u16) -> Response {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let body = format!("<html><body><h1>{status}</h1><p>upstream says no</p></body></html>");
+    (status, [("content-type", "text/html")], body).into_response()
 }
 
 struct InProgress {

@@ -84,6 +84,8 @@ pub struct Violation {
     pub check: &'static str,
     /// What is wrong.
     pub message: String,
+    /// How many event ids, keys or rows are involved.
+    pub count: usize,
     /// Event ids, keys or row ids involved (at most 20 listed).
     pub ids: Vec<String>,
 }
@@ -131,9 +133,10 @@ impl Report {
 
     fn violate(&mut self, check: &'static str, message: String, ids: impl IntoIterator<Item = String>) {
         let mut ids: Vec<String> = ids.into_iter().collect();
+        let count = ids.len();
         ids.sort();
         ids.truncate(20);
-        self.violations.push(Violation { check, message, ids });
+        self.violations.push(Violation { check, message, count, ids });
     }
 
     /// Human-readable report.

@@ -11,6 +11,7 @@
 pub mod config;
 pub mod effects;
 pub mod envelope;
+pub mod fuzz;
 pub mod ids;
 pub mod retry;
 pub mod router;

@@ -57,9 +57,14 @@ pub struct TestDb {
 }
 
 impl TestDb {
-    /// Create and migrate a new database.
+    /// Create and migrate a new database on the test server.
     pub async fn new() -> anyhow::Result<TestDb> {
-        let admin_url = env("RELAY_TEST_DATABASE_URL");
+        TestDb::create_in(&env("RELAY_TEST_DATABASE_URL")).await
+    }
+
+    /// Create and migrate a new database through `admin_url` (a role that may create databases).
+    pub async fn create_in(admin_url: &str) -> anyhow::Result<TestDb> {
+        let admin_url = admin_url.to_owned();
         let name = format!("relay_test_{}", Uuid::new_v4().simple());
         let mut admin = PgConnection::connect(&admin_url).await.context("connect as the test role")?;
         sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut admin).await?;
