@@ -1,0 +1,941 @@
+//! The relay's benchmark harness. Every number is measured next to its
+//! reference in the same run, because absolute numbers on shared 2-core
+//! machines drift while ratios measured side by side hold:
+//!
+//! * **ingest** — Kafka records → inbox row + 1 intent + 1 outbox row each,
+//!   offsets committed — against the *limit* (the same rows written with
+//!   batched `UNNEST` inserts, no Kafka) and the *floor* (a naive consumer:
+//!   one transaction per record, check before insert);
+//! * **dispatch** — pending intents → HTTP POST → finalized — against the raw
+//!   rate of the same HTTP client on the same provider, by concurrency and by
+//!   number of dispatcher processes;
+//! * **relay to Kafka** — outbox rows → acknowledged → marked published —
+//!   against the same records produced directly;
+//! * **latency** — produce → the provider receives the call, at steady rates;
+//! * **growth** — ingest and claim with big tables and a long-open snapshot;
+//! * **memory** — peak RSS of consumer and dispatcher processes with a backlog.
+//!
+//! Each figure is the median of `runs` runs.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::{Header as KHeader, Message, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use relay::{Components, Faults, Handlers, Relay};
+use relay_core::RelayConfig;
+use relay_testkit::process::{RelayProcess, RelaySpec};
+use relay_testkit::{TestDb, TestEvent, TestProducer, committed_offsets, create_topics, unique};
+use sqlx::{Connection, PgPool};
+use tokio_util::sync::CancellationToken;
+
+/// Where and how much.
+#[derive(Debug, Clone)]
+pub struct Env {
+    /// PostgreSQL URL of a role that may create databases.
+    pub admin_url: String,
+    /// Kafka bootstrap servers.
+    pub bootstrap: String,
+    /// The `relay` binary (for the multi-process rows).
+    pub relay_bin: PathBuf,
+    /// Small sizes, one run: checks the harness works.
+    pub quick: bool,
+    /// Runs per figure (median reported).
+    pub runs: usize,
+}
+
+impl Env {
+    fn size(&self, quick: usize, full: usize) -> usize {
+        if self.quick { quick } else { full }
+    }
+}
+
+/// One measured row.
+#[derive(Debug, Clone)]
+pub struct Row {
+    /// What was measured.
+    pub name: String,
+    /// Median rate (per second).
+    pub rate: f64,
+    /// Slowest and fastest run.
+    pub spread: (f64, f64),
+    /// Latency percentiles in ms, when measured.
+    pub latency: Option<(f64, f64)>,
+    /// Extra text.
+    pub note: String,
+}
+
+/// A table of rows with its verdict.
+#[derive(Debug, Clone, Default)]
+pub struct Section {
+    /// Title.
+    pub title: String,
+    /// Unit of the rate column.
+    pub unit: String,
+    /// Rows.
+    pub rows: Vec<Row>,
+    /// Goals and whether they were met.
+    pub verdicts: Vec<String>,
+}
+
+impl Section {
+    fn new(title: &str, unit: &str) -> Section {
+        Section { title: title.into(), unit: unit.into(), ..Section::default() }
+    }
+
+    fn rate(&self, name: &str) -> f64 {
+        self.rows.iter().find(|r| r.name == name).map_or(0.0, |r| r.rate)
+    }
+
+    /// Markdown.
+    pub fn render(&self) -> String {
+        let mut s = format!(
+            "### {}\n\n| | {} (median) | min – max | p50 ms | p99 ms | note |\n|---|---:|---:|---:|---:|---|\n",
+            self.title, self.unit
+        );
+        for r in &self.rows {
+            let (p50, p99) = r.latency.map_or(("".into(), "".into()), |(a, b)| (format!("{a:.1}"), format!("{b:.1}")));
+            s.push_str(&format!(
+                "| {} | {:.0} | {:.0} – {:.0} | {p50} | {p99} | {} |\n",
+                r.name, r.rate, r.spread.0, r.spread.1, r.note
+            ));
+        }
+        for v in &self.verdicts {
+            s.push_str(&format!("\n{v}\n"));
+        }
+        s.push('\n');
+        s
+    }
+}
+
+async fn median<F, Fut>(env: &Env, mut f: F) -> anyhow::Result<(f64, (f64, f64), Option<(f64, f64)>)>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<(f64, Option<(f64, f64)>)>>,
+{
+    let mut rates = Vec::new();
+    let mut lat = Vec::new();
+    for _ in 0..env.runs.max(1) {
+        let (r, l) = f().await?;
+        rates.push(r);
+        if let Some(l) = l {
+            lat.push(l);
+        }
+    }
+    let mut sorted = rates.clone();
+    sorted.sort_by(f64::total_cmp);
+    let mid = sorted[sorted.len() / 2];
+    let lat = if lat.is_empty() {
+        None
+    } else {
+        lat.sort_by(|a, b| a.1.total_cmp(&b.1));
+        Some(lat[lat.len() / 2])
+    };
+    Ok((mid, (sorted[0], sorted[sorted.len() - 1]), lat))
+}
+
+fn row(name: impl Into<String>, m: (f64, (f64, f64), Option<(f64, f64)>), note: impl Into<String>) -> Row {
+    Row { name: name.into(), rate: m.0, spread: m.1, latency: m.2, note: note.into() }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+// ---------------------------------------------------------------------------
+// A minimal provider: answers 201 at once and records, per request, the time
+// since the event was produced (when the body carries `produced_at_us`).
+// ---------------------------------------------------------------------------
+
+#[derive(Clone, Default)]
+struct Sink {
+    requests: Arc<AtomicU64>,
+    latencies_ms: Arc<Mutex<Vec<f64>>>,
+}
+
+fn now_us() -> i64 {
+    chrono::Utc::now().timestamp_micros()
+}
+
+impl Sink {
+    async fn start() -> anyhow::Result<(Sink, String)> {
+        let sink = Sink::default();
+        let s = sink.clone();
+        let app = axum::Router::new().fallback(move |body: axum::body::Bytes| {
+            let s = s.clone();
+            async move {
+                s.requests.fetch_add(1, Ordering::Relaxed);
+                if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body)
+                    && let Some(at) = v.get("produced_at_us").and_then(serde_json::Value::as_i64)
+                {
+                    s.latencies_ms.lock().expect("sink lock").push((now_us() - at) as f64 / 1000.0);
+                }
+                (axum::http::StatusCode::CREATED, "{}")
+            }
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        Ok((sink, url))
+    }
+}
+
+struct Setup {
+    db: TestDb,
+    topic: String,
+    out: String,
+    group: String,
+    sink: Sink,
+    sink_url: String,
+}
+
+const CONSUMER: &str = "bench";
+
+async fn setup(env: &Env, partitions: i32) -> anyhow::Result<Setup> {
+    let db = TestDb::create_in(&env.admin_url).await?;
+    let (topic, out) = (unique("bench-in"), unique("bench-out"));
+    create_topics(&env.bootstrap, &[&topic, &out], partitions).await?;
+    let (sink, sink_url) = Sink::start().await?;
+    Ok(Setup { db, topic, out, group: unique("bench-group"), sink, sink_url })
+}
+
+fn config_text(env: &Env, s: &Setup, dispatch_concurrency: usize) -> String {
+    format!(
+        r#"
+[consumer]
+name = "{CONSUMER}"
+group_id = "{group}"
+batch_size = 500
+
+[kafka]
+bootstrap_servers = "{bootstrap}"
+
+[database]
+max_connections = 16
+
+[dispatcher]
+concurrency = {dispatch_concurrency}
+claim_batch = 64
+lease = "30s"
+poll_interval = "1s"
+
+[publisher]
+batch_size = 500
+lease = "60s"
+delivery_timeout = "30s"
+poll_interval = "1s"
+
+[endpoints.sink]
+base_url = "{sink}"
+timeout = "5s"
+concurrency = {dispatch_concurrency}
+
+[[routes]]
+topic = "{topic}"
+type = "order.placed"
+counter = "orders"
+
+[[routes.actions]]
+kind = "call"
+name = "capture"
+endpoint = "sink"
+path = "/captures"
+idempotency_key = "capture:{{{{ data.order_id }}}}"
+body = {{ order_id = "{{{{ data.order_id }}}}", amount = "{{{{ data.amount }}}}", produced_at_us = "{{{{ data.produced_at_us }}}}" }}
+
+[[routes.actions]]
+kind = "emit"
+name = "accepted"
+type = "order.accepted"
+topic = "{out}"
+key = "{{{{ data.order_id }}}}"
+data = {{ order_id = "{{{{ data.order_id }}}}" }}
+"#,
+        group = s.group,
+        bootstrap = env.bootstrap,
+        sink = s.sink_url,
+        topic = s.topic,
+        out = s.out,
+    )
+}
+
+fn config(env: &Env, s: &Setup, dispatch_concurrency: usize) -> anyhow::Result<RelayConfig> {
+    let mut cfg = RelayConfig::from_toml(&config_text(env, s, dispatch_concurrency))?;
+    cfg.database.url = Some(s.db.url.clone().into());
+    Ok(cfg)
+}
+
+fn event(i: usize) -> TestEvent {
+    let order = format!("o-{i}");
+    TestEvent::new(
+        &format!("e-{i}"),
+        "order.placed",
+        serde_json::json!({"order_id": order, "amount": i, "produced_at_us": now_us()}),
+    )
+    .key(&order)
+}
+
+async fn produce(env: &Env, topic: &str, range: std::ops::Range<usize>) -> anyhow::Result<()> {
+    let p = TestProducer::new(&env.bootstrap)?;
+    let all: Vec<usize> = range.collect();
+    for chunk in all.chunks(1000) {
+        let sends = chunk.iter().map(|i| {
+            let e = event(*i);
+            let p = &p;
+            async move { p.event(topic, &e).await }
+        });
+        for r in futures::future::join_all(sends).await {
+            r?;
+        }
+    }
+    Ok(())
+}
+
+async fn count(pool: &PgPool, sql: &str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap_or(-1)
+}
+
+async fn wait_until(what: &str, deadline: Duration, mut ok: impl AsyncFnMut() -> bool) -> anyhow::Result<()> {
+    let end = Instant::now() + deadline;
+    while !ok().await {
+        if Instant::now() > end {
+            anyhow::bail!("timed out waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
+
+fn start(relay: Relay, which: Components) -> (CancellationToken, tokio::task::JoinHandle<anyhow::Result<()>>) {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    (token, tokio::spawn(async move { relay.run(which, t).await }))
+}
+
+const CONSUME: Components = Components { consumer: true, dispatcher: false, publisher: false };
+const DISPATCH: Components = Components { consumer: false, dispatcher: true, publisher: false };
+const PUBLISH: Components = Components { consumer: false, dispatcher: false, publisher: true };
+
+/// Ingest through the relay into `s` (which may hold rows already): records/s
+/// from the first row recorded to the last offset committed.
+async fn ingest_into(env: &Env, s: &Setup, n: usize, first: usize) -> anyhow::Result<f64> {
+    produce(env, &s.topic, first..first + n).await?;
+    let before = count(&s.db.pool, "SELECT count(*) FROM relay.inbox").await;
+    let relay = Relay::new(config(env, s, 64)?, Handlers::default(), Faults::none()).await?;
+    let (token, task) = start(relay, CONSUME);
+    wait_until("the first record", Duration::from_secs(120), async || {
+        count(&s.db.pool, "SELECT count(*) FROM relay.inbox").await > before
+    })
+    .await?;
+    let t0 = Instant::now();
+    let c0 = count(&s.db.pool, "SELECT count(*) FROM relay.inbox").await - before;
+    let total = (first + n) as i64;
+    wait_until("every offset committed", Duration::from_secs(600), async || {
+        committed_offsets(&env.bootstrap, &s.group, &s.topic)
+            .await
+            .map(|c| c.values().map(|o| o.unwrap_or(0)).sum::<i64>() >= total)
+            .unwrap_or(false)
+    })
+    .await?;
+    let elapsed = t0.elapsed().as_secs_f64();
+    token.cancel();
+    task.await??;
+    Ok((n as f64 - c0 as f64) / elapsed)
+}
+
+async fn ingest_relay(env: &Env, n: usize) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
+    let s = setup(env, 4).await?;
+    Ok((ingest_into(env, &s, n, 0).await?, None))
+}
+
+/// The limit: the same rows, batched `UNNEST` inserts, one transaction per batch, no Kafka.
+async fn ingest_limit(env: &Env, n: usize, batch: usize) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
+    let s = setup(env, 1).await?;
+    let t0 = Instant::now();
+    let mut conn = s.db.pool.acquire().await?;
+    for start in (0..n).step_by(batch) {
+        let ids: Vec<String> = (start..(start + batch).min(n)).map(|i| format!("e-{i}")).collect();
+        let mut tx = conn.begin().await?;
+        sqlx::query(
+            r#"INSERT INTO relay.inbox (consumer, event_id, event_type, topic, partition, "offset", outcome)
+               SELECT 'bench', id, 'order.placed', 't', 0, 0, 'applied' FROM unnest($1::text[]) id
+               ON CONFLICT DO NOTHING"#,
+        )
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path, body,
+                                        idempotency_key, max_attempts, expires_at, emit_source)
+             SELECT gen_random_uuid(), 'bench', id, 'capture', 'sink', 'POST', '/captures',
+                    jsonb_build_object('order_id', id, 'amount', 1), 'capture:' || id, 10, now() + interval '1 day', 'bench'
+               FROM unnest($1::text[]) id ON CONFLICT DO NOTHING",
+        )
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            r#"INSERT INTO relay.outbox (id, consumer, source_id, action, topic, key, headers, payload, event_type, ordering_key)
+               SELECT gen_random_uuid(), 'bench', id, 'accepted', 'out', convert_to(id, 'UTF8'),
+                      '[{"name":"ce_specversion","text":"1.0"},{"name":"ce_type","text":"order.accepted"}]'::jsonb,
+                      convert_to(jsonb_build_object('order_id', id)::text, 'UTF8'), 'order.accepted', id
+                 FROM unnest($1::text[]) id ON CONFLICT DO NOTHING"#,
+        )
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+    }
+    Ok((n as f64 / t0.elapsed().as_secs_f64(), None))
+}
+
+/// The floor: one transaction per record, check before insert, offset stored per record.
+async fn ingest_floor(env: &Env, n: usize) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
+    let s = setup(env, 1).await?;
+    produce(env, &s.topic, 0..n).await?;
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &env.bootstrap)
+        .set("group.id", &s.group)
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .create()?;
+    consumer.subscribe(&[&s.topic])?;
+    let mut conn = s.db.pool.acquire().await?;
+    let mut stream = consumer.stream();
+    let mut t0 = None;
+    for i in 0..n {
+        let m = stream.next().await.ok_or_else(|| anyhow::anyhow!("stream ended"))??;
+        t0.get_or_insert_with(Instant::now);
+        let id = format!("e-{i}");
+        let mut tx = conn.begin().await?;
+        let seen: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM relay.inbox WHERE consumer = 'bench' AND event_id = $1)")
+                .bind(&id)
+                .fetch_one(&mut *tx)
+                .await?;
+        if !seen {
+            sqlx::query(r#"INSERT INTO relay.inbox (consumer, event_id, event_type, topic, partition, "offset", outcome) VALUES ('bench', $1, 'order.placed', 't', 0, $2, 'applied')"#)
+                .bind(&id)
+                .bind(m.offset())
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query(
+                "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path, idempotency_key, max_attempts, expires_at, emit_source)
+                 VALUES (gen_random_uuid(), 'bench', $1, 'capture', 'sink', 'POST', '/captures', 'capture:' || $1, 10, now() + interval '1 day', 'bench')",
+            )
+            .bind(&id)
+            .execute(&mut *tx)
+            .await?;
+            sqlx::query("INSERT INTO relay.outbox (id, consumer, source_id, action, topic) VALUES (gen_random_uuid(), 'bench', $1, 'accepted', 'out')")
+                .bind(&id)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        consumer.store_offset_from_message(&m)?;
+    }
+    let rate = n as f64 / t0.map_or(1.0, |t| t.elapsed().as_secs_f64());
+    Ok((rate, None))
+}
+
+async fn insert_intents(pool: &PgPool, m: usize) -> anyhow::Result<()> {
+    sqlx::query(
+        "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path, body,
+                                    idempotency_key, max_attempts, expires_at, emit_source)
+         SELECT gen_random_uuid(), 'bench', 'e-' || g, 'capture', 'sink', 'POST', '/captures',
+                jsonb_build_object('order_id', 'o-' || g), 'capture:o-' || g, 10, now() + interval '1 day', 'bench'
+           FROM generate_series(1, $1) g",
+    )
+    .bind(m as i64)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Dispatch `m` pending intents with `processes` dispatchers of `concurrency` each.
+async fn dispatch_relay(
+    env: &Env,
+    m: usize,
+    concurrency: usize,
+    processes: usize,
+) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
+    let s = setup(env, 1).await?;
+    insert_intents(&s.db.pool, m).await?;
+    let t0 = Instant::now();
+    let mut procs = Vec::new();
+    let mut inproc = None;
+    if processes <= 1 {
+        let relay = Relay::new(config(env, &s, concurrency)?, Handlers::default(), Faults::none()).await?;
+        inproc = Some(start(relay, DISPATCH));
+    } else {
+        let path = std::env::temp_dir().join(format!("{}.toml", unique("bench")));
+        std::fs::write(&path, config_text(env, &s, concurrency))?;
+        for i in 0..processes {
+            procs.push(RelayProcess::start(RelaySpec {
+                bin: env.relay_bin.clone(),
+                config: path.clone(),
+                args: vec!["dispatch".into(), "--intents-only".into()],
+                env: vec![("DATABASE_URL".into(), s.db.url.clone()), ("RUST_LOG".into(), "warn".into())],
+                log: std::env::temp_dir().join(format!("{}-d{i}.log", unique("bench"))),
+            })?);
+        }
+    }
+    wait_until("every intent succeeded", Duration::from_secs(600), async || {
+        count(&s.db.pool, "SELECT count(*) FROM relay.intents WHERE state = 'succeeded'").await == m as i64
+    })
+    .await?;
+    let rate = m as f64 / t0.elapsed().as_secs_f64();
+    if let Some((token, task)) = inproc {
+        token.cancel();
+        task.await??;
+    }
+    for mut p in procs {
+        p.terminate(Duration::from_secs(30))?;
+    }
+    Ok((rate, None))
+}
+
+/// The limit: the same client, the same provider, no database.
+async fn dispatch_limit(m: usize, concurrency: usize) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
+    let (sink, url) = Sink::start().await?;
+    let client = reqwest::Client::builder().pool_max_idle_per_host(concurrency).build()?;
+    let t0 = Instant::now();
+    futures::stream::iter(0..m)
+        .map(|i| {
+            let req = client
+                .post(format!("{url}/captures"))
+                .header("Idempotency-Key", format!("capture:o-{i}"))
+                .json(&serde_json::json!({"order_id": format!("o-{i}")}));
+            async move { req.send().await.and_then(reqwest::Response::error_for_status) }
+        })
+        .buffer_unordered(concurrency)
+        .for_each(|r| async move {
+            r.expect("sink answers");
+        })
+        .await;
+    let rate = m as f64 / t0.elapsed().as_secs_f64();
+    assert_eq!(sink.requests.load(Ordering::Relaxed), m as u64);
+    Ok((rate, None))
+}
+
+async fn insert_outbox(pool: &PgPool, topic: &str, k: usize) -> anyhow::Result<()> {
+    sqlx::query(
+        r#"INSERT INTO relay.outbox (id, consumer, source_id, action, topic, key, headers, payload, event_type, ordering_key)
+           SELECT gen_random_uuid(), 'bench', 'e-' || g, 'accepted', $1, convert_to('o-' || g, 'UTF8'),
+                  '[{"name":"ce_specversion","text":"1.0"},{"name":"ce_type","text":"order.accepted"},{"name":"ce_source","text":"bench"}]'::jsonb,
+                  convert_to(jsonb_build_object('order_id', 'o-' || g)::text, 'UTF8'), 'order.accepted', 'o-' || g
+             FROM generate_series(1, $2) g"#,
+    )
+    .bind(topic)
+    .bind(k as i64)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+async fn publish_relay(env: &Env, k: usize) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
+    let s = setup(env, 4).await?;
+    insert_outbox(&s.db.pool, &s.out, k).await?;
+    let relay = Relay::new(config(env, &s, 64)?, Handlers::default(), Faults::none()).await?;
+    let t0 = Instant::now();
+    let (token, task) = start(relay, PUBLISH);
+    wait_until("every row published", Duration::from_secs(600), async || {
+        count(&s.db.pool, "SELECT count(*) FROM relay.outbox WHERE state = 'published'").await == k as i64
+    })
+    .await?;
+    let rate = k as f64 / t0.elapsed().as_secs_f64();
+    token.cancel();
+    task.await??;
+    Ok((rate, None))
+}
+
+/// The limit: the same records through an idempotent producer with the same settings, no database.
+async fn publish_limit(env: &Env, k: usize) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
+    let topic = unique("bench-raw");
+    create_topics(&env.bootstrap, &[&topic], 4).await?;
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &env.bootstrap)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "5")
+        .set("compression.type", "lz4")
+        .create()?;
+    let t0 = Instant::now();
+    let all: Vec<usize> = (0..k).collect();
+    for chunk in all.chunks(500) {
+        let sends = chunk.iter().map(|i| {
+            let key = format!("o-{i}");
+            let payload = serde_json::json!({"order_id": key}).to_string();
+            let id = uuid::Uuid::new_v4().to_string();
+            let producer = &producer;
+            let topic = &topic;
+            async move {
+                let headers = OwnedHeaders::new()
+                    .insert(KHeader { key: "ce_specversion", value: Some("1.0") })
+                    .insert(KHeader { key: "ce_type", value: Some("order.accepted") })
+                    .insert(KHeader { key: "relay_outbox_id", value: Some(id.as_str()) });
+                producer
+                    .send(FutureRecord::to(topic).key(&key).payload(&payload).headers(headers), Duration::from_secs(30))
+                    .await
+                    .map_err(|(e, _)| e)
+            }
+        });
+        for r in futures::future::join_all(sends).await {
+            r?;
+        }
+    }
+    Ok((k as f64 / t0.elapsed().as_secs_f64(), None))
+}
+
+/// Produce at `rate`/s for `secs`; latency from produce to the provider receiving the call.
+async fn latency(env: &Env, rate: f64, secs: f64) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
+    let s = setup(env, 4).await?;
+    let relay = Relay::new(config(env, &s, 64)?, Handlers::default(), Faults::none()).await?;
+    let (token, task) = start(relay, Components { consumer: true, dispatcher: true, publisher: false });
+    // Warm up: wait until the consumer has its partitions (a first record goes through).
+    produce(env, &s.topic, 0..1).await?;
+    wait_until("warm-up call", Duration::from_secs(60), async || s.sink.requests.load(Ordering::Relaxed) >= 1).await?;
+    s.sink.latencies_ms.lock().expect("sink lock").clear();
+    let p = TestProducer::new(&env.bootstrap)?;
+    let total = (rate * secs) as usize;
+    let t0 = Instant::now();
+    let mut sent = 0;
+    let mut inflight = Vec::new();
+    while sent < total {
+        let due = ((t0.elapsed().as_secs_f64() * rate) as usize).min(total);
+        while sent < due {
+            let e = event(1 + sent);
+            let p = &p;
+            let topic = &s.topic;
+            inflight.push(async move { p.event(topic, &e).await });
+            sent += 1;
+        }
+        if inflight.len() >= 200 || sent == total {
+            for r in futures::future::join_all(inflight.drain(..)).await {
+                r?;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    for r in futures::future::join_all(inflight.drain(..)).await {
+        r?;
+    }
+    let achieved = total as f64 / t0.elapsed().as_secs_f64();
+    wait_until("every call received", Duration::from_secs(120), async || {
+        s.sink.requests.load(Ordering::Relaxed) > total as u64
+    })
+    .await?;
+    token.cancel();
+    task.await??;
+    let mut l = s.sink.latencies_ms.lock().expect("sink lock").clone();
+    l.sort_by(f64::total_cmp);
+    Ok((achieved, Some((percentile(&l, 0.5), percentile(&l, 0.99)))))
+}
+
+/// Peak RSS (VmHWM) of a process, in MiB.
+fn peak_rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).map(str::to_owned))
+        .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<f64>().ok()))
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+async fn memory(env: &Env, backlog: usize) -> anyhow::Result<Vec<Row>> {
+    let s = setup(env, 4).await?;
+    let path = std::env::temp_dir().join(format!("{}.toml", unique("bench")));
+    std::fs::write(&path, config_text(env, &s, 64))?;
+    let spec = |args: &[&str]| RelaySpec {
+        bin: env.relay_bin.clone(),
+        config: path.clone(),
+        args: args.iter().map(|a| (*a).to_string()).collect(),
+        env: vec![("DATABASE_URL".into(), s.db.url.clone()), ("RUST_LOG".into(), "warn".into())],
+        log: std::env::temp_dir().join(format!("{}-mem.log", unique("bench"))),
+    };
+    // Consumer with `backlog` records waiting.
+    produce(env, &s.topic, 0..backlog).await?;
+    let mut c = RelayProcess::start(spec(&["consume"]))?;
+    let t0 = Instant::now();
+    wait_until("the backlog consumed", Duration::from_secs(900), async || {
+        count(&s.db.pool, "SELECT count(*) FROM relay.inbox").await == backlog as i64
+    })
+    .await?;
+    let consume_rate = backlog as f64 / t0.elapsed().as_secs_f64();
+    let consumer_mib = c.pid().map_or(0.0, peak_rss_mib);
+    c.terminate(Duration::from_secs(30))?;
+    // Dispatcher with the resulting `backlog` pending intents.
+    let mut d = RelayProcess::start(spec(&["dispatch", "--intents-only"]))?;
+    let t0 = Instant::now();
+    wait_until("the backlog dispatched", Duration::from_secs(900), async || {
+        count(&s.db.pool, "SELECT count(*) FROM relay.intents WHERE state = 'succeeded'").await == backlog as i64
+    })
+    .await?;
+    let dispatch_rate = backlog as f64 / t0.elapsed().as_secs_f64();
+    let dispatcher_mib = d.pid().map_or(0.0, peak_rss_mib);
+    d.terminate(Duration::from_secs(30))?;
+    // Publisher with the `backlog` outbox rows.
+    let mut p = RelayProcess::start(spec(&["dispatch", "--outbox-only"]))?;
+    let t0 = Instant::now();
+    wait_until("the outbox published", Duration::from_secs(900), async || {
+        count(&s.db.pool, "SELECT count(*) FROM relay.outbox WHERE state = 'published'").await == backlog as i64
+    })
+    .await?;
+    let publish_rate = backlog as f64 / t0.elapsed().as_secs_f64();
+    let publisher_mib = p.pid().map_or(0.0, peak_rss_mib);
+    p.terminate(Duration::from_secs(30))?;
+    let r = |name: &str, rate: f64, mib: f64| Row {
+        name: name.into(),
+        rate,
+        spread: (rate, rate),
+        latency: None,
+        note: format!("peak RSS {mib:.0} MiB"),
+    };
+    Ok(vec![
+        r(&format!("`relay consume`, {backlog} records waiting"), consume_rate, consumer_mib),
+        r(&format!("`relay dispatch --intents-only`, {backlog} intents waiting"), dispatch_rate, dispatcher_mib),
+        r(&format!("`relay dispatch --outbox-only`, {backlog} rows waiting"), publish_rate, publisher_mib),
+    ])
+}
+
+async fn prefill(pool: &PgPool, inbox: usize, finished_intents: usize) -> anyhow::Result<()> {
+    let step = 200_000;
+    let mut done = 0;
+    while done < inbox {
+        let n = step.min(inbox - done);
+        sqlx::query(
+            r#"INSERT INTO relay.inbox (consumer, event_id, event_type, topic, partition, "offset", outcome)
+               SELECT 'bench', 'old-' || g, 'order.placed', 'old', 0, g, 'applied' FROM generate_series($1, $2) g"#,
+        )
+        .bind(done as i64)
+        .bind((done + n - 1) as i64)
+        .execute(pool)
+        .await?;
+        done += n;
+    }
+    let mut done = 0;
+    while done < finished_intents {
+        let n = step.min(finished_intents - done);
+        sqlx::query(
+            "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path, idempotency_key,
+                                        max_attempts, expires_at, emit_source, state, attempts, finished_at)
+             SELECT gen_random_uuid(), 'bench', 'old-' || g, 'capture', 'sink', 'POST', '/x', 'old:' || g, 10,
+                    now() + interval '1 day', 'bench', 'succeeded', 1, now()
+               FROM generate_series($1, $2) g",
+        )
+        .bind(done as i64)
+        .bind((done + n - 1) as i64)
+        .execute(pool)
+        .await?;
+        done += n;
+    }
+    sqlx::query("ANALYZE").execute(pool).await?;
+    Ok(())
+}
+
+/// Ingest and claim throughput with `inbox` old inbox rows, `finished` old
+/// intents and optionally a snapshot held open the whole time.
+async fn growth_case(
+    env: &Env,
+    n: usize,
+    m: usize,
+    inbox: usize,
+    finished: usize,
+    snapshot: bool,
+) -> anyhow::Result<(f64, f64)> {
+    let s = setup(env, 4).await?;
+    prefill(&s.db.pool, inbox, finished).await?;
+    let mut holder = None;
+    if snapshot {
+        let mut conn = sqlx::PgConnection::connect(&s.db.url).await?;
+        sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut conn).await?;
+        sqlx::query("SELECT count(*) FROM relay.intents").execute(&mut conn).await?;
+        holder = Some(conn);
+    }
+    let ingest = ingest_into(env, &s, n, 0).await?;
+    // Claim/dispatch the intents just written plus `m` more.
+    insert_intents(&s.db.pool, m).await?;
+    let pending = count(&s.db.pool, "SELECT count(*) FROM relay.intents WHERE state = 'pending'").await;
+    let relay = Relay::new(config(env, &s, 64)?, Handlers::default(), Faults::none()).await?;
+    let t0 = Instant::now();
+    let (token, task) = start(relay, DISPATCH);
+    let target = count(&s.db.pool, "SELECT count(*) FROM relay.intents WHERE state = 'succeeded'").await + pending;
+    wait_until("the intents dispatched", Duration::from_secs(900), async || {
+        count(&s.db.pool, "SELECT count(*) FROM relay.intents WHERE state = 'succeeded'").await >= target
+    })
+    .await?;
+    let claim = pending as f64 / t0.elapsed().as_secs_f64();
+    token.cancel();
+    task.await??;
+    if let Some(mut conn) = holder {
+        sqlx::query("ROLLBACK").execute(&mut conn).await?;
+    }
+    Ok((ingest, claim))
+}
+
+/// Run everything; returns the sections in order.
+pub async fn run_all(env: &Env) -> anyhow::Result<Vec<Section>> {
+    let mut out = Vec::new();
+    let n = env.size(2_000, 50_000);
+    let batch = 500;
+
+    eprintln!("bench: ingest");
+    let mut ingest =
+        Section::new(&format!("1. Ingest ({n} records, 4 partitions, 1 intent + 1 outbox row each)"), "records/s");
+    ingest.rows.push(row(
+        "relay consumer",
+        median(env, || ingest_relay(env, n)).await?,
+        "offsets committed after each batch",
+    ));
+    ingest.rows.push(row(
+        "limit: batched UNNEST inserts, no Kafka",
+        median(env, || ingest_limit(env, n, batch)).await?,
+        format!("{batch} records per transaction"),
+    ));
+    let nf = env.size(200, 3_000);
+    ingest.rows.push(row(
+        "floor: naive consumer",
+        median(env, || ingest_floor(env, nf)).await?,
+        format!("1 transaction per record, check-then-insert ({nf} records)"),
+    ));
+    let (relay, limit, floor) = (
+        ingest.rate("relay consumer"),
+        ingest.rate("limit: batched UNNEST inserts, no Kafka"),
+        ingest.rate("floor: naive consumer"),
+    );
+    ingest.verdicts.push(format!(
+        "relay / limit = **{:.2}** (goal ≥ 0.5); relay / floor = **{:.1}** (goal ≥ 10)",
+        relay / limit,
+        relay / floor
+    ));
+    out.push(ingest);
+
+    eprintln!("bench: dispatch");
+    let m = env.size(1_000, 20_000);
+    let mut dispatch = Section::new(&format!("2. Dispatch ({m} intents → HTTP POST → finalized)"), "calls/s");
+    let concurrencies: &[usize] = if env.quick { &[8, 64] } else { &[1, 8, 64, 256] };
+    let mut best = (0.0f64, 0.0f64, 0usize);
+    for &c in concurrencies {
+        let mc = if c == 1 { m / 10 } else { m };
+        let r = median(env, || dispatch_relay(env, mc, c, 1)).await?;
+        let l = median(env, || dispatch_limit(mc, c)).await?;
+        if r.0 > best.0 {
+            best = (r.0, l.0, c);
+        }
+        dispatch.rows.push(row(format!("relay, concurrency {c}"), r, format!("{mc} intents, 1 process")));
+        dispatch.rows.push(row(
+            format!("limit: raw HTTP, concurrency {c}"),
+            l,
+            "same client and provider, no database",
+        ));
+    }
+    let procs: &[usize] = if env.quick { &[2] } else { &[2, 4] };
+    for &p in procs {
+        let r = median(env, || dispatch_relay(env, m, 64, p)).await?;
+        dispatch.rows.push(row(format!("relay, {p} processes × concurrency 64"), r, "`relay dispatch --intents-only`"));
+    }
+    dispatch.verdicts.push(format!(
+        "best relay / raw HTTP at the same concurrency ({}) = **{:.2}** (goal ≥ 0.5)",
+        best.2,
+        best.0 / best.1.max(1.0)
+    ));
+    out.push(dispatch);
+
+    eprintln!("bench: relay to Kafka");
+    let k = env.size(2_000, 50_000);
+    let mut publish =
+        Section::new(&format!("3. Relay to Kafka ({k} outbox rows → acknowledged → marked published)"), "events/s");
+    publish.rows.push(row("relay publisher", median(env, || publish_relay(env, k)).await?, "batches of 500"));
+    publish.rows.push(row(
+        "limit: the same records produced directly",
+        median(env, || publish_limit(env, k)).await?,
+        "idempotent producer, acks=all",
+    ));
+    out.push(publish);
+
+    eprintln!("bench: latency");
+    let peak = out[0].rate("relay consumer").min(best.0);
+    let secs = if env.quick { 2.0 } else { 10.0 };
+    let mut lat = Section::new(
+        "4. Latency: produce → the provider receives the call (poll interval 1 s, NOTIFY on)",
+        "records/s",
+    );
+    let mut worst_p99 = 0.0f64;
+    for frac in [0.1, 0.5, 0.9] {
+        let rate = (peak * frac).max(10.0);
+        let r = median(env, || latency(env, rate, secs)).await?;
+        worst_p99 = worst_p99.max(r.2.map_or(0.0, |l| l.1));
+        lat.rows.push(row(
+            format!("{:.0} % of peak ({rate:.0}/s target)", frac * 100.0),
+            r,
+            format!("{secs:.0} s steady"),
+        ));
+    }
+    lat.verdicts.push(format!("worst p99 = **{worst_p99:.0} ms** against a 1000 ms poll interval (goal ≤ 100 ms)"));
+    out.push(lat);
+
+    eprintln!("bench: growth");
+    let gn = env.size(2_000, 20_000);
+    let gm = env.size(1_000, 10_000);
+    let mut growth = Section::new(
+        &format!("5. Growth: ingest {gn} records and dispatch them plus {gm} more, as tables grow"),
+        "ingest records/s",
+    );
+    let cases: Vec<(String, usize, usize, bool)> = if env.quick {
+        vec![
+            ("empty tables".into(), 0, 0, false),
+            ("20 000 old inbox rows, 20 000 finished intents".into(), 20_000, 20_000, false),
+            ("empty, with a snapshot held open".into(), 0, 0, true),
+        ]
+    } else {
+        vec![
+            ("empty tables".into(), 0, 0, false),
+            ("1 M old inbox rows".into(), 1_000_000, 0, false),
+            ("10 M old inbox rows".into(), 10_000_000, 0, false),
+            ("1 M finished intents".into(), 0, 1_000_000, false),
+            ("empty, with a snapshot held open".into(), 0, 0, true),
+        ]
+    };
+    let mut base = None;
+    for (name, inbox, finished, snapshot) in cases {
+        eprintln!("bench: growth: {name}");
+        let mut ing = Vec::new();
+        let mut cl = Vec::new();
+        for _ in 0..env.runs.max(1) {
+            let (i, c) = growth_case(env, gn, gm, inbox, finished, snapshot).await?;
+            ing.push(i);
+            cl.push(c);
+        }
+        ing.sort_by(f64::total_cmp);
+        cl.sort_by(f64::total_cmp);
+        let (i, c) = (ing[ing.len() / 2], cl[cl.len() / 2]);
+        let (bi, bc) = *base.get_or_insert((i, c));
+        growth.rows.push(Row {
+            name,
+            rate: i,
+            spread: (ing[0], ing[ing.len() - 1]),
+            latency: None,
+            note: format!(
+                "ingest {:.0} % of empty; claim+dispatch {c:.0}/s ({:.0} % of empty)",
+                100.0 * i / bi,
+                100.0 * c / bc
+            ),
+        });
+    }
+    growth.verdicts.push("goal: every case within 20 % of the empty case (see the notes)".into());
+    out.push(growth);
+
+    eprintln!("bench: memory");
+    let backlog = env.size(5_000, 100_000);
+    let mut mem = Section::new(&format!("6. Memory with a {backlog}-item backlog (separate processes)"), "items/s");
+    mem.rows = memory(env, backlog).await?;
+    out.push(mem);
+    Ok(out)
+}

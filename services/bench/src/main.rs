@@ -1,0 +1,77 @@
+//! `relay-bench [--quick] [--runs N] [--out BENCHMARKS.md]` — see the library docs.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use relay_bench::{Env, run_all};
+
+/// Benchmark the relay against its limits and the naive way, side by side.
+#[derive(Parser)]
+#[command(name = "relay-bench")]
+struct Args {
+    /// Small sizes and one run: checks that the harness works (CI).
+    #[arg(long)]
+    quick: bool,
+    /// Runs per figure (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Write the Markdown report here (e.g. BENCHMARKS.md).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// The relay binary (default: next to this one).
+    #[arg(long)]
+    relay_bin: Option<PathBuf>,
+    /// PostgreSQL URL of a role that may create databases.
+    #[arg(long, env = "RELAY_TEST_DATABASE_URL")]
+    database_url: String,
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "RELAY_TEST_KAFKA_BOOTSTRAP")]
+    bootstrap: String,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt().with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "error".into())).init();
+    let a = Args::parse();
+    let relay_bin = a.relay_bin.unwrap_or_else(|| {
+        std::env::current_exe().ok().and_then(|p| p.parent().map(|d| d.join("relay"))).unwrap_or_else(|| "relay".into())
+    });
+    let env = Env {
+        admin_url: a.database_url,
+        bootstrap: a.bootstrap,
+        relay_bin,
+        quick: a.quick,
+        runs: if a.quick { 1 } else { a.runs },
+    };
+    let started = std::time::Instant::now();
+    let sections = match run_all(&env).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut md = format!(
+        "## Results\n\n`scripts/bench.sh{}` on {} ({} CPUs), {}; {} run(s) per figure, {:.0} s in all.\n\n",
+        if a.quick { " --quick" } else { "" },
+        std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_owned()).unwrap_or_default(),
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        chrono::Utc::now().format("%Y-%m-%d %H:%M UTC"),
+        env.runs,
+        started.elapsed().as_secs_f64()
+    );
+    for s in &sections {
+        md.push_str(&s.render());
+    }
+    println!("{md}");
+    if let Some(path) = a.out {
+        let head = std::fs::read_to_string(&path).ok().and_then(|t| t.split("## Results").next().map(str::to_owned));
+        let text = format!("{}{md}", head.unwrap_or_default());
+        if let Err(e) = std::fs::write(&path, text) {
+            eprintln!("error: cannot write {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    }
+    ExitCode::SUCCESS
+}
