@@ -682,3 +682,25 @@ async fn structured_mode_cloudevents_are_processed_like_binary_mode_ones() {
     assert_eq!(h.inbox().await, 1);
     assert_eq!(h.provider.stats().applied_for("capture:o-1"), 1);
 }
+
+#[tokio::test]
+async fn a_record_the_database_rejects_inside_a_batch_is_parked_alone_and_its_neighbours_are_applied() {
+    let h = Harness::new(1).await;
+    h.send(&order("ok-1", "o-1")).await;
+    // PostgreSQL text cannot hold U+0000: the batched insert fails, the batch
+    // falls back to one record at a time, and only this one is parked.
+    let (_, bad) = h.send(&order("bad\u{0}id", "o-2")).await;
+    let (_, last) = h.send(&order("ok-3", "o-3")).await;
+    let run = h.start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.inbox().await, 2);
+    assert_eq!(h.db.count("intents", "true").await, 2);
+    let (class, offset, id): (String, i64, Option<String>) =
+        sqlx::query_as(r#"SELECT error_class, "offset", event_id FROM relay.dead_letters"#)
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap();
+    assert_eq!((class.as_str(), offset), ("rejected", bad));
+    assert_eq!(id.as_deref(), Some("bad\u{fffd}id"), "stored with the NUL replaced, so it can be stored at all");
+}

@@ -10,7 +10,7 @@ use std::time::Duration;
 use example_provider::{FaultKind, FaultRule};
 use relay::faults::point;
 use relay::{Components, FaultAction, Faults};
-use relay_store::intents::{self, AttemptRecord, Fenced};
+use relay_store::intents::{self, AttemptRecord, Fenced, Finish, NextState};
 use relay_testkit::read_topic;
 use serde_json::json;
 use support::*;
@@ -125,17 +125,13 @@ async fn a_worker_whose_lease_was_rescued_cannot_finish_the_intent() {
 
     let done =
         AttemptRecord { started_at: None, outcome: "succeeded", status: Some(201), error_class: None, error: None };
-    assert_eq!(
-        intents::mark_succeeded(&mut conn, stale.id, stale.lease_token, &done).await.unwrap(),
-        Fenced::LeaseLost
-    );
-    assert_eq!(
-        intents::schedule_retry(&mut conn, stale.id, stale.lease_token, Duration::ZERO, &done).await.unwrap(),
-        Fenced::LeaseLost
-    );
-    assert_eq!(intents::mark_dead(&mut conn, stale.id, stale.lease_token, &done).await.unwrap(), Fenced::LeaseLost);
+    let finish =
+        |i: &intents::ClaimedIntent, next| Finish { id: i.id, token: i.lease_token, next, attempt: done.clone() };
+    for next in [NextState::Succeeded, NextState::Retry(Duration::ZERO), NextState::Dead] {
+        assert_eq!(intents::finish(&mut conn, finish(&stale, next)).await.unwrap(), Fenced::LeaseLost);
+    }
     assert_eq!(intent_state(&h, "capture:o-1").await.0, "running", "the stale worker changed nothing");
-    assert_eq!(intents::mark_succeeded(&mut conn, fresh.id, fresh.lease_token, &done).await.unwrap(), Fenced::Done);
+    assert_eq!(intents::finish(&mut conn, finish(&fresh, NextState::Succeeded)).await.unwrap(), Fenced::Done);
     assert_eq!(
         attempts(&h, "capture:o-1").await,
         vec![("lease_expired".into(), None), ("succeeded".into(), Some(201))]

@@ -47,9 +47,15 @@ pub struct Env {
     pub quick: bool,
     /// Runs per figure (median reported).
     pub runs: usize,
+    /// Only these sections (ingest, dispatch, publish, latency, growth, memory); empty = all.
+    pub only: Vec<String>,
 }
 
 impl Env {
+    fn wants(&self, section: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|s| s == section)
+    }
+
     fn size(&self, quick: usize, full: usize) -> usize {
         if self.quick { quick } else { full }
     }
@@ -450,8 +456,8 @@ async fn insert_intents(pool: &PgPool, m: usize) -> anyhow::Result<()> {
     sqlx::query(
         "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path, body,
                                     idempotency_key, max_attempts, expires_at, emit_source)
-         SELECT gen_random_uuid(), 'bench', 'e-' || g, 'capture', 'sink', 'POST', '/captures',
-                jsonb_build_object('order_id', 'o-' || g), 'capture:o-' || g, 10, now() + interval '1 day', 'bench'
+         SELECT gen_random_uuid(), 'bench', 'direct-' || g, 'capture', 'sink', 'POST', '/captures',
+                jsonb_build_object('order_id', 'direct-' || g), 'capture:direct-' || g, 10, now() + interval '1 day', 'bench'
            FROM generate_series(1, $1) g",
     )
     .bind(m as i64)
@@ -569,28 +575,26 @@ async fn publish_limit(env: &Env, k: usize) -> anyhow::Result<(f64, Option<(f64,
         .set("compression.type", "lz4")
         .create()?;
     let t0 = Instant::now();
-    let all: Vec<usize> = (0..k).collect();
-    for chunk in all.chunks(500) {
-        let sends = chunk.iter().map(|i| {
-            let key = format!("o-{i}");
-            let payload = serde_json::json!({"order_id": key}).to_string();
-            let id = uuid::Uuid::new_v4().to_string();
-            let producer = &producer;
-            let topic = &topic;
-            async move {
-                let headers = OwnedHeaders::new()
-                    .insert(KHeader { key: "ce_specversion", value: Some("1.0") })
-                    .insert(KHeader { key: "ce_type", value: Some("order.accepted") })
-                    .insert(KHeader { key: "relay_outbox_id", value: Some(id.as_str()) });
-                producer
-                    .send(FutureRecord::to(topic).key(&key).payload(&payload).headers(headers), Duration::from_secs(30))
-                    .await
-                    .map_err(|(e, _)| e)
-            }
-        });
-        for r in futures::future::join_all(sends).await {
-            r?;
+    // Everything handed to the producer at once (its queue holds 100 000), then awaited.
+    let sends = (0..k).map(|i| {
+        let key = format!("o-{i}");
+        let payload = serde_json::json!({"order_id": key}).to_string();
+        let id = uuid::Uuid::new_v4().to_string();
+        let producer = &producer;
+        let topic = &topic;
+        async move {
+            let headers = OwnedHeaders::new()
+                .insert(KHeader { key: "ce_specversion", value: Some("1.0") })
+                .insert(KHeader { key: "ce_type", value: Some("order.accepted") })
+                .insert(KHeader { key: "relay_outbox_id", value: Some(id.as_str()) });
+            producer
+                .send(FutureRecord::to(topic).key(&key).payload(&payload).headers(headers), Duration::from_secs(30))
+                .await
+                .map_err(|(e, _)| e)
         }
+    });
+    for r in futures::future::join_all(sends).await {
+        r?;
     }
     Ok((k as f64 / t0.elapsed().as_secs_f64(), None))
 }
@@ -604,29 +608,23 @@ async fn latency(env: &Env, rate: f64, secs: f64) -> anyhow::Result<(f64, Option
     produce(env, &s.topic, 0..1).await?;
     wait_until("warm-up call", Duration::from_secs(60), async || s.sink.requests.load(Ordering::Relaxed) >= 1).await?;
     s.sink.latencies_ms.lock().expect("sink lock").clear();
-    let p = TestProducer::new(&env.bootstrap)?;
+    let p = Arc::new(TestProducer::new(&env.bootstrap)?);
     let total = (rate * secs) as usize;
     let t0 = Instant::now();
     let mut sent = 0;
-    let mut inflight = Vec::new();
+    let mut inflight = Vec::with_capacity(total);
     while sent < total {
         let due = ((t0.elapsed().as_secs_f64() * rate) as usize).min(total);
         while sent < due {
-            let e = event(1 + sent);
-            let p = &p;
-            let topic = &s.topic;
-            inflight.push(async move { p.event(topic, &e).await });
+            // Spawned so that each record is handed to the producer the moment it is due.
+            let (p, topic, e) = (p.clone(), s.topic.clone(), event(1 + sent));
+            inflight.push(tokio::spawn(async move { p.event(&topic, &e).await }));
             sent += 1;
         }
-        if inflight.len() >= 200 || sent == total {
-            for r in futures::future::join_all(inflight.drain(..)).await {
-                r?;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    for r in futures::future::join_all(inflight.drain(..)).await {
-        r?;
+    for r in futures::future::join_all(inflight).await {
+        r??;
     }
     let achieved = total as f64 / t0.elapsed().as_secs_f64();
     wait_until("every call received", Duration::from_secs(120), async || {
@@ -786,156 +784,176 @@ pub async fn run_all(env: &Env) -> anyhow::Result<Vec<Section>> {
     let n = env.size(2_000, 50_000);
     let batch = 500;
 
-    eprintln!("bench: ingest");
-    let mut ingest =
-        Section::new(&format!("1. Ingest ({n} records, 4 partitions, 1 intent + 1 outbox row each)"), "records/s");
-    ingest.rows.push(row(
-        "relay consumer",
-        median(env, || ingest_relay(env, n)).await?,
-        "offsets committed after each batch",
-    ));
-    ingest.rows.push(row(
-        "limit: batched UNNEST inserts, no Kafka",
-        median(env, || ingest_limit(env, n, batch)).await?,
-        format!("{batch} records per transaction"),
-    ));
-    let nf = env.size(200, 3_000);
-    ingest.rows.push(row(
-        "floor: naive consumer",
-        median(env, || ingest_floor(env, nf)).await?,
-        format!("1 transaction per record, check-then-insert ({nf} records)"),
-    ));
-    let (relay, limit, floor) = (
-        ingest.rate("relay consumer"),
-        ingest.rate("limit: batched UNNEST inserts, no Kafka"),
-        ingest.rate("floor: naive consumer"),
-    );
-    ingest.verdicts.push(format!(
-        "relay / limit = **{:.2}** (goal ≥ 0.5); relay / floor = **{:.1}** (goal ≥ 10)",
-        relay / limit,
-        relay / floor
-    ));
-    out.push(ingest);
-
-    eprintln!("bench: dispatch");
-    let m = env.size(1_000, 20_000);
-    let mut dispatch = Section::new(&format!("2. Dispatch ({m} intents → HTTP POST → finalized)"), "calls/s");
-    let concurrencies: &[usize] = if env.quick { &[8, 64] } else { &[1, 8, 64, 256] };
-    let mut best = (0.0f64, 0.0f64, 0usize);
-    for &c in concurrencies {
-        let mc = if c == 1 { m / 10 } else { m };
-        let r = median(env, || dispatch_relay(env, mc, c, 1)).await?;
-        let l = median(env, || dispatch_limit(mc, c)).await?;
-        if r.0 > best.0 {
-            best = (r.0, l.0, c);
-        }
-        dispatch.rows.push(row(format!("relay, concurrency {c}"), r, format!("{mc} intents, 1 process")));
-        dispatch.rows.push(row(
-            format!("limit: raw HTTP, concurrency {c}"),
-            l,
-            "same client and provider, no database",
+    let mut ingest_peak = 2_000.0;
+    let mut dispatch_peak = 2_000.0;
+    if env.wants("ingest") {
+        eprintln!("bench: ingest");
+        let mut ingest =
+            Section::new(&format!("1. Ingest ({n} records, 4 partitions, 1 intent + 1 outbox row each)"), "records/s");
+        ingest.rows.push(row(
+            "relay consumer",
+            median(env, || ingest_relay(env, n)).await?,
+            "offsets committed after each batch",
         ));
-    }
-    let procs: &[usize] = if env.quick { &[2] } else { &[2, 4] };
-    for &p in procs {
-        let r = median(env, || dispatch_relay(env, m, 64, p)).await?;
-        dispatch.rows.push(row(format!("relay, {p} processes × concurrency 64"), r, "`relay dispatch --intents-only`"));
-    }
-    dispatch.verdicts.push(format!(
-        "best relay / raw HTTP at the same concurrency ({}) = **{:.2}** (goal ≥ 0.5)",
-        best.2,
-        best.0 / best.1.max(1.0)
-    ));
-    out.push(dispatch);
-
-    eprintln!("bench: relay to Kafka");
-    let k = env.size(2_000, 50_000);
-    let mut publish =
-        Section::new(&format!("3. Relay to Kafka ({k} outbox rows → acknowledged → marked published)"), "events/s");
-    publish.rows.push(row("relay publisher", median(env, || publish_relay(env, k)).await?, "batches of 500"));
-    publish.rows.push(row(
-        "limit: the same records produced directly",
-        median(env, || publish_limit(env, k)).await?,
-        "idempotent producer, acks=all",
-    ));
-    out.push(publish);
-
-    eprintln!("bench: latency");
-    let peak = out[0].rate("relay consumer").min(best.0);
-    let secs = if env.quick { 2.0 } else { 10.0 };
-    let mut lat = Section::new(
-        "4. Latency: produce → the provider receives the call (poll interval 1 s, NOTIFY on)",
-        "records/s",
-    );
-    let mut worst_p99 = 0.0f64;
-    for frac in [0.1, 0.5, 0.9] {
-        let rate = (peak * frac).max(10.0);
-        let r = median(env, || latency(env, rate, secs)).await?;
-        worst_p99 = worst_p99.max(r.2.map_or(0.0, |l| l.1));
-        lat.rows.push(row(
-            format!("{:.0} % of peak ({rate:.0}/s target)", frac * 100.0),
-            r,
-            format!("{secs:.0} s steady"),
+        ingest.rows.push(row(
+            "limit: batched UNNEST inserts, no Kafka",
+            median(env, || ingest_limit(env, n, batch)).await?,
+            format!("{batch} records per transaction"),
         ));
+        let nf = env.size(200, 3_000);
+        ingest.rows.push(row(
+            "floor: naive consumer",
+            median(env, || ingest_floor(env, nf)).await?,
+            format!("1 transaction per record, check-then-insert ({nf} records)"),
+        ));
+        let (relay, limit, floor) = (
+            ingest.rate("relay consumer"),
+            ingest.rate("limit: batched UNNEST inserts, no Kafka"),
+            ingest.rate("floor: naive consumer"),
+        );
+        ingest.verdicts.push(format!(
+            "relay / limit = **{:.2}** (goal ≥ 0.5); relay / floor = **{:.1}** (goal ≥ 10)",
+            relay / limit,
+            relay / floor
+        ));
+        ingest_peak = relay;
+        out.push(ingest);
     }
-    lat.verdicts.push(format!("worst p99 = **{worst_p99:.0} ms** against a 1000 ms poll interval (goal ≤ 100 ms)"));
-    out.push(lat);
 
-    eprintln!("bench: growth");
-    let gn = env.size(2_000, 20_000);
-    let gm = env.size(1_000, 10_000);
-    let mut growth = Section::new(
-        &format!("5. Growth: ingest {gn} records and dispatch them plus {gm} more, as tables grow"),
-        "ingest records/s",
-    );
-    let cases: Vec<(String, usize, usize, bool)> = if env.quick {
-        vec![
-            ("empty tables".into(), 0, 0, false),
-            ("20 000 old inbox rows, 20 000 finished intents".into(), 20_000, 20_000, false),
-            ("empty, with a snapshot held open".into(), 0, 0, true),
-        ]
-    } else {
-        vec![
-            ("empty tables".into(), 0, 0, false),
-            ("1 M old inbox rows".into(), 1_000_000, 0, false),
-            ("10 M old inbox rows".into(), 10_000_000, 0, false),
-            ("1 M finished intents".into(), 0, 1_000_000, false),
-            ("empty, with a snapshot held open".into(), 0, 0, true),
-        ]
-    };
-    let mut base = None;
-    for (name, inbox, finished, snapshot) in cases {
-        eprintln!("bench: growth: {name}");
-        let mut ing = Vec::new();
-        let mut cl = Vec::new();
-        for _ in 0..env.runs.max(1) {
-            let (i, c) = growth_case(env, gn, gm, inbox, finished, snapshot).await?;
-            ing.push(i);
-            cl.push(c);
+    if env.wants("dispatch") {
+        eprintln!("bench: dispatch");
+        let m = env.size(1_000, 20_000);
+        let mut dispatch = Section::new(&format!("2. Dispatch ({m} intents → HTTP POST → finalized)"), "calls/s");
+        let concurrencies: &[usize] = if env.quick { &[8, 64] } else { &[1, 8, 64, 256] };
+        let mut best = (0.0f64, 0.0f64, 0usize);
+        for &c in concurrencies {
+            let mc = if c == 1 { m / 10 } else { m };
+            let r = median(env, || dispatch_relay(env, mc, c, 1)).await?;
+            let l = median(env, || dispatch_limit(mc, c)).await?;
+            if r.0 > best.0 {
+                best = (r.0, l.0, c);
+            }
+            dispatch.rows.push(row(format!("relay, concurrency {c}"), r, format!("{mc} intents, 1 process")));
+            dispatch.rows.push(row(
+                format!("limit: raw HTTP, concurrency {c}"),
+                l,
+                "same client and provider, no database",
+            ));
         }
-        ing.sort_by(f64::total_cmp);
-        cl.sort_by(f64::total_cmp);
-        let (i, c) = (ing[ing.len() / 2], cl[cl.len() / 2]);
-        let (bi, bc) = *base.get_or_insert((i, c));
-        growth.rows.push(Row {
-            name,
-            rate: i,
-            spread: (ing[0], ing[ing.len() - 1]),
-            latency: None,
-            note: format!(
-                "ingest {:.0} % of empty; claim+dispatch {c:.0}/s ({:.0} % of empty)",
-                100.0 * i / bi,
-                100.0 * c / bc
-            ),
-        });
+        let procs: &[usize] = if env.quick { &[2] } else { &[2, 4] };
+        for &p in procs {
+            let r = median(env, || dispatch_relay(env, m, 64, p)).await?;
+            dispatch.rows.push(row(
+                format!("relay, {p} processes × concurrency 64"),
+                r,
+                "`relay dispatch --intents-only`",
+            ));
+        }
+        dispatch.verdicts.push(format!(
+            "best relay / raw HTTP at the same concurrency ({}) = **{:.2}** (goal ≥ 0.5)",
+            best.2,
+            best.0 / best.1.max(1.0)
+        ));
+        dispatch_peak = best.0;
+        out.push(dispatch);
     }
-    growth.verdicts.push("goal: every case within 20 % of the empty case (see the notes)".into());
-    out.push(growth);
 
-    eprintln!("bench: memory");
-    let backlog = env.size(5_000, 100_000);
-    let mut mem = Section::new(&format!("6. Memory with a {backlog}-item backlog (separate processes)"), "items/s");
-    mem.rows = memory(env, backlog).await?;
-    out.push(mem);
+    if env.wants("publish") {
+        eprintln!("bench: relay to Kafka");
+        let k = env.size(2_000, 50_000);
+        let mut publish =
+            Section::new(&format!("3. Relay to Kafka ({k} outbox rows → acknowledged → marked published)"), "events/s");
+        publish.rows.push(row("relay publisher", median(env, || publish_relay(env, k)).await?, "batches of 500"));
+        publish.rows.push(row(
+            "limit: the same records produced directly",
+            median(env, || publish_limit(env, k)).await?,
+            "idempotent producer, acks=all",
+        ));
+        out.push(publish);
+    }
+
+    if env.wants("latency") {
+        eprintln!("bench: latency");
+        let peak = f64::min(ingest_peak, dispatch_peak);
+        let secs = if env.quick { 2.0 } else { 10.0 };
+        let mut lat = Section::new(
+            "4. Latency: produce → the provider receives the call (poll interval 1 s, NOTIFY on)",
+            "records/s",
+        );
+        let mut worst_p99 = 0.0f64;
+        for frac in [0.1, 0.5, 0.9] {
+            let rate = (peak * frac).max(10.0);
+            let r = median(env, || latency(env, rate, secs)).await?;
+            worst_p99 = worst_p99.max(r.2.map_or(0.0, |l| l.1));
+            lat.rows.push(row(
+                format!("{:.0} % of peak ({rate:.0}/s target)", frac * 100.0),
+                r,
+                format!("{secs:.0} s steady"),
+            ));
+        }
+        lat.verdicts.push(format!("worst p99 = **{worst_p99:.0} ms** against a 1000 ms poll interval (goal ≤ 100 ms)"));
+        out.push(lat);
+    }
+
+    if env.wants("growth") {
+        eprintln!("bench: growth");
+        let gn = env.size(2_000, 20_000);
+        let gm = env.size(1_000, 10_000);
+        let mut growth = Section::new(
+            &format!("5. Growth: ingest {gn} records and dispatch them plus {gm} more, as tables grow"),
+            "ingest records/s",
+        );
+        let cases: Vec<(String, usize, usize, bool)> = if env.quick {
+            vec![
+                ("empty tables".into(), 0, 0, false),
+                ("20 000 old inbox rows, 20 000 finished intents".into(), 20_000, 20_000, false),
+                ("empty, with a snapshot held open".into(), 0, 0, true),
+            ]
+        } else {
+            vec![
+                ("empty tables".into(), 0, 0, false),
+                ("1 M old inbox rows".into(), 1_000_000, 0, false),
+                ("10 M old inbox rows".into(), 10_000_000, 0, false),
+                ("1 M finished intents".into(), 0, 1_000_000, false),
+                ("empty, with a snapshot held open".into(), 0, 0, true),
+            ]
+        };
+        let mut base = None;
+        for (name, inbox, finished, snapshot) in cases {
+            eprintln!("bench: growth: {name}");
+            let mut ing = Vec::new();
+            let mut cl = Vec::new();
+            for _ in 0..env.runs.max(1) {
+                let (i, c) = growth_case(env, gn, gm, inbox, finished, snapshot).await?;
+                ing.push(i);
+                cl.push(c);
+            }
+            ing.sort_by(f64::total_cmp);
+            cl.sort_by(f64::total_cmp);
+            let (i, c) = (ing[ing.len() / 2], cl[cl.len() / 2]);
+            let (bi, bc) = *base.get_or_insert((i, c));
+            growth.rows.push(Row {
+                name,
+                rate: i,
+                spread: (ing[0], ing[ing.len() - 1]),
+                latency: None,
+                note: format!(
+                    "ingest {:.0} % of empty; claim+dispatch {c:.0}/s ({:.0} % of empty)",
+                    100.0 * i / bi,
+                    100.0 * c / bc
+                ),
+            });
+        }
+        growth.verdicts.push("goal: every case within 20 % of the empty case (see the notes)".into());
+        out.push(growth);
+    }
+
+    if env.wants("memory") {
+        eprintln!("bench: memory");
+        let backlog = env.size(5_000, 100_000);
+        let mut mem = Section::new(&format!("6. Memory with a {backlog}-item backlog (separate processes)"), "items/s");
+        mem.rows = memory(env, backlog).await?;
+        out.push(mem);
+    }
     Ok(out)
 }

@@ -16,6 +16,9 @@ struct Args {
     /// Runs per figure (the median is reported).
     #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// Only these sections, comma-separated (ingest, dispatch, publish, latency, growth, memory).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
     /// Write the Markdown report here (e.g. BENCHMARKS.md).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -43,6 +46,7 @@ async fn main() -> ExitCode {
         relay_bin,
         quick: a.quick,
         runs: if a.quick { 1 } else { a.runs },
+        only: a.only,
     };
     let started = std::time::Instant::now();
     let sections = match run_all(&env).await {

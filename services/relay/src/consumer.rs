@@ -394,25 +394,20 @@ impl InboxConsumer {
     async fn run_batch(&self, tp: &Tp, records: &[RawRecord]) -> Result<BatchRun, BatchError> {
         let mut conn = self.pool.acquire().await?;
         let mut tx = conn.begin().await?;
-        let mut done = 0;
+        let started = Instant::now();
+        let processed = self.processor.process_batch(&mut tx, records).await?;
         let mut stopped = None;
-        let mut log = Vec::with_capacity(records.len());
-        for record in records {
-            let started = Instant::now();
-            let processed = self.processor.process(&mut tx, record).await?;
-            match &processed.step {
+        for (record, p) in records.iter().zip(&processed) {
+            match &p.step {
                 Step::Poison(poison) => {
                     self.processor.park(&mut tx, record, poison, 1).await?;
                 }
-                Step::RetryLater(poison) => {
-                    stopped = Some(poison.clone());
-                    break;
-                }
+                Step::RetryLater(poison) => stopped = Some(poison.clone()),
                 _ => {}
             }
-            done += 1;
-            log.push((record, processed, started.elapsed()));
         }
+        let done = processed.len() - usize::from(stopped.is_some());
+        let took = started.elapsed() / u32::try_from(processed.len().max(1)).unwrap_or(1);
         if self.faults.sabotage().offset_before_commit && done > 0 {
             // Deliberately wrong (R1): the offset goes out before the data is safe.
             self.advance(tp, records[done - 1].offset + 1, CommitMode::Sync);
@@ -420,8 +415,8 @@ impl InboxConsumer {
         self.faults.hit(point::CONSUMER_BEFORE_DB_COMMIT).await?;
         tx.commit().await?;
         self.faults.hit(point::CONSUMER_AFTER_DB_COMMIT).await?;
-        for (record, processed, took) in log {
-            self.log_record(record, &processed, took);
+        for (record, p) in records.iter().zip(&processed).take(done) {
+            self.log_record(record, p, took);
         }
         Ok(BatchRun { done, stopped })
     }

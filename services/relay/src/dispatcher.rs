@@ -29,12 +29,12 @@ use relay_core::effects::encode_event;
 use relay_core::ids::outcome_id;
 use relay_core::retry::{Verdict, classify};
 use relay_core::{Outcome, Provenance};
-use relay_store::intents::{self, AttemptRecord, ClaimedIntent, Fenced};
+use relay_store::intents::{self, AttemptRecord, ClaimedIntent, Finish, NextState};
 use relay_store::sagas::{self, Transition};
 use relay_store::{inbox, outbox};
 use sqlx::postgres::PgListener;
 use sqlx::{Connection, PgConnection, PgPool};
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
@@ -101,6 +101,8 @@ impl Dispatcher {
         info!(worker = %self.inner.worker, concurrency = s.concurrency, lease = ?s.lease, "dispatcher started");
         let mut listener = listen(&self.inner.pool, CHANNEL).await;
         let rescuer = tokio::spawn(self.clone().rescue_loop(shutdown.clone()));
+        let (done_tx, done_rx) = mpsc::channel::<Completion>(s.concurrency * 2);
+        let finalizer = tokio::spawn(self.clone().finalize_loop(done_rx));
         let permits = Arc::new(Semaphore::new(s.concurrency));
         let mut tasks: JoinSet<Result<(), FaultInjected>> = JoinSet::new();
         let mut failures = 0u32;
@@ -151,9 +153,10 @@ impl Dispatcher {
             for intent in claimed {
                 let permit = permits.clone().acquire_owned().await.expect("semaphore never closed");
                 let me = self.clone();
+                let done_tx = done_tx.clone();
                 tasks.spawn(async move {
                     let _permit = permit;
-                    me.execute(intent).await.map(|_| ())
+                    me.execute(intent, &done_tx).await.map(|_| ())
                 });
             }
             if n == want {
@@ -179,6 +182,8 @@ impl Dispatcher {
         } else {
             tasks.abort_all();
         }
+        drop(done_tx);
+        let _ = finalizer.await;
         rescuer.abort();
         info!(worker = %self.inner.worker, "dispatcher stopped");
         result
@@ -221,33 +226,23 @@ impl Dispatcher {
         intents::rescue_expired(&mut conn, 500).await
     }
 
-    /// Make one attempt of a claimed intent and record its outcome.
-    pub async fn execute(&self, intent: ClaimedIntent) -> Result<Finished, FaultInjected> {
+    /// Make one attempt of a claimed intent and hand its outcome to the
+    /// finalizer, which records it (batched with other calls' outcomes).
+    pub async fn execute(
+        &self,
+        intent: ClaimedIntent,
+        done: &mpsc::Sender<Completion>,
+    ) -> Result<Finished, FaultInjected> {
         let started = std::time::Instant::now();
-        let now = Utc::now();
         let endpoint = self.inner.endpoints.get(&intent.endpoint);
-        let (verdict, result) = if intent.over_budget(now) {
+        let (verdict, result) = if intent.over_budget(Utc::now()) {
+            let last = intent.last_error.as_deref().unwrap_or("none");
             let why = if intent.attempts > intent.max_attempts {
-                format!(
-                    "retry budget exhausted: {} attempts made (last error: {})",
-                    intent.max_attempts,
-                    intent.last_error.as_deref().unwrap_or("none")
-                )
+                format!("retry budget exhausted: {} attempts made (last error: {last})", intent.max_attempts)
             } else {
-                format!(
-                    "max age passed at {} (last error: {})",
-                    intent.expires_at,
-                    intent.last_error.as_deref().unwrap_or("none")
-                )
+                format!("max age passed at {} (last error: {last})", intent.expires_at)
             };
-            let r = CallResult {
-                attempt: relay_core::retry::AttemptResult::Connect,
-                status: None,
-                error_class: Some("budget"),
-                error: Some(why),
-                started_at: None,
-            };
-            (Verdict::Permanent, r)
+            (Verdict::Permanent, CallResult { error_class: Some("budget"), error: Some(why), ..CallResult::not_sent() })
         } else if let Some(client) = endpoint {
             let r = if self.inner.faults.sabotage().fresh_idempotency_key {
                 // Deliberately wrong (R8): a new key per attempt.
@@ -260,211 +255,240 @@ impl Dispatcher {
             self.inner.faults.hit(point::DISPATCHER_AFTER_CALL).await?;
             (classify(&r.attempt, &client.config().retryable_statuses), r)
         } else {
-            let r = CallResult {
-                attempt: relay_core::retry::AttemptResult::Connect,
-                status: None,
-                error_class: Some("endpoint_unknown"),
-                error: Some(format!("endpoint {:?} is not configured in this dispatcher", intent.endpoint)),
-                started_at: None,
-            };
+            let why = format!("endpoint {:?} is not configured in this dispatcher", intent.endpoint);
+            let r = CallResult { error_class: Some("endpoint_unknown"), error: Some(why), ..CallResult::not_sent() };
             (classify(&r.attempt, &[]), r)
         };
-        let finished = self.finalize(&intent, verdict, &result, endpoint.map(|e| e.config())).await;
-        let took = started.elapsed();
-        let fields =
-            (intent.id, intent.attempts, result.status.map(i64::from).unwrap_or(-1), result.error_class.unwrap_or(""));
-        match finished {
-            Finished::Succeeded => debug!(
-                worker = %self.inner.worker, intent_id = %fields.0, endpoint = %intent.endpoint, action = %intent.action,
-                event_id = %intent.source_event_id, idempotency_key = %intent.idempotency_key,
-                aggregate_id = intent.aggregate_id.as_deref().unwrap_or(""), correlation_id = intent.correlation_id.as_deref().unwrap_or(""),
-                attempt = fields.1, status = fields.2, result = "succeeded", duration_ms = took.as_millis() as u64,
-                "call succeeded"
-            ),
-            Finished::Retrying => warn!(
-                worker = %self.inner.worker, intent_id = %fields.0, endpoint = %intent.endpoint, action = %intent.action,
-                event_id = %intent.source_event_id, idempotency_key = %intent.idempotency_key,
-                aggregate_id = intent.aggregate_id.as_deref().unwrap_or(""), correlation_id = intent.correlation_id.as_deref().unwrap_or(""),
-                attempt = fields.1, status = fields.2, error_class = fields.3, result = "retrying", duration_ms = took.as_millis() as u64,
-                "call failed; retrying with the same idempotency key: {}", result.error.as_deref().unwrap_or("")
-            ),
-            Finished::Dead => error!(
-                worker = %self.inner.worker, intent_id = %fields.0, endpoint = %intent.endpoint, action = %intent.action,
-                event_id = %intent.source_event_id, idempotency_key = %intent.idempotency_key,
-                aggregate_id = intent.aggregate_id.as_deref().unwrap_or(""), correlation_id = intent.correlation_id.as_deref().unwrap_or(""),
-                attempt = fields.1, status = fields.2, error_class = fields.3, result = "dead", duration_ms = took.as_millis() as u64,
-                "intent is dead and will not be retried (replay it once the cause is fixed): {}", result.error.as_deref().unwrap_or("")
-            ),
-            Finished::LeaseLost => warn!(
-                worker = %self.inner.worker, intent_id = %fields.0, endpoint = %intent.endpoint, event_id = %intent.source_event_id,
-                attempt = fields.1, result = "lease_lost",
-                "lease lost before the outcome was recorded; another worker owns this intent now, nothing recorded"
-            ),
-        }
+        let (next, attempt) = decide(&intent, verdict, &result, endpoint.map(|e| e.config()));
+        let (reply, answer) = oneshot::channel();
+        let finished = match done.send(Completion { intent: intent.clone(), next, attempt, reply }).await {
+            Ok(()) => answer.await.unwrap_or(Finished::LeaseLost),
+            Err(_) => Finished::LeaseLost,
+        };
+        self.log_attempt(&intent, &result, finished, started.elapsed());
         Ok(finished)
     }
 
-    /// Record the outcome, retrying database errors until the lease would expire.
-    async fn finalize(
-        &self,
-        intent: &ClaimedIntent,
-        verdict: Verdict,
-        r: &CallResult,
-        cfg: Option<&EndpointConfig>,
-    ) -> Finished {
+    fn log_attempt(&self, intent: &ClaimedIntent, result: &CallResult, finished: Finished, took: Duration) {
+        let status = result.status.map(i64::from).unwrap_or(-1);
+        let class = result.error_class.unwrap_or("");
+        let error = result.error.as_deref().unwrap_or("");
+        let (agg, corr) =
+            (intent.aggregate_id.as_deref().unwrap_or(""), intent.correlation_id.as_deref().unwrap_or(""));
+        let ms = took.as_millis() as u64;
+        macro_rules! emit {
+            ($lvl:expr, $result:expr, $($msg:tt)+) => {
+                tracing::event!(
+                    $lvl, worker = %self.inner.worker, intent_id = %intent.id, endpoint = %intent.endpoint,
+                    action = %intent.action, event_id = %intent.source_event_id, idempotency_key = %intent.idempotency_key,
+                    aggregate_id = agg, correlation_id = corr, attempt = intent.attempts, status, error_class = class,
+                    result = $result, duration_ms = ms, $($msg)+
+                )
+            };
+        }
+        match finished {
+            Finished::Succeeded => emit!(tracing::Level::DEBUG, "succeeded", "call succeeded"),
+            Finished::Retrying => {
+                emit!(tracing::Level::WARN, "retrying", "call failed; retrying with the same idempotency key: {error}")
+            }
+            Finished::Dead => emit!(
+                tracing::Level::ERROR,
+                "dead",
+                "intent is dead and will not be retried (replay it once the cause is fixed): {error}"
+            ),
+            Finished::LeaseLost => emit!(
+                tracing::Level::WARN,
+                "lease_lost",
+                "lease lost before the outcome was recorded; another worker owns this intent now, nothing recorded"
+            ),
+        }
+    }
+
+    /// Record completions in batches: whatever has arrived while the previous
+    /// batch was written goes into the next one (up to 256), in one
+    /// transaction with one fenced statement for all of them.
+    async fn finalize_loop(self, mut rx: mpsc::Receiver<Completion>) {
+        while let Some(first) = rx.recv().await {
+            let mut batch = vec![first];
+            while batch.len() < 256 {
+                match rx.try_recv() {
+                    Ok(c) => batch.push(c),
+                    Err(_) => break,
+                }
+            }
+            let results = self.finalize(&batch).await;
+            for (c, r) in batch.into_iter().zip(results) {
+                let _ = c.reply.send(r);
+            }
+        }
+    }
+
+    /// Record a batch, retrying database errors until the leases would expire.
+    async fn finalize(&self, batch: &[Completion]) -> Vec<Finished> {
         let deadline = std::time::Instant::now() + self.inner.settings.lease;
         let mut attempt = 0u32;
         loop {
-            match self.finalize_once(intent, verdict, r, cfg).await {
+            match self.finalize_once(batch).await {
                 Ok(f) => return f,
                 Err(e) => {
                     attempt += 1;
                     let delay = Duration::from_millis(100 * u64::from(attempt.min(30)));
                     if std::time::Instant::now() + delay >= deadline {
-                        error!(intent_id = %intent.id, error = %e,
-                               "could not record the outcome before the lease expires; the intent will be rescued and re-sent with the same key");
-                        return Finished::LeaseLost;
+                        error!(intents = batch.len(), error = %e,
+                               "could not record outcomes before the leases expire; the intents will be rescued and re-sent with the same keys");
+                        return vec![Finished::LeaseLost; batch.len()];
                     }
-                    warn!(intent_id = %intent.id, error = %e, "recording the outcome failed; retrying");
+                    warn!(intents = batch.len(), error = %e, "recording outcomes failed; retrying");
                     tokio::time::sleep(delay).await;
                 }
             }
         }
     }
 
-    async fn finalize_once(
-        &self,
-        intent: &ClaimedIntent,
-        verdict: Verdict,
-        r: &CallResult,
-        cfg: Option<&EndpointConfig>,
-    ) -> Result<Finished, sqlx::Error> {
+    async fn finalize_once(&self, batch: &[Completion]) -> Result<Vec<Finished>, sqlx::Error> {
         let mut conn = self.inner.pool.acquire().await?;
         let mut tx = conn.begin().await?;
-        let status = r.status.map(i32::from);
-        let record = |outcome| attempt_record(outcome, status, r);
-        let finished = match verdict {
-            Verdict::Success => {
-                match intents::mark_succeeded(&mut tx, intent.id, intent.lease_token, &record("succeeded")).await? {
-                    Fenced::LeaseLost => Finished::LeaseLost,
-                    Fenced::Done => {
-                        self.apply_outcome(&mut tx, intent, &intent.on_success, "succeeded").await?;
-                        Finished::Succeeded
-                    }
-                }
+        let items: Vec<Finish> = batch
+            .iter()
+            .map(|c| Finish { id: c.intent.id, token: c.intent.lease_token, next: c.next, attempt: c.attempt.clone() })
+            .collect();
+        let ours: std::collections::HashSet<uuid::Uuid> =
+            intents::finish_many(&mut tx, &items).await?.into_iter().collect();
+        let now = Utc::now();
+        let mut records = Vec::new();
+        let mut results = Vec::with_capacity(batch.len());
+        for c in batch {
+            if !ours.contains(&c.intent.id) {
+                results.push(Finished::LeaseLost);
+                continue;
             }
-            Verdict::Retry { retry_after, uncertain } => {
-                let outcome = if uncertain { "uncertain" } else { "retryable" };
-                let backoff = cfg.map(|c| c.backoff).unwrap_or_default();
-                let attempt = u32::try_from(intent.attempts).unwrap_or(1);
-                let mut delay = backoff.delay(attempt, &mut rand::rng());
-                if let Some(ra) = retry_after {
-                    delay = delay.max(ra);
+            let (effects, label, finished) = match c.next {
+                NextState::Succeeded => (&c.intent.on_success, "succeeded", Finished::Succeeded),
+                NextState::Dead => (&c.intent.on_dead, "dead", Finished::Dead),
+                NextState::Retry(_) => {
+                    results.push(Finished::Retrying);
+                    continue;
                 }
-                let next_at = Utc::now() + chrono::Duration::from_std(delay).unwrap_or_default();
-                if intent.attempts >= intent.max_attempts || next_at >= intent.expires_at {
-                    let mut rec = record(outcome);
-                    let why = if intent.attempts >= intent.max_attempts {
-                        format!("retry budget exhausted after {} attempts", intent.attempts)
-                    } else {
-                        format!("max age would pass before the next attempt ({})", intent.expires_at)
-                    };
-                    rec.error = Some(format!("{why}; last error: {}", r.error.as_deref().unwrap_or("none")));
-                    self.die(&mut tx, intent, &rec).await?
-                } else {
-                    match intents::schedule_retry(&mut tx, intent.id, intent.lease_token, delay, &record(outcome))
-                        .await?
-                    {
-                        Fenced::Done => Finished::Retrying,
-                        Fenced::LeaseLost => Finished::LeaseLost,
-                    }
-                }
+            };
+            results.push(finished);
+            let Some(outcome) = outcome_effects(&c.intent, effects) else { continue };
+            let source_id = format!("{}:{label}", c.intent.id);
+            let prov = Provenance {
+                source: c.intent.emit_source.clone(),
+                correlation_id: c.intent.correlation_id.clone(),
+                causation_id: c.intent.causation_id.clone(),
+                traceparent: c.intent.traceparent.clone(),
+                aggregate_id: c.intent.aggregate_id.clone(),
+            };
+            for emit in &outcome.emit {
+                records.push((
+                    c.intent.consumer.as_str(),
+                    source_id.clone(),
+                    encode_event(outcome_id(c.intent.id, label, &emit.action), emit, &prov, now),
+                ));
             }
-            Verdict::Permanent => self.die(&mut tx, intent, &record("permanent")).await?,
-        };
-        if finished == Finished::LeaseLost {
-            tx.rollback().await?;
-        } else {
-            tx.commit().await?;
+            for m in &outcome.saga {
+                self.move_saga(&mut tx, &c.intent, m, &source_id, label).await?;
+            }
         }
-        Ok(finished)
+        // Outcome events, grouped per consumer (one statement per consumer in the batch).
+        let mut consumers: Vec<&str> = records.iter().map(|r| r.0).collect();
+        consumers.sort_unstable();
+        consumers.dedup();
+        for consumer in consumers {
+            let rows: Vec<(&str, &relay_core::OutboxRecord)> =
+                records.iter().filter(|r| r.0 == consumer).map(|r| (r.1.as_str(), &r.2)).collect();
+            outbox::insert_many(&mut tx, consumer, &rows).await?;
+        }
+        tx.commit().await?;
+        Ok(results)
     }
 
-    async fn die(
+    async fn move_saga(
         &self,
         tx: &mut PgConnection,
         intent: &ClaimedIntent,
-        rec: &AttemptRecord,
-    ) -> Result<Finished, sqlx::Error> {
-        Ok(match intents::mark_dead(tx, intent.id, intent.lease_token, rec).await? {
-            Fenced::LeaseLost => Finished::LeaseLost,
-            Fenced::Done => {
-                self.apply_outcome(tx, intent, &intent.on_dead, "dead").await?;
-                Finished::Dead
-            }
-        })
-    }
-
-    /// Record an outcome's events and saga moves, with ids derived from
-    /// (intent, outcome, action), in the transaction that finishes the intent.
-    async fn apply_outcome(
-        &self,
-        tx: &mut PgConnection,
-        intent: &ClaimedIntent,
-        effects: &serde_json::Value,
+        m: &relay_core::SagaMove,
+        source_id: &str,
         label: &str,
     ) -> Result<(), sqlx::Error> {
-        let outcome: Outcome = match serde_json::from_value(effects.clone()) {
-            Ok(o) => o,
-            Err(e) => {
-                error!(intent_id = %intent.id, error = %e, "stored outcome effects are unreadable; none recorded");
-                return Ok(());
-            }
+        let t = if m.start {
+            sagas::start(tx, &m.saga_type, &m.saga_id, &m.to, source_id).await?
+        } else {
+            sagas::transition(tx, &m.saga_type, &m.saga_id, &m.from, &m.to, source_id).await?
         };
-        if outcome.is_empty() {
-            return Ok(());
-        }
-        let prov = Provenance {
-            source: intent.emit_source.clone(),
-            correlation_id: intent.correlation_id.clone(),
-            causation_id: intent.causation_id.clone(),
-            traceparent: intent.traceparent.clone(),
-            aggregate_id: intent.aggregate_id.clone(),
-        };
-        let now = Utc::now();
-        let source_id = format!("{}:{label}", intent.id);
-        for emit in &outcome.emit {
-            let rec = encode_event(outcome_id(intent.id, label, &emit.action), emit, &prov, now);
-            outbox::insert(tx, &intent.consumer, &source_id, &rec).await?;
-        }
-        for m in &outcome.saga {
-            let t = if m.start {
-                sagas::start(tx, &m.saga_type, &m.saga_id, &m.to, &source_id).await?
-            } else {
-                sagas::transition(tx, &m.saga_type, &m.saga_id, &m.from, &m.to, &source_id).await?
-            };
-            let subject = format!("{}/{}", m.saga_type, m.saga_id);
-            match t {
-                Transition::Applied => {
-                    let detail = serde_json::json!({"from": m.from, "to": m.to, "intent": intent.id, "outcome": label});
-                    inbox::record_history(
-                        tx,
-                        &intent.consumer,
-                        &source_id,
-                        &m.action,
-                        "outcome",
-                        Some(&subject),
-                        &detail,
-                    )
+        let subject = format!("{}/{}", m.saga_type, m.saga_id);
+        match t {
+            Transition::Applied => {
+                let detail = serde_json::json!({"from": m.from, "to": m.to, "intent": intent.id, "outcome": label});
+                inbox::record_history(tx, &intent.consumer, source_id, &m.action, "outcome", Some(&subject), &detail)
                     .await?;
-                }
-                other => {
-                    warn!(intent_id = %intent.id, saga = %subject, action = %m.action, result = ?other,
-                               "outcome saga move was a no-op")
-                }
+            }
+            other => {
+                warn!(intent_id = %intent.id, saga = %subject, action = %m.action, result = ?other, "outcome saga move was a no-op")
             }
         }
         Ok(())
+    }
+}
+
+/// An attempt's outcome on its way to the finalizer.
+pub struct Completion {
+    intent: ClaimedIntent,
+    next: NextState,
+    attempt: AttemptRecord,
+    reply: oneshot::Sender<Finished>,
+}
+
+/// The stored outcome effects of an intent, if any.
+fn outcome_effects(intent: &ClaimedIntent, effects: &serde_json::Value) -> Option<Outcome> {
+    match serde_json::from_value::<Outcome>(effects.clone()) {
+        Ok(o) if !o.is_empty() => Some(o),
+        Ok(_) => None,
+        Err(e) => {
+            error!(intent_id = %intent.id, error = %e, "stored outcome effects are unreadable; none recorded");
+            None
+        }
+    }
+}
+
+/// Where an attempt leaves its intent: the retry schedule lives here. After a
+/// retryable failure the next attempt comes after the endpoint's full-jitter
+/// backoff for this attempt number, and not before the provider's
+/// `Retry-After`; if the attempts are spent, or the next attempt would start
+/// after the intent's max age, the intent is dead instead.
+fn decide(
+    intent: &ClaimedIntent,
+    verdict: Verdict,
+    r: &CallResult,
+    cfg: Option<&EndpointConfig>,
+) -> (NextState, AttemptRecord) {
+    let status = r.status.map(i32::from);
+    match verdict {
+        Verdict::Success => (NextState::Succeeded, attempt_record("succeeded", status, r)),
+        Verdict::Permanent => (NextState::Dead, attempt_record("permanent", status, r)),
+        Verdict::Retry { retry_after, uncertain } => {
+            let outcome = if uncertain { "uncertain" } else { "retryable" };
+            let backoff = cfg.map(|c| c.backoff).unwrap_or_default();
+            let attempt = u32::try_from(intent.attempts).unwrap_or(1);
+            let mut delay = backoff.delay(attempt, &mut rand::rng());
+            if let Some(ra) = retry_after {
+                delay = delay.max(ra);
+            }
+            let next_at = Utc::now() + chrono::Duration::from_std(delay).unwrap_or_default();
+            let mut rec = attempt_record(outcome, status, r);
+            if intent.attempts >= intent.max_attempts || next_at >= intent.expires_at {
+                let why = if intent.attempts >= intent.max_attempts {
+                    format!("retry budget exhausted after {} attempts", intent.attempts)
+                } else {
+                    format!("max age would pass before the next attempt ({})", intent.expires_at)
+                };
+                rec.error = Some(format!("{why}; last error: {}", r.error.as_deref().unwrap_or("none")));
+                (NextState::Dead, rec)
+            } else {
+                (NextState::Retry(delay), rec)
+            }
+        }
     }
 }
 

@@ -37,6 +37,13 @@ pub struct CallResult {
     pub started_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
+impl CallResult {
+    /// A result for an attempt that made no request.
+    pub fn not_sent() -> CallResult {
+        CallResult { attempt: AttemptResult::Connect, status: None, error_class: None, error: None, started_at: None }
+    }
+}
+
 /// The client of one endpoint. Cheap to clone.
 #[derive(Clone)]
 pub struct EndpointClient {

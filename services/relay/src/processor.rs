@@ -140,6 +140,15 @@ impl From<sqlx::Error> for ApplyError {
     }
 }
 
+/// A record that can take the fast path, decoded and planned.
+struct SimpleItem<'r> {
+    record: &'r RawRecord,
+    event: InputEvent,
+    info: EventInfo,
+    /// The plan and the route's counter; `None` for an unrouted event.
+    plan: Option<(Plan, Option<String>)>,
+}
+
 /// Turns records into database writes. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Processor {
@@ -226,6 +235,210 @@ impl Processor {
             Err(ApplyError::Db(e)) => return Err(e),
         };
         Ok(Processed { step, info })
+    }
+
+    /// Process the records of one partition, in order, inside the caller's
+    /// transaction, and return one [`Processed`] per record handled. Stops
+    /// after the first [`Step::RetryLater`] (the records after it are left to
+    /// the caller). `Err` only for transient database errors.
+    ///
+    /// Fast path: consecutive records whose route needs no guard, saga move or
+    /// handler are written together — one multi-row statement each for inbox
+    /// rows, idempotency keys, intents, outbox rows and counters — inside one
+    /// savepoint. If the database rejects anything in such a run, the run is
+    /// rolled back and its records go through [`Processor::process`] one by
+    /// one, so a bad record still only affects itself (R12).
+    pub async fn process_batch(
+        &self,
+        conn: &mut PgConnection,
+        records: &[RawRecord],
+    ) -> Result<Vec<Processed>, sqlx::Error> {
+        let mut out = Vec::with_capacity(records.len());
+        let mut i = 0;
+        while i < records.len() {
+            let mut run = Vec::new();
+            while let Some(item) = records.get(i + run.len()).and_then(|r| self.simple(r)) {
+                run.push(item);
+            }
+            if !run.is_empty() {
+                let n = run.len();
+                match self.write_run(conn, run).await? {
+                    Some(done) => out.extend(done),
+                    None => {
+                        for record in &records[i..i + n] {
+                            out.push(self.process(conn, record).await?);
+                        }
+                    }
+                }
+                i += n;
+                continue;
+            }
+            let processed = self.process(conn, &records[i]).await?;
+            let stop = matches!(processed.step, Step::RetryLater(_));
+            out.push(processed);
+            i += 1;
+            if stop {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// `Some` when `record` can take the fast path: routed (or unrouted)
+    /// without guards, saga moves or a handler, and its plan renders.
+    fn simple<'r>(&self, record: &'r RawRecord) -> Option<SimpleItem<'r>> {
+        match self.router.route(record).ok()? {
+            Routed::Unrouted(event) => {
+                Some(SimpleItem { record, info: EventInfo::of(&event, None), event, plan: None })
+            }
+            Routed::Route(route, event) => {
+                if route.version_guard || route.sequence_guard || route.handler.is_some() {
+                    return None;
+                }
+                let plan = self.router.plan(route, &event, record).ok()?;
+                if !plan.sagas.is_empty() || plan.calls.iter().any(|c| self.router.endpoint(&c.endpoint).is_none()) {
+                    return None;
+                }
+                Some(SimpleItem {
+                    record,
+                    info: EventInfo::of(&event, Some(route)),
+                    event,
+                    plan: Some((plan, route.counter.clone())),
+                })
+            }
+        }
+    }
+
+    /// Write a run of fast-path records in one savepoint. `None` when the
+    /// database rejected the run's data (the caller retries one by one).
+    async fn write_run(
+        &self,
+        conn: &mut PgConnection,
+        run: Vec<SimpleItem<'_>>,
+    ) -> Result<Option<Vec<Processed>>, sqlx::Error> {
+        let mut sp = conn.begin().await?;
+        match self.write_run_in(&mut sp, &run).await {
+            Ok(steps) => {
+                sp.commit().await?;
+                Ok(Some(run.into_iter().zip(steps).map(|(item, step)| Processed { step, info: item.info }).collect()))
+            }
+            Err(e) if classify_error(&e) == DbErrorKind::Permanent => {
+                sp.rollback().await?;
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn write_run_in(&self, tx: &mut PgConnection, run: &[SimpleItem<'_>]) -> Result<Vec<Step>, sqlx::Error> {
+        let consumer = self.router.consumer();
+        let mut steps: Vec<Option<Step>> = vec![None; run.len()];
+        // 1. Inbox rows; a second occurrence of an id in the run is a duplicate.
+        let mut first = std::collections::HashSet::new();
+        let mut rows = Vec::with_capacity(run.len());
+        for (k, item) in run.iter().enumerate() {
+            if first.insert(item.event.id.as_str()) {
+                let outcome = if item.plan.is_some() { InboxOutcome::Applied } else { InboxOutcome::Unrouted };
+                rows.push(self.inbox_row(&item.event, item.record, outcome));
+            } else if !self.sabotage.no_inbox_dedup {
+                steps[k] = Some(Step::Duplicate);
+            }
+        }
+        let inserted: std::collections::HashSet<String> = inbox::insert_many(tx, &rows).await?.into_iter().collect();
+        let mut claimed_in_run = std::collections::HashSet::new();
+        let mut keyed = Vec::new();
+        for (k, item) in run.iter().enumerate() {
+            if steps[k].is_some() {
+                continue;
+            }
+            if !inserted.contains(&item.event.id) && !self.sabotage.no_inbox_dedup {
+                steps[k] = Some(Step::Duplicate);
+            } else if item.plan.is_none() {
+                steps[k] =
+                    Some(Step::NoOp { outcome: InboxOutcome::Unrouted, detail: "no route for this type".into() });
+            } else if let Some(key) = item.event.idempotency_key.as_deref() {
+                if claimed_in_run.insert(key) {
+                    keyed.push((key, item.event.id.as_str()));
+                } else {
+                    steps[k] = Some(Step::NoOp {
+                        outcome: InboxOutcome::DuplicateKey,
+                        detail: format!("idempotency key {key:?} was taken by an earlier event of this batch"),
+                    });
+                }
+            }
+        }
+        // 2. Business idempotency keys (R4).
+        let won: std::collections::HashSet<String> =
+            inbox::claim_idempotency_keys(tx, consumer, &keyed).await?.into_iter().collect();
+        let mut lost_keys = Vec::new();
+        for (k, item) in run.iter().enumerate() {
+            if steps[k].is_none()
+                && let Some(key) = item.event.idempotency_key.as_deref()
+                && !won.contains(key)
+            {
+                lost_keys.push(item.event.id.as_str());
+                steps[k] = Some(Step::NoOp {
+                    outcome: InboxOutcome::DuplicateKey,
+                    detail: format!("idempotency key {key:?} was taken by an earlier event"),
+                });
+            }
+        }
+        let dup_key_ids: Vec<&str> = run
+            .iter()
+            .zip(&steps)
+            .filter(|(item, s)| {
+                matches!(s, Some(Step::NoOp { outcome: InboxOutcome::DuplicateKey, .. }))
+                    && inserted.contains(&item.event.id)
+            })
+            .map(|(item, _)| item.event.id.as_str())
+            .collect();
+        inbox::set_outcome_many(tx, consumer, &dup_key_ids, InboxOutcome::DuplicateKey).await?;
+        // 3. Effects of the applied ones: intents, outbox rows, counters.
+        let now = Utc::now();
+        let mut intents_new = Vec::new();
+        let mut outbox_new = Vec::new();
+        let mut counters: std::collections::BTreeMap<&str, i64> = std::collections::BTreeMap::new();
+        for (k, item) in run.iter().enumerate() {
+            if steps[k].is_some() {
+                continue;
+            }
+            let Some((plan, counter)) = &item.plan else { continue };
+            let prov = self.router.provenance(&item.event);
+            for call in &plan.calls {
+                // `simple` only admits plans whose endpoints are configured.
+                if let Ok(intent) = self.new_intent(&item.event, call, &prov) {
+                    intents_new.push((k, intent));
+                }
+            }
+            for emit in &plan.emits {
+                let rec = encode_event(derived_id(consumer, &item.event.id, &emit.action), emit, &prov, now);
+                outbox_new.push((k, rec));
+            }
+            if let Some(c) = counter {
+                *counters.entry(c.as_str()).or_default() += 1;
+            }
+        }
+        let intents_rows: Vec<NewIntent> = intents_new.iter().map(|(_, i)| i.clone()).collect();
+        let new_intents: std::collections::HashSet<uuid::Uuid> =
+            intents::insert_many(tx, &intents_rows).await?.into_iter().collect();
+        let outbox_rows: Vec<(&str, &relay_core::OutboxRecord)> =
+            outbox_new.iter().map(|(k, r)| (run[*k].event.id.as_str(), r)).collect();
+        let new_outbox: std::collections::HashSet<uuid::Uuid> =
+            outbox::insert_many(tx, consumer, &outbox_rows).await?.into_iter().collect();
+        let adds: Vec<(&str, i64)> = counters.into_iter().collect();
+        inbox::add_to_counters(tx, consumer, &adds).await?;
+        let mut written = vec![(0usize, 0usize); run.len()];
+        for (k, i) in &intents_new {
+            written[*k].0 += usize::from(new_intents.contains(&i.id));
+        }
+        for (k, r) in &outbox_new {
+            written[*k].1 += usize::from(new_outbox.contains(&r.id));
+        }
+        Ok(steps
+            .into_iter()
+            .zip(written)
+            .map(|(s, (intents, events))| s.unwrap_or(Step::Applied { intents, events }))
+            .collect())
     }
 
     fn inbox_row<'a>(&'a self, event: &'a InputEvent, record: &'a RawRecord, outcome: InboxOutcome) -> NewInboxRow<'a> {

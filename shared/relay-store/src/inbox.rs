@@ -305,3 +305,95 @@ pub async fn outcome_of(
         .fetch_optional(conn)
         .await
 }
+
+/// Insert many inbox rows in one statement (`UNNEST`, `ON CONFLICT DO
+/// NOTHING`); returns the event ids that were new. Ids must be distinct.
+pub async fn insert_many<'a>(conn: &mut PgConnection, rows: &[NewInboxRow<'a>]) -> Result<Vec<String>, sqlx::Error> {
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let consumer = rows[0].consumer;
+    let col = |f: fn(&NewInboxRow<'a>) -> Option<&'a str>| rows.iter().map(f).collect::<Vec<_>>();
+    sqlx::query_scalar(
+        r#"INSERT INTO relay.inbox
+               (consumer, event_id, event_type, topic, partition, "offset",
+                idempotency_key, aggregate_id, correlation_id, outcome)
+           SELECT $1, * FROM unnest($2::text[], $3::text[], $4::text[], $5::int4[], $6::int8[],
+                                    $7::text[], $8::text[], $9::text[], $10::text[])
+           ON CONFLICT (consumer, event_id) DO NOTHING
+           RETURNING event_id"#,
+    )
+    .bind(consumer)
+    .bind(col(|r| Some(r.event_id)))
+    .bind(col(|r| Some(r.event_type)))
+    .bind(col(|r| Some(r.topic)))
+    .bind(rows.iter().map(|r| r.partition).collect::<Vec<_>>())
+    .bind(rows.iter().map(|r| r.offset).collect::<Vec<_>>())
+    .bind(col(|r| r.idempotency_key))
+    .bind(col(|r| r.aggregate_id))
+    .bind(col(|r| r.correlation_id))
+    .bind(rows.iter().map(|r| r.outcome.as_str()).collect::<Vec<_>>())
+    .fetch_all(conn)
+    .await
+}
+
+/// Claim many business idempotency keys in one statement; returns the keys
+/// that were claimed. Keys must be distinct; `(key, event_id)` pairs.
+pub async fn claim_idempotency_keys(
+    conn: &mut PgConnection,
+    consumer: &str,
+    pairs: &[(&str, &str)],
+) -> Result<Vec<String>, sqlx::Error> {
+    if pairs.is_empty() {
+        return Ok(Vec::new());
+    }
+    sqlx::query_scalar(
+        "INSERT INTO relay.idempotency_keys (consumer, idempotency_key, event_id)
+         SELECT $1, * FROM unnest($2::text[], $3::text[])
+         ON CONFLICT (consumer, idempotency_key) DO NOTHING
+         RETURNING idempotency_key",
+    )
+    .bind(consumer)
+    .bind(pairs.iter().map(|p| p.0).collect::<Vec<_>>())
+    .bind(pairs.iter().map(|p| p.1).collect::<Vec<_>>())
+    .fetch_all(conn)
+    .await
+}
+
+/// Set the outcome of already-inserted inbox rows.
+pub async fn set_outcome_many(
+    conn: &mut PgConnection,
+    consumer: &str,
+    event_ids: &[&str],
+    outcome: InboxOutcome,
+) -> Result<(), sqlx::Error> {
+    if event_ids.is_empty() {
+        return Ok(());
+    }
+    sqlx::query("UPDATE relay.inbox SET outcome = $3 WHERE consumer = $1 AND event_id = ANY($2)")
+        .bind(consumer)
+        .bind(event_ids)
+        .bind(outcome.as_str())
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// Add to several business counters at once: `(name, increment)` pairs with
+/// distinct names. Same rule as [`increment_counter`]: only for new inbox rows.
+pub async fn add_to_counters(conn: &mut PgConnection, consumer: &str, adds: &[(&str, i64)]) -> Result<(), sqlx::Error> {
+    if adds.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "INSERT INTO relay.counters (consumer, name, value)
+         SELECT $1, * FROM unnest($2::text[], $3::int8[])
+         ON CONFLICT (consumer, name) DO UPDATE SET value = relay.counters.value + EXCLUDED.value",
+    )
+    .bind(consumer)
+    .bind(adds.iter().map(|a| a.0).collect::<Vec<_>>())
+    .bind(adds.iter().map(|a| a.1).collect::<Vec<_>>())
+    .execute(conn)
+    .await?;
+    Ok(())
+}

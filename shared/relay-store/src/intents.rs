@@ -230,107 +230,91 @@ pub enum Fenced {
     LeaseLost,
 }
 
-async fn close_attempt(conn: &mut PgConnection, id: Uuid, token: Uuid, rec: &AttemptRecord) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "UPDATE relay.intent_attempts
-            SET started_at = $7, finished_at = now(), outcome = $3, status = $4, error_class = $5, error = $6
-          WHERE intent_id = $1 AND lease_token = $2 AND outcome = 'running'",
-    )
-    .bind(id)
-    .bind(token)
-    .bind(rec.outcome)
-    .bind(rec.status)
-    .bind(&rec.error_class)
-    .bind(&rec.error)
-    .bind(rec.started_at)
-    .execute(conn)
-    .await?;
-    Ok(())
+/// Where a finished attempt leaves its intent.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum NextState {
+    /// The call took effect.
+    Succeeded,
+    /// Try again after this delay.
+    Retry(Duration),
+    /// Never again: permanent error or budget spent.
+    Dead,
 }
 
-/// Finish a claimed intent as succeeded (fenced).
-pub async fn mark_succeeded(
-    conn: &mut PgConnection,
-    id: Uuid,
-    token: Uuid,
-    rec: &AttemptRecord,
-) -> Result<Fenced, sqlx::Error> {
-    let done = sqlx::query(
-        "UPDATE relay.intents
-            SET state = 'succeeded', finished_at = now(), last_status = $3, last_error = NULL,
-                last_error_class = NULL, lease_token = NULL, locked_until = NULL, locked_by = NULL
-          WHERE id = $1 AND lease_token = $2 AND state = 'running'",
-    )
-    .bind(id)
-    .bind(token)
-    .bind(rec.status)
-    .execute(&mut *conn)
-    .await?;
-    fenced(conn, done.rows_affected(), id, token, rec).await
+/// The outcome of one claimed intent's attempt, to record.
+#[derive(Debug, Clone)]
+pub struct Finish {
+    /// Intent id.
+    pub id: Uuid,
+    /// The claim's fencing token.
+    pub token: Uuid,
+    /// Where the intent goes.
+    pub next: NextState,
+    /// The attempt, for the audit row and the intent's last_* columns.
+    pub attempt: AttemptRecord,
 }
 
-/// Put a claimed intent back to pending until `delay` from now (fenced).
-pub async fn schedule_retry(
-    conn: &mut PgConnection,
-    id: Uuid,
-    token: Uuid,
-    delay: Duration,
-    rec: &AttemptRecord,
-) -> Result<Fenced, sqlx::Error> {
-    let done = sqlx::query(
-        "UPDATE relay.intents
-            SET state = 'pending', next_attempt_at = now() + make_interval(secs => $3),
-                last_status = $4, last_error = $5, last_error_class = $6,
-                lease_token = NULL, locked_until = NULL, locked_by = NULL
-          WHERE id = $1 AND lease_token = $2 AND state = 'running'",
-    )
-    .bind(id)
-    .bind(token)
-    .bind(delay.as_secs_f64())
-    .bind(rec.status)
-    .bind(&rec.error)
-    .bind(&rec.error_class)
-    .execute(&mut *conn)
-    .await?;
-    fenced(conn, done.rows_affected(), id, token, rec).await
-}
-
-/// Declare a claimed intent dead with its last error (fenced).
-pub async fn mark_dead(
-    conn: &mut PgConnection,
-    id: Uuid,
-    token: Uuid,
-    rec: &AttemptRecord,
-) -> Result<Fenced, sqlx::Error> {
-    let done = sqlx::query(
-        "UPDATE relay.intents
-            SET state = 'dead', finished_at = now(),
-                last_status = COALESCE($3, last_status), last_error = $4,
-                last_error_class = $5, lease_token = NULL, locked_until = NULL, locked_by = NULL
-          WHERE id = $1 AND lease_token = $2 AND state = 'running'",
-    )
-    .bind(id)
-    .bind(token)
-    .bind(rec.status)
-    .bind(&rec.error)
-    .bind(&rec.error_class)
-    .execute(&mut *conn)
-    .await?;
-    fenced(conn, done.rows_affected(), id, token, rec).await
-}
-
-async fn fenced(
-    conn: &mut PgConnection,
-    rows: u64,
-    id: Uuid,
-    token: Uuid,
-    rec: &AttemptRecord,
-) -> Result<Fenced, sqlx::Error> {
-    if rows == 0 {
-        return Ok(Fenced::LeaseLost);
+/// Record many attempts in one statement, each fenced by its lease token:
+/// the intent row moves (succeeded / pending again / dead) and its open
+/// attempt row is closed. Returns the ids whose lease was still held; the
+/// others were rescued meanwhile and nothing was written for them.
+pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Vec<Uuid>, sqlx::Error> {
+    if items.is_empty() {
+        return Ok(Vec::new());
     }
-    close_attempt(conn, id, token, rec).await?;
-    Ok(Fenced::Done)
+    let state = |f: &Finish| match f.next {
+        NextState::Succeeded => "succeeded",
+        NextState::Retry(_) => "pending",
+        NextState::Dead => "dead",
+    };
+    let delay = |f: &Finish| match f.next {
+        NextState::Retry(d) => d.as_secs_f64(),
+        _ => 0.0,
+    };
+    sqlx::query_scalar(
+        "WITH u AS (
+             SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::float8[], $5::int4[], $6::text[],
+                                  $7::text[], $8::text[], $9::timestamptz[])
+                 AS u(id, token, state, delay, status, error, error_class, outcome, started_at)
+         ), done AS (
+             UPDATE relay.intents i
+                SET state = u.state,
+                    next_attempt_at = CASE WHEN u.state = 'pending'
+                                           THEN now() + make_interval(secs => u.delay) ELSE i.next_attempt_at END,
+                    finished_at = CASE WHEN u.state = 'pending' THEN NULL ELSE now() END,
+                    last_status = CASE WHEN u.state = 'dead' THEN COALESCE(u.status, i.last_status) ELSE u.status END,
+                    last_error = CASE WHEN u.state = 'succeeded' THEN NULL ELSE u.error END,
+                    last_error_class = CASE WHEN u.state = 'succeeded' THEN NULL ELSE u.error_class END,
+                    lease_token = NULL, locked_until = NULL, locked_by = NULL
+               FROM u
+              WHERE i.id = u.id AND i.lease_token = u.token AND i.state = 'running'
+             RETURNING i.id
+         ), closed AS (
+             UPDATE relay.intent_attempts a
+                SET started_at = u.started_at, finished_at = now(), outcome = u.outcome, status = u.status,
+                    error_class = u.error_class, error = u.error
+               FROM u JOIN done ON done.id = u.id
+              WHERE a.intent_id = u.id AND a.lease_token = u.token AND a.outcome = 'running'
+         )
+         SELECT id FROM done",
+    )
+    .bind(items.iter().map(|f| f.id).collect::<Vec<_>>())
+    .bind(items.iter().map(|f| f.token).collect::<Vec<_>>())
+    .bind(items.iter().map(state).collect::<Vec<_>>())
+    .bind(items.iter().map(delay).collect::<Vec<_>>())
+    .bind(items.iter().map(|f| f.attempt.status).collect::<Vec<_>>())
+    .bind(items.iter().map(|f| f.attempt.error.clone()).collect::<Vec<_>>())
+    .bind(items.iter().map(|f| f.attempt.error_class.clone()).collect::<Vec<_>>())
+    .bind(items.iter().map(|f| f.attempt.outcome).collect::<Vec<_>>())
+    .bind(items.iter().map(|f| f.attempt.started_at).collect::<Vec<_>>())
+    .fetch_all(conn)
+    .await
+}
+
+/// Record one attempt (see [`finish_many`]).
+pub async fn finish(conn: &mut PgConnection, item: Finish) -> Result<Fenced, sqlx::Error> {
+    let done = finish_many(conn, std::slice::from_ref(&item)).await?;
+    Ok(if done.is_empty() { Fenced::LeaseLost } else { Fenced::Done })
 }
 
 /// Return intents whose lease expired (their worker crashed or stalled) to
@@ -450,6 +434,55 @@ pub async fn attempts(conn: &mut PgConnection, id: Uuid) -> Result<Vec<AttemptVi
            FROM relay.intent_attempts WHERE intent_id = $1 ORDER BY attempt",
     )
     .bind(id)
+    .fetch_all(conn)
+    .await
+}
+
+/// Insert many intents in one statement; returns the ids that were new.
+pub async fn insert_many(conn: &mut PgConnection, rows: &[NewIntent]) -> Result<Vec<Uuid>, sqlx::Error> {
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    fn col<'a, T: 'a>(rows: &'a [NewIntent], f: impl Fn(&'a NewIntent) -> T) -> Vec<T> {
+        rows.iter().map(f).collect()
+    }
+    sqlx::query_scalar(
+        "INSERT INTO relay.intents
+             (id, consumer, source_event_id, action, endpoint, method, path, body, request_headers,
+              idempotency_key, ordering_key, max_attempts, expires_at, on_success, on_dead,
+              emit_source, aggregate_id, correlation_id, causation_id, traceparent)
+         SELECT id, consumer, source_event_id, action, endpoint, method, path, body, request_headers,
+                idempotency_key, ordering_key, max_attempts, now() + make_interval(secs => max_age),
+                on_success, on_dead, emit_source, aggregate_id, correlation_id, causation_id, traceparent
+           FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
+                       $8::jsonb[], $9::jsonb[], $10::text[], $11::text[], $12::int4[], $13::float8[],
+                       $14::jsonb[], $15::jsonb[], $16::text[], $17::text[], $18::text[], $19::text[], $20::text[])
+                AS t(id, consumer, source_event_id, action, endpoint, method, path, body, request_headers,
+                     idempotency_key, ordering_key, max_attempts, max_age, on_success, on_dead,
+                     emit_source, aggregate_id, correlation_id, causation_id, traceparent)
+         ON CONFLICT (id) DO NOTHING
+         RETURNING id",
+    )
+    .bind(col(rows, |r| r.id))
+    .bind(col(rows, |r| r.consumer.as_str()))
+    .bind(col(rows, |r| r.source_event_id.as_str()))
+    .bind(col(rows, |r| r.action.as_str()))
+    .bind(col(rows, |r| r.endpoint.as_str()))
+    .bind(col(rows, |r| r.method.as_str()))
+    .bind(col(rows, |r| r.path.as_str()))
+    .bind(col(rows, |r| r.body.clone()))
+    .bind(col(rows, |r| r.headers.clone()))
+    .bind(col(rows, |r| r.idempotency_key.as_str()))
+    .bind(col(rows, |r| r.ordering_key.as_deref()))
+    .bind(col(rows, |r| r.max_attempts))
+    .bind(col(rows, |r| r.max_age.as_secs_f64()))
+    .bind(col(rows, |r| r.on_success.clone()))
+    .bind(col(rows, |r| r.on_dead.clone()))
+    .bind(col(rows, |r| r.emit_source.as_str()))
+    .bind(col(rows, |r| r.aggregate_id.as_deref()))
+    .bind(col(rows, |r| r.correlation_id.as_deref()))
+    .bind(col(rows, |r| r.causation_id.as_deref()))
+    .bind(col(rows, |r| r.traceparent.as_deref()))
     .fetch_all(conn)
     .await
 }

@@ -160,3 +160,37 @@ pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<u64, 
 pub async fn next_due_at(conn: &mut PgConnection) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
     sqlx::query_scalar("SELECT min(next_attempt_at) FROM relay.outbox WHERE state = 'pending'").fetch_one(conn).await
 }
+
+/// Insert many outbox records in one statement: `(source_id, record)` pairs.
+/// Returns the ids that were new.
+pub async fn insert_many(
+    conn: &mut PgConnection,
+    consumer: &str,
+    rows: &[(&str, &OutboxRecord)],
+) -> Result<Vec<Uuid>, sqlx::Error> {
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    sqlx::query_scalar(
+        "INSERT INTO relay.outbox
+             (id, consumer, source_id, action, topic, key, headers, payload, event_type, ordering_key)
+         SELECT id, $1, source_id, action, topic, key, headers, payload, event_type, ordering_key
+           FROM unnest($2::uuid[], $3::text[], $4::text[], $5::text[], $6::bytea[], $7::jsonb[], $8::bytea[],
+                       $9::text[], $10::text[])
+                AS t(id, source_id, action, topic, key, headers, payload, event_type, ordering_key)
+         ON CONFLICT (id) DO NOTHING
+         RETURNING id",
+    )
+    .bind(consumer)
+    .bind(rows.iter().map(|(_, r)| r.id).collect::<Vec<_>>())
+    .bind(rows.iter().map(|(s, _)| *s).collect::<Vec<_>>())
+    .bind(rows.iter().map(|(_, r)| r.action.as_str()).collect::<Vec<_>>())
+    .bind(rows.iter().map(|(_, r)| r.topic.as_str()).collect::<Vec<_>>())
+    .bind(rows.iter().map(|(_, r)| r.key.as_deref()).collect::<Vec<_>>())
+    .bind(rows.iter().map(|(_, r)| headers::to_json(&r.headers)).collect::<Vec<_>>())
+    .bind(rows.iter().map(|(_, r)| r.payload.as_deref()).collect::<Vec<_>>())
+    .bind(rows.iter().map(|(_, r)| r.event_type.as_deref()).collect::<Vec<_>>())
+    .bind(rows.iter().map(|(_, r)| r.ordering_key.as_deref()).collect::<Vec<_>>())
+    .fetch_all(conn)
+    .await
+}
