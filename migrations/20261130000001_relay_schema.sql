@@ -144,26 +144,32 @@ CREATE TABLE relay.intents (
     traceparent      text,
     created_at       timestamptz NOT NULL DEFAULT now(),
     finished_at      timestamptz,
+    -- One row per (consumer, input event, action): the id is derived from
+    -- exactly those (UUIDv5), so the primary key is that constraint. (A second
+    -- unique index on the three columns would cost an index entry on every
+    -- state change of every intent.)
     CONSTRAINT intents_pkey PRIMARY KEY (id),
-    CONSTRAINT intents_one_per_source_action UNIQUE (consumer, source_event_id, action),
     CONSTRAINT intents_state_known CHECK (state IN ('pending', 'running', 'succeeded', 'dead')),
     CONSTRAINT intents_running_has_lease CHECK (
         state <> 'running' OR (lease_token IS NOT NULL AND locked_until IS NOT NULL)),
     CONSTRAINT intents_max_attempts_positive CHECK (max_attempts > 0)
 );
-CREATE INDEX intents_due ON relay.intents (next_attempt_at) WHERE state = 'pending';
+-- The claim's exact order, so a claim reads only the rows it takes (a plain
+-- next_attempt_at index would sort every row of a same-instant burst by seq).
+CREATE INDEX intents_due ON relay.intents (next_attempt_at, seq) WHERE state = 'pending';
 CREATE INDEX intents_leases ON relay.intents (locked_until) WHERE state = 'running';
 CREATE INDEX intents_unfinished_by_key ON relay.intents (ordering_key, seq)
     WHERE state IN ('pending', 'running') AND ordering_key IS NOT NULL;
 CREATE INDEX intents_dead ON relay.intents (finished_at) WHERE state = 'dead';
 
--- Every attempt, for audit: written at claim time, finished by the worker that
--- holds the lease, or closed as 'lease_expired' by the rescuer.
+-- Every attempt, for audit: written by the worker that holds the lease when
+-- the attempt finishes, or as 'lease_expired' by the rescuer when it was lost.
 CREATE TABLE relay.intent_attempts (
     intent_id   uuid        NOT NULL REFERENCES relay.intents (id) ON DELETE CASCADE,
     attempt     integer     NOT NULL,
     worker      text        NOT NULL,
     lease_token uuid        NOT NULL,
+    -- When the row was written (the attempt's end, or its rescue).
     claimed_at  timestamptz NOT NULL DEFAULT now(),
     -- When the request was handed to the HTTP client (after waiting for the
     -- endpoint's concurrency and rate limits); NULL if the worker was lost first.
@@ -209,6 +215,8 @@ CREATE TABLE relay.outbox (
     CONSTRAINT outbox_running_has_lease CHECK (
         state <> 'running' OR (lease_token IS NOT NULL AND locked_until IS NOT NULL))
 );
+-- Claims walk pending rows in seq order; next_due_at needs the earliest due time.
+CREATE INDEX outbox_pending_by_seq ON relay.outbox (seq) WHERE state = 'pending';
 CREATE INDEX outbox_due ON relay.outbox (next_attempt_at) WHERE state = 'pending';
 CREATE INDEX outbox_leases ON relay.outbox (locked_until) WHERE state = 'running';
 CREATE INDEX outbox_unpublished_by_key ON relay.outbox (topic, ordering_key, seq)

@@ -125,8 +125,15 @@ async fn a_worker_whose_lease_was_rescued_cannot_finish_the_intent() {
 
     let done =
         AttemptRecord { started_at: None, outcome: "succeeded", status: Some(201), error_class: None, error: None };
-    let finish =
-        |i: &intents::ClaimedIntent, next| Finish { id: i.id, token: i.lease_token, next, attempt: done.clone() };
+    let finish = |i: &intents::ClaimedIntent, next| Finish {
+        id: i.id,
+        token: i.lease_token,
+        next,
+        attempt: done.clone(),
+        attempt_no: i.attempts,
+        worker: "test".into(),
+        attempted: true,
+    };
     for next in [NextState::Succeeded, NextState::Retry(Duration::ZERO), NextState::Dead] {
         assert_eq!(intents::finish(&mut conn, finish(&stale, next)).await.unwrap(), Fenced::LeaseLost);
     }

@@ -223,7 +223,10 @@ impl InboxConsumer {
                     continue;
                 }
             }
-            while batch.len() < self.settings.batch_size {
+            // Up to batch_size records per partition in one transaction each:
+            // gather what is already fetched for all assigned partitions.
+            let partitions = self.consumer.assignment().map_or(1, |a| a.count().max(1));
+            while batch.len() < self.settings.batch_size * partitions {
                 match self.consumer.recv().now_or_never() {
                     Some(Ok(m)) => batch.push(self.take(&m)),
                     Some(Err(e)) => {
@@ -324,7 +327,8 @@ impl InboxConsumer {
         let mut db_failures = 0u32;
         let mut rng = StdRng::from_os_rng();
         while i < records.len() {
-            let wait = match self.run_batch(&tp, &records[i..]).await {
+            let end = records.len().min(i + self.settings.batch_size);
+            let wait = match self.run_batch(&tp, &records[i..end]).await {
                 Ok(BatchRun { done, stopped }) => {
                     db_failures = 0;
                     if done > 0 {

@@ -34,7 +34,7 @@ use relay_store::sagas::{self, Transition};
 use relay_store::{inbox, outbox};
 use sqlx::postgres::PgListener;
 use sqlx::{Connection, PgConnection, PgPool};
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
@@ -120,7 +120,10 @@ impl Dispatcher {
             if let Some(f) = crashed {
                 break Err(f.into());
             }
-            let free = permits.available_permits();
+            // Claim ahead: up to one claim batch waits for a free call slot, so
+            // the next calls start the moment slots free up instead of after a
+            // round trip to the database.
+            let free = (s.concurrency + s.claim_batch as usize).saturating_sub(tasks.len());
             if free == 0 {
                 tokio::select! {
                     _ = shutdown.cancelled() => break Ok(()),
@@ -151,12 +154,10 @@ impl Dispatcher {
                 break Err(f.into());
             }
             for intent in claimed {
-                let permit = permits.clone().acquire_owned().await.expect("semaphore never closed");
-                let me = self.clone();
-                let done_tx = done_tx.clone();
+                let (me, done_tx, permits) = (self.clone(), done_tx.clone(), permits.clone());
                 tasks.spawn(async move {
-                    let _permit = permit;
-                    me.execute(intent, &done_tx).await.map(|_| ())
+                    let _permit = permits.acquire_owned().await.expect("semaphore never closed");
+                    me.execute(intent, &done_tx).await
                 });
             }
             if n == want {
@@ -227,12 +228,10 @@ impl Dispatcher {
     }
 
     /// Make one attempt of a claimed intent and hand its outcome to the
-    /// finalizer, which records it (batched with other calls' outcomes).
-    pub async fn execute(
-        &self,
-        intent: ClaimedIntent,
-        done: &mpsc::Sender<Completion>,
-    ) -> Result<Finished, FaultInjected> {
+    /// finalizer, which records it (batched with other calls' outcomes) and
+    /// logs it. Returns once the outcome is handed over: the call slot is free
+    /// again while the outcome is written.
+    pub async fn execute(&self, intent: ClaimedIntent, done: &mpsc::Sender<Completion>) -> Result<(), FaultInjected> {
         let started = std::time::Instant::now();
         let endpoint = self.inner.endpoints.get(&intent.endpoint);
         let (verdict, result) = if intent.over_budget(Utc::now()) {
@@ -260,13 +259,12 @@ impl Dispatcher {
             (classify(&r.attempt, &[]), r)
         };
         let (next, attempt) = decide(&intent, verdict, &result, endpoint.map(|e| e.config()));
-        let (reply, answer) = oneshot::channel();
-        let finished = match done.send(Completion { intent: intent.clone(), next, attempt, reply }).await {
-            Ok(()) => answer.await.unwrap_or(Finished::LeaseLost),
-            Err(_) => Finished::LeaseLost,
-        };
-        self.log_attempt(&intent, &result, finished, started.elapsed());
-        Ok(finished)
+        let completion = Completion { intent, next, attempt, result, started };
+        if let Err(lost) = done.send(completion).await {
+            let c = lost.0;
+            self.log_attempt(&c.intent, &c.result, Finished::LeaseLost, c.started.elapsed());
+        }
+        Ok(())
     }
 
     fn log_attempt(&self, intent: &ClaimedIntent, result: &CallResult, finished: Finished, took: Duration) {
@@ -304,11 +302,17 @@ impl Dispatcher {
         }
     }
 
-    /// Record completions in batches: whatever has arrived while the previous
-    /// batch was written goes into the next one (up to 256), in one
-    /// transaction with one fenced statement for all of them.
+    /// Record completions in batches: whatever has arrived while earlier
+    /// batches were written goes into the next one (up to 256), in one
+    /// transaction with one fenced statement for all of them. Up to
+    /// `FINALIZERS` batches are written at once, so their commits share
+    /// PostgreSQL's WAL flushes instead of queueing behind each other.
     async fn finalize_loop(self, mut rx: mpsc::Receiver<Completion>) {
+        const FINALIZERS: usize = 4;
+        let slots = Arc::new(Semaphore::new(FINALIZERS));
+        let mut writers = JoinSet::new();
         while let Some(first) = rx.recv().await {
+            let slot = slots.clone().acquire_owned().await.expect("semaphore never closed");
             let mut batch = vec![first];
             while batch.len() < 256 {
                 match rx.try_recv() {
@@ -316,11 +320,17 @@ impl Dispatcher {
                     Err(_) => break,
                 }
             }
-            let results = self.finalize(&batch).await;
-            for (c, r) in batch.into_iter().zip(results) {
-                let _ = c.reply.send(r);
-            }
+            let me = self.clone();
+            writers.spawn(async move {
+                let results = me.finalize(&batch).await;
+                for (c, r) in batch.iter().zip(results) {
+                    me.log_attempt(&c.intent, &c.result, r, c.started.elapsed());
+                }
+                drop(slot);
+            });
+            while writers.try_join_next().is_some() {}
         }
+        while writers.join_next().await.is_some() {}
     }
 
     /// Record a batch, retrying database errors until the leases would expire.
@@ -350,7 +360,15 @@ impl Dispatcher {
         let mut tx = conn.begin().await?;
         let items: Vec<Finish> = batch
             .iter()
-            .map(|c| Finish { id: c.intent.id, token: c.intent.lease_token, next: c.next, attempt: c.attempt.clone() })
+            .map(|c| Finish {
+                id: c.intent.id,
+                token: c.intent.lease_token,
+                next: c.next,
+                attempt: c.attempt.clone(),
+                attempt_no: c.intent.attempts,
+                worker: self.inner.worker.clone(),
+                attempted: c.attempt.error_class.as_deref() != Some("budget"),
+            })
             .collect();
         let ours: std::collections::HashSet<uuid::Uuid> =
             intents::finish_many(&mut tx, &items).await?.into_iter().collect();
@@ -437,7 +455,8 @@ pub struct Completion {
     intent: ClaimedIntent,
     next: NextState,
     attempt: AttemptRecord,
-    reply: oneshot::Sender<Finished>,
+    result: CallResult,
+    started: std::time::Instant,
 }
 
 /// The stored outcome effects of an intent, if any.

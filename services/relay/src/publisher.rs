@@ -25,6 +25,9 @@ use crate::dispatcher::{listen, notified, until_due};
 use crate::faults::{Faults, point};
 use crate::kafka::{Role, client_config};
 
+/// Claim-and-produce loops per publisher process.
+const LANES: usize = 2;
+
 /// Header carrying the outbox row id on every published record.
 pub const OUTBOX_ID_HEADER: &str = "relay_outbox_id";
 
@@ -80,15 +83,40 @@ impl Publisher {
 
     /// Run until `shutdown`: finish the batch in flight, flush, return.
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
-        info!(batch = self.settings.batch_size, "outbox publisher started");
+        info!(batch = self.settings.batch_size, lanes = LANES, "outbox publisher started");
+        // Several lanes claim and produce at once, so one batch's wait for
+        // acknowledgements overlaps the next batch's claim. Order per key still
+        // holds: a row is only claimable once every earlier row of its topic
+        // and ordering key is published, whichever lane had it.
+        let me = std::sync::Arc::new(self);
+        let mut lanes = tokio::task::JoinSet::new();
+        for lane in 0..LANES {
+            let (me, token) = (me.clone(), shutdown.clone());
+            lanes.spawn(async move { me.lane(lane, token).await });
+        }
+        let mut result = Ok(());
+        while let Some(done) = lanes.join_next().await {
+            if let Ok(Err(e)) = done {
+                shutdown.cancel();
+                result = Err(e);
+            }
+        }
+        if result.is_ok() {
+            let _ = me.producer.flush(Timeout::After(me.settings.delivery_timeout));
+        }
+        info!("outbox publisher stopped");
+        result
+    }
+
+    async fn lane(&self, lane: usize, shutdown: CancellationToken) -> anyhow::Result<()> {
         let mut listener = listen(&self.pool, CHANNEL).await;
         let mut last_rescue = std::time::Instant::now();
         let mut failures = 0u32;
-        let result = loop {
+        loop {
             if shutdown.is_cancelled() {
-                break Ok(());
+                return Ok(());
             }
-            if last_rescue.elapsed() >= self.settings.lease / 4 {
+            if lane == 0 && last_rescue.elapsed() >= self.settings.lease / 4 {
                 last_rescue = std::time::Instant::now();
                 match self.rescue().await {
                     Ok(0) => {}
@@ -105,27 +133,22 @@ impl Publisher {
                     continue;
                 }
                 Ok(_) => failures = 0,
-                Err(PublishError::Fault(f)) => break Err(anyhow::Error::from(f)),
+                Err(PublishError::Fault(f)) => return Err(anyhow::Error::from(f)),
                 Err(PublishError::Db(e)) => {
                     failures += 1;
                     error!(error = %e, attempt = failures, "outbox database error; retrying");
                     let delay = Duration::from_millis(100 * u64::from(failures.min(50)));
-                    tokio::select! { _ = shutdown.cancelled() => break Ok(()), _ = tokio::time::sleep(delay) => {} }
+                    tokio::select! { _ = shutdown.cancelled() => return Ok(()), _ = tokio::time::sleep(delay) => {} }
                     continue;
                 }
             }
             let wait = self.idle_wait().await;
             tokio::select! {
-                _ = shutdown.cancelled() => break Ok(()),
+                _ = shutdown.cancelled() => return Ok(()),
                 _ = notified(&mut listener) => {}
                 _ = tokio::time::sleep(wait) => {}
             }
-        };
-        if result.is_ok() {
-            let _ = self.producer.flush(Timeout::After(self.settings.delivery_timeout));
         }
-        info!("outbox publisher stopped");
-        result
     }
 
     async fn rescue(&self) -> Result<u64, sqlx::Error> {

@@ -40,8 +40,9 @@ async fn the_soak_and_checker_catch_an_offset_committed_before_the_database() {
     let mut o = options(800, 10);
     o.replay = false;
     o.sabotage = Some("offset-before-commit".into());
-    // Widen the window between the (sabotaged) offset commit and the DB commit.
-    o.consumer_faults = Some("consumer.before_db_commit=pause:200ms".into());
+    // Crash in the window between the (sabotaged) offset commit and the DB
+    // commit: every consumer aborts at its 2nd batch and is restarted.
+    o.consumer_faults = Some("consumer.before_db_commit=abort@2".into());
     let (_, report) = run(&o).await.unwrap();
     assert!(report.violations.iter().any(|v| v.check == "lost" && v.count > 0), "{}", report.render());
 }

@@ -86,6 +86,8 @@ pub struct Summary {
     pub dead_intents: i64,
     /// SIGKILLs delivered (each process restarted after it).
     pub kills: u64,
+    /// Processes that died by themselves (a fault point) and were restarted.
+    pub crashes: u64,
     /// Wall time.
     pub elapsed: Duration,
 }
@@ -117,6 +119,7 @@ impl Summary {
             ("dead letters", self.dead_letters.to_string()),
             ("dead intents", self.dead_intents.to_string()),
             ("kills survived (SIGKILL + restart)", self.kills.to_string()),
+            ("self-inflicted crashes restarted", self.crashes.to_string()),
             ("lost", lost.to_string()),
             ("double effects", doubled.to_string()),
             ("invariant violations", report.violations.len().to_string()),
@@ -267,7 +270,7 @@ pub async fn run(opts: &SoakOptions) -> anyhow::Result<(Summary, Report)> {
         }
     };
     let consumer_env: Vec<(&str, &str)> = opts.consumer_faults.iter().map(|f| ("RELAY_FAULTS", f.as_str())).collect();
-    let mut fleet = Fleet {
+    let fleet = Fleet {
         procs: vec![
             ("consumer-1".into(), RelayProcess::start(spec("consumer-1", &["consume"], &consumer_env))?),
             ("consumer-2".into(), RelayProcess::start(spec("consumer-2", &["consume"], &consumer_env))?),
@@ -353,11 +356,35 @@ pub async fn run(opts: &SoakOptions) -> anyhow::Result<(Summary, Report)> {
     let expected_rows = (summary.orders + summary.retry_sends) as i64;
     let step = (expected_rows / (opts.kills as i64 + 1)).max(1);
     let mut next = step;
+    // A supervisor restarts processes that die by themselves (a fault point
+    // that aborts), as an orchestrator would.
+    let fleet = Arc::new(tokio::sync::Mutex::new(fleet));
+    let crashes = Arc::new(AtomicU64::new(0));
+    let supervisor = {
+        let (fleet, crashes) = (fleet.clone(), crashes.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                for (name, p) in &mut fleet.lock().await.procs {
+                    if !p.is_running() {
+                        crashes.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(process = %name, "exited by itself; restarting");
+                        if let Err(e) = p.restart() {
+                            tracing::error!(process = %name, error = %e, "restart failed");
+                        }
+                    }
+                }
+            }
+        })
+    };
+    // When progress stalls (or everything is recorded) kills go on by time.
+    let mut last_kill = Instant::now();
     while (kills.load(Ordering::Relaxed) as usize) < opts.kills {
         let rows = db.count("inbox", "true").await;
-        if rows >= next || rows >= expected_rows {
-            kill_one(&mut fleet, &mut rng, &kills)?;
-            next += step;
+        if rows >= next || last_kill.elapsed() >= Duration::from_secs(3) {
+            kill_one(&mut *fleet.lock().await, &mut rng, &kills)?;
+            next = next.max(rows) + step;
+            last_kill = Instant::now();
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -408,7 +435,9 @@ pub async fn run(opts: &SoakOptions) -> anyhow::Result<(Summary, Report)> {
         (open == 0).then_some(())
     })
     .await?;
-    for (name, p) in &mut fleet.procs {
+    supervisor.abort();
+    summary.crashes = crashes.load(Ordering::Relaxed);
+    for (name, p) in &mut fleet.lock().await.procs {
         let status = p.terminate(Duration::from_secs(30))?;
         if !status.success() {
             anyhow::bail!("{name} exited with {status:?} on SIGTERM");

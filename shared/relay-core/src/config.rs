@@ -251,7 +251,7 @@ impl Default for DispatcherConfig {
         DispatcherConfig {
             worker_id: None,
             concurrency: 64,
-            claim_batch: 32,
+            claim_batch: 64,
             lease: Duration::from_secs(60),
             poll_interval: Duration::from_secs(1),
             rescue_interval: Duration::from_secs(5),

@@ -162,10 +162,11 @@ impl ClaimedIntent {
 }
 
 /// Claim up to `limit` due intents for `worker` with a lease of `lease`, in one
-/// statement: `FOR UPDATE SKIP LOCKED` picks rows no other dispatcher holds, the
-/// `UPDATE` sets the lease and counts the attempt (R9), and an attempt row is
-/// opened for audit. Intents whose ordering key has an earlier unfinished
-/// intent are not due (R13).
+/// statement: `FOR UPDATE SKIP LOCKED` picks rows no other dispatcher holds and
+/// the `UPDATE` sets the lease and counts the attempt (R9). Intents whose
+/// ordering key has an earlier unfinished intent are not due (R13). The
+/// attempt's audit row is written when it finishes ([`finish_many`]) or, if
+/// its worker is lost, by the rescuer ([`rescue_expired`]).
 pub async fn claim(
     conn: &mut PgConnection,
     worker: &str,
@@ -189,9 +190,6 @@ pub async fn claim(
                     locked_by = $2, locked_until = now() + make_interval(secs => $3)
                FROM due WHERE i.id = due.id
              RETURNING i.*
-         ), opened AS (
-             INSERT INTO relay.intent_attempts (intent_id, attempt, worker, lease_token)
-             SELECT id, attempts, $2, lease_token FROM claimed WHERE attempts <= max_attempts
          )
          SELECT id, lease_token, consumer, source_event_id, action, endpoint, method, path, body,
                 request_headers, idempotency_key, ordering_key, attempts, max_attempts, expires_at,
@@ -252,11 +250,18 @@ pub struct Finish {
     pub next: NextState,
     /// The attempt, for the audit row and the intent's last_* columns.
     pub attempt: AttemptRecord,
+    /// The attempt's number (the intent's `attempts` at claim).
+    pub attempt_no: i32,
+    /// Worker that made it.
+    pub worker: String,
+    /// Whether an attempt was made at all (false when the claim found the
+    /// budget already spent): only made attempts get an audit row.
+    pub attempted: bool,
 }
 
 /// Record many attempts in one statement, each fenced by its lease token:
-/// the intent row moves (succeeded / pending again / dead) and its open
-/// attempt row is closed. Returns the ids whose lease was still held; the
+/// the intent row moves (succeeded / pending again / dead) and the attempt's
+/// audit row is written. Returns the ids whose lease was still held; the
 /// others were rescued meanwhile and nothing was written for them.
 pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Vec<Uuid>, sqlx::Error> {
     if items.is_empty() {
@@ -274,8 +279,8 @@ pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Ve
     sqlx::query_scalar(
         "WITH u AS (
              SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::float8[], $5::int4[], $6::text[],
-                                  $7::text[], $8::text[], $9::timestamptz[])
-                 AS u(id, token, state, delay, status, error, error_class, outcome, started_at)
+                                  $7::text[], $8::text[], $9::timestamptz[], $10::int4[], $11::text[], $12::bool[])
+                 AS u(id, token, state, delay, status, error, error_class, outcome, started_at, attempt, worker, attempted)
          ), done AS (
              UPDATE relay.intents i
                 SET state = u.state,
@@ -289,12 +294,12 @@ pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Ve
                FROM u
               WHERE i.id = u.id AND i.lease_token = u.token AND i.state = 'running'
              RETURNING i.id
-         ), closed AS (
-             UPDATE relay.intent_attempts a
-                SET started_at = u.started_at, finished_at = now(), outcome = u.outcome, status = u.status,
-                    error_class = u.error_class, error = u.error
+         ), audited AS (
+             INSERT INTO relay.intent_attempts
+                 (intent_id, attempt, worker, lease_token, started_at, finished_at, outcome, status, error_class, error)
+             SELECT u.id, u.attempt, u.worker, u.token, u.started_at, now(), u.outcome, u.status, u.error_class, u.error
                FROM u JOIN done ON done.id = u.id
-              WHERE a.intent_id = u.id AND a.lease_token = u.token AND a.outcome = 'running'
+              WHERE u.attempted
          )
          SELECT id FROM done",
     )
@@ -307,6 +312,9 @@ pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Ve
     .bind(items.iter().map(|f| f.attempt.error_class.clone()).collect::<Vec<_>>())
     .bind(items.iter().map(|f| f.attempt.outcome).collect::<Vec<_>>())
     .bind(items.iter().map(|f| f.attempt.started_at).collect::<Vec<_>>())
+    .bind(items.iter().map(|f| f.attempt_no).collect::<Vec<_>>())
+    .bind(items.iter().map(|f| f.worker.as_str()).collect::<Vec<_>>())
+    .bind(items.iter().map(|f| f.attempted).collect::<Vec<_>>())
     .fetch_all(conn)
     .await
 }
@@ -318,22 +326,21 @@ pub async fn finish(conn: &mut PgConnection, item: Finish) -> Result<Fenced, sql
 }
 
 /// Return intents whose lease expired (their worker crashed or stalled) to
-/// pending, closing their open attempt as `lease_expired`. The attempt stays
+/// pending, recording the lost attempt as `lease_expired`. The attempt stays
 /// counted, so an intent that kills every worker still runs out of budget.
 pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<Vec<Uuid>, sqlx::Error> {
     sqlx::query_scalar(
         "WITH expired AS (
-             SELECT id, lease_token FROM relay.intents
+             SELECT id, lease_token, attempts, locked_by FROM relay.intents
               WHERE state = 'running' AND locked_until < now()
               ORDER BY locked_until LIMIT $1
               FOR UPDATE SKIP LOCKED
-         ), closed AS (
-             UPDATE relay.intent_attempts a
-                SET outcome = 'lease_expired', finished_at = now(), error_class = 'lease_expired',
-                    error = 'the worker lost its lease (crashed, stalled or shut down mid-call)'
+         ), audited AS (
+             INSERT INTO relay.intent_attempts (intent_id, attempt, worker, lease_token, finished_at, outcome, error_class, error)
+             SELECT id, attempts, coalesce(locked_by, ''), lease_token, now(), 'lease_expired', 'lease_expired',
+                    'the worker lost its lease (crashed, stalled or shut down mid-call)'
                FROM expired
-              WHERE a.intent_id = expired.id AND a.lease_token = expired.lease_token
-                AND a.outcome = 'running'
+             ON CONFLICT (intent_id, attempt) DO NOTHING
          )
          UPDATE relay.intents i
             SET state = 'pending', next_attempt_at = now(), lease_token = NULL, locked_until = NULL,
