@@ -166,3 +166,16 @@ cleanup_test_services() {
   stop_postgres_if_started
   exit $rc
 }
+
+# Headless Chromium (Debian's package) and playwright-core for the console test.
+ensure_console_test_deps() {
+  if ! command -v chromium >/dev/null; then
+    say "installing Debian's chromium for the console test"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  fi
+  command -v node >/dev/null || die "Node.js is needed for the console test (apt-get install nodejs)"
+  if [ ! -d "$ROOT/services/relay/tests/console/node_modules/playwright-core" ]; then
+    say "installing playwright-core for the console test"
+    (cd "$ROOT/services/relay/tests/console" && npm ci --no-audit --no-fund --silent)
+  fi
+}

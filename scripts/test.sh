@@ -12,6 +12,7 @@
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 cd "$ROOT"
+ensure_console_test_deps
 start_test_services
 
 say "running cargo test (PostgreSQL at 127.0.0.1:5432, Kafka at $KAFKA_BOOTSTRAP)"

@@ -496,3 +496,27 @@ async fn provider_answers_that_are_not_json_are_classified_by_status_alone() {
     assert_eq!((state.as_str(), status), ("dead", Some(403)));
     assert!(error.unwrap().contains("<html>"), "the error keeps a bounded snippet of the body");
 }
+
+#[tokio::test]
+async fn the_trace_of_an_event_continues_through_the_call_and_the_outcome_event() {
+    let h = Harness::new(1).await;
+    let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    h.send(&order("evt-1", "o-1").ext("traceparent", parent)).await;
+    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    h.await_intents_finished(1).await;
+    h.await_published(1).await;
+    run.stop().await.unwrap();
+
+    let trace = |tp: &str| tp.split('-').nth(1).unwrap().to_owned();
+    let span = |tp: &str| tp.split('-').nth(2).unwrap().to_owned();
+    let sent = h.provider.applied()[0].traceparent.clone().expect("the call carries a traceparent");
+    assert_eq!(trace(&sent), trace(parent), "same trace");
+    assert_ne!(span(&sent), span(parent), "the call is a span of its own");
+    let stored: String =
+        sqlx::query_scalar("SELECT traceparent FROM relay.intents").fetch_one(&h.db.pool).await.unwrap();
+    assert_eq!(trace(&stored), trace(parent));
+    assert_ne!(span(&stored), span(&sent), "the intent carries the processing span, the call a child of it");
+    let out = read_topic(&h.bootstrap, &h.out, 1).await.unwrap();
+    let emitted = out[0].header("ce_traceparent").expect("the outcome event carries the trace");
+    assert_eq!(trace(emitted), trace(parent));
+}

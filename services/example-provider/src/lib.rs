@@ -166,6 +166,9 @@ pub struct Applied {
     /// effects to intents even when keys differ.
     #[serde(default)]
     pub intent_id: Option<String>,
+    /// The W3C `traceparent` the request carried.
+    #[serde(default)]
+    pub traceparent: Option<String>,
 }
 
 /// Provider settings.
@@ -338,12 +341,14 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
             inner.stats.by_key.entry(key.clone()).or_default().applied += 1;
             inner.stored.insert(key.clone(), (201, resource.clone()));
             let intent_id = headers.get("x-relay-intent-id").and_then(|v| v.to_str().ok()).map(str::to_owned);
+            let traceparent = headers.get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_owned);
             inner.log.push(Applied {
                 key: key.clone(),
                 method: method.to_string(),
                 path: path.clone(),
                 body: body_json,
                 intent_id,
+                traceparent,
             });
             Plan::Applied { response: resource, delay_after, html }
         }

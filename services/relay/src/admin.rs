@@ -51,6 +51,7 @@ pub async fn replay(pool: &PgPool, processor: &Processor, id: i64) -> anyhow::Re
         Step::Duplicate => ReplayOutcome::Duplicate,
         Step::NoOp { outcome, .. } => ReplayOutcome::NoOp(outcome.as_str().to_owned()),
         Step::Poison(p) | Step::RetryLater(p) => ReplayOutcome::StillFailing(p.to_string()),
+        Step::Paused { route } => ReplayOutcome::StillFailing(format!("route {route} is paused; resume it first")),
     };
     dead_letters::mark_replayed(&mut tx, id, &outcome.stored()).await?;
     tx.commit().await?;

@@ -105,7 +105,22 @@ impl Relay {
     /// the others are stopped gracefully and the first error is returned).
     pub async fn run(&self, which: Components, shutdown: CancellationToken) -> anyhow::Result<()> {
         let inner = shutdown.child_token();
+        let metrics = crate::metrics::install();
+        crate::trace::init(&self.cfg.telemetry)?;
+        if which.consumer {
+            crate::retention::check_topic_retention(&self.cfg).await?;
+        }
         let mut set = tokio::task::JoinSet::new();
+        if self.cfg.admin.listen.is_some() {
+            let (cfg, pool, processor, t) = (self.cfg.clone(), self.pool.clone(), self.processor(), inner.clone());
+            set.spawn(async move { ("admin server", crate::server::serve(cfg, pool, processor, metrics, t).await) });
+        }
+        if which.dispatcher {
+            // Retention cleanup runs beside dispatchers; an advisory lock keeps it to one at a time.
+            let (pool, retention, consumer, t) =
+                (self.pool.clone(), self.cfg.retention.clone(), self.cfg.consumer.name.clone(), inner.clone());
+            tokio::spawn(crate::retention::run(pool, retention, consumer, t));
+        }
         if which.consumer {
             let c = self.consumer()?;
             let t = inner.clone();
@@ -133,6 +148,7 @@ impl Relay {
                 }
             }
         }
+        crate::trace::shutdown();
         first_error.map_or(Ok(()), Err)
     }
 }

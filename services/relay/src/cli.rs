@@ -56,6 +56,31 @@ pub enum Command {
     /// List, inspect, replay and purge dead letters.
     #[command(subcommand)]
     DeadLetters(DeadLetterCommand),
+    /// List, inspect and replay intents (external calls).
+    #[command(subcommand)]
+    Intents(IntentCommand),
+    /// Pause a route (its partitions wait at its next event) or an endpoint
+    /// (its intents are not claimed), for every relay process.
+    Pause {
+        /// `route` or `endpoint`.
+        kind: PauseKindArg,
+        /// Route name (see check-config) or endpoint name.
+        name: String,
+        /// Why (shown in the console and `relay pauses`).
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Resume a paused route or endpoint.
+    Resume {
+        /// `route` or `endpoint`.
+        kind: PauseKindArg,
+        /// Route or endpoint name.
+        name: String,
+    },
+    /// List what is paused.
+    Pauses,
+    /// Delete rows older than their retention now, in bounded batches, with progress.
+    Cleanup,
     /// Show counts: inbox outcomes, intents by state, oldest pending, outbox, dead letters.
     Stats {
         /// Print JSON.
@@ -81,6 +106,61 @@ pub enum Command {
     /// End-to-end demo: an embedded Kafka (librdkafka's mock cluster), a local
     /// fake provider, example events with duplicates and poison. Needs DATABASE_URL.
     Demo,
+}
+
+/// What can be paused.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum PauseKindArg {
+    /// A route.
+    Route,
+    /// An endpoint.
+    Endpoint,
+}
+
+impl From<PauseKindArg> for relay_store::ops::PauseKind {
+    fn from(k: PauseKindArg) -> Self {
+        match k {
+            PauseKindArg::Route => relay_store::ops::PauseKind::Route,
+            PauseKindArg::Endpoint => relay_store::ops::PauseKind::Endpoint,
+        }
+    }
+}
+
+/// Intent commands.
+#[derive(Debug, Subcommand)]
+pub enum IntentCommand {
+    /// List intents, newest first.
+    List {
+        /// Only this state: pending, running, succeeded or dead.
+        #[arg(long)]
+        state: Option<String>,
+        /// Only this endpoint.
+        #[arg(long)]
+        endpoint: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        /// Print JSON lines.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one intent with its attempts.
+    Show {
+        /// Intent id.
+        id: uuid::Uuid,
+    },
+    /// Queue dead intents again with a fresh budget, keeping their ids and
+    /// idempotency keys (the provider sees the same operation).
+    Replay {
+        /// Intent ids.
+        ids: Vec<uuid::Uuid>,
+        /// Every dead intent (optionally of one --endpoint).
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+        /// With --all: only this endpoint.
+        #[arg(long, requires = "all")]
+        endpoint: Option<String>,
+    },
 }
 
 /// Dead-letter commands.
@@ -218,6 +298,71 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             relay.run(which, shutdown).await
         }
         Command::DeadLetters(cmd) => dead_letter_command(cfg, cmd).await,
+        Command::Intents(cmd) => intent_command(cfg, cmd).await,
+        Command::Pause { kind, name, reason } => {
+            let known: Vec<String> = match kind {
+                PauseKindArg::Route => cfg.routes.iter().map(|r| r.display_name()).collect(),
+                PauseKindArg::Endpoint => cfg.endpoints.keys().cloned().collect(),
+            };
+            if !known.contains(&name) {
+                anyhow::bail!("no {kind:?} named {name:?} in the configuration (known: {})", known.join(", "));
+            }
+            let pool = connect(&cfg).await?;
+            let new =
+                relay_store::ops::pause(&mut *pool.acquire().await?, kind.into(), &name, reason.as_deref()).await?;
+            println!(
+                "{} {name} {}",
+                format!("{kind:?}").to_lowercase(),
+                if new { "paused" } else { "was already paused" }
+            );
+            Ok(())
+        }
+        Command::Resume { kind, name } => {
+            let pool = connect(&cfg).await?;
+            let was = relay_store::ops::resume(&mut *pool.acquire().await?, kind.into(), &name).await?;
+            println!(
+                "{} {name} {}",
+                format!("{kind:?}").to_lowercase(),
+                if was { "resumed" } else { "was not paused" }
+            );
+            Ok(())
+        }
+        Command::Pauses => {
+            let pool = connect(&cfg).await?;
+            let pauses = relay_store::ops::pauses(&mut *pool.acquire().await?).await?;
+            if pauses.is_empty() {
+                println!("nothing is paused");
+            }
+            for p in pauses {
+                println!(
+                    "{} {} since {}{}",
+                    p.kind,
+                    p.name,
+                    p.paused_at,
+                    p.reason.map(|r| format!(": {r}")).unwrap_or_default()
+                );
+            }
+            Ok(())
+        }
+        Command::Cleanup => {
+            let pool = connect(&cfg).await?;
+            let result = crate::retention::cleanup_once(&pool, &cfg.retention, &cfg.consumer.name, |what, total| {
+                eprintln!("  {}: {total} deleted so far", what.label());
+            })
+            .await?;
+            match result {
+                None => anyhow::bail!("another relay process is cleaning up right now; try again in a moment"),
+                Some(deleted) if deleted.is_empty() => {
+                    println!("no retention is configured ([retention] in the configuration)")
+                }
+                Some(deleted) => {
+                    for (what, n) in deleted {
+                        println!("{:<24} {n} deleted", what.label());
+                    }
+                }
+            }
+            Ok(())
+        }
         Command::Verify { provider_effects, grace, json } => {
             let pool = connect(&cfg).await?;
             let effects = match &provider_effects {
@@ -460,4 +605,91 @@ async fn all_ids(pool: &sqlx::PgPool, f: &Filter) -> anyhow::Result<Vec<i64>> {
         out.extend(page.iter().map(|d| d.id));
     }
     Ok(out)
+}
+
+async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<()> {
+    use relay_store::intents::{self, IntentFilter};
+    let pool = connect(&cfg).await?;
+    let mut conn = pool.acquire().await?;
+    match cmd {
+        IntentCommand::List { state, endpoint, limit, json } => {
+            let rows = intents::list(&mut conn, &IntentFilter { state, endpoint }, None, limit).await?;
+            if json {
+                for r in &rows {
+                    println!("{}", serde_json::to_string(r)?);
+                }
+            } else if rows.is_empty() {
+                println!("no intents");
+            } else {
+                println!(
+                    "{:<36}  {:<9} {:<12} {:>8} {:>6}  {:<30} last error",
+                    "id", "state", "endpoint", "attempts", "status", "idempotency key"
+                );
+                for r in &rows {
+                    println!(
+                        "{}  {:<9} {:<12} {:>8} {:>6}  {:<30} {}",
+                        r.id,
+                        r.state,
+                        r.endpoint,
+                        format!("{}/{}", r.attempts, r.max_attempts),
+                        r.last_status.map_or("-".into(), |s| s.to_string()),
+                        r.idempotency_key,
+                        r.last_error.as_deref().unwrap_or("")
+                    );
+                }
+            }
+        }
+        IntentCommand::Show { id } => {
+            let Some(i) = intents::get(&mut conn, id).await? else {
+                anyhow::bail!("no intent {id} (see `relay intents list`)");
+            };
+            println!("intent {}", i.id);
+            println!("  call       {} {} on endpoint {}", i.method, i.path, i.endpoint);
+            println!("  key        {}", i.idempotency_key);
+            println!("  source     event {} (consumer {}), action {}", i.source_event_id, i.consumer, i.action);
+            println!("  state      {} after {}/{} attempts", i.state, i.attempts, i.max_attempts);
+            if let Some(e) = &i.last_error {
+                println!("  last error {e}");
+            }
+            println!("  attempts");
+            for a in intents::attempts(&mut conn, id).await? {
+                println!(
+                    "    #{:<3} {:<13} {:>4} {} by {}{}",
+                    a.attempt,
+                    a.outcome,
+                    a.status.map_or("-".into(), |s| s.to_string()),
+                    a.started_at.unwrap_or(a.claimed_at),
+                    a.worker,
+                    a.error.map(|e| format!(": {e}")).unwrap_or_default()
+                );
+            }
+        }
+        IntentCommand::Replay { ids, all, endpoint } => {
+            let ids = if all {
+                intents::list(&mut conn, &IntentFilter { state: Some("dead".into()), endpoint }, None, 1_000_000)
+                    .await?
+                    .into_iter()
+                    .map(|i| i.id)
+                    .collect()
+            } else {
+                ids
+            };
+            if ids.is_empty() {
+                anyhow::bail!("nothing to replay: give intent ids, or --all");
+            }
+            let mut requeued = 0;
+            for (n, id) in ids.iter().enumerate() {
+                let ok = intents::requeue(&mut conn, *id).await?;
+                requeued += usize::from(ok);
+                if !ok {
+                    println!("{id}: not dead, left as it is");
+                }
+                if (n + 1) % 1000 == 0 {
+                    eprintln!("  {} of {} done", n + 1, ids.len());
+                }
+            }
+            println!("queued again: {requeued} of {} (same ids, same idempotency keys)", ids.len());
+        }
+    }
+    Ok(())
 }

@@ -54,6 +54,11 @@ struct PartitionState {
     revoked_at: HashMap<Tp, u64>,
     /// Next offset to commit per owned partition (end of the processed prefix).
     next_offsets: HashMap<Tp, i64>,
+    /// Records of partitions held at a paused route, in order, not yet
+    /// processed; the partition is paused at the broker meanwhile.
+    held: HashMap<Tp, Vec<RawRecord>>,
+    /// Partitions whose fetching is paused at the broker (because they are held).
+    paused_at_broker: std::collections::HashSet<Tp>,
 }
 
 /// Consumer context: commits on revoke, forwards librdkafka logs to tracing.
@@ -78,6 +83,18 @@ impl ClientContext for RelayContext {
     fn error(&self, error: KafkaError, reason: &str) {
         warn!(consumer = %self.name, error = %error, "Kafka client error: {reason}");
     }
+
+    /// librdkafka's statistics (every `statistics.interval.ms`): the consumer
+    /// lag it computes per assigned partition becomes the `relay_consumer_lag` gauge.
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        for (topic, t) in &statistics.topics {
+            for (partition, p) in &t.partitions {
+                if *partition >= 0 && p.consumer_lag >= 0 {
+                    crate::metrics::lag(&self.name, topic, *partition, p.consumer_lag);
+                }
+            }
+        }
+    }
 }
 
 impl ConsumerContext for RelayContext {
@@ -94,6 +111,9 @@ impl ConsumerContext for RelayContext {
                     for e in tpl.elements() {
                         let tp = (e.topic().to_owned(), e.partition());
                         s.revoked_at.insert(tp.clone(), generation);
+                        // Held records were never processed: the new owner gets them again.
+                        s.held.remove(&tp);
+                        s.paused_at_broker.remove(&tp);
                         if let Some(next) = s.next_offsets.remove(&tp) {
                             let _ = commit.add_partition_offset(&tp.0, tp.1, Offset::Offset(next));
                         }
@@ -140,6 +160,8 @@ pub struct ConsumerSettings {
 
 /// The inbox consumer.
 pub struct InboxConsumer {
+    /// When held partitions were last tried.
+    held_tried: Mutex<Option<Instant>>,
     consumer: StreamConsumer<RelayContext>,
     state: Arc<Mutex<PartitionState>>,
     processor: Processor,
@@ -151,6 +173,7 @@ pub struct InboxConsumer {
 struct BatchRun {
     done: usize,
     stopped: Option<Poison>,
+    paused: Option<String>,
 }
 
 enum BatchError {
@@ -172,7 +195,10 @@ impl From<FaultInjected> for BatchError {
 
 /// How one partition's records ended.
 struct PartitionRun {
+    tp: Tp,
     interrupted: bool,
+    /// Records from a paused route on: to hold until the route is resumed.
+    held: Vec<RawRecord>,
 }
 
 impl InboxConsumer {
@@ -187,13 +213,24 @@ impl InboxConsumer {
         let state = Arc::new(Mutex::new(PartitionState::default()));
         let mut cfg = client_config(kafka, Role::Consumer)?;
         cfg.set("group.id", &settings.group);
+        if cfg.get("statistics.interval.ms").is_none() {
+            cfg.set("statistics.interval.ms", "5000");
+        }
         cfg.set_log_level(RDKafkaLogLevel::Warning);
         let ctx = RelayContext { state: state.clone(), name: settings.name.clone() };
         let consumer: StreamConsumer<RelayContext> = cfg.create_with_context(ctx)?;
         let topics: Vec<&str> = settings.topics.iter().map(String::as_str).collect();
         consumer.subscribe(&topics)?;
         info!(consumer = %settings.name, group = %settings.group, topics = ?settings.topics, "inbox consumer subscribed");
-        Ok(InboxConsumer { consumer, state, processor, pool, settings, faults })
+        Ok(InboxConsumer {
+            held_tried: Mutex::new(None),
+            consumer,
+            state,
+            processor,
+            pool,
+            settings,
+            faults,
+        })
     }
 
     /// Run until `shutdown` is cancelled (then finish the batch in flight and
@@ -210,15 +247,19 @@ impl InboxConsumer {
 
     async fn run_loop(&self, shutdown: &CancellationToken) -> anyhow::Result<()> {
         loop {
+            let holding = !self.state.lock().expect("partition state lock").held.is_empty();
             let first = tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ok(()),
-                m = self.consumer.recv() => m,
+                m = self.consumer.recv() => Some(m),
+                // While partitions are held, wake up to see whether their route was resumed.
+                _ = tokio::time::sleep(Duration::from_secs(1)), if holding => None,
             };
             let mut batch = Vec::with_capacity(self.settings.batch_size);
             match first {
-                Ok(m) => batch.push(self.take(&m)),
-                Err(e) => {
+                None => {}
+                Some(Ok(m)) => batch.push(self.take(&m)),
+                Some(Err(e)) => {
                     warn!(consumer = %self.settings.name, error = %e, "Kafka receive error; the client reconnects by itself");
                     continue;
                 }
@@ -236,6 +277,7 @@ impl InboxConsumer {
                     None => break,
                 }
             }
+            self.refresh_pauses().await;
             let runs = self.process_batch(batch, shutdown).await?;
             if runs.iter().any(|r| r.interrupted) {
                 return Ok(());
@@ -259,6 +301,7 @@ impl InboxConsumer {
             payload: m.payload().map(<[u8]>::to_vec),
             headers,
         };
+        crate::metrics::records_received(&self.settings.name, &record.topic, 1);
         (record, self.state.lock().expect("partition state lock").generation)
     }
 
@@ -269,21 +312,80 @@ impl InboxConsumer {
     ) -> anyhow::Result<Vec<PartitionRun>> {
         let mut by_partition: BTreeMap<Tp, Vec<RawRecord>> = BTreeMap::new();
         {
-            let s = self.state.lock().expect("partition state lock");
+            let mut s = self.state.lock().expect("partition state lock");
             for (record, generation) in batch {
                 let tp = (record.topic.clone(), record.partition);
                 if s.revoked_at.get(&tp).is_some_and(|revoked| *revoked > generation) {
                     debug!(topic = %tp.0, partition = tp.1, offset = record.offset, "dropping a fetched record of a revoked partition");
                     continue;
                 }
+                if let Some(held) = s.held.get_mut(&tp) {
+                    // Fetched before the pause reached the broker: it queues behind the held ones.
+                    held.push(record);
+                    continue;
+                }
                 by_partition.entry(tp).or_default().push(record);
+            }
+            // Held partitions are tried again (their route may have been resumed).
+            if self.pauses_changed_or_due() {
+                for (tp, records) in s.held.drain() {
+                    by_partition.entry(tp).or_default().splice(0..0, records);
+                }
             }
         }
         let runs = futures::future::join_all(
             by_partition.into_iter().map(|(tp, records)| self.process_partition(tp, records, shutdown)),
         )
         .await;
-        runs.into_iter().collect::<Result<Vec<_>, FaultInjected>>().map_err(Into::into)
+        let runs = runs.into_iter().collect::<Result<Vec<_>, FaultInjected>>()?;
+        self.hold(&runs);
+        Ok(runs)
+    }
+
+    fn is_held(&self, tp: &Tp) -> bool {
+        self.state.lock().expect("partition state lock").held.contains_key(tp)
+    }
+
+    /// Hold what paused routes left over, pausing those partitions at the
+    /// broker; resume the partitions that are no longer held.
+    fn hold(&self, runs: &[PartitionRun]) {
+        let (mut pause, mut resume) = (TopicPartitionList::new(), TopicPartitionList::new());
+        {
+            let mut s = self.state.lock().expect("partition state lock");
+            for r in runs {
+                if r.held.is_empty() {
+                    if s.paused_at_broker.remove(&r.tp) {
+                        let _ = resume.add_partition(&r.tp.0, r.tp.1);
+                    }
+                } else {
+                    s.held.insert(r.tp.clone(), r.held.clone());
+                    if s.paused_at_broker.insert(r.tp.clone()) {
+                        let _ = pause.add_partition(&r.tp.0, r.tp.1);
+                    }
+                }
+            }
+        }
+        if pause.count() > 0
+            && let Err(e) = self.consumer.pause(&pause)
+        {
+            warn!(error = %e, "pausing fetches of held partitions failed; their records queue in memory instead");
+        }
+        if resume.count() > 0 {
+            if let Err(e) = self.consumer.resume(&resume) {
+                warn!(error = %e, "resuming fetches failed");
+            }
+            info!(consumer = %self.settings.name, partitions = resume.count(), "held partitions resumed");
+        }
+    }
+
+    /// Whether held partitions should be tried again now (at most once a second).
+    fn pauses_changed_or_due(&self) -> bool {
+        let mut last = self.held_tried.lock().expect("held lock");
+        if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+            return false;
+        }
+        *last = Some(Instant::now());
+        true
     }
 
     /// Store and commit `next` as the end of `tp`'s processed prefix. Called
@@ -321,7 +423,7 @@ impl InboxConsumer {
         records: Vec<RawRecord>,
         shutdown: &CancellationToken,
     ) -> Result<PartitionRun, FaultInjected> {
-        let mut run = PartitionRun { interrupted: false };
+        let mut run = PartitionRun { tp: tp.clone(), interrupted: false, held: Vec::new() };
         let mut i = 0;
         let mut not_yet = 0u32;
         let mut db_failures = 0u32;
@@ -329,14 +431,25 @@ impl InboxConsumer {
         while i < records.len() {
             let end = records.len().min(i + self.settings.batch_size);
             let wait = match self.run_batch(&tp, &records[i..end]).await {
-                Ok(BatchRun { done, stopped }) => {
+                Ok(BatchRun { done, stopped, paused }) => {
                     db_failures = 0;
                     if done > 0 {
                         i += done;
                         self.advance(&tp, records[i - 1].offset + 1, CommitMode::Async);
                         not_yet = 0;
                     }
+                    if let Some(route) = paused {
+                        // Hold the rest of this partition (no retry budget is spent);
+                        // the other partitions keep flowing.
+                        if !self.is_held(&tp) {
+                            warn!(consumer = %self.settings.name, topic = %tp.0, partition = tp.1, offset = records[i].offset,
+                                  route = %route, "route is paused: this partition is held at its next event of the route until it is resumed");
+                        }
+                        run.held = records[i..].to_vec();
+                        return Ok(run);
+                    }
                     let Some(poison) = stopped else { continue };
+                    crate::metrics::not_yet(&self.settings.name, poison.class.as_str());
                     not_yet += 1;
                     let record = &records[i];
                     let budget = self.settings.reference_retry;
@@ -385,6 +498,16 @@ impl InboxConsumer {
         Ok(run)
     }
 
+    /// Reload the paused routes from the database, before every batch: a
+    /// pause applies to every batch that starts after it was recorded.
+    async fn refresh_pauses(&self) {
+        let Ok(mut conn) = self.pool.acquire().await else { return };
+        match relay_store::ops::paused_routes(&mut conn).await {
+            Ok(routes) => self.processor.set_paused(routes),
+            Err(e) => debug!(error = %e, "reading paused routes failed; keeping the last known set"),
+        }
+    }
+
     fn db_unavailable(&self, e: &sqlx::Error, failures: u32, rng: &mut impl rand::Rng) -> Duration {
         let delay = self.settings.database_backoff.delay(failures, rng).max(Duration::from_millis(50));
         error!(
@@ -400,17 +523,18 @@ impl InboxConsumer {
         let mut tx = conn.begin().await?;
         let started = Instant::now();
         let processed = self.processor.process_batch(&mut tx, records).await?;
-        let mut stopped = None;
+        let (mut stopped, mut paused) = (None, None);
         for (record, p) in records.iter().zip(&processed) {
             match &p.step {
                 Step::Poison(poison) => {
                     self.processor.park(&mut tx, record, poison, 1).await?;
                 }
                 Step::RetryLater(poison) => stopped = Some(poison.clone()),
+                Step::Paused { route } => paused = Some(route.clone()),
                 _ => {}
             }
         }
-        let done = processed.len() - usize::from(stopped.is_some());
+        let done = processed.len() - usize::from(stopped.is_some() || paused.is_some());
         let took = started.elapsed() / u32::try_from(processed.len().max(1)).unwrap_or(1);
         if self.faults.sabotage().offset_before_commit && done > 0 {
             // Deliberately wrong (R1): the offset goes out before the data is safe.
@@ -422,7 +546,7 @@ impl InboxConsumer {
         for (record, p) in records.iter().zip(&processed).take(done) {
             self.log_record(record, p, took);
         }
-        Ok(BatchRun { done, stopped })
+        Ok(BatchRun { done, stopped, paused })
     }
 
     async fn park_alone(&self, record: &RawRecord, poison: &Poison, attempts: u32) -> Result<(), BatchError> {
@@ -436,10 +560,21 @@ impl InboxConsumer {
     }
 
     fn log_record(&self, record: &RawRecord, p: &Processed, took: Duration) {
+        crate::metrics::record_processed(
+            &self.settings.name,
+            &record.topic,
+            p.info.route.as_deref().unwrap_or(""),
+            p.step.result(),
+            took.as_secs_f64(),
+        );
+        if let Step::Poison(poison) = &p.step {
+            crate::metrics::poison(&self.settings.name, poison.class.as_str());
+            crate::metrics::dead_lettered(&self.settings.name, &record.topic, poison.class.as_str());
+        }
         let level = match &p.step {
             Step::Applied { .. } => Level::DEBUG,
             Step::Duplicate | Step::NoOp { .. } => Level::INFO,
-            Step::Poison(_) | Step::RetryLater(_) => Level::WARN,
+            Step::Poison(_) | Step::RetryLater(_) | Step::Paused { .. } => Level::WARN,
         };
         let detail = match &p.step {
             Step::Applied { intents, events } => {
@@ -449,6 +584,7 @@ impl InboxConsumer {
             Step::NoOp { outcome, detail } => format!("{}: {detail}", outcome.as_str()),
             Step::Poison(poison) => format!("dead-lettered ({}): {}", poison.class, poison.reason),
             Step::RetryLater(poison) => format!("not yet ({}): {}", poison.class, poison.reason),
+            Step::Paused { route } => format!("route {route} is paused"),
         };
         let i = &p.info;
         macro_rules! emit {

@@ -153,6 +153,10 @@ pub async fn run() -> anyhow::Result<()> {
         &CONFIG.replace("schema = \"contracts/", &format!("schema = \"{}/contracts/", dir.display())),
     )?;
     cfg.kafka.bootstrap_servers = bootstrap.clone();
+    // The mock cluster has no admin API to read topic retention from, and the
+    // demo needs no console or cleanup.
+    cfg.retention.inbox = None;
+    cfg.admin.listen = None;
     cfg.database.url = Some(db_url.into());
     cfg.dispatcher.poll_interval = Duration::from_millis(200);
     cfg.publisher.poll_interval = Duration::from_millis(200);

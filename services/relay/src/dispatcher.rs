@@ -27,7 +27,7 @@ use chrono::Utc;
 use relay_core::config::{DispatcherConfig, EndpointConfig};
 use relay_core::effects::encode_event;
 use relay_core::ids::outcome_id;
-use relay_core::retry::{Verdict, classify};
+use relay_core::retry::{AttemptResult, Verdict, classify};
 use relay_core::{Outcome, Provenance};
 use relay_store::intents::{self, AttemptRecord, ClaimedIntent, Finish, NextState};
 use relay_store::sagas::{self, Transition};
@@ -210,6 +210,7 @@ impl Dispatcher {
             tokio::select! { _ = shutdown.cancelled() => return, _ = tokio::time::sleep(every) => {} }
             match self.rescue_once().await {
                 Ok(ids) if !ids.is_empty() => {
+                    crate::metrics::rescued("intent", ids.len() as u64);
                     warn!(worker = %self.inner.worker, rescued = ids.len(), intents = ?ids,
                           "rescued intents whose lease expired; they will be sent again with the same idempotency key")
                 }
@@ -243,14 +244,26 @@ impl Dispatcher {
             };
             (Verdict::Permanent, CallResult { error_class: Some("budget"), error: Some(why), ..CallResult::not_sent() })
         } else if let Some(client) = endpoint {
-            let r = if self.inner.faults.sabotage().fresh_idempotency_key {
+            let attrs = vec![
+                opentelemetry::KeyValue::new("relay.intent_id", intent.id.to_string()),
+                opentelemetry::KeyValue::new("relay.endpoint", intent.endpoint.clone()),
+                opentelemetry::KeyValue::new("relay.attempt", i64::from(intent.attempts)),
+                opentelemetry::KeyValue::new("relay.idempotency_key", intent.idempotency_key.clone()),
+            ];
+            let hop = crate::trace::Hop::start(
+                "relay.call",
+                opentelemetry::trace::SpanKind::Client,
+                intent.traceparent.as_deref(),
+                attrs,
+            );
+            let mut sent = intent.clone();
+            sent.traceparent = hop.traceparent.clone().or(sent.traceparent);
+            if self.inner.faults.sabotage().fresh_idempotency_key {
                 // Deliberately wrong (R8): a new key per attempt.
-                let mut fresh = intent.clone();
-                fresh.idempotency_key = format!("{}:{}", intent.idempotency_key, uuid::Uuid::new_v4());
-                client.call(&fresh).await
-            } else {
-                client.call(&intent).await
-            };
+                sent.idempotency_key = format!("{}:{}", intent.idempotency_key, uuid::Uuid::new_v4());
+            }
+            let r = client.call(&sent).await;
+            hop.end(r.status.map_or_else(|| r.error_class.unwrap_or("error").to_owned(), |s| s.to_string()).as_str());
             self.inner.faults.hit(point::DISPATCHER_AFTER_CALL).await?;
             (classify(&r.attempt, &client.config().retryable_statuses), r)
         } else {
@@ -268,6 +281,20 @@ impl Dispatcher {
     }
 
     fn log_attempt(&self, intent: &ClaimedIntent, result: &CallResult, finished: Finished, took: Duration) {
+        let (label, outcome) = match finished {
+            Finished::Succeeded => ("succeeded", "succeeded"),
+            Finished::Retrying => (
+                "retrying",
+                if matches!(result.attempt, AttemptResult::Timeout { sent: true } | AttemptResult::Transport) {
+                    "uncertain"
+                } else {
+                    "retryable"
+                },
+            ),
+            Finished::Dead => ("dead", "permanent"),
+            Finished::LeaseLost => ("lease_lost", ""),
+        };
+        crate::metrics::call(&intent.endpoint, label, outcome, took.as_secs_f64());
         let status = result.status.map(i64::from).unwrap_or(-1);
         let class = result.error_class.unwrap_or("");
         let error = result.error.as_deref().unwrap_or("");

@@ -26,9 +26,13 @@ pub mod faults;
 pub mod handler;
 pub mod http;
 pub mod kafka;
+pub mod metrics;
 pub mod processor;
 pub mod publisher;
+pub mod retention;
+pub mod server;
 pub mod telemetry;
+pub mod trace;
 pub mod verify;
 
 pub use app::{Components, Relay};

@@ -98,6 +98,11 @@ pub enum Step {
     /// Not yet processable (missing reference, sequence gap): the caller
     /// retries it with backoff, then parks it.
     RetryLater(Poison),
+    /// Its route is paused: the partition waits here, nothing is skipped.
+    Paused {
+        /// The paused route.
+        route: String,
+    },
 }
 
 impl Step {
@@ -109,6 +114,7 @@ impl Step {
             Step::NoOp { outcome, .. } => outcome.as_str(),
             Step::Poison(_) => "poison",
             Step::RetryLater(_) => "retry_later",
+            Step::Paused { .. } => "paused",
         }
     }
 }
@@ -155,18 +161,31 @@ pub struct Processor {
     router: Arc<Router>,
     handlers: Handlers,
     sabotage: Sabotage,
+    /// Names of paused routes, refreshed by the consumer from `relay.pauses`.
+    paused: Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
 }
 
 impl Processor {
     /// A processor over compiled routes and registered handlers.
     pub fn new(router: Arc<Router>, handlers: Handlers) -> Processor {
-        Processor { router, handlers, sabotage: Sabotage::default() }
+        Processor { router, handlers, sabotage: Sabotage::default(), paused: Arc::default() }
     }
 
     /// The same processor, deliberately broken (see [`Sabotage`]).
     pub fn sabotaged(mut self, sabotage: Sabotage) -> Processor {
         self.sabotage = sabotage;
         self
+    }
+
+    /// Replace the set of paused routes.
+    pub fn set_paused(&self, routes: impl IntoIterator<Item = String>) {
+        let mut p = self.paused.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        p.clear();
+        p.extend(routes);
+    }
+
+    fn is_paused(&self, route: &CompiledRoute) -> bool {
+        self.paused.read().unwrap_or_else(std::sync::PoisonError::into_inner).contains(&route.name)
     }
 
     /// The routing table.
@@ -197,6 +216,9 @@ impl Processor {
             Ok(Routed::Route(route, event)) => (route, event),
         };
         let info = EventInfo::of(&event, Some(route));
+        if self.is_paused(route) {
+            return Ok(Processed { step: Step::Paused { route: route.name.clone() }, info });
+        }
         let plan = match self.router.plan(route, &event, record) {
             Ok(plan) => plan,
             Err(p) => {
@@ -239,8 +261,8 @@ impl Processor {
 
     /// Process the records of one partition, in order, inside the caller's
     /// transaction, and return one [`Processed`] per record handled. Stops
-    /// after the first [`Step::RetryLater`] (the records after it are left to
-    /// the caller). `Err` only for transient database errors.
+    /// after the first [`Step::RetryLater`] or [`Step::Paused`] (the records
+    /// after it are left to the caller). `Err` only for transient database errors.
     ///
     /// Fast path: consecutive records whose route needs no guard, saga move or
     /// handler are written together — one multi-row statement each for inbox
@@ -274,7 +296,7 @@ impl Processor {
                 continue;
             }
             let processed = self.process(conn, &records[i]).await?;
-            let stop = matches!(processed.step, Step::RetryLater(_));
+            let stop = matches!(processed.step, Step::RetryLater(_) | Step::Paused { .. });
             out.push(processed);
             i += 1;
             if stop {
@@ -292,7 +314,7 @@ impl Processor {
                 Some(SimpleItem { record, info: EventInfo::of(&event, None), event, plan: None })
             }
             Routed::Route(route, event) => {
-                if route.version_guard || route.sequence_guard || route.handler.is_some() {
+                if route.version_guard || route.sequence_guard || route.handler.is_some() || self.is_paused(route) {
                     return None;
                 }
                 let plan = self.router.plan(route, &event, record).ok()?;
@@ -403,7 +425,8 @@ impl Processor {
                 continue;
             }
             let Some((plan, counter)) = &item.plan else { continue };
-            let prov = self.router.provenance(&item.event);
+            let (prov, hop) = self.provenance_hop(&item.event, None);
+            hop.end("applied");
             for call in &plan.calls {
                 // `simple` only admits plans whose endpoints are configured.
                 if let Ok(intent) = self.new_intent(&item.event, call, &prov) {
@@ -571,7 +594,7 @@ impl Processor {
                 Err(HandlerError::Db(e)) => return Err(ApplyError::Db(e)),
             }
         }
-        let prov = self.router.provenance(event);
+        let (prov, hop) = self.provenance_hop(event, Some(route));
         let mut written = (0, 0);
         for call in &plan.calls {
             let intent = self.new_intent(event, call, &prov).map_err(|p| ApplyError::Poison(identified(p, event)))?;
@@ -585,7 +608,30 @@ impl Processor {
         if let Some(counter) = &route.counter {
             inbox::increment_counter(tx, consumer, counter).await?;
         }
+        hop.end("applied");
         Ok(Applied::Written { intents: written.0, events: written.1 })
+    }
+
+    /// Provenance of what `event` causes, as a child hop of its trace: the
+    /// intents and events written carry the hop's `traceparent`.
+    fn provenance_hop(&self, event: &InputEvent, route: Option<&CompiledRoute>) -> (Provenance, crate::trace::Hop) {
+        let mut prov = self.router.provenance(event);
+        let attrs = vec![
+            opentelemetry::KeyValue::new("relay.consumer", self.router.consumer().to_owned()),
+            opentelemetry::KeyValue::new("relay.event_id", event.id.clone()),
+            opentelemetry::KeyValue::new("relay.event_type", event.event_type.clone()),
+            opentelemetry::KeyValue::new("relay.route", route.map(|r| r.name.clone()).unwrap_or_default()),
+        ];
+        let hop = crate::trace::Hop::start(
+            "relay.inbox",
+            opentelemetry::trace::SpanKind::Consumer,
+            prov.traceparent.as_deref(),
+            attrs,
+        );
+        if let Some(tp) = &hop.traceparent {
+            prov.traceparent = Some(tp.clone());
+        }
+        (prov, hop)
     }
 
     fn new_intent(&self, event: &InputEvent, call: &CallSpec, prov: &Provenance) -> Result<NewIntent, Poison> {

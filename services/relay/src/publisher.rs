@@ -120,10 +120,13 @@ impl Publisher {
                 last_rescue = std::time::Instant::now();
                 match self.rescue().await {
                     Ok(0) => {}
-                    Ok(n) => warn!(
-                        rescued = n,
-                        "outbox rows whose publisher lost its lease are pending again; they will be republished under the same ids"
-                    ),
+                    Ok(n) => {
+                        crate::metrics::rescued("outbox", n);
+                        warn!(
+                            rescued = n,
+                            "outbox rows whose publisher lost its lease are pending again; they will be republished under the same ids"
+                        )
+                    }
                     Err(e) => warn!(error = %e, "rescuing outbox leases failed"),
                 }
             }
@@ -180,11 +183,13 @@ impl Publisher {
         for (row, result) in rows.iter().zip(deliveries) {
             match result {
                 Ok((partition, offset)) => {
+                    crate::metrics::published(&row.topic, true);
                     debug!(outbox_id = %row.id, topic = %row.topic, partition, offset, event_type = row.event_type.as_deref().unwrap_or(""), "published");
                     ok_ids.push(row.id);
                     ok_tokens.push(row.lease_token);
                 }
                 Err(e) => {
+                    crate::metrics::published(&row.topic, false);
                     let delay = self.settings.backoff.delay(u32::try_from(row.attempts).unwrap_or(1), &mut rand::rng());
                     warn!(outbox_id = %row.id, topic = %row.topic, attempt = row.attempts, retry_in_ms = delay.as_millis() as u64,
                           error = %e, "publishing failed; it will be retried under the same id");

@@ -52,6 +52,101 @@ pub struct RelayConfig {
     /// External HTTP APIs the dispatcher calls, keyed by name.
     #[serde(default)]
     pub endpoints: BTreeMap<String, EndpointConfig>,
+    /// Metrics, health, the admin API and the web console.
+    #[serde(default)]
+    pub admin: AdminConfig,
+    /// How long processed rows are kept.
+    #[serde(default)]
+    pub retention: RetentionConfig,
+    /// Traces.
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
+}
+
+/// The HTTP server of a relay process: `/metrics`, `/healthz`, `/readyz`,
+/// the JSON admin API under `/api` and the console at `/`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// Address to serve on; no server when unset.
+    pub listen: Option<std::net::SocketAddr>,
+    /// Environment variable holding the bearer token the API requires.
+    /// Without it the API (not metrics or health) answers 503.
+    pub token_env: String,
+    /// How often the table gauges (inbox size, backlog, oldest pending) are refreshed.
+    #[serde(with = "humantime_serde")]
+    pub gauge_interval: Duration,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig { listen: None, token_env: "RELAY_ADMIN_TOKEN".into(), gauge_interval: Duration::from_secs(10) }
+    }
+}
+
+/// What to do when the inbox would forget events the broker still keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShorterRetention {
+    /// Refuse to start.
+    #[default]
+    Refuse,
+    /// Start, with a warning.
+    Warn,
+}
+
+/// Retention of processed rows (R15). `None` keeps rows forever.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetentionConfig {
+    /// Inbox rows and idempotency keys: the dedup window. Must be at least
+    /// the input topics' `retention.ms`, or a replay could apply old events again.
+    #[serde(with = "humantime_serde::option")]
+    pub inbox: Option<Duration>,
+    /// Succeeded intents (and their attempts).
+    #[serde(with = "humantime_serde::option")]
+    pub succeeded_intents: Option<Duration>,
+    /// Dead intents (kept until configured).
+    #[serde(with = "humantime_serde::option")]
+    pub dead_intents: Option<Duration>,
+    /// Published outbox rows.
+    #[serde(with = "humantime_serde::option")]
+    pub published_outbox: Option<Duration>,
+    /// Dead letters (kept until configured).
+    #[serde(with = "humantime_serde::option")]
+    pub dead_letters: Option<Duration>,
+    /// Rows deleted per statement: small enough never to hold up ingestion.
+    pub batch_size: u32,
+    /// How often cleanup runs in `relay run`.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// When `inbox` is shorter than an input topic's retention.
+    pub on_shorter_than_topic: ShorterRetention,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        RetentionConfig {
+            inbox: None,
+            succeeded_intents: Some(Duration::from_secs(30 * 24 * 3600)),
+            dead_intents: None,
+            published_outbox: Some(Duration::from_secs(7 * 24 * 3600)),
+            dead_letters: None,
+            batch_size: 1000,
+            interval: Duration::from_secs(60),
+            on_shorter_than_topic: ShorterRetention::Refuse,
+        }
+    }
+}
+
+/// Traces.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// OTLP/HTTP endpoint for spans (e.g. `http://collector:4318/v1/traces`); off when unset.
+    pub otlp_endpoint: Option<String>,
+    /// `service.name` of the spans.
+    pub service_name: Option<String>,
 }
 
 /// The inbox consumer.
@@ -612,6 +707,9 @@ impl RelayConfig {
         }
         if c.reference_retry.max_attempts == 0 {
             p.push("consumer.reference_retry.max_attempts: must be at least 1".into());
+        }
+        if self.retention.batch_size == 0 {
+            p.push("retention.batch_size: must be at least 1".into());
         }
         if self.dispatcher.concurrency == 0 {
             p.push("dispatcher.concurrency: must be at least 1".into());

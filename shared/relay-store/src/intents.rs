@@ -177,6 +177,7 @@ pub async fn claim(
         "WITH due AS (
              SELECT i.id FROM relay.intents i
               WHERE i.state = 'pending' AND i.next_attempt_at <= now()
+                AND NOT EXISTS (SELECT 1 FROM relay.pauses p WHERE p.kind = 'endpoint' AND p.name = i.endpoint)
                 AND (i.ordering_key IS NULL OR NOT EXISTS (
                         SELECT 1 FROM relay.intents e
                          WHERE e.ordering_key = i.ordering_key AND e.seq < i.seq
@@ -400,15 +401,7 @@ pub struct IntentView {
 
 /// One intent by id.
 pub async fn get(conn: &mut PgConnection, id: Uuid) -> Result<Option<IntentView>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT id, consumer, source_event_id, action, endpoint, method, path, idempotency_key, state,
-                attempts, max_attempts, last_status, last_error, last_error_class, next_attempt_at,
-                created_at, finished_at
-           FROM relay.intents WHERE id = $1",
-    )
-    .bind(id)
-    .fetch_optional(conn)
-    .await
+    sqlx::query_as(&format!("SELECT {VIEW} FROM relay.intents WHERE id = $1")).bind(id).fetch_optional(conn).await
 }
 
 /// One attempt, for audit.
@@ -492,4 +485,54 @@ pub async fn insert_many(conn: &mut PgConnection, rows: &[NewIntent]) -> Result<
     .bind(col(rows, |r| r.traceparent.as_deref()))
     .fetch_all(conn)
     .await
+}
+
+/// Filters for listing intents.
+#[derive(Debug, Clone, Default)]
+pub struct IntentFilter {
+    /// Only this state (`pending`, `running`, `succeeded`, `dead`).
+    pub state: Option<String>,
+    /// Only this endpoint.
+    pub endpoint: Option<String>,
+}
+
+const VIEW: &str = "id, consumer, source_event_id, action, endpoint, method, path, idempotency_key, state,
+    attempts, max_attempts, last_status, last_error, last_error_class, next_attempt_at, created_at, finished_at";
+
+/// Intents matching `f`, newest first, created before `before` (for paging).
+pub async fn list(
+    conn: &mut PgConnection,
+    f: &IntentFilter,
+    before: Option<DateTime<Utc>>,
+    limit: i64,
+) -> Result<Vec<IntentView>, sqlx::Error> {
+    sqlx::query_as(&format!(
+        "SELECT {VIEW} FROM relay.intents
+          WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR endpoint = $2)
+            AND ($3::timestamptz IS NULL OR created_at < $3)
+          ORDER BY created_at DESC LIMIT $4"
+    ))
+    .bind(&f.state)
+    .bind(&f.endpoint)
+    .bind(before)
+    .bind(limit)
+    .fetch_all(conn)
+    .await
+}
+
+/// Give a dead intent a new budget and queue it again, keeping its id and
+/// idempotency key (the provider still sees one operation). `false` if it is
+/// not dead.
+pub async fn requeue(conn: &mut PgConnection, id: Uuid) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE relay.intents
+            SET state = 'pending', next_attempt_at = now(), finished_at = NULL,
+                max_attempts = attempts + max_attempts,
+                expires_at = now() + (expires_at - created_at)
+          WHERE id = $1 AND state = 'dead'",
+    )
+    .bind(id)
+    .execute(conn)
+    .await?;
+    Ok(done.rows_affected() == 1)
 }

@@ -25,6 +25,7 @@ pub mod dead_letters;
 pub mod headers;
 pub mod inbox;
 pub mod intents;
+pub mod ops;
 pub mod outbox;
 pub mod sagas;
 pub mod stats;

@@ -1,0 +1,154 @@
+// The relay console: plain JavaScript over the admin API (/api), refreshed
+// every 3 seconds. The token stays in this tab's sessionStorage.
+"use strict";
+
+const $ = (sel) => document.querySelector(sel);
+const state = { token: sessionStorage.getItem("relay-token") || "" };
+
+async function api(path, options = {}) {
+  const res = await fetch(path, {
+    ...options,
+    headers: { "Authorization": "Bearer " + state.token, "Content-Type": "application/json", ...(options.headers || {}) },
+  });
+  const body = await res.json().catch(() => ({}));
+  if (!res.ok) throw new Error(body.error || `${res.status} ${res.statusText}`);
+  return body;
+}
+
+function showError(e) {
+  const el = $("#error");
+  if (e) { el.textContent = String(e.message || e); el.hidden = false; } else { el.hidden = true; }
+}
+
+function text(s) { return s === null || s === undefined ? "–" : String(s); }
+
+function fill(dl, pairs) {
+  dl.replaceChildren(...pairs.flatMap(([k, v]) => {
+    const dt = document.createElement("dt"); dt.textContent = k;
+    const dd = document.createElement("dd"); dd.textContent = text(v); dd.dataset.key = k;
+    return [dt, dd];
+  }));
+}
+
+function count(list, label) { const row = list.find(([l]) => l === label); return row ? row[1] : 0; }
+
+function button(label, onClick, cls) {
+  const b = document.createElement("button"); b.type = "button"; b.textContent = label;
+  if (cls) b.className = cls;
+  b.addEventListener("click", onClick);
+  return b;
+}
+
+function cell(value, cls) {
+  const td = document.createElement("td"); td.textContent = text(value);
+  if (cls) td.className = cls;
+  return td;
+}
+
+async function refresh() {
+  if (!state.token) return;
+  try {
+    const { stats, pauses } = await api("/api/counts");
+    fill($("#intent-counts"), [
+      ["pending", count(stats.intents, "pending")], ["running", count(stats.intents, "running")],
+      ["succeeded", count(stats.intents, "succeeded")], ["dead", count(stats.intents, "dead")],
+      ["oldest unfinished (s)", stats.oldest_pending_intent_secs === null ? "–" : stats.oldest_pending_intent_secs.toFixed(1)],
+    ]);
+    fill($("#outbox-counts"), [
+      ["pending", count(stats.outbox, "pending")], ["running", count(stats.outbox, "running")],
+      ["published", count(stats.outbox, "published")],
+      ["oldest unpublished (s)", stats.oldest_unpublished_outbox_secs === null ? "–" : stats.oldest_unpublished_outbox_secs.toFixed(1)],
+    ]);
+    fill($("#inbox-counts"), stats.inbox.length ? stats.inbox : [["(empty)", ""]]);
+    fill($("#dl-counts"), [["unresolved", stats.dead_letters_unresolved], ["all", stats.dead_letters_total]]);
+    renderPauses(pauses);
+    await Promise.all([renderDeadIntents(), renderDeadLetters()]);
+    $("#updated").textContent = "updated " + new Date().toLocaleTimeString();
+    showError(null);
+  } catch (e) {
+    showError(e);
+  }
+}
+
+function renderPauses(pauses) {
+  $("#no-pauses").hidden = pauses.length > 0;
+  $("#pauses").replaceChildren(...pauses.map((p) => {
+    const li = document.createElement("li");
+    li.textContent = `${p.kind} ${p.name}${p.reason ? " — " + p.reason : ""} (since ${new Date(p.paused_at).toLocaleString()}) `;
+    li.append(button("Resume", async () => {
+      await api(`/api/pauses/${p.kind}/${encodeURIComponent(p.name)}`, { method: "DELETE" }).catch(showError);
+      refresh();
+    }));
+    return li;
+  }));
+}
+
+async function renderDeadIntents() {
+  const { items } = await api("/api/intents?state=dead&limit=200");
+  $("#dead-intent-count").textContent = items.length;
+  $("#dead-intents tbody").replaceChildren(...items.map((i) => {
+    const tr = document.createElement("tr"); tr.dataset.id = i.id;
+    const id = cell(i.id.slice(0, 8) + "…"); id.title = i.id;
+    const actions = document.createElement("td");
+    actions.append(
+      button("Attempts", () => showTimeline(i.id)),
+      button("Replay", async () => {
+        if (!confirm(`Replay intent ${i.id}?\nIt is sent again with the same idempotency key ${i.idempotency_key}.`)) return;
+        await api(`/api/intents/${i.id}/replay`, { method: "POST" }).catch(showError);
+        refresh();
+      }, "replay"),
+    );
+    tr.append(id, cell(i.endpoint), cell(i.idempotency_key), cell(`${i.attempts}/${i.max_attempts}`),
+      cell(i.last_status), cell(i.last_error, "error-text"), actions);
+    return tr;
+  }));
+}
+
+async function showTimeline(id) {
+  const { attempts } = await api(`/api/intents/${id}`);
+  $("#timeline-id").textContent = id;
+  $("#timeline-list").replaceChildren(...attempts.map((a) => {
+    const li = document.createElement("li");
+    li.className = "outcome-" + a.outcome;
+    const when = a.started_at || a.claimed_at;
+    li.textContent = `#${a.attempt} ${a.outcome}${a.status ? " HTTP " + a.status : ""} at ${new Date(when).toLocaleTimeString()} by ${a.worker}${a.error ? " — " + a.error : ""}`;
+    return li;
+  }));
+  $("#timeline").hidden = false;
+}
+
+async function renderDeadLetters() {
+  const { items, total } = await api("/api/dead-letters?limit=200");
+  $("#dead-letter-count").textContent = total;
+  $("#dead-letters tbody").replaceChildren(...items.map((d) => {
+    const tr = document.createElement("tr"); tr.dataset.id = d.id;
+    const actions = document.createElement("td");
+    actions.append(
+      button("Replay", async () => {
+        if (!confirm(`Replay dead letter ${d.id} (event ${text(d.event_id)}) through the guards?`)) return;
+        const r = await api(`/api/dead-letters/${d.id}/replay`, { method: "POST" }).catch(showError);
+        if (r && !r.resolved) showError(`dead letter ${d.id}: ${r.outcome} ${r.detail}`);
+        refresh();
+      }, "replay"),
+      button("Purge", async () => {
+        if (!confirm(`Delete dead letter ${d.id} for good?`)) return;
+        await api(`/api/dead-letters/${d.id}`, { method: "DELETE" }).catch(showError);
+        refresh();
+      }, "purge"),
+    );
+    tr.append(cell(d.id), cell(new Date(d.created_at).toLocaleString()), cell(`${d.topic}[${d.partition}]@${d.offset}`),
+      cell(d.error_class), cell(d.event_id), cell(d.reason, "error-text"), actions);
+    return tr;
+  }));
+}
+
+$("#login").addEventListener("submit", (e) => {
+  e.preventDefault();
+  state.token = $("#token").value.trim();
+  sessionStorage.setItem("relay-token", state.token);
+  refresh();
+});
+$("#timeline-close").addEventListener("click", () => { $("#timeline").hidden = true; });
+if (state.token) $("#token").value = state.token;
+refresh();
+setInterval(refresh, 3000);

@@ -1,0 +1,137 @@
+//! Prometheus metrics (R16), through the `metrics` facade and its Prometheus
+//! exporter; `/metrics` on the admin server renders them.
+//!
+//! Counters are incremented where things happen (consumer, dispatcher,
+//! publisher); gauges that describe tables (inbox size, backlog, oldest
+//! pending, business counters) are refreshed from the database by
+//! [`refresh_gauges`] on an interval. Business counters are read from
+//! `relay.counters`, which counts unique effects, not deliveries (R20).
+
+use std::sync::OnceLock;
+
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use relay_store::stats::{self, Stats};
+use sqlx::PgPool;
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Install the Prometheus recorder (once per process) and return its handle.
+pub fn install() -> PrometheusHandle {
+    HANDLE
+        .get_or_init(|| {
+            let buckets = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &buckets)
+                .expect("static bucket list is not empty");
+            match builder.install_recorder() {
+                Ok(handle) => handle,
+                // Another recorder is installed (an embedding application's):
+                // render an empty registry rather than fail.
+                Err(_) => PrometheusBuilder::new().build_recorder().handle(),
+            }
+        })
+        .clone()
+}
+
+/// One record decided by the consumer.
+pub fn record_processed(consumer: &str, topic: &str, route: &str, result: &'static str, seconds: f64) {
+    let (c, t, r) = (consumer.to_owned(), topic.to_owned(), route.to_owned());
+    counter!("relay_records_processed_total", "consumer" => c.clone(), "topic" => t.clone(), "route" => r, "result" => result)
+        .increment(1);
+    match result {
+        "duplicate" => counter!("relay_duplicates_total", "consumer" => c.clone(), "layer" => "inbox").increment(1),
+        "duplicate_key" => {
+            counter!("relay_duplicates_total", "consumer" => c.clone(), "layer" => "idempotency_key").increment(1)
+        }
+        "stale" | "duplicate_version" | "duplicate_sequence" => {
+            counter!("relay_out_of_order_total", "consumer" => c.clone(), "result" => result).increment(1)
+        }
+        "invalid_transition" | "duplicate_transition" => {
+            counter!("relay_transition_noops_total", "consumer" => c.clone(), "result" => result).increment(1)
+        }
+        _ => {}
+    }
+    histogram!("relay_processing_seconds", "consumer" => c, "topic" => t).record(seconds);
+}
+
+/// Records fetched from Kafka.
+pub fn records_received(consumer: &str, topic: &str, n: u64) {
+    counter!("relay_records_received_total", "consumer" => consumer.to_owned(), "topic" => topic.to_owned())
+        .increment(n);
+}
+
+/// A record parked as a dead letter.
+pub fn dead_lettered(consumer: &str, topic: &str, class: &str) {
+    counter!("relay_dead_lettered_total", "consumer" => consumer.to_owned(), "topic" => topic.to_owned(), "class" => class.to_owned())
+        .increment(1);
+}
+
+/// A record that is not processable yet (retried with backoff).
+pub fn not_yet(consumer: &str, class: &str) {
+    counter!("relay_failures_total", "consumer" => consumer.to_owned(), "kind" => "retryable", "class" => class.to_owned())
+        .increment(1);
+}
+
+/// A permanent record failure (poison).
+pub fn poison(consumer: &str, class: &str) {
+    counter!("relay_failures_total", "consumer" => consumer.to_owned(), "kind" => "permanent", "class" => class.to_owned())
+        .increment(1);
+}
+
+/// Consumer lag of one partition.
+pub fn lag(consumer: &str, topic: &str, partition: i32, lag: i64) {
+    gauge!("relay_consumer_lag", "consumer" => consumer.to_owned(), "topic" => topic.to_owned(), "partition" => partition.to_string())
+        .set(lag as f64);
+}
+
+/// One finished call attempt. `result` is succeeded, retrying, dead or lease_lost.
+pub fn call(endpoint: &str, result: &'static str, outcome: &str, seconds: f64) {
+    let e = endpoint.to_owned();
+    counter!("relay_calls_total", "endpoint" => e.clone(), "result" => result).increment(1);
+    match result {
+        "retrying" => {
+            counter!("relay_call_retries_total", "endpoint" => e.clone()).increment(1);
+            counter!("relay_call_failures_total", "endpoint" => e.clone(), "kind" => "retryable").increment(1);
+        }
+        "dead" => counter!("relay_call_failures_total", "endpoint" => e.clone(), "kind" => "permanent").increment(1),
+        _ => {}
+    }
+    if outcome == "uncertain" {
+        counter!("relay_call_uncertain_total", "endpoint" => e.clone()).increment(1);
+    }
+    histogram!("relay_dispatch_seconds", "endpoint" => e).record(seconds);
+}
+
+/// Leases rescued after their holder was lost.
+pub fn rescued(kind: &'static str, n: u64) {
+    counter!("relay_leases_rescued_total", "kind" => kind).increment(n);
+}
+
+/// Outbox records acknowledged by the broker, or failed.
+pub fn published(topic: &str, ok: bool) {
+    let name = if ok { "relay_outbox_published_total" } else { "relay_outbox_publish_failures_total" };
+    counter!(name, "topic" => topic.to_owned()).increment(1);
+}
+
+/// Refresh the table gauges from one snapshot.
+pub async fn refresh_gauges(pool: &PgPool) -> Result<Stats, sqlx::Error> {
+    let s = stats::snapshot(&mut *pool.acquire().await?).await?;
+    for (outcome, n) in &s.inbox {
+        gauge!("relay_inbox_rows", "outcome" => outcome.clone()).set(*n as f64);
+    }
+    for state in ["pending", "running", "succeeded", "dead"] {
+        gauge!("relay_intents", "state" => state).set(Stats::count(&s.intents, state) as f64);
+    }
+    gauge!("relay_intent_oldest_unfinished_seconds").set(s.oldest_pending_intent_secs.unwrap_or(0.0));
+    for state in ["pending", "running", "published"] {
+        gauge!("relay_outbox_rows", "state" => state).set(Stats::count(&s.outbox, state) as f64);
+    }
+    gauge!("relay_outbox_oldest_unpublished_seconds").set(s.oldest_unpublished_outbox_secs.unwrap_or(0.0));
+    gauge!("relay_dead_letters", "state" => "unresolved").set(s.dead_letters_unresolved as f64);
+    gauge!("relay_dead_letters", "state" => "all").set(s.dead_letters_total as f64);
+    for (consumer, name, v) in &s.counters {
+        gauge!("relay_business_counter", "consumer" => consumer.clone(), "name" => name.clone()).set(*v as f64);
+    }
+    Ok(s)
+}

@@ -1,0 +1,156 @@
+//! Retention (R15): delete processed rows older than their configured
+//! retention, in bounded batches, and refuse (or warn) at start when the
+//! inbox would forget events the broker still keeps.
+//!
+//! Each batch is one short transaction that deletes at most
+//! `retention.batch_size` of the oldest rows through an index, so cleanup never
+//! holds locks that ingestion waits on for long; a transaction-level advisory
+//! lock keeps two relay processes from cleaning the same table at once.
+
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
+use rdkafka::client::DefaultClientContext;
+use relay_core::RelayConfig;
+use relay_core::config::{RetentionConfig, ShorterRetention};
+use relay_store::ops::{self, Cleanup};
+use sqlx::{Connection, PgPool};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::kafka::{Role, client_config};
+
+/// Advisory lock key of the cleaner ("relay" in ASCII).
+const CLEANUP_LOCK: i64 = 0x72_65_6c_61_79;
+
+/// What one cleanup pass deleted, per kind of row.
+pub type Deleted = Vec<(Cleanup, u64)>;
+
+fn plan(cfg: &RetentionConfig) -> Vec<(Cleanup, Duration)> {
+    [
+        (Cleanup::Inbox, cfg.inbox),
+        (Cleanup::IdempotencyKeys, cfg.inbox),
+        (Cleanup::SucceededIntents, cfg.succeeded_intents),
+        (Cleanup::DeadIntents, cfg.dead_intents),
+        (Cleanup::PublishedOutbox, cfg.published_outbox),
+        (Cleanup::DeadLetters, cfg.dead_letters),
+    ]
+    .into_iter()
+    .filter_map(|(what, keep)| keep.map(|k| (what, k)))
+    .collect()
+}
+
+/// One pass over every table with a retention. `progress` is called after
+/// each batch with the running total for that kind of row. Returns `None` if
+/// another process holds the cleaner's lock.
+pub async fn cleanup_once(
+    pool: &PgPool,
+    cfg: &RetentionConfig,
+    consumer: &str,
+    mut progress: impl FnMut(Cleanup, u64),
+) -> Result<Option<Deleted>, sqlx::Error> {
+    let mut out = Vec::new();
+    for (what, keep) in plan(cfg) {
+        let mut total = 0;
+        loop {
+            let mut conn = pool.acquire().await?;
+            let mut tx = conn.begin().await?;
+            let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+                .bind(CLEANUP_LOCK)
+                .fetch_one(&mut *tx)
+                .await?;
+            if !locked {
+                return Ok(None);
+            }
+            let n = ops::delete_batch(&mut tx, what, consumer, keep, i64::from(cfg.batch_size)).await?;
+            tx.commit().await?;
+            total += n;
+            if n > 0 {
+                progress(what, total);
+            }
+            if n < u64::from(cfg.batch_size) {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        out.push((what, total));
+    }
+    Ok(Some(out))
+}
+
+/// Clean up every `retention.interval` until `shutdown`.
+pub async fn run(pool: PgPool, cfg: RetentionConfig, consumer: String, shutdown: CancellationToken) {
+    if plan(&cfg).is_empty() {
+        return;
+    }
+    loop {
+        match cleanup_once(&pool, &cfg, &consumer, |_, _| {}).await {
+            Ok(Some(deleted)) => {
+                let total: u64 = deleted.iter().map(|d| d.1).sum();
+                if total > 0 {
+                    let detail: Vec<String> =
+                        deleted.iter().filter(|d| d.1 > 0).map(|(w, n)| format!("{n} {}", w.label())).collect();
+                    info!(consumer = %consumer, deleted = total, "retention cleanup: {}", detail.join(", "));
+                }
+            }
+            Ok(None) => {}
+            Err(e) => warn!(error = %e, "retention cleanup failed; it runs again at the next interval"),
+        }
+        tokio::select! { _ = shutdown.cancelled() => return, _ = tokio::time::sleep(cfg.interval) => {} }
+    }
+}
+
+/// Compare `retention.inbox` with each input topic's `retention.ms`: an
+/// inbox that forgets events sooner than the broker would let a replay apply
+/// them again (R15, R17). Refuses (an error) or warns per configuration.
+pub async fn check_topic_retention(cfg: &RelayConfig) -> anyhow::Result<()> {
+    let Some(inbox) = cfg.retention.inbox else { return Ok(()) };
+    let topics = cfg.subscribed_topics();
+    let admin: AdminClient<DefaultClientContext> = client_config(&cfg.kafka, Role::Consumer)?.create()?;
+    let specs: Vec<ResourceSpecifier<'_>> = topics.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
+    let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
+    let results = admin
+        .describe_configs(&specs, &opts)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot read the input topics' retention.ms from the broker: {e}"))?;
+    let mut problems = Vec::new();
+    for (topic, result) in topics.iter().zip(results) {
+        let resource = match result {
+            Ok(r) => r,
+            Err(e) => {
+                problems.push(format!("topic {topic}: cannot read its configuration ({e})"));
+                continue;
+            }
+        };
+        let ms = resource.get("retention.ms").and_then(|e| e.value.as_deref()).and_then(|v| v.parse::<i64>().ok());
+        match ms {
+            Some(ms) if ms < 0 => problems.push(format!(
+                "topic {topic} keeps records forever (retention.ms = -1) but retention.inbox is {}",
+                humantime::format_duration(inbox)
+            )),
+            Some(ms) if Duration::from_millis(ms as u64) > inbox => problems.push(format!(
+                "topic {topic} keeps records for {} but retention.inbox is only {}",
+                humantime::format_duration(Duration::from_millis(ms as u64)),
+                humantime::format_duration(inbox)
+            )),
+            _ => {}
+        }
+    }
+    if problems.is_empty() {
+        return Ok(());
+    }
+    let msg = format!(
+        "the inbox would forget events the broker still keeps, so replaying them would apply them again: {}. \
+         Set retention.inbox to at least the topic retention (or leave it unset to keep inbox rows forever)",
+        problems.join("; ")
+    );
+    match cfg.retention.on_shorter_than_topic {
+        ShorterRetention::Refuse => {
+            anyhow::bail!("{msg}; or set retention.on_shorter_than_topic = \"warn\" to start anyway")
+        }
+        ShorterRetention::Warn => {
+            warn!("{msg}");
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,442 @@
+//! The admin HTTP server of a relay process (`[admin] listen`):
+//!
+//! * `GET /metrics` — Prometheus text format;
+//! * `GET /healthz` — the process is up;
+//! * `GET /readyz` — database reachable, migrations current, broker reachable
+//!   (503 with the failing checks otherwise);
+//! * `/api/…` — the JSON admin API, behind `Authorization: Bearer <token>`
+//!   (the token comes from the environment variable `admin.token_env`);
+//! * `/` — the web console, static files compiled into the binary, talking to
+//!   the API from the browser (no build step, nothing fetched at run time).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use relay_core::RelayConfig;
+use relay_store::dead_letters::{self, Filter, Resolution};
+use relay_store::intents::{self, IntentFilter};
+use relay_store::ops::{self, PauseKind};
+use relay_store::stats;
+use secrecy::{ExposeSecret, SecretString};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::admin::{self, ReplayOutcome};
+use crate::kafka::{Role, client_config};
+use crate::processor::Processor;
+
+const INDEX_HTML: &str = include_str!("../console/index.html");
+const APP_JS: &str = include_str!("../console/app.js");
+const STYLE_CSS: &str = include_str!("../console/style.css");
+
+struct AppState {
+    pool: PgPool,
+    cfg: RelayConfig,
+    processor: Processor,
+    token: Option<SecretString>,
+    metrics: PrometheusHandle,
+    probe: Arc<std::sync::Mutex<Option<BaseConsumer>>>,
+}
+
+type Shared = Arc<AppState>;
+
+/// An API error: a status and a message that says what to do.
+struct ApiError(StatusCode, String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(json!({"error": self.1}))).into_response()
+    }
+}
+
+impl From<sqlx::Error> for ApiError {
+    fn from(e: sqlx::Error) -> Self {
+        ApiError(StatusCode::SERVICE_UNAVAILABLE, format!("database error: {e}"))
+    }
+}
+
+impl From<anyhow::Error> for ApiError {
+    fn from(e: anyhow::Error) -> Self {
+        ApiError(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}"))
+    }
+}
+
+type ApiResult = Result<Json<Value>, ApiError>;
+
+/// Serve until `shutdown`. Also refreshes the table gauges.
+pub async fn serve(
+    cfg: RelayConfig,
+    pool: PgPool,
+    processor: Processor,
+    metrics: PrometheusHandle,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let Some(addr) = cfg.admin.listen else { return Ok(()) };
+    let token = std::env::var(&cfg.admin.token_env).ok().filter(|t| !t.is_empty()).map(SecretString::from);
+    if token.is_none() {
+        warn!(variable = %cfg.admin.token_env, "no admin token in the environment: the admin API answers 503 (metrics and health still work)");
+    }
+    let gauges = {
+        let (pool, every, token) = (pool.clone(), cfg.admin.gauge_interval, shutdown.clone());
+        tokio::spawn(async move {
+            loop {
+                if let Err(e) = crate::metrics::refresh_gauges(&pool).await {
+                    warn!(error = %e, "refreshing table gauges failed");
+                }
+                tokio::select! { _ = token.cancelled() => return, _ = tokio::time::sleep(every) => {} }
+            }
+        })
+    };
+    let state = Arc::new(AppState { pool, cfg, processor, token, metrics, probe: Arc::default() });
+    let app = router(state);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("admin.listen = {addr}: cannot listen: {e}"))?;
+    info!(%addr, "admin server listening (console at /, API under /api, /metrics, /healthz, /readyz)");
+    let served = axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.cancelled().await }).await;
+    gauges.abort();
+    served.map_err(Into::into)
+}
+
+fn router(state: Shared) -> Router {
+    Router::new()
+        .route("/", get(|| async { ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], INDEX_HTML) }))
+        .route("/app.js", get(|| async { ([(header::CONTENT_TYPE, "text/javascript; charset=utf-8")], APP_JS) }))
+        .route("/style.css", get(|| async { ([(header::CONTENT_TYPE, "text/css; charset=utf-8")], STYLE_CSS) }))
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/api/counts", get(counts))
+        .route("/api/dead-letters", get(list_dead_letters))
+        .route("/api/dead-letters/replay", post(replay_dead_letters))
+        .route("/api/dead-letters/purge", post(purge_dead_letters))
+        .route("/api/dead-letters/{id}", get(show_dead_letter).delete(delete_dead_letter))
+        .route("/api/dead-letters/{id}/replay", post(replay_dead_letter))
+        .route("/api/intents", get(list_intents))
+        .route("/api/intents/replay", post(replay_intents))
+        .route("/api/intents/{id}", get(show_intent))
+        .route("/api/intents/{id}/replay", post(replay_intent))
+        .route("/api/pauses", get(list_pauses).post(pause))
+        .route("/api/pauses/{kind}/{name}", axum::routing::delete(resume))
+        .with_state(state)
+}
+
+fn authorize(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(token) = &s.token else {
+        return Err(ApiError(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the admin API is disabled: set {} in the relay's environment", s.cfg.admin.token_env),
+        ));
+    };
+    let given =
+        headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    // Compared without an early exit, so the time taken does not tell how
+    // much of a guess was right.
+    let ok = given.is_some_and(|g| {
+        let (a, b) = (g.as_bytes(), token.expose_secret().as_bytes());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    });
+    if ok { Ok(()) } else { Err(ApiError(StatusCode::UNAUTHORIZED, "missing or wrong bearer token".into())) }
+}
+
+async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], s.metrics.render())
+}
+
+async fn readyz(State(s): State<Shared>) -> Response {
+    let mut checks = serde_json::Map::new();
+    let db = match tokio::time::timeout(Duration::from_secs(2), relay_store::migrations_current(&s.pool)).await {
+        Ok(Ok(true)) => Ok("ok".to_string()),
+        Ok(Ok(false)) => Err("migrations are not current: run `relay migrate`".to_string()),
+        Ok(Err(e)) => Err(format!("unreachable: {e}")),
+        Err(_) => Err("no answer within 2 s".to_string()),
+    };
+    let broker = broker_reachable(&s).await;
+    let ready = db.is_ok() && broker.is_ok();
+    checks.insert("database".into(), json!(db.unwrap_or_else(|e| e)));
+    checks.insert("broker".into(), json!(broker.unwrap_or_else(|e| e)));
+    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(json!({"ready": ready, "checks": checks}))).into_response()
+}
+
+async fn broker_reachable(s: &AppState) -> Result<String, String> {
+    let probe = s.probe.clone();
+    let kafka = s.cfg.kafka.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut guard = probe.lock().map_err(|_| "probe lock poisoned".to_string())?;
+        if guard.is_none() {
+            let c: BaseConsumer = client_config(&kafka, Role::Consumer)
+                .map_err(|e| e.to_string())?
+                .create()
+                .map_err(|e| format!("cannot create a Kafka client: {e}"))?;
+            *guard = Some(c);
+        }
+        let c = guard.as_ref().ok_or("no probe")?;
+        c.fetch_metadata(None, Duration::from_secs(2))
+            .map(|md| format!("ok ({} broker(s))", md.brokers().len()))
+            .map_err(|e| format!("unreachable: {e}"))
+    })
+    .await
+    .map_err(|e| e.to_string())?
+}
+
+async fn counts(State(s): State<Shared>, headers: HeaderMap) -> ApiResult {
+    authorize(&s, &headers)?;
+    let mut conn = s.pool.acquire().await?;
+    let snapshot = stats::snapshot(&mut conn).await?;
+    let pauses = ops::pauses(&mut conn).await?;
+    Ok(Json(json!({"stats": snapshot, "pauses": pauses})))
+}
+
+#[derive(Deserialize)]
+struct DeadLetterQuery {
+    class: Option<String>,
+    topic: Option<String>,
+    #[serde(default)]
+    all: bool,
+    #[serde(default)]
+    after: i64,
+    limit: Option<i64>,
+}
+
+fn filter(s: &AppState, class: Option<String>, topic: Option<String>, resolution: Resolution) -> Filter {
+    Filter { consumer: Some(s.cfg.consumer.name.clone()), error_class: class, topic, resolution }
+}
+
+async fn list_dead_letters(State(s): State<Shared>, headers: HeaderMap, Query(q): Query<DeadLetterQuery>) -> ApiResult {
+    authorize(&s, &headers)?;
+    let resolution = if q.all { Resolution::Any } else { Resolution::Unresolved };
+    let f = filter(&s, q.class, q.topic, resolution);
+    let mut conn = s.pool.acquire().await?;
+    let items = dead_letters::list(&mut conn, &f, q.after, q.limit.unwrap_or(100).clamp(1, 1000)).await?;
+    let total = dead_letters::count(&mut conn, &f).await?;
+    Ok(Json(json!({"items": items, "total": total})))
+}
+
+async fn show_dead_letter(State(s): State<Shared>, headers: HeaderMap, Path(id): Path<i64>) -> ApiResult {
+    authorize(&s, &headers)?;
+    let Some(dl) = dead_letters::get(&mut *s.pool.acquire().await?, id).await? else {
+        return Err(ApiError(StatusCode::NOT_FOUND, format!("no dead letter {id}")));
+    };
+    let text =
+        |b: &Option<Vec<u8>>| b.as_deref().map(|v| String::from_utf8_lossy(&v[..v.len().min(64 * 1024)]).into_owned());
+    let hdrs: Vec<Value> = dl
+        .record
+        .headers
+        .iter()
+        .map(|h| json!({"name": h.name, "value": h.value.as_deref().map(String::from_utf8_lossy)}))
+        .collect();
+    Ok(Json(
+        json!({"dead_letter": dl.meta, "key": text(&dl.record.key), "headers": hdrs, "value": text(&dl.record.payload)}),
+    ))
+}
+
+fn outcome_json(id: i64, o: &ReplayOutcome) -> Value {
+    let (status, detail) = match o {
+        ReplayOutcome::Applied => ("applied", String::new()),
+        ReplayOutcome::Duplicate => ("duplicate", String::new()),
+        ReplayOutcome::NoOp(c) => ("no_op", c.clone()),
+        ReplayOutcome::StillFailing(why) => ("still_failing", why.clone()),
+        ReplayOutcome::NotFound => ("not_found", String::new()),
+    };
+    json!({"id": id, "outcome": status, "detail": detail, "resolved": o.resolved()})
+}
+
+async fn replay_dead_letter(State(s): State<Shared>, headers: HeaderMap, Path(id): Path<i64>) -> ApiResult {
+    authorize(&s, &headers)?;
+    let o = admin::replay(&s.pool, &s.processor, id).await?;
+    if o == ReplayOutcome::NotFound {
+        return Err(ApiError(StatusCode::NOT_FOUND, format!("no dead letter {id}")));
+    }
+    Ok(Json(outcome_json(id, &o)))
+}
+
+#[derive(Deserialize)]
+struct Bulk {
+    #[serde(default)]
+    ids: Vec<i64>,
+    #[serde(default)]
+    all: bool,
+    class: Option<String>,
+    #[serde(default)]
+    resolved: bool,
+}
+
+async fn replay_dead_letters(State(s): State<Shared>, headers: HeaderMap, Json(b): Json<Bulk>) -> ApiResult {
+    authorize(&s, &headers)?;
+    let ids = if b.all {
+        let f = filter(&s, b.class, None, Resolution::Unresolved);
+        let mut conn = s.pool.acquire().await?;
+        let mut ids = Vec::new();
+        let mut after = 0;
+        loop {
+            let page = dead_letters::list(&mut conn, &f, after, 1000).await?;
+            let Some(last) = page.last() else { break };
+            after = last.id;
+            ids.extend(page.iter().map(|d| d.id));
+        }
+        ids
+    } else {
+        b.ids
+    };
+    let mut results = Vec::with_capacity(ids.len());
+    for id in ids {
+        results.push(outcome_json(id, &admin::replay(&s.pool, &s.processor, id).await?));
+    }
+    let resolved = results.iter().filter(|r| r["resolved"] == true).count();
+    Ok(Json(json!({"results": results, "resolved": resolved})))
+}
+
+async fn delete_dead_letter(State(s): State<Shared>, headers: HeaderMap, Path(id): Path<i64>) -> ApiResult {
+    authorize(&s, &headers)?;
+    if dead_letters::delete(&mut *s.pool.acquire().await?, id).await? {
+        Ok(Json(json!({"deleted": 1})))
+    } else {
+        Err(ApiError(StatusCode::NOT_FOUND, format!("no dead letter {id}")))
+    }
+}
+
+async fn purge_dead_letters(State(s): State<Shared>, headers: HeaderMap, Json(b): Json<Bulk>) -> ApiResult {
+    authorize(&s, &headers)?;
+    let mut conn = s.pool.acquire().await?;
+    let mut deleted = 0u64;
+    if b.all {
+        let resolution = if b.resolved { Resolution::Resolved } else { Resolution::Any };
+        let f = filter(&s, b.class, None, resolution);
+        loop {
+            let n = dead_letters::purge(&mut conn, &f, 1000).await?;
+            deleted += n;
+            if n == 0 {
+                break;
+            }
+        }
+    } else {
+        for id in b.ids {
+            deleted += u64::from(dead_letters::delete(&mut conn, id).await?);
+        }
+    }
+    Ok(Json(json!({"deleted": deleted})))
+}
+
+#[derive(Deserialize)]
+struct IntentQuery {
+    state: Option<String>,
+    endpoint: Option<String>,
+    before: Option<chrono::DateTime<chrono::Utc>>,
+    limit: Option<i64>,
+}
+
+async fn list_intents(State(s): State<Shared>, headers: HeaderMap, Query(q): Query<IntentQuery>) -> ApiResult {
+    authorize(&s, &headers)?;
+    let f = IntentFilter { state: q.state, endpoint: q.endpoint };
+    let items =
+        intents::list(&mut *s.pool.acquire().await?, &f, q.before, q.limit.unwrap_or(100).clamp(1, 1000)).await?;
+    Ok(Json(json!({"items": items})))
+}
+
+fn parse_id(id: &str) -> Result<uuid::Uuid, ApiError> {
+    id.parse().map_err(|_| ApiError(StatusCode::BAD_REQUEST, format!("{id:?} is not an intent id (a UUID)")))
+}
+
+async fn show_intent(State(s): State<Shared>, headers: HeaderMap, Path(id): Path<String>) -> ApiResult {
+    authorize(&s, &headers)?;
+    let id = parse_id(&id)?;
+    let mut conn = s.pool.acquire().await?;
+    let Some(intent) = intents::get(&mut conn, id).await? else {
+        return Err(ApiError(StatusCode::NOT_FOUND, format!("no intent {id}")));
+    };
+    let attempts = intents::attempts(&mut conn, id).await?;
+    Ok(Json(json!({"intent": intent, "attempts": attempts})))
+}
+
+async fn replay_intent(State(s): State<Shared>, headers: HeaderMap, Path(id): Path<String>) -> ApiResult {
+    authorize(&s, &headers)?;
+    let id = parse_id(&id)?;
+    if intents::requeue(&mut *s.pool.acquire().await?, id).await? {
+        Ok(Json(json!({"id": id, "requeued": true})))
+    } else {
+        Err(ApiError(StatusCode::CONFLICT, format!("intent {id} is not dead (only dead intents are replayed)")))
+    }
+}
+
+#[derive(Deserialize)]
+struct IntentBulk {
+    #[serde(default)]
+    ids: Vec<uuid::Uuid>,
+    #[serde(default)]
+    all: bool,
+    endpoint: Option<String>,
+}
+
+async fn replay_intents(State(s): State<Shared>, headers: HeaderMap, Json(b): Json<IntentBulk>) -> ApiResult {
+    authorize(&s, &headers)?;
+    let mut conn = s.pool.acquire().await?;
+    let ids = if b.all {
+        let f = IntentFilter { state: Some("dead".into()), endpoint: b.endpoint };
+        intents::list(&mut conn, &f, None, 100_000).await?.into_iter().map(|i| i.id).collect()
+    } else {
+        b.ids
+    };
+    let mut requeued = 0;
+    for id in &ids {
+        requeued += usize::from(intents::requeue(&mut conn, *id).await?);
+    }
+    Ok(Json(json!({"requeued": requeued, "asked": ids.len()})))
+}
+
+async fn list_pauses(State(s): State<Shared>, headers: HeaderMap) -> ApiResult {
+    authorize(&s, &headers)?;
+    Ok(Json(json!({"pauses": ops::pauses(&mut *s.pool.acquire().await?).await?})))
+}
+
+#[derive(Deserialize)]
+struct PauseRequest {
+    kind: PauseKind,
+    name: String,
+    reason: Option<String>,
+}
+
+fn check_name(s: &AppState, kind: PauseKind, name: &str) -> Result<(), ApiError> {
+    let known: Vec<String> = match kind {
+        PauseKind::Route => s.cfg.routes.iter().map(|r| r.display_name()).collect(),
+        PauseKind::Endpoint => s.cfg.endpoints.keys().cloned().collect(),
+    };
+    if known.iter().any(|k| k == name) {
+        Ok(())
+    } else {
+        Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("no {} named {name:?} (known: {})", kind.as_str(), known.join(", ")),
+        ))
+    }
+}
+
+async fn pause(State(s): State<Shared>, headers: HeaderMap, Json(p): Json<PauseRequest>) -> ApiResult {
+    authorize(&s, &headers)?;
+    check_name(&s, p.kind, &p.name)?;
+    let new = ops::pause(&mut *s.pool.acquire().await?, p.kind, &p.name, p.reason.as_deref()).await?;
+    info!(kind = p.kind.as_str(), name = %p.name, "paused through the admin API");
+    Ok(Json(json!({"paused": true, "already": !new})))
+}
+
+async fn resume(State(s): State<Shared>, headers: HeaderMap, Path((kind, name)): Path<(String, String)>) -> ApiResult {
+    authorize(&s, &headers)?;
+    let kind = match kind.as_str() {
+        "route" => PauseKind::Route,
+        "endpoint" => PauseKind::Endpoint,
+        other => return Err(ApiError(StatusCode::BAD_REQUEST, format!("kind {other:?}: use route or endpoint"))),
+    };
+    let was = ops::resume(&mut *s.pool.acquire().await?, kind, &name).await?;
+    info!(kind = kind.as_str(), %name, "resumed through the admin API");
+    Ok(Json(json!({"resumed": was})))
+}

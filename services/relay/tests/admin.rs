@@ -1,0 +1,350 @@
+//! Operating the relay: the admin server of a real `relay run` process
+//! (metrics, health, readiness, the token-protected API, pauses), the web
+//! console driven in headless Chromium, retention cleanup and its start-up
+//! check against the topics' retention.
+
+#[path = "../../../tests/support/mod.rs"]
+mod support;
+
+use std::time::Duration;
+
+use example_provider::{FaultKind, FaultRule};
+use relay_core::config::ShorterRetention;
+use relay_store::ops::Cleanup;
+use relay_testkit::process::{RelayProcess, free_port};
+use serde_json::{Value, json};
+use support::*;
+
+const TOKEN: &str = "test-admin-token-7f3a";
+
+struct Admin {
+    url: String,
+    http: reqwest::Client,
+}
+
+impl Admin {
+    async fn get(&self, path: &str, token: Option<&str>) -> (u16, String) {
+        let mut req = self.http.get(format!("{}{path}", self.url));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        let res = req.send().await.expect("admin server answers");
+        (res.status().as_u16(), res.text().await.unwrap_or_default())
+    }
+
+    async fn api(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
+        let mut req = self.http.request(method, format!("{}{path}", self.url)).bearer_auth(TOKEN);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let res = req.send().await.expect("admin server answers");
+        let status = res.status();
+        let v: Value = res.json().await.unwrap_or(Value::Null);
+        assert!(status.is_success(), "{path}: {status} {v}");
+        v
+    }
+}
+
+/// `relay run` with the admin server on a free port; waits until it answers.
+async fn run_with_admin(h: &Harness, routes: &str) -> (RelayProcess, Admin) {
+    let port = free_port();
+    let text =
+        format!("{}\n[admin]\nlisten = \"127.0.0.1:{port}\"\ngauge_interval = \"200ms\"\n", h.config_text(routes));
+    let config = h.write_config(&text);
+    let p = h.process(&config, &["run"], &[("RELAY_ADMIN_TOKEN", TOKEN)]);
+    let admin = Admin { url: format!("http://127.0.0.1:{port}"), http: reqwest::Client::new() };
+    eventually("the admin server to answer", DEADLINE, || async {
+        admin
+            .http
+            .get(format!("{}/healthz", admin.url))
+            .send()
+            .await
+            .ok()
+            .filter(|r| r.status().is_success())
+            .map(|_| ())
+    })
+    .await;
+    (p, admin)
+}
+
+fn metric(body: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    body.lines().filter(|l| l.starts_with(name) && !l.starts_with('#')).find_map(|l| {
+        let (series, value) = l.rsplit_once(' ')?;
+        let ok = series[name.len()..].starts_with(['{', ' ']) || series.len() == name.len();
+        (ok && labels.iter().all(|(k, v)| series.contains(&format!("{k}=\"{v}\""))))
+            .then(|| value.parse().ok())
+            .flatten()
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_admin_server_serves_metrics_health_and_readiness() {
+    let h = Harness::new(1).await;
+    h.send(&order("evt-1", "o-1")).await;
+    h.send(&order("evt-2", "o-2")).await;
+    h.send(&order("evt-1", "o-1")).await; // duplicate
+    h.producer.raw(&h.topic, None, None, &[("ce_specversion".into(), b"1.0".to_vec())], Some(b"{")).await.unwrap();
+    let (mut p, admin) = run_with_admin(&h, CAPTURE_ROUTE).await;
+    h.await_intents_finished(2).await;
+
+    let body = eventually("metrics with the processed records and refreshed gauges", DEADLINE, || async {
+        let (_, body) = admin.get("/metrics", None).await;
+        let ready = metric(&body, "relay_records_processed_total", &[("result", "applied")]) == Some(2.0)
+            && metric(&body, "relay_intents", &[("state", "succeeded")]) == Some(2.0);
+        ready.then_some(body)
+    })
+    .await;
+    assert_eq!(metric(&body, "relay_duplicates_total", &[("layer", "inbox")]), Some(1.0), "{body}");
+    assert_eq!(metric(&body, "relay_dead_lettered_total", &[("class", "missing_id")]), Some(1.0), "{body}");
+    assert_eq!(metric(&body, "relay_records_received_total", &[]), Some(4.0), "{body}");
+    assert_eq!(
+        metric(&body, "relay_calls_total", &[("endpoint", "psp"), ("result", "succeeded")]),
+        Some(2.0),
+        "{body}"
+    );
+    assert_eq!(metric(&body, "relay_business_counter", &[("name", "orders")]), Some(2.0), "{body}");
+    assert!(body.contains("relay_processing_seconds_bucket"), "latency histograms: {body}");
+    assert!(body.contains("relay_dispatch_seconds_bucket"), "{body}");
+    // Lag comes from librdkafka's statistics, every 5 s.
+    eventually("the consumer lag gauge", DEADLINE, || async {
+        let (_, body) = admin.get("/metrics", None).await;
+        (metric(&body, "relay_consumer_lag", &[("partition", "0")]) == Some(0.0)).then_some(())
+    })
+    .await;
+
+    let (status, _) = admin.get("/healthz", None).await;
+    assert_eq!(status, 200);
+    let (status, ready) = admin.get("/readyz", None).await;
+    assert_eq!(status, 200, "{ready}");
+    let ready: Value = serde_json::from_str(&ready).unwrap();
+    assert_eq!(ready["ready"], true);
+    assert!(ready["checks"]["broker"].as_str().unwrap().starts_with("ok"), "{ready}");
+    assert!(p.terminate(Duration::from_secs(30)).unwrap().success());
+}
+
+const TWO_ROUTES: &str = r#"
+[endpoints.psp2]
+base_url = "PROVIDER"
+timeout = "1s"
+connect_timeout = "500ms"
+
+[[routes]]
+name = "placed"
+topic = "{topic}"
+type = "order.placed"
+[[routes.actions]]
+kind = "call"
+name = "capture"
+endpoint = "psp"
+path = "/captures"
+idempotency_key = "capture:{{ data.order_id }}"
+
+[[routes]]
+name = "shipped"
+topic = "{topic}"
+type = "order.shipped"
+[[routes.actions]]
+kind = "call"
+name = "notify"
+endpoint = "psp2"
+path = "/notify"
+idempotency_key = "notify:{{ data.order_id }}"
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_admin_api_needs_its_token_and_pauses_hold_work_without_skipping_it() {
+    let h = Harness::new(2).await;
+    let routes = TWO_ROUTES.replace("PROVIDER", &h.provider.url());
+    let (mut p, admin) = run_with_admin(&h, &routes).await;
+    assert_eq!(admin.get("/api/counts", None).await.0, 401);
+    assert_eq!(admin.get("/api/counts", Some("wrong")).await.0, 401);
+    assert_eq!(admin.get("/api/counts", Some(TOKEN)).await.0, 200);
+
+    // An endpoint pause: its intents wait, the other endpoint's go out.
+    admin
+        .api(
+            reqwest::Method::POST,
+            "/api/pauses",
+            Some(json!({"kind": "endpoint", "name": "psp", "reason": "provider incident"})),
+        )
+        .await;
+    h.send(&order("evt-1", "o-1").partition(0)).await;
+    h.send(&support::TestEvent::new("evt-2", "order.shipped", json!({"order_id": "o-2"})).partition(1)).await;
+    eventually("the unpaused endpoint's call", DEADLINE, || async {
+        (h.provider.stats().applied_for("notify:o-2") == 1).then_some(())
+    })
+    .await;
+    eventually("the paused endpoint's intent to be written", DEADLINE, || async {
+        (h.db.count("intents", "endpoint = 'psp'").await == 1).then_some(())
+    })
+    .await;
+    assert_eq!(h.provider.stats().requests_for("capture:o-1"), 0, "the paused endpoint was not called");
+    let pauses = admin.api(reqwest::Method::GET, "/api/pauses", None).await;
+    assert_eq!(pauses["pauses"][0]["reason"], "provider incident");
+    admin.api(reqwest::Method::DELETE, "/api/pauses/endpoint/psp", None).await;
+    eventually("the call after the resume", DEADLINE, || async {
+        (h.provider.stats().applied_for("capture:o-1") == 1).then_some(())
+    })
+    .await;
+
+    // A route pause: its partition waits at the route's event; other partitions go on.
+    admin.api(reqwest::Method::POST, "/api/pauses", Some(json!({"kind": "route", "name": "placed"}))).await;
+    h.send(&order("evt-3", "o-3").partition(0)).await;
+    h.send(&support::TestEvent::new("evt-4", "order.shipped", json!({"order_id": "o-4"})).partition(0)).await;
+    h.send(&support::TestEvent::new("evt-5", "order.shipped", json!({"order_id": "o-5"})).partition(1)).await;
+    eventually("the other partition's event", DEADLINE, || async { h.outcome("evt-5").await.map(|_| ()) }).await;
+    assert_eq!(h.outcome("evt-3").await, None, "the paused route's event waits");
+    assert_eq!(h.outcome("evt-4").await, None, "so does everything behind it in its partition");
+    let unknown = admin
+        .http
+        .post(format!("{}/api/pauses", admin.url))
+        .bearer_auth(TOKEN)
+        .json(&json!({"kind": "route", "name": "nope"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unknown.status().as_u16(), 404, "unknown names are refused");
+    admin.api(reqwest::Method::DELETE, "/api/pauses/route/placed", None).await;
+    eventually("the partition to move on after the resume", DEADLINE, || async {
+        h.outcome("evt-4").await.map(|_| ())
+    })
+    .await;
+    assert_eq!(h.outcome("evt-3").await.as_deref(), Some("applied"));
+    assert!(p.terminate(Duration::from_secs(30)).unwrap().success());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_console_shows_a_dead_intent_and_replaying_it_makes_it_succeed() {
+    let h = Harness::new(1).await;
+    h.provider.set_faults(vec![FaultRule {
+        path_prefix: None,
+        key_prefix: Some("capture:o-1".into()),
+        times: None,
+        kind: FaultKind::Status { status: 422, retry_after_secs: None },
+    }]);
+    h.send(&order("evt-1", "o-1")).await;
+    let (mut p, admin) = run_with_admin(&h, CAPTURE_ROUTE).await;
+    let intent: String = eventually("the intent to die", DEADLINE, || async {
+        sqlx::query_scalar("SELECT id::text FROM relay.intents WHERE state = 'dead'")
+            .fetch_optional(&h.db.pool)
+            .await
+            .unwrap()
+    })
+    .await;
+    h.provider.set_faults(Vec::new()); // the provider is fixed; the operator replays
+
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/console");
+    assert!(
+        dir.join("node_modules/playwright-core").exists(),
+        "playwright-core is not installed: run `npm ci --prefix services/relay/tests/console` (scripts/test.sh does)"
+    );
+    let out = tokio::process::Command::new("node")
+        .arg(dir.join("console.mjs"))
+        .env("CONSOLE_URL", &admin.url)
+        .env("CONSOLE_TOKEN", TOKEN)
+        .env("INTENT_ID", &intent)
+        .output()
+        .await
+        .expect("node runs (Node.js is on this machine)");
+    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "console test failed:\n{log}");
+    assert_eq!(h.provider.stats().applied_for("capture:o-1"), 1);
+    assert_eq!(h.db.count("intents", "state = 'succeeded'").await, 1);
+    let attempts: Vec<String> = sqlx::query_scalar("SELECT outcome FROM relay.intent_attempts ORDER BY attempt")
+        .fetch_all(&h.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(attempts, vec!["permanent", "succeeded"], "the replay is a new attempt of the same intent");
+    assert!(p.terminate(Duration::from_secs(30)).unwrap().success());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cleanup_deletes_only_rows_past_their_retention_in_bounded_batches() {
+    let h = Harness::new(1).await;
+    for i in 0..30 {
+        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
+    }
+    let run = h.start(h.config(CAPTURE_ROUTE), relay::Components::ALL, no_faults()).await;
+    h.await_intents_finished(30).await;
+    h.await_published(30).await;
+    run.stop().await.unwrap();
+    // Age two thirds of everything by two days.
+    for sql in [
+        "UPDATE relay.inbox SET received_at = now() - interval '2 days' WHERE event_id ~ '^evt-([0-9]|1[0-9])$'",
+        "UPDATE relay.intents SET finished_at = now() - interval '2 days' WHERE source_event_id ~ '^evt-([0-9]|1[0-9])$'",
+        "UPDATE relay.outbox SET published_at = now() - interval '2 days' WHERE source_id LIKE '%:succeeded'
+            AND source_id IN (SELECT id::text || ':succeeded' FROM relay.intents WHERE source_event_id ~ '^evt-([0-9]|1[0-9])$')",
+    ] {
+        sqlx::query(sql).execute(&h.db.pool).await.unwrap();
+    }
+    let mut retention = relay_core::config::RetentionConfig {
+        inbox: Some(Duration::from_secs(86_400)),
+        succeeded_intents: Some(Duration::from_secs(86_400)),
+        published_outbox: Some(Duration::from_secs(86_400)),
+        batch_size: 7,
+        ..Default::default()
+    };
+    let mut batches = Vec::new();
+    let deleted =
+        relay::retention::cleanup_once(&h.db.pool, &retention, &h.consumer, |what, total| batches.push((what, total)))
+            .await
+            .unwrap()
+            .expect("no other cleaner");
+    let get = |w: Cleanup| deleted.iter().find(|d| d.0 == w).map(|d| d.1);
+    assert_eq!(get(Cleanup::Inbox), Some(20));
+    assert_eq!(get(Cleanup::SucceededIntents), Some(20));
+    assert_eq!(get(Cleanup::PublishedOutbox), Some(20));
+    assert!(batches.iter().filter(|b| b.0 == Cleanup::Inbox).count() >= 3, "20 rows in batches of 7: {batches:?}");
+    assert_eq!(h.inbox().await, 10, "recent rows are kept");
+    assert_eq!(h.db.count("intents", "true").await, 10);
+    assert_eq!(h.db.count("intent_attempts", "true").await, 10, "attempts went with their intents");
+
+    // At start, an inbox retention shorter than the topic's is refused (or warned about).
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.retention = retention.clone();
+    let err = relay::retention::check_topic_retention(&cfg).await.unwrap_err().to_string();
+    assert!(err.contains(&h.topic) && err.contains("retention.inbox"), "{err}");
+    retention.on_shorter_than_topic = ShorterRetention::Warn;
+    cfg.retention = retention;
+    relay::retention::check_topic_retention(&cfg).await.unwrap();
+    cfg.retention.inbox = Some(Duration::from_secs(30 * 86_400));
+    relay::retention::check_topic_retention(&cfg).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn spans_are_exported_over_otlp_when_an_endpoint_is_configured() {
+    // A stand-in OTLP/HTTP collector that keeps what it is sent.
+    let bodies: std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>> = Default::default();
+    let kept = bodies.clone();
+    let app = axum::Router::new().route(
+        "/v1/traces",
+        axum::routing::post(move |body: axum::body::Bytes| {
+            let kept = kept.clone();
+            async move {
+                kept.lock().unwrap().push(body.to_vec());
+                axum::http::StatusCode::OK
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let collector = format!("http://{}/v1/traces", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let h = Harness::new(1).await;
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    h.send(&order("evt-1", "o-1").ext("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01"))).await;
+    let text = format!(
+        "{}\n[telemetry]\notlp_endpoint = \"{collector}\"\nservice_name = \"relay-test\"\n",
+        h.config_text(CAPTURE_ROUTE)
+    );
+    let config = h.write_config(&text);
+    let mut p = h.process(&config, &["run"], &[]);
+    h.await_intents_finished(1).await;
+    assert!(p.terminate(Duration::from_secs(30)).unwrap().success(), "{}", p.log());
+    let want: Vec<u8> = (0..16).map(|i| u8::from_str_radix(&trace_id[2 * i..2 * i + 2], 16).unwrap()).collect();
+    let all = bodies.lock().unwrap().concat();
+    assert!(!all.is_empty(), "no spans were exported");
+    assert!(all.windows(16).any(|w| w == want.as_slice()), "the exported spans belong to the event's trace");
+    assert!(all.windows(b"relay.call".len()).any(|w| w == b"relay.call"), "the call span is exported");
+    assert!(all.windows(b"relay.inbox".len()).any(|w| w == b"relay.inbox"), "the processing span is exported");
+}

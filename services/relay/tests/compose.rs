@@ -1,0 +1,94 @@
+//! `compose.yaml` cannot run here (no Docker engine), so this keeps it honest
+//! instead: it must bring up the same pieces on the same ports with the same
+//! variables and configuration keys as the scripts and the example
+//! configuration, and its relay environment must load into a valid configuration.
+
+use std::path::Path;
+
+use yaml_rust2::{Yaml, YamlLoader};
+
+fn root() -> &'static Path {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+}
+
+fn compose() -> Yaml {
+    let text = std::fs::read_to_string(root().join("compose.yaml")).expect("compose.yaml exists");
+    YamlLoader::load_from_str(&text).expect("compose.yaml is YAML").remove(0)
+}
+
+fn ports(service: &Yaml) -> Vec<String> {
+    service["ports"]
+        .as_vec()
+        .map(|v| v.iter().filter_map(|p| p.as_str().map(str::to_owned)).collect())
+        .unwrap_or_default()
+}
+
+fn env(service: &Yaml) -> Vec<(String, String)> {
+    service["environment"]
+        .as_hash()
+        .map(|h| {
+            h.iter()
+                .filter_map(|(k, v)| {
+                    let v = match v {
+                        Yaml::String(s) => s.clone(),
+                        Yaml::Integer(i) => i.to_string(),
+                        other => format!("{other:?}"),
+                    };
+                    Some((k.as_str()?.to_owned(), v))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn compose_runs_postgres_kafka_the_provider_and_the_relay_on_the_ports_the_configuration_uses() {
+    let c = compose();
+    let services = &c["services"];
+    for name in ["postgres", "kafka", "provider", "migrate", "relay"] {
+        assert!(!services[name].is_badvalue(), "compose.yaml has no service {name}");
+    }
+    let example = std::fs::read_to_string(root().join("relay.example.toml")).unwrap();
+    let lib = std::fs::read_to_string(root().join("scripts/lib.sh")).unwrap();
+
+    assert!(ports(&services["postgres"]).contains(&"5432:5432".to_string()));
+    assert!(lib.contains("127.0.0.1:5432") || lib.contains("127.0.0.1 5432"), "the scripts use PostgreSQL on 5432");
+    assert!(ports(&services["kafka"]).contains(&"9092:9092".to_string()));
+    assert!(example.contains("bootstrap_servers = \"127.0.0.1:9092\""), "the example configuration uses Kafka on 9092");
+    assert!(ports(&services["provider"]).contains(&"8081:8081".to_string()));
+    assert!(
+        example.contains("base_url = \"http://127.0.0.1:8081\""),
+        "the example configuration calls the provider on 8081"
+    );
+    assert!(ports(&services["relay"]).contains(&"9090:9090".to_string()), "the console and metrics are published");
+    assert!(example.contains("listen = \"0.0.0.0:9090\"") || example.contains("listen = \"127.0.0.1:9090\""));
+    let provider_cmd = format!("{:?}", services["provider"]["entrypoint"]);
+    assert!(provider_cmd.contains("0.0.0.0:8081"), "{provider_cmd}");
+}
+
+#[test]
+fn the_relay_environment_in_compose_names_real_configuration_keys() {
+    let c = compose();
+    for service in ["migrate", "relay"] {
+        let vars = env(&c["services"][service]);
+        assert!(vars.iter().any(|(k, _)| k == "DATABASE_URL"), "{service}: DATABASE_URL");
+        assert!(
+            vars.iter().any(|(k, _)| k == "RELAY_ADMIN_TOKEN"),
+            "{service}: the admin token comes from the environment"
+        );
+        // Every RELAY_SECTION__KEY override must load into the example configuration.
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_relay"));
+        cmd.current_dir(root()).args(["--config", "relay.example.toml", "check-config"]).env_remove("DATABASE_URL");
+        for (k, v) in &vars {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{service}: compose's environment does not load: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains("endpoint payments: http://provider:8081/"), "{service}: {stdout}");
+    }
+}

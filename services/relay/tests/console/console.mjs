@@ -1,0 +1,57 @@
+// Drives the relay console in headless Chromium against a running relay:
+// a dead intent is visible, Replay (confirmed) makes it succeed, and the
+// counts on the page update. Run by services/relay/tests/console.rs, which
+// sets CONSOLE_URL, CONSOLE_TOKEN and INTENT_ID; exits non-zero on failure.
+import { chromium } from "playwright-core";
+
+const url = process.env.CONSOLE_URL;
+const token = process.env.CONSOLE_TOKEN;
+const intentId = process.env.INTENT_ID;
+const shot = process.env.SCREENSHOT || "/tmp/relay-console.png";
+if (!url || !token || !intentId) throw new Error("CONSOLE_URL, CONSOLE_TOKEN and INTENT_ID are required");
+
+const browser = await chromium.launch({
+  executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
+  args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+});
+let failed = false;
+try {
+  const page = await browser.newPage();
+  const confirms = [];
+  page.on("dialog", async (d) => { confirms.push(d.message()); await d.accept(); });
+  page.on("pageerror", (e) => { console.error("page error:", e.message); failed = true; });
+  await page.goto(url);
+  await page.fill("#token", token);
+  await page.click("#connect");
+
+  // The dead intent is listed, with its error, and counted.
+  const row = page.locator(`#dead-intents tbody tr[data-id="${intentId}"]`);
+  await row.waitFor({ timeout: 20000 });
+  await page.waitForFunction(() => document.querySelector("#dead-intent-count").textContent === "1", null, { timeout: 20000 });
+  const error = await row.locator("td.error-text").textContent();
+  if (!error.includes("422")) throw new Error(`the dead intent's error should show the 422, got: ${error}`);
+  const deadBefore = await page.locator('#intent-counts dd[data-key="dead"]').textContent();
+  if (deadBefore !== "1") throw new Error(`dead count should be 1, got ${deadBefore}`);
+
+  // Its attempt timeline shows the permanent failure.
+  await row.getByRole("button", { name: "Attempts" }).click();
+  await page.locator("#timeline-list li.outcome-permanent").first().waitFor({ timeout: 10000 });
+
+  // Replay, confirmed: the intent succeeds and the counts update.
+  await row.getByRole("button", { name: "Replay" }).click();
+  if (!confirms.some((m) => m.includes(intentId))) throw new Error(`no confirmation naming the intent: ${confirms}`);
+  await page.waitForFunction(() => document.querySelector("#dead-intent-count").textContent === "0", null, { timeout: 30000 });
+  await page.waitForFunction(
+    () => document.querySelector('#intent-counts dd[data-key="succeeded"]').textContent === "1"
+       && document.querySelector('#intent-counts dd[data-key="dead"]').textContent === "0",
+    null, { timeout: 30000 });
+  await page.screenshot({ path: shot, fullPage: true });
+  console.log(`console: dead intent replayed and counts updated (screenshot ${shot})`);
+} catch (e) {
+  failed = true;
+  console.error("console test failed:", e.message);
+} finally {
+  await browser.close();
+}
+process.exit(failed ? 1 : 0);

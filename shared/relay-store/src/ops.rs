@@ -1,0 +1,157 @@
+//! Operations: pauses and retention cleanup.
+
+use std::time::Duration;
+
+use sqlx::PgConnection;
+
+/// What can be paused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PauseKind {
+    /// A route (by its name): its partitions wait at its first event.
+    Route,
+    /// An endpoint: its intents are not claimed.
+    Endpoint,
+}
+
+impl PauseKind {
+    /// Stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PauseKind::Route => "route",
+            PauseKind::Endpoint => "endpoint",
+        }
+    }
+}
+
+/// A pause.
+#[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
+pub struct Pause {
+    /// `route` or `endpoint`.
+    pub kind: String,
+    /// Route or endpoint name.
+    pub name: String,
+    /// Why.
+    pub reason: Option<String>,
+    /// Since when.
+    pub paused_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// Pause `name`; `false` if it was paused already.
+pub async fn pause(
+    conn: &mut PgConnection,
+    kind: PauseKind,
+    name: &str,
+    reason: Option<&str>,
+) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query("INSERT INTO relay.pauses (kind, name, reason) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
+        .bind(kind.as_str())
+        .bind(name)
+        .bind(reason)
+        .execute(conn)
+        .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Resume `name`; `false` if it was not paused.
+pub async fn resume(conn: &mut PgConnection, kind: PauseKind, name: &str) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query("DELETE FROM relay.pauses WHERE kind = $1 AND name = $2")
+        .bind(kind.as_str())
+        .bind(name)
+        .execute(conn)
+        .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Every pause.
+pub async fn pauses(conn: &mut PgConnection) -> Result<Vec<Pause>, sqlx::Error> {
+    sqlx::query_as("SELECT kind, name, reason, paused_at FROM relay.pauses ORDER BY kind, name").fetch_all(conn).await
+}
+
+/// Names of paused routes.
+pub async fn paused_routes(conn: &mut PgConnection) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT name FROM relay.pauses WHERE kind = 'route'").fetch_all(conn).await
+}
+
+/// Which table a cleanup step works on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cleanup {
+    /// Inbox rows of `consumer` (and its idempotency keys).
+    Inbox,
+    /// Idempotency keys of `consumer`.
+    IdempotencyKeys,
+    /// Succeeded intents (attempts go with them).
+    SucceededIntents,
+    /// Dead intents.
+    DeadIntents,
+    /// Published outbox rows.
+    PublishedOutbox,
+    /// Dead letters.
+    DeadLetters,
+}
+
+impl Cleanup {
+    /// Human name.
+    pub fn label(self) -> &'static str {
+        match self {
+            Cleanup::Inbox => "inbox rows",
+            Cleanup::IdempotencyKeys => "idempotency keys",
+            Cleanup::SucceededIntents => "succeeded intents",
+            Cleanup::DeadIntents => "dead intents",
+            Cleanup::PublishedOutbox => "published outbox rows",
+            Cleanup::DeadLetters => "dead letters",
+        }
+    }
+}
+
+/// Delete at most `limit` rows of `what` older than `older_than`, oldest
+/// first, in one short statement. Returns how many were deleted; call again
+/// until it returns less than `limit`.
+pub async fn delete_batch(
+    conn: &mut PgConnection,
+    what: Cleanup,
+    consumer: &str,
+    older_than: Duration,
+    limit: i64,
+) -> Result<u64, sqlx::Error> {
+    let sql = match what {
+        Cleanup::Inbox => {
+            "DELETE FROM relay.inbox WHERE (consumer, event_id) IN (
+                 SELECT consumer, event_id FROM relay.inbox
+                  WHERE consumer = $1 AND received_at < now() - make_interval(secs => $2)
+                  ORDER BY received_at LIMIT $3)"
+        }
+        Cleanup::IdempotencyKeys => {
+            "DELETE FROM relay.idempotency_keys WHERE (consumer, idempotency_key) IN (
+                 SELECT consumer, idempotency_key FROM relay.idempotency_keys
+                  WHERE consumer = $1 AND created_at < now() - make_interval(secs => $2)
+                  ORDER BY created_at LIMIT $3)"
+        }
+        Cleanup::SucceededIntents => {
+            "DELETE FROM relay.intents WHERE id IN (
+                 SELECT id FROM relay.intents
+                  WHERE state = 'succeeded' AND consumer = $1 AND finished_at < now() - make_interval(secs => $2)
+                  ORDER BY finished_at LIMIT $3)"
+        }
+        Cleanup::DeadIntents => {
+            "DELETE FROM relay.intents WHERE id IN (
+                 SELECT id FROM relay.intents
+                  WHERE state = 'dead' AND consumer = $1 AND finished_at < now() - make_interval(secs => $2)
+                  ORDER BY finished_at LIMIT $3)"
+        }
+        Cleanup::PublishedOutbox => {
+            "DELETE FROM relay.outbox WHERE id IN (
+                 SELECT id FROM relay.outbox
+                  WHERE state = 'published' AND consumer = $1 AND published_at < now() - make_interval(secs => $2)
+                  ORDER BY published_at LIMIT $3)"
+        }
+        Cleanup::DeadLetters => {
+            "DELETE FROM relay.dead_letters WHERE id IN (
+                 SELECT id FROM relay.dead_letters
+                  WHERE consumer = $1 AND created_at < now() - make_interval(secs => $2)
+                  ORDER BY created_at LIMIT $3)"
+        }
+    };
+    let done = sqlx::query(sql).bind(consumer).bind(older_than.as_secs_f64()).bind(limit).execute(conn).await?;
+    Ok(done.rows_affected())
+}
