@@ -520,3 +520,25 @@ async fn the_trace_of_an_event_continues_through_the_call_and_the_outcome_event(
     let emitted = out[0].header("ce_traceparent").expect("the outcome event carries the trace");
     assert_eq!(trace(emitted), trace(parent));
 }
+
+#[tokio::test]
+async fn a_claim_that_waited_too_long_for_a_call_slot_is_given_back_not_sent_late() {
+    let h = Harness::new(1).await;
+    // Calls take 0.9 s; one slot; a 3 s lease; 1.5 s of timeouts per call.
+    h.provider.set_faults(vec![rule("capture:", None, FaultKind::TimeoutAfterApply { delay_ms: 900 })]);
+    for i in 0..5 {
+        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
+    }
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.dispatcher.concurrency = 1;
+    cfg.dispatcher.claim_batch = 4;
+    let run = h.start(cfg, Components::ALL, no_faults()).await;
+    h.await_intents_finished(5).await;
+    run.stop().await.unwrap();
+    let stats = h.provider.stats();
+    for (key, s) in &stats.by_key {
+        assert_eq!((s.requests, s.applied, s.concurrent), (1, 1, 0), "{key}: sent once, never beside a rescued copy");
+    }
+    assert_eq!(h.db.count("intents", "attempts <> 1").await, 0, "a given-back claim costs no attempt");
+    assert_eq!(h.db.count("intent_attempts", "outcome <> 'succeeded'").await, 0);
+}

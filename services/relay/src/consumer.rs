@@ -222,15 +222,7 @@ impl InboxConsumer {
         let topics: Vec<&str> = settings.topics.iter().map(String::as_str).collect();
         consumer.subscribe(&topics)?;
         info!(consumer = %settings.name, group = %settings.group, topics = ?settings.topics, "inbox consumer subscribed");
-        Ok(InboxConsumer {
-            held_tried: Mutex::new(None),
-            consumer,
-            state,
-            processor,
-            pool,
-            settings,
-            faults,
-        })
+        Ok(InboxConsumer { held_tried: Mutex::new(None), consumer, state, processor, pool, settings, faults })
     }
 
     /// Run until `shutdown` is cancelled (then finish the batch in flight and

@@ -223,6 +223,18 @@ async fn report(pool: &sqlx::PgPool, provider: &Provider, s: &Stats) -> anyhow::
     for (outcome, n) in &s.inbox {
         println!("  {outcome:<22} {n}");
     }
+    // From the same counters /metrics serves.
+    let metrics = crate::metrics::install().render();
+    let counted = |layer: &str| -> f64 {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("relay_duplicates_total{") && l.contains(&format!("layer=\"{layer}\"")))
+            .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+            .sum()
+    };
+    println!("\nduplicates suppressed (relay_duplicates_total):");
+    println!("  by the inbox           {}", counted("inbox"));
+    println!("  by idempotency key     {}", counted("idempotency_key"));
     let p = provider.stats();
     println!("\nprovider (counts at the fake payment API):");
     println!("  requests received      {}", p.requests);

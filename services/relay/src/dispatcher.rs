@@ -153,10 +153,17 @@ impl Dispatcher {
             {
                 break Err(f.into());
             }
+            let claimed_at = std::time::Instant::now();
             for intent in claimed {
                 let (me, done_tx, permits) = (self.clone(), done_tx.clone(), permits.clone());
                 tasks.spawn(async move {
                     let _permit = permits.acquire_owned().await.expect("semaphore never closed");
+                    if !me.lease_covers_a_call(&intent, claimed_at) {
+                        // Waited for a slot so long that the call might outlive the
+                        // lease and overlap a rescued copy: give the claim back.
+                        me.release(&intent).await;
+                        return Ok(());
+                    }
                     me.execute(intent, &done_tx).await
                 });
             }
@@ -188,6 +195,31 @@ impl Dispatcher {
         rescuer.abort();
         info!(worker = %self.inner.worker, "dispatcher stopped");
         result
+    }
+
+    /// Whether what is left of the lease covers a whole attempt (connect +
+    /// request timeout, with a second to spare).
+    fn lease_covers_a_call(&self, intent: &ClaimedIntent, claimed_at: std::time::Instant) -> bool {
+        let worst = self
+            .inner
+            .endpoints
+            .get(&intent.endpoint)
+            .map_or(Duration::ZERO, |e| e.config().timeout + e.config().connect_timeout);
+        claimed_at.elapsed() + worst + Duration::from_secs(1) < self.inner.settings.lease
+    }
+
+    /// Return an unstarted claim to pending (its attempt is not counted).
+    async fn release(&self, intent: &ClaimedIntent) {
+        let released = match self.inner.pool.acquire().await {
+            Ok(mut conn) => intents::release(&mut conn, intent.id, intent.lease_token).await,
+            Err(e) => Err(e),
+        };
+        match released {
+            Ok(_) => debug!(intent_id = %intent.id, "claim given back unstarted: not enough lease left for a call"),
+            Err(e) => {
+                warn!(intent_id = %intent.id, error = %e, "giving a claim back failed; it is rescued when its lease expires")
+            }
+        }
     }
 
     async fn claim(&self, limit: usize) -> Result<Vec<ClaimedIntent>, sqlx::Error> {

@@ -320,6 +320,21 @@ pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Ve
     .await
 }
 
+/// Give back a claim whose attempt was never started: pending again, the
+/// attempt not counted (fenced).
+pub async fn release(conn: &mut PgConnection, id: Uuid, token: Uuid) -> Result<Fenced, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE relay.intents
+            SET state = 'pending', attempts = attempts - 1, lease_token = NULL, locked_until = NULL, locked_by = NULL
+          WHERE id = $1 AND lease_token = $2 AND state = 'running'",
+    )
+    .bind(id)
+    .bind(token)
+    .execute(conn)
+    .await?;
+    Ok(if done.rows_affected() == 1 { Fenced::Done } else { Fenced::LeaseLost })
+}
+
 /// Record one attempt (see [`finish_many`]).
 pub async fn finish(conn: &mut PgConnection, item: Finish) -> Result<Fenced, sqlx::Error> {
     let done = finish_many(conn, std::slice::from_ref(&item)).await?;
