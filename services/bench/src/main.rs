@@ -22,28 +22,18 @@ struct Args {
     /// Write the Markdown report here (e.g. BENCHMARKS.md).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// The relay binary (default: next to this one).
-    #[arg(long)]
-    relay_bin: Option<PathBuf>,
-    /// PostgreSQL URL of a role that may create databases.
-    #[arg(long, env = "RELAY_TEST_DATABASE_URL")]
-    database_url: String,
-    /// Kafka bootstrap servers.
-    #[arg(long, env = "RELAY_TEST_KAFKA_BOOTSTRAP")]
-    bootstrap: String,
+    #[command(flatten)]
+    services: relay_testkit::process::Services,
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
     tracing_subscriber::fmt().with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "error".into())).init();
     let a = Args::parse();
-    let relay_bin = a.relay_bin.unwrap_or_else(|| {
-        std::env::current_exe().ok().and_then(|p| p.parent().map(|d| d.join("relay"))).unwrap_or_else(|| "relay".into())
-    });
     let env = Env {
-        admin_url: a.database_url,
-        bootstrap: a.bootstrap,
-        relay_bin,
+        admin_url: a.services.database_url.clone(),
+        bootstrap: a.services.bootstrap.clone(),
+        relay_bin: a.services.relay_bin(),
         quick: a.quick,
         runs: if a.quick { 1 } else { a.runs },
         only: a.only,

@@ -495,16 +495,7 @@ pub async fn verify(cfg: &RelayConfig, pool: &PgPool, opts: &VerifyOptions) -> a
     }
 
     // --- Stuck rows.
-    let grace = opts.grace.as_secs_f64();
-    let stuck_intents: Vec<String> = sqlx::query_scalar(
-        "SELECT id::text || ' (' || state || ')' FROM relay.intents WHERE consumer = $1 AND (
-             (state = 'running' AND locked_until < now() - make_interval(secs => $2))
-          OR (state = 'pending' AND next_attempt_at < now() - make_interval(secs => $2)))",
-    )
-    .bind(consumer)
-    .bind(grace)
-    .fetch_all(pool)
-    .await?;
+    let stuck_intents = stuck(pool, "intents", consumer, opts.grace).await?;
     if !stuck_intents.is_empty() {
         report.violate(
             "stuck_intent",
@@ -512,15 +503,7 @@ pub async fn verify(cfg: &RelayConfig, pool: &PgPool, opts: &VerifyOptions) -> a
             stuck_intents,
         );
     }
-    let stuck_outbox: Vec<String> = sqlx::query_scalar(
-        "SELECT id::text || ' (' || state || ')' FROM relay.outbox WHERE consumer = $1 AND (
-             (state = 'running' AND locked_until < now() - make_interval(secs => $2))
-          OR (state = 'pending' AND next_attempt_at < now() - make_interval(secs => $2)))",
-    )
-    .bind(consumer)
-    .bind(grace)
-    .fetch_all(pool)
-    .await?;
+    let stuck_outbox = stuck(pool, "outbox", consumer, opts.grace).await?;
     if !stuck_outbox.is_empty() {
         report.violate(
             "stuck_outbox",
@@ -559,4 +542,23 @@ pub async fn verify(cfg: &RelayConfig, pool: &PgPool, opts: &VerifyOptions) -> a
         }
     }
     Ok(report)
+}
+
+/// Rows of `table` (`intents` or `outbox`) running past their lease, or
+/// pending past their due time, by more than `grace`.
+async fn stuck(
+    pool: &PgPool,
+    table: &'static str,
+    consumer: &str,
+    grace: Duration,
+) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar(&format!(
+        "SELECT id::text || ' (' || state || ')' FROM relay.{table} WHERE consumer = $1 AND (
+             (state = 'running' AND locked_until < now() - make_interval(secs => $2))
+          OR (state = 'pending' AND next_attempt_at < now() - make_interval(secs => $2)))"
+    ))
+    .bind(consumer)
+    .bind(grace.as_secs_f64())
+    .fetch_all(pool)
+    .await
 }

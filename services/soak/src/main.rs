@@ -1,6 +1,5 @@
 //! `relay-soak`: the chaos soak. See the library docs and SOAK.md.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -40,15 +39,8 @@ struct Args {
     /// RELAY_FAULTS for the consumers (e.g. consumer.before_db_commit=pause:200ms to widen a window).
     #[arg(long)]
     consumer_faults: Option<String>,
-    /// The relay binary (default: next to this one).
-    #[arg(long)]
-    relay_bin: Option<PathBuf>,
-    /// PostgreSQL URL of a role that may create databases.
-    #[arg(long, env = "RELAY_TEST_DATABASE_URL")]
-    database_url: String,
-    /// Kafka bootstrap servers.
-    #[arg(long, env = "RELAY_TEST_KAFKA_BOOTSTRAP")]
-    bootstrap: String,
+    #[command(flatten)]
+    services: relay_testkit::process::Services,
     /// Random seed (default: from the clock).
     #[arg(long)]
     seed: Option<u64>,
@@ -61,9 +53,6 @@ struct Args {
 async fn main() -> ExitCode {
     tracing_subscriber::fmt().with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into())).init();
     let a = Args::parse();
-    let relay_bin = a.relay_bin.unwrap_or_else(|| {
-        std::env::current_exe().ok().and_then(|p| p.parent().map(|d| d.join("relay"))).unwrap_or_else(|| "relay".into())
-    });
     let seed = a.seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(1)
     });
@@ -78,9 +67,9 @@ async fn main() -> ExitCode {
         replay: !a.no_replay,
         sabotage: a.sabotage,
         consumer_faults: a.consumer_faults,
-        relay_bin,
-        database_url: a.database_url,
-        bootstrap: a.bootstrap,
+        relay_bin: a.services.relay_bin(),
+        database_url: a.services.database_url.clone(),
+        bootstrap: a.services.bootstrap.clone(),
         seed,
         drain_deadline: a.drain_deadline,
     };

@@ -8,6 +8,32 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
+/// Where the soak and the benchmarks find the services and the relay binary.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Services {
+    /// The relay binary (default: next to this program).
+    #[arg(long)]
+    pub relay_bin: Option<PathBuf>,
+    /// PostgreSQL URL of a role that may create databases.
+    #[arg(long, env = "RELAY_TEST_DATABASE_URL")]
+    pub database_url: String,
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "RELAY_TEST_KAFKA_BOOTSTRAP")]
+    pub bootstrap: String,
+}
+
+impl Services {
+    /// The relay binary: `--relay-bin`, else `relay` beside the running program.
+    pub fn relay_bin(&self) -> PathBuf {
+        self.relay_bin.clone().unwrap_or_else(|| {
+            std::env::current_exe()
+                .ok()
+                .and_then(|p| p.parent().map(|d| d.join("relay")))
+                .unwrap_or_else(|| "relay".into())
+        })
+    }
+}
+
 /// Send `signal` (e.g. "KILL", "TERM") to `pid`.
 pub fn signal(pid: u32, signal: &str) -> anyhow::Result<()> {
     let status = Command::new("kill").arg(format!("-{signal}")).arg(pid.to_string()).status()?;
