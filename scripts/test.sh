@@ -19,6 +19,7 @@ say "running cargo test (PostgreSQL at 127.0.0.1:5432, Kafka at $KAFKA_BOOTSTRAP
 cargo test --workspace --locked "$@"
 
 if [ $# -eq 0 ]; then
-  say "short chaos soak (the long one: scripts/soak.sh --long, results in SOAK.md)"
+  say "short chaos soak (the long one: scripts/soak.sh --long, results in EVIDENCE.md)"
+  cargo build -q --locked -p relay -p relay-soak
   target/debug/relay-soak --events 3000 --kills 50 --seed 42
 fi
