@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
@@ -30,7 +31,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use relay::{Components, Faults, Handlers, Relay};
 use relay_core::RelayConfig;
 use relay_testkit::process::{RelayProcess, RelaySpec};
-use relay_testkit::{TestDb, TestEvent, TestProducer, committed_offsets, create_topics, unique};
+use relay_testkit::{OffsetWatch, TestDb, TestEvent, TestProducer, create_topics, unique};
 use sqlx::{Connection, PgPool};
 use tokio_util::sync::CancellationToken;
 
@@ -309,6 +310,45 @@ async fn count(pool: &PgPool, sql: &str) -> i64 {
     sqlx::query_scalar(sql).fetch_one(pool).await.unwrap_or(-1)
 }
 
+// What the harness polls while the relay works must cost the database next to
+// nothing: a `count(*)` every 10 ms scans the whole table each time and takes
+// CPU from the relay under test (with 1 M old rows, most of it). These read
+// only the rows that matter, through the relay's own indexes.
+
+/// The database's clock, to tell rows written from now on from old ones.
+async fn db_now(pool: &PgPool) -> anyhow::Result<DateTime<Utc>> {
+    Ok(sqlx::query_scalar("SELECT clock_timestamp()").fetch_one(pool).await?)
+}
+
+/// Inbox rows received after `since` (an index range scan on `received_at`).
+async fn inbox_since(pool: &PgPool, since: DateTime<Utc>) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM relay.inbox WHERE received_at > $1")
+        .bind(since)
+        .fetch_one(pool)
+        .await
+        .unwrap_or(-1)
+}
+
+/// Whether `table` (intents or outbox) has no row waiting or in flight: two
+/// probes of the partial indexes on pending and running rows.
+async fn drained(pool: &PgPool, table: &str) -> bool {
+    let sql = format!(
+        "SELECT NOT EXISTS (SELECT 1 FROM relay.{table} WHERE state = 'pending')
+            AND NOT EXISTS (SELECT 1 FROM relay.{table} WHERE state = 'running')"
+    );
+    sqlx::query_scalar(&sql).fetch_one(pool).await.unwrap_or(false)
+}
+
+/// Wait until `table` is drained, then check (once) that `done` rows are in
+/// `state`: a run where some calls died must fail, not report a rate.
+async fn wait_drained(pool: &PgPool, table: &str, state: &str, done: i64) -> anyhow::Result<()> {
+    wait_until(&format!("every {table} row {state}"), Duration::from_secs(900), async || drained(pool, table).await)
+        .await?;
+    let n = count(pool, &format!("SELECT count(*) FROM relay.{table} WHERE state = '{state}'")).await;
+    anyhow::ensure!(n == done, "{n} {table} rows are {state}, expected {done}");
+    Ok(())
+}
+
 async fn wait_until(what: &str, deadline: Duration, mut ok: impl AsyncFnMut() -> bool) -> anyhow::Result<()> {
     let end = Instant::now() + deadline;
     while !ok().await {
@@ -334,21 +374,16 @@ const PUBLISH: Components = Components { consumer: false, dispatcher: false, pub
 /// from the first row recorded to the last offset committed.
 async fn ingest_into(env: &Env, s: &Setup, n: usize, first: usize) -> anyhow::Result<f64> {
     produce(env, &s.topic, first..first + n).await?;
-    let before = count(&s.db.pool, "SELECT count(*) FROM relay.inbox").await;
+    let offsets = OffsetWatch::new(&env.bootstrap, &s.group, &s.topic).await?;
+    let since = db_now(&s.db.pool).await?;
     let relay = Relay::new(config(env, s, 64)?, Handlers::default(), Faults::none()).await?;
     let (token, task) = start(relay, CONSUME);
-    wait_until("the first record", Duration::from_secs(120), async || {
-        count(&s.db.pool, "SELECT count(*) FROM relay.inbox").await > before
-    })
-    .await?;
+    wait_until("the first record", Duration::from_secs(120), async || inbox_since(&s.db.pool, since).await > 0).await?;
     let t0 = Instant::now();
-    let c0 = count(&s.db.pool, "SELECT count(*) FROM relay.inbox").await - before;
+    let c0 = inbox_since(&s.db.pool, since).await;
     let total = (first + n) as i64;
     wait_until("every offset committed", Duration::from_secs(600), async || {
-        committed_offsets(&env.bootstrap, &s.group, &s.topic)
-            .await
-            .map(|c| c.values().map(|o| o.unwrap_or(0)).sum::<i64>() >= total)
-            .unwrap_or(false)
+        offsets.total().await.is_ok_and(|t| t >= total)
     })
     .await?;
     let elapsed = t0.elapsed().as_secs_f64();
@@ -551,10 +586,7 @@ async fn dispatch_relay(
             })?);
         }
     }
-    wait_until("every intent succeeded", Duration::from_secs(600), async || {
-        count(&s.db.pool, "SELECT count(*) FROM relay.intents WHERE state = 'succeeded'").await == m as i64
-    })
-    .await?;
+    wait_drained(&s.db.pool, "intents", "succeeded", m as i64).await?;
     let rate = m as f64 / t0.elapsed().as_secs_f64();
     if let Some((token, task)) = inproc {
         token.cancel();
@@ -610,10 +642,7 @@ async fn publish_relay(env: &Env, k: usize) -> anyhow::Result<(f64, Option<(f64,
     let relay = Relay::new(config(env, &s, 64)?, Handlers::default(), Faults::none()).await?;
     let t0 = Instant::now();
     let (token, task) = start(relay, PUBLISH);
-    wait_until("every row published", Duration::from_secs(600), async || {
-        count(&s.db.pool, "SELECT count(*) FROM relay.outbox WHERE state = 'published'").await == k as i64
-    })
-    .await?;
+    wait_drained(&s.db.pool, "outbox", "published", k as i64).await?;
     let rate = k as f64 / t0.elapsed().as_secs_f64();
     token.cancel();
     task.await??;
@@ -735,10 +764,11 @@ async fn memory(env: &Env, backlog: usize) -> anyhow::Result<Vec<Row>> {
     };
     // Consumer with `backlog` records waiting.
     produce(env, &s.topic, 0..backlog).await?;
+    let offsets = OffsetWatch::new(&env.bootstrap, &s.group, &s.topic).await?;
     let mut c = RelayProcess::start(spec(&["consume"]))?;
     let t0 = Instant::now();
     wait_until("the backlog consumed", Duration::from_secs(900), async || {
-        count(&s.db.pool, "SELECT count(*) FROM relay.inbox").await == backlog as i64
+        offsets.total().await.is_ok_and(|t| t >= backlog as i64)
     })
     .await?;
     let consume_rate = backlog as f64 / t0.elapsed().as_secs_f64();
@@ -747,20 +777,14 @@ async fn memory(env: &Env, backlog: usize) -> anyhow::Result<Vec<Row>> {
     // Dispatcher with the resulting `backlog` pending intents.
     let mut d = RelayProcess::start(spec(&["dispatch", "--intents-only"]))?;
     let t0 = Instant::now();
-    wait_until("the backlog dispatched", Duration::from_secs(900), async || {
-        count(&s.db.pool, "SELECT count(*) FROM relay.intents WHERE state = 'succeeded'").await == backlog as i64
-    })
-    .await?;
+    wait_drained(&s.db.pool, "intents", "succeeded", backlog as i64).await?;
     let dispatch_rate = backlog as f64 / t0.elapsed().as_secs_f64();
     let dispatcher_mib = d.pid().map_or(0.0, peak_rss_mib);
     d.terminate(Duration::from_secs(30))?;
     // Publisher with the `backlog` outbox rows.
     let mut p = RelayProcess::start(spec(&["dispatch", "--outbox-only"]))?;
     let t0 = Instant::now();
-    wait_until("the outbox published", Duration::from_secs(900), async || {
-        count(&s.db.pool, "SELECT count(*) FROM relay.outbox WHERE state = 'published'").await == backlog as i64
-    })
-    .await?;
+    wait_drained(&s.db.pool, "outbox", "published", backlog as i64).await?;
     let publish_rate = backlog as f64 / t0.elapsed().as_secs_f64();
     let publisher_mib = p.pid().map_or(0.0, peak_rss_mib);
     p.terminate(Duration::from_secs(30))?;
@@ -838,14 +862,11 @@ async fn growth_case(
     // Claim/dispatch the intents just written plus `m` more.
     insert_intents(&s.db.pool, m).await?;
     let pending = count(&s.db.pool, "SELECT count(*) FROM relay.intents WHERE state = 'pending'").await;
+    let target = count(&s.db.pool, "SELECT count(*) FROM relay.intents WHERE state = 'succeeded'").await + pending;
     let relay = Relay::new(config(env, &s, 64)?, Handlers::default(), Faults::none()).await?;
     let t0 = Instant::now();
     let (token, task) = start(relay, DISPATCH);
-    let target = count(&s.db.pool, "SELECT count(*) FROM relay.intents WHERE state = 'succeeded'").await + pending;
-    wait_until("the intents dispatched", Duration::from_secs(900), async || {
-        count(&s.db.pool, "SELECT count(*) FROM relay.intents WHERE state = 'succeeded'").await >= target
-    })
-    .await?;
+    wait_drained(&s.db.pool, "intents", "succeeded", target).await?;
     let claim = pending as f64 / t0.elapsed().as_secs_f64();
     token.cancel();
     task.await??;

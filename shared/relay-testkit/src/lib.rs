@@ -431,20 +431,49 @@ fn read_topic_blocking(bootstrap: &str, topic: &str, min: usize) -> anyhow::Resu
 
 /// Committed offsets of `group` on `topic`, by partition (`None` = nothing committed).
 pub async fn committed_offsets(bootstrap: &str, group: &str, topic: &str) -> anyhow::Result<HashMap<i32, Option<i64>>> {
-    let (bootstrap, group, topic) = (bootstrap.to_owned(), group.to_owned(), topic.to_owned());
-    tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = client(&bootstrap).set("group.id", &group).create()?;
-        let md = consumer.fetch_metadata(Some(&topic), Duration::from_secs(10))?;
-        let mut tpl = TopicPartitionList::new();
-        for p in md.topics().first().map(|t| t.partitions()).unwrap_or_default() {
-            tpl.add_partition(&topic, p.id());
-        }
-        let committed = consumer.committed_offsets(tpl, Duration::from_secs(10))?;
-        Ok(committed
-            .elements()
-            .iter()
-            .map(|e| (e.partition(), if let Offset::Offset(o) = e.offset() { Some(o) } else { None }))
-            .collect())
-    })
-    .await?
+    OffsetWatch::new(bootstrap, group, topic).await?.committed().await
+}
+
+/// Reads a group's committed offsets on one topic again and again through
+/// one client, for loops that poll them: a new client per read would cost a
+/// connection, a metadata request and a coordinator lookup every time.
+pub struct OffsetWatch {
+    consumer: std::sync::Arc<BaseConsumer>,
+    partitions: TopicPartitionList,
+}
+
+impl OffsetWatch {
+    /// A client for `group`, and the partitions `topic` has now.
+    pub async fn new(bootstrap: &str, group: &str, topic: &str) -> anyhow::Result<Self> {
+        let (bootstrap, group, topic) = (bootstrap.to_owned(), group.to_owned(), topic.to_owned());
+        tokio::task::spawn_blocking(move || {
+            let consumer: BaseConsumer = client(&bootstrap).set("group.id", &group).create()?;
+            let md = consumer.fetch_metadata(Some(&topic), Duration::from_secs(10))?;
+            let mut partitions = TopicPartitionList::new();
+            for p in md.topics().first().map(|t| t.partitions()).unwrap_or_default() {
+                partitions.add_partition(&topic, p.id());
+            }
+            Ok(Self { consumer: std::sync::Arc::new(consumer), partitions })
+        })
+        .await?
+    }
+
+    /// Committed offsets by partition (`None` = nothing committed).
+    pub async fn committed(&self) -> anyhow::Result<HashMap<i32, Option<i64>>> {
+        let (consumer, partitions) = (self.consumer.clone(), self.partitions.clone());
+        tokio::task::spawn_blocking(move || {
+            let committed = consumer.committed_offsets(partitions, Duration::from_secs(10))?;
+            Ok(committed
+                .elements()
+                .iter()
+                .map(|e| (e.partition(), if let Offset::Offset(o) = e.offset() { Some(o) } else { None }))
+                .collect())
+        })
+        .await?
+    }
+
+    /// The committed offsets summed over the partitions (nothing committed counts 0).
+    pub async fn total(&self) -> anyhow::Result<i64> {
+        Ok(self.committed().await?.values().map(|o| o.unwrap_or(0)).sum())
+    }
 }
