@@ -171,6 +171,13 @@ body = {{ order_id = "{{{{ data.order_id }}}}", card = "{{{{ data.card }}}}" }}
         .spawn()
         .unwrap();
     let mut child = Running(child);
+    // Read the logs while the relay runs: at debug level it writes more than a
+    // pipe holds, and a full pipe would stall it.
+    let mut stderr = child.0.stderr.take().unwrap();
+    let log_reader = std::thread::spawn(move || {
+        let mut logs = String::new();
+        stderr.read_to_string(&mut logs).map(|_| logs)
+    });
     eventually("5 captures at the provider", DEADLINE, || async { (provider.stats().applied == 5).then_some(()) })
         .await;
     eventually("the poison record parked", DEADLINE, || async {
@@ -184,9 +191,7 @@ body = {{ order_id = "{{{{ data.order_id }}}}", card = "{{{{ data.card }}}}" }}
         let started = std::time::Instant::now();
         loop {
             if let Some(status) = child.0.try_wait().unwrap() {
-                let mut logs = String::new();
-                child.0.stderr.take().unwrap().read_to_string(&mut logs).unwrap();
-                return Some((status, logs));
+                return Some((status, log_reader.join().unwrap().unwrap()));
             }
             if started.elapsed() > Duration::from_secs(30) {
                 return None;
