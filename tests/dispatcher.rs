@@ -353,6 +353,45 @@ async fn new_intents_wake_the_dispatcher_through_notify_long_before_the_poll_int
     ingest.stop().await.unwrap();
 }
 
+#[tokio::test]
+async fn what_a_dispatcher_s_own_outcomes_make_due_is_claimed_at_once_not_at_the_next_poll() {
+    // No NOTIFY announces these: the next intent of an ordering key becomes
+    // due when the earlier one's outcome is recorded, and a retry when its
+    // backoff (20–100 ms here) has passed. With a 60 s poll interval only the
+    // dispatcher's own wake-up after recording outcomes gets them going soon.
+    let h = Harness::new(1).await;
+    h.provider.set_faults(vec![rule(
+        "capture:o-1",
+        Some(1),
+        FaultKind::Status { status: 503, retry_after_secs: None },
+    )]);
+    let chain: i64 = 4;
+    for i in 1..=chain {
+        h.send(&support::TestEvent::new(
+            &format!("e-{i}"),
+            "order.placed",
+            json!({"order_id": format!("o-{i}"), "customer": "c-1"}),
+        ))
+        .await;
+    }
+    let ingest = h.start(h.config(ORDERED_ROUTE), INGEST, no_faults()).await;
+    h.await_inbox(chain).await;
+    ingest.stop().await.unwrap();
+    let mut cfg = h.config(ORDERED_ROUTE);
+    cfg.dispatcher.poll_interval = Duration::from_secs(60);
+    cfg.dispatcher.rescue_interval = Duration::from_secs(60);
+    let dispatcher = h.start(cfg, DISPATCH, no_faults()).await;
+    eventually("the whole chain to be applied", Duration::from_secs(20), || async {
+        (h.provider.stats().applied == chain as u64).then_some(())
+    })
+    .await;
+    dispatcher.stop().await.unwrap();
+    let order: Vec<String> = h.provider.applied().into_iter().map(|a| a.key).collect();
+    let expected: Vec<String> = (1..=chain).map(|i| format!("capture:o-{i}")).collect();
+    assert_eq!(order, expected, "per-key order kept");
+    assert_eq!(h.db.count("intent_attempts", "outcome = 'retryable'").await, 1, "o-1 failed once, then was retried");
+}
+
 const SAGA_OUTCOME_ROUTE: &str = r#"
 [[routes]]
 topic = "{topic}"

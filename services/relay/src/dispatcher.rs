@@ -57,6 +57,11 @@ struct Inner {
     worker: String,
     endpoints: HashMap<String, EndpointClient>,
     faults: Faults,
+    /// Signalled when this worker made intents claimable that no NOTIFY
+    /// announces: an outcome recorded for an intent with an ordering key (its
+    /// successor may be due now), a retry scheduled, a claim given back,
+    /// expired leases rescued.
+    progress: tokio::sync::Notify,
 }
 
 /// How an intent's claim ended, for the log and the tests.
@@ -85,7 +90,8 @@ impl Dispatcher {
             .iter()
             .map(|(name, cfg)| Ok((name.clone(), EndpointClient::new(name, cfg)?)))
             .collect::<anyhow::Result<_>>()?;
-        Ok(Dispatcher { inner: Arc::new(Inner { pool, settings, worker, endpoints, faults }) })
+        let progress = tokio::sync::Notify::new();
+        Ok(Dispatcher { inner: Arc::new(Inner { pool, settings, worker, endpoints, faults, progress }) })
     }
 
     /// This dispatcher's worker id.
@@ -106,7 +112,7 @@ impl Dispatcher {
         let permits = Arc::new(Semaphore::new(s.concurrency));
         let mut tasks: JoinSet<Result<(), FaultInjected>> = JoinSet::new();
         let mut failures = 0u32;
-        let result = loop {
+        let result = 'claiming: loop {
             if shutdown.is_cancelled() {
                 break Ok(());
             }
@@ -170,13 +176,21 @@ impl Dispatcher {
             if n == want {
                 continue; // more may be due right now
             }
-            let wait = self.idle_wait().await;
-            tokio::select! {
-                _ = shutdown.cancelled() => break Ok(()),
-                _ = notified(&mut listener) => {}
-                _ = tokio::time::sleep(wait) => {}
-                Some(done) = tasks.join_next(), if !tasks.is_empty() => {
-                    if let Ok(Err(f)) = done { break Err(f.into()); }
+            // Nothing more is due: wait for new intents (NOTIFY), for our own
+            // progress, or for the next retry to come due. A call ending does not
+            // wake the claim by itself: the claim just took fewer than it had
+            // room for, so a freed slot changes nothing, and re-claiming after
+            // every call would cost two queries per call under a steady load.
+            let until = tokio::time::Instant::now() + self.idle_wait().await;
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break 'claiming Ok(()),
+                    _ = notified(&mut listener) => break,
+                    _ = self.inner.progress.notified() => break,
+                    _ = tokio::time::sleep_until(until) => break,
+                    Some(done) = tasks.join_next(), if !tasks.is_empty() => {
+                        if let Ok(Err(f)) = done { break 'claiming Err(f.into()); }
+                    }
                 }
             }
         };
@@ -215,7 +229,10 @@ impl Dispatcher {
             Err(e) => Err(e),
         };
         match released {
-            Ok(_) => debug!(intent_id = %intent.id, "claim given back unstarted: not enough lease left for a call"),
+            Ok(_) => {
+                self.inner.progress.notify_one();
+                debug!(intent_id = %intent.id, "claim given back unstarted: not enough lease left for a call")
+            }
             Err(e) => {
                 warn!(intent_id = %intent.id, error = %e, "giving a claim back failed; it is rescued when its lease expires")
             }
@@ -229,7 +246,7 @@ impl Dispatcher {
 
     /// How long to sleep after a claim that did not fill up: until the next
     /// retry comes due, at most the poll interval (NOTIFY wakes us earlier for
-    /// new intents, and a finished call of ours wakes the loop too).
+    /// new intents, and `progress` for what our own outcomes made due).
     async fn idle_wait(&self) -> Duration {
         let poll = self.inner.settings.poll_interval;
         let Ok(mut conn) = self.inner.pool.acquire().await else { return poll };
@@ -242,6 +259,7 @@ impl Dispatcher {
             tokio::select! { _ = shutdown.cancelled() => return, _ = tokio::time::sleep(every) => {} }
             match self.rescue_once().await {
                 Ok(ids) if !ids.is_empty() => {
+                    self.inner.progress.notify_one();
                     crate::metrics::rescued("intent", ids.len() as u64);
                     warn!(worker = %self.inner.worker, rescued = ids.len(), intents = ?ids,
                           "rescued intents whose lease expired; they will be sent again with the same idempotency key")
@@ -382,6 +400,12 @@ impl Dispatcher {
             let me = self.clone();
             writers.spawn(async move {
                 let results = me.finalize(&batch).await;
+                let unblocks = |(c, r): (&Completion, &Finished)| {
+                    *r == Finished::Retrying || (*r != Finished::LeaseLost && c.intent.ordering_key.is_some())
+                };
+                if batch.iter().zip(&results).any(unblocks) {
+                    me.inner.progress.notify_one();
+                }
                 for (c, r) in batch.iter().zip(results) {
                     me.log_attempt(&c.intent, &c.result, r, c.started.elapsed());
                 }
@@ -580,16 +604,15 @@ fn attempt_record(outcome: &'static str, status: Option<i32>, r: &CallResult) ->
     }
 }
 
-/// The sleep before the next claim when the earliest pending row is due at
-/// `next_due`. A row that is already due but was not claimed is waiting for
-/// an earlier row of its ordering key (or is locked by another worker):
-/// re-claiming at once would spin, so wait the poll interval instead.
+/// The sleep before the next claim when the earliest pending row not due yet
+/// is due at `next_due` (rows already due but not claimed wait for an earlier
+/// row of their key or another worker, and are not counted). A time already
+/// past (the row came due since) means re-claim soon, not spin: 5 ms at least.
 pub(crate) fn until_due(next_due: Option<chrono::DateTime<Utc>>, poll: Duration) -> Duration {
+    const SOON: Duration = Duration::from_millis(5);
     match next_due.map(|at| at - Utc::now()) {
-        Some(ahead) if ahead > chrono::Duration::zero() => {
-            ahead.to_std().unwrap_or(poll).clamp(Duration::from_millis(5), poll)
-        }
-        _ => poll,
+        Some(ahead) => ahead.to_std().unwrap_or(SOON).clamp(SOON, poll.max(SOON)),
+        None => poll,
     }
 }
 
@@ -643,9 +666,10 @@ mod tests {
     }
 
     #[test]
-    fn a_due_row_that_was_not_claimable_does_not_make_the_loop_spin() {
-        // Due in the past but not claimed: blocked by an earlier row of its key.
+    fn a_row_that_came_due_since_it_was_looked_up_is_claimed_soon_without_spinning() {
+        // next_due_at only returns future times; one already past came due
+        // in between. Rows due but blocked are never returned, so no spin.
         let poll = Duration::from_millis(700);
-        assert_eq!(until_due(Some(Utc::now() - chrono::Duration::seconds(5)), poll), poll);
+        assert_eq!(until_due(Some(Utc::now() - chrono::Duration::seconds(5)), poll), Duration::from_millis(5));
     }
 }

@@ -370,9 +370,17 @@ pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<Vec<U
     .await
 }
 
-/// When the next pending intent becomes due (for the dispatcher's sleep).
+/// When the next pending intent that is not due yet becomes due (for the
+/// dispatcher's sleep). Rows already due but not claimed are left out: they
+/// wait for an earlier intent of their ordering key, a paused endpoint or
+/// another worker, and counting them would hide a retry due in 20 ms behind
+/// them, leaving it to the poll interval.
 pub async fn next_due_at(conn: &mut PgConnection) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
-    sqlx::query_scalar("SELECT min(next_attempt_at) FROM relay.intents WHERE state = 'pending'").fetch_one(conn).await
+    sqlx::query_scalar(
+        "SELECT min(next_attempt_at) FROM relay.intents WHERE state = 'pending' AND next_attempt_at > now()",
+    )
+    .fetch_one(conn)
+    .await
 }
 
 /// An intent as shown to operators.

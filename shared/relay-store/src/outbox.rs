@@ -156,9 +156,15 @@ pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<u64, 
     Ok(done.rows_affected())
 }
 
-/// When the next pending row becomes due.
+/// When the next pending row that is not due yet becomes due. Rows already
+/// due but not claimed wait for an earlier row of their key (or another
+/// publisher) and are left out, as in [`crate::intents::next_due_at`].
 pub async fn next_due_at(conn: &mut PgConnection) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
-    sqlx::query_scalar("SELECT min(next_attempt_at) FROM relay.outbox WHERE state = 'pending'").fetch_one(conn).await
+    sqlx::query_scalar(
+        "SELECT min(next_attempt_at) FROM relay.outbox WHERE state = 'pending' AND next_attempt_at > now()",
+    )
+    .fetch_one(conn)
+    .await
 }
 
 /// Insert many outbox records in one statement: `(source_id, record)` pairs.
