@@ -155,6 +155,17 @@ struct SimpleItem<'r> {
     plan: Option<(Plan, Option<String>)>,
 }
 
+/// Which way a record goes in [`Processor::process_batch`]. A short-lived
+/// local moved once into the run: boxing the large variant would only add an
+/// allocation per record.
+#[allow(clippy::large_enum_variant)]
+enum Prepared<'a, 'r> {
+    /// Written with its neighbours in one multi-row run.
+    Simple(SimpleItem<'r>),
+    /// Processed on its own, with what routing found.
+    Alone(Result<Routed<'a>, Poison>),
+}
+
 /// Turns records into database writes. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Processor {
@@ -197,7 +208,17 @@ impl Processor {
     /// transient database errors: the caller rolls back and retries the whole
     /// transaction later, committing no offset meanwhile.
     pub async fn process(&self, conn: &mut PgConnection, record: &RawRecord) -> Result<Processed, sqlx::Error> {
-        let (route, event) = match self.router.route(record) {
+        self.process_routed(conn, record, self.router.route(record)).await
+    }
+
+    /// [`Processor::process`] for a record already routed (decoded).
+    async fn process_routed(
+        &self,
+        conn: &mut PgConnection,
+        record: &RawRecord,
+        routed: Result<Routed<'_>, Poison>,
+    ) -> Result<Processed, sqlx::Error> {
+        let (route, event) = match routed {
             Err(p) => {
                 return Ok(Processed { info: EventInfo::of_poison(&p), step: Step::Poison(p) });
             }
@@ -278,9 +299,18 @@ impl Processor {
         let mut out = Vec::with_capacity(records.len());
         let mut i = 0;
         while i < records.len() {
+            // The fast-path run from here, and the record that ends it (each
+            // record is decoded once, whichever way it goes).
             let mut run = Vec::new();
-            while let Some(item) = records.get(i + run.len()).and_then(|r| self.simple(r)) {
-                run.push(item);
+            let mut alone = None;
+            for record in &records[i..] {
+                match self.prepare(record) {
+                    Prepared::Simple(item) => run.push(item),
+                    Prepared::Alone(routed) => {
+                        alone = Some(routed);
+                        break;
+                    }
+                }
             }
             if !run.is_empty() {
                 let n = run.len();
@@ -293,9 +323,9 @@ impl Processor {
                     }
                 }
                 i += n;
-                continue;
             }
-            let processed = self.process(conn, &records[i]).await?;
+            let Some(routed) = alone else { continue };
+            let processed = self.process_routed(conn, &records[i], routed).await?;
             let stop = matches!(processed.step, Step::RetryLater(_) | Step::Paused { .. });
             out.push(processed);
             i += 1;
@@ -306,29 +336,34 @@ impl Processor {
         Ok(out)
     }
 
-    /// `Some` when `record` can take the fast path: routed (or unrouted)
-    /// without guards, saga moves or a handler, and its plan renders.
-    fn simple<'r>(&self, record: &'r RawRecord) -> Option<SimpleItem<'r>> {
-        match self.router.route(record).ok()? {
-            Routed::Unrouted(event) => {
-                Some(SimpleItem { record, info: EventInfo::of(&event, None), event, plan: None })
+    /// Route `record` and decide its path: the fast path when it is routed
+    /// (or unrouted) without guards, saga moves or a handler and its plan
+    /// renders; otherwise alone, through [`Processor::process_routed`].
+    fn prepare<'r>(&self, record: &'r RawRecord) -> Prepared<'_, 'r> {
+        let (route, event) = match self.router.route(record) {
+            Ok(Routed::Unrouted(event)) => {
+                return Prepared::Simple(SimpleItem { record, info: EventInfo::of(&event, None), event, plan: None });
             }
-            Routed::Route(route, event) => {
-                if route.version_guard || route.sequence_guard || route.handler.is_some() || self.is_paused(route) {
-                    return None;
-                }
-                let plan = self.router.plan(route, &event, record).ok()?;
-                if !plan.sagas.is_empty() || plan.calls.iter().any(|c| self.router.endpoint(&c.endpoint).is_none()) {
-                    return None;
-                }
-                Some(SimpleItem {
-                    record,
-                    info: EventInfo::of(&event, Some(route)),
-                    event,
-                    plan: Some((plan, route.counter.clone())),
-                })
-            }
+            Ok(Routed::Route(route, event)) => (route, event),
+            Err(p) => return Prepared::Alone(Err(p)),
+        };
+        if route.version_guard || route.sequence_guard || route.handler.is_some() || self.is_paused(route) {
+            return Prepared::Alone(Ok(Routed::Route(route, event)));
         }
+        let plan = match self.router.plan(route, &event, record) {
+            Ok(plan)
+                if plan.sagas.is_empty() && plan.calls.iter().all(|c| self.router.endpoint(&c.endpoint).is_some()) =>
+            {
+                plan
+            }
+            _ => return Prepared::Alone(Ok(Routed::Route(route, event))),
+        };
+        Prepared::Simple(SimpleItem {
+            record,
+            info: EventInfo::of(&event, Some(route)),
+            event,
+            plan: Some((plan, route.counter.clone())),
+        })
     }
 
     /// Write a run of fast-path records in one savepoint. `None` when the
@@ -425,7 +460,7 @@ impl Processor {
                 continue;
             }
             let Some((plan, counter)) = &item.plan else { continue };
-            let (prov, hop) = self.provenance_hop(&item.event, None);
+            let (prov, hop) = self.provenance_hop(&item.event, item.info.route.as_deref());
             hop.end("applied");
             for call in &plan.calls {
                 // `simple` only admits plans whose endpoints are configured.
@@ -594,7 +629,7 @@ impl Processor {
                 Err(HandlerError::Db(e)) => return Err(ApplyError::Db(e)),
             }
         }
-        let (prov, hop) = self.provenance_hop(event, Some(route));
+        let (prov, hop) = self.provenance_hop(event, Some(&route.name));
         let mut written = (0, 0);
         for call in &plan.calls {
             let intent = self.new_intent(event, call, &prov).map_err(|p| ApplyError::Poison(identified(p, event)))?;
@@ -614,13 +649,13 @@ impl Processor {
 
     /// Provenance of what `event` causes, as a child hop of its trace: the
     /// intents and events written carry the hop's `traceparent`.
-    fn provenance_hop(&self, event: &InputEvent, route: Option<&CompiledRoute>) -> (Provenance, crate::trace::Hop) {
+    fn provenance_hop(&self, event: &InputEvent, route: Option<&str>) -> (Provenance, crate::trace::Hop) {
         let mut prov = self.router.provenance(event);
         let attrs = vec![
             opentelemetry::KeyValue::new("relay.consumer", self.router.consumer().to_owned()),
             opentelemetry::KeyValue::new("relay.event_id", event.id.clone()),
             opentelemetry::KeyValue::new("relay.event_type", event.event_type.clone()),
-            opentelemetry::KeyValue::new("relay.route", route.map(|r| r.name.clone()).unwrap_or_default()),
+            opentelemetry::KeyValue::new("relay.route", route.unwrap_or_default().to_owned()),
         ];
         let hop = crate::trace::Hop::start(
             "relay.inbox",
