@@ -319,7 +319,7 @@ impl InboxConsumer {
                 by_partition.entry(tp).or_default().push(record);
             }
             // Held partitions are tried again (their route may have been resumed).
-            if self.pauses_changed_or_due() {
+            if self.held_retry_due() {
                 for (tp, records) in s.held.drain() {
                     by_partition.entry(tp).or_default().splice(0..0, records);
                 }
@@ -329,8 +329,8 @@ impl InboxConsumer {
             by_partition.into_iter().map(|(tp, records)| self.process_partition(tp, records, shutdown)),
         )
         .await;
-        let runs = runs.into_iter().collect::<Result<Vec<_>, FaultInjected>>()?;
-        self.hold(&runs);
+        let mut runs = runs.into_iter().collect::<Result<Vec<_>, FaultInjected>>()?;
+        self.hold(&mut runs);
         Ok(runs)
     }
 
@@ -340,7 +340,7 @@ impl InboxConsumer {
 
     /// Hold what paused routes left over, pausing those partitions at the
     /// broker; resume the partitions that are no longer held.
-    fn hold(&self, runs: &[PartitionRun]) {
+    fn hold(&self, runs: &mut [PartitionRun]) {
         let (mut pause, mut resume) = (TopicPartitionList::new(), TopicPartitionList::new());
         {
             let mut s = self.state.lock().expect("partition state lock");
@@ -350,7 +350,7 @@ impl InboxConsumer {
                         let _ = resume.add_partition(&r.tp.0, r.tp.1);
                     }
                 } else {
-                    s.held.insert(r.tp.clone(), r.held.clone());
+                    s.held.insert(r.tp.clone(), std::mem::take(&mut r.held));
                     if s.paused_at_broker.insert(r.tp.clone()) {
                         let _ = pause.add_partition(&r.tp.0, r.tp.1);
                     }
@@ -371,7 +371,7 @@ impl InboxConsumer {
     }
 
     /// Whether held partitions should be tried again now (at most once a second).
-    fn pauses_changed_or_due(&self) -> bool {
+    fn held_retry_due(&self) -> bool {
         let mut last = self.held_tried.lock().expect("held lock");
         if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
             return false;
