@@ -379,7 +379,9 @@ async fn what_a_dispatcher_s_own_outcomes_make_due_is_claimed_at_once_not_at_the
     ingest.stop().await.unwrap();
     let mut cfg = h.config(ORDERED_ROUTE);
     cfg.dispatcher.poll_interval = Duration::from_secs(60);
-    cfg.dispatcher.rescue_interval = Duration::from_secs(60);
+    // The rescuer keeps its short test interval: it only wakes the claim loop
+    // when it rescued an expired lease, so it cannot stand in for the wake-ups
+    // under test, while a lease lost under a loaded machine is still recovered.
     let dispatcher = h.start(cfg, DISPATCH, no_faults()).await;
     eventually("the whole chain to be applied", Duration::from_secs(20), || async {
         (h.provider.stats().applied == chain as u64).then_some(())

@@ -27,7 +27,7 @@ use chrono::Utc;
 use relay_core::config::{DispatcherConfig, EndpointConfig};
 use relay_core::effects::encode_event;
 use relay_core::ids::outcome_id;
-use relay_core::retry::{AttemptResult, Verdict, classify};
+use relay_core::retry::{Verdict, classify};
 use relay_core::{Outcome, Provenance};
 use relay_store::intents::{self, AttemptRecord, ClaimedIntent, Finish, NextState};
 use relay_store::sagas::{self, Transition};
@@ -140,6 +140,11 @@ impl Dispatcher {
                 continue;
             }
             let want = free.min(s.claim_batch as usize);
+            // Looked up before the claim: a row that comes due between the two
+            // queries is then either claimed or counted here, never missed (after
+            // the claim it would already be due, and due rows are left out as
+            // blocked ones).
+            let next_due = self.next_due().await;
             let claimed = match self.claim(want).await {
                 Ok(c) => {
                     failures = 0;
@@ -181,7 +186,7 @@ impl Dispatcher {
             // wake the claim by itself: the claim just took fewer than it had
             // room for, so a freed slot changes nothing, and re-claiming after
             // every call would cost two queries per call under a steady load.
-            let until = tokio::time::Instant::now() + self.idle_wait().await;
+            let until = tokio::time::Instant::now() + until_due(next_due, s.poll_interval);
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => break 'claiming Ok(()),
@@ -244,13 +249,12 @@ impl Dispatcher {
         intents::claim(&mut conn, &self.inner.worker, limit as i64, self.inner.settings.lease).await
     }
 
-    /// How long to sleep after a claim that did not fill up: until the next
-    /// retry comes due, at most the poll interval (NOTIFY wakes us earlier for
-    /// new intents, and `progress` for what our own outcomes made due).
-    async fn idle_wait(&self) -> Duration {
-        let poll = self.inner.settings.poll_interval;
-        let Ok(mut conn) = self.inner.pool.acquire().await else { return poll };
-        until_due(intents::next_due_at(&mut conn).await.ok().flatten(), poll)
+    /// When the next intent not due yet comes due, for the sleep after a claim
+    /// that did not fill up (at most the poll interval; NOTIFY wakes us earlier
+    /// for new intents, and `progress` for what our own outcomes made due).
+    async fn next_due(&self) -> Option<chrono::DateTime<Utc>> {
+        let mut conn = self.inner.pool.acquire().await.ok()?;
+        intents::next_due_at(&mut conn).await.ok().flatten()
     }
 
     async fn rescue_loop(self, shutdown: CancellationToken) {
@@ -324,26 +328,22 @@ impl Dispatcher {
         let (next, attempt) = decide(&intent, verdict, &result, endpoint.map(|e| e.config()));
         let completion = Completion { intent, next, attempt, result, started };
         if let Err(lost) = done.send(completion).await {
-            let c = lost.0;
-            self.log_attempt(&c.intent, &c.result, Finished::LeaseLost, c.started.elapsed());
+            self.log_attempt(&lost.0, Finished::LeaseLost);
         }
         Ok(())
     }
 
-    fn log_attempt(&self, intent: &ClaimedIntent, result: &CallResult, finished: Finished, took: Duration) {
-        let (label, outcome) = match finished {
-            Finished::Succeeded => ("succeeded", "succeeded"),
-            Finished::Retrying => (
-                "retrying",
-                if matches!(result.attempt, AttemptResult::Timeout { sent: true } | AttemptResult::Transport) {
-                    "uncertain"
-                } else {
-                    "retryable"
-                },
-            ),
-            Finished::Dead => ("dead", "permanent"),
-            Finished::LeaseLost => ("lease_lost", ""),
+    fn log_attempt(&self, c: &Completion, finished: Finished) {
+        let (intent, result, took) = (&c.intent, &c.result, c.started.elapsed());
+        let label = match finished {
+            Finished::Succeeded => "succeeded",
+            Finished::Retrying => "retrying",
+            Finished::Dead => "dead",
+            Finished::LeaseLost => "lease_lost",
         };
+        // The attempt's outcome as classified when it ended (`uncertain` for a
+        // timeout after sending, even when it left the intent dead).
+        let outcome = if finished == Finished::LeaseLost { "" } else { c.attempt.outcome };
         crate::metrics::call(&intent.endpoint, label, outcome, took.as_secs_f64());
         let status = result.status.map(i64::from).unwrap_or(-1);
         let class = result.error_class.unwrap_or("");
@@ -407,7 +407,7 @@ impl Dispatcher {
                     me.inner.progress.notify_one();
                 }
                 for (c, r) in batch.iter().zip(results) {
-                    me.log_attempt(&c.intent, &c.result, r, c.started.elapsed());
+                    me.log_attempt(c, r);
                 }
                 drop(slot);
             });
