@@ -166,15 +166,28 @@ impl ClaimedIntent {
 /// the `UPDATE` sets the lease and counts the attempt (R9). Intents whose
 /// ordering key has an earlier unfinished intent are not due (R13). The
 /// attempt's audit row is written when it finishes ([`finish_many`]) or, if
-/// its worker is lost, by the rescuer ([`rescue_expired`]).
+/// its worker is lost, by the rescuer ([`rescue_expired`]). Runs in its own
+/// transaction ([`crate::begin_claim`]): `conn` must not be in one.
 pub async fn claim(
     conn: &mut PgConnection,
     worker: &str,
     limit: i64,
     lease: Duration,
 ) -> Result<Vec<ClaimedIntent>, sqlx::Error> {
-    sqlx::query_as::<_, ClaimedIntent>(
-        "WITH due AS (
+    let mut tx = crate::begin_claim(conn).await?;
+    let claimed = sqlx::query_as::<_, ClaimedIntent>(CLAIM)
+        .bind(limit)
+        .bind(worker)
+        .bind(lease.as_secs_f64())
+        .fetch_all(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(claimed)
+}
+
+/// The claim statement ([`claim`]); public so a test can check its plan.
+/// `$1` limit, `$2` worker, `$3` lease in seconds.
+pub const CLAIM: &str = "WITH due AS (
              SELECT i.id FROM relay.intents i
               WHERE i.state = 'pending' AND i.next_attempt_at <= now()
                 AND NOT EXISTS (SELECT 1 FROM relay.pauses p WHERE p.kind = 'endpoint' AND p.name = i.endpoint)
@@ -196,14 +209,7 @@ pub async fn claim(
                 request_headers, idempotency_key, ordering_key, attempts, max_attempts, expires_at,
                 on_success, on_dead, emit_source, aggregate_id, correlation_id, causation_id, traceparent,
                 last_error, created_at
-           FROM claimed",
-    )
-    .bind(limit)
-    .bind(worker)
-    .bind(lease.as_secs_f64())
-    .fetch_all(conn)
-    .await
-}
+           FROM claimed";
 
 /// How one attempt ended, for the audit row and the intent's last_* columns.
 #[derive(Debug, Clone)]

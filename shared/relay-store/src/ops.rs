@@ -114,7 +114,16 @@ pub async fn delete_batch(
     older_than: Duration,
     limit: i64,
 ) -> Result<u64, sqlx::Error> {
-    let sql = match what {
+    let done =
+        sqlx::query(delete_sql(what)).bind(consumer).bind(older_than.as_secs_f64()).bind(limit).execute(conn).await?;
+    Ok(done.rows_affected())
+}
+
+/// The statement [`delete_batch`] runs for `what` (public so a test can check
+/// its plan): `$1` consumer, `$2` age in seconds, `$3` limit. Each reads the
+/// oldest rows through an index in the order it deletes them.
+pub fn delete_sql(what: Cleanup) -> &'static str {
+    match what {
         Cleanup::Inbox => {
             "DELETE FROM relay.inbox WHERE (consumer, event_id) IN (
                  SELECT consumer, event_id FROM relay.inbox
@@ -151,7 +160,5 @@ pub async fn delete_batch(
                   WHERE consumer = $1 AND created_at < now() - make_interval(secs => $2)
                   ORDER BY created_at LIMIT $3)"
         }
-    };
-    let done = sqlx::query(sql).bind(consumer).bind(older_than.as_secs_f64()).bind(limit).execute(conn).await?;
-    Ok(done.rows_affected())
+    }
 }

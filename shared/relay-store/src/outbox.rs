@@ -71,10 +71,20 @@ impl ClaimedRow {
 
 /// Claim up to `limit` due rows, oldest first. A row whose topic and
 /// ordering key has an earlier unpublished row waits for it, so events of one
-/// key reach the partition in the order they were written.
+/// key reach the partition in the order they were written. Runs in its own
+/// transaction ([`crate::begin_claim`]): `conn` must not be in one.
 pub async fn claim(conn: &mut PgConnection, limit: i64, lease: Duration) -> Result<Vec<ClaimedRow>, sqlx::Error> {
-    let mut rows: Vec<ClaimedRow> = sqlx::query_as(
-        "WITH due AS (
+    let mut tx = crate::begin_claim(conn).await?;
+    let mut rows: Vec<ClaimedRow> =
+        sqlx::query_as(CLAIM).bind(limit).bind(lease.as_secs_f64()).fetch_all(&mut *tx).await?;
+    tx.commit().await?;
+    rows.sort_by_key(|r| r.seq);
+    Ok(rows)
+}
+
+/// The claim statement ([`claim`]); public so a test can check its plan.
+/// `$1` limit, `$2` lease in seconds.
+pub const CLAIM: &str = "WITH due AS (
              SELECT o.id FROM relay.outbox o
               WHERE o.state = 'pending' AND o.next_attempt_at <= now()
                 AND (o.ordering_key IS NULL OR NOT EXISTS (
@@ -89,15 +99,7 @@ pub async fn claim(conn: &mut PgConnection, limit: i64, lease: Duration) -> Resu
             SET state = 'running', attempts = o.attempts + 1, lease_token = gen_random_uuid(),
                 locked_until = now() + make_interval(secs => $2)
            FROM due WHERE o.id = due.id
-         RETURNING o.id, o.seq, o.lease_token, o.topic, o.key, o.headers, o.payload, o.event_type, o.attempts",
-    )
-    .bind(limit)
-    .bind(lease.as_secs_f64())
-    .fetch_all(conn)
-    .await?;
-    rows.sort_by_key(|r| r.seq);
-    Ok(rows)
-}
+         RETURNING o.id, o.seq, o.lease_token, o.topic, o.key, o.headers, o.payload, o.event_type, o.attempts";
 
 /// Mark rows published, each only if we still hold its lease. Returns how many were ours.
 pub async fn mark_published(conn: &mut PgConnection, ids: &[Uuid], tokens: &[Uuid]) -> Result<u64, sqlx::Error> {
