@@ -114,51 +114,93 @@ pub async fn delete_batch(
     older_than: Duration,
     limit: i64,
 ) -> Result<u64, sqlx::Error> {
-    let done =
-        sqlx::query(delete_sql(what)).bind(consumer).bind(older_than.as_secs_f64()).bind(limit).execute(conn).await?;
-    Ok(done.rows_affected())
+    let deleted: i64 = sqlx::query_scalar(&delete_sql(what, limit))
+        .bind(consumer)
+        .bind(older_than.as_secs_f64())
+        .fetch_one(conn)
+        .await?;
+    Ok(deleted as u64)
 }
 
 /// The statement [`delete_batch`] runs for `what` (public so a test can check
-/// its plan): `$1` consumer, `$2` age in seconds, `$3` limit. Each reads the
-/// oldest rows through an index in the order it deletes them.
-pub fn delete_sql(what: Cleanup) -> &'static str {
-    match what {
+/// its plan): `$1` consumer, `$2` age in seconds; it returns how many rows of
+/// `what` it deleted. Each reads the oldest rows through an index in the
+/// order it deletes them, then the rows themselves by primary key. Intents
+/// take their attempt rows with them (there is no foreign key to cascade: see
+/// migration 0003). The intents' state is checked again on the rows
+/// themselves: one requeued (dead → pending) after the subquery read it is
+/// re-read under its lock and left alone.
+///
+/// The limit is written into the statement, not bound: with `LIMIT $n` a
+/// generic plan (which PostgreSQL may pick for a prepared statement after
+/// five runs) guesses a tenth of the table and joins it by scanning the whole
+/// table; a constant keeps every plan at the batch size (`tests/plans.rs`).
+pub fn delete_sql(what: Cleanup, limit: i64) -> String {
+    let sql = match what {
         Cleanup::Inbox => {
-            "DELETE FROM relay.inbox WHERE (consumer, event_id) IN (
-                 SELECT consumer, event_id FROM relay.inbox
-                  WHERE consumer = $1 AND received_at < now() - make_interval(secs => $2)
-                  ORDER BY received_at LIMIT $3)"
+            "WITH gone AS (
+                 DELETE FROM relay.inbox WHERE (consumer, event_id) IN (
+                     SELECT consumer, event_id FROM relay.inbox
+                      WHERE consumer = $1 AND received_at < now() - make_interval(secs => $2)
+                      ORDER BY received_at LIMIT {limit})
+                 RETURNING 1
+             )
+             SELECT count(*) FROM gone"
         }
         Cleanup::IdempotencyKeys => {
-            "DELETE FROM relay.idempotency_keys WHERE (consumer, idempotency_key) IN (
-                 SELECT consumer, idempotency_key FROM relay.idempotency_keys
-                  WHERE consumer = $1 AND created_at < now() - make_interval(secs => $2)
-                  ORDER BY created_at LIMIT $3)"
+            "WITH gone AS (
+                 DELETE FROM relay.idempotency_keys WHERE (consumer, idempotency_key) IN (
+                     SELECT consumer, idempotency_key FROM relay.idempotency_keys
+                      WHERE consumer = $1 AND created_at < now() - make_interval(secs => $2)
+                      ORDER BY created_at LIMIT {limit})
+                 RETURNING 1
+             )
+             SELECT count(*) FROM gone"
         }
         Cleanup::SucceededIntents => {
-            "DELETE FROM relay.intents WHERE id IN (
-                 SELECT id FROM relay.intents
-                  WHERE state = 'succeeded' AND consumer = $1 AND finished_at < now() - make_interval(secs => $2)
-                  ORDER BY finished_at LIMIT $3)"
+            "WITH gone AS (
+                 DELETE FROM relay.intents WHERE state = 'succeeded' AND id IN (
+                     SELECT id FROM relay.intents
+                      WHERE state = 'succeeded' AND consumer = $1 AND finished_at < now() - make_interval(secs => $2)
+                      ORDER BY finished_at LIMIT {limit})
+                 RETURNING id
+             ), attempts AS (
+                 DELETE FROM relay.intent_attempts a USING gone WHERE a.intent_id = gone.id
+             )
+             SELECT count(*) FROM gone"
         }
         Cleanup::DeadIntents => {
-            "DELETE FROM relay.intents WHERE id IN (
-                 SELECT id FROM relay.intents
-                  WHERE state = 'dead' AND consumer = $1 AND finished_at < now() - make_interval(secs => $2)
-                  ORDER BY finished_at LIMIT $3)"
+            "WITH gone AS (
+                 DELETE FROM relay.intents WHERE state = 'dead' AND id IN (
+                     SELECT id FROM relay.intents
+                      WHERE state = 'dead' AND consumer = $1 AND finished_at < now() - make_interval(secs => $2)
+                      ORDER BY finished_at LIMIT {limit})
+                 RETURNING id
+             ), attempts AS (
+                 DELETE FROM relay.intent_attempts a USING gone WHERE a.intent_id = gone.id
+             )
+             SELECT count(*) FROM gone"
         }
         Cleanup::PublishedOutbox => {
-            "DELETE FROM relay.outbox WHERE id IN (
-                 SELECT id FROM relay.outbox
-                  WHERE state = 'published' AND consumer = $1 AND published_at < now() - make_interval(secs => $2)
-                  ORDER BY published_at LIMIT $3)"
+            "WITH gone AS (
+                 DELETE FROM relay.outbox WHERE id IN (
+                     SELECT id FROM relay.outbox
+                      WHERE state = 'published' AND consumer = $1 AND published_at < now() - make_interval(secs => $2)
+                      ORDER BY published_at LIMIT {limit})
+                 RETURNING 1
+             )
+             SELECT count(*) FROM gone"
         }
         Cleanup::DeadLetters => {
-            "DELETE FROM relay.dead_letters WHERE id IN (
-                 SELECT id FROM relay.dead_letters
-                  WHERE consumer = $1 AND created_at < now() - make_interval(secs => $2)
-                  ORDER BY created_at LIMIT $3)"
+            "WITH gone AS (
+                 DELETE FROM relay.dead_letters WHERE id IN (
+                     SELECT id FROM relay.dead_letters
+                      WHERE consumer = $1 AND created_at < now() - make_interval(secs => $2)
+                      ORDER BY created_at LIMIT {limit})
+                 RETURNING 1
+             )
+             SELECT count(*) FROM gone"
         }
-    }
+    };
+    sql.replace("{limit}", &limit.to_string())
 }
