@@ -486,6 +486,63 @@ async fn outbox_rows_are_marked_published_only_after_the_ack_and_a_crash_republi
     assert_eq!(ids, ours, "the record ids are the outbox row ids");
 }
 
+const KEYED_EMIT_ROUTE: &str = r#"
+[[routes]]
+topic = "{topic}"
+type = "order.placed"
+
+[[routes.actions]]
+kind = "emit"
+name = "accepted"
+type = "order.accepted"
+topic = "{out}"
+key = "{{ data.customer }}"
+data = { order_id = "{{ data.order_id }}" }
+"#;
+
+#[tokio::test]
+async fn the_next_event_of_a_key_is_published_as_soon_as_the_earlier_one_is_not_at_the_next_poll() {
+    // Events of one key are published one batch after another (a row waits
+    // until every earlier row of its key is published). Nothing announces
+    // that the next one became publishable; with a 60 s poll interval only
+    // the publisher looking again after its own batch gets the chain going.
+    let h = Harness::new(1).await;
+    let chain = 4;
+    for i in 1..=chain {
+        h.send(&support::TestEvent::new(
+            &format!("e-{i}"),
+            "order.placed",
+            json!({"order_id": format!("o-{i}"), "customer": "c-1"}),
+        ))
+        .await;
+    }
+    let ingest = h
+        .start(
+            h.config(KEYED_EMIT_ROUTE),
+            Components { consumer: true, dispatcher: false, publisher: false },
+            no_faults(),
+        )
+        .await;
+    h.await_inbox(chain).await;
+    ingest.stop().await.unwrap();
+    let mut cfg = h.config(KEYED_EMIT_ROUTE);
+    cfg.publisher.poll_interval = Duration::from_secs(60);
+    let publisher = h.start(cfg, Components { consumer: false, dispatcher: false, publisher: true }, no_faults()).await;
+    eventually("the whole chain to be published", Duration::from_secs(20), || async {
+        (h.db.count("outbox", "state = 'published'").await == chain).then_some(())
+    })
+    .await;
+    publisher.stop().await.unwrap();
+    let records = read_topic(&h.bootstrap, &h.out, chain as usize).await.unwrap();
+    let order: Vec<String> = records
+        .iter()
+        .map(|r| String::from_utf8_lossy(r.payload.as_deref().unwrap_or_default()).into_owned())
+        .collect();
+    for (i, payload) in order.iter().enumerate() {
+        assert!(payload.contains(&format!("o-{}", i + 1)), "per-key order kept: {order:?}");
+    }
+}
+
 #[tokio::test]
 async fn each_endpoint_keeps_to_its_concurrency_limit_and_rate_limit() {
     let h = Harness::new(1).await;

@@ -130,12 +130,21 @@ impl Publisher {
                     Err(e) => warn!(error = %e, "rescuing outbox leases failed"),
                 }
             }
-            match self.publish_batch().await {
-                Ok(n) if n == self.settings.batch_size as usize => {
+            // Looked up before the claim, as in the dispatcher: a row that
+            // comes due in between is then either claimed or counted here.
+            let next_due = self.next_due().await;
+            let wait = match self.publish_batch().await {
+                Ok(b) if b.claimed == self.settings.batch_size as usize || b.unblocked => {
+                    // A full batch may have left more; a published row with an
+                    // ordering key made the next row of its key publishable,
+                    // and nothing else announces that.
                     failures = 0;
                     continue;
                 }
-                Ok(_) => failures = 0,
+                Ok(b) => {
+                    failures = 0;
+                    until_due(next_due.into_iter().chain(b.retry_at).min(), self.settings.poll_interval)
+                }
                 Err(PublishError::Fault(f)) => return Err(anyhow::Error::from(f)),
                 Err(PublishError::Db(e)) => {
                     failures += 1;
@@ -144,8 +153,7 @@ impl Publisher {
                     tokio::select! { _ = shutdown.cancelled() => return Ok(()), _ = tokio::time::sleep(delay) => {} }
                     continue;
                 }
-            }
-            let wait = self.idle_wait().await;
+            };
             tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
                 _ = notified(&mut listener) => {}
@@ -159,20 +167,22 @@ impl Publisher {
         outbox::rescue_expired(&mut conn, 1000).await
     }
 
-    async fn idle_wait(&self) -> Duration {
-        let poll = self.settings.poll_interval;
-        let Ok(mut conn) = self.pool.acquire().await else { return poll };
-        until_due(outbox::next_due_at(&mut conn).await.ok().flatten(), poll)
+    /// When the next row not due yet comes due (for the sleep after a batch
+    /// that did not fill up; NOTIFY wakes the lane earlier for new rows).
+    async fn next_due(&self) -> Option<chrono::DateTime<chrono::Utc>> {
+        let mut conn = self.pool.acquire().await.ok()?;
+        outbox::next_due_at(&mut conn).await.ok().flatten()
     }
 
-    /// Claim, produce and mark one batch. Returns the number of rows claimed.
-    pub async fn publish_batch(&self) -> Result<usize, PublishError> {
+    /// Claim, produce and mark one batch.
+    pub async fn publish_batch(&self) -> Result<Batch, PublishError> {
         let rows = {
             let mut conn = self.pool.acquire().await?;
             outbox::claim(&mut conn, i64::from(self.settings.batch_size), self.settings.lease).await?
         };
+        let mut batch = Batch { claimed: rows.len(), unblocked: false, retry_at: None };
         if rows.is_empty() {
-            return Ok(0);
+            return Ok(batch);
         }
         // Enqueue in seq order (the idempotent producer keeps per-partition order), then await all.
         let deliveries = join_all(rows.iter().map(|row| self.produce(row))).await;
@@ -187,6 +197,7 @@ impl Publisher {
                     debug!(outbox_id = %row.id, topic = %row.topic, partition, offset, event_type = row.event_type.as_deref().unwrap_or(""), "published");
                     ok_ids.push(row.id);
                     ok_tokens.push(row.lease_token);
+                    batch.unblocked |= row.ordering_key.is_some();
                 }
                 Err(e) => {
                     crate::metrics::published(&row.topic, false);
@@ -194,6 +205,8 @@ impl Publisher {
                     warn!(outbox_id = %row.id, topic = %row.topic, attempt = row.attempts, retry_in_ms = delay.as_millis() as u64,
                           error = %e, "publishing failed; it will be retried under the same id");
                     outbox::schedule_retry(&mut conn, row.id, row.lease_token, delay, &e.to_string()).await?;
+                    let at = chrono::Utc::now() + delay;
+                    batch.retry_at = Some(batch.retry_at.map_or(at, |t| t.min(at)));
                 }
             }
         }
@@ -207,7 +220,7 @@ impl Publisher {
                 );
             }
         }
-        Ok(rows.len())
+        Ok(batch)
     }
 
     async fn produce(&self, row: &ClaimedRow) -> Result<(i32, i64), KafkaError> {
@@ -233,6 +246,18 @@ impl Publisher {
             .map(|d| (d.partition, d.offset))
             .map_err(|(e, _)| e)
     }
+}
+
+/// What one publish round did, for the lane's next step.
+#[derive(Debug, Clone, Copy)]
+pub struct Batch {
+    /// Rows claimed.
+    pub claimed: usize,
+    /// A published row had an ordering key: the next row of its key may be
+    /// publishable now.
+    pub unblocked: bool,
+    /// When the earliest publish that failed in this round is retried.
+    pub retry_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 /// Why a publish round failed.

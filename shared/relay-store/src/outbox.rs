@@ -58,6 +58,9 @@ pub struct ClaimedRow {
     pub payload: Option<Vec<u8>>,
     /// Event type.
     pub event_type: Option<String>,
+    /// Ordering key: the next row of this topic and key becomes claimable
+    /// once this one is published.
+    pub ordering_key: Option<String>,
     /// Attempts including this one.
     pub attempts: i32,
 }
@@ -99,7 +102,8 @@ pub const CLAIM: &str = "WITH due AS (
             SET state = 'running', attempts = o.attempts + 1, lease_token = gen_random_uuid(),
                 locked_until = now() + make_interval(secs => $2)
            FROM due WHERE o.id = due.id
-         RETURNING o.id, o.seq, o.lease_token, o.topic, o.key, o.headers, o.payload, o.event_type, o.attempts";
+         RETURNING o.id, o.seq, o.lease_token, o.topic, o.key, o.headers, o.payload, o.event_type, o.ordering_key,
+                   o.attempts";
 
 /// Mark rows published, each only if we still hold its lease. Returns how many were ours.
 pub async fn mark_published(conn: &mut PgConnection, ids: &[Uuid], tokens: &[Uuid]) -> Result<u64, sqlx::Error> {
