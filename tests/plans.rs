@@ -141,12 +141,13 @@ async fn every_cleanup_batch_reads_the_oldest_rows_through_an_index() {
         (Cleanup::PublishedOutbox, "outbox_published_at"),
         (Cleanup::DeadLetters, "dead_letters_created_at"),
     ] {
-        let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {}", ops::delete_sql(what, CLEANUP_BATCH)))
-            .bind("plans")
-            .bind(Duration::from_secs(7 * 86_400).as_secs_f64())
-            .fetch_one(&mut *conn)
-            .await
-            .unwrap();
+        let plan: Value =
+            sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {}", ops::delete_sql(what, CLEANUP_BATCH)))
+                .bind("plans")
+                .bind(Duration::from_secs(7 * 86_400).as_secs_f64())
+                .fetch_one(&mut *conn)
+                .await
+                .unwrap();
         assert_index_order(&format!("cleanup of {}", what.label()), &nodes(&plan), index);
     }
 }

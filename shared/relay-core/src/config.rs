@@ -328,7 +328,11 @@ pub struct DispatcherConfig {
     pub worker_id: Option<String>,
     /// Calls in flight at once in this process (each endpoint also has its own limit).
     pub concurrency: usize,
-    /// Most intents claimed by one statement.
+    /// Most intents claimed by one statement, and how many claimed intents
+    /// may wait for a free call slot. Larger drains a backlog with fewer
+    /// statements (the dispatch benchmark ran ~25 % faster with 256 than with
+    /// 64) but holds more leases ahead of the calls, which other dispatcher
+    /// processes then cannot take.
     pub claim_batch: u32,
     /// How long a claim is ours. Must exceed every endpoint's connect + request timeout.
     #[serde(with = "humantime_serde")]
