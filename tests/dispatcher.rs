@@ -353,6 +353,18 @@ async fn new_intents_wake_the_dispatcher_through_notify_long_before_the_poll_int
     ingest.stop().await.unwrap();
 }
 
+/// Orders o-1 … o-`n` (events e-1 … e-`n`), all of customer c-1.
+async fn send_orders_of_one_customer(h: &Harness, n: i64) {
+    for i in 1..=n {
+        h.send(&support::TestEvent::new(
+            &format!("e-{i}"),
+            "order.placed",
+            json!({"order_id": format!("o-{i}"), "customer": "c-1"}),
+        ))
+        .await;
+    }
+}
+
 #[tokio::test]
 async fn what_a_dispatcher_s_own_outcomes_make_due_is_claimed_at_once_not_at_the_next_poll() {
     // No NOTIFY announces these: the next intent of an ordering key becomes
@@ -366,14 +378,7 @@ async fn what_a_dispatcher_s_own_outcomes_make_due_is_claimed_at_once_not_at_the
         FaultKind::Status { status: 503, retry_after_secs: None },
     )]);
     let chain: i64 = 4;
-    for i in 1..=chain {
-        h.send(&support::TestEvent::new(
-            &format!("e-{i}"),
-            "order.placed",
-            json!({"order_id": format!("o-{i}"), "customer": "c-1"}),
-        ))
-        .await;
-    }
+    send_orders_of_one_customer(&h, chain).await;
     let ingest = h.start(h.config(ORDERED_ROUTE), INGEST, no_faults()).await;
     h.await_inbox(chain).await;
     ingest.stop().await.unwrap();
@@ -508,14 +513,7 @@ async fn the_next_event_of_a_key_is_published_as_soon_as_the_earlier_one_is_not_
     // the publisher looking again after its own batch gets the chain going.
     let h = Harness::new(1).await;
     let chain = 4;
-    for i in 1..=chain {
-        h.send(&support::TestEvent::new(
-            &format!("e-{i}"),
-            "order.placed",
-            json!({"order_id": format!("o-{i}"), "customer": "c-1"}),
-        ))
-        .await;
-    }
+    send_orders_of_one_customer(&h, chain).await;
     let ingest = h
         .start(
             h.config(KEYED_EMIT_ROUTE),

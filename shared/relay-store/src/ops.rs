@@ -136,6 +136,16 @@ pub async fn delete_batch(
 /// five runs) guesses a tenth of the table and joins it by scanning the whole
 /// table; a constant keeps every plan at the batch size (`tests/plans.rs`).
 pub fn delete_sql(what: Cleanup, limit: i64) -> String {
+    const FINISHED_INTENTS: &str = "WITH gone AS (
+             DELETE FROM relay.intents WHERE state = '{state}' AND id IN (
+                 SELECT id FROM relay.intents
+                  WHERE state = '{state}' AND consumer = $1 AND finished_at < now() - make_interval(secs => $2)
+                  ORDER BY finished_at LIMIT {limit})
+             RETURNING id
+         ), attempts AS (
+             DELETE FROM relay.intent_attempts a USING gone WHERE a.intent_id = gone.id
+         )
+         SELECT count(*) FROM gone";
     let sql = match what {
         Cleanup::Inbox => {
             "WITH gone AS (
@@ -157,30 +167,7 @@ pub fn delete_sql(what: Cleanup, limit: i64) -> String {
              )
              SELECT count(*) FROM gone"
         }
-        Cleanup::SucceededIntents => {
-            "WITH gone AS (
-                 DELETE FROM relay.intents WHERE state = 'succeeded' AND id IN (
-                     SELECT id FROM relay.intents
-                      WHERE state = 'succeeded' AND consumer = $1 AND finished_at < now() - make_interval(secs => $2)
-                      ORDER BY finished_at LIMIT {limit})
-                 RETURNING id
-             ), attempts AS (
-                 DELETE FROM relay.intent_attempts a USING gone WHERE a.intent_id = gone.id
-             )
-             SELECT count(*) FROM gone"
-        }
-        Cleanup::DeadIntents => {
-            "WITH gone AS (
-                 DELETE FROM relay.intents WHERE state = 'dead' AND id IN (
-                     SELECT id FROM relay.intents
-                      WHERE state = 'dead' AND consumer = $1 AND finished_at < now() - make_interval(secs => $2)
-                      ORDER BY finished_at LIMIT {limit})
-                 RETURNING id
-             ), attempts AS (
-                 DELETE FROM relay.intent_attempts a USING gone WHERE a.intent_id = gone.id
-             )
-             SELECT count(*) FROM gone"
-        }
+        Cleanup::SucceededIntents | Cleanup::DeadIntents => FINISHED_INTENTS,
         Cleanup::PublishedOutbox => {
             "WITH gone AS (
                  DELETE FROM relay.outbox WHERE id IN (
@@ -202,5 +189,6 @@ pub fn delete_sql(what: Cleanup, limit: i64) -> String {
              SELECT count(*) FROM gone"
         }
     };
-    sql.replace("{limit}", &limit.to_string())
+    let state = if what == Cleanup::DeadIntents { "dead" } else { "succeeded" };
+    sql.replace("{state}", state).replace("{limit}", &limit.to_string())
 }
