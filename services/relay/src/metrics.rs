@@ -2,16 +2,16 @@
 //! exporter; `/metrics` on the admin server renders them.
 //!
 //! Counters are incremented where things happen (consumer, dispatcher,
-//! publisher); gauges that describe tables (inbox size, backlog, oldest
-//! pending, business counters) are refreshed from the database by
-//! [`refresh_gauges`] on an interval. Business counters are read from
+//! publisher); gauges that describe tables (backlog, oldest pending, dead
+//! intents and letters, business counters, estimated table sizes) are
+//! refreshed from the database by [`refresh_gauges`] on an interval. Business counters are read from
 //! `relay.counters`, which counts unique effects, not deliveries (R20).
 
 use std::sync::OnceLock;
 
 use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use relay_store::stats::{self, Stats};
+use relay_store::stats;
 use sqlx::PgPool;
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -114,24 +114,25 @@ pub fn published(topic: &str, ok: bool) {
     counter!(name, "topic" => topic.to_owned()).increment(1);
 }
 
-/// Refresh the table gauges from one snapshot.
-pub async fn refresh_gauges(pool: &PgPool) -> Result<Stats, sqlx::Error> {
-    let s = stats::snapshot(&mut *pool.acquire().await?).await?;
-    for (outcome, n) in &s.inbox {
-        gauge!("relay_inbox_rows", "outcome" => outcome.clone()).set(*n as f64);
+/// Refresh the table gauges (see [`stats::Gauges`] for what is exact and
+/// what is PostgreSQL's estimate).
+pub async fn refresh_gauges(pool: &PgPool) -> Result<(), sqlx::Error> {
+    let g = stats::gauges(&mut *pool.acquire().await?).await?;
+    for (state, n) in &g.intents {
+        gauge!("relay_intents", "state" => state.clone()).set(*n as f64);
     }
-    for state in ["pending", "running", "succeeded", "dead"] {
-        gauge!("relay_intents", "state" => state).set(Stats::count(&s.intents, state) as f64);
+    gauge!("relay_intent_oldest_unfinished_seconds").set(g.oldest_pending_intent_secs.unwrap_or(0.0));
+    for (state, n) in &g.outbox {
+        gauge!("relay_outbox_rows", "state" => state.clone()).set(*n as f64);
     }
-    gauge!("relay_intent_oldest_unfinished_seconds").set(s.oldest_pending_intent_secs.unwrap_or(0.0));
-    for state in ["pending", "running", "published"] {
-        gauge!("relay_outbox_rows", "state" => state).set(Stats::count(&s.outbox, state) as f64);
-    }
-    gauge!("relay_outbox_oldest_unpublished_seconds").set(s.oldest_unpublished_outbox_secs.unwrap_or(0.0));
-    gauge!("relay_dead_letters", "state" => "unresolved").set(s.dead_letters_unresolved as f64);
-    gauge!("relay_dead_letters", "state" => "all").set(s.dead_letters_total as f64);
-    for (consumer, name, v) in &s.counters {
+    gauge!("relay_outbox_oldest_unpublished_seconds").set(g.oldest_unpublished_outbox_secs.unwrap_or(0.0));
+    gauge!("relay_dead_letters", "state" => "unresolved").set(g.dead_letters_unresolved as f64);
+    gauge!("relay_dead_letters", "state" => "all").set(g.dead_letters_total as f64);
+    for (consumer, name, v) in &g.counters {
         gauge!("relay_business_counter", "consumer" => consumer.clone(), "name" => name.clone()).set(*v as f64);
     }
-    Ok(s)
+    for (table, n) in &g.table_rows_estimated {
+        gauge!("relay_table_rows_estimated", "table" => table.clone()).set(*n as f64);
+    }
+    Ok(())
 }

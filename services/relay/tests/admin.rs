@@ -89,8 +89,13 @@ async fn the_admin_server_serves_metrics_health_and_readiness() {
 
     let body = eventually("metrics with the processed records and refreshed gauges", DEADLINE, || async {
         let (_, body) = admin.get("/metrics", None).await;
+        // Both orders counted, the poison record dead-lettered and nothing
+        // unfinished: a refresh after the calls.
         let ready = metric(&body, "relay_records_processed_total", &[("result", "applied")]) == Some(2.0)
-            && metric(&body, "relay_intents", &[("state", "succeeded")]) == Some(2.0);
+            && metric(&body, "relay_business_counter", &[("name", "orders")]) == Some(2.0)
+            && metric(&body, "relay_intents", &[("state", "pending")]) == Some(0.0)
+            && metric(&body, "relay_intents", &[("state", "running")]) == Some(0.0)
+            && metric(&body, "relay_dead_letters", &[("state", "all")]) == Some(1.0);
         ready.then_some(body)
     })
     .await;
@@ -102,7 +107,9 @@ async fn the_admin_server_serves_metrics_health_and_readiness() {
         Some(2.0),
         "{body}"
     );
-    assert_eq!(metric(&body, "relay_business_counter", &[("name", "orders")]), Some(2.0), "{body}");
+    assert_eq!(metric(&body, "relay_intents", &[("state", "dead")]), Some(0.0), "{body}");
+    assert!(metric(&body, "relay_outbox_rows", &[("state", "pending")]).is_some(), "{body}");
+    assert!(metric(&body, "relay_table_rows_estimated", &[("table", "inbox")]).is_some(), "{body}");
     assert!(body.contains("relay_processing_seconds_bucket"), "latency histograms: {body}");
     assert!(body.contains("relay_dispatch_seconds_bucket"), "{body}");
     // Lag comes from librdkafka's statistics, every 5 s.
