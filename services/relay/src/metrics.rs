@@ -4,8 +4,9 @@
 //! Counters are incremented where things happen (consumer, dispatcher,
 //! publisher); gauges that describe tables (backlog, oldest pending, dead
 //! intents and letters, business counters, estimated table sizes) are
-//! refreshed from the database by [`refresh_gauges`] on an interval. Business counters are read from
-//! `relay.counters`, which counts unique effects, not deliveries (R20).
+//! refreshed from the database by [`refresh_gauges`] on an interval.
+//! Business counters are read from `relay.counters`, which counts unique
+//! effects, not deliveries (R20).
 
 use std::sync::OnceLock;
 
