@@ -62,9 +62,7 @@ pub async fn snapshot(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
     )
     .fetch_one(&mut *conn)
     .await?;
-    let counters = sqlx::query_as("SELECT consumer, name, value FROM relay.counters ORDER BY consumer, name")
-        .fetch_all(&mut *conn)
-        .await?;
+    let counters = counters(&mut *conn).await?;
     Ok(Stats {
         inbox,
         intents,
@@ -137,9 +135,7 @@ pub async fn gauges(conn: &mut PgConnection) -> Result<Gauges, sqlx::Error> {
     )
     .fetch_all(&mut *conn)
     .await?;
-    let counters = sqlx::query_as("SELECT consumer, name, value FROM relay.counters ORDER BY consumer, name")
-        .fetch_all(&mut *conn)
-        .await?;
+    let counters = counters(&mut *conn).await?;
     let oldest = |a: Option<f64>, b: Option<f64>| a.into_iter().chain(b).reduce(f64::max);
     Ok(Gauges {
         intents: vec![("pending".into(), pending), ("running".into(), running), ("dead".into(), dead)],
@@ -151,4 +147,9 @@ pub async fn gauges(conn: &mut PgConnection) -> Result<Gauges, sqlx::Error> {
         counters,
         table_rows_estimated,
     })
+}
+
+/// Business counters `(consumer, name, value)`, for both [`snapshot`] and [`gauges`].
+async fn counters(conn: &mut PgConnection) -> Result<Vec<(String, String, i64)>, sqlx::Error> {
+    sqlx::query_as("SELECT consumer, name, value FROM relay.counters ORDER BY consumer, name").fetch_all(conn).await
 }
