@@ -112,14 +112,14 @@ async fn a_worker_whose_lease_was_rescued_cannot_finish_the_intent() {
     ingest.stop().await.unwrap();
 
     let mut conn = h.db.conn().await.unwrap();
-    let stale = intents::claim(&mut conn, "worker-a", 10, Duration::from_secs(60)).await.unwrap().remove(0);
+    let stale = intents::claim(&mut conn, "worker-a", 10, Duration::from_secs(60)).await.unwrap().rows.remove(0);
     // Worker A stalls past its lease; the rescuer returns the intent and worker B claims it.
     sqlx::query("UPDATE relay.intents SET locked_until = now() - interval '1 second'")
         .execute(&mut *conn)
         .await
         .unwrap();
     assert_eq!(intents::rescue_expired(&mut conn, 10).await.unwrap(), vec![stale.id]);
-    let fresh = intents::claim(&mut conn, "worker-b", 10, Duration::from_secs(60)).await.unwrap().remove(0);
+    let fresh = intents::claim(&mut conn, "worker-b", 10, Duration::from_secs(60)).await.unwrap().rows.remove(0);
     assert_eq!(fresh.id, stale.id);
     assert_eq!(fresh.attempts, 2, "the lost attempt still counts");
 
@@ -143,6 +143,32 @@ async fn a_worker_whose_lease_was_rescued_cannot_finish_the_intent() {
         attempts(&h, "capture:o-1").await,
         vec![("lease_expired".into(), None), ("succeeded".into(), Some(201))]
     );
+}
+
+#[tokio::test]
+async fn a_short_claim_says_when_the_next_intent_comes_due_and_a_full_one_does_not_look() {
+    let db = relay_testkit::TestDb::new().await.unwrap();
+    sqlx::query(
+        "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path,
+                                    idempotency_key, max_attempts, expires_at, emit_source, next_attempt_at)
+         SELECT gen_random_uuid(), 't', 'e-' || g, 'capture', 'psp', 'POST', '/c', 'capture:' || g, 10,
+                now() + interval '1 day', 't', CASE WHEN g = 4 THEN now() + interval '1 hour' ELSE now() END
+           FROM generate_series(1, 4) g",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut conn = db.conn().await.unwrap();
+    let lease = Duration::from_secs(60);
+    let full = intents::claim(&mut conn, "w", 2, lease).await.unwrap();
+    assert_eq!((full.rows.len(), full.next_due), (2, None), "a full claim goes again at once");
+    let short = intents::claim(&mut conn, "w", 10, lease).await.unwrap();
+    assert_eq!(short.rows.len(), 1);
+    let in_an_hour = chrono::Utc::now() + chrono::Duration::hours(1);
+    let due = short.next_due.expect("the intent due in an hour");
+    assert!((due - in_an_hour).num_seconds().abs() < 60, "{due} is not in an hour");
+    let empty = intents::claim(&mut conn, "w", 10, lease).await.unwrap();
+    assert_eq!((empty.rows.len(), empty.next_due), (0, Some(due)));
 }
 
 #[tokio::test]

@@ -21,6 +21,8 @@ const ROWS: i64 = 20_000;
 /// to about 300 rows per row deleted, and that would not be a regression.
 const OLD_ROWS: i64 = 50_000;
 const CLEANUP_BATCH: i64 = 100;
+/// Finished rows before a backlog is claimed and finished.
+const HISTORY: i64 = 100_000;
 
 /// Every node type with the index or table it reads, from a JSON plan,
 /// flattened: `["Limit", "LockRows", "Index Scan intents_due", …]`.
@@ -98,11 +100,11 @@ async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_
     tx.rollback().await.unwrap();
 
     // And the claims do take the oldest rows first.
-    let claimed = intents::claim(&mut conn, "worker", 3, Duration::from_secs(30)).await.unwrap();
+    let claimed = intents::claim(&mut conn, "worker", 3, Duration::from_secs(30)).await.unwrap().rows;
     let mut ids: Vec<&str> = claimed.iter().map(|c| c.source_event_id.as_str()).collect();
     ids.sort();
     assert_eq!(ids, ["e-1", "e-2", "e-3"]);
-    let rows = outbox::claim(&mut conn, 3, Duration::from_secs(30)).await.unwrap();
+    let rows = outbox::claim(&mut conn, 3, Duration::from_secs(30)).await.unwrap().rows;
     assert_eq!(rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [1, 2, 3]);
 }
 
@@ -165,5 +167,100 @@ async fn every_cleanup_batch_reads_the_oldest_rows_through_an_index() {
     assert!(
         !plan.iter().any(|n| n.starts_with("Seq Scan") && n.as_str() != "Seq Scan dead_letters"),
         "the gauges read a whole table; plan: {plan:?}"
+    );
+}
+
+#[tokio::test]
+async fn finishing_a_claim_probes_the_primary_key_when_the_statistics_say_nothing_is_running() {
+    let db = TestDb::new().await.unwrap();
+    // Mostly history, analyzed: the statistics say (rightly, for the table)
+    // that almost no row is running. Then a backlog is claimed. (On a much
+    // smaller table, reading it whole for a batch of 256 is a fair plan.)
+    for sql in [
+        "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path, idempotency_key,
+                                    max_attempts, expires_at, emit_source, state, attempts, finished_at)
+         SELECT gen_random_uuid(), 'plans', 'old-' || g, 'capture', 'psp', 'POST', '/c', 'old:' || g, 10,
+                now() + interval '1 day', 'plans', 'succeeded', 1, now()
+           FROM generate_series(1, $1) g",
+        "INSERT INTO relay.outbox (id, consumer, source_id, action, topic, state, published_at)
+         SELECT gen_random_uuid(), 'plans', 'old-' || g, 'captured', 'out', 'published', now()
+           FROM generate_series(1, $1) g",
+    ] {
+        sqlx::query(sql).bind(HISTORY).execute(&db.pool).await.unwrap();
+    }
+    sqlx::query("ANALYZE").execute(&db.pool).await.unwrap();
+    sqlx::query(
+        "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path,
+                                    idempotency_key, max_attempts, expires_at, emit_source)
+         SELECT gen_random_uuid(), 'plans', 'e-' || g, 'capture', 'psp', 'POST', '/c', 'capture:' || g, 10,
+                now() + interval '1 day', 'plans'
+           FROM generate_series(1, 1000) g",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO relay.outbox (id, consumer, source_id, action, topic, payload)
+         SELECT gen_random_uuid(), 'plans', 'e-' || g, 'captured', 'out', '\\x00'::bytea FROM generate_series(1, 1000) g",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut conn = db.conn().await.unwrap();
+    let claimed = intents::claim(&mut conn, "worker", 1000, Duration::from_secs(30)).await.unwrap().rows;
+    let rows = outbox::claim(&mut conn, 1000, Duration::from_secs(30)).await.unwrap().rows;
+    assert_eq!((claimed.len(), rows.len()), (1000, 1000));
+
+    // One batch of finishes, as the dispatcher's finalizer writes it.
+    let n = 256;
+    let claimed = &claimed[..n];
+    let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {}", intents::FINISH))
+        .bind(claimed.iter().map(|c| c.id).collect::<Vec<_>>())
+        .bind(claimed.iter().map(|c| c.lease_token).collect::<Vec<_>>())
+        .bind(vec!["succeeded"; n])
+        .bind(vec![0.0_f64; n])
+        .bind(vec![Some(200_i32); n])
+        .bind(vec![None::<String>; n])
+        .bind(vec![None::<String>; n])
+        .bind(vec!["succeeded"; n])
+        .bind(vec![Some(chrono::Utc::now()); n])
+        .bind(vec![1_i32; n])
+        .bind(vec!["worker"; n])
+        .bind(vec![true; n])
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert_probes_the_key("finishing intents", &nodes(&plan), "intents_pkey", "intents_leases");
+    let rows = &rows[..n];
+    let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {}", outbox::MARK_PUBLISHED))
+        .bind(rows.iter().map(|r| r.id).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.lease_token).collect::<Vec<_>>())
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert_probes_the_key("marking outbox rows published", &nodes(&plan), "outbox_pkey", "outbox_leases");
+
+    // Which is only a fence because no row keeps a token once it stops running.
+    for sql in [
+        "UPDATE relay.intents SET state = 'succeeded' WHERE state = 'running'",
+        "UPDATE relay.outbox SET state = 'published' WHERE state = 'running'",
+    ] {
+        let err = sqlx::query(sql).execute(&mut *conn).await.unwrap_err();
+        assert!(err.to_string().contains("lease_only_while_running"), "{sql}: {err}");
+    }
+}
+
+/// Assert the plan finds its rows through `key` and reads no table whole nor
+/// the partial index `leases` (every running row, once per row finished).
+fn assert_probes_the_key(what: &str, plan: &[String], key: &str, leases: &str) {
+    assert!(
+        plan.iter().any(|n| n == &format!("Index Scan {key}")),
+        "{what} should find each row through {key}; plan: {plan:?}"
+    );
+    assert!(
+        !plan.iter().any(|n| n.ends_with(&format!(" {leases}"))
+            || n.starts_with("Seq Scan intents")
+            || n.starts_with("Seq Scan outbox")),
+        "{what} reads every running row; plan: {plan:?}"
     );
 }

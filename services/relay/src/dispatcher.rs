@@ -31,7 +31,7 @@ use relay_core::retry::{Verdict, classify};
 use relay_core::{Outcome, Provenance};
 use relay_store::intents::{self, AttemptRecord, ClaimedIntent, Finish, NextState};
 use relay_store::sagas::{self, Transition};
-use relay_store::{inbox, outbox};
+use relay_store::{Claim, inbox, outbox};
 use sqlx::postgres::PgListener;
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio::sync::{Semaphore, mpsc};
@@ -140,12 +140,7 @@ impl Dispatcher {
                 continue;
             }
             let want = free.min(s.claim_batch as usize);
-            // Looked up before the claim: a row that comes due between the two
-            // queries is then either claimed or counted here, never missed (after
-            // the claim it would already be due, and due rows are left out as
-            // blocked ones).
-            let next_due = self.next_due().await;
-            let claimed = match self.claim(want).await {
+            let Claim { rows: claimed, next_due } = match self.claim(want).await {
                 Ok(c) => {
                     failures = 0;
                     c
@@ -244,17 +239,13 @@ impl Dispatcher {
         }
     }
 
-    async fn claim(&self, limit: usize) -> Result<Vec<ClaimedIntent>, sqlx::Error> {
+    /// Claim up to `limit` intents; a short claim also says when the next one
+    /// not due yet comes due, for the sleep after it (at most the poll
+    /// interval; NOTIFY wakes us earlier for new intents, and `progress` for
+    /// what our own outcomes made due).
+    async fn claim(&self, limit: usize) -> Result<Claim<ClaimedIntent>, sqlx::Error> {
         let mut conn = self.inner.pool.acquire().await?;
         intents::claim(&mut conn, &self.inner.worker, limit as i64, self.inner.settings.lease).await
-    }
-
-    /// When the next intent not due yet comes due, for the sleep after a claim
-    /// that did not fill up (at most the poll interval; NOTIFY wakes us earlier
-    /// for new intents, and `progress` for what our own outcomes made due).
-    async fn next_due(&self) -> Option<chrono::DateTime<Utc>> {
-        let mut conn = self.inner.pool.acquire().await.ok()?;
-        intents::next_due_at(&mut conn).await.ok().flatten()
     }
 
     async fn rescue_loop(self, shutdown: CancellationToken) {

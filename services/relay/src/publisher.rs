@@ -16,6 +16,7 @@ use rdkafka::message::{Header as KHeader, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer, ProducerContext};
 use rdkafka::util::Timeout;
 use relay_core::config::{KafkaConfig, PublisherConfig};
+use relay_store::Claim;
 use relay_store::outbox::{self, ClaimedRow};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
@@ -130,9 +131,6 @@ impl Publisher {
                     Err(e) => warn!(error = %e, "rescuing outbox leases failed"),
                 }
             }
-            // Looked up before the claim, as in the dispatcher: a row that
-            // comes due in between is then either claimed or counted here.
-            let next_due = self.next_due().await;
             let wait = match self.publish_batch().await {
                 Ok(b) if b.claimed == self.settings.batch_size as usize || b.unblocked => {
                     // A full batch may have left more; a published row with an
@@ -143,7 +141,7 @@ impl Publisher {
                 }
                 Ok(b) => {
                     failures = 0;
-                    until_due(next_due.into_iter().chain(b.retry_at).min(), self.settings.poll_interval)
+                    until_due(b.next_due.into_iter().chain(b.retry_at).min(), self.settings.poll_interval)
                 }
                 Err(PublishError::Fault(f)) => return Err(anyhow::Error::from(f)),
                 Err(PublishError::Db(e)) => {
@@ -167,20 +165,13 @@ impl Publisher {
         outbox::rescue_expired(&mut conn, 1000).await
     }
 
-    /// When the next row not due yet comes due (for the sleep after a batch
-    /// that did not fill up; NOTIFY wakes the lane earlier for new rows).
-    async fn next_due(&self) -> Option<chrono::DateTime<chrono::Utc>> {
-        let mut conn = self.pool.acquire().await.ok()?;
-        outbox::next_due_at(&mut conn).await.ok().flatten()
-    }
-
     /// Claim, produce and mark one batch.
     pub async fn publish_batch(&self) -> Result<Batch, PublishError> {
-        let rows = {
+        let Claim { rows, next_due } = {
             let mut conn = self.pool.acquire().await?;
             outbox::claim(&mut conn, i64::from(self.settings.batch_size), self.settings.lease).await?
         };
-        let mut batch = Batch { claimed: rows.len(), unblocked: false, retry_at: None };
+        let mut batch = Batch { claimed: rows.len(), unblocked: false, retry_at: None, next_due };
         if rows.is_empty() {
             return Ok(batch);
         }
@@ -258,6 +249,8 @@ pub struct Batch {
     pub unblocked: bool,
     /// When the earliest publish that failed in this round is retried.
     pub retry_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// When the next row not due yet comes due (only after a short claim).
+    pub next_due: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 /// Why a publish round failed.

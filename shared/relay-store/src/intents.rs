@@ -19,6 +19,8 @@ use serde_json::Value;
 use sqlx::{FromRow, PgConnection};
 use uuid::Uuid;
 
+use crate::Claim;
+
 /// An intent to insert.
 #[derive(Debug, Clone)]
 pub struct NewIntent {
@@ -167,13 +169,14 @@ impl ClaimedIntent {
 /// ordering key has an earlier unfinished intent are not due (R13). The
 /// attempt's audit row is written when it finishes ([`finish_many`]) or, if
 /// its worker is lost, by the rescuer ([`rescue_expired`]). Runs in its own
-/// transaction ([`crate::begin_claim`]): `conn` must not be in one.
+/// transaction ([`crate::begin_claim`]): `conn` must not be in one. A short
+/// claim also says when the next intent comes due ([`Claim::next_due`]).
 pub async fn claim(
     conn: &mut PgConnection,
     worker: &str,
     limit: i64,
     lease: Duration,
-) -> Result<Vec<ClaimedIntent>, sqlx::Error> {
+) -> Result<Claim<ClaimedIntent>, sqlx::Error> {
     let mut tx = crate::begin_claim(conn).await?;
     let claimed = sqlx::query_as::<_, ClaimedIntent>(CLAIM)
         .bind(limit)
@@ -181,8 +184,7 @@ pub async fn claim(
         .bind(lease.as_secs_f64())
         .fetch_all(&mut *tx)
         .await?;
-    tx.commit().await?;
-    Ok(claimed)
+    crate::finish_claim(tx, claimed, limit, NEXT_DUE).await
 }
 
 /// The claim statement ([`claim`]); public so a test can check its plan.
@@ -266,6 +268,39 @@ pub struct Finish {
     pub attempted: bool,
 }
 
+/// The statement of [`finish_many`]; public so a test can check its plan.
+///
+/// Fenced on the lease token alone: a row holds a token only while it is
+/// running (a constraint, migration 0004). Adding `state = 'running'` lets the
+/// planner pick the `intents_leases` partial index, which the statistics
+/// think is near empty when most of the table is finished, and read every
+/// running row once per row finished instead of probing the primary key.
+pub const FINISH: &str = "WITH u AS (
+             SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::float8[], $5::int4[], $6::text[],
+                                  $7::text[], $8::text[], $9::timestamptz[], $10::int4[], $11::text[], $12::bool[])
+                 AS u(id, token, state, delay, status, error, error_class, outcome, started_at, attempt, worker, attempted)
+         ), done AS (
+             UPDATE relay.intents i
+                SET state = u.state,
+                    next_attempt_at = CASE WHEN u.state = 'pending'
+                                           THEN now() + make_interval(secs => u.delay) ELSE i.next_attempt_at END,
+                    finished_at = CASE WHEN u.state = 'pending' THEN NULL ELSE now() END,
+                    last_status = CASE WHEN u.state = 'dead' THEN COALESCE(u.status, i.last_status) ELSE u.status END,
+                    last_error = CASE WHEN u.state = 'succeeded' THEN NULL ELSE u.error END,
+                    last_error_class = CASE WHEN u.state = 'succeeded' THEN NULL ELSE u.error_class END,
+                    lease_token = NULL, locked_until = NULL, locked_by = NULL
+               FROM u
+              WHERE i.id = u.id AND i.lease_token = u.token
+             RETURNING i.id
+         ), audited AS (
+             INSERT INTO relay.intent_attempts
+                 (intent_id, attempt, worker, lease_token, started_at, finished_at, outcome, status, error_class, error)
+             SELECT u.id, u.attempt, u.worker, u.token, u.started_at, now(), u.outcome, u.status, u.error_class, u.error
+               FROM u JOIN done ON done.id = u.id
+              WHERE u.attempted
+         )
+         SELECT id FROM done";
+
 /// Record many attempts in one statement, each fenced by its lease token:
 /// the intent row moves (succeeded / pending again / dead) and the attempt's
 /// audit row is written. Returns the ids whose lease was still held; the
@@ -283,47 +318,21 @@ pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Ve
         NextState::Retry(d) => d.as_secs_f64(),
         _ => 0.0,
     };
-    sqlx::query_scalar(
-        "WITH u AS (
-             SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::float8[], $5::int4[], $6::text[],
-                                  $7::text[], $8::text[], $9::timestamptz[], $10::int4[], $11::text[], $12::bool[])
-                 AS u(id, token, state, delay, status, error, error_class, outcome, started_at, attempt, worker, attempted)
-         ), done AS (
-             UPDATE relay.intents i
-                SET state = u.state,
-                    next_attempt_at = CASE WHEN u.state = 'pending'
-                                           THEN now() + make_interval(secs => u.delay) ELSE i.next_attempt_at END,
-                    finished_at = CASE WHEN u.state = 'pending' THEN NULL ELSE now() END,
-                    last_status = CASE WHEN u.state = 'dead' THEN COALESCE(u.status, i.last_status) ELSE u.status END,
-                    last_error = CASE WHEN u.state = 'succeeded' THEN NULL ELSE u.error END,
-                    last_error_class = CASE WHEN u.state = 'succeeded' THEN NULL ELSE u.error_class END,
-                    lease_token = NULL, locked_until = NULL, locked_by = NULL
-               FROM u
-              WHERE i.id = u.id AND i.lease_token = u.token AND i.state = 'running'
-             RETURNING i.id
-         ), audited AS (
-             INSERT INTO relay.intent_attempts
-                 (intent_id, attempt, worker, lease_token, started_at, finished_at, outcome, status, error_class, error)
-             SELECT u.id, u.attempt, u.worker, u.token, u.started_at, now(), u.outcome, u.status, u.error_class, u.error
-               FROM u JOIN done ON done.id = u.id
-              WHERE u.attempted
-         )
-         SELECT id FROM done",
-    )
-    .bind(items.iter().map(|f| f.id).collect::<Vec<_>>())
-    .bind(items.iter().map(|f| f.token).collect::<Vec<_>>())
-    .bind(items.iter().map(state).collect::<Vec<_>>())
-    .bind(items.iter().map(delay).collect::<Vec<_>>())
-    .bind(items.iter().map(|f| f.attempt.status).collect::<Vec<_>>())
-    .bind(items.iter().map(|f| f.attempt.error.clone()).collect::<Vec<_>>())
-    .bind(items.iter().map(|f| f.attempt.error_class.clone()).collect::<Vec<_>>())
-    .bind(items.iter().map(|f| f.attempt.outcome).collect::<Vec<_>>())
-    .bind(items.iter().map(|f| f.attempt.started_at).collect::<Vec<_>>())
-    .bind(items.iter().map(|f| f.attempt_no).collect::<Vec<_>>())
-    .bind(items.iter().map(|f| f.worker.as_str()).collect::<Vec<_>>())
-    .bind(items.iter().map(|f| f.attempted).collect::<Vec<_>>())
-    .fetch_all(conn)
-    .await
+    sqlx::query_scalar(FINISH)
+        .bind(items.iter().map(|f| f.id).collect::<Vec<_>>())
+        .bind(items.iter().map(|f| f.token).collect::<Vec<_>>())
+        .bind(items.iter().map(state).collect::<Vec<_>>())
+        .bind(items.iter().map(delay).collect::<Vec<_>>())
+        .bind(items.iter().map(|f| f.attempt.status).collect::<Vec<_>>())
+        .bind(items.iter().map(|f| f.attempt.error.clone()).collect::<Vec<_>>())
+        .bind(items.iter().map(|f| f.attempt.error_class.clone()).collect::<Vec<_>>())
+        .bind(items.iter().map(|f| f.attempt.outcome).collect::<Vec<_>>())
+        .bind(items.iter().map(|f| f.attempt.started_at).collect::<Vec<_>>())
+        .bind(items.iter().map(|f| f.attempt_no).collect::<Vec<_>>())
+        .bind(items.iter().map(|f| f.worker.as_str()).collect::<Vec<_>>())
+        .bind(items.iter().map(|f| f.attempted).collect::<Vec<_>>())
+        .fetch_all(conn)
+        .await
 }
 
 /// Give back a claim whose attempt was never started: pending again, the
@@ -332,7 +341,7 @@ pub async fn release(conn: &mut PgConnection, id: Uuid, token: Uuid) -> Result<F
     let done = sqlx::query(
         "UPDATE relay.intents
             SET state = 'pending', attempts = attempts - 1, lease_token = NULL, locked_until = NULL, locked_by = NULL
-          WHERE id = $1 AND lease_token = $2 AND state = 'running'",
+          WHERE id = $1 AND lease_token = $2",
     )
     .bind(id)
     .bind(token)
@@ -376,18 +385,9 @@ pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<Vec<U
     .await
 }
 
-/// When the next pending intent that is not due yet becomes due (for the
-/// dispatcher's sleep). Rows already due but not claimed are left out: they
-/// wait for an earlier intent of their ordering key, a paused endpoint or
-/// another worker, and counting them would hide a retry due in 20 ms behind
-/// them, leaving it to the poll interval.
-pub async fn next_due_at(conn: &mut PgConnection) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT min(next_attempt_at) FROM relay.intents WHERE state = 'pending' AND next_attempt_at > now()",
-    )
-    .fetch_one(conn)
-    .await
-}
+/// When the next pending intent not due yet comes due ([`crate::finish_claim`]).
+const NEXT_DUE: &str =
+    "SELECT min(next_attempt_at) FROM relay.intents WHERE state = 'pending' AND next_attempt_at > now()";
 
 /// An intent as shown to operators.
 #[derive(Debug, Clone, FromRow, serde::Serialize)]

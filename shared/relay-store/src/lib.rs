@@ -20,6 +20,7 @@
 //! committed `.sqlx` cache at build time, and every statement here is already
 //! executed by the end-to-end suite on every CI run.
 
+use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 use sqlx::migrate::Migrator;
 
@@ -51,6 +52,42 @@ use sqlx::Connection;
 /// (`tests/plans.rs` checks the plans).
 pub async fn begin_claim(conn: &mut PgConnection) -> Result<Transaction<'_, Postgres>, sqlx::Error> {
     conn.begin_with("BEGIN; SET LOCAL enable_sort = off").await
+}
+
+/// What one claim took, in claim order, and — when it took fewer rows than it
+/// asked for — when the next pending row that is not due yet comes due, for
+/// the claimer's sleep (`None`: nothing scheduled, or the claim came back full
+/// and the claimer goes again at once).
+#[derive(Debug)]
+pub struct Claim<T> {
+    /// The rows claimed.
+    pub rows: Vec<T>,
+    /// When the earliest pending row not yet due comes due.
+    pub next_due: Option<DateTime<Utc>>,
+}
+
+/// Commit a claim's transaction; if the claim came back short, look up the
+/// next due time in it first (`next_due_sql`: the earliest `next_attempt_at`
+/// of the table's pending rows with `next_attempt_at > now()`).
+///
+/// In the same transaction `now()` is the claim's, so no row falls between
+/// the two: a row due by then was seen by the claim (taken, or blocked behind
+/// an earlier row of its ordering key, a paused endpoint or another claimer),
+/// a row due later is counted here. Blocked rows are left out on purpose:
+/// counting them would hide a retry due in 20 ms behind them and leave it to
+/// the poll interval. After a full claim the claimer claims again at once and
+/// the lookup would go unused, so it is skipped: one query per batch less on
+/// the busiest path.
+pub(crate) async fn finish_claim<T>(
+    mut tx: Transaction<'_, Postgres>,
+    rows: Vec<T>,
+    limit: i64,
+    next_due_sql: &str,
+) -> Result<Claim<T>, sqlx::Error> {
+    let next_due =
+        if (rows.len() as i64) < limit { sqlx::query_scalar(next_due_sql).fetch_one(&mut *tx).await? } else { None };
+    tx.commit().await?;
+    Ok(Claim { rows, next_due })
 }
 
 /// The relay's migrations (`migrations/` at the workspace root), embedded.

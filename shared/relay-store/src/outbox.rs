@@ -3,13 +3,12 @@
 
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use relay_core::{Header, OutboxRecord};
 use serde_json::Value;
 use sqlx::{FromRow, PgConnection};
 use uuid::Uuid;
 
-use crate::headers;
+use crate::{Claim, headers};
 
 /// Insert an outbox record; `false` when it already exists (same derived id).
 pub async fn insert(
@@ -75,14 +74,14 @@ impl ClaimedRow {
 /// Claim up to `limit` due rows, oldest first. A row whose topic and
 /// ordering key has an earlier unpublished row waits for it, so events of one
 /// key reach the partition in the order they were written. Runs in its own
-/// transaction ([`crate::begin_claim`]): `conn` must not be in one.
-pub async fn claim(conn: &mut PgConnection, limit: i64, lease: Duration) -> Result<Vec<ClaimedRow>, sqlx::Error> {
+/// transaction ([`crate::begin_claim`]): `conn` must not be in one. A short
+/// claim also says when the next row comes due ([`Claim::next_due`]).
+pub async fn claim(conn: &mut PgConnection, limit: i64, lease: Duration) -> Result<Claim<ClaimedRow>, sqlx::Error> {
     let mut tx = crate::begin_claim(conn).await?;
     let mut rows: Vec<ClaimedRow> =
         sqlx::query_as(CLAIM).bind(limit).bind(lease.as_secs_f64()).fetch_all(&mut *tx).await?;
-    tx.commit().await?;
     rows.sort_by_key(|r| r.seq);
-    Ok(rows)
+    crate::finish_claim(tx, rows, limit, NEXT_DUE).await
 }
 
 /// The claim statement ([`claim`]); public so a test can check its plan.
@@ -105,19 +104,18 @@ pub const CLAIM: &str = "WITH due AS (
          RETURNING o.id, o.seq, o.lease_token, o.topic, o.key, o.headers, o.payload, o.event_type, o.ordering_key,
                    o.attempts";
 
-/// Mark rows published, each only if we still hold its lease. Returns how many were ours.
-pub async fn mark_published(conn: &mut PgConnection, ids: &[Uuid], tokens: &[Uuid]) -> Result<u64, sqlx::Error> {
-    let done = sqlx::query(
-        "UPDATE relay.outbox o
+/// The statement of [`mark_published`]; public so a test can check its plan.
+/// Fenced on the token alone, for the reason given at
+/// [`crate::intents::FINISH`].
+pub const MARK_PUBLISHED: &str = "UPDATE relay.outbox o
             SET state = 'published', published_at = now(), lease_token = NULL, locked_until = NULL,
                 last_error = NULL
            FROM unnest($1::uuid[], $2::uuid[]) AS f(id, token)
-          WHERE o.id = f.id AND o.lease_token = f.token AND o.state = 'running'",
-    )
-    .bind(ids)
-    .bind(tokens)
-    .execute(conn)
-    .await?;
+          WHERE o.id = f.id AND o.lease_token = f.token";
+
+/// Mark rows published, each only if we still hold its lease. Returns how many were ours.
+pub async fn mark_published(conn: &mut PgConnection, ids: &[Uuid], tokens: &[Uuid]) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(MARK_PUBLISHED).bind(ids).bind(tokens).execute(conn).await?;
     Ok(done.rows_affected())
 }
 
@@ -133,7 +131,7 @@ pub async fn schedule_retry(
         "UPDATE relay.outbox
             SET state = 'pending', next_attempt_at = now() + make_interval(secs => $3),
                 last_error = $4, lease_token = NULL, locked_until = NULL
-          WHERE id = $1 AND lease_token = $2 AND state = 'running'",
+          WHERE id = $1 AND lease_token = $2",
     )
     .bind(id)
     .bind(token)
@@ -162,16 +160,9 @@ pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<u64, 
     Ok(done.rows_affected())
 }
 
-/// When the next pending row that is not due yet becomes due. Rows already
-/// due but not claimed wait for an earlier row of their key (or another
-/// publisher) and are left out, as in [`crate::intents::next_due_at`].
-pub async fn next_due_at(conn: &mut PgConnection) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT min(next_attempt_at) FROM relay.outbox WHERE state = 'pending' AND next_attempt_at > now()",
-    )
-    .fetch_one(conn)
-    .await
-}
+/// When the next pending row not due yet comes due ([`crate::finish_claim`]).
+const NEXT_DUE: &str =
+    "SELECT min(next_attempt_at) FROM relay.outbox WHERE state = 'pending' AND next_attempt_at > now()";
 
 /// Insert many outbox records in one statement: `(source_id, record)` pairs.
 /// Returns the ids that were new.
