@@ -228,16 +228,17 @@ impl InboxConsumer {
     /// Run until `shutdown` is cancelled (then finish the batch in flight and
     /// commit) or a fault point fails (then stop without committing, like a crash).
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
-        let result = self.run_loop(&shutdown).await;
+        let me = Arc::new(self);
+        let result = me.run_loop(&shutdown).await;
         if result.is_ok() {
-            self.commit_all(CommitMode::Sync);
+            me.commit_all(CommitMode::Sync);
         }
-        self.consumer.unsubscribe();
-        info!(consumer = %self.settings.name, "inbox consumer stopped");
+        me.consumer.unsubscribe();
+        info!(consumer = %me.settings.name, "inbox consumer stopped");
         result
     }
 
-    async fn run_loop(&self, shutdown: &CancellationToken) -> anyhow::Result<()> {
+    async fn run_loop(self: &Arc<Self>, shutdown: &CancellationToken) -> anyhow::Result<()> {
         loop {
             let holding = !self.state.lock().expect("partition state lock").held.is_empty();
             let first = tokio::select! {
@@ -298,7 +299,7 @@ impl InboxConsumer {
     }
 
     async fn process_batch(
-        &self,
+        self: &Arc<Self>,
         batch: Vec<(RawRecord, u64)>,
         shutdown: &CancellationToken,
     ) -> anyhow::Result<Vec<PartitionRun>> {
@@ -325,11 +326,29 @@ impl InboxConsumer {
                 }
             }
         }
-        let runs = futures::future::join_all(
-            by_partition.into_iter().map(|(tp, records)| self.process_partition(tp, records, shutdown)),
-        )
-        .await;
-        let mut runs = runs.into_iter().collect::<Result<Vec<_>, FaultInjected>>()?;
+        // Each partition on a task of its own: decoding, rendering and
+        // encoding a partition's records is CPU work, and on one task the
+        // partitions would take turns at it instead of using every core. The
+        // JoinSet aborts them if this future is dropped.
+        let mut tasks = tokio::task::JoinSet::new();
+        for (tp, records) in by_partition {
+            let (me, shutdown) = (self.clone(), shutdown.clone());
+            tasks.spawn(async move { me.process_partition(tp, records, &shutdown).await });
+        }
+        // Every partition finishes its work before a fault is reported, as
+        // when they shared this task.
+        let (mut runs, mut fault) = (Vec::with_capacity(tasks.len()), None);
+        while let Some(done) = tasks.join_next().await {
+            match done {
+                Ok(Ok(run)) => runs.push(run),
+                Ok(Err(f)) => fault = fault.or(Some(f)),
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Err(e) => anyhow::bail!("a partition's task was cancelled: {e}"),
+            }
+        }
+        if let Some(f) = fault {
+            return Err(f.into());
+        }
         self.hold(&mut runs);
         Ok(runs)
     }

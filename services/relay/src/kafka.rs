@@ -34,6 +34,15 @@ pub fn client_config(cfg: &KafkaConfig, role: Role) -> Result<ClientConfig, Conf
             c.set("auto.offset.reset", "earliest");
             c.set("session.timeout.ms", "10000");
             c.set("heartbeat.interval.ms", "1000");
+            // 64 KiB per partition per fetch (librdkafka: 1 MiB), so that what
+            // the consumer finds queued holds records of every partition, not
+            // 2 000 of one: a batch runs one transaction per partition in
+            // parallel, and a batch of one partition runs them one after
+            // another. Ingest benchmark, 4 partitions: ~16 000 -> ~19 500
+            // records/s. A record larger than this is still fetched whole;
+            // raise it (kafka.consumer_properties) for large records over a
+            // slow link.
+            c.set("max.partition.fetch.bytes", "65536");
         }
         Role::Producer => {
             c.set("linger.ms", "5");
