@@ -38,8 +38,9 @@ pub fn client_config(cfg: &KafkaConfig, role: Role) -> Result<ClientConfig, Conf
             // the consumer finds queued holds records of every partition, not
             // 2 000 of one: a batch runs one transaction per partition in
             // parallel, and a batch of one partition runs them one after
-            // another. Ingest benchmark, 4 partitions: ~16 000 -> ~19 500
-            // records/s. A record larger than this is still fetched whole;
+            // another. Ingest benchmark, 4 partitions: ~13 000 -> ~16 000
+            // records/s (and ~19 500 with each partition on its own task,
+            // consumer.rs). A record larger than this is still fetched whole;
             // raise it (kafka.consumer_properties) for large records over a
             // slow link.
             c.set("max.partition.fetch.bytes", "65536");
