@@ -113,7 +113,12 @@ auto.create.topics.enable=true
 PROPS
   cp "$ROOT/scripts/kafka/log4j2.yaml" "$KAFKA_DIR/log4j2.yaml"
   local cluster_id
-  cluster_id=$(python3 -c 'import uuid,base64;print(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))')
+  # Never starting with '-' (the storage tool would take it for an option), as Kafka's own ids.
+  cluster_id=$(python3 -c 'import uuid,base64
+while True:
+    i = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    if not i.startswith("-"): break
+print(i)')
   java -Xmx512m -cp "$libs/*" -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.yaml" -Dkafka.logs.dir="$KAFKA_DIR" \
     kafka.tools.StorageTool format --standalone -t "$cluster_id" -c "$KAFKA_DIR/server.properties" \
     >"$KAFKA_DIR/format.log" 2>&1 || { cat "$KAFKA_DIR/format.log" >&2; die "formatting Kafka storage failed"; }
