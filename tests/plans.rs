@@ -54,12 +54,8 @@ fn assert_index_order(what: &str, plan: &[String], index: &str) {
     assert!(!plan.iter().any(|n| n.contains("Sort")), "{what} sorts its candidates (reads them all); plan: {plan:?}");
 }
 
-#[tokio::test]
-async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_is_empty() {
-    let db = TestDb::new().await.unwrap();
-    // A burst on a table the planner has no statistics for (never analyzed):
-    // it guesses few pending rows, and with its default settings reads them
-    // all and sorts them on every claim.
+/// `n` pending intents (events e-1 … e-`n`) and `n` pending outbox rows, due now.
+async fn insert_backlog(pool: &sqlx::PgPool, n: i64) {
     sqlx::query(
         "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path, body,
                                     idempotency_key, max_attempts, expires_at, emit_source)
@@ -67,18 +63,27 @@ async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_
                 jsonb_build_object('order_id', 'o-' || g), 'capture:o-' || g, 10, now() + interval '1 day', 'plans'
            FROM generate_series(1, $1) g",
     )
-    .bind(ROWS)
-    .execute(&db.pool)
+    .bind(n)
+    .execute(pool)
     .await
     .unwrap();
     sqlx::query(
         "INSERT INTO relay.outbox (id, consumer, source_id, action, topic, payload)
          SELECT gen_random_uuid(), 'plans', 'e-' || g, 'captured', 'out', '\\x00'::bytea FROM generate_series(1, $1) g",
     )
-    .bind(ROWS)
-    .execute(&db.pool)
+    .bind(n)
+    .execute(pool)
     .await
     .unwrap();
+}
+
+#[tokio::test]
+async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_is_empty() {
+    let db = TestDb::new().await.unwrap();
+    // A burst on a table the planner has no statistics for (never analyzed):
+    // it guesses few pending rows, and with its default settings reads them
+    // all and sorts them on every claim.
+    insert_backlog(&db.pool, ROWS).await;
 
     let mut conn = db.conn().await.unwrap();
     let mut tx = begin_claim(&mut conn).await.unwrap();
@@ -189,23 +194,7 @@ async fn finishing_a_claim_probes_the_primary_key_when_the_statistics_say_nothin
         sqlx::query(sql).bind(HISTORY).execute(&db.pool).await.unwrap();
     }
     sqlx::query("ANALYZE").execute(&db.pool).await.unwrap();
-    sqlx::query(
-        "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path,
-                                    idempotency_key, max_attempts, expires_at, emit_source)
-         SELECT gen_random_uuid(), 'plans', 'e-' || g, 'capture', 'psp', 'POST', '/c', 'capture:' || g, 10,
-                now() + interval '1 day', 'plans'
-           FROM generate_series(1, 1000) g",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
-    sqlx::query(
-        "INSERT INTO relay.outbox (id, consumer, source_id, action, topic, payload)
-         SELECT gen_random_uuid(), 'plans', 'e-' || g, 'captured', 'out', '\\x00'::bytea FROM generate_series(1, 1000) g",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    insert_backlog(&db.pool, 1000).await;
     let mut conn = db.conn().await.unwrap();
     let claimed = intents::claim(&mut conn, "worker", 1000, Duration::from_secs(30)).await.unwrap().rows;
     let rows = outbox::claim(&mut conn, 1000, Duration::from_secs(30)).await.unwrap().rows;
