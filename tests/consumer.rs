@@ -81,6 +81,17 @@ async fn replaying_the_topic_from_offset_zero_in_a_new_group_causes_no_new_effec
     let after = h.provider.stats();
     assert_eq!(after.applied, before.applied, "no new effect at the provider");
     assert_eq!(after.requests, before.requests, "no new call at all");
+    // The counter has a row per partition written (so partitions never wait
+    // for each other's counter row), and they add up to the unique events.
+    let mut conn = h.db.conn().await.unwrap();
+    assert_eq!(inbox::counter(&mut conn, &h.consumer, "orders").await.unwrap(), 20, "replaying counted nothing twice");
+    let consumer = format!("consumer = '{}'", h.consumer);
+    let partitions: i64 =
+        sqlx::query_scalar(&format!("SELECT count(DISTINCT partition) FROM relay.inbox WHERE {consumer}"))
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+    assert_eq!(h.db.count("counters", &consumer).await, partitions);
 }
 
 #[tokio::test]

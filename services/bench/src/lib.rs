@@ -492,7 +492,7 @@ async fn ingest_limit(env: &Env, n: usize, batch: usize) -> anyhow::Result<(f64,
         let rows: Vec<(&str, &relay_core::OutboxRecord)> =
             (start..end).map(|i| (ids[i].as_str(), &outbox[i])).collect();
         relay_store::outbox::insert_many(&mut tx, CONSUMER, &rows).await?;
-        relay_store::inbox::add_to_counters(&mut tx, CONSUMER, &[("orders", (end - start) as i64)]).await?;
+        relay_store::inbox::add_to_counters(&mut tx, CONSUMER, &[("orders", 0, (end - start) as i64)]).await?;
         tx.commit().await?;
     }
     Ok((n as f64 / t0.elapsed().as_secs_f64(), None))

@@ -454,7 +454,7 @@ impl Processor {
         let now = Utc::now();
         let mut intents_new = Vec::new();
         let mut outbox_new = Vec::new();
-        let mut counters: std::collections::BTreeMap<&str, i64> = std::collections::BTreeMap::new();
+        let mut counters: std::collections::BTreeMap<(&str, i32), i64> = std::collections::BTreeMap::new();
         for (k, item) in run.iter().enumerate() {
             if steps[k].is_some() {
                 continue;
@@ -473,7 +473,7 @@ impl Processor {
                 outbox_new.push((k, rec));
             }
             if let Some(c) = counter {
-                *counters.entry(c.as_str()).or_default() += 1;
+                *counters.entry((c.as_str(), item.record.partition)).or_default() += 1;
             }
         }
         let intents_rows: Vec<NewIntent> = intents_new.iter().map(|(_, i)| i.clone()).collect();
@@ -483,7 +483,7 @@ impl Processor {
             outbox_new.iter().map(|(k, r)| (run[*k].event.id.as_str(), r)).collect();
         let new_outbox: std::collections::HashSet<uuid::Uuid> =
             outbox::insert_many(tx, consumer, &outbox_rows).await?.into_iter().collect();
-        let adds: Vec<(&str, i64)> = counters.into_iter().collect();
+        let adds: Vec<(&str, i32, i64)> = counters.into_iter().map(|((name, shard), n)| (name, shard, n)).collect();
         inbox::add_to_counters(tx, consumer, &adds).await?;
         let mut written = vec![(0usize, 0usize); run.len()];
         for (k, i) in &intents_new {
@@ -641,7 +641,7 @@ impl Processor {
             written.1 += usize::from(outbox::insert(tx, consumer, &event.id, &rec).await?);
         }
         if let Some(counter) = &route.counter {
-            inbox::increment_counter(tx, consumer, counter).await?;
+            inbox::increment_counter(tx, consumer, counter, record.partition).await?;
         }
         hop.end("applied");
         Ok(Applied::Written { intents: written.0, events: written.1 })

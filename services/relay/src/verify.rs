@@ -527,12 +527,13 @@ pub async fn verify(cfg: &RelayConfig, pool: &PgPool, opts: &VerifyOptions) -> a
         *expected.entry(counter.as_str()).or_default() += n;
     }
     for (name, want) in expected {
-        let got: i64 =
-            sqlx::query_scalar("SELECT coalesce(max(value), 0) FROM relay.counters WHERE consumer = $1 AND name = $2")
-                .bind(consumer)
-                .bind(name)
-                .fetch_one(pool)
-                .await?;
+        let got: i64 = sqlx::query_scalar(
+            "SELECT coalesce(sum(value), 0)::int8 FROM relay.counters WHERE consumer = $1 AND name = $2",
+        )
+        .bind(consumer)
+        .bind(name)
+        .fetch_one(pool)
+        .await?;
         if got != want {
             report.violate(
                 "counter_mismatch",

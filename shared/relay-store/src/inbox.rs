@@ -271,13 +271,23 @@ pub async fn record_history(
 
 /// Add one to a business counter. Call only where a new inbox row was
 /// inserted in the same transaction, so the counter counts unique events (R20).
-pub async fn increment_counter(conn: &mut PgConnection, consumer: &str, name: &str) -> Result<(), sqlx::Error> {
+///
+/// `shard` is the input record's partition: a counter has one row per
+/// partition, so partitions written side by side never wait for each other's
+/// counter row (migration 0005); its value is the sum ([`counter`]).
+pub async fn increment_counter(
+    conn: &mut PgConnection,
+    consumer: &str,
+    name: &str,
+    shard: i32,
+) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "INSERT INTO relay.counters (consumer, name, value) VALUES ($1, $2, 1)
-         ON CONFLICT (consumer, name) DO UPDATE SET value = relay.counters.value + 1",
+        "INSERT INTO relay.counters (consumer, name, shard, value) VALUES ($1, $2, $3, 1)
+         ON CONFLICT (consumer, name, shard) DO UPDATE SET value = relay.counters.value + 1",
     )
     .bind(consumer)
     .bind(name)
+    .bind(shard)
     .execute(conn)
     .await?;
     Ok(())
@@ -285,11 +295,12 @@ pub async fn increment_counter(conn: &mut PgConnection, consumer: &str, name: &s
 
 /// A business counter's value (0 when never incremented).
 pub async fn counter(conn: &mut PgConnection, consumer: &str, name: &str) -> Result<i64, sqlx::Error> {
-    let v: Option<i64> = sqlx::query_scalar("SELECT value FROM relay.counters WHERE consumer = $1 AND name = $2")
-        .bind(consumer)
-        .bind(name)
-        .fetch_optional(conn)
-        .await?;
+    let v: Option<i64> =
+        sqlx::query_scalar("SELECT sum(value)::int8 FROM relay.counters WHERE consumer = $1 AND name = $2")
+            .bind(consumer)
+            .bind(name)
+            .fetch_one(conn)
+            .await?;
     Ok(v.unwrap_or(0))
 }
 
@@ -379,20 +390,26 @@ pub async fn set_outcome_many(
     Ok(())
 }
 
-/// Add to several business counters at once: `(name, increment)` pairs with
-/// distinct names. Same rule as [`increment_counter`]: only for new inbox rows.
-pub async fn add_to_counters(conn: &mut PgConnection, consumer: &str, adds: &[(&str, i64)]) -> Result<(), sqlx::Error> {
+/// Add to several business counters at once: `(name, shard, increment)`
+/// triples, each (name, shard) once. Same rules as [`increment_counter`]: only
+/// for new inbox rows, the shard is the records' partition.
+pub async fn add_to_counters(
+    conn: &mut PgConnection,
+    consumer: &str,
+    adds: &[(&str, i32, i64)],
+) -> Result<(), sqlx::Error> {
     if adds.is_empty() {
         return Ok(());
     }
     sqlx::query(
-        "INSERT INTO relay.counters (consumer, name, value)
-         SELECT $1, * FROM unnest($2::text[], $3::int8[])
-         ON CONFLICT (consumer, name) DO UPDATE SET value = relay.counters.value + EXCLUDED.value",
+        "INSERT INTO relay.counters (consumer, name, shard, value)
+         SELECT $1, * FROM unnest($2::text[], $3::int4[], $4::int8[])
+         ON CONFLICT (consumer, name, shard) DO UPDATE SET value = relay.counters.value + EXCLUDED.value",
     )
     .bind(consumer)
     .bind(adds.iter().map(|a| a.0).collect::<Vec<_>>())
     .bind(adds.iter().map(|a| a.1).collect::<Vec<_>>())
+    .bind(adds.iter().map(|a| a.2).collect::<Vec<_>>())
     .execute(conn)
     .await?;
     Ok(())

@@ -151,5 +151,9 @@ pub async fn gauges(conn: &mut PgConnection) -> Result<Gauges, sqlx::Error> {
 
 /// Business counters `(consumer, name, value)`, for both [`snapshot`] and [`gauges`].
 async fn counters(conn: &mut PgConnection) -> Result<Vec<(String, String, i64)>, sqlx::Error> {
-    sqlx::query_as("SELECT consumer, name, value FROM relay.counters ORDER BY consumer, name").fetch_all(conn).await
+    sqlx::query_as(
+        "SELECT consumer, name, sum(value)::int8 FROM relay.counters GROUP BY consumer, name ORDER BY consumer, name",
+    )
+    .fetch_all(conn)
+    .await
 }
