@@ -1,5 +1,5 @@
-//! The statements that run over and over — claims, retention cleanup, the
-//! metrics gauges — read
+//! The statements that run over and over — claims, finishes, retention
+//! cleanup, the metrics gauges — read
 //! only the rows they take, through an index in the order they take them,
 //! whatever the planner's statistics say. A plan that reads every candidate
 //! and sorts them passes every functional test and still makes each call cost
@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use relay_store::ops::{self, Cleanup};
 use relay_store::stats;
-use relay_store::{begin_claim, intents, outbox};
+use relay_store::{begin_by_key, begin_claim, intents, outbox};
 use relay_testkit::TestDb;
 use serde_json::Value;
 
@@ -236,6 +236,76 @@ async fn finishing_a_claim_probes_the_primary_key_when_the_statistics_say_nothin
     ] {
         let err = sqlx::query(sql).execute(&mut *conn).await.unwrap_err();
         assert!(err.to_string().contains("lease_only_while_running"), "{sql}: {err}");
+    }
+}
+
+#[tokio::test]
+async fn a_plan_cached_while_the_table_was_small_still_probes_keys_once_it_has_grown() {
+    let db = TestDb::new().await.unwrap();
+    // A new deployment: the tables are tiny and analyzed as such, and no
+    // autovacuum catches up during the test.
+    for table in ["intents", "outbox"] {
+        sqlx::query(&format!("ALTER TABLE relay.{table} SET (autovacuum_enabled = off)"))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    insert_backlog(&db.pool, 10).await;
+    sqlx::query("ANALYZE").execute(&db.pool).await.unwrap();
+    // What PostgreSQL does by itself from a statement's sixth run on: plan it
+    // once for any parameters and keep that plan for the connection.
+    let mut conn = db.conn().await.unwrap();
+    for sql in [
+        "SET plan_cache_mode = force_generic_plan".to_owned(),
+        format!("PREPARE claim_intents AS {}", intents::CLAIM),
+        format!("PREPARE claim_outbox AS {}", outbox::CLAIM),
+        format!("PREPARE finish_intents AS {}", intents::FINISH),
+        format!("PREPARE mark_published AS {}", outbox::MARK_PUBLISHED),
+    ] {
+        sqlx::raw_sql(&sql).execute(&mut *conn).await.unwrap();
+    }
+    // Each statement runs once while the table is small (as the relay runs
+    // them: claims and finishes in their own transactions): its plan is made
+    // and cached now.
+    let execute = |name: &str, claim: bool| {
+        let args = match name {
+            "claim_intents" => "(2, 'worker', 30)",
+            "claim_outbox" => "(2, 30)",
+            "finish_intents" => "('{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}')",
+            _ => "('{}', '{}')",
+        };
+        (format!("EXECUTE {name}{args}"), claim)
+    };
+    let statements = [
+        execute("claim_intents", true),
+        execute("claim_outbox", true),
+        execute("finish_intents", false),
+        execute("mark_published", false),
+    ];
+    for (sql, claim) in &statements {
+        let mut tx = if *claim { begin_claim(&mut conn).await } else { begin_by_key(&mut conn).await }.unwrap();
+        sqlx::raw_sql(sql).execute(&mut *tx).await.unwrap();
+        tx.rollback().await.unwrap();
+    }
+    // The tables grow; nothing tells the cached plans.
+    insert_backlog(&db.pool, ROWS).await;
+    for ((sql, claim), index) in statements.iter().zip(["intents_due", "outbox_pending_by_seq", "", ""]) {
+        let mut tx = if *claim { begin_claim(&mut conn).await } else { begin_by_key(&mut conn).await }.unwrap();
+        let plan: Value =
+            sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {sql}")).fetch_one(&mut *tx).await.unwrap();
+        tx.rollback().await.unwrap();
+        let plan = nodes(&plan);
+        assert!(!plan.iter().any(|n| n.starts_with("Hash")), "{sql} hashes a whole table; plan: {plan:?}");
+        if *claim {
+            assert_index_order(sql, &plan, index);
+        } else {
+            let (key, leases) = if sql.contains("intents") {
+                ("intents_pkey", "intents_leases")
+            } else {
+                ("outbox_pkey", "outbox_leases")
+            };
+            assert_probes_the_key(sql, &plan, key, leases);
+        }
     }
 }
 

@@ -33,7 +33,7 @@ use relay_store::intents::{self, AttemptRecord, ClaimedIntent, Finish, NextState
 use relay_store::sagas::{self, Transition};
 use relay_store::{Claim, inbox, outbox};
 use sqlx::postgres::PgListener;
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::{PgConnection, PgPool};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -434,7 +434,7 @@ impl Dispatcher {
 
     async fn finalize_once(&self, batch: &[Completion]) -> Result<Vec<Finished>, sqlx::Error> {
         let mut conn = self.inner.pool.acquire().await?;
-        let mut tx = conn.begin().await?;
+        let mut tx = relay_store::begin_by_key(&mut conn).await?;
         let items: Vec<Finish> = batch
             .iter()
             .map(|c| Finish {

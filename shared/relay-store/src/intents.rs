@@ -291,20 +291,22 @@ pub const FINISH: &str = "WITH u AS (
                     lease_token = NULL, locked_until = NULL, locked_by = NULL
                FROM u
               WHERE i.id = u.id AND i.lease_token = u.token
-             RETURNING i.id
+             RETURNING i.id, u.token, u.status, u.error, u.error_class, u.outcome, u.started_at, u.attempt,
+                       u.worker, u.attempted
          ), audited AS (
              INSERT INTO relay.intent_attempts
                  (intent_id, attempt, worker, lease_token, started_at, finished_at, outcome, status, error_class, error)
-             SELECT u.id, u.attempt, u.worker, u.token, u.started_at, now(), u.outcome, u.status, u.error_class, u.error
-               FROM u JOIN done ON done.id = u.id
-              WHERE u.attempted
+             SELECT id, attempt, worker, token, started_at, now(), outcome, status, error_class, error
+               FROM done
+              WHERE attempted
          )
          SELECT id FROM done";
 
 /// Record many attempts in one statement, each fenced by its lease token:
 /// the intent row moves (succeeded / pending again / dead) and the attempt's
 /// audit row is written. Returns the ids whose lease was still held; the
-/// others were rescued meanwhile and nothing was written for them.
+/// others were rescued meanwhile and nothing was written for them. Run it in
+/// a transaction begun with [`crate::begin_by_key`], as the dispatcher does.
 pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Vec<Uuid>, sqlx::Error> {
     if items.is_empty() {
         return Ok(Vec::new());

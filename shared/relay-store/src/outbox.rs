@@ -113,9 +113,13 @@ pub const MARK_PUBLISHED: &str = "UPDATE relay.outbox o
            FROM unnest($1::uuid[], $2::uuid[]) AS f(id, token)
           WHERE o.id = f.id AND o.lease_token = f.token";
 
-/// Mark rows published, each only if we still hold its lease. Returns how many were ours.
+/// Mark rows published, each only if we still hold its lease. Returns how
+/// many were ours. Runs in its own transaction ([`crate::begin_by_key`]):
+/// `conn` must not be in one.
 pub async fn mark_published(conn: &mut PgConnection, ids: &[Uuid], tokens: &[Uuid]) -> Result<u64, sqlx::Error> {
-    let done = sqlx::query(MARK_PUBLISHED).bind(ids).bind(tokens).execute(conn).await?;
+    let mut tx = crate::begin_by_key(conn).await?;
+    let done = sqlx::query(MARK_PUBLISHED).bind(ids).bind(tokens).execute(&mut *tx).await?;
+    tx.commit().await?;
     Ok(done.rows_affected())
 }
 
