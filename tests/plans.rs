@@ -309,6 +309,23 @@ async fn a_plan_cached_while_the_table_was_small_still_probes_keys_once_it_has_g
     }
 }
 
+#[tokio::test]
+async fn only_claims_commit_without_waiting_for_the_disk() {
+    // A lost claim is a lease that expired early (relay_store::begin_claim);
+    // a lost finish would be an outcome recorded and then forgotten.
+    let db = TestDb::new().await.unwrap();
+    let mut conn = db.conn().await.unwrap();
+    let setting = "SELECT current_setting('synchronous_commit')";
+    let mut tx = begin_claim(&mut conn).await.unwrap();
+    let claim: String = sqlx::query_scalar(setting).fetch_one(&mut *tx).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = begin_by_key(&mut conn).await.unwrap();
+    let finish: String = sqlx::query_scalar(setting).fetch_one(&mut *tx).await.unwrap();
+    tx.commit().await.unwrap();
+    let after: String = sqlx::query_scalar(setting).fetch_one(&mut *conn).await.unwrap();
+    assert_eq!((claim.as_str(), finish.as_str(), after.as_str()), ("off", "on", "on"));
+}
+
 /// Assert the plan finds its rows through `key` and reads no table whole nor
 /// the partial index `leases` (every running row, once per row finished).
 fn assert_probes_the_key(what: &str, plan: &[String], key: &str, leases: &str) {

@@ -46,7 +46,22 @@ macro_rules! by_key_settings {
 
 /// Begin the short transaction a claim runs in, with the planner told not to
 /// sort (`SET LOCAL enable_sort = off`) and to find rows by key
-/// ([`begin_by_key`]).
+/// ([`begin_by_key`]), committed without waiting for the disk (`SET LOCAL
+/// synchronous_commit = off`).
+///
+/// A claim is the one write of the relay that may be lost in a database
+/// crash: losing it is what a lease expiring already does. The row is
+/// pending again as it was, another claim takes it, the call is made again
+/// with the same idempotency key (R8), and a worker still holding the lost
+/// claim finds its token gone and records nothing (C17). Every later
+/// committed write (the finish of this very call, say) makes the claim
+/// durable with it, since the log is flushed in order; what a crash can lose
+/// is only claims from the last fraction of a second, and with them the
+/// count of the attempts they started (R9 counts attempts so that a worker
+/// that dies on an intent cannot retry it forever; a worker dying does not
+/// lose its claim). Not waiting for the flush matters because a dispatcher
+/// claims one batch after another: in the latency benchmark the steady rate
+/// the pipeline kept up with rose from 4 900–5 300 to 5 900–6 200 records/s.
 ///
 /// A claim takes the first due rows of its partial index in the index's
 /// order, reading only the rows it takes. The other plan — read every due row
@@ -59,7 +74,11 @@ macro_rules! by_key_settings {
 /// transaction, so nothing else run on the connection is affected
 /// (`tests/plans.rs` checks the plans).
 pub async fn begin_claim(conn: &mut PgConnection) -> Result<Transaction<'_, Postgres>, sqlx::Error> {
-    conn.begin_with(concat!("BEGIN; SET LOCAL enable_sort = off; ", by_key_settings!())).await
+    conn.begin_with(concat!(
+        "BEGIN; SET LOCAL synchronous_commit = off; SET LOCAL enable_sort = off; ",
+        by_key_settings!()
+    ))
+    .await
 }
 
 /// Begin a transaction whose statements find their rows by key — the fenced
