@@ -19,6 +19,9 @@ struct Args {
     /// Only these sections, comma-separated (ingest, dispatch, publish, latency, growth, memory).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Latency: the steady loads to run at, as fractions of the peak.
+    #[arg(long, value_delimiter = ',', default_values_t = [0.1, 0.5, 0.9])]
+    load: Vec<f64>,
     /// Write the Markdown report here (e.g. BENCHMARKS.md).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -37,6 +40,7 @@ async fn main() -> ExitCode {
         quick: a.quick,
         runs: if a.quick { 1 } else { a.runs },
         only: a.only,
+        loads: a.load,
     };
     let started = std::time::Instant::now();
     let sections = match run_all(&env).await {
