@@ -6,6 +6,11 @@ use std::process::ExitCode;
 use clap::Parser;
 use relay_bench::{Env, run_all};
 
+/// The allocator the `relay` binary uses, since most sections run the relay
+/// inside this process (and the references run here too, with the same one).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Benchmark the relay against its limits and the naive way, side by side.
 #[derive(Parser)]
 #[command(name = "relay-bench")]
