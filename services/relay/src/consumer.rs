@@ -270,6 +270,15 @@ impl InboxConsumer {
                     None => break,
                 }
             }
+            // Counted per batch and topic, not per record: a metric update
+            // hashes its labels.
+            let mut received: BTreeMap<&str, u64> = BTreeMap::new();
+            for (record, _) in &batch {
+                *received.entry(record.topic.as_str()).or_default() += 1;
+            }
+            for (topic, n) in received {
+                crate::metrics::records_received(&self.settings.name, topic, n);
+            }
             self.refresh_pauses().await;
             let runs = self.process_batch(batch, shutdown).await?;
             if runs.iter().any(|r| r.interrupted) {
@@ -294,7 +303,6 @@ impl InboxConsumer {
             payload: m.payload().map(<[u8]>::to_vec),
             headers,
         };
-        crate::metrics::records_received(&self.settings.name, &record.topic, 1);
         (record, self.state.lock().expect("partition state lock").generation)
     }
 

@@ -40,7 +40,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 use crate::faults::{FaultInjected, Faults, point};
-use crate::http::{CallResult, EndpointClient};
+use crate::http::{CallResult, EndpointClient, Sent};
 
 /// Channel the intents trigger notifies.
 pub const CHANNEL: &str = "relay_intents";
@@ -289,25 +289,32 @@ impl Dispatcher {
             };
             (Verdict::Permanent, CallResult { error_class: Some("budget"), error: Some(why), ..CallResult::not_sent() })
         } else if let Some(client) = endpoint {
-            let attrs = vec![
-                opentelemetry::KeyValue::new("relay.intent_id", intent.id.to_string()),
-                opentelemetry::KeyValue::new("relay.endpoint", intent.endpoint.clone()),
-                opentelemetry::KeyValue::new("relay.attempt", i64::from(intent.attempts)),
-                opentelemetry::KeyValue::new("relay.idempotency_key", intent.idempotency_key.clone()),
-            ];
+            let attrs = || {
+                vec![
+                    opentelemetry::KeyValue::new("relay.intent_id", intent.id.to_string()),
+                    opentelemetry::KeyValue::new("relay.endpoint", intent.endpoint.clone()),
+                    opentelemetry::KeyValue::new("relay.attempt", i64::from(intent.attempts)),
+                    opentelemetry::KeyValue::new("relay.idempotency_key", intent.idempotency_key.clone()),
+                ]
+            };
             let hop = crate::trace::Hop::start(
                 "relay.call",
                 opentelemetry::trace::SpanKind::Client,
                 intent.traceparent.as_deref(),
                 attrs,
             );
-            let mut sent = intent.clone();
-            sent.traceparent = hop.traceparent.clone().or(sent.traceparent);
-            if self.inner.faults.sabotage().fresh_idempotency_key {
+            let fresh_key = self
+                .inner
+                .faults
+                .sabotage()
+                .fresh_idempotency_key
                 // Deliberately wrong (R8): a new key per attempt.
-                sent.idempotency_key = format!("{}:{}", intent.idempotency_key, uuid::Uuid::new_v4());
-            }
-            let r = client.call(&sent).await;
+                .then(|| format!("{}:{}", intent.idempotency_key, uuid::Uuid::new_v4()));
+            let sent = Sent {
+                idempotency_key: fresh_key.as_deref().unwrap_or(&intent.idempotency_key),
+                traceparent: hop.traceparent.as_deref().or(intent.traceparent.as_deref()),
+            };
+            let r = client.call(&intent, sent).await;
             hop.end(r.status.map_or_else(|| r.error_class.unwrap_or("error").to_owned(), |s| s.to_string()).as_str());
             self.inner.faults.hit(point::DISPATCHER_AFTER_CALL).await?;
             (classify(&r.attempt, &client.config().retryable_statuses), r)

@@ -44,6 +44,17 @@ impl CallResult {
     }
 }
 
+/// What a request carries that is not simply the intent's: the trace context
+/// of this attempt's hop, and the idempotency key (the intent's, except when a
+/// test sabotages it).
+#[derive(Debug, Clone, Copy)]
+pub struct Sent<'a> {
+    /// Sent in the configured idempotency header.
+    pub idempotency_key: &'a str,
+    /// Sent as `traceparent`, when there is one.
+    pub traceparent: Option<&'a str>,
+}
+
 /// The client of one endpoint. Cheap to clone.
 #[derive(Clone)]
 pub struct EndpointClient {
@@ -87,7 +98,7 @@ impl EndpointClient {
         &self.cfg
     }
 
-    fn request(&self, intent: &ClaimedIntent) -> Result<reqwest::Request, String> {
+    fn request(&self, intent: &ClaimedIntent, sent: Sent<'_>) -> Result<reqwest::Request, String> {
         let base = self.cfg.base_url.as_str().trim_end_matches('/');
         let path = intent.path.trim_start_matches('/');
         let url = format!("{base}/{path}");
@@ -96,10 +107,10 @@ impl EndpointClient {
         let mut req = self
             .http
             .request(method, &url)
-            .header(self.cfg.idempotency_header.as_str(), intent.idempotency_key.as_str())
+            .header(self.cfg.idempotency_header.as_str(), sent.idempotency_key)
             .header("x-relay-intent-id", intent.id.to_string())
             .header("x-relay-attempt", intent.attempts.to_string());
-        if let Some(t) = &intent.traceparent {
+        if let Some(t) = sent.traceparent {
             req = req.header("traceparent", t);
         }
         if let Some(c) = &intent.correlation_id {
@@ -125,9 +136,9 @@ impl EndpointClient {
         req.build().map_err(|e| format!("cannot build the request: {e}"))
     }
 
-    /// Make one attempt.
-    pub async fn call(&self, intent: &ClaimedIntent) -> CallResult {
-        let req = match self.request(intent) {
+    /// Make one attempt of `intent`, sent with `sent`'s idempotency key and trace context.
+    pub async fn call(&self, intent: &ClaimedIntent, sent: Sent<'_>) -> CallResult {
+        let req = match self.request(intent, sent) {
             Ok(r) => r,
             Err(e) => {
                 // The request cannot be expressed at all: as permanent as a 400.

@@ -651,12 +651,14 @@ impl Processor {
     /// intents and events written carry the hop's `traceparent`.
     fn provenance_hop(&self, event: &InputEvent, route: Option<&str>) -> (Provenance, crate::trace::Hop) {
         let mut prov = self.router.provenance(event);
-        let attrs = vec![
-            opentelemetry::KeyValue::new("relay.consumer", self.router.consumer().to_owned()),
-            opentelemetry::KeyValue::new("relay.event_id", event.id.clone()),
-            opentelemetry::KeyValue::new("relay.event_type", event.event_type.clone()),
-            opentelemetry::KeyValue::new("relay.route", route.unwrap_or_default().to_owned()),
-        ];
+        let attrs = || {
+            vec![
+                opentelemetry::KeyValue::new("relay.consumer", self.router.consumer().to_owned()),
+                opentelemetry::KeyValue::new("relay.event_id", event.id.clone()),
+                opentelemetry::KeyValue::new("relay.event_type", event.event_type.clone()),
+                opentelemetry::KeyValue::new("relay.route", route.unwrap_or_default().to_owned()),
+            ]
+        };
         let hop = crate::trace::Hop::start(
             "relay.inbox",
             opentelemetry::trace::SpanKind::Consumer,

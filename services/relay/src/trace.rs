@@ -79,14 +79,24 @@ pub struct Hop {
 }
 
 impl Hop {
-    /// Start a hop named `name` under `parent` (`None` without a parent: no trace).
-    pub fn start(name: &'static str, kind: SpanKind, parent: Option<&str>, attributes: Vec<KeyValue>) -> Hop {
+    /// Start a hop named `name` under `parent` (`None` without a parent: no
+    /// trace). `attributes` are only built when spans are exported: they
+    /// cost allocations on every record and call.
+    pub fn start(
+        name: &'static str,
+        kind: SpanKind,
+        parent: Option<&str>,
+        attributes: impl FnOnce() -> Vec<KeyValue>,
+    ) -> Hop {
         let Some(parent_cx) = parent.and_then(parse) else { return Hop { span: None, traceparent: None } };
         if let Some(Some(provider)) = PROVIDER.get() {
             let tracer = opentelemetry::global::BoxedTracer::new(Box::new(provider.tracer("relay")));
             let cx = Context::new().with_remote_span_context(parent_cx);
-            let span =
-                tracer.span_builder(name).with_kind(kind).with_attributes(attributes).start_with_context(&tracer, &cx);
+            let span = tracer
+                .span_builder(name)
+                .with_kind(kind)
+                .with_attributes(attributes())
+                .start_with_context(&tracer, &cx);
             let traceparent = Some(format(span.span_context()));
             return Hop { span: Some(span), traceparent };
         }
@@ -117,7 +127,7 @@ mod tests {
 
     #[test]
     fn a_hop_keeps_the_trace_and_gets_a_span_of_its_own() {
-        let hop = Hop::start("call", SpanKind::Client, Some(PARENT), Vec::new());
+        let hop = Hop::start("call", SpanKind::Client, Some(PARENT), Vec::new);
         let child = parse(hop.traceparent.as_deref().unwrap()).unwrap();
         let parent = parse(PARENT).unwrap();
         assert_eq!(child.trace_id(), parent.trace_id());
@@ -133,7 +143,7 @@ mod tests {
             "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
             "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
         ] {
-            assert!(Hop::start("x", SpanKind::Internal, Some(bad), Vec::new()).traceparent.is_none(), "{bad}");
+            assert!(Hop::start("x", SpanKind::Internal, Some(bad), Vec::new).traceparent.is_none(), "{bad}");
         }
         assert_eq!(format(&parse(PARENT).unwrap()), PARENT);
     }
