@@ -36,8 +36,9 @@ pub fn exercise_template(source: &str, ctx: &Value) {
     let text = b.text("fuzz.text", source);
     let json = b.json("fuzz.json", &serde_json::json!({"a": source, "b": [source, 1]}));
     if let Ok(t) = b.finish() {
-        let _ = t.render(&text, ctx);
-        let _ = t.render_json(&json, ctx);
+        let ctx = crate::template::Context::from(ctx.clone());
+        let _ = t.render(&text, &ctx);
+        let _ = t.render_json(&json, &ctx);
     }
 }
 

@@ -282,7 +282,7 @@ impl Router {
     /// Render the route's actions for `event`. A template that cannot be
     /// rendered is a permanent error naming the template and the field.
     pub fn plan(&self, route: &CompiledRoute, event: &InputEvent, record: &RawRecord) -> Result<Plan, Poison> {
-        let ctx = self.context(event, record);
+        let ctx = crate::template::Context::from(self.context(event, record));
         let poison = |e: crate::template::RenderError| {
             Poison::new(PoisonClass::TemplateError, e.0).with_identity(Some(&event.id), Some(&event.event_type))
         };
@@ -297,7 +297,11 @@ impl Router {
         Ok(plan)
     }
 
-    fn render_saga(&self, s: &CompiledSaga, ctx: &Value) -> Result<SagaMove, crate::template::RenderError> {
+    fn render_saga(
+        &self,
+        s: &CompiledSaga,
+        ctx: &crate::template::Context,
+    ) -> Result<SagaMove, crate::template::RenderError> {
         Ok(SagaMove {
             action: s.name.clone(),
             saga_type: s.saga_type.clone(),
@@ -308,7 +312,11 @@ impl Router {
         })
     }
 
-    fn render_emit(&self, e: &CompiledEmit, ctx: &Value) -> Result<EmitSpec, crate::template::RenderError> {
+    fn render_emit(
+        &self,
+        e: &CompiledEmit,
+        ctx: &crate::template::Context,
+    ) -> Result<EmitSpec, crate::template::RenderError> {
         let t = &self.templates;
         Ok(EmitSpec {
             action: e.name.clone(),
@@ -318,20 +326,28 @@ impl Router {
             subject: e.subject.as_ref().map(|k| t.render(k, ctx)).transpose()?,
             data: match &e.data {
                 Some(d) => t.render_json(d, ctx)?,
-                None => ctx.get("data").cloned().unwrap_or(Value::Null),
+                None => ctx.json().get("data").cloned().unwrap_or(Value::Null),
             },
             ordered: e.ordered,
         })
     }
 
-    fn render_outcome(&self, o: &CompiledOutcome, ctx: &Value) -> Result<Outcome, crate::template::RenderError> {
+    fn render_outcome(
+        &self,
+        o: &CompiledOutcome,
+        ctx: &crate::template::Context,
+    ) -> Result<Outcome, crate::template::RenderError> {
         Ok(Outcome {
             emit: o.emit.iter().map(|e| self.render_emit(e, ctx)).collect::<Result<_, _>>()?,
             saga: o.saga.iter().map(|s| self.render_saga(s, ctx)).collect::<Result<_, _>>()?,
         })
     }
 
-    fn render_call(&self, c: &CompiledCall, ctx: &Value) -> Result<CallSpec, crate::template::RenderError> {
+    fn render_call(
+        &self,
+        c: &CompiledCall,
+        ctx: &crate::template::Context,
+    ) -> Result<CallSpec, crate::template::RenderError> {
         let t = &self.templates;
         Ok(CallSpec {
             action: c.name.clone(),

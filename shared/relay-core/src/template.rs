@@ -127,12 +127,15 @@ fn single_expression(s: &str) -> Option<&str> {
 
 impl Templates {
     /// Render a string template against `ctx`.
-    pub fn render(&self, t: &TextTemplate, ctx: &Value) -> Result<String, RenderError> {
+    pub fn render(&self, t: &TextTemplate, ctx: &Context) -> Result<String, RenderError> {
         let tmpl = self.env.get_template(&t.name).map_err(|e| RenderError(format!("{}: {e}", t.name)))?;
-        tmpl.render(ctx).map_err(|e| {
+        tmpl.render(&ctx.engine).map_err(|e| {
             if e.kind() == ErrorKind::UndefinedError {
-                let mut missing: Vec<String> =
-                    tmpl.undeclared_variables(true).into_iter().filter(|path| lookup(ctx, path).is_none()).collect();
+                let mut missing: Vec<String> = tmpl
+                    .undeclared_variables(true)
+                    .into_iter()
+                    .filter(|path| lookup(&ctx.json, path).is_none())
+                    .collect();
                 missing.sort();
                 if !missing.is_empty() {
                     return RenderError(format!(
@@ -147,7 +150,7 @@ impl Templates {
     }
 
     /// Render a JSON template against `ctx`.
-    pub fn render_json(&self, t: &JsonTemplate, ctx: &Value) -> Result<Value, RenderError> {
+    pub fn render_json(&self, t: &JsonTemplate, ctx: &Context) -> Result<Value, RenderError> {
         Ok(match t {
             JsonTemplate::Literal(v) => v.clone(),
             JsonTemplate::Text(t) => Value::String(self.render(t, ctx)?),
@@ -180,6 +183,31 @@ fn lookup<'a>(ctx: &'a Value, path: &str) -> Option<&'a Value> {
     })
 }
 
+/// What templates render against: an event's context as JSON (for error
+/// messages that name a missing field) and as the template engine's value.
+/// Built once per event: the engine converts a JSON context on every render,
+/// and a route renders several templates per event (path, body fields, keys,
+/// headers) — that conversion was most of the consumer's template time.
+#[derive(Debug, Clone)]
+pub struct Context {
+    json: Value,
+    engine: minijinja::Value,
+}
+
+impl Context {
+    /// The context as JSON.
+    pub fn json(&self) -> &Value {
+        &self.json
+    }
+}
+
+impl From<Value> for Context {
+    fn from(json: Value) -> Context {
+        let engine = minijinja::Value::from_serialize(&json);
+        Context { json, engine }
+    }
+}
+
 /// Build a template context, leaving out absent optional fields so strict
 /// mode reports them as missing.
 pub fn context(fields: BTreeMap<&str, Option<Value>>) -> Value {
@@ -200,7 +228,7 @@ mod tests {
         let mut b = TemplateBuilder::default();
         let t = b.text("k", "capture:{{ data.order_id }}:{{ id }}");
         let ts = b.finish().unwrap();
-        assert_eq!(ts.render(&t, &ctx()).unwrap(), "capture:o-1:evt-1");
+        assert_eq!(ts.render(&t, &ctx().into()).unwrap(), "capture:o-1:evt-1");
     }
 
     #[test]
@@ -208,7 +236,7 @@ mod tests {
         let mut b = TemplateBuilder::default();
         let t = b.text("routes[0].actions[0].path", "/pay/{{ data.customer_id }}");
         let ts = b.finish().unwrap();
-        let err = ts.render(&t, &ctx()).unwrap_err();
+        let err = ts.render(&t, &ctx().into()).unwrap_err();
         assert!(err.0.contains("data.customer_id"), "{err}");
         assert!(err.0.contains("routes[0].actions[0].path"), "{err}");
     }
@@ -222,7 +250,7 @@ mod tests {
         );
         let ts = b.finish().unwrap();
         assert_eq!(
-            ts.render_json(&t, &ctx()).unwrap(),
+            ts.render_json(&t, &ctx().into()).unwrap(),
             json!({"amount": 1250, "ref": "order o-1", "tags": ["a"], "fixed": 3})
         );
     }
@@ -233,7 +261,7 @@ mod tests {
         let t = b.json("body", &json!({"note": "{{ data.note }}"}));
         let ts = b.finish().unwrap();
         let c = json!({"data": {"note": "say \"hi\"\n"}});
-        assert_eq!(ts.render_json(&t, &c).unwrap(), json!({"note": "say \"hi\"\n"}));
+        assert_eq!(ts.render_json(&t, &c.into()).unwrap(), json!({"note": "say \"hi\"\n"}));
     }
 
     #[test]
@@ -250,6 +278,6 @@ mod tests {
         let mut b = TemplateBuilder::default();
         let t = b.text("p", "/a?x={{ data.q }}");
         let ts = b.finish().unwrap();
-        assert_eq!(ts.render(&t, &json!({"data": {"q": "a&b<c>"}})).unwrap(), "/a?x=a&b<c>");
+        assert_eq!(ts.render(&t, &json!({"data": {"q": "a&b<c>"}}).into()).unwrap(), "/a?x=a&b<c>");
     }
 }
