@@ -338,8 +338,10 @@ pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Ve
 }
 
 /// Give back a claim whose attempt was never started: pending again, the
-/// attempt not counted (fenced).
+/// attempt not counted (fenced). Runs in its own transaction
+/// ([`crate::begin_by_key`]): `conn` must not be in one.
 pub async fn release(conn: &mut PgConnection, id: Uuid, token: Uuid) -> Result<Fenced, sqlx::Error> {
+    let mut tx = crate::begin_by_key(conn).await?;
     let done = sqlx::query(
         "UPDATE relay.intents
             SET state = 'pending', attempts = attempts - 1, lease_token = NULL, locked_until = NULL, locked_by = NULL
@@ -347,8 +349,9 @@ pub async fn release(conn: &mut PgConnection, id: Uuid, token: Uuid) -> Result<F
     )
     .bind(id)
     .bind(token)
-    .execute(conn)
+    .execute(&mut *tx)
     .await?;
+    tx.commit().await?;
     Ok(if done.rows_affected() == 1 { Fenced::Done } else { Fenced::LeaseLost })
 }
 

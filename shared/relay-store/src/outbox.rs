@@ -123,7 +123,8 @@ pub async fn mark_published(conn: &mut PgConnection, ids: &[Uuid], tokens: &[Uui
     Ok(done.rows_affected())
 }
 
-/// Put a row back to pending after a failed delivery (fenced).
+/// Put a row back to pending after a failed delivery (fenced). Runs in its
+/// own transaction ([`crate::begin_by_key`]): `conn` must not be in one.
 pub async fn schedule_retry(
     conn: &mut PgConnection,
     id: Uuid,
@@ -131,6 +132,7 @@ pub async fn schedule_retry(
     delay: Duration,
     error: &str,
 ) -> Result<bool, sqlx::Error> {
+    let mut tx = crate::begin_by_key(conn).await?;
     let done = sqlx::query(
         "UPDATE relay.outbox
             SET state = 'pending', next_attempt_at = now() + make_interval(secs => $3),
@@ -141,8 +143,9 @@ pub async fn schedule_retry(
     .bind(token)
     .bind(delay.as_secs_f64())
     .bind(error)
-    .execute(conn)
+    .execute(&mut *tx)
     .await?;
+    tx.commit().await?;
     Ok(done.rows_affected() == 1)
 }
 
