@@ -11,7 +11,8 @@
 //!   number of dispatcher processes;
 //! * **relay to Kafka** — outbox rows → acknowledged → marked published —
 //!   against the same records produced directly;
-//! * **latency** — produce → the provider receives the call, at steady rates;
+//! * **latency** — produce → the provider receives the call, at steady
+//!   fractions of the highest rate the pipeline keeps up with;
 //! * **growth** — ingest and claim with big tables and a long-open snapshot;
 //! * **memory** — peak RSS of consumer and dispatcher processes with a backlog.
 //!
@@ -776,7 +777,7 @@ impl Steady {
 /// `secs` seconds is produced, less than a quarter of a second's worth of
 /// records still waits for its call (at a rate above capacity that backlog
 /// grows by the excess every second: 3 % too fast for 8 s is 0.24 s).
-/// Bisection, `steps` times.
+/// Bisection, `steps` times; `lo` itself is taken as kept up with.
 async fn sustained_peak(
     env: &Env,
     lo: f64,
