@@ -187,7 +187,8 @@ fn lookup<'a>(ctx: &'a Value, path: &str) -> Option<&'a Value> {
 /// messages that name a missing field) and as the template engine's value.
 /// Built once per event: the engine converts a JSON context on every render,
 /// and a route renders several templates per event (path, body fields, keys,
-/// headers) — that conversion was most of the consumer's template time.
+/// headers) — in a profile, that conversion was about a quarter of the
+/// template time.
 #[derive(Debug, Clone)]
 pub struct Context {
     json: Value,
