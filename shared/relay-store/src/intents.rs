@@ -341,17 +341,14 @@ pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Ve
 /// attempt not counted (fenced). Runs in its own transaction
 /// ([`crate::begin_by_key`]): `conn` must not be in one.
 pub async fn release(conn: &mut PgConnection, id: Uuid, token: Uuid) -> Result<Fenced, sqlx::Error> {
-    let mut tx = crate::begin_by_key(conn).await?;
-    let done = sqlx::query(
+    let release = sqlx::query(
         "UPDATE relay.intents
             SET state = 'pending', attempts = attempts - 1, lease_token = NULL, locked_until = NULL, locked_by = NULL
           WHERE id = $1 AND lease_token = $2",
     )
     .bind(id)
-    .bind(token)
-    .execute(&mut *tx)
-    .await?;
-    tx.commit().await?;
+    .bind(token);
+    let done = crate::execute_by_key(conn, release).await?;
     Ok(if done.rows_affected() == 1 { Fenced::Done } else { Fenced::LeaseLost })
 }
 

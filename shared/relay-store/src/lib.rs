@@ -102,6 +102,18 @@ pub async fn begin_by_key(conn: &mut PgConnection) -> Result<Transaction<'_, Pos
     conn.begin_with(concat!("BEGIN; ", by_key_settings!())).await
 }
 
+/// Run one fenced statement in a transaction of its own begun with
+/// [`begin_by_key`]: `conn` must not be in one.
+pub(crate) async fn execute_by_key(
+    conn: &mut PgConnection,
+    statement: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
+) -> Result<sqlx::postgres::PgQueryResult, sqlx::Error> {
+    let mut tx = begin_by_key(conn).await?;
+    let done = statement.execute(&mut *tx).await?;
+    tx.commit().await?;
+    Ok(done)
+}
+
 /// What one claim took, in claim order, and — when it took fewer rows than it
 /// asked for — when the next pending row that is not due yet comes due, for
 /// the claimer's sleep (`None`: nothing scheduled, or the claim came back full

@@ -117,9 +117,7 @@ pub const MARK_PUBLISHED: &str = "UPDATE relay.outbox o
 /// many were ours. Runs in its own transaction ([`crate::begin_by_key`]):
 /// `conn` must not be in one.
 pub async fn mark_published(conn: &mut PgConnection, ids: &[Uuid], tokens: &[Uuid]) -> Result<u64, sqlx::Error> {
-    let mut tx = crate::begin_by_key(conn).await?;
-    let done = sqlx::query(MARK_PUBLISHED).bind(ids).bind(tokens).execute(&mut *tx).await?;
-    tx.commit().await?;
+    let done = crate::execute_by_key(conn, sqlx::query(MARK_PUBLISHED).bind(ids).bind(tokens)).await?;
     Ok(done.rows_affected())
 }
 
@@ -132,8 +130,7 @@ pub async fn schedule_retry(
     delay: Duration,
     error: &str,
 ) -> Result<bool, sqlx::Error> {
-    let mut tx = crate::begin_by_key(conn).await?;
-    let done = sqlx::query(
+    let retry = sqlx::query(
         "UPDATE relay.outbox
             SET state = 'pending', next_attempt_at = now() + make_interval(secs => $3),
                 last_error = $4, lease_token = NULL, locked_until = NULL
@@ -142,10 +139,8 @@ pub async fn schedule_retry(
     .bind(id)
     .bind(token)
     .bind(delay.as_secs_f64())
-    .bind(error)
-    .execute(&mut *tx)
-    .await?;
-    tx.commit().await?;
+    .bind(error);
+    let done = crate::execute_by_key(conn, retry).await?;
     Ok(done.rows_affected() == 1)
 }
 
