@@ -281,16 +281,7 @@ pub async fn increment_counter(
     name: &str,
     shard: i32,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO relay.counters (consumer, name, shard, value) VALUES ($1, $2, $3, 1)
-         ON CONFLICT (consumer, name, shard) DO UPDATE SET value = relay.counters.value + 1",
-    )
-    .bind(consumer)
-    .bind(name)
-    .bind(shard)
-    .execute(conn)
-    .await?;
-    Ok(())
+    add_to_counters(conn, consumer, &[(name, shard, 1)]).await
 }
 
 /// A business counter's value (0 when never incremented).
