@@ -46,7 +46,16 @@ pub fn kafka_bootstrap() -> String {
     env("RELAY_TEST_KAFKA_BOOTSTRAP")
 }
 
+/// Set to keep every test database after its test (they are dropped when the
+/// `TestDb` goes out of scope unless the test panicked).
+pub const KEEP_DATABASES_VAR: &str = "RELAY_TEST_KEEP_DATABASES";
+
 /// A fresh, migrated database owned by one test.
+///
+/// Dropped (`DROP DATABASE … WITH (FORCE)`) when the value goes out of scope,
+/// so a test run or a benchmark does not leave gigabytes behind; kept, with
+/// its name on stderr, when the thread is panicking (a failed test's data is
+/// the evidence) or when [`KEEP_DATABASES_VAR`] is set.
 pub struct TestDb {
     /// Pool on the database.
     pub pool: PgPool,
@@ -54,6 +63,8 @@ pub struct TestDb {
     pub url: String,
     /// Its name.
     pub name: String,
+    /// The role that created it, to drop it.
+    admin_url: String,
 }
 
 impl TestDb {
@@ -72,7 +83,7 @@ impl TestDb {
         let url = replace_db(&admin_url, &name);
         let pool = PgPoolOptions::new().max_connections(10).connect(&url).await?;
         relay_store::migrate(&pool).await?;
-        Ok(TestDb { pool, url, name })
+        Ok(TestDb { pool, url, name, admin_url })
     }
 
     /// A connection from the pool.
@@ -86,6 +97,36 @@ impl TestDb {
             .fetch_one(&self.pool)
             .await
             .unwrap_or_else(|e| panic!("count relay.{table} WHERE {filter}: {e}"))
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        if std::thread::panicking() || std::env::var_os(KEEP_DATABASES_VAR).is_some() {
+            eprintln!("kept test database {name}");
+            return;
+        }
+        // Drop runs inside the test's runtime, which cannot be blocked on from
+        // its own thread: the DROP gets a thread and a runtime of its own.
+        // FORCE ends the connections still open (the pool's, a child
+        // process's); the role that created the database owns them.
+        let admin_url = self.admin_url.clone();
+        let dropped = std::thread::spawn(move || -> anyhow::Result<()> {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            runtime.block_on(async {
+                let mut admin = PgConnection::connect(&admin_url).await?;
+                sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut admin).await?;
+                admin.close().await?;
+                Ok(())
+            })
+        })
+        .join();
+        match dropped {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => eprintln!("warning: could not drop test database {}: {e:#}", self.name),
+            Err(_) => eprintln!("warning: dropping test database {} panicked", self.name),
+        }
     }
 }
 
