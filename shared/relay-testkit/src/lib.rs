@@ -109,14 +109,34 @@ impl Drop for TestDb {
         }
         // Drop runs inside the test's runtime, which cannot be blocked on from
         // its own thread: the DROP gets a thread and a runtime of its own.
-        // FORCE ends the connections still open (the pool's, a child
-        // process's); the role that created the database owns them.
+        // The connections still open (the pool's, a child process's) are the
+        // test role's: it ends them and waits. Not `DROP … WITH (FORCE)`: for a
+        // role that is not a superuser it fails while an autovacuum worker is
+        // in the database, while a plain DROP stops autovacuum by itself.
         let admin_url = self.admin_url.clone();
         let dropped = std::thread::spawn(move || -> anyhow::Result<()> {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             runtime.block_on(async {
                 let mut admin = PgConnection::connect(&admin_url).await?;
-                sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut admin).await?;
+                let mut tries = 0;
+                loop {
+                    sqlx::query(
+                        "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity
+                          WHERE datname = $1 AND usename = current_user AND pid <> pg_backend_pid()",
+                    )
+                    .bind(&name)
+                    .execute(&mut admin)
+                    .await?;
+                    match sqlx::query(&format!("DROP DATABASE IF EXISTS {name}")).execute(&mut admin).await {
+                        Ok(_) => break,
+                        // A connection opened between the two statements.
+                        Err(e) if tries < 3 => {
+                            tries += 1;
+                            eprintln!("dropping test database {name}: {e}; trying again");
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                }
                 admin.close().await?;
                 Ok(())
             })
