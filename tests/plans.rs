@@ -340,3 +340,64 @@ fn assert_probes_the_key(what: &str, plan: &[String], key: &str, leases: &str) {
         "{what} reads every running row; plan: {plan:?}"
     );
 }
+
+/// The console refreshes its counts every 3 s: a history table beyond the
+/// threshold is not counted (that reads it whole) but taken from
+/// PostgreSQL's running estimate of live rows, less the exact backlog, and
+/// the API says which figures are estimates; a small one is counted exactly.
+#[tokio::test]
+async fn console_counts_estimate_big_history_tables_and_count_small_ones_exactly() {
+    let db = TestDb::new().await.unwrap();
+    sqlx::query(
+        "INSERT INTO relay.inbox (consumer, event_id, event_type, topic, partition, \"offset\", outcome)
+         SELECT 'plans', 'e-' || g, 'order.placed', 'in', 0, g, CASE WHEN g <= 3 THEN 'stale' ELSE 'applied' END
+           FROM generate_series(1, 1003) g",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    insert_backlog(&db.pool, 10).await;
+    sqlx::query("UPDATE relay.intents SET state = 'succeeded', finished_at = now() WHERE source_event_id IN ('e-1', 'e-2', 'e-3', 'e-4')")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    // The statistics arrive when the writing sessions report them: at once
+    // when told to (PostgreSQL 15), else within seconds of going idle. Every
+    // connection of the pool (10) is one of them or a new one.
+    let mut writers = Vec::new();
+    for _ in 0..10 {
+        let mut c = db.pool.acquire().await.unwrap();
+        let _ = sqlx::query("SELECT pg_stat_force_next_flush()").execute(&mut *c).await;
+        writers.push(c);
+    }
+    drop(writers);
+    relay_testkit::eventually("the inserts in pg_stat_user_tables", relay_testkit::DEADLINE, || async {
+        let live: Vec<i64> = sqlx::query_scalar(
+            "SELECT n_live_tup FROM pg_stat_user_tables WHERE schemaname = 'relay'
+               AND relname IN ('inbox', 'intents', 'outbox') ORDER BY relname",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        (live == [1003, 10, 10]).then_some(())
+    })
+    .await;
+    let mut conn = db.conn().await.unwrap();
+
+    let (exact, estimated) = stats::overview(&mut conn, 100_000).await.unwrap();
+    assert!(estimated.is_empty(), "{estimated:?}");
+    assert_eq!(exact.inbox, [("applied".to_owned(), 1000), ("stale".to_owned(), 3)]);
+    assert_eq!(stats::Stats::count(&exact.intents, "succeeded"), 4);
+    assert_eq!(stats::Stats::count(&exact.intents, "pending"), 6);
+
+    let (big_inbox, estimated) = stats::overview(&mut conn, 500).await.unwrap();
+    assert_eq!(estimated, ["inbox"]);
+    assert_eq!(big_inbox.inbox, [("all".to_owned(), 1003)]);
+
+    let (all_big, estimated) = stats::overview(&mut conn, 5).await.unwrap();
+    assert_eq!(estimated, ["inbox", "intents.succeeded", "outbox.published"]);
+    assert_eq!(stats::Stats::count(&all_big.intents, "succeeded"), 4, "10 live rows less 6 pending");
+    assert_eq!(stats::Stats::count(&all_big.intents, "pending"), 6, "the backlog stays exact");
+    assert_eq!(stats::Stats::count(&all_big.outbox, "published"), 0);
+    assert_eq!(stats::Stats::count(&all_big.outbox, "pending"), 10);
+}

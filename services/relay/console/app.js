@@ -48,18 +48,20 @@ function cell(value, cls) {
 async function refresh() {
   if (!state.token) return;
   try {
-    const { stats, pauses } = await api("/api/counts");
+    // History figures of big tables are estimates (the API names them): "≈".
+    const { stats, pauses, estimated = [] } = await api("/api/counts");
+    const est = (key, v) => (estimated.includes(key) ? "≈ " + v : v);
     fill($("#intent-counts"), [
       ["pending", count(stats.intents, "pending")], ["running", count(stats.intents, "running")],
-      ["succeeded", count(stats.intents, "succeeded")], ["dead", count(stats.intents, "dead")],
+      ["succeeded", est("intents.succeeded", count(stats.intents, "succeeded"))], ["dead", count(stats.intents, "dead")],
       ["oldest unfinished (s)", stats.oldest_pending_intent_secs === null ? "–" : stats.oldest_pending_intent_secs.toFixed(1)],
     ]);
     fill($("#outbox-counts"), [
       ["pending", count(stats.outbox, "pending")], ["running", count(stats.outbox, "running")],
-      ["published", count(stats.outbox, "published")],
+      ["published", est("outbox.published", count(stats.outbox, "published"))],
       ["oldest unpublished (s)", stats.oldest_unpublished_outbox_secs === null ? "–" : stats.oldest_unpublished_outbox_secs.toFixed(1)],
     ]);
-    fill($("#inbox-counts"), stats.inbox.length ? stats.inbox : [["(empty)", ""]]);
+    fill($("#inbox-counts"), stats.inbox.length ? stats.inbox.map(([k, v]) => [k, est("inbox", v)]) : [["(empty)", ""]]);
     fill($("#dl-counts"), [["unresolved", stats.dead_letters_unresolved], ["all", stats.dead_letters_total]]);
     renderPauses(pauses);
     await Promise.all([renderDeadIntents(), renderDeadLetters()]);

@@ -193,9 +193,11 @@ async fn broker_reachable(s: &AppState) -> Result<String, String> {
 async fn counts(State(s): State<Shared>, headers: HeaderMap) -> ApiResult {
     authorize(&s, &headers)?;
     let mut conn = s.pool.acquire().await?;
-    let snapshot = stats::snapshot(&mut conn).await?;
+    // Refreshed every 3 s by every open console: history tables are counted
+    // exactly only while they are small (see `stats::overview`).
+    let (snapshot, estimated) = stats::overview(&mut conn, stats::EXACT_UP_TO).await?;
     let pauses = ops::pauses(&mut conn).await?;
-    Ok(Json(json!({"stats": snapshot, "pauses": pauses})))
+    Ok(Json(json!({"stats": snapshot, "estimated": estimated, "pauses": pauses})))
 }
 
 #[derive(Deserialize)]

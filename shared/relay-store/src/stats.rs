@@ -1,6 +1,7 @@
-//! Counts for `relay stats` and the console ([`snapshot`]: exact, reads
-//! whole tables) and for the metrics gauges ([`gauges`]: cheap enough to run
-//! every few seconds in every process).
+//! Counts for `relay stats` ([`snapshot`]: exact, reads whole tables), for
+//! the console ([`overview`]: exact while the history tables are small,
+//! their sizes estimated once they are not) and for the metrics gauges
+//! ([`gauges`]: cheap enough to run every few seconds in every process).
 
 use serde::Serialize;
 use sqlx::PgConnection;
@@ -73,6 +74,72 @@ pub async fn snapshot(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
         dead_letters_total,
         counters,
     })
+}
+
+/// A history table whose size the console shows as an estimate beyond this
+/// many rows (see [`overview`]).
+pub const EXACT_UP_TO: i64 = 100_000;
+
+/// [`Stats`] for a screen refreshed every few seconds: the backlog (pending,
+/// running, dead intents; unpublished outbox rows; dead letters) is counted
+/// exactly through the partial indexes, as for [`gauges`]. The history
+/// (inbox rows by outcome, succeeded intents, published outbox rows) is
+/// counted exactly only while its table holds at most `exact_up_to` live
+/// rows; beyond that, counting it reads the whole table on every refresh
+/// (10 M inbox rows: seconds of a core every 3 s per open console), so the
+/// figure is PostgreSQL's running estimate of live rows
+/// (`pg_stat_user_tables.n_live_tup`, kept up by every insert and delete;
+/// no ANALYZE needed) less the exact backlog. The returned list names the
+/// figures that are estimates: `inbox`, `intents.succeeded`,
+/// `outbox.published`; an estimated inbox is one `("all", n)` entry.
+pub async fn overview(conn: &mut PgConnection, exact_up_to: i64) -> Result<(Stats, Vec<&'static str>), sqlx::Error> {
+    let live: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT relname::text, n_live_tup FROM pg_stat_user_tables
+          WHERE schemaname = 'relay' AND relname IN ('inbox', 'intents', 'outbox')",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let big = |table: &str| Stats::count(&live, table) > exact_up_to;
+    let g = gauges(&mut *conn).await?;
+    let mut estimated = Vec::new();
+    let inbox = if big("inbox") {
+        estimated.push("inbox");
+        vec![("all".to_owned(), Stats::count(&live, "inbox"))]
+    } else {
+        sqlx::query_as("SELECT outcome, count(*) FROM relay.inbox GROUP BY outcome ORDER BY outcome")
+            .fetch_all(&mut *conn)
+            .await?
+    };
+    let backlog = |list: &[(String, i64)]| list.iter().map(|(_, n)| n).sum::<i64>();
+    let succeeded = if big("intents") {
+        estimated.push("intents.succeeded");
+        (Stats::count(&live, "intents") - backlog(&g.intents)).max(0)
+    } else {
+        sqlx::query_scalar("SELECT count(*) FROM relay.intents WHERE state = 'succeeded'").fetch_one(&mut *conn).await?
+    };
+    let published = if big("outbox") {
+        estimated.push("outbox.published");
+        (Stats::count(&live, "outbox") - backlog(&g.outbox)).max(0)
+    } else {
+        sqlx::query_scalar("SELECT count(*) FROM relay.outbox WHERE state = 'published'").fetch_one(&mut *conn).await?
+    };
+    let mut intents = g.intents;
+    intents.push(("succeeded".into(), succeeded));
+    intents.sort();
+    let mut outbox = g.outbox;
+    outbox.push(("published".into(), published));
+    outbox.sort();
+    let stats = Stats {
+        inbox,
+        intents,
+        oldest_pending_intent_secs: g.oldest_pending_intent_secs,
+        outbox,
+        oldest_unpublished_outbox_secs: g.oldest_unpublished_outbox_secs,
+        dead_letters_unresolved: g.dead_letters_unresolved,
+        dead_letters_total: g.dead_letters_total,
+        counters: g.counters,
+    };
+    Ok((stats, estimated))
 }
 
 /// The counts behind the metrics gauges, refreshed every
