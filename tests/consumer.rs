@@ -379,6 +379,59 @@ async fn the_committed_offset_never_passes_a_record_that_is_not_processed_yet() 
     assert_eq!(h.db.count("intents", "action = 'capture'").await, 3);
 }
 
+#[tokio::test]
+async fn a_record_that_is_not_processable_yet_holds_up_its_own_partition_only() {
+    let h = Harness::new(2).await;
+    let ready = Arc::new(AtomicBool::new(false));
+    let refusals = Arc::new(AtomicU32::new(0));
+    let handlers = Handlers::default()
+        .register("waits-for-customer", WaitsForCustomer { ready: ready.clone(), refusals: refusals.clone() });
+    let mut cfg = h.config(HANDLER_ROUTE);
+    cfg.consumer.reference_retry.max_attempts = 1000; // keep it waiting; the test releases it
+    let (stuck_partition, stuck) = h.send(&order("evt-stuck", "o-stuck")).await;
+    // Orders keyed to the other partition, sent before and while the stuck one waits.
+    let mut next = 0;
+    let mut send_to_other = async |n: usize| {
+        let mut sent = 0;
+        while sent < n {
+            next += 1;
+            assert!(next < 1000, "no key of 1000 went to the other partition");
+            let (p, _) = h.send(&order(&format!("evt-{next}"), &format!("o-{next}"))).await;
+            sent += usize::from(p != stuck_partition);
+        }
+    };
+    send_to_other(3).await;
+    let run = h.start_with(cfg, CONSUMER_ONLY, handlers, no_faults()).await;
+    let other_applied = async |n: i64| {
+        let sql = "SELECT count(*) FROM relay.inbox WHERE partition <> $1";
+        eventually(&format!("{n} records of the other partition applied"), DEADLINE, || async {
+            let got: i64 = sqlx::query_scalar(sql).bind(stuck_partition).fetch_one(&h.db.pool).await.unwrap();
+            (got == n).then_some(())
+        })
+        .await;
+    };
+    other_applied(3).await;
+    eventually("the stuck record to be refused", DEADLINE, || async {
+        (refusals.load(Ordering::SeqCst) >= 1).then_some(())
+    })
+    .await;
+    // Records that arrive while it waits for its retries: the other partition
+    // does not wait for it.
+    send_to_other(3).await;
+    other_applied(6).await;
+    assert_eq!(h.outcome("evt-stuck").await, None, "still waiting for its customer");
+    assert_eq!(h.committed().await.get(&stuck_partition).copied().flatten().unwrap_or(0), stuck);
+
+    ready.store(true, Ordering::SeqCst);
+    eventually("the stuck record applied once its customer is known", DEADLINE, || async {
+        (h.outcome("evt-stuck").await.as_deref() == Some("applied")).then_some(())
+    })
+    .await;
+    run.stop().await.unwrap();
+    let committed = h.committed().await.get(&stuck_partition).copied().flatten();
+    assert!(committed.is_some_and(|c| c > stuck), "committed past it once applied: {committed:?}");
+}
+
 const SAGA_ROUTE: &str = r#"
 [[routes]]
 topic = "{topic}"
