@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use async_trait::async_trait;
 use relay::admin::{self, ReplayOutcome};
 use relay::{Components, FaultAction, Faults, Handler, HandlerError, Handlers};
-use relay_core::{CallSpec, InputEvent, Plan};
+use relay_core::{CallSpec, InputEvent, Plan, RelayConfig};
 use relay_store::inbox;
 use relay_testkit::{TestEvent, read_topic, unique};
 use serde_json::json;
@@ -339,15 +339,22 @@ type = "order.placed"
 handler = "waits-for-customer"
 "#;
 
-#[tokio::test]
-async fn the_committed_offset_never_passes_a_record_that_is_not_processed_yet() {
-    let h = Harness::new(1).await;
+/// Routes orders through [`WaitsForCustomer`] with a retry budget that keeps
+/// a refused order waiting until the test sets `ready`.
+fn waiting_for_customer(h: &Harness) -> (Arc<AtomicBool>, Arc<AtomicU32>, Handlers, RelayConfig) {
     let ready = Arc::new(AtomicBool::new(false));
     let refusals = Arc::new(AtomicU32::new(0));
     let handlers = Handlers::default()
         .register("waits-for-customer", WaitsForCustomer { ready: ready.clone(), refusals: refusals.clone() });
     let mut cfg = h.config(HANDLER_ROUTE);
-    cfg.consumer.reference_retry.max_attempts = 1000; // keep it waiting; the test releases it
+    cfg.consumer.reference_retry.max_attempts = 1000;
+    (ready, refusals, handlers, cfg)
+}
+
+#[tokio::test]
+async fn the_committed_offset_never_passes_a_record_that_is_not_processed_yet() {
+    let h = Harness::new(1).await;
+    let (ready, refusals, handlers, cfg) = waiting_for_customer(&h);
 
     h.send(&order("evt-1", "o-1")).await;
     let (_, stuck) = h.send(&order("evt-2", "o-stuck")).await;
@@ -382,12 +389,7 @@ async fn the_committed_offset_never_passes_a_record_that_is_not_processed_yet() 
 #[tokio::test]
 async fn a_record_that_is_not_processable_yet_holds_up_its_own_partition_only() {
     let h = Harness::new(2).await;
-    let ready = Arc::new(AtomicBool::new(false));
-    let refusals = Arc::new(AtomicU32::new(0));
-    let handlers = Handlers::default()
-        .register("waits-for-customer", WaitsForCustomer { ready: ready.clone(), refusals: refusals.clone() });
-    let mut cfg = h.config(HANDLER_ROUTE);
-    cfg.consumer.reference_retry.max_attempts = 1000; // keep it waiting; the test releases it
+    let (ready, refusals, handlers, cfg) = waiting_for_customer(&h);
     let (stuck_partition, stuck) = h.send(&order("evt-stuck", "o-stuck")).await;
     // Orders keyed to the other partition, sent before and while the stuck one waits.
     let mut next = 0;
