@@ -52,7 +52,7 @@ pub const KEEP_DATABASES_VAR: &str = "RELAY_TEST_KEEP_DATABASES";
 
 /// A fresh, migrated database owned by one test.
 ///
-/// Dropped (`DROP DATABASE … WITH (FORCE)`) when the value goes out of scope,
+/// Dropped (its sessions ended, then `DROP DATABASE`) when the value goes out of scope,
 /// so a test run or a benchmark does not leave gigabytes behind; kept, with
 /// its name on stderr, when the thread is panicking (a failed test's data is
 /// the evidence) or when [`KEEP_DATABASES_VAR`] is set.
