@@ -36,9 +36,7 @@ impl Stats {
 
 /// Take a snapshot.
 pub async fn snapshot(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
-    let inbox = sqlx::query_as("SELECT outcome, count(*) FROM relay.inbox GROUP BY outcome ORDER BY outcome")
-        .fetch_all(&mut *conn)
-        .await?;
+    let inbox = inbox_by_outcome(&mut *conn).await?;
     let intents = sqlx::query_as("SELECT state, count(*) FROM relay.intents GROUP BY state ORDER BY state")
         .fetch_all(&mut *conn)
         .await?;
@@ -106,9 +104,7 @@ pub async fn overview(conn: &mut PgConnection, exact_up_to: i64) -> Result<(Stat
         estimated.push("inbox");
         vec![("all".to_owned(), Stats::count(&live, "inbox"))]
     } else {
-        sqlx::query_as("SELECT outcome, count(*) FROM relay.inbox GROUP BY outcome ORDER BY outcome")
-            .fetch_all(&mut *conn)
-            .await?
+        inbox_by_outcome(&mut *conn).await?
     };
     let backlog = |list: &[(String, i64)]| list.iter().map(|(_, n)| n).sum::<i64>();
     let succeeded = if big("intents") {
@@ -214,6 +210,11 @@ pub async fn gauges(conn: &mut PgConnection) -> Result<Gauges, sqlx::Error> {
         counters,
         table_rows_estimated,
     })
+}
+
+/// Inbox rows by outcome, counted exactly (reads the whole table).
+async fn inbox_by_outcome(conn: &mut PgConnection) -> Result<Vec<(String, i64)>, sqlx::Error> {
+    sqlx::query_as("SELECT outcome, count(*) FROM relay.inbox GROUP BY outcome ORDER BY outcome").fetch_all(conn).await
 }
 
 /// Business counters `(consumer, name, value)`, for both [`snapshot`] and [`gauges`].
