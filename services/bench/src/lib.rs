@@ -25,8 +25,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use chrono::{DateTime, Utc};
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header as KHeader, Message, OwnedHeaders};
@@ -349,18 +350,35 @@ async fn drained(pool: &PgPool, table: &str) -> bool {
 /// `state`: a run where some calls died must fail, not report a rate.
 /// Returns the time from `t0` to the drain, without that check (a count over
 /// a table with a million old rows would otherwise be part of the rate).
-async fn wait_drained(pool: &PgPool, table: &str, state: &str, done: i64, t0: Instant) -> anyhow::Result<Duration> {
-    wait_until(&format!("every {table} row {state}"), Duration::from_secs(900), async || drained(pool, table).await)
-        .await?;
+async fn wait_drained(
+    relay: &mut UnderTest,
+    pool: &PgPool,
+    table: &str,
+    state: &str,
+    done: i64,
+    t0: Instant,
+) -> anyhow::Result<Duration> {
+    wait_until(relay, &format!("every {table} row {state}"), Duration::from_secs(900), async || {
+        drained(pool, table).await
+    })
+    .await?;
     let took = t0.elapsed();
     let n = count(pool, &format!("SELECT count(*) FROM relay.{table} WHERE state = '{state}'")).await;
     anyhow::ensure!(n == done, "{n} {table} rows are {state}, expected {done}");
     Ok(took)
 }
 
-async fn wait_until(what: &str, deadline: Duration, mut ok: impl AsyncFnMut() -> bool) -> anyhow::Result<()> {
+/// Poll `ok` until it holds, failing at once if the relay under test stops
+/// before (its error, or its log) rather than at `deadline`.
+async fn wait_until(
+    relay: &mut UnderTest,
+    what: &str,
+    deadline: Duration,
+    mut ok: impl AsyncFnMut() -> bool,
+) -> anyhow::Result<()> {
     let end = Instant::now() + deadline;
     while !ok().await {
+        relay.still_running().with_context(|| format!("waiting for {what}"))?;
         if Instant::now() > end {
             anyhow::bail!("timed out waiting for {what}");
         }
@@ -369,10 +387,78 @@ async fn wait_until(what: &str, deadline: Duration, mut ok: impl AsyncFnMut() ->
     Ok(())
 }
 
-fn start(relay: Relay, which: Components) -> (CancellationToken, tokio::task::JoinHandle<anyhow::Result<()>>) {
-    let token = CancellationToken::new();
-    let t = token.clone();
-    (token, tokio::spawn(async move { relay.run(which, t).await }))
+/// The relay under test: in this process, or as `relay` processes.
+///
+/// Every wait of the harness checks it, so a relay that stops early — an
+/// error in a component, a process refusing to start (a binary built from
+/// other migrations, say) — fails the run at once with its error or the end
+/// of its log, instead of leaving the harness polling the database until
+/// the wait's deadline (up to 15 minutes) with nothing on screen.
+enum UnderTest {
+    InProcess { token: CancellationToken, task: Option<tokio::task::JoinHandle<anyhow::Result<()>>> },
+    Processes(Vec<RelayProcess>),
+}
+
+impl UnderTest {
+    /// Run `relay`'s components `which` on a task of this process.
+    fn start(relay: Relay, which: Components) -> UnderTest {
+        let token = CancellationToken::new();
+        let t = token.clone();
+        UnderTest::InProcess { token, task: Some(tokio::spawn(async move { relay.run(which, t).await })) }
+    }
+
+    /// `Err` naming why, once the relay has stopped.
+    fn still_running(&mut self) -> anyhow::Result<()> {
+        match self {
+            UnderTest::InProcess { task, .. } => match task.as_mut().and_then(|t| t.now_or_never()) {
+                None => Ok(()),
+                Some(ended) => {
+                    *task = None;
+                    match ended {
+                        Ok(Ok(())) => anyhow::bail!("the relay stopped by itself"),
+                        Ok(Err(e)) => Err(e.context("the relay stopped")),
+                        Err(e) => anyhow::bail!("the relay's task failed: {e}"),
+                    }
+                }
+            },
+            UnderTest::Processes(procs) => match procs.iter_mut().find_map(|p| (!p.is_running()).then_some(p)) {
+                None => Ok(()),
+                Some(p) => {
+                    let log = p.log();
+                    let tail: Vec<&str> = log.lines().rev().take(20).collect();
+                    let tail: Vec<&str> = tail.into_iter().rev().collect();
+                    anyhow::bail!("a relay process exited; the end of its log:\n{}", tail.join("\n"))
+                }
+            },
+        }
+    }
+
+    /// Stop it (SIGTERM for processes) and return its error, if any.
+    async fn stop(self) -> anyhow::Result<()> {
+        match self {
+            UnderTest::InProcess { token, task } => {
+                token.cancel();
+                match task {
+                    Some(task) => task.await?,
+                    None => Ok(()),
+                }
+            }
+            UnderTest::Processes(procs) => {
+                for mut p in procs {
+                    p.terminate(Duration::from_secs(30))?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Peak RSS of its only process.
+    fn peak_rss_mib(&self) -> f64 {
+        match self {
+            UnderTest::Processes(procs) => procs.first().and_then(RelayProcess::pid).map_or(0.0, peak_rss_mib),
+            UnderTest::InProcess { .. } => 0.0,
+        }
+    }
 }
 
 const CONSUME: Components = Components { consumer: true, dispatcher: false, publisher: false };
@@ -386,18 +472,20 @@ async fn ingest_into(env: &Env, s: &Setup, n: usize, first: usize) -> anyhow::Re
     let offsets = OffsetWatch::new(&env.bootstrap, &s.group, &s.topic).await?;
     let since = db_now(&s.db.pool).await?;
     let relay = Relay::new(config(env, s, 64)?, Handlers::default(), Faults::none()).await?;
-    let (token, task) = start(relay, CONSUME);
-    wait_until("the first record", Duration::from_secs(120), async || inbox_since(&s.db.pool, since).await > 0).await?;
+    let mut relay = UnderTest::start(relay, CONSUME);
+    wait_until(&mut relay, "the first record", Duration::from_secs(120), async || {
+        inbox_since(&s.db.pool, since).await > 0
+    })
+    .await?;
     let t0 = Instant::now();
     let c0 = inbox_since(&s.db.pool, since).await;
     let total = (first + n) as i64;
-    wait_until("every offset committed", Duration::from_secs(600), async || {
+    wait_until(&mut relay, "every offset committed", Duration::from_secs(600), async || {
         offsets.total().await.is_ok_and(|t| t >= total)
     })
     .await?;
     let elapsed = t0.elapsed().as_secs_f64();
-    token.cancel();
-    task.await??;
+    relay.stop().await?;
     Ok((n as f64 - c0 as f64) / elapsed)
 }
 
@@ -577,33 +665,26 @@ async fn dispatch_relay(
     let s = setup(env, 1).await?;
     insert_intents(&s.db.pool, m).await?;
     let t0 = Instant::now();
-    let mut procs = Vec::new();
-    let mut inproc = None;
-    if processes <= 1 {
+    let mut relay = if processes <= 1 {
         let relay = Relay::new(config(env, &s, concurrency)?, Handlers::default(), Faults::none()).await?;
-        inproc = Some(start(relay, DISPATCH));
+        UnderTest::start(relay, DISPATCH)
     } else {
         let path = std::env::temp_dir().join(format!("{}.toml", unique("bench")));
         std::fs::write(&path, config_text(env, &s, concurrency))?;
-        for i in 0..processes {
-            procs.push(RelayProcess::start(RelaySpec {
+        let procs = (0..processes).map(|i| {
+            RelayProcess::start(RelaySpec {
                 bin: env.relay_bin.clone(),
                 config: path.clone(),
                 args: vec!["dispatch".into(), "--intents-only".into()],
                 env: vec![("DATABASE_URL".into(), s.db.url.clone()), ("RUST_LOG".into(), "warn".into())],
                 log: std::env::temp_dir().join(format!("{}-d{i}.log", unique("bench"))),
-            })?);
-        }
-    }
-    let took = wait_drained(&s.db.pool, "intents", "succeeded", m as i64, t0).await?;
+            })
+        });
+        UnderTest::Processes(procs.collect::<anyhow::Result<_>>()?)
+    };
+    let took = wait_drained(&mut relay, &s.db.pool, "intents", "succeeded", m as i64, t0).await?;
     let rate = m as f64 / took.as_secs_f64();
-    if let Some((token, task)) = inproc {
-        token.cancel();
-        task.await??;
-    }
-    for mut p in procs {
-        p.terminate(Duration::from_secs(30))?;
-    }
+    relay.stop().await?;
     Ok((rate, None))
 }
 
@@ -705,11 +786,10 @@ async fn publish_relay(env: &Env, k: usize) -> anyhow::Result<(f64, Option<(f64,
     insert_outbox(&s.db.pool, &s.out, k).await?;
     let relay = Relay::new(config(env, &s, 64)?, Handlers::default(), Faults::none()).await?;
     let t0 = Instant::now();
-    let (token, task) = start(relay, PUBLISH);
-    let took = wait_drained(&s.db.pool, "outbox", "published", k as i64, t0).await?;
+    let mut relay = UnderTest::start(relay, PUBLISH);
+    let took = wait_drained(&mut relay, &s.db.pool, "outbox", "published", k as i64, t0).await?;
     let rate = k as f64 / took.as_secs_f64();
-    token.cancel();
-    task.await??;
+    relay.stop().await?;
     Ok((rate, None))
 }
 
@@ -755,15 +835,18 @@ async fn pipeline_peak(env: &Env, n: usize) -> anyhow::Result<(f64, Option<(f64,
     let s = setup(env, 4).await?;
     produce(env, &s.topic, 0..n).await?;
     let relay = Relay::new(config(env, &s, 64)?, Handlers::default(), Faults::none()).await?;
-    let (token, task) = start(relay, Components { consumer: true, dispatcher: true, publisher: false });
-    wait_until("the first call", Duration::from_secs(120), async || s.sink.requests.load(Ordering::Relaxed) > 0)
-        .await?;
+    let mut relay = UnderTest::start(relay, Components { consumer: true, dispatcher: true, publisher: false });
+    wait_until(&mut relay, "the first call", Duration::from_secs(120), async || {
+        s.sink.requests.load(Ordering::Relaxed) > 0
+    })
+    .await?;
     let (t0, c0) = (Instant::now(), s.sink.requests.load(Ordering::Relaxed));
-    wait_until("every call", Duration::from_secs(600), async || s.sink.requests.load(Ordering::Relaxed) >= n as u64)
-        .await?;
+    wait_until(&mut relay, "every call", Duration::from_secs(600), async || {
+        s.sink.requests.load(Ordering::Relaxed) >= n as u64
+    })
+    .await?;
     let rate = (n as u64 - c0) as f64 / t0.elapsed().as_secs_f64();
-    token.cancel();
-    task.await??;
+    relay.stop().await?;
     Ok((rate, None))
 }
 
@@ -780,8 +863,8 @@ struct Steady {
     achieved: f64,
     /// Records produced whose call had not arrived when the last was produced.
     lag: u64,
-    token: CancellationToken,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    /// Until [`Steady::finish`] stops it.
+    relay: Option<UnderTest>,
 }
 
 /// The dispatcher's poll interval in the latency runs (the relay's default).
@@ -792,10 +875,13 @@ async fn steady(env: &Env, rate: f64, (warm, secs): (f64, f64), poll: Duration) 
     let mut cfg = config(env, &s, 64)?;
     cfg.dispatcher.poll_interval = poll;
     let relay = Relay::new(cfg, Handlers::default(), Faults::none()).await?;
-    let (token, task) = start(relay, Components { consumer: true, dispatcher: true, publisher: false });
+    let mut relay = UnderTest::start(relay, Components { consumer: true, dispatcher: true, publisher: false });
     // Warm up: wait until the consumer has its partitions (a first record goes through).
     produce(env, &s.topic, 0..1).await?;
-    wait_until("warm-up call", Duration::from_secs(60), async || s.sink.requests.load(Ordering::Relaxed) >= 1).await?;
+    wait_until(&mut relay, "warm-up call", Duration::from_secs(60), async || {
+        s.sink.requests.load(Ordering::Relaxed) >= 1
+    })
+    .await?;
     s.sink.latencies_ms.lock().expect("sink lock").clear();
     let p = Arc::new(TestProducer::new(&env.bootstrap)?);
     let total = (rate * (warm + secs)) as usize;
@@ -818,19 +904,19 @@ async fn steady(env: &Env, rate: f64, (warm, secs): (f64, f64), poll: Duration) 
         r??;
     }
     let achieved = total as f64 / t0.elapsed().as_secs_f64();
-    Ok(Steady { s, total, measured_from_us, achieved, lag, token, task })
+    Ok(Steady { s, total, measured_from_us, achieved, lag, relay: Some(relay) })
 }
 
 impl Steady {
     /// Wait for every call, then stop the relay.
-    async fn finish(&self) -> anyhow::Result<()> {
+    async fn finish(&mut self) -> anyhow::Result<()> {
+        let mut relay = self.relay.take().context("the steady run is finished already")?;
         let (sink, total) = (&self.s.sink, self.total as u64);
-        wait_until("every call received", Duration::from_secs(120), async || {
+        wait_until(&mut relay, "every call received", Duration::from_secs(120), async || {
             sink.requests.load(Ordering::Relaxed) > total
         })
         .await?;
-        self.token.cancel();
-        Ok(())
+        relay.stop().await
     }
 }
 
@@ -850,9 +936,8 @@ async fn sustained_peak(
     let (mut lo, mut hi) = (lo, hi);
     for _ in 0..steps {
         let rate = (lo + hi) / 2.0;
-        let run = steady(env, rate, (0.0, secs), POLL).await?;
+        let mut run = steady(env, rate, (0.0, secs), POLL).await?;
         run.finish().await?;
-        run.task.await??;
         if (run.lag as f64) < rate * 0.25 {
             lo = rate;
         } else {
@@ -873,10 +958,9 @@ async fn latency(
     poll: Duration,
     splits: &Mutex<Vec<(f64, String)>>,
 ) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
-    let run = steady(env, rate, (warm, secs), poll).await?;
+    let mut run = steady(env, rate, (warm, secs), poll).await?;
     run.finish().await?;
-    let Steady { s, achieved, task, measured_from_us, .. } = run;
-    task.await??;
+    let Steady { s, achieved, measured_from_us, .. } = run;
     // The intent's created_at is the start of the consumer's transaction
     // (now()); the attempt's started_at is when the call was handed to the
     // HTTP client.
@@ -934,29 +1018,30 @@ async fn memory(env: &Env, backlog: usize) -> anyhow::Result<Vec<Row>> {
     // Consumer with `backlog` records waiting.
     produce(env, &s.topic, 0..backlog).await?;
     let offsets = OffsetWatch::new(&env.bootstrap, &s.group, &s.topic).await?;
-    let mut c = RelayProcess::start(spec(&["consume"]))?;
+    let process = |args: &[&str]| anyhow::Ok(UnderTest::Processes(vec![RelayProcess::start(spec(args))?]));
+    let mut c = process(&["consume"])?;
     let t0 = Instant::now();
-    wait_until("the backlog consumed", Duration::from_secs(900), async || {
+    wait_until(&mut c, "the backlog consumed", Duration::from_secs(900), async || {
         offsets.total().await.is_ok_and(|t| t >= backlog as i64)
     })
     .await?;
     let consume_rate = backlog as f64 / t0.elapsed().as_secs_f64();
-    let consumer_mib = c.pid().map_or(0.0, peak_rss_mib);
-    c.terminate(Duration::from_secs(30))?;
+    let consumer_mib = c.peak_rss_mib();
+    c.stop().await?;
     // Dispatcher with the resulting `backlog` pending intents.
-    let mut d = RelayProcess::start(spec(&["dispatch", "--intents-only"]))?;
+    let mut d = process(&["dispatch", "--intents-only"])?;
     let t0 = Instant::now();
-    let took = wait_drained(&s.db.pool, "intents", "succeeded", backlog as i64, t0).await?;
+    let took = wait_drained(&mut d, &s.db.pool, "intents", "succeeded", backlog as i64, t0).await?;
     let dispatch_rate = backlog as f64 / took.as_secs_f64();
-    let dispatcher_mib = d.pid().map_or(0.0, peak_rss_mib);
-    d.terminate(Duration::from_secs(30))?;
+    let dispatcher_mib = d.peak_rss_mib();
+    d.stop().await?;
     // Publisher with the `backlog` outbox rows.
-    let mut p = RelayProcess::start(spec(&["dispatch", "--outbox-only"]))?;
+    let mut p = process(&["dispatch", "--outbox-only"])?;
     let t0 = Instant::now();
-    let took = wait_drained(&s.db.pool, "outbox", "published", backlog as i64, t0).await?;
+    let took = wait_drained(&mut p, &s.db.pool, "outbox", "published", backlog as i64, t0).await?;
     let publish_rate = backlog as f64 / took.as_secs_f64();
-    let publisher_mib = p.pid().map_or(0.0, peak_rss_mib);
-    p.terminate(Duration::from_secs(30))?;
+    let publisher_mib = p.peak_rss_mib();
+    p.stop().await?;
     let r = |name: &str, rate: f64, mib: f64| Row {
         name: name.into(),
         rate,
@@ -1034,11 +1119,10 @@ async fn growth_case(
     let target = count(&s.db.pool, "SELECT count(*) FROM relay.intents WHERE state = 'succeeded'").await + pending;
     let relay = Relay::new(config(env, &s, 64)?, Handlers::default(), Faults::none()).await?;
     let t0 = Instant::now();
-    let (token, task) = start(relay, DISPATCH);
-    let took = wait_drained(&s.db.pool, "intents", "succeeded", target, t0).await?;
+    let mut relay = UnderTest::start(relay, DISPATCH);
+    let took = wait_drained(&mut relay, &s.db.pool, "intents", "succeeded", target, t0).await?;
     let claim = pending as f64 / took.as_secs_f64();
-    token.cancel();
-    task.await??;
+    relay.stop().await?;
     if let Some(mut conn) = holder {
         sqlx::query("ROLLBACK").execute(&mut conn).await?;
     }
@@ -1300,4 +1384,46 @@ pub async fn run_all(env: &Env) -> anyhow::Result<Vec<Section>> {
         out.push(mem);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wait that would last `deadline` unless the relay's end cuts it short.
+    async fn wait_on(relay: &mut UnderTest) -> anyhow::Error {
+        let deadline = Duration::from_secs(60);
+        let t0 = Instant::now();
+        let e = wait_until(relay, "something that never happens", deadline, async || false).await.unwrap_err();
+        assert!(t0.elapsed() < deadline / 2, "the wait ran {:?}: the relay's end was not noticed", t0.elapsed());
+        e
+    }
+
+    #[tokio::test]
+    async fn a_wait_fails_at_once_with_the_error_when_the_relay_in_this_process_stops() {
+        let token = CancellationToken::new();
+        let task = tokio::spawn(async { anyhow::bail!("the dispatcher could not claim: connection refused") });
+        let e = wait_on(&mut UnderTest::InProcess { token, task: Some(task) }).await;
+        let text = format!("{e:#}");
+        assert!(text.contains("waiting for something that never happens"), "{text}");
+        assert!(text.contains("connection refused"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn a_wait_fails_at_once_with_the_log_when_a_relay_process_exits() {
+        let dir = std::env::temp_dir();
+        let log = dir.join(format!("{}.log", unique("bench-test")));
+        std::fs::write(&log, "error: the database schema is not current: run `relay migrate` first\n").unwrap();
+        let spec = RelaySpec {
+            bin: "false".into(),
+            config: dir.join("unused.toml"),
+            args: vec!["consume".into()],
+            env: Vec::new(),
+            log,
+        };
+        let e = wait_on(&mut UnderTest::Processes(vec![RelayProcess::start(spec).unwrap()])).await;
+        let text = format!("{e:#}");
+        assert!(text.contains("a relay process exited"), "{text}");
+        assert!(text.contains("run `relay migrate` first"), "{text}");
+    }
 }
