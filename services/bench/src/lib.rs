@@ -16,7 +16,8 @@
 //! * **latency** — produce → the provider receives the call, at steady
 //!   fractions of the highest rate the pipeline keeps up with;
 //! * **growth** — ingest and claim with big tables and a long-open snapshot;
-//! * **memory** — peak RSS of consumer and dispatcher processes with a backlog.
+//! * **memory** — peak RSS of consumer and dispatcher processes with a backlog,
+//!   and with four times that backlog.
 //!
 //! Each figure is the median of `runs` runs.
 
@@ -1004,7 +1005,7 @@ fn peak_rss_mib(pid: u32) -> f64 {
         .map_or(0.0, |kb| kb / 1024.0)
 }
 
-async fn memory(env: &Env, backlog: usize) -> anyhow::Result<Vec<Row>> {
+async fn memory(env: &Env, backlog: usize) -> anyhow::Result<Vec<Measured>> {
     let s = setup(env, 4).await?;
     let path = std::env::temp_dir().join(format!("{}.toml", unique("bench")));
     std::fs::write(&path, config_text(env, &s, 64))?;
@@ -1042,18 +1043,29 @@ async fn memory(env: &Env, backlog: usize) -> anyhow::Result<Vec<Row>> {
     let publish_rate = backlog as f64 / took.as_secs_f64();
     let publisher_mib = p.peak_rss_mib();
     p.stop().await?;
-    let r = |name: &str, rate: f64, mib: f64| Row {
-        name: name.into(),
-        rate,
-        spread: (rate, rate),
-        latency: None,
-        note: format!("peak RSS {mib:.0} MiB"),
+    let r = |name: String, rate: f64, mib: f64| Measured {
+        row: Row {
+            name: name.clone(),
+            rate,
+            spread: (rate, rate),
+            latency: None,
+            note: format!("peak RSS {mib:.0} MiB"),
+        },
+        name,
+        peak_rss: mib,
     };
     Ok(vec![
-        r(&format!("`relay consume`, {backlog} records waiting"), consume_rate, consumer_mib),
-        r(&format!("`relay dispatch --intents-only`, {backlog} intents waiting"), dispatch_rate, dispatcher_mib),
-        r(&format!("`relay dispatch --outbox-only`, {backlog} rows waiting"), publish_rate, publisher_mib),
+        r(format!("`relay consume`, {backlog} records waiting"), consume_rate, consumer_mib),
+        r(format!("`relay dispatch --intents-only`, {backlog} intents waiting"), dispatch_rate, dispatcher_mib),
+        r(format!("`relay dispatch --outbox-only`, {backlog} rows waiting"), publish_rate, publisher_mib),
     ])
+}
+
+/// One process kind's row of the memory section, with its peak RSS.
+struct Measured {
+    name: String,
+    peak_rss: f64,
+    row: Row,
 }
 
 async fn prefill(pool: &PgPool, inbox: usize, finished_intents: usize) -> anyhow::Result<()> {
@@ -1378,9 +1390,29 @@ pub async fn run_all(env: &Env) -> anyhow::Result<Vec<Section>> {
 
     if env.wants("memory") {
         eprintln!("bench: memory");
-        let backlog = env.size(5_000, 100_000);
-        let mut mem = Section::new(&format!("6. Memory with a {backlog}-item backlog (separate processes)"), "items/s");
-        mem.rows = memory(env, backlog).await?;
+        // Bounded means flat: the same processes again with four times the backlog.
+        let (backlog, big) = (env.size(5_000, 100_000), env.size(20_000, 400_000));
+        let mut mem = Section::new(
+            &format!("6. Memory with a {backlog}- and a {big}-item backlog (separate processes)"),
+            "items/s",
+        );
+        let small_rows = memory(env, backlog).await?;
+        eprintln!("bench: memory: {big}-item backlog");
+        let big_rows = memory(env, big).await?;
+        let shares: Vec<(&str, f64)> = small_rows
+            .iter()
+            .zip(&big_rows)
+            .map(|(a, b)| (a.name.split(',').next().unwrap_or(""), b.peak_rss / a.peak_rss))
+            .collect();
+        // Within 20 %, as the growth section: RSS moves a little between runs.
+        let flat = shares.iter().all(|(_, share)| *share <= 1.2);
+        mem.verdicts.push(format!(
+            "peak RSS with {big} items waiting, as a share of the same process with {backlog}: {} — {} \
+             (goal: bounded)",
+            shares.iter().map(|(name, share)| format!("{name} {:.0} %", 100.0 * share)).collect::<Vec<_>>().join(", "),
+            if flat { "**flat**, within 20 %" } else { "**grows with the backlog**" }
+        ));
+        mem.rows = small_rows.into_iter().chain(big_rows).map(|m| m.row).collect();
         out.push(mem);
     }
     Ok(out)
