@@ -1044,14 +1044,7 @@ async fn memory(env: &Env, backlog: usize) -> anyhow::Result<Vec<Measured>> {
     let publisher_mib = p.peak_rss_mib();
     p.stop().await?;
     let r = |name: String, rate: f64, mib: f64| Measured {
-        row: Row {
-            name: name.clone(),
-            rate,
-            spread: (rate, rate),
-            latency: None,
-            note: format!("peak RSS {mib:.0} MiB"),
-        },
-        name,
+        row: Row { name, rate, spread: (rate, rate), latency: None, note: format!("peak RSS {mib:.0} MiB") },
         peak_rss: mib,
     };
     Ok(vec![
@@ -1063,7 +1056,6 @@ async fn memory(env: &Env, backlog: usize) -> anyhow::Result<Vec<Measured>> {
 
 /// One process kind's row of the memory section, with its peak RSS.
 struct Measured {
-    name: String,
     peak_rss: f64,
     row: Row,
 }
@@ -1402,7 +1394,7 @@ pub async fn run_all(env: &Env) -> anyhow::Result<Vec<Section>> {
         let shares: Vec<(&str, f64)> = small_rows
             .iter()
             .zip(&big_rows)
-            .map(|(a, b)| (a.name.split(',').next().unwrap_or(""), b.peak_rss / a.peak_rss))
+            .map(|(a, b)| (a.row.name.split(',').next().unwrap_or(""), b.peak_rss / a.peak_rss))
             .collect();
         // Within 20 %, as the growth section: RSS moves a little between runs.
         let flat = shares.iter().all(|(_, share)| *share <= 1.2);
