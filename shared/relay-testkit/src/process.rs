@@ -147,6 +147,11 @@ impl RelayProcess {
         }
     }
 
+    /// What it runs.
+    pub fn spec(&self) -> &RelaySpec {
+        &self.spec
+    }
+
     /// The log so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.spec.log).unwrap_or_default()
