@@ -427,8 +427,8 @@ impl UnderTest {
                 Some(p) => {
                     let status = p.wait(Duration::ZERO).map_or_else(|_| String::new(), |s| format!(" ({s})"));
                     let log = p.log();
-                    let tail: Vec<&str> = log.lines().rev().take(20).collect();
-                    let tail: Vec<&str> = tail.into_iter().rev().collect();
+                    let lines: Vec<&str> = log.lines().collect();
+                    let tail = &lines[lines.len().saturating_sub(20)..];
                     anyhow::bail!(
                         "a relay process exited{status}: `relay {}`; the end of its log ({}):\n{}",
                         p.spec().args.join(" "),
