@@ -1244,15 +1244,16 @@ pub async fn run_all(env: &Env) -> anyhow::Result<Vec<Section>> {
         // whole cost of a call; a real one takes milliseconds. The same
         // comparison with a provider that takes 10 ms (a fast real API).
         let (slow, c) = (Duration::from_millis(10), *concurrencies.last().unwrap_or(&64));
+        let ms = slow.as_millis();
         let r = median(env, || dispatch_relay(env, m, c, 1, slow)).await?;
         let l = median(env, || dispatch_limit(m, c, slow)).await?;
         dispatch.rows.push(row(
-            format!("relay, concurrency {c}, provider answering after 10 ms"),
+            format!("relay, concurrency {c}, provider answering after {ms} ms"),
             r,
             format!("{m} intents, 1 process"),
         ));
         dispatch.rows.push(row(
-            format!("limit: raw HTTP, concurrency {c}, provider answering after 10 ms"),
+            format!("limit: raw HTTP, concurrency {c}, provider answering after {ms} ms"),
             l,
             "same client and provider, no database",
         ));
@@ -1274,7 +1275,7 @@ pub async fn run_all(env: &Env) -> anyhow::Result<Vec<Section>> {
             best.0 / both
         ));
         dispatch.verdicts.push(format!(
-            "with a provider that takes 10 ms per call: relay / raw HTTP at concurrency {c} = **{:.2}** \
+            "with a provider that takes {ms} ms per call: relay / raw HTTP at concurrency {c} = **{:.2}** \
              (the goal is set against the provider that answers at once)",
             r.0 / l.0.max(1.0)
         ));
