@@ -469,11 +469,15 @@ impl UnderTest {
         }
     }
 
-    /// Peak RSS of its only process.
-    fn peak_rss_mib(&self) -> f64 {
+    /// Peak RSS of its only process. An in-process relay has none of its
+    /// own (it shares the bench's), so asking is an error, not a zero.
+    fn peak_rss_mib(&self) -> anyhow::Result<f64> {
         match self {
-            UnderTest::Processes(procs) => procs.first().and_then(RelayProcess::pid).map_or(0.0, peak_rss_mib),
-            UnderTest::InProcess { .. } => 0.0,
+            UnderTest::Processes(procs) => {
+                let pid = procs.first().and_then(RelayProcess::pid).context("the relay process is not running")?;
+                peak_rss_mib(pid)
+            }
+            UnderTest::InProcess { .. } => anyhow::bail!("peak RSS is only measured for a relay process"),
         }
     }
 }
@@ -1019,12 +1023,16 @@ async fn latency(
 }
 
 /// Peak RSS (VmHWM) of a process, in MiB.
-fn peak_rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).map(str::to_owned))
-        .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<f64>().ok()))
-        .map_or(0.0, |kb| kb / 1024.0)
+fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
+    let path = format!("/proc/{pid}/status");
+    let status = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|kb| kb.parse::<f64>().ok())
+        .map(|kb| kb / 1024.0)
+        .with_context(|| format!("no VmHWM line in {path}"))
 }
 
 async fn memory(env: &Env, backlog: usize) -> anyhow::Result<Vec<Measured>> {
@@ -1049,21 +1057,21 @@ async fn memory(env: &Env, backlog: usize) -> anyhow::Result<Vec<Measured>> {
     })
     .await?;
     let consume_rate = backlog as f64 / t0.elapsed().as_secs_f64();
-    let consumer_mib = c.peak_rss_mib();
+    let consumer_mib = c.peak_rss_mib()?;
     c.stop().await?;
     // Dispatcher with the resulting `backlog` pending intents.
     let mut d = process(&["dispatch", "--intents-only"])?;
     let t0 = Instant::now();
     let took = wait_drained(&mut d, &s.db.pool, "intents", "succeeded", backlog as i64, t0).await?;
     let dispatch_rate = backlog as f64 / took.as_secs_f64();
-    let dispatcher_mib = d.peak_rss_mib();
+    let dispatcher_mib = d.peak_rss_mib()?;
     d.stop().await?;
     // Publisher with the `backlog` outbox rows.
     let mut p = process(&["dispatch", "--outbox-only"])?;
     let t0 = Instant::now();
     let took = wait_drained(&mut p, &s.db.pool, "outbox", "published", backlog as i64, t0).await?;
     let publish_rate = backlog as f64 / took.as_secs_f64();
-    let publisher_mib = p.peak_rss_mib();
+    let publisher_mib = p.peak_rss_mib()?;
     p.stop().await?;
     let r = |process: &'static str, waiting: &str, rate: f64, mib: f64| Measured {
         process,
