@@ -163,14 +163,22 @@ impl Dispatcher {
             for intent in claimed {
                 let (me, done_tx, permits) = (self.clone(), done_tx.clone(), permits.clone());
                 tasks.spawn(async move {
-                    let _permit = permits.acquire_owned().await.expect("semaphore never closed");
-                    if !me.lease_covers_a_call(&intent, claimed_at) {
-                        // Waited for a slot so long that the call might outlive the
-                        // lease and overlap a rescued copy: give the claim back.
-                        me.release(&intent).await;
-                        return Ok(());
-                    }
-                    me.execute(intent, &done_tx).await
+                    let completion = {
+                        let _slot = permits.acquire_owned().await.expect("semaphore never closed");
+                        if !me.lease_covers_a_call(&intent, claimed_at) {
+                            // Waited for a slot so long that the call might outlive the
+                            // lease and overlap a rescued copy: give the claim back.
+                            me.release(&intent).await;
+                            return Ok(());
+                        }
+                        me.execute(intent).await?
+                    };
+                    // The call slot is free before the hand-over: a finalizer
+                    // busy with a slow commit holds up the outcomes, not the
+                    // next calls. This task still counts against the claim
+                    // loop's bound until its outcome is handed over.
+                    me.hand_over(completion, &done_tx).await;
+                    Ok(())
                 });
             }
             if n == want {
@@ -273,11 +281,11 @@ impl Dispatcher {
         intents::rescue_expired(&mut conn, 500).await
     }
 
-    /// Make one attempt of a claimed intent and hand its outcome to the
-    /// finalizer, which records it (batched with other calls' outcomes) and
-    /// logs it. Returns once the outcome is handed over: the call slot is free
-    /// again while the outcome is written.
-    pub async fn execute(&self, intent: ClaimedIntent, done: &mpsc::Sender<Completion>) -> Result<(), FaultInjected> {
+    /// Make one attempt of a claimed intent and decide where the intent goes
+    /// next. The caller holds a call slot only for this; the outcome then goes
+    /// to the finalizer ([`Self::hand_over`]), which records it batched with
+    /// other calls' outcomes and logs it.
+    pub async fn execute(&self, intent: ClaimedIntent) -> Result<Completion, FaultInjected> {
         let started = std::time::Instant::now();
         let endpoint = self.inner.endpoints.get(&intent.endpoint);
         let (verdict, result) = if intent.over_budget(Utc::now()) {
@@ -324,11 +332,15 @@ impl Dispatcher {
             (classify(&r.attempt, &[]), r)
         };
         let (next, attempt) = decide(&intent, verdict, &result, endpoint.map(|e| e.config()));
-        let completion = Completion { intent, next, attempt, result, started };
+        Ok(Completion { intent, next, attempt, result, started })
+    }
+
+    /// Hand an attempt's outcome to the finalizer, waiting while its queue
+    /// is full.
+    async fn hand_over(&self, completion: Completion, done: &mpsc::Sender<Completion>) {
         if let Err(lost) = done.send(completion).await {
             self.log_attempt(&lost.0, Finished::LeaseLost);
         }
-        Ok(())
     }
 
     fn log_attempt(&self, c: &Completion, finished: Finished) {
