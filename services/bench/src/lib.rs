@@ -965,7 +965,13 @@ async fn sustained_peak(
         let rate = (lo + hi) / 2.0;
         let mut run = steady(env, rate, (0.0, secs), POLL).await?;
         run.finish().await?;
-        if (run.lag as f64) < rate * 0.25 {
+        let kept_up = (run.lag as f64) < rate * 0.25;
+        eprintln!(
+            "bench: latency: {rate:.0}/s for {secs:.0} s: {} ({} records waiting at the end)",
+            if kept_up { "kept up" } else { "fell behind" },
+            run.lag
+        );
+        if kept_up {
             lo = rate;
         } else {
             hi = rate;
@@ -1370,11 +1376,16 @@ pub async fn run_all(env: &Env) -> anyhow::Result<Vec<Section>> {
             let mut splits = splits.into_inner().expect("splits lock");
             splits.sort_by(|a, b| a.0.total_cmp(&b.0));
             let where_ = splits.get(splits.len() / 2).map(|s| s.1.clone()).unwrap_or_default();
+            // The p99 swings from run to run at high loads: show every run's.
+            let p99s = splits.iter().map(|s| format!("{:.0}", s.0)).collect::<Vec<_>>().join(" / ");
             let name = format!("{:.0} % of peak ({rate:.0}/s target)", frac * 100.0);
             lat.rows.push(row(
                 if control { format!("{name}, poll interval {} s", poll.as_secs()) } else { name },
                 r,
-                format!("{secs:.0} s steady after {warm:.0} s of warm-up; {where_}"),
+                format!(
+                    "{secs:.0} s steady after {warm:.0} s of warm-up; p99 of the {} runs {p99s} ms; {where_}",
+                    splits.len()
+                ),
             ));
         }
         lat.verdicts.insert(
