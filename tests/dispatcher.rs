@@ -664,3 +664,34 @@ async fn a_claim_that_waited_too_long_for_a_call_slot_is_given_back_not_sent_lat
     assert_eq!(h.db.count("intents", "attempts <> 1").await, 0, "a given-back claim costs no attempt");
     assert_eq!(h.db.count("intent_attempts", "outcome <> 'succeeded'").await, 0);
 }
+
+#[tokio::test]
+async fn calls_go_on_while_the_finalizers_are_busy_recording_outcomes() {
+    let h = Harness::new(1).await;
+    for i in 0..20 {
+        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
+    }
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.dispatcher.concurrency = 1;
+    cfg.dispatcher.claim_batch = 8;
+    // Long enough that no lease runs out while its outcome waits.
+    cfg.dispatcher.lease = Duration::from_secs(60);
+    // Every batch of outcomes waits 2 s before it is written: both finalizers
+    // sit on their first outcome and their queue (two outcomes per call
+    // slot) is full after two more. A call slot held until its outcome is
+    // handed over would stop the calls there, at 5.
+    let slow = FaultAction::Pause(Duration::from_secs(2));
+    let run = h.start(cfg, Components::ALL, Faults::new(&[(point::DISPATCHER_BEFORE_FINISH, slow, 0)])).await;
+    let (calls, recorded) = eventually("calls beyond the finalizers' queue", DEADLINE, || async {
+        // Calls first: the count of recorded outcomes only grows, so zero
+        // read after means zero when the calls were counted.
+        let calls = h.provider.stats().requests;
+        let recorded = h.db.count("intents", "state = 'succeeded'").await;
+        (calls >= 8).then_some((calls, recorded))
+    })
+    .await;
+    assert_eq!(recorded, 0, "{calls} calls made before the first outcome was written");
+    h.await_intents_finished(20).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.provider.stats().applied, 20);
+}

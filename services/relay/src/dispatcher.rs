@@ -431,6 +431,9 @@ impl Dispatcher {
 
     /// Record a batch, retrying database errors until the leases would expire.
     async fn finalize(&self, batch: &[Completion]) -> Vec<Finished> {
+        if self.inner.faults.hit(point::DISPATCHER_BEFORE_FINISH).await.is_err() {
+            return vec![Finished::LeaseLost; batch.len()];
+        }
         let deadline = std::time::Instant::now() + self.inner.settings.lease;
         let mut attempt = 0u32;
         loop {

@@ -22,6 +22,10 @@ pub mod point {
     pub const DISPATCHER_AFTER_CLAIM: &str = "dispatcher.after_claim";
     /// Dispatcher: the provider answered, the outcome not yet recorded.
     pub const DISPATCHER_AFTER_CALL: &str = "dispatcher.after_call";
+    /// Dispatcher: a finalizer took a batch of outcomes, nothing of it
+    /// written yet (hit once per batch). `Fail` drops the batch unrecorded,
+    /// as a crash would: its leases expire and the intents are rescued.
+    pub const DISPATCHER_BEFORE_FINISH: &str = "dispatcher.before_finish";
     /// Publisher: the broker acknowledged, the rows not yet marked published.
     pub const PUBLISHER_AFTER_ACK: &str = "publisher.after_ack";
 }
