@@ -28,6 +28,15 @@ pub mod point {
     pub const DISPATCHER_BEFORE_FINISH: &str = "dispatcher.before_finish";
     /// Publisher: the broker acknowledged, the rows not yet marked published.
     pub const PUBLISHER_AFTER_ACK: &str = "publisher.after_ack";
+    /// Every point: a name in `RELAY_FAULTS` must be one of these.
+    pub const ALL: &[&str] = &[
+        CONSUMER_BEFORE_DB_COMMIT,
+        CONSUMER_AFTER_DB_COMMIT,
+        DISPATCHER_AFTER_CLAIM,
+        DISPATCHER_AFTER_CALL,
+        DISPATCHER_BEFORE_FINISH,
+        PUBLISHER_AFTER_ACK,
+    ];
 }
 
 /// What happens when a fault point fires.
@@ -133,6 +142,14 @@ impl Faults {
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let (point, rest) =
                 item.split_once('=').ok_or_else(|| format!("RELAY_FAULTS item {item:?}: expected point=action"))?;
+            // A misspelt point would never fire, and the test relying on it
+            // would prove nothing.
+            if !point::ALL.contains(&point) {
+                return Err(format!(
+                    "RELAY_FAULTS item {item:?}: unknown fault point {point:?} (known: {})",
+                    point::ALL.join(", ")
+                ));
+            }
             let (action, hit) = match rest.split_once('@') {
                 Some((a, n)) => {
                     (a, n.parse::<u64>().map_err(|_| format!("RELAY_FAULTS item {item:?}: bad hit count"))?)
@@ -224,8 +241,13 @@ mod tests {
 
     #[test]
     fn bad_specs_say_what_is_wrong() {
-        let err = Faults::parse("x=explode").unwrap_err();
+        let err = Faults::parse("dispatcher.after_call=explode").unwrap_err();
         assert!(err.contains("explode"), "{err}");
-        assert!(Faults::parse("x=pause:20ms@1").is_ok());
+        let err = Faults::parse("dispatcher.after_cal=abort").unwrap_err();
+        assert!(
+            err.contains("unknown fault point \"dispatcher.after_cal\"") && err.contains("dispatcher.after_call"),
+            "{err}"
+        );
+        assert!(Faults::parse("consumer.before_db_commit=pause:20ms@1").is_ok());
     }
 }
