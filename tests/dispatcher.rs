@@ -671,17 +671,20 @@ async fn calls_go_on_while_the_finalizers_are_busy_recording_outcomes() {
     for i in 0..20 {
         h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
     }
+    // Every intent is waiting before the dispatcher starts.
+    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    h.await_inbox(20).await;
     let mut cfg = h.config(CAPTURE_ROUTE);
     cfg.dispatcher.concurrency = 1;
     cfg.dispatcher.claim_batch = 8;
     // Long enough that no lease runs out while its outcome waits.
     cfg.dispatcher.lease = Duration::from_secs(60);
-    // Every batch of outcomes waits 2 s before it is written: both finalizers
+    // Every batch of outcomes waits 3 s before it is written: both finalizers
     // sit on their first outcome and their queue (two outcomes per call
     // slot) is full after two more. A call slot held until its outcome is
     // handed over would stop the calls there, at 5.
-    let slow = FaultAction::Pause(Duration::from_secs(2));
-    let run = h.start(cfg, Components::ALL, Faults::new(&[(point::DISPATCHER_BEFORE_FINISH, slow, 0)])).await;
+    let slow = FaultAction::Pause(Duration::from_secs(3));
+    let run = h.start(cfg, DISPATCH, Faults::new(&[(point::DISPATCHER_BEFORE_FINISH, slow, 0)])).await;
     let (calls, recorded) = eventually("calls beyond the finalizers' queue", DEADLINE, || async {
         // Calls first: the count of recorded outcomes only grows, so zero
         // read after means zero when the calls were counted.
@@ -693,5 +696,6 @@ async fn calls_go_on_while_the_finalizers_are_busy_recording_outcomes() {
     assert_eq!(recorded, 0, "{calls} calls made before the first outcome was written");
     h.await_intents_finished(20).await;
     run.stop().await.unwrap();
+    ingest.stop().await.unwrap();
     assert_eq!(h.provider.stats().applied, 20);
 }
