@@ -54,9 +54,7 @@ async fn a_duplicate_event_id_at_another_offset_causes_one_effect() {
 #[tokio::test]
 async fn replaying_the_topic_from_offset_zero_in_a_new_group_causes_no_new_effects() {
     let h = Harness::new(2).await;
-    for i in 0..20 {
-        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
-    }
+    h.send_orders(20).await;
     let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_inbox(20).await;
     h.await_intents_finished(20).await;
@@ -591,9 +589,7 @@ async fn while_the_database_is_down_nothing_is_committed_and_processing_resumes_
     let mut cfg = h.config(CAPTURE_ROUTE);
     cfg.database.url = Some(relay_testkit::url_via(&h.db.url, proxy.addr()).into());
     cfg.database.acquire_timeout = std::time::Duration::from_millis(500);
-    for i in 0..5 {
-        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
-    }
+    h.send_orders(5).await;
     let run = h.start(cfg, CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, 5).await;
 

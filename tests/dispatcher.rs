@@ -77,9 +77,7 @@ async fn a_dispatcher_that_dies_after_the_call_is_replaced_and_the_provider_sees
 #[tokio::test]
 async fn a_dispatcher_that_dies_after_claiming_leaves_the_intent_to_be_rescued_when_the_lease_expires() {
     let h = Harness::new(1).await;
-    for i in 0..5 {
-        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
-    }
+    h.send_orders(5).await;
     let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
     h.await_inbox(5).await;
 
@@ -478,9 +476,7 @@ async fn call_outcomes_move_the_saga_in_the_transaction_that_records_them() {
 #[tokio::test]
 async fn outbox_rows_are_marked_published_only_after_the_ack_and_a_crash_republishes_the_same_ids() {
     let h = Harness::new(1).await;
-    for i in 0..3 {
-        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
-    }
+    h.send_orders(3).await;
     let calls = h
         .start(h.config(CAPTURE_ROUTE), Components { consumer: true, dispatcher: true, publisher: false }, no_faults())
         .await;
@@ -571,9 +567,7 @@ async fn the_next_event_of_a_key_is_published_as_soon_as_the_earlier_one_is_not_
 async fn each_endpoint_keeps_to_its_concurrency_limit_and_rate_limit() {
     let h = Harness::new(1).await;
     h.provider.set_faults(vec![rule("capture:", None, FaultKind::TimeoutAfterApply { delay_ms: 100 })]);
-    for i in 0..12 {
-        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
-    }
+    h.send_orders(12).await;
     let mut cfg = h.config(CAPTURE_ROUTE);
     let psp = cfg.endpoints.get_mut("psp").unwrap();
     psp.concurrency = 2;
@@ -648,9 +642,7 @@ async fn a_claim_that_waited_too_long_for_a_call_slot_is_given_back_not_sent_lat
     let h = Harness::new(1).await;
     // Calls take 0.9 s; one slot; a 3 s lease; 1.5 s of timeouts per call.
     h.provider.set_faults(vec![rule("capture:", None, FaultKind::TimeoutAfterApply { delay_ms: 900 })]);
-    for i in 0..5 {
-        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
-    }
+    h.send_orders(5).await;
     let mut cfg = h.config(CAPTURE_ROUTE);
     cfg.dispatcher.concurrency = 1;
     cfg.dispatcher.claim_batch = 4;
@@ -668,9 +660,7 @@ async fn a_claim_that_waited_too_long_for_a_call_slot_is_given_back_not_sent_lat
 #[tokio::test]
 async fn calls_go_on_while_the_finalizers_are_busy_recording_outcomes() {
     let h = Harness::new(1).await;
-    for i in 0..20 {
-        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
-    }
+    h.send_orders(20).await;
     // Every intent is waiting before the dispatcher starts.
     let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
     h.await_inbox(20).await;

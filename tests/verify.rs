@@ -36,12 +36,8 @@ fn checks(r: &Report) -> Vec<&'static str> {
 #[tokio::test]
 async fn a_clean_run_with_duplicates_and_poison_passes_every_check() {
     let h = Harness::new(2).await;
-    for i in 0..30 {
-        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
-    }
-    for i in 0..5 {
-        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await; // duplicates
-    }
+    h.send_orders(30).await;
+    h.send_orders(5).await; // duplicates
     h.producer.raw(&h.topic, Some(0), None, &[("ce_specversion".into(), b"1.0".to_vec())], Some(b"{")).await.unwrap();
     let cfg = h.config(CAPTURE_ROUTE);
     let run = h.start(cfg.clone(), Components::ALL, no_faults()).await;
@@ -64,9 +60,7 @@ async fn a_clean_run_with_duplicates_and_poison_passes_every_check() {
 #[tokio::test]
 async fn committing_the_offset_before_the_database_loses_an_event_and_the_checker_names_it() {
     let h = Harness::new(1).await;
-    for i in 0..3 {
-        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
-    }
+    h.send_orders(3).await;
     let cfg = h.config(CAPTURE_ROUTE);
     // Planted bug: offset first, then the crash before the DB commit.
     let broken = Faults::new(&[(point::CONSUMER_BEFORE_DB_COMMIT, FaultAction::Fail, 1)])
@@ -148,9 +142,7 @@ async fn a_new_idempotency_key_per_attempt_double_applies_and_the_checker_names_
 #[tokio::test]
 async fn damaged_state_is_reported_check_by_check() {
     let h = Harness::new(1).await;
-    for i in 0..4 {
-        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
-    }
+    h.send_orders(4).await;
     h.producer.raw(&h.topic, None, None, &[("ce_specversion".into(), b"1.0".to_vec())], Some(b"{")).await.unwrap();
     let cfg = h.config(CAPTURE_ROUTE);
     let run = h.start(cfg.clone(), Components::ALL, no_faults()).await;

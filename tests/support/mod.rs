@@ -212,6 +212,13 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
         self.producer.event(&self.topic, e).await.expect("produce")
     }
 
+    /// Send orders `o-0` … `o-{n-1}` (events `evt-0` … `evt-{n-1}`), in order.
+    pub async fn send_orders(&self, n: usize) {
+        for i in 0..n {
+            self.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
+        }
+    }
+
     /// Inbox rows of this consumer.
     pub async fn inbox(&self) -> i64 {
         self.db.count("inbox", &format!("consumer = '{}'", self.consumer)).await
