@@ -57,6 +57,8 @@ pub struct Env {
     pub only: Vec<String>,
     /// Latency: the steady loads, as fractions of the peak.
     pub loads: Vec<f64>,
+    /// Latency: a given peak rate instead of the searched one (A/B runs).
+    pub peak: Option<f64>,
 }
 
 impl Env {
@@ -1317,34 +1319,49 @@ pub async fn run_all(env: &Env) -> anyhow::Result<Vec<Section>> {
     if env.wants("latency") {
         eprintln!("bench: latency");
         let pn = env.size(2_000, 30_000);
-        let drain = median(env, || pipeline_peak(env, pn)).await?;
-        // Draining a backlog, the consumer is done early and the dispatcher
-        // then has the machine to itself; at a steady rate both share it all
-        // the time. The loads are fractions of the rate the pipeline keeps up
-        // with, searched between 30 % and 100 % of the drain rate.
-        let (probe_secs, steps) = if env.quick { (2.0, 2) } else { (8.0, 4) };
-        let sustained = median(env, || sustained_peak(env, drain.0 * 0.3, drain.0, probe_secs, steps)).await?;
-        let peak = sustained.0;
-        // Measured after a warm-up at the same rate: in the first second or
-        // two the pools fill (database connections, each preparing its
-        // statements; HTTP connections to the provider).
-        let (warm, secs) = if env.quick { (1.0, 2.0) } else { (2.0, 10.0) };
         let mut lat = Section::new(
             "4. Latency: produce → the provider receives the call (poll interval 1 s, NOTIFY on)",
             "records/s",
         );
-        lat.rows.push(row(
-            "drain: consumer + dispatcher in one process, a backlog waiting",
-            drain,
-            format!("{pn} records waiting, until every call arrived"),
-        ));
-        lat.rows.push(row(
-            "peak: the highest steady rate kept up with",
-            sustained,
-            format!(
-                "bisection over 30–100 % of the drain rate, {probe_secs:.0} s per step: kept up = under 0.25 s of records waiting at the end"
-            ),
-        ));
+        let peak = match env.peak {
+            Some(peak) => {
+                lat.rows.push(Row {
+                    name: "peak: given (--peak), not searched".into(),
+                    rate: peak,
+                    spread: (peak, peak),
+                    latency: None,
+                    note: "for comparing builds at the same loads".into(),
+                });
+                peak
+            }
+            None => {
+                let drain = median(env, || pipeline_peak(env, pn)).await?;
+                // Draining a backlog, the consumer is done early and the
+                // dispatcher then has the machine to itself; at a steady rate
+                // both share it all the time. The loads are fractions of the
+                // rate the pipeline keeps up with, searched between 30 % and
+                // 100 % of the drain rate.
+                let (probe_secs, steps) = if env.quick { (2.0, 2) } else { (8.0, 4) };
+                let sustained = median(env, || sustained_peak(env, drain.0 * 0.3, drain.0, probe_secs, steps)).await?;
+                lat.rows.push(row(
+                    "drain: consumer + dispatcher in one process, a backlog waiting",
+                    drain,
+                    format!("{pn} records waiting, until every call arrived"),
+                ));
+                lat.rows.push(row(
+                    "peak: the highest steady rate kept up with",
+                    sustained,
+                    format!(
+                        "bisection over 30–100 % of the drain rate, {probe_secs:.0} s per step: kept up = under 0.25 s of records waiting at the end"
+                    ),
+                ));
+                sustained.0
+            }
+        };
+        // Measured after a warm-up at the same rate: in the first second or
+        // two the pools fill (database connections, each preparing its
+        // statements; HTTP connections to the provider).
+        let (warm, secs) = if env.quick { (1.0, 2.0) } else { (2.0, 10.0) };
         let (mut worst_p99, mut top_p99) = (0.0f64, 0.0f64);
         // The highest load once more with a poll interval ten times longer: a
         // p99 that waited for polls would grow with it; one set by queueing

@@ -27,6 +27,10 @@ struct Args {
     /// Latency: the steady loads to run at, as fractions of the peak.
     #[arg(long, value_delimiter = ',', default_values_t = [0.1, 0.5, 0.9])]
     load: Vec<f64>,
+    /// Latency: take this rate (records/s) as the peak instead of searching
+    /// for it, so that two builds can be compared at the same fixed loads.
+    #[arg(long)]
+    peak: Option<f64>,
     /// Write the Markdown report here (e.g. BENCHMARKS.md).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -46,6 +50,7 @@ async fn main() -> ExitCode {
         runs: if a.quick { 1 } else { a.runs },
         only: a.only,
         loads: a.load,
+        peak: a.peak,
     };
     let started = std::time::Instant::now();
     let sections = match run_all(&env).await {
