@@ -11,6 +11,7 @@ use example_provider::{FaultKind, FaultRule};
 use relay::faults::point;
 use relay::{Components, FaultAction, Faults};
 use relay_store::intents::{self, AttemptRecord, Fenced, Finish, NextState};
+use relay_store::outbox;
 use relay_testkit::read_topic;
 use serde_json::json;
 use support::*;
@@ -144,7 +145,7 @@ async fn a_worker_whose_lease_was_rescued_cannot_finish_the_intent() {
 }
 
 #[tokio::test]
-async fn a_short_claim_says_when_the_next_intent_comes_due_and_a_full_one_does_not_look() {
+async fn a_short_claim_says_when_the_next_intent_or_outbox_row_comes_due_and_a_full_one_does_not_look() {
     let db = relay_testkit::TestDb::new().await.unwrap();
     sqlx::query(
         "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path,
@@ -166,6 +167,25 @@ async fn a_short_claim_says_when_the_next_intent_comes_due_and_a_full_one_does_n
     let due = short.next_due.expect("the intent due in an hour");
     assert!((due - in_an_hour).num_seconds().abs() < 60, "{due} is not in an hour");
     let empty = intents::claim(&mut conn, "w", 10, lease).await.unwrap();
+    assert_eq!((empty.rows.len(), empty.next_due), (0, Some(due)));
+
+    // The outbox claim says the same, and keeps its rows in write order.
+    sqlx::query(
+        "INSERT INTO relay.outbox (id, consumer, source_id, action, topic, payload, next_attempt_at)
+         SELECT gen_random_uuid(), 't', 'e-' || g, 'captured', 'out', '\\x00'::bytea,
+                CASE WHEN g = 4 THEN now() + interval '1 hour' ELSE now() END
+           FROM generate_series(1, 4) g",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let full = outbox::claim(&mut conn, 2, lease).await.unwrap();
+    assert_eq!((full.rows.iter().map(|r| r.seq).collect::<Vec<_>>(), full.next_due), (vec![1, 2], None));
+    let short = outbox::claim(&mut conn, 10, lease).await.unwrap();
+    assert_eq!(short.rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [3]);
+    let due = short.next_due.expect("the row due in an hour");
+    assert!((due - in_an_hour).num_seconds().abs() < 60, "{due} is not in an hour");
+    let empty = outbox::claim(&mut conn, 10, lease).await.unwrap();
     assert_eq!((empty.rows.len(), empty.next_due), (0, Some(due)));
 }
 

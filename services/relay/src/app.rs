@@ -161,9 +161,10 @@ const PING_WHEN_IDLE_FOR: Duration = Duration::from_secs(5);
 /// Open the pool described by the configuration.
 ///
 /// sqlx checks every connection with a round trip each time it leaves the
-/// pool (`test_before_acquire`); on the relay's busy paths that is one round
-/// trip in every four of a claim and one in ten of a consumer's batch, each
-/// of them a wait for a core on a loaded machine. Here only a connection
+/// pool (`test_before_acquire`); on the relay's busy paths that was one
+/// round trip of the five a claim took and one of the nine of a consumer's
+/// batch, each of them a wait for a core on a loaded machine (or a network
+/// round trip to a database elsewhere). Here only a connection
 /// that sat idle for [`PING_WHEN_IDLE_FOR`] is checked (the hook sqlx
 /// documents for this), which is where a restarted server or a dropped
 /// connection hides between bursts. A connection in steady use that breaks

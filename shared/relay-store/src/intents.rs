@@ -178,17 +178,18 @@ pub async fn claim(
     lease: Duration,
 ) -> Result<Claim<ClaimedIntent>, sqlx::Error> {
     let mut tx = crate::begin_claim(conn).await?;
-    let claimed = sqlx::query_as::<_, ClaimedIntent>(CLAIM)
-        .bind(limit)
-        .bind(worker)
-        .bind(lease.as_secs_f64())
-        .fetch_all(&mut *tx)
-        .await?;
-    crate::finish_claim(tx, claimed, limit, NEXT_DUE).await
+    let claim =
+        crate::fetch_claim(&mut tx, sqlx::query(CLAIM).bind(limit).bind(worker).bind(lease.as_secs_f64())).await?;
+    tx.commit().await?;
+    Ok(claim)
 }
 
 /// The claim statement ([`claim`]); public so a test can check its plan.
-/// `$1` limit, `$2` worker, `$3` lease in seconds.
+/// `$1` limit, `$2` worker, `$3` lease in seconds. Its rows are the claimed
+/// intents, each with `next_due`; when it claims fewer than `$1`, `next_due`
+/// is when the earliest pending intent not due yet comes due, and at least
+/// one row comes back (all columns but `next_due` null when none was
+/// claimed): see [`crate::fetch_claim`].
 pub const CLAIM: &str = "WITH due AS (
              SELECT i.id FROM relay.intents i
               WHERE i.state = 'pending' AND i.next_attempt_at <= now()
@@ -206,12 +207,16 @@ pub const CLAIM: &str = "WITH due AS (
                     locked_by = $2, locked_until = now() + make_interval(secs => $3)
                FROM due WHERE i.id = due.id
              RETURNING i.*
+         ), next AS (
+             SELECT CASE WHEN (SELECT count(*) FROM claimed) < $1 THEN (
+                        SELECT min(next_attempt_at) FROM relay.intents
+                         WHERE state = 'pending' AND next_attempt_at > now()) END AS next_due
          )
-         SELECT id, lease_token, consumer, source_event_id, action, endpoint, method, path, body,
-                request_headers, idempotency_key, ordering_key, attempts, max_attempts, expires_at,
-                on_success, on_dead, emit_source, aggregate_id, correlation_id, causation_id, traceparent,
-                last_error, created_at
-           FROM claimed";
+         SELECT c.id, c.lease_token, c.consumer, c.source_event_id, c.action, c.endpoint, c.method, c.path, c.body,
+                c.request_headers, c.idempotency_key, c.ordering_key, c.attempts, c.max_attempts, c.expires_at,
+                c.on_success, c.on_dead, c.emit_source, c.aggregate_id, c.correlation_id, c.causation_id,
+                c.traceparent, c.last_error, c.created_at, next.next_due
+           FROM next LEFT JOIN claimed c ON true";
 
 /// How one attempt ended, for the audit row and the intent's last_* columns.
 #[derive(Debug, Clone)]
@@ -386,10 +391,6 @@ pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<Vec<U
     .fetch_all(conn)
     .await
 }
-
-/// When the next pending intent not due yet comes due ([`crate::finish_claim`]).
-const NEXT_DUE: &str =
-    "SELECT min(next_attempt_at) FROM relay.intents WHERE state = 'pending' AND next_attempt_at > now()";
 
 /// An intent as shown to operators.
 #[derive(Debug, Clone, FromRow, serde::Serialize)]

@@ -78,14 +78,16 @@ impl ClaimedRow {
 /// claim also says when the next row comes due ([`Claim::next_due`]).
 pub async fn claim(conn: &mut PgConnection, limit: i64, lease: Duration) -> Result<Claim<ClaimedRow>, sqlx::Error> {
     let mut tx = crate::begin_claim(conn).await?;
-    let mut rows: Vec<ClaimedRow> =
-        sqlx::query_as(CLAIM).bind(limit).bind(lease.as_secs_f64()).fetch_all(&mut *tx).await?;
-    rows.sort_by_key(|r| r.seq);
-    crate::finish_claim(tx, rows, limit, NEXT_DUE).await
+    let mut claim: Claim<ClaimedRow> =
+        crate::fetch_claim(&mut tx, sqlx::query(CLAIM).bind(limit).bind(lease.as_secs_f64())).await?;
+    tx.commit().await?;
+    claim.rows.sort_by_key(|r| r.seq);
+    Ok(claim)
 }
 
 /// The claim statement ([`claim`]); public so a test can check its plan.
-/// `$1` limit, `$2` lease in seconds.
+/// `$1` limit, `$2` lease in seconds. Rows and `next_due` as for
+/// [`crate::intents::CLAIM`].
 pub const CLAIM: &str = "WITH due AS (
              SELECT o.id FROM relay.outbox o
               WHERE o.state = 'pending' AND o.next_attempt_at <= now()
@@ -96,13 +98,19 @@ pub const CLAIM: &str = "WITH due AS (
               ORDER BY o.seq
               LIMIT $1
               FOR UPDATE SKIP LOCKED
+         ), claimed AS (
+             UPDATE relay.outbox o
+                SET state = 'running', attempts = o.attempts + 1, lease_token = gen_random_uuid(),
+                    locked_until = now() + make_interval(secs => $2)
+               FROM due WHERE o.id = due.id
+             RETURNING o.id, o.seq, o.lease_token, o.topic, o.key, o.headers, o.payload, o.event_type,
+                       o.ordering_key, o.attempts
+         ), next AS (
+             SELECT CASE WHEN (SELECT count(*) FROM claimed) < $1 THEN (
+                        SELECT min(next_attempt_at) FROM relay.outbox
+                         WHERE state = 'pending' AND next_attempt_at > now()) END AS next_due
          )
-         UPDATE relay.outbox o
-            SET state = 'running', attempts = o.attempts + 1, lease_token = gen_random_uuid(),
-                locked_until = now() + make_interval(secs => $2)
-           FROM due WHERE o.id = due.id
-         RETURNING o.id, o.seq, o.lease_token, o.topic, o.key, o.headers, o.payload, o.event_type, o.ordering_key,
-                   o.attempts";
+         SELECT c.*, next.next_due FROM next LEFT JOIN claimed c ON true";
 
 /// The statement of [`mark_published`]; public so a test can check its plan.
 /// Fenced on the token alone, for the reason given at
@@ -161,10 +169,6 @@ pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<u64, 
     .await?;
     Ok(done.rows_affected())
 }
-
-/// When the next pending row not due yet comes due ([`crate::finish_claim`]).
-const NEXT_DUE: &str =
-    "SELECT min(next_attempt_at) FROM relay.outbox WHERE state = 'pending' AND next_attempt_at > now()";
 
 /// Insert many outbox records in one statement: `(source_id, record)` pairs.
 /// Returns the ids that were new.
