@@ -632,7 +632,16 @@ impl InboxConsumer {
         let mut conn = self.pool.acquire().await?;
         let mut tx = conn.begin().await?;
         let started = Instant::now();
-        let processed = self.processor.process_batch(&mut tx, records).await?;
+        let processed = match self.processor.process_batch_first(&mut tx, records).await? {
+            Some(processed) => processed,
+            None => {
+                // The batch's first run was rejected; it was all the
+                // transaction held. Again, with a savepoint around each run.
+                tx.rollback().await?;
+                tx = conn.begin().await?;
+                self.processor.process_batch(&mut tx, records).await?
+            }
+        };
         let (mut stopped, mut paused) = (None, None);
         for (record, p) in records.iter().zip(&processed) {
             match &p.step {
