@@ -766,3 +766,33 @@ async fn a_record_the_database_rejects_inside_a_batch_is_parked_alone_and_its_ne
     assert_eq!((class.as_str(), offset), ("rejected", bad));
     assert_eq!(id.as_deref(), Some("bad\u{fffd}id"), "stored with the NUL replaced, so it can be stored at all");
 }
+
+#[tokio::test]
+async fn a_batch_that_writes_no_intents_wakes_no_dispatcher() {
+    // The consumer writes a batch's intents, outbox rows and counters with
+    // one statement (relay_store::effects); a part with no rows must be left
+    // out of it, or its table's statement-level trigger would send a wake-up
+    // for nothing.
+    let db = relay_testkit::TestDb::new().await.unwrap();
+    let mut listener = sqlx::postgres::PgListener::connect_with(&db.pool).await.unwrap();
+    listener.listen("relay_intents").await.unwrap();
+    let record = relay_core::OutboxRecord {
+        id: uuid::Uuid::new_v4(),
+        action: "accepted".into(),
+        topic: "out".into(),
+        key: None,
+        headers: Vec::new(),
+        payload: Some(b"{}".to_vec()),
+        event_type: None,
+        ordering_key: None,
+    };
+    let mut conn = db.conn().await.unwrap();
+    let new =
+        relay_store::effects::insert(&mut conn, "c", &[], &[("e-1", &record)], &[("orders", 0, 1)]).await.unwrap();
+    assert_eq!((new.intents.len(), new.outbox.len()), (0, 1));
+    assert_eq!(inbox::counter(&mut conn, "c", "orders").await.unwrap(), 1);
+    // Notifications arrive in commit order: the first one must be this marker.
+    sqlx::query("SELECT pg_notify('relay_intents', 'marker')").execute(&mut *conn).await.unwrap();
+    let first = tokio::time::timeout(std::time::Duration::from_secs(10), listener.recv()).await.unwrap().unwrap();
+    assert_eq!(first.payload(), "marker", "the outbox-only write woke the dispatchers");
+}

@@ -605,11 +605,10 @@ async fn ingest_limit(env: &Env, n: usize, batch: usize) -> anyhow::Result<(f64,
         let end = (start + batch).min(n);
         let mut tx = conn.begin().await?;
         relay_store::inbox::insert_many(&mut tx, &inbox_rows[start..end]).await?;
-        relay_store::intents::insert_many(&mut tx, &intents[start..end]).await?;
         let rows: Vec<(&str, &relay_core::OutboxRecord)> =
             (start..end).map(|i| (ids[i].as_str(), &outbox[i])).collect();
-        relay_store::outbox::insert_many(&mut tx, CONSUMER, &rows).await?;
-        relay_store::inbox::add_to_counters(&mut tx, CONSUMER, &[("orders", 0, (end - start) as i64)]).await?;
+        let counted = [("orders", 0, (end - start) as i64)];
+        relay_store::effects::insert(&mut tx, CONSUMER, &intents[start..end], &rows, &counted).await?;
         tx.commit().await?;
     }
     Ok((n as f64 / t0.elapsed().as_secs_f64(), None))

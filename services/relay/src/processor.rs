@@ -30,7 +30,7 @@ use relay_core::{
 use relay_store::inbox::{self, InboxInsert, InboxOutcome, KeyClaim, NewInboxRow, SequenceCheck, VersionCheck};
 use relay_store::intents::{self, NewIntent};
 use relay_store::sagas::{self, Transition};
-use relay_store::{DbErrorKind, classify_error, dead_letters, outbox};
+use relay_store::{DbErrorKind, classify_error, dead_letters, effects, outbox};
 use serde_json::json;
 use sqlx::{Connection, PgConnection};
 
@@ -523,20 +523,16 @@ impl Processor {
             }
         }
         let intents_rows: Vec<NewIntent> = intents_new.iter().map(|(_, i)| i.clone()).collect();
-        let new_intents: std::collections::HashSet<uuid::Uuid> =
-            intents::insert_many(tx, &intents_rows).await?.into_iter().collect();
         let outbox_rows: Vec<(&str, &relay_core::OutboxRecord)> =
             outbox_new.iter().map(|(k, r)| (run[*k].event.id.as_str(), r)).collect();
-        let new_outbox: std::collections::HashSet<uuid::Uuid> =
-            outbox::insert_many(tx, consumer, &outbox_rows).await?.into_iter().collect();
         let adds: Vec<(&str, i32, i64)> = counters.into_iter().map(|((name, shard), n)| (name, shard, n)).collect();
-        inbox::add_to_counters(tx, consumer, &adds).await?;
+        let new = effects::insert(tx, consumer, &intents_rows, &outbox_rows, &adds).await?;
         let mut written = vec![(0usize, 0usize); run.len()];
         for (k, i) in &intents_new {
-            written[*k].0 += usize::from(new_intents.contains(&i.id));
+            written[*k].0 += usize::from(new.intents.contains(&i.id));
         }
         for (k, r) in &outbox_new {
-            written[*k].1 += usize::from(new_outbox.contains(&r.id));
+            written[*k].1 += usize::from(new.outbox.contains(&r.id));
         }
         Ok(steps
             .into_iter()

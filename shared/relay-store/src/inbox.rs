@@ -392,16 +392,24 @@ pub async fn add_to_counters(
     if adds.is_empty() {
         return Ok(());
     }
-    sqlx::query(
-        "INSERT INTO relay.counters (consumer, name, shard, value)
-         SELECT $1, * FROM unnest($2::text[], $3::int4[], $4::int8[])
-         ON CONFLICT (consumer, name, shard) DO UPDATE SET value = relay.counters.value + EXCLUDED.value",
-    )
-    .bind(consumer)
-    .bind(adds.iter().map(|a| a.0).collect::<Vec<_>>())
-    .bind(adds.iter().map(|a| a.1).collect::<Vec<_>>())
-    .bind(adds.iter().map(|a| a.2).collect::<Vec<_>>())
-    .execute(conn)
-    .await?;
+    bind_counters(sqlx::query(ADD_TO_COUNTERS), consumer, adds).execute(conn).await?;
     Ok(())
+}
+
+/// The statement of [`add_to_counters`] (`$1` consumer, `$2`…`$4` names,
+/// shards and increments).
+pub(crate) const ADD_TO_COUNTERS: &str = "INSERT INTO relay.counters (consumer, name, shard, value)
+         SELECT $1, * FROM unnest($2::text[], $3::int4[], $4::int8[])
+         ON CONFLICT (consumer, name, shard) DO UPDATE SET value = relay.counters.value + EXCLUDED.value";
+
+/// Bind the parameters of [`ADD_TO_COUNTERS`] to `q`, after those it has.
+pub(crate) fn bind_counters<'q>(
+    q: crate::PgQuery<'q>,
+    consumer: &'q str,
+    adds: &[(&'q str, i32, i64)],
+) -> crate::PgQuery<'q> {
+    q.bind(consumer)
+        .bind(adds.iter().map(|a| a.0).collect::<Vec<_>>())
+        .bind(adds.iter().map(|a| a.1).collect::<Vec<_>>())
+        .bind(adds.iter().map(|a| a.2).collect::<Vec<_>>())
 }

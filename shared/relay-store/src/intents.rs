@@ -189,7 +189,7 @@ pub async fn claim(
 /// intents, each with `next_due`; when it claims fewer than `$1`, `next_due`
 /// is when the earliest pending intent not due yet comes due, and at least
 /// one row comes back (all columns but `next_due` null when none was
-/// claimed): see [`crate::fetch_claim`].
+/// claimed), which [`claim`] sorts out.
 pub const CLAIM: &str = "WITH due AS (
              SELECT i.id FROM relay.intents i
               WHERE i.state = 'pending' AND i.next_attempt_at <= now()
@@ -470,16 +470,9 @@ pub async fn attempts(conn: &mut PgConnection, id: Uuid) -> Result<Vec<AttemptVi
     .await
 }
 
-/// Insert many intents in one statement; returns the ids that were new.
-pub async fn insert_many(conn: &mut PgConnection, rows: &[NewIntent]) -> Result<Vec<Uuid>, sqlx::Error> {
-    if rows.is_empty() {
-        return Ok(Vec::new());
-    }
-    fn col<'a, T: 'a>(rows: &'a [NewIntent], f: impl Fn(&'a NewIntent) -> T) -> Vec<T> {
-        rows.iter().map(f).collect()
-    }
-    sqlx::query_scalar(
-        "INSERT INTO relay.intents
+/// Insert many intents, `ON CONFLICT DO NOTHING`, returning the ids that
+/// were new ([`crate::effects::insert`]); `$1`…`$20`: one array per column.
+pub(crate) const INSERT_MANY: &str = "INSERT INTO relay.intents
              (id, consumer, source_event_id, action, endpoint, method, path, body, request_headers,
               idempotency_key, ordering_key, max_attempts, expires_at, on_success, on_dead,
               emit_source, aggregate_id, correlation_id, causation_id, traceparent)
@@ -493,30 +486,33 @@ pub async fn insert_many(conn: &mut PgConnection, rows: &[NewIntent]) -> Result<
                      idempotency_key, ordering_key, max_attempts, max_age, on_success, on_dead,
                      emit_source, aggregate_id, correlation_id, causation_id, traceparent)
          ON CONFLICT (id) DO NOTHING
-         RETURNING id",
-    )
-    .bind(col(rows, |r| r.id))
-    .bind(col(rows, |r| r.consumer.as_str()))
-    .bind(col(rows, |r| r.source_event_id.as_str()))
-    .bind(col(rows, |r| r.action.as_str()))
-    .bind(col(rows, |r| r.endpoint.as_str()))
-    .bind(col(rows, |r| r.method.as_str()))
-    .bind(col(rows, |r| r.path.as_str()))
-    .bind(col(rows, |r| r.body.clone()))
-    .bind(col(rows, |r| r.headers.clone()))
-    .bind(col(rows, |r| r.idempotency_key.as_str()))
-    .bind(col(rows, |r| r.ordering_key.as_deref()))
-    .bind(col(rows, |r| r.max_attempts))
-    .bind(col(rows, |r| r.max_age.as_secs_f64()))
-    .bind(col(rows, |r| r.on_success.clone()))
-    .bind(col(rows, |r| r.on_dead.clone()))
-    .bind(col(rows, |r| r.emit_source.as_str()))
-    .bind(col(rows, |r| r.aggregate_id.as_deref()))
-    .bind(col(rows, |r| r.correlation_id.as_deref()))
-    .bind(col(rows, |r| r.causation_id.as_deref()))
-    .bind(col(rows, |r| r.traceparent.as_deref()))
-    .fetch_all(conn)
-    .await
+         RETURNING id";
+
+/// Bind the parameters of [`INSERT_MANY`] to `q`, after those it has.
+pub(crate) fn bind_many<'q>(q: crate::PgQuery<'q>, rows: &'q [NewIntent]) -> crate::PgQuery<'q> {
+    fn col<'a, T: 'a>(rows: &'a [NewIntent], f: impl Fn(&'a NewIntent) -> T) -> Vec<T> {
+        rows.iter().map(f).collect()
+    }
+    q.bind(col(rows, |r| r.id))
+        .bind(col(rows, |r| r.consumer.as_str()))
+        .bind(col(rows, |r| r.source_event_id.as_str()))
+        .bind(col(rows, |r| r.action.as_str()))
+        .bind(col(rows, |r| r.endpoint.as_str()))
+        .bind(col(rows, |r| r.method.as_str()))
+        .bind(col(rows, |r| r.path.as_str()))
+        .bind(col(rows, |r| r.body.clone()))
+        .bind(col(rows, |r| r.headers.clone()))
+        .bind(col(rows, |r| r.idempotency_key.as_str()))
+        .bind(col(rows, |r| r.ordering_key.as_deref()))
+        .bind(col(rows, |r| r.max_attempts))
+        .bind(col(rows, |r| r.max_age.as_secs_f64()))
+        .bind(col(rows, |r| r.on_success.clone()))
+        .bind(col(rows, |r| r.on_dead.clone()))
+        .bind(col(rows, |r| r.emit_source.as_str()))
+        .bind(col(rows, |r| r.aggregate_id.as_deref()))
+        .bind(col(rows, |r| r.correlation_id.as_deref()))
+        .bind(col(rows, |r| r.causation_id.as_deref()))
+        .bind(col(rows, |r| r.traceparent.as_deref()))
 }
 
 /// Filters for listing intents.

@@ -25,6 +25,7 @@ use sqlx::PgPool;
 use sqlx::migrate::Migrator;
 
 pub mod dead_letters;
+pub mod effects;
 pub mod headers;
 pub mod inbox;
 pub mod intents;
@@ -158,6 +159,28 @@ where
         }
     }
     Ok(claim)
+}
+
+/// A statement with its parameters bound so far.
+pub(crate) type PgQuery<'q> = sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>;
+
+/// `sql` with every parameter `$n` renumbered `$n + by`, so that it can be
+/// one part of a larger statement whose earlier parts take `$1`…`$by`. The
+/// relay's statements hold no `$` but in parameters (no dollar quoting, no
+/// `$` in literals).
+pub(crate) fn shift_params(sql: &str, by: usize) -> String {
+    let mut out = String::with_capacity(sql.len() + 16);
+    let mut rest = sql;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..=at]);
+        rest = &rest[at + 1..];
+        let digits = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
+        let n: usize = rest[..digits].parse().expect("a `$` in a relay statement is a parameter");
+        out.push_str(&(n + by).to_string());
+        rest = &rest[digits..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// The relay's migrations (`migrations/` at the workspace root), embedded.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use relay_core::{Header, OutboxRecord};
 use serde_json::Value;
-use sqlx::{FromRow, PgConnection};
+use sqlx::{FromRow, PgConnection, Row};
 use uuid::Uuid;
 
 use crate::{Claim, headers};
@@ -180,26 +180,35 @@ pub async fn insert_many(
     if rows.is_empty() {
         return Ok(Vec::new());
     }
-    sqlx::query_scalar(
-        "INSERT INTO relay.outbox
+    let rows = bind_many(sqlx::query(INSERT_MANY), consumer, rows).fetch_all(conn).await?;
+    rows.iter().map(|r| r.try_get(0)).collect()
+}
+
+/// The statement of [`insert_many`] (`$1` consumer, `$2`…`$10`: one array
+/// per column).
+pub(crate) const INSERT_MANY: &str = "INSERT INTO relay.outbox
              (id, consumer, source_id, action, topic, key, headers, payload, event_type, ordering_key)
          SELECT id, $1, source_id, action, topic, key, headers, payload, event_type, ordering_key
            FROM unnest($2::uuid[], $3::text[], $4::text[], $5::text[], $6::bytea[], $7::jsonb[], $8::bytea[],
                        $9::text[], $10::text[])
                 AS t(id, source_id, action, topic, key, headers, payload, event_type, ordering_key)
          ON CONFLICT (id) DO NOTHING
-         RETURNING id",
-    )
-    .bind(consumer)
-    .bind(rows.iter().map(|(_, r)| r.id).collect::<Vec<_>>())
-    .bind(rows.iter().map(|(s, _)| *s).collect::<Vec<_>>())
-    .bind(rows.iter().map(|(_, r)| r.action.as_str()).collect::<Vec<_>>())
-    .bind(rows.iter().map(|(_, r)| r.topic.as_str()).collect::<Vec<_>>())
-    .bind(rows.iter().map(|(_, r)| r.key.as_deref()).collect::<Vec<_>>())
-    .bind(rows.iter().map(|(_, r)| headers::to_json(&r.headers)).collect::<Vec<_>>())
-    .bind(rows.iter().map(|(_, r)| r.payload.as_deref()).collect::<Vec<_>>())
-    .bind(rows.iter().map(|(_, r)| r.event_type.as_deref()).collect::<Vec<_>>())
-    .bind(rows.iter().map(|(_, r)| r.ordering_key.as_deref()).collect::<Vec<_>>())
-    .fetch_all(conn)
-    .await
+         RETURNING id";
+
+/// Bind the parameters of [`INSERT_MANY`] to `q`, after those it has.
+pub(crate) fn bind_many<'q>(
+    q: crate::PgQuery<'q>,
+    consumer: &'q str,
+    rows: &[(&'q str, &'q OutboxRecord)],
+) -> crate::PgQuery<'q> {
+    q.bind(consumer)
+        .bind(rows.iter().map(|(_, r)| r.id).collect::<Vec<_>>())
+        .bind(rows.iter().map(|(s, _)| *s).collect::<Vec<_>>())
+        .bind(rows.iter().map(|(_, r)| r.action.as_str()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|(_, r)| r.topic.as_str()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|(_, r)| r.key.as_deref()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|(_, r)| headers::to_json(&r.headers)).collect::<Vec<_>>())
+        .bind(rows.iter().map(|(_, r)| r.payload.as_deref()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|(_, r)| r.event_type.as_deref()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|(_, r)| r.ordering_key.as_deref()).collect::<Vec<_>>())
 }
