@@ -11,7 +11,7 @@ use example_provider::{FaultKind, FaultRule};
 use relay::faults::point;
 use relay::{Components, FaultAction, Faults};
 use relay_store::intents::{self, AttemptRecord, Fenced, Finish, NextState};
-use relay_store::outbox;
+use relay_store::{ClaimPool, outbox};
 use relay_testkit::read_topic;
 use serde_json::json;
 use support::*;
@@ -111,14 +111,15 @@ async fn a_worker_whose_lease_was_rescued_cannot_finish_the_intent() {
     ingest.stop().await.unwrap();
 
     let mut conn = h.db.conn().await.unwrap();
-    let stale = intents::claim(&mut conn, "worker-a", 10, Duration::from_secs(60)).await.unwrap().rows.remove(0);
+    let mut claims = ClaimPool::beside(&h.db.pool, 1).acquire().await.unwrap();
+    let stale = intents::claim(&mut claims, "worker-a", 10, Duration::from_secs(60)).await.unwrap().rows.remove(0);
     // Worker A stalls past its lease; the rescuer returns the intent and worker B claims it.
     sqlx::query("UPDATE relay.intents SET locked_until = now() - interval '1 second'")
         .execute(&mut *conn)
         .await
         .unwrap();
     assert_eq!(intents::rescue_expired(&mut conn, 10).await.unwrap(), vec![stale.id]);
-    let fresh = intents::claim(&mut conn, "worker-b", 10, Duration::from_secs(60)).await.unwrap().rows.remove(0);
+    let fresh = intents::claim(&mut claims, "worker-b", 10, Duration::from_secs(60)).await.unwrap().rows.remove(0);
     assert_eq!(fresh.id, stale.id);
     assert_eq!(fresh.attempts, 2, "the lost attempt still counts");
 
@@ -157,7 +158,7 @@ async fn a_short_claim_says_when_the_next_intent_or_outbox_row_comes_due_and_a_f
     .execute(&db.pool)
     .await
     .unwrap();
-    let mut conn = db.conn().await.unwrap();
+    let mut conn = ClaimPool::beside(&db.pool, 1).acquire().await.unwrap();
     let lease = Duration::from_secs(60);
     let full = intents::claim(&mut conn, "w", 2, lease).await.unwrap();
     assert_eq!((full.rows.len(), full.next_due), (2, None), "a full claim goes again at once");

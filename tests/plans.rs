@@ -10,9 +10,10 @@ use std::time::Duration;
 
 use relay_store::ops::{self, Cleanup};
 use relay_store::stats;
-use relay_store::{begin_by_key, begin_claim, intents, outbox};
+use relay_store::{ClaimPool, begin_by_key, intents, outbox};
 use relay_testkit::TestDb;
 use serde_json::Value;
+use sqlx::{Connection, PgConnection};
 
 const ROWS: i64 = 20_000;
 /// Rows per table for the cleanup plans, and the batch size. The batch must
@@ -85,31 +86,29 @@ async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_
     // all and sorts them on every claim.
     insert_backlog(&db.pool, ROWS).await;
 
-    let mut conn = db.conn().await.unwrap();
-    let mut tx = begin_claim(&mut conn).await.unwrap();
+    let mut claims = ClaimPool::beside(&db.pool, 1).acquire().await.unwrap();
     let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {}", intents::CLAIM))
         .bind(50_i64)
         .bind("worker")
         .bind(30.0_f64)
-        .fetch_one(&mut *tx)
+        .fetch_one(claims.as_conn())
         .await
         .unwrap();
     assert_index_order("the intent claim", &nodes(&plan), "intents_due");
     let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {}", outbox::CLAIM))
         .bind(50_i64)
         .bind(30.0_f64)
-        .fetch_one(&mut *tx)
+        .fetch_one(claims.as_conn())
         .await
         .unwrap();
     assert_index_order("the outbox claim", &nodes(&plan), "outbox_pending_by_seq");
-    tx.rollback().await.unwrap();
 
     // And the claims do take the oldest rows first.
-    let claimed = intents::claim(&mut conn, "worker", 3, Duration::from_secs(30)).await.unwrap().rows;
+    let claimed = intents::claim(&mut claims, "worker", 3, Duration::from_secs(30)).await.unwrap().rows;
     let mut ids: Vec<&str> = claimed.iter().map(|c| c.source_event_id.as_str()).collect();
     ids.sort();
     assert_eq!(ids, ["e-1", "e-2", "e-3"]);
-    let rows = outbox::claim(&mut conn, 3, Duration::from_secs(30)).await.unwrap().rows;
+    let rows = outbox::claim(&mut claims, 3, Duration::from_secs(30)).await.unwrap().rows;
     assert_eq!(rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [1, 2, 3]);
 }
 
@@ -196,8 +195,9 @@ async fn finishing_a_claim_probes_the_primary_key_when_the_statistics_say_nothin
     sqlx::query("ANALYZE").execute(&db.pool).await.unwrap();
     insert_backlog(&db.pool, 1000).await;
     let mut conn = db.conn().await.unwrap();
-    let claimed = intents::claim(&mut conn, "worker", 1000, Duration::from_secs(30)).await.unwrap().rows;
-    let rows = outbox::claim(&mut conn, 1000, Duration::from_secs(30)).await.unwrap().rows;
+    let mut claims = ClaimPool::beside(&db.pool, 1).acquire().await.unwrap();
+    let claimed = intents::claim(&mut claims, "worker", 1000, Duration::from_secs(30)).await.unwrap().rows;
+    let rows = outbox::claim(&mut claims, 1000, Duration::from_secs(30)).await.unwrap().rows;
     assert_eq!((claimed.len(), rows.len()), (1000, 1000));
 
     // One batch of finishes, as the dispatcher's finalizer writes it.
@@ -254,19 +254,23 @@ async fn a_plan_cached_while_the_table_was_small_still_probes_keys_once_it_has_g
     sqlx::query("ANALYZE").execute(&db.pool).await.unwrap();
     // What PostgreSQL does by itself from a statement's sixth run on: plan it
     // once for any parameters and keep that plan for the connection.
+    // Claims on a claim connection, finishes on another, as the relay runs them.
+    let mut claims = ClaimPool::beside(&db.pool, 1).acquire().await.unwrap();
     let mut conn = db.conn().await.unwrap();
-    for sql in [
-        "SET plan_cache_mode = force_generic_plan".to_owned(),
-        format!("PREPARE claim_intents AS {}", intents::CLAIM),
-        format!("PREPARE claim_outbox AS {}", outbox::CLAIM),
-        format!("PREPARE finish_intents AS {}", intents::FINISH),
-        format!("PREPARE mark_published AS {}", outbox::MARK_PUBLISHED),
+    for (claim, sql) in [
+        (true, "SET plan_cache_mode = force_generic_plan".to_owned()),
+        (false, "SET plan_cache_mode = force_generic_plan".to_owned()),
+        (true, format!("PREPARE claim_intents AS {}", intents::CLAIM)),
+        (true, format!("PREPARE claim_outbox AS {}", outbox::CLAIM)),
+        (false, format!("PREPARE finish_intents AS {}", intents::FINISH)),
+        (false, format!("PREPARE mark_published AS {}", outbox::MARK_PUBLISHED)),
     ] {
-        sqlx::raw_sql(&sql).execute(&mut *conn).await.unwrap();
+        let c: &mut PgConnection = if claim { claims.as_conn() } else { &mut conn };
+        sqlx::raw_sql(&sql).execute(c).await.unwrap();
     }
-    // Each statement runs once while the table is small (as the relay runs
-    // them: claims and finishes in their own transactions): its plan is made
-    // and cached now.
+    // Each statement runs once while the table is small (claims on their
+    // connection, finishes in their own transactions; rolled back here): its
+    // plan is made and cached now.
     let execute = |name: &str, claim: bool| {
         let args = match name {
             "claim_intents" => "(2, 'worker', 30)",
@@ -283,14 +287,14 @@ async fn a_plan_cached_while_the_table_was_small_still_probes_keys_once_it_has_g
         execute("mark_published", false),
     ];
     for (sql, claim) in &statements {
-        let mut tx = if *claim { begin_claim(&mut conn).await } else { begin_by_key(&mut conn).await }.unwrap();
+        let mut tx = if *claim { claims.as_conn().begin().await } else { begin_by_key(&mut conn).await }.unwrap();
         sqlx::raw_sql(sql).execute(&mut *tx).await.unwrap();
         tx.rollback().await.unwrap();
     }
     // The tables grow; nothing tells the cached plans.
     insert_backlog(&db.pool, ROWS).await;
     for ((sql, claim), index) in statements.iter().zip(["intents_due", "outbox_pending_by_seq", "", ""]) {
-        let mut tx = if *claim { begin_claim(&mut conn).await } else { begin_by_key(&mut conn).await }.unwrap();
+        let mut tx = if *claim { claims.as_conn().begin().await } else { begin_by_key(&mut conn).await }.unwrap();
         let plan: Value =
             sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {sql}")).fetch_one(&mut *tx).await.unwrap();
         tx.rollback().await.unwrap();
@@ -311,14 +315,13 @@ async fn a_plan_cached_while_the_table_was_small_still_probes_keys_once_it_has_g
 
 #[tokio::test]
 async fn only_claims_commit_without_waiting_for_the_disk() {
-    // A lost claim is a lease that expired early (relay_store::begin_claim);
+    // A lost claim is a lease that expired early (relay_store::ClaimPool);
     // a lost finish would be an outcome recorded and then forgotten.
     let db = TestDb::new().await.unwrap();
+    let mut claims = ClaimPool::beside(&db.pool, 1).acquire().await.unwrap();
     let mut conn = db.conn().await.unwrap();
     let setting = "SELECT current_setting('synchronous_commit')";
-    let mut tx = begin_claim(&mut conn).await.unwrap();
-    let claim: String = sqlx::query_scalar(setting).fetch_one(&mut *tx).await.unwrap();
-    tx.commit().await.unwrap();
+    let claim: String = sqlx::query_scalar(setting).fetch_one(claims.as_conn()).await.unwrap();
     let mut tx = begin_by_key(&mut conn).await.unwrap();
     let finish: String = sqlx::query_scalar(setting).fetch_one(&mut *tx).await.unwrap();
     tx.commit().await.unwrap();

@@ -727,8 +727,9 @@ async fn dispatch_database_only(env: &Env, m: usize, workers: usize) -> anyhow::
         async move {
             let worker = format!("bench-db-{w}");
             let mut conn = pool.acquire().await?;
+            let mut claims = relay_store::ClaimPool::beside(&pool, 1).acquire().await?;
             loop {
-                let claim = intents::claim(&mut conn, &worker, 256, Duration::from_secs(30)).await?;
+                let claim = intents::claim(&mut claims, &worker, 256, Duration::from_secs(30)).await?;
                 if claim.rows.is_empty() {
                     return anyhow::Ok(());
                 }

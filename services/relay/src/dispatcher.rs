@@ -31,7 +31,7 @@ use relay_core::retry::{Verdict, classify};
 use relay_core::{Outcome, Provenance};
 use relay_store::intents::{self, AttemptRecord, ClaimedIntent, Finish, NextState};
 use relay_store::sagas::{self, Transition};
-use relay_store::{Claim, inbox, outbox};
+use relay_store::{Claim, ClaimPool, inbox, outbox};
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::{Semaphore, mpsc};
@@ -53,6 +53,8 @@ pub struct Dispatcher {
 
 struct Inner {
     pool: PgPool,
+    /// The claim loop's connection ([`ClaimPool`]: one round trip a claim).
+    claims: ClaimPool,
     settings: DispatcherConfig,
     worker: String,
     endpoints: HashMap<String, EndpointClient>,
@@ -91,7 +93,8 @@ impl Dispatcher {
             .map(|(name, cfg)| Ok((name.clone(), EndpointClient::new(name, cfg)?)))
             .collect::<anyhow::Result<_>>()?;
         let progress = tokio::sync::Notify::new();
-        Ok(Dispatcher { inner: Arc::new(Inner { pool, settings, worker, endpoints, faults, progress }) })
+        let claims = ClaimPool::beside(&pool, 1);
+        Ok(Dispatcher { inner: Arc::new(Inner { pool, claims, settings, worker, endpoints, faults, progress }) })
     }
 
     /// This dispatcher's worker id.
@@ -252,7 +255,7 @@ impl Dispatcher {
     /// interval; NOTIFY wakes us earlier for new intents, and `progress` for
     /// what our own outcomes made due).
     async fn claim(&self, limit: usize) -> Result<Claim<ClaimedIntent>, sqlx::Error> {
-        let mut conn = self.inner.pool.acquire().await?;
+        let mut conn = self.inner.claims.acquire().await?;
         intents::claim(&mut conn, &self.inner.worker, limit as i64, self.inner.settings.lease).await
     }
 

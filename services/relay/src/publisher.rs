@@ -16,8 +16,8 @@ use rdkafka::message::{Header as KHeader, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer, ProducerContext};
 use rdkafka::util::Timeout;
 use relay_core::config::{KafkaConfig, PublisherConfig};
-use relay_store::Claim;
 use relay_store::outbox::{self, ClaimedRow};
+use relay_store::{Claim, ClaimPool};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
@@ -62,6 +62,8 @@ impl ProducerContext for LogContext {
 /// The outbox publisher of one process.
 pub struct Publisher {
     pool: PgPool,
+    /// The lanes' claim connections ([`ClaimPool`]: one round trip a claim).
+    claims: ClaimPool,
     producer: FutureProducer<LogContext>,
     settings: PublisherConfig,
     faults: Faults,
@@ -79,7 +81,8 @@ impl Publisher {
         cfg.set("message.timeout.ms", settings.delivery_timeout.as_millis().to_string());
         cfg.set_log_level(RDKafkaLogLevel::Warning);
         let producer = cfg.create_with_context(LogContext)?;
-        Ok(Publisher { pool, producer, settings, faults })
+        let claims = ClaimPool::beside(&pool, LANES as u32);
+        Ok(Publisher { pool, claims, producer, settings, faults })
     }
 
     /// Run until `shutdown`: finish the batch in flight, flush, return.
@@ -168,7 +171,7 @@ impl Publisher {
     /// Claim, produce and mark one batch.
     pub async fn publish_batch(&self) -> Result<Batch, PublishError> {
         let Claim { rows, next_due } = {
-            let mut conn = self.pool.acquire().await?;
+            let mut conn = self.claims.acquire().await?;
             outbox::claim(&mut conn, i64::from(self.settings.batch_size), self.settings.lease).await?
         };
         let mut batch = Batch { claimed: rows.len(), unblocked: false, retry_at: None, next_due };

@@ -19,7 +19,7 @@ use serde_json::Value;
 use sqlx::{FromRow, PgConnection};
 use uuid::Uuid;
 
-use crate::Claim;
+use crate::{Claim, ClaimConnection};
 
 /// An intent to insert.
 #[derive(Debug, Clone)]
@@ -168,20 +168,17 @@ impl ClaimedIntent {
 /// the `UPDATE` sets the lease and counts the attempt (R9). Intents whose
 /// ordering key has an earlier unfinished intent are not due (R13). The
 /// attempt's audit row is written when it finishes ([`finish_many`]) or, if
-/// its worker is lost, by the rescuer ([`rescue_expired`]). Runs in its own
-/// transaction ([`crate::begin_claim`]): `conn` must not be in one. A short
-/// claim also says when the next intent comes due ([`Claim::next_due`]).
+/// its worker is lost, by the rescuer ([`rescue_expired`]). Commits by
+/// itself, on a claim connection ([`crate::ClaimPool`]): one round trip. A
+/// short claim also says when the next intent comes due ([`Claim::next_due`]).
 pub async fn claim(
-    conn: &mut PgConnection,
+    conn: &mut ClaimConnection,
     worker: &str,
     limit: i64,
     lease: Duration,
 ) -> Result<Claim<ClaimedIntent>, sqlx::Error> {
-    let mut tx = crate::begin_claim(conn).await?;
-    let claim =
-        crate::fetch_claim(&mut tx, sqlx::query(CLAIM).bind(limit).bind(worker).bind(lease.as_secs_f64())).await?;
-    tx.commit().await?;
-    Ok(claim)
+    let claim = sqlx::query(CLAIM).bind(limit).bind(worker).bind(lease.as_secs_f64());
+    crate::fetch_claim(conn.as_conn(), claim).await
 }
 
 /// The claim statement ([`claim`]); public so a test can check its plan.

@@ -12,8 +12,8 @@
 //! * Claims are one statement: a CTE with `FOR UPDATE SKIP LOCKED` feeding
 //!   the `UPDATE` that sets the lease and counts the attempt (R9). Finishing a
 //!   claimed row always checks its lease token (fencing). A claim is the one
-//!   writer that runs its own transaction ([`begin_claim`]): it needs a
-//!   planner setting that must not leak into the caller's work.
+//!   writer that commits by itself: it runs on a connection of its own
+//!   ([`ClaimPool`]) whose session settings must not reach other work.
 //!
 //! Queries are plain `sqlx::query` checked by the integration tests against a
 //! real PostgreSQL, not `query!` macros: the macros need a live database or a
@@ -45,10 +45,28 @@ macro_rules! by_key_settings {
     };
 }
 
-/// Begin the short transaction a claim runs in, with the planner told not to
-/// sort (`SET LOCAL enable_sort = off`) and to find rows by key
-/// ([`begin_by_key`]), committed without waiting for the disk (`SET LOCAL
-/// synchronous_commit = off`).
+/// What a claim connection's session is set to ([`ClaimPool`]).
+const CLAIM_SETTINGS: [(&str, &str); 5] = [
+    ("synchronous_commit", "off"),
+    ("enable_sort", "off"),
+    ("enable_seqscan", "off"),
+    ("enable_hashjoin", "off"),
+    ("enable_mergejoin", "off"),
+];
+
+/// The connections claims run on ([`intents::claim`], [`outbox::claim`]): a
+/// small pool beside the main one, to the same database, whose sessions
+/// start with the planner told not to sort (`enable_sort = off`) and to find
+/// rows by key (the settings of [`begin_by_key`]), and with commits that do
+/// not wait for the disk (`synchronous_commit = off`). A claim is then one
+/// statement in one round trip, committed as it ends: no `BEGIN` with `SET
+/// LOCAL` before it and no `COMMIT` after it, which were two of the three
+/// round trips of every claim — each a wait for a core on a loaded machine,
+/// or for the network with the database elsewhere. Nothing else runs on
+/// these connections, so the settings reach nothing else. (The settings are
+/// startup parameters; a pooler in transaction mode would not keep them, but
+/// neither would it keep the relay's `LISTEN` or its prepared statements: the
+/// relay needs session pooling or none.)
 ///
 /// A claim is the one write of the relay that may be lost in a database
 /// crash: losing it is what a lease expiring already does. The row is
@@ -71,15 +89,37 @@ macro_rules! by_key_settings {
 /// a burst after a quiet spell, until autoanalyze catches up. Draining a
 /// 20 000-intent backlog, that plan cost 13 ms per claim of 50 instead of
 /// 1 ms, most of the dispatcher's database time. With sorting off, the index
-/// order is the only plan left that needs no sort. `SET LOCAL` ends with the
-/// transaction, so nothing else run on the connection is affected
-/// (`tests/plans.rs` checks the plans).
-pub async fn begin_claim(conn: &mut PgConnection) -> Result<Transaction<'_, Postgres>, sqlx::Error> {
-    conn.begin_with(concat!(
-        "BEGIN; SET LOCAL synchronous_commit = off; SET LOCAL enable_sort = off; ",
-        by_key_settings!()
-    ))
-    .await
+/// order is the only plan left that needs no sort (`tests/plans.rs` checks
+/// the plans).
+#[derive(Clone, Debug)]
+pub struct ClaimPool(PgPool);
+
+impl ClaimPool {
+    /// A pool of at most `max_connections` claim connections to `pool`'s
+    /// database, with `pool`'s options otherwise; connections are opened when
+    /// first needed.
+    pub fn beside(pool: &PgPool, max_connections: u32) -> ClaimPool {
+        let connect = pool.connect_options().as_ref().clone().options(CLAIM_SETTINGS);
+        let options = pool.options().clone().min_connections(0).max_connections(max_connections);
+        ClaimPool(options.connect_lazy_with(connect))
+    }
+
+    /// A claim connection.
+    pub async fn acquire(&self) -> Result<ClaimConnection, sqlx::Error> {
+        Ok(ClaimConnection(self.0.acquire().await?))
+    }
+}
+
+/// A connection of a [`ClaimPool`].
+#[derive(Debug)]
+pub struct ClaimConnection(sqlx::pool::PoolConnection<Postgres>);
+
+impl ClaimConnection {
+    /// The connection itself, to read a claim's plan (`tests/plans.rs`).
+    /// Anything run on it runs with the claim settings.
+    pub fn as_conn(&mut self) -> &mut PgConnection {
+        &mut self.0
+    }
 }
 
 /// Begin a transaction whose statements find their rows by key — the fenced

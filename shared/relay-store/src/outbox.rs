@@ -8,7 +8,7 @@ use serde_json::Value;
 use sqlx::{FromRow, PgConnection, Row};
 use uuid::Uuid;
 
-use crate::{Claim, headers};
+use crate::{Claim, ClaimConnection, headers};
 
 /// Insert an outbox record; `false` when it already exists (same derived id).
 pub async fn insert(
@@ -73,14 +73,12 @@ impl ClaimedRow {
 
 /// Claim up to `limit` due rows, oldest first. A row whose topic and
 /// ordering key has an earlier unpublished row waits for it, so events of one
-/// key reach the partition in the order they were written. Runs in its own
-/// transaction ([`crate::begin_claim`]): `conn` must not be in one. A short
+/// key reach the partition in the order they were written. Commits by itself,
+/// on a claim connection ([`crate::ClaimPool`]): one round trip. A short
 /// claim also says when the next row comes due ([`Claim::next_due`]).
-pub async fn claim(conn: &mut PgConnection, limit: i64, lease: Duration) -> Result<Claim<ClaimedRow>, sqlx::Error> {
-    let mut tx = crate::begin_claim(conn).await?;
-    let mut claim: Claim<ClaimedRow> =
-        crate::fetch_claim(&mut tx, sqlx::query(CLAIM).bind(limit).bind(lease.as_secs_f64())).await?;
-    tx.commit().await?;
+pub async fn claim(conn: &mut ClaimConnection, limit: i64, lease: Duration) -> Result<Claim<ClaimedRow>, sqlx::Error> {
+    let query = sqlx::query(CLAIM).bind(limit).bind(lease.as_secs_f64());
+    let mut claim: Claim<ClaimedRow> = crate::fetch_claim(conn.as_conn(), query).await?;
     claim.rows.sort_by_key(|r| r.seq);
     Ok(claim)
 }
