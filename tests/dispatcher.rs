@@ -710,3 +710,25 @@ async fn calls_go_on_while_the_finalizers_are_busy_recording_outcomes() {
     ingest.stop().await.unwrap();
     assert_eq!(h.provider.stats().applied, 20);
 }
+
+#[tokio::test]
+async fn a_claimer_keeps_its_connection_between_claims_and_replaces_one_that_was_killed() {
+    let db = relay_testkit::TestDb::new().await.unwrap();
+    let mut claimer = ClaimPool::beside(&db.pool, 1).claimer();
+    let lease = Duration::from_secs(60);
+    let pid = async |claimer: &mut relay_store::Claimer| -> i32 {
+        let conn = claimer.connection().await.unwrap();
+        sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(conn.as_conn()).await.unwrap()
+    };
+    let first = pid(&mut claimer).await;
+    intents::claim(claimer.connection().await.unwrap(), "w", 10, lease).await.unwrap();
+    assert_eq!(pid(&mut claimer).await, first, "the same session claims again");
+
+    sqlx::query("SELECT pg_terminate_backend($1, 5000)").bind(first).execute(&db.pool).await.unwrap();
+    let failed = intents::claim(claimer.connection().await.unwrap(), "w", 10, lease).await;
+    assert!(failed.is_err(), "a claim on the killed session fails");
+    claimer.forget();
+    let claim = intents::claim(claimer.connection().await.unwrap(), "w", 10, lease).await.unwrap();
+    assert!(claim.rows.is_empty());
+    assert_ne!(pid(&mut claimer).await, first, "claims go on on a new session");
+}

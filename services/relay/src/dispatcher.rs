@@ -31,7 +31,7 @@ use relay_core::retry::{Verdict, classify};
 use relay_core::{Outcome, Provenance};
 use relay_store::intents::{self, AttemptRecord, ClaimedIntent, Finish, NextState};
 use relay_store::sagas::{self, Transition};
-use relay_store::{Claim, ClaimPool, inbox, outbox};
+use relay_store::{Claim, ClaimPool, Claimer, inbox, outbox};
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::{Semaphore, mpsc};
@@ -115,6 +115,7 @@ impl Dispatcher {
         let permits = Arc::new(Semaphore::new(s.concurrency));
         let mut tasks: JoinSet<Result<(), FaultInjected>> = JoinSet::new();
         let mut failures = 0u32;
+        let mut claimer = self.inner.claims.claimer();
         let result = 'claiming: loop {
             if shutdown.is_cancelled() {
                 break Ok(());
@@ -143,7 +144,7 @@ impl Dispatcher {
                 continue;
             }
             let want = free.min(s.claim_batch as usize);
-            let Claim { rows: claimed, next_due } = match self.claim(want).await {
+            let Claim { rows: claimed, next_due } = match self.claim(&mut claimer, want).await {
                 Ok(c) => {
                     failures = 0;
                     c
@@ -254,9 +255,13 @@ impl Dispatcher {
     /// not due yet comes due, for the sleep after it (at most the poll
     /// interval; NOTIFY wakes us earlier for new intents, and `progress` for
     /// what our own outcomes made due).
-    async fn claim(&self, limit: usize) -> Result<Claim<ClaimedIntent>, sqlx::Error> {
-        let mut conn = self.inner.claims.acquire().await?;
-        intents::claim(&mut conn, &self.inner.worker, limit as i64, self.inner.settings.lease).await
+    async fn claim(&self, claimer: &mut Claimer, limit: usize) -> Result<Claim<ClaimedIntent>, sqlx::Error> {
+        let conn = claimer.connection().await?;
+        let claim = intents::claim(conn, &self.inner.worker, limit as i64, self.inner.settings.lease).await;
+        if claim.is_err() {
+            claimer.forget();
+        }
+        claim
     }
 
     async fn rescue_loop(self, shutdown: CancellationToken) {

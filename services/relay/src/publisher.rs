@@ -17,7 +17,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer, ProducerContext}
 use rdkafka::util::Timeout;
 use relay_core::config::{KafkaConfig, PublisherConfig};
 use relay_store::outbox::{self, ClaimedRow};
-use relay_store::{Claim, ClaimPool};
+use relay_store::{Claim, ClaimPool, Claimer};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
@@ -116,6 +116,7 @@ impl Publisher {
         let mut listener = listen(&self.pool, CHANNEL).await;
         let mut last_rescue = std::time::Instant::now();
         let mut failures = 0u32;
+        let mut claimer = self.claims.claimer();
         loop {
             if shutdown.is_cancelled() {
                 return Ok(());
@@ -134,7 +135,7 @@ impl Publisher {
                     Err(e) => warn!(error = %e, "rescuing outbox leases failed"),
                 }
             }
-            let wait = match self.publish_batch().await {
+            let wait = match self.publish_batch(&mut claimer).await {
                 Ok(b) if b.claimed == self.settings.batch_size as usize || b.unblocked => {
                     // A full batch may have left more; a published row with an
                     // ordering key made the next row of its key publishable,
@@ -168,12 +169,17 @@ impl Publisher {
         outbox::rescue_expired(&mut conn, 1000).await
     }
 
-    /// Claim, produce and mark one batch.
-    pub async fn publish_batch(&self) -> Result<Batch, PublishError> {
-        let Claim { rows, next_due } = {
-            let mut conn = self.claims.acquire().await?;
-            outbox::claim(&mut conn, i64::from(self.settings.batch_size), self.settings.lease).await?
-        };
+    /// Claim (on the lane's `claimer`), produce and mark one batch.
+    async fn publish_batch(&self, claimer: &mut Claimer) -> Result<Batch, PublishError> {
+        let conn = claimer.connection().await?;
+        let Claim { rows, next_due } =
+            match outbox::claim(conn, i64::from(self.settings.batch_size), self.settings.lease).await {
+                Ok(claim) => claim,
+                Err(e) => {
+                    claimer.forget();
+                    return Err(e.into());
+                }
+            };
         let mut batch = Batch { claimed: rows.len(), unblocked: false, retry_at: None, next_due };
         if rows.is_empty() {
             return Ok(batch);
