@@ -238,7 +238,8 @@ impl Default for RetryBudget {
 pub struct DatabaseConfig {
     /// Connection URL; from `DATABASE_URL` or `RELAY_DATABASE__URL`.
     pub url: Option<SecretString>,
-    /// Pool size of this process.
+    /// Pool size of this process. Claims run on connections of their own
+    /// beside the pool: one for a dispatcher, one per publisher lane (two).
     pub max_connections: u32,
     /// How long to wait for a pooled connection before the attempt fails.
     #[serde(with = "humantime_serde")]
