@@ -165,7 +165,7 @@ const PING_WHEN_IDLE_FOR: Duration = Duration::from_secs(5);
 /// round trip of the five a claim took and one of the nine of a consumer's
 /// batch, each of them a wait for a core on a loaded machine (or a network
 /// round trip to a database elsewhere). Here only a connection
-/// that sat idle for [`PING_WHEN_IDLE_FOR`] is checked (the hook sqlx
+/// that sat idle for 5 s (`PING_WHEN_IDLE_FOR`) is checked (the hook sqlx
 /// documents for this), which is where a restarted server or a dropped
 /// connection hides between bursts. A connection in steady use that breaks
 /// fails its next statement instead, which every caller already treats as a

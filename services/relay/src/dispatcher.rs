@@ -291,7 +291,7 @@ impl Dispatcher {
 
     /// Make one attempt of a claimed intent and decide where the intent goes
     /// next. The caller holds a call slot only for this; the outcome then goes
-    /// to the finalizer ([`Self::hand_over`]), which records it batched with
+    /// to the finalizer (`hand_over`), which records it batched with
     /// other calls' outcomes and logs it.
     pub async fn execute(&self, intent: ClaimedIntent) -> Result<Completion, FaultInjected> {
         let started = std::time::Instant::now();

@@ -302,11 +302,11 @@ impl Processor {
 
     /// [`Processor::process_batch`] as the first work of a fresh transaction:
     /// a fast-path run at the start of the batch is written straight into the
-    /// transaction, without a savepoint around it, which saves two of the
-    /// batch's round trips (`SAVEPOINT`, `RELEASE`; with a steady stream of
-    /// routine records the batch is that one run: `BEGIN`, a statement per
-    /// table written — four in the benchmark — and `COMMIT`, six round trips
-    /// instead of eight). If the database rejects
+    /// transaction, without a savepoint around it, which saves two round
+    /// trips (`SAVEPOINT`, `RELEASE`): with a steady stream of routine
+    /// records the batch is that one run, and its transaction takes four —
+    /// `BEGIN`, the inbox rows, the effects ([`relay_store::effects`]),
+    /// `COMMIT` — instead of six. If the database rejects
     /// that run, the transaction holds nothing else, so the whole of it can
     /// go instead of the savepoint: `None` then means "roll the transaction
     /// back and call [`Processor::process_batch`] in a new one", which finds

@@ -8,7 +8,7 @@ use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
 use crate::intents::NewIntent;
-use crate::{inbox, intents, outbox, shift_params};
+use crate::{inbox, intents, outbox, param_count, shift_params};
 
 /// What [`insert`] wrote: the ids that were new (the others existed).
 #[derive(Debug, Default)]
@@ -38,14 +38,13 @@ pub async fn insert(
     new_outbox: &[(&str, &OutboxRecord)],
     counters: &[(&str, i32, i64)],
 ) -> Result<Inserted, sqlx::Error> {
-    // Which parts, with how many parameters each (see the statements' docs).
     let parts = [
-        (!new_intents.is_empty(), "new_intents", intents::INSERT_MANY, 20),
-        (!new_outbox.is_empty(), "new_outbox", outbox::INSERT_MANY, 10),
-        (!counters.is_empty(), "counted", inbox::ADD_TO_COUNTERS, 4),
+        (!new_intents.is_empty(), "new_intents", intents::INSERT_MANY),
+        (!new_outbox.is_empty(), "new_outbox", outbox::INSERT_MANY),
+        (!counters.is_empty(), "counted", inbox::ADD_TO_COUNTERS),
     ];
     let (mut with, mut select, mut params) = (Vec::new(), Vec::new(), 0);
-    for (wanted, name, sql, n) in parts {
+    for (wanted, name, sql) in parts {
         if !wanted {
             continue;
         }
@@ -53,7 +52,7 @@ pub async fn insert(
         if name != "counted" {
             select.push(format!("SELECT '{name}' AS part, id FROM {name}"));
         }
-        params += n;
+        params += param_count(sql);
     }
     if with.is_empty() {
         return Ok(Inserted::default());
@@ -86,6 +85,15 @@ pub async fn insert(
 #[cfg(test)]
 mod tests {
     use crate::shift_params;
+
+    #[test]
+    fn each_part_counts_its_parameters() {
+        use crate::{inbox, intents, outbox, param_count};
+        assert_eq!(param_count(intents::INSERT_MANY), 20);
+        assert_eq!(param_count(outbox::INSERT_MANY), 10);
+        assert_eq!(param_count(inbox::ADD_TO_COUNTERS), 4);
+        assert_eq!(param_count("SELECT 1"), 0);
+    }
 
     #[test]
     fn parameters_are_renumbered_and_nothing_else_changes() {

@@ -253,16 +253,33 @@ pub(crate) type PgQuery<'q> = sqlx::query::Query<'q, Postgres, sqlx::postgres::P
 pub(crate) fn shift_params(sql: &str, by: usize) -> String {
     let mut out = String::with_capacity(sql.len() + 16);
     let mut rest = sql;
-    while let Some(at) = rest.find('$') {
-        out.push_str(&rest[..=at]);
-        rest = &rest[at + 1..];
-        let digits = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
-        let n: usize = rest[..digits].parse().expect("a `$` in a relay statement is a parameter");
+    while let Some((before, n, after)) = next_param(rest) {
+        out.push_str(before);
         out.push_str(&(n + by).to_string());
-        rest = &rest[digits..];
+        rest = after;
     }
     out.push_str(rest);
     out
+}
+
+/// How many parameters `sql` takes: its highest `$n` (see [`shift_params`]).
+pub(crate) fn param_count(sql: &str) -> usize {
+    let (mut most, mut rest) = (0, sql);
+    while let Some((_, n, after)) = next_param(rest) {
+        most = most.max(n);
+        rest = after;
+    }
+    most
+}
+
+/// The text up to and including the next `$`, the parameter's number, and
+/// the text after it.
+fn next_param(sql: &str) -> Option<(&str, usize, &str)> {
+    let at = sql.find('$')?;
+    let rest = &sql[at + 1..];
+    let digits = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
+    let n = rest[..digits].parse().expect("a `$` in a relay statement is a parameter");
+    Some((&sql[..=at], n, &rest[digits..]))
 }
 
 /// The relay's migrations (`migrations/` at the workspace root), embedded.
