@@ -46,13 +46,8 @@ macro_rules! by_key_settings {
 }
 
 /// What a claim connection's session is set to ([`ClaimPool`]).
-const CLAIM_SETTINGS: [(&str, &str); 5] = [
-    ("synchronous_commit", "off"),
-    ("enable_sort", "off"),
-    ("enable_seqscan", "off"),
-    ("enable_hashjoin", "off"),
-    ("enable_mergejoin", "off"),
-];
+const CLAIM_SETTINGS: &str = "SET synchronous_commit = off; SET enable_sort = off; SET enable_seqscan = off; \
+     SET enable_hashjoin = off; SET enable_mergejoin = off";
 
 /// The connections claims run on ([`intents::claim`], [`outbox::claim`]): a
 /// small pool beside the main one, to the same database, whose sessions
@@ -63,10 +58,12 @@ const CLAIM_SETTINGS: [(&str, &str); 5] = [
 /// LOCAL` before it and no `COMMIT` after it, which were two of the three
 /// round trips of every claim — each a wait for a core on a loaded machine,
 /// or for the network with the database elsewhere. Nothing else runs on
-/// these connections, so the settings reach nothing else. (The settings are
-/// startup parameters; a pooler in transaction mode would not keep them, but
-/// neither would it keep the relay's `LISTEN` or its prepared statements: the
-/// relay needs session pooling or none.)
+/// these connections, so the settings reach nothing else. (They are set with
+/// `SET` once a connection is open, not sent as startup parameters: PgBouncer
+/// refuses startup parameters it does not track, even in session mode. A
+/// pooler in transaction mode would not keep them, but neither would it keep
+/// the relay's `LISTEN` or its prepared statements: the relay needs session
+/// pooling or none.)
 ///
 /// A claim is the one write of the relay that may be lost in a database
 /// crash: losing it is what a lease expiring already does. The row is
@@ -99,9 +96,11 @@ impl ClaimPool {
     /// database, with `pool`'s options otherwise; connections are opened when
     /// first needed.
     pub fn beside(pool: &PgPool, max_connections: u32) -> ClaimPool {
-        let connect = pool.connect_options().as_ref().clone().options(CLAIM_SETTINGS);
-        let options = pool.options().clone().min_connections(0).max_connections(max_connections);
-        ClaimPool(options.connect_lazy_with(connect))
+        let options =
+            pool.options().clone().min_connections(0).max_connections(max_connections).after_connect(|conn, _| {
+                Box::pin(async move { sqlx::Executor::execute(conn, CLAIM_SETTINGS).await.map(drop) })
+            });
+        ClaimPool(options.connect_lazy_with(pool.connect_options().as_ref().clone()))
     }
 
     /// A claim connection.
