@@ -121,28 +121,43 @@ impl ClaimPool {
 /// nothing more. One that sat unused for [`Claimer::RECHECK_AFTER`] is given
 /// back and taken again instead (so that it is checked), as is one whose
 /// claim failed ([`Claimer::forget`]): the pool closes it if it is broken.
+/// One kept for [`Claimer::KEEP_AT_MOST`] is given back too, so that the
+/// pool's `max_lifetime` still retires it.
 #[derive(Debug)]
 pub struct Claimer {
     pool: ClaimPool,
-    kept: Option<(ClaimConnection, std::time::Instant)>,
+    kept: Option<Kept>,
+}
+
+/// A kept connection, when it was taken and when last used.
+#[derive(Debug)]
+struct Kept {
+    conn: ClaimConnection,
+    taken: std::time::Instant,
+    used: std::time::Instant,
 }
 
 impl Claimer {
     /// How long a kept connection may sit unused before it is checked again.
     pub const RECHECK_AFTER: std::time::Duration = std::time::Duration::from_secs(5);
 
+    /// How long a connection is kept at most before it goes back to the pool.
+    pub const KEEP_AT_MOST: std::time::Duration = std::time::Duration::from_secs(60);
+
     /// The connection to claim on.
     pub async fn connection(&mut self) -> Result<&mut ClaimConnection, sqlx::Error> {
         let now = std::time::Instant::now();
-        if self.kept.as_ref().is_some_and(|(_, used)| now.duration_since(*used) > Self::RECHECK_AFTER) {
+        if self.kept.as_ref().is_some_and(|k| {
+            now.duration_since(k.used) > Self::RECHECK_AFTER || now.duration_since(k.taken) > Self::KEEP_AT_MOST
+        }) {
             // Given back before taking one: the pool may hold only this one.
             self.kept = None;
         }
-        let conn = match self.kept.take() {
-            Some((conn, _)) => conn,
-            None => self.pool.acquire().await?,
+        let kept = match self.kept.take() {
+            Some(kept) => Kept { used: now, ..kept },
+            None => Kept { conn: self.pool.acquire().await?, taken: now, used: now },
         };
-        Ok(&mut self.kept.insert((conn, now)).0)
+        Ok(&mut self.kept.insert(kept).conn)
     }
 
     /// Give the connection back after an error on it.
