@@ -721,14 +721,13 @@ async fn a_claimer_keeps_its_connection_between_claims_and_replaces_one_that_was
         sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(conn.as_conn()).await.unwrap()
     };
     let first = pid(&mut claimer).await;
-    intents::claim(claimer.connection().await.unwrap(), "w", 10, lease).await.unwrap();
+    claimer.claim(async |conn| intents::claim(conn, "w", 10, lease).await).await.unwrap();
     assert_eq!(pid(&mut claimer).await, first, "the same session claims again");
 
     sqlx::query("SELECT pg_terminate_backend($1, 5000)").bind(first).execute(&db.pool).await.unwrap();
-    let failed = intents::claim(claimer.connection().await.unwrap(), "w", 10, lease).await;
+    let failed = claimer.claim(async |conn| intents::claim(conn, "w", 10, lease).await).await;
     assert!(failed.is_err(), "a claim on the killed session fails");
-    claimer.forget();
-    let claim = intents::claim(claimer.connection().await.unwrap(), "w", 10, lease).await.unwrap();
+    let claim = claimer.claim(async |conn| intents::claim(conn, "w", 10, lease).await).await.unwrap();
     assert!(claim.rows.is_empty());
     assert_ne!(pid(&mut claimer).await, first, "claims go on on a new session");
 }

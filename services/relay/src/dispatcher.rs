@@ -256,12 +256,8 @@ impl Dispatcher {
     /// interval; NOTIFY wakes us earlier for new intents, and `progress` for
     /// what our own outcomes made due).
     async fn claim(&self, claimer: &mut Claimer, limit: usize) -> Result<Claim<ClaimedIntent>, sqlx::Error> {
-        let conn = claimer.connection().await?;
-        let claim = intents::claim(conn, &self.inner.worker, limit as i64, self.inner.settings.lease).await;
-        if claim.is_err() {
-            claimer.forget();
-        }
-        claim
+        let (worker, lease) = (&self.inner.worker, self.inner.settings.lease);
+        claimer.claim(async |conn| intents::claim(conn, worker, limit as i64, lease).await).await
     }
 
     async fn rescue_loop(self, shutdown: CancellationToken) {

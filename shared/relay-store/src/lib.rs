@@ -120,7 +120,7 @@ impl ClaimPool {
 /// times a second under load; kept, its claims cost one round trip each and
 /// nothing more. One that sat unused for [`Claimer::RECHECK_AFTER`] is given
 /// back and taken again instead (so that it is checked), as is one whose
-/// claim failed ([`Claimer::forget`]): the pool closes it if it is broken.
+/// claim failed ([`Claimer::claim`]): the pool closes it if it is broken.
 /// One kept for [`Claimer::KEEP_AT_MOST`] is given back too, so that the
 /// pool's `max_lifetime` still retires it.
 #[derive(Debug)]
@@ -144,6 +144,20 @@ impl Claimer {
     /// How long a connection is kept at most before it goes back to the pool.
     pub const KEEP_AT_MOST: std::time::Duration = std::time::Duration::from_secs(60);
 
+    /// Run `claim` on the kept connection; if it fails, the connection is
+    /// given back (the pool closes it if it is broken) and the next claim
+    /// takes another.
+    pub async fn claim<T>(
+        &mut self,
+        claim: impl AsyncFnOnce(&mut ClaimConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, sqlx::Error> {
+        let done = claim(self.connection().await?).await;
+        if done.is_err() {
+            self.kept = None;
+        }
+        done
+    }
+
     /// The connection to claim on.
     pub async fn connection(&mut self) -> Result<&mut ClaimConnection, sqlx::Error> {
         let now = std::time::Instant::now();
@@ -158,11 +172,6 @@ impl Claimer {
             None => Kept { conn: self.pool.acquire().await?, taken: now, used: now },
         };
         Ok(&mut self.kept.insert(kept).conn)
-    }
-
-    /// Give the connection back after an error on it.
-    pub fn forget(&mut self) {
-        self.kept = None;
     }
 }
 
