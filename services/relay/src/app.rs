@@ -2,7 +2,6 @@
 //! and the components it can run in one process.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use relay_core::{RelayConfig, Router};
 use sqlx::postgres::PgPoolOptions;
@@ -154,10 +153,6 @@ impl Relay {
     }
 }
 
-/// A pooled connection idle for longer than this is checked with a round
-/// trip before it is handed out ([`connect`]).
-const PING_WHEN_IDLE_FOR: Duration = Duration::from_secs(5);
-
 /// Open the pool described by the configuration.
 ///
 /// sqlx checks every connection with a round trip each time it leaves the
@@ -165,7 +160,7 @@ const PING_WHEN_IDLE_FOR: Duration = Duration::from_secs(5);
 /// round trip of the five a claim took and one of the nine of a consumer's
 /// batch, each of them a wait for a core on a loaded machine (or a network
 /// round trip to a database elsewhere). Here only a connection
-/// that sat idle for 5 s (`PING_WHEN_IDLE_FOR`) is checked (the hook sqlx
+/// that sat idle for 5 s (`relay_store::CHECK_IDLE_AFTER`) is checked (the hook sqlx
 /// documents for this), which is where a restarted server or a dropped
 /// connection hides between bursts. A connection in steady use that breaks
 /// fails its next statement instead, which every caller already treats as a
@@ -179,7 +174,7 @@ pub async fn connect(cfg: &RelayConfig) -> anyhow::Result<PgPool> {
         .test_before_acquire(false)
         .before_acquire(|conn, meta| {
             Box::pin(async move {
-                if meta.idle_for > PING_WHEN_IDLE_FOR {
+                if meta.idle_for > relay_store::CHECK_IDLE_AFTER {
                     conn.ping().await?;
                 }
                 Ok(true)

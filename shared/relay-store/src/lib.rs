@@ -114,11 +114,18 @@ impl ClaimPool {
     }
 }
 
+/// A connection that sat unused for longer than this is checked with a round
+/// trip before it is used again — where a restarted server or a dropped
+/// connection hides between bursts. The relay's pool does it before handing
+/// such a connection out (`relay::app::connect`), a [`Claimer`] by giving
+/// its kept connection back to the pool.
+pub const CHECK_IDLE_AFTER: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// One claim loop's connection of a [`ClaimPool`], kept from one claim to the
 /// next. A connection given back to a pool is checked with a round trip
 /// first (sqlx does that on every release), and a claim loop claims many
 /// times a second under load; kept, its claims cost one round trip each and
-/// nothing more. One that sat unused for [`Claimer::RECHECK_AFTER`] is given
+/// nothing more. One that sat unused for [`CHECK_IDLE_AFTER`] is given
 /// back and taken again instead (so that it is checked), as is one whose
 /// claim failed ([`Claimer::claim`]): the pool closes it if it is broken.
 /// One kept for [`Claimer::KEEP_AT_MOST`] is given back too, so that the
@@ -138,9 +145,6 @@ struct Kept {
 }
 
 impl Claimer {
-    /// How long a kept connection may sit unused before it is checked again.
-    pub const RECHECK_AFTER: std::time::Duration = std::time::Duration::from_secs(5);
-
     /// How long a connection is kept at most before it goes back to the pool.
     pub const KEEP_AT_MOST: std::time::Duration = std::time::Duration::from_secs(60);
 
@@ -162,7 +166,7 @@ impl Claimer {
     pub async fn connection(&mut self) -> Result<&mut ClaimConnection, sqlx::Error> {
         let now = std::time::Instant::now();
         if self.kept.as_ref().is_some_and(|k| {
-            now.duration_since(k.used) > Self::RECHECK_AFTER || now.duration_since(k.taken) > Self::KEEP_AT_MOST
+            now.duration_since(k.used) > CHECK_IDLE_AFTER || now.duration_since(k.taken) > Self::KEEP_AT_MOST
         }) {
             // Given back before taking one: the pool may hold only this one.
             self.kept = None;
