@@ -388,6 +388,8 @@ async fn new_intents_wake_the_dispatcher_through_notify_long_before_the_poll_int
         (h.provider.stats().applied == 1).then_some(())
     })
     .await;
+    // The outcome is recorded just after the provider answered.
+    h.await_intents_finished(1).await;
     let latency: f64 =
         sqlx::query_scalar("SELECT extract(epoch FROM finished_at - created_at)::float8 FROM relay.intents")
             .fetch_one(&h.db.pool)
