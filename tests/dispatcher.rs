@@ -507,7 +507,10 @@ async fn outbox_rows_are_marked_published_only_after_the_ack_and_a_crash_republi
     assert_eq!(h.db.count("outbox", "state = 'pending'").await, 3, "written, not yet published");
 
     // The broker acknowledged, then the publisher died before marking the rows.
-    let faults = Faults::new(&[(point::PUBLISHER_AFTER_ACK, FaultAction::Fail, 1)]);
+    // Every hit fails (0), not just the first: the publisher's two lanes may
+    // split the rows, and the lane that did not fail would otherwise mark its
+    // share before the other's failure stops it.
+    let faults = Faults::new(&[(point::PUBLISHER_AFTER_ACK, FaultAction::Fail, 0)]);
     let mut cfg = h.config(CAPTURE_ROUTE);
     cfg.publisher.lease = Duration::from_secs(6);
     cfg.publisher.delivery_timeout = Duration::from_secs(5);
