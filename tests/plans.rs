@@ -329,6 +329,39 @@ async fn only_claims_commit_without_waiting_for_the_disk() {
     assert_eq!((claim.as_str(), finish.as_str(), after.as_str()), ("off", "on", "on"));
 }
 
+#[tokio::test]
+async fn the_unique_keys_that_stop_a_second_effect_compare_text_byte_by_byte() {
+    // An index on text in a linguistic collation goes out of order when the
+    // C library's or ICU's rules change under it, and a unique index then
+    // misses a key it holds: a redelivered record would not be a duplicate
+    // (migration 0007). Byte order never changes.
+    let db = TestDb::new().await.unwrap();
+    let keys: Vec<(String, String, String)> = sqlx::query_as(
+        "SELECT i.indexrelid::regclass::text, a.attname::text, c.collname::text
+           FROM pg_index i
+           JOIN pg_class t ON t.oid = i.indrelid
+           JOIN pg_namespace n ON n.oid = t.relnamespace AND n.nspname = 'relay'
+          CROSS JOIN LATERAL unnest(i.indkey::int2[], i.indcollation::oid[]) AS k(attnum, coll)
+           JOIN pg_attribute a ON a.attrelid = t.oid AND a.attnum = k.attnum
+           JOIN pg_collation c ON c.oid = k.coll
+          WHERE i.indisunique
+          ORDER BY 1, 2",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let checked = |index: &str, column: &str| keys.iter().any(|(i, a, _)| i == index && a == column);
+    assert!(checked("relay.inbox_pkey", "event_id") && checked("relay.history_pkey", "source_id"), "{keys:?}");
+    let linguistic: Vec<_> = keys
+        .iter()
+        // Operators' pauses guard nothing, and their names are compared with
+        // intents' endpoints and outbox topics (default collation): mixing
+        // two collations in one comparison is an error.
+        .filter(|(index, _, collation)| index != "relay.pauses_pkey" && collation != "C")
+        .collect();
+    assert!(linguistic.is_empty(), "unique keys compared through a collation: {linguistic:?}");
+}
+
 /// Assert the plan finds its rows through `key` and reads no table whole nor
 /// the partial index `leases` (every running row, once per row finished).
 fn assert_probes_the_key(what: &str, plan: &[String], key: &str, leases: &str) {
