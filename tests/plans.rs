@@ -354,9 +354,9 @@ async fn the_unique_keys_that_stop_a_second_effect_compare_text_byte_by_byte() {
     assert!(checked("relay.inbox_pkey", "event_id") && checked("relay.history_pkey", "source_id"), "{keys:?}");
     let linguistic: Vec<_> = keys
         .iter()
-        // Operators' pauses guard nothing, and their names are compared with
-        // intents' endpoints and outbox topics (default collation): mixing
-        // two collations in one comparison is an error.
+        // Operators' pauses guard nothing, and the claim compares their names
+        // with intents' endpoints (default collation): mixing two collations
+        // in one comparison is an error.
         .filter(|(index, _, collation)| index != "relay.pauses_pkey" && collation != "C")
         .collect();
     assert!(linguistic.is_empty(), "unique keys compared through a collation: {linguistic:?}");
