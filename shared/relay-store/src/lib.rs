@@ -38,16 +38,16 @@ pub use sqlx::{PgConnection, Postgres, Transaction};
 
 use sqlx::Connection;
 
-/// The settings of [`begin_by_key`], as a literal for `concat!`.
+/// The settings of [`begin_by_key`] (and of a [`ClaimPool`]'s sessions), as a
+/// literal for `concat!`, each set with `$set` (`"SET LOCAL"` or `"SET"`).
 macro_rules! by_key_settings {
-    () => {
-        "SET LOCAL enable_seqscan = off; SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off"
+    ($set:literal) => {
+        concat!($set, " enable_seqscan = off; ", $set, " enable_hashjoin = off; ", $set, " enable_mergejoin = off")
     };
 }
 
 /// What a claim connection's session is set to ([`ClaimPool`]).
-const CLAIM_SETTINGS: &str = "SET synchronous_commit = off; SET enable_sort = off; SET enable_seqscan = off; \
-     SET enable_hashjoin = off; SET enable_mergejoin = off";
+const CLAIM_SETTINGS: &str = concat!("SET synchronous_commit = off; SET enable_sort = off; ", by_key_settings!("SET"));
 
 /// The connections claims run on ([`intents::claim`], [`outbox::claim`]): a
 /// small pool beside the main one, to the same database, whose sessions
@@ -209,7 +209,7 @@ impl ClaimConnection {
 /// whatever the statistics said when the plan was made. Nothing else is
 /// affected: `SET LOCAL` ends with the transaction.
 pub async fn begin_by_key(conn: &mut PgConnection) -> Result<Transaction<'_, Postgres>, sqlx::Error> {
-    conn.begin_with(concat!("BEGIN; ", by_key_settings!())).await
+    conn.begin_with(concat!("BEGIN; ", by_key_settings!("SET LOCAL"))).await
 }
 
 /// Run one fenced statement in a transaction of its own begun with
