@@ -736,3 +736,170 @@ async fn a_claimer_keeps_its_connection_between_claims_and_replaces_one_that_was
     assert!(claim.rows.is_empty());
     assert_ne!(pid(&mut claimer).await, first, "claims go on on a new session");
 }
+
+/// An intent to `endpoint` as the consumer writes one (`ordering_key` optional).
+fn new_intent(n: u32, endpoint: &str, ordering_key: Option<&str>) -> intents::NewIntent {
+    intents::NewIntent {
+        id: uuid::Uuid::new_v4(),
+        consumer: "c".into(),
+        source_event_id: format!("e-{n}"),
+        action: "capture".into(),
+        endpoint: endpoint.into(),
+        method: "POST".into(),
+        path: format!("/captures/{n}"),
+        body: Some(json!({"n": n})),
+        headers: json!({}),
+        idempotency_key: format!("capture:{n}"),
+        ordering_key: ordering_key.map(str::to_owned),
+        max_attempts: 5,
+        max_age: Duration::from_secs(3600),
+        on_success: json!({}),
+        on_dead: json!({}),
+        emit_source: "test".into(),
+        aggregate_id: None,
+        correlation_id: None,
+        causation_id: None,
+        traceparent: None,
+    }
+}
+
+/// State, attempts and `locked_by` of the intent with id `id`.
+async fn row_of(db: &relay_testkit::TestDb, id: uuid::Uuid) -> (String, i32, Option<String>, Option<uuid::Uuid>) {
+    sqlx::query_as("SELECT state, attempts, locked_by, lease_token FROM relay.intents WHERE id = $1")
+        .bind(id)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn an_intent_claimed_at_ingest_is_written_running_unless_it_is_keyed_or_its_endpoint_is_paused() {
+    // Claim at ingest (relay::handoff): the row the consumer writes for a
+    // held intent is the one a claim would leave, and only intents a claim
+    // could take right now are held. Dispatchers are woken only by an insert
+    // that wrote a pending intent (migration 0008).
+    let db = relay_testkit::TestDb::new().await.unwrap();
+    let mut listener = sqlx::postgres::PgListener::connect_with(&db.pool).await.unwrap();
+    listener.listen("relay_intents").await.unwrap();
+    let mut conn = db.conn().await.unwrap();
+    relay_store::ops::pause(&mut conn, relay_store::ops::PauseKind::Endpoint, "paused", None).await.unwrap();
+    let lease = Duration::from_secs(30);
+    let notified = async |listener: &mut sqlx::postgres::PgListener, conn: &mut sqlx::PgConnection| {
+        // Notifications arrive in commit order: the marker comes first unless the insert notified.
+        sqlx::query("SELECT pg_notify('relay_intents', 'marker')").execute(&mut *conn).await.unwrap();
+        let first = tokio::time::timeout(Duration::from_secs(10), listener.recv()).await.unwrap().unwrap();
+        if first.payload() != "marker" {
+            let marker = tokio::time::timeout(Duration::from_secs(10), listener.recv()).await.unwrap().unwrap();
+            assert_eq!(marker.payload(), "marker");
+        }
+        first.payload() != "marker"
+    };
+
+    // All held: written running, no wake-up.
+    let plain = [new_intent(1, "psp", None), new_intent(2, "psp", None)];
+    let hold = intents::Hold { worker: "w-1", lease, take: &[true, true] };
+    let new = relay_store::effects::insert(&mut conn, "c", &plain, Some(hold), &[], &[]).await.unwrap();
+    assert_eq!(new.held.len(), 2);
+    for i in &plain {
+        let held = new.held[&i.id];
+        assert_eq!(row_of(&db, i.id).await, ("running".into(), 1, Some("w-1".into()), Some(held.lease_token)));
+    }
+    let leased: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM locked_until - clock_timestamp())::float8 FROM relay.intents WHERE id = $1",
+    )
+    .bind(plain[0].id)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(leased > 20.0 && leased <= 30.0, "a lease of 30 s from the insert, {leased:.1} s left");
+    assert!(!notified(&mut listener, &mut conn).await, "intents written already claimed woke the dispatchers");
+
+    // Keyed, paused or not taken: pending, as without a hold, and announced.
+    let others = [new_intent(3, "psp", Some("k-1")), new_intent(4, "paused", None), new_intent(5, "psp", None)];
+    let hold = intents::Hold { worker: "w-1", lease, take: &[true, true, false] };
+    let new = relay_store::effects::insert(&mut conn, "c", &others, Some(hold), &[], &[]).await.unwrap();
+    assert!(new.held.is_empty(), "{:?}", new.held);
+    assert_eq!(new.intents.len(), 3);
+    for i in &others {
+        assert_eq!(row_of(&db, i.id).await, ("pending".into(), 0, None, None), "{}", i.source_event_id);
+    }
+    assert!(notified(&mut listener, &mut conn).await, "pending intents must wake the dispatchers");
+
+    // A second write of a held intent (a redelivered record) is no new claim.
+    let hold = intents::Hold { worker: "w-2", lease, take: &[true] };
+    let new = relay_store::effects::insert(&mut conn, "c", &plain[..1], Some(hold), &[], &[]).await.unwrap();
+    assert!(new.intents.is_empty() && new.held.is_empty());
+    assert_eq!(row_of(&db, plain[0].id).await.2.as_deref(), Some("w-1"));
+}
+
+#[tokio::test]
+async fn intents_handed_over_but_not_started_go_back_to_pending_uncounted_when_the_dispatcher_stops() {
+    let db = relay_testkit::TestDb::new().await.unwrap();
+    let (handoff, desk) = relay::handoff::channel("w-1", Duration::from_secs(30), 3);
+    let mut reserved = handoff.reserve(10).expect("room");
+    assert_eq!(reserved.len(), 3, "as much room as there is");
+    assert!(handoff.reserve(1).is_none(), "no room left");
+    let rows = [new_intent(1, "psp", None), new_intent(2, "psp", None)];
+    let mut conn = db.conn().await.unwrap();
+    let hold = intents::Hold { worker: handoff.worker(), lease: handoff.lease(), take: &[true, true] };
+    let new = relay_store::effects::insert(&mut conn, "c", &rows, Some(hold), &[], &[]).await.unwrap();
+    let mut handed: Vec<_> = rows
+        .iter()
+        .map(|r| reserved.hand(intents::ClaimedIntent::held_at_insert(r.clone(), new.held[&r.id])).unwrap())
+        .collect();
+    drop(reserved);
+    assert_eq!(handoff.reserve(10).map(|r| r.len()), Some(1), "the unused room went back");
+
+    // Handed over, then the dispatcher stops before starting it.
+    handoff.send(&db.pool, vec![handed.remove(0)]).await;
+    desk.close(&db.pool).await;
+    assert_eq!(row_of(&db, rows[0].id).await, ("pending".into(), 0, None, None));
+    // Handed over after the dispatcher stopped: the consumer's side gives it back.
+    handoff.send(&db.pool, handed).await;
+    assert_eq!(row_of(&db, rows[1].id).await, ("pending".into(), 0, None, None));
+    assert_eq!(handoff.reserve(10).map(|r| r.len()), Some(3), "all room back once nothing is held");
+}
+
+#[tokio::test]
+async fn an_intent_claimed_at_ingest_whose_hand_over_a_crash_prevented_is_rescued_and_called_once() {
+    // `relay run`: the consumer writes the intent already claimed by the
+    // dispatcher beside it and hands it over after its commit. A crash in
+    // between leaves the row running under that dispatcher's lease, its
+    // attempt counted and nothing called; once the lease expires it is
+    // rescued and called once (C9 for a claim made at ingest).
+    let h = Harness::new(1).await;
+    h.send(&order("evt-1", "o-1")).await;
+    let faults = Faults::new(&[(point::CONSUMER_AFTER_DB_COMMIT, FaultAction::Fail, 1)]);
+    let crashed = h.start(h.config(CAPTURE_ROUTE), Components::ALL, faults).await;
+    assert!(crashed.finished().await.is_err(), "the fault stops the relay like a crash");
+    assert_eq!(h.provider.stats().requests, 0, "nothing called");
+    let (state, attempts_made, _, _) = intent_state(&h, "capture:o-1").await;
+    assert_eq!((state.as_str(), attempts_made), ("running", 1), "written claimed, attempt counted");
+
+    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    h.await_intents_finished(1).await;
+    h.await_published(1).await;
+    run.stop().await.unwrap();
+    let stats = h.provider.stats();
+    assert_eq!((stats.requests, stats.applied), (1, 1), "called once");
+    assert_eq!(
+        attempts(&h, "capture:o-1").await,
+        vec![("lease_expired".into(), None), ("succeeded".into(), Some(201))]
+    );
+    assert_eq!(h.db.count("intents", "true").await, 1, "the redelivered record wrote nothing new");
+}
+
+#[tokio::test]
+async fn without_claim_at_ingest_the_consumer_writes_every_intent_pending() {
+    let h = Harness::new(1).await;
+    h.send(&order("evt-1", "o-1")).await;
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.dispatcher.claim_at_ingest = false;
+    let faults = Faults::new(&[(point::CONSUMER_AFTER_DB_COMMIT, FaultAction::Fail, 1)]);
+    let crashed = h.start(cfg, Components::ALL, faults).await;
+    assert!(crashed.finished().await.is_err(), "the fault stops the relay like a crash");
+    // The dispatcher may have claimed and called it meanwhile (a graceful
+    // stop records the outcome); it was not written claimed.
+    let (state, ..) = intent_state(&h, "capture:o-1").await;
+    assert!(state == "pending" || state == "succeeded", "{state}");
+}

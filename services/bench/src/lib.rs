@@ -608,7 +608,7 @@ async fn ingest_limit(env: &Env, n: usize, batch: usize) -> anyhow::Result<(f64,
         let rows: Vec<(&str, &relay_core::OutboxRecord)> =
             (start..end).map(|i| (ids[i].as_str(), &outbox[i])).collect();
         let counted = [("orders", 0, (end - start) as i64)];
-        relay_store::effects::insert(&mut tx, CONSUMER, &intents[start..end], &rows, &counted).await?;
+        relay_store::effects::insert(&mut tx, CONSUMER, &intents[start..end], None, &rows, &counted).await?;
         tx.commit().await?;
     }
     Ok((n as f64 / t0.elapsed().as_secs_f64(), None))

@@ -75,6 +75,11 @@ impl Relay {
 
     /// The inbox consumer.
     pub fn consumer(&self) -> anyhow::Result<InboxConsumer> {
+        self.consumer_with(self.processor())
+    }
+
+    /// The inbox consumer, processing with `processor`.
+    fn consumer_with(&self, processor: Processor) -> anyhow::Result<InboxConsumer> {
         let c = &self.cfg.consumer;
         let topics = self.cfg.subscribed_topics();
         if topics.is_empty() {
@@ -88,7 +93,7 @@ impl Relay {
             reference_retry: c.reference_retry,
             database_backoff: c.database_backoff,
         };
-        InboxConsumer::new(&self.cfg.kafka, settings, self.processor(), self.pool.clone(), self.faults.clone())
+        InboxConsumer::new(&self.cfg.kafka, settings, processor, self.pool.clone(), self.faults.clone())
     }
 
     /// The intent dispatcher.
@@ -121,15 +126,28 @@ impl Relay {
                 (self.pool.clone(), self.cfg.retention.clone(), self.cfg.consumer.name.clone(), inner.clone());
             tokio::spawn(crate::retention::run(pool, retention, consumer, t));
         }
+        let dispatcher = which.dispatcher.then(|| self.dispatcher()).transpose()?;
+        // Consumer and dispatcher side by side: claim at ingest (crate::handoff).
+        let (handoff, desk) = match &dispatcher {
+            Some(d) if which.consumer && self.cfg.dispatcher.claim_at_ingest => {
+                let s = &self.cfg.dispatcher;
+                let (handoff, desk) = crate::handoff::channel(d.worker(), s.lease, s.claim_batch as usize);
+                (Some(handoff), Some(desk))
+            }
+            _ => (None, None),
+        };
         if which.consumer {
-            let c = self.consumer()?;
+            let processor = self.processor();
+            let c = self.consumer_with(match handoff {
+                Some(h) => processor.claiming_for(h),
+                None => processor,
+            })?;
             let t = inner.clone();
             set.spawn(async move { ("consumer", c.run(t).await) });
         }
-        if which.dispatcher {
-            let d = self.dispatcher()?;
+        if let Some(d) = dispatcher {
             let t = inner.clone();
-            set.spawn(async move { ("dispatcher", d.run(t).await) });
+            set.spawn(async move { ("dispatcher", d.run_with(t, desk).await) });
         }
         if which.publisher {
             let p = self.publisher()?;

@@ -632,14 +632,18 @@ impl InboxConsumer {
         let mut conn = self.pool.acquire().await?;
         let mut tx = conn.begin().await?;
         let started = Instant::now();
-        let processed = match self.processor.process_batch_first(&mut tx, records).await? {
+        // Intents written already claimed by this process's dispatcher: handed
+        // over after the commit, dropped (room given back) if there is none.
+        let mut held = Vec::new();
+        let processed = match self.processor.process_batch_first(&mut tx, records, &mut held).await? {
             Some(processed) => processed,
             None => {
                 // The batch's first run was rejected; it was all the
                 // transaction held. Again, with a savepoint around each run.
                 tx.rollback().await?;
+                held.clear();
                 tx = conn.begin().await?;
-                self.processor.process_batch(&mut tx, records).await?
+                self.processor.process_batch(&mut tx, records, &mut held).await?
             }
         };
         let (mut stopped, mut paused) = (None, None);
@@ -662,6 +666,9 @@ impl InboxConsumer {
         self.faults.hit(point::CONSUMER_BEFORE_DB_COMMIT).await?;
         tx.commit().await?;
         self.faults.hit(point::CONSUMER_AFTER_DB_COMMIT).await?;
+        if let Some(handoff) = self.processor.handoff() {
+            handoff.send(&self.pool, held).await;
+        }
         for (record, p) in records.iter().zip(&processed).take(done) {
             self.log_record(record, p, took);
         }

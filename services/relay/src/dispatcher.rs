@@ -14,6 +14,11 @@
 //! `max_age` since the intent was written; then the intent is dead with its
 //! last status and error, and its `on_dead` effects are recorded.
 //!
+//! Beside a consumer in the same process, most intents skip the claim: the
+//! consumer writes them already claimed for this dispatcher and hands them
+//! over after its commit ([`crate::handoff`]); from the call on they go the
+//! same way.
+//!
 //! If this process dies anywhere in that sequence, the lease expires, any
 //! dispatcher's rescuer returns the intent to pending, and it is sent again
 //! with the same key (C9, C10). A worker that finishes after its lease was
@@ -34,12 +39,13 @@ use relay_store::sagas::{self, Transition};
 use relay_store::{Claim, ClaimPool, Claimer, inbox, outbox};
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 use crate::faults::{FaultInjected, Faults, point};
+use crate::handoff::{Desk, Handed};
 use crate::http::{CallResult, EndpointClient, Sent};
 
 /// Channel the intents trigger notifies.
@@ -106,6 +112,14 @@ impl Dispatcher {
     /// record their outcome, then return. A fault point that fails stops the
     /// loop at once, leaving claimed intents to the rescuer (like a crash).
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        self.run_with(shutdown, None).await
+    }
+
+    /// [`Dispatcher::run`], also calling the intents a consumer of this
+    /// process claimed at ingest for us and hands over at `desk`
+    /// ([`crate::handoff`]). Stopping, it gives back to pending what was
+    /// handed over and not started.
+    pub async fn run_with(self, shutdown: CancellationToken, mut desk: Option<Desk>) -> anyhow::Result<()> {
         let s = &self.inner.settings;
         info!(worker = %self.inner.worker, concurrency = s.concurrency, lease = ?s.lease, "dispatcher started");
         let mut listener = listen(&self.inner.pool, CHANNEL).await;
@@ -130,6 +144,9 @@ impl Dispatcher {
             if let Some(f) = crashed {
                 break Err(f.into());
             }
+            while let Some(handed) = desk.as_mut().and_then(Desk::try_recv) {
+                self.start_handed(&mut tasks, handed, &done_tx, &permits);
+            }
             // Claim ahead: up to one claim batch waits for a free call slot, so
             // the next calls start the moment slots free up instead of after a
             // round trip to the database.
@@ -140,6 +157,7 @@ impl Dispatcher {
                     done = tasks.join_next() => {
                         if let Some(Ok(Err(f))) = done { break Err(f.into()); }
                     }
+                    handed = handed_over(&mut desk) => self.start_handed(&mut tasks, handed, &done_tx, &permits),
                 }
                 continue;
             }
@@ -165,25 +183,7 @@ impl Dispatcher {
             }
             let claimed_at = std::time::Instant::now();
             for intent in claimed {
-                let (me, done_tx, permits) = (self.clone(), done_tx.clone(), permits.clone());
-                tasks.spawn(async move {
-                    let completion = {
-                        let _slot = permits.acquire_owned().await.expect("semaphore never closed");
-                        if !me.lease_covers_a_call(&intent, claimed_at) {
-                            // Waited for a slot so long that the call might outlive the
-                            // lease and overlap a rescued copy: give the claim back.
-                            me.release(&intent).await;
-                            return Ok(());
-                        }
-                        me.execute(intent).await?
-                    };
-                    // The call slot is free before the hand-over: a finalizer
-                    // busy with a slow commit holds up the outcomes, not the
-                    // next calls. This task still counts against the claim
-                    // loop's bound until its outcome is handed over.
-                    me.hand_over(completion, &done_tx).await;
-                    Ok(())
-                });
+                self.start(&mut tasks, intent, claimed_at, None, &done_tx, &permits);
             }
             if n == want {
                 continue; // more may be due right now
@@ -203,9 +203,16 @@ impl Dispatcher {
                     Some(done) = tasks.join_next(), if !tasks.is_empty() => {
                         if let Ok(Err(f)) = done { break 'claiming Err(f.into()); }
                     }
+                    // Already claimed: no reason to claim again.
+                    handed = handed_over(&mut desk) => self.start_handed(&mut tasks, handed, &done_tx, &permits),
                 }
             }
         };
+        if let Some(desk) = desk
+            && result.is_ok()
+        {
+            desk.close(&self.inner.pool).await;
+        }
         if result.is_ok() {
             info!(worker = %self.inner.worker, in_flight = tasks.len(), "dispatcher stopping; finishing calls in flight");
             while let Some(done) = tasks.join_next().await {
@@ -221,6 +228,53 @@ impl Dispatcher {
         rescuer.abort();
         info!(worker = %self.inner.worker, "dispatcher stopped");
         result
+    }
+
+    /// Start a task that calls `intent` when a call slot is free, then hands
+    /// its outcome to the finalizer. `room`: the handed-over intent's unit of
+    /// room, given back when the task ends.
+    fn start(
+        &self,
+        tasks: &mut JoinSet<Result<(), FaultInjected>>,
+        intent: ClaimedIntent,
+        claimed_at: std::time::Instant,
+        room: Option<OwnedSemaphorePermit>,
+        done_tx: &mpsc::Sender<Completion>,
+        permits: &Arc<Semaphore>,
+    ) {
+        let (me, done_tx, permits) = (self.clone(), done_tx.clone(), permits.clone());
+        tasks.spawn(async move {
+            let _room = room;
+            let completion = {
+                let _slot = permits.acquire_owned().await.expect("semaphore never closed");
+                if !me.lease_covers_a_call(&intent, claimed_at) {
+                    // Waited for a slot so long that the call might outlive the
+                    // lease and overlap a rescued copy: give the claim back.
+                    me.release(&intent).await;
+                    return Ok(());
+                }
+                me.execute(intent).await?
+            };
+            // The call slot is free before the hand-over: a finalizer
+            // busy with a slow commit holds up the outcomes, not the
+            // next calls. This task still counts against the claim
+            // loop's bound until its outcome is handed over.
+            me.hand_over(completion, &done_tx).await;
+            Ok(())
+        });
+    }
+
+    /// Start the calls of intents claimed at ingest and handed over.
+    fn start_handed(
+        &self,
+        tasks: &mut JoinSet<Result<(), FaultInjected>>,
+        handed: Vec<Handed>,
+        done_tx: &mpsc::Sender<Completion>,
+        permits: &Arc<Semaphore>,
+    ) {
+        for Handed { intent, since, room } in handed {
+            self.start(tasks, intent, since, Some(room), done_tx, permits);
+        }
     }
 
     /// Whether what is left of the lease covers a whole attempt (connect +
@@ -656,6 +710,14 @@ pub(crate) async fn listen(pool: &PgPool, channel: &str) -> Option<PgListener> {
             warn!(error = %e, channel, "could not open a LISTEN connection; falling back to polling");
             None
         }
+    }
+}
+
+/// The next intents handed over at `desk` (never, without one).
+async fn handed_over(desk: &mut Option<Desk>) -> Vec<Handed> {
+    match desk {
+        Some(d) => d.recv().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -24,6 +24,7 @@ pub mod demo;
 pub mod dispatcher;
 pub mod faults;
 pub mod handler;
+pub mod handoff;
 pub mod http;
 pub mod kafka;
 pub mod metrics;

@@ -28,7 +28,7 @@ use relay_core::{
     CallSpec, CompiledRoute, InputEvent, Plan, Poison, PoisonClass, Provenance, RawRecord, Routed, Router,
 };
 use relay_store::inbox::{self, InboxInsert, InboxOutcome, KeyClaim, NewInboxRow, SequenceCheck, VersionCheck};
-use relay_store::intents::{self, NewIntent};
+use relay_store::intents::{self, ClaimedIntent, Hold, NewIntent};
 use relay_store::sagas::{self, Transition};
 use relay_store::{DbErrorKind, classify_error, dead_letters, effects, outbox};
 use serde_json::json;
@@ -36,6 +36,7 @@ use sqlx::{Connection, PgConnection};
 
 use crate::faults::Sabotage;
 use crate::handler::{HandlerError, Handlers};
+use crate::handoff::{Handed, Handoff};
 
 /// The identity of a processed event, for logs (R16). Never the payload.
 #[derive(Debug, Clone, Default)]
@@ -174,12 +175,28 @@ pub struct Processor {
     sabotage: Sabotage,
     /// Names of paused routes, refreshed by the consumer from `relay.pauses`.
     paused: Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
+    /// The dispatcher of this process, when intents are claimed at ingest.
+    handoff: Option<Handoff>,
 }
 
 impl Processor {
     /// A processor over compiled routes and registered handlers.
     pub fn new(router: Arc<Router>, handlers: Handlers) -> Processor {
-        Processor { router, handlers, sabotage: Sabotage::default(), paused: Arc::default() }
+        Processor { router, handlers, sabotage: Sabotage::default(), paused: Arc::default(), handoff: None }
+    }
+
+    /// The same processor, writing the intents of fast-path runs already
+    /// claimed by the dispatcher behind `handoff` where it can
+    /// ([`crate::handoff`]); the batch calls then return them, to hand over
+    /// after the commit.
+    pub fn claiming_for(mut self, handoff: Handoff) -> Processor {
+        self.handoff = Some(handoff);
+        self
+    }
+
+    /// Where intents claimed at ingest go, if they are.
+    pub fn handoff(&self) -> Option<&Handoff> {
+        self.handoff.as_ref()
     }
 
     /// The same processor, deliberately broken (see [`Sabotage`]).
@@ -291,12 +308,17 @@ impl Processor {
     /// savepoint. If the database rejects anything in such a run, the run is
     /// rolled back and its records go through [`Processor::process`] one by
     /// one, so a bad record still only affects itself (R12).
+    ///
+    /// Intents written already claimed ([`Processor::claiming_for`]) are
+    /// added to `held`: hand them over once the transaction has committed,
+    /// and drop them if it has not.
     pub async fn process_batch(
         &self,
         conn: &mut PgConnection,
         records: &[RawRecord],
+        held: &mut Vec<Handed>,
     ) -> Result<Vec<Processed>, sqlx::Error> {
-        let done = self.batch(conn, records, false).await?;
+        let done = self.batch(conn, records, false, held).await?;
         Ok(done.expect("only a run written without a savepoint comes back rejected"))
     }
 
@@ -315,8 +337,9 @@ impl Processor {
         &self,
         conn: &mut PgConnection,
         records: &[RawRecord],
+        held: &mut Vec<Handed>,
     ) -> Result<Option<Vec<Processed>>, sqlx::Error> {
-        self.batch(conn, records, true).await
+        self.batch(conn, records, true, held).await
     }
 
     /// `bare`: write a fast-path run that starts the batch without a
@@ -326,6 +349,7 @@ impl Processor {
         conn: &mut PgConnection,
         records: &[RawRecord],
         bare: bool,
+        held: &mut Vec<Handed>,
     ) -> Result<Option<Vec<Processed>>, sqlx::Error> {
         let mut out = Vec::with_capacity(records.len());
         let mut i = 0;
@@ -346,7 +370,7 @@ impl Processor {
             if !run.is_empty() {
                 let n = run.len();
                 let bare = bare && i == 0;
-                match self.write_run(conn, run, bare).await? {
+                match self.write_run(conn, run, bare, held).await? {
                     Some(done) => out.extend(done),
                     None if bare => return Ok(None),
                     None => {
@@ -408,19 +432,20 @@ impl Processor {
         conn: &mut PgConnection,
         run: Vec<SimpleItem<'_>>,
         bare: bool,
+        held: &mut Vec<Handed>,
     ) -> Result<Option<Vec<Processed>>, sqlx::Error> {
         fn done(run: Vec<SimpleItem<'_>>, steps: Vec<Step>) -> Vec<Processed> {
             run.into_iter().zip(steps).map(|(item, step)| Processed { step, info: item.info }).collect()
         }
         if bare {
-            return match self.write_run_in(conn, &run).await {
+            return match self.write_run_in(conn, &run, held).await {
                 Ok(steps) => Ok(Some(done(run, steps))),
                 Err(e) if classify_error(&e) == DbErrorKind::Permanent => Ok(None),
                 Err(e) => Err(e),
             };
         }
         let mut sp = conn.begin().await?;
-        match self.write_run_in(&mut sp, &run).await {
+        match self.write_run_in(&mut sp, &run, held).await {
             Ok(steps) => {
                 sp.commit().await?;
                 Ok(Some(done(run, steps)))
@@ -433,7 +458,15 @@ impl Processor {
         }
     }
 
-    async fn write_run_in(&self, tx: &mut PgConnection, run: &[SimpleItem<'_>]) -> Result<Vec<Step>, sqlx::Error> {
+    /// Write a run; the intents it wrote already claimed go to `held`, and
+    /// only once nothing in it can fail any more (the effects statement is
+    /// its last), so a run the database rejects adds none.
+    async fn write_run_in(
+        &self,
+        tx: &mut PgConnection,
+        run: &[SimpleItem<'_>],
+        held: &mut Vec<Handed>,
+    ) -> Result<Vec<Step>, sqlx::Error> {
         let consumer = self.router.consumer();
         let mut steps: Vec<Option<Step>> = vec![None; run.len()];
         // 1. Inbox rows; a second occurrence of an id in the run is a duplicate.
@@ -526,10 +559,40 @@ impl Processor {
         let outbox_rows: Vec<(&str, &relay_core::OutboxRecord)> =
             outbox_new.iter().map(|(k, r)| (run[*k].event.id.as_str(), r)).collect();
         let adds: Vec<(&str, i32, i64)> = counters.into_iter().map(|((name, shard), n)| (name, shard, n)).collect();
-        let new = effects::insert(tx, consumer, &intents_rows, &outbox_rows, &adds).await?;
+        // Claim at ingest: room for the intents that can be held, first come first.
+        let mut room = self
+            .handoff
+            .as_ref()
+            .and_then(|h| h.reserve(intents_rows.iter().filter(|i| i.ordering_key.is_none()).count()).map(|r| (h, r)));
+        let take: Vec<bool> = match &room {
+            Some((_, r)) => {
+                let mut left = r.len();
+                intents_rows
+                    .iter()
+                    .map(|i| {
+                        let take = i.ordering_key.is_none() && left > 0;
+                        left -= usize::from(take);
+                        take
+                    })
+                    .collect()
+            }
+            None => Vec::new(),
+        };
+        let hold = room.as_ref().map(|(h, _)| Hold { worker: h.worker(), lease: h.lease(), take: &take });
+        let mut new = effects::insert(tx, consumer, &intents_rows, hold, &outbox_rows, &adds).await?;
         let mut written = vec![(0usize, 0usize); run.len()];
         for (k, i) in &intents_new {
             written[*k].0 += usize::from(new.intents.contains(&i.id));
+        }
+        if let Some((_, reserved)) = &mut room {
+            for intent in intents_rows {
+                // `remove`: one hand-over per row, whatever the list repeats.
+                if let Some(h) = new.held.remove(&intent.id)
+                    && let Some(handed) = reserved.hand(ClaimedIntent::held_at_insert(intent, h))
+                {
+                    held.push(handed);
+                }
+            }
         }
         for (k, r) in &outbox_new {
             written[*k].1 += usize::from(new.outbox.contains(&r.id));

@@ -344,6 +344,13 @@ pub struct DispatcherConfig {
     /// How often expired leases are rescued.
     #[serde(with = "humantime_serde")]
     pub rescue_interval: Duration,
+    /// With the consumer in the same process (`relay run`): the consumer
+    /// writes the intents of routine records (no ordering key, endpoint not
+    /// paused) already claimed by this dispatcher, up to `claim_batch`
+    /// waiting at a time, and hands them over after its commit — no claim
+    /// statement between the commit and the call. `false`: every intent is
+    /// claimed by the claim loop, as with separate processes.
+    pub claim_at_ingest: bool,
 }
 
 impl Default for DispatcherConfig {
@@ -355,6 +362,7 @@ impl Default for DispatcherConfig {
             lease: Duration::from_secs(60),
             poll_interval: Duration::from_secs(1),
             rescue_interval: Duration::from_secs(5),
+            claim_at_ingest: true,
         }
     }
 }

@@ -1,13 +1,13 @@
 //! A batch's effects — intents, outbox rows and counter increments — written
 //! with one statement.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use relay_core::OutboxRecord;
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
-use crate::intents::NewIntent;
+use crate::intents::{Held, Hold, NewIntent};
 use crate::{inbox, intents, outbox, param_count, shift_params};
 
 /// What [`insert`] wrote: the ids that were new (the others existed).
@@ -17,6 +17,8 @@ pub struct Inserted {
     pub intents: HashSet<Uuid>,
     /// New outbox rows.
     pub outbox: HashSet<Uuid>,
+    /// New intents written already claimed ([`Hold`]), by id.
+    pub held: HashMap<Uuid, Held>,
 }
 
 /// Insert intents and outbox rows (`(source_id, record)` pairs) and add to
@@ -31,10 +33,14 @@ pub struct Inserted {
 /// An empty part is left out of the statement, not written as an insert of
 /// no rows: the tables' statement-level triggers send the dispatchers' and
 /// publishers' wake-ups, and they would fire for an insert of nothing too.
+///
+/// `hold` writes some of the intents already claimed by a dispatcher (see
+/// [`intents::INSERT_MANY`]); their claims come back in [`Inserted::held`].
 pub async fn insert(
     conn: &mut PgConnection,
     consumer: &str,
     new_intents: &[NewIntent],
+    hold: Option<Hold<'_>>,
     new_outbox: &[(&str, &OutboxRecord)],
     counters: &[(&str, i32, i64)],
 ) -> Result<Inserted, sqlx::Error> {
@@ -49,8 +55,14 @@ pub async fn insert(
             continue;
         }
         with.push(format!("{name} AS ({})", shift_params(sql, params)));
-        if name != "counted" {
-            select.push(format!("SELECT '{name}' AS part, id FROM {name}"));
+        match name {
+            "new_intents" => {
+                select.push(format!("SELECT '{name}' AS part, id, lease_token, expires_at, created_at FROM {name}"))
+            }
+            "new_outbox" => select.push(format!(
+                "SELECT '{name}' AS part, id, NULL::uuid, NULL::timestamptz, NULL::timestamptz FROM {name}"
+            )),
+            _ => {}
         }
         params += param_count(sql);
     }
@@ -58,12 +70,16 @@ pub async fn insert(
         return Ok(Inserted::default());
     }
     if select.is_empty() {
-        select.push("SELECT NULL::text AS part, NULL::uuid AS id WHERE false".into());
+        select.push(
+            "SELECT NULL::text AS part, NULL::uuid AS id, NULL::uuid AS lease_token, \
+             NULL::timestamptz AS expires_at, NULL::timestamptz AS created_at WHERE false"
+                .into(),
+        );
     }
     let sql = format!("WITH {} {}", with.join(", "), select.join(" UNION ALL "));
     let mut q = sqlx::query(&sql);
     if !new_intents.is_empty() {
-        q = intents::bind_many(q, new_intents);
+        q = intents::bind_many(q, new_intents, hold);
     }
     if !new_outbox.is_empty() {
         q = outbox::bind_many(q, consumer, new_outbox);
@@ -74,10 +90,15 @@ pub async fn insert(
     let mut inserted = Inserted::default();
     for row in q.fetch_all(conn).await? {
         let id: Uuid = row.try_get("id")?;
-        match row.try_get::<&str, _>("part")? {
-            "new_intents" => inserted.intents.insert(id),
-            _ => inserted.outbox.insert(id),
-        };
+        if row.try_get::<&str, _>("part")? != "new_intents" {
+            inserted.outbox.insert(id);
+            continue;
+        }
+        inserted.intents.insert(id);
+        if let Some(lease_token) = row.try_get::<Option<Uuid>, _>("lease_token")? {
+            let (expires_at, created_at) = (row.try_get("expires_at")?, row.try_get("created_at")?);
+            inserted.held.insert(id, Held { lease_token, expires_at, created_at });
+        }
     }
     Ok(inserted)
 }
@@ -89,7 +110,7 @@ mod tests {
     #[test]
     fn each_part_counts_its_parameters() {
         use crate::{inbox, intents, outbox, param_count};
-        assert_eq!(param_count(intents::INSERT_MANY), 20);
+        assert_eq!(param_count(intents::INSERT_MANY), 23);
         assert_eq!(param_count(outbox::INSERT_MANY), 10);
         assert_eq!(param_count(inbox::ADD_TO_COUNTERS), 4);
         assert_eq!(param_count("SELECT 1"), 0);

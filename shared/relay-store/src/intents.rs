@@ -3,10 +3,11 @@
 //! Lifecycle (see the migration for the column comments):
 //!
 //! ```text
-//! pending --claim--> running --success--> succeeded
-//!                       |-----retry-----> pending (next_attempt_at later)
-//!                       |-----dead------> dead
-//!                       '--lease expired (rescue)--> pending
+//! insert --> pending --claim--> running --success--> succeeded
+//! insert with a Hold ----------> running  (claimed at ingest: same row, same lease)
+//!                                   |-----retry-----> pending (next_attempt_at later)
+//!                                   |-----dead------> dead
+//!                                   '--lease expired (rescue)--> pending
 //! ```
 //!
 //! Every transition out of `running` names the lease token it holds; a worker
@@ -469,27 +470,108 @@ pub async fn attempts(conn: &mut PgConnection, id: Uuid) -> Result<Vec<AttemptVi
 
 /// Insert many intents, `ON CONFLICT DO NOTHING`, returning the ids that
 /// were new ([`crate::effects::insert`]); `$1`…`$20`: one array per column.
+///
+/// `$21` (one flag per row), `$22` (worker) and `$23` (lease in seconds)
+/// hold rows for a dispatcher at insert ([`Hold`]): a flagged row without an
+/// ordering key whose endpoint is not paused is written as the claim
+/// statement ([`CLAIM`]) would leave it — running, attempt 1 counted, a fresh
+/// lease token, `locked_until` a lease from now — and returns its token; any
+/// other row is written pending, as without a hold. The lease starts at the
+/// statement (`clock_timestamp()`), not at its transaction's start.
 pub(crate) const INSERT_MANY: &str = "INSERT INTO relay.intents
              (id, consumer, source_event_id, action, endpoint, method, path, body, request_headers,
               idempotency_key, ordering_key, max_attempts, expires_at, on_success, on_dead,
-              emit_source, aggregate_id, correlation_id, causation_id, traceparent)
+              emit_source, aggregate_id, correlation_id, causation_id, traceparent,
+              state, attempts, lease_token, locked_by, locked_until)
          SELECT id, consumer, source_event_id, action, endpoint, method, path, body, request_headers,
                 idempotency_key, ordering_key, max_attempts, now() + make_interval(secs => max_age),
-                on_success, on_dead, emit_source, aggregate_id, correlation_id, causation_id, traceparent
+                on_success, on_dead, emit_source, aggregate_id, correlation_id, causation_id, traceparent,
+                CASE WHEN h.held THEN 'running' ELSE 'pending' END, h.held::int4,
+                CASE WHEN h.held THEN gen_random_uuid() END, CASE WHEN h.held THEN $22::text END,
+                CASE WHEN h.held THEN clock_timestamp() + make_interval(secs => $23::float8) END
            FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
                        $8::jsonb[], $9::jsonb[], $10::text[], $11::text[], $12::int4[], $13::float8[],
-                       $14::jsonb[], $15::jsonb[], $16::text[], $17::text[], $18::text[], $19::text[], $20::text[])
+                       $14::jsonb[], $15::jsonb[], $16::text[], $17::text[], $18::text[], $19::text[], $20::text[],
+                       $21::bool[])
                 AS t(id, consumer, source_event_id, action, endpoint, method, path, body, request_headers,
                      idempotency_key, ordering_key, max_attempts, max_age, on_success, on_dead,
-                     emit_source, aggregate_id, correlation_id, causation_id, traceparent)
+                     emit_source, aggregate_id, correlation_id, causation_id, traceparent, take)
+          CROSS JOIN LATERAL (
+                SELECT t.take AND t.ordering_key IS NULL AND NOT EXISTS (
+                           SELECT 1 FROM relay.pauses p WHERE p.kind = 'endpoint' AND p.name = t.endpoint) AS held
+          ) h
          ON CONFLICT (id) DO NOTHING
-         RETURNING id";
+         RETURNING id, lease_token, expires_at, created_at";
+
+/// Rows of a multi-row intent insert to write as already claimed by a
+/// dispatcher (see [`INSERT_MANY`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Hold<'a> {
+    /// The dispatcher's worker id (`locked_by`).
+    pub worker: &'a str,
+    /// Its lease.
+    pub lease: Duration,
+    /// One flag per row: hold this one if it can be.
+    pub take: &'a [bool],
+}
+
+/// What the insert wrote for a held row: its claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Held {
+    /// The claim's fencing token.
+    pub lease_token: Uuid,
+    /// Age budget deadline, as stored.
+    pub expires_at: DateTime<Utc>,
+    /// When the row was written.
+    pub created_at: DateTime<Utc>,
+}
+
+impl ClaimedIntent {
+    /// The claimed intent that a claim of `new` would have returned, for a
+    /// row written already held ([`Hold`], [`Held`]): first attempt, no error yet.
+    pub fn held_at_insert(new: NewIntent, held: Held) -> ClaimedIntent {
+        ClaimedIntent {
+            id: new.id,
+            lease_token: held.lease_token,
+            consumer: new.consumer,
+            source_event_id: new.source_event_id,
+            action: new.action,
+            endpoint: new.endpoint,
+            method: new.method,
+            path: new.path,
+            body: new.body,
+            request_headers: new.headers,
+            idempotency_key: new.idempotency_key,
+            ordering_key: new.ordering_key,
+            attempts: 1,
+            max_attempts: new.max_attempts,
+            expires_at: held.expires_at,
+            on_success: new.on_success,
+            on_dead: new.on_dead,
+            emit_source: new.emit_source,
+            aggregate_id: new.aggregate_id,
+            correlation_id: new.correlation_id,
+            causation_id: new.causation_id,
+            traceparent: new.traceparent,
+            last_error: None,
+            created_at: held.created_at,
+        }
+    }
+}
 
 /// Bind the parameters of [`INSERT_MANY`] to `q`, after those it has.
-pub(crate) fn bind_many<'q>(q: crate::PgQuery<'q>, rows: &'q [NewIntent]) -> crate::PgQuery<'q> {
+pub(crate) fn bind_many<'q>(
+    q: crate::PgQuery<'q>,
+    rows: &'q [NewIntent],
+    hold: Option<Hold<'q>>,
+) -> crate::PgQuery<'q> {
     fn col<'a, T: 'a>(rows: &'a [NewIntent], f: impl Fn(&'a NewIntent) -> T) -> Vec<T> {
         rows.iter().map(f).collect()
     }
+    let take: Vec<bool> = match hold {
+        Some(h) => (0..rows.len()).map(|k| h.take.get(k).copied().unwrap_or(false)).collect(),
+        None => vec![false; rows.len()],
+    };
     q.bind(col(rows, |r| r.id))
         .bind(col(rows, |r| r.consumer.as_str()))
         .bind(col(rows, |r| r.source_event_id.as_str()))
@@ -510,6 +592,9 @@ pub(crate) fn bind_many<'q>(q: crate::PgQuery<'q>, rows: &'q [NewIntent]) -> cra
         .bind(col(rows, |r| r.correlation_id.as_deref()))
         .bind(col(rows, |r| r.causation_id.as_deref()))
         .bind(col(rows, |r| r.traceparent.as_deref()))
+        .bind(take)
+        .bind(hold.map(|h| h.worker))
+        .bind(hold.map(|h| h.lease.as_secs_f64()))
 }
 
 /// Filters for listing intents.
