@@ -59,6 +59,8 @@ pub struct Env {
     pub loads: Vec<f64>,
     /// Latency: a given peak rate instead of the searched one (A/B runs).
     pub peak: Option<f64>,
+    /// `dispatcher.claim_at_ingest` (the relay's default: on).
+    pub claim_at_ingest: bool,
 }
 
 impl Env {
@@ -297,6 +299,7 @@ data = {{ order_id = "{{{{ data.order_id }}}}" }}
 fn config(env: &Env, s: &Setup, dispatch_concurrency: usize) -> anyhow::Result<RelayConfig> {
     let mut cfg = RelayConfig::from_toml(&config_text(env, s, dispatch_concurrency))?;
     cfg.database.url = Some(s.db.url.clone().into());
+    cfg.dispatcher.claim_at_ingest = env.claim_at_ingest;
     Ok(cfg)
 }
 

@@ -31,6 +31,11 @@ struct Args {
     /// for it, so that two builds can be compared at the same fixed loads.
     #[arg(long)]
     peak: Option<f64>,
+    /// Latency (consumer and dispatcher in one process): every intent
+    /// written pending and claimed by the claim loop, instead of claimed at
+    /// ingest (`dispatcher.claim_at_ingest = false`), to compare the two.
+    #[arg(long)]
+    no_claim_at_ingest: bool,
     /// Write the Markdown report here (e.g. BENCHMARKS.md).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -51,6 +56,7 @@ async fn main() -> ExitCode {
         only: a.only,
         loads: a.load,
         peak: a.peak,
+        claim_at_ingest: !a.no_claim_at_ingest,
     };
     let started = std::time::Instant::now();
     let sections = match run_all(&env).await {
