@@ -7,8 +7,9 @@
 //! with the same business idempotency key (upstream retries), a share of
 //! poison records, and at the end a replay of every topic by a new consumer
 //! group. The provider fails (503, 429) and times out after applying at random.
-//! Processes: consumers, intent dispatchers and an outbox publisher, each
-//! killed and restarted at random moments.
+//! Processes: a consumer, intent dispatchers, an outbox publisher and a
+//! `relay run` process with all three (whose consumer writes intents already
+//! claimed by its own dispatcher), each killed and restarted at random moments.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -273,7 +274,9 @@ pub async fn run(opts: &SoakOptions) -> anyhow::Result<(Summary, Report)> {
     let fleet = Fleet {
         procs: vec![
             ("consumer-1".into(), RelayProcess::start(spec("consumer-1", &["consume"], &consumer_env))?),
-            ("consumer-2".into(), RelayProcess::start(spec("consumer-2", &["consume"], &consumer_env))?),
+            // Consumer, dispatcher and publisher in one process: its consumer
+            // writes intents already claimed by its dispatcher (claim at ingest).
+            ("runner".into(), RelayProcess::start(spec("runner", &["run"], &consumer_env))?),
             ("dispatcher-1".into(), RelayProcess::start(spec("dispatcher-1", &["dispatch", "--intents-only"], &[]))?),
             ("dispatcher-2".into(), RelayProcess::start(spec("dispatcher-2", &["dispatch", "--intents-only"], &[]))?),
             ("publisher".into(), RelayProcess::start(spec("publisher", &["dispatch", "--outbox-only"], &[]))?),
