@@ -176,10 +176,11 @@ impl Dispatcher {
                 }
             };
             let n = claimed.len();
-            if n > 0
-                && let Err(f) = self.inner.faults.hit(point::DISPATCHER_AFTER_CLAIM).await
-            {
-                break Err(f.into());
+            if n > 0 {
+                crate::metrics::claimed("claim", n as u64);
+                if let Err(f) = self.inner.faults.hit(point::DISPATCHER_AFTER_CLAIM).await {
+                    break Err(f.into());
+                }
             }
             let claimed_at = std::time::Instant::now();
             for intent in claimed {

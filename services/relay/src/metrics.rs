@@ -104,6 +104,12 @@ pub fn call(endpoint: &str, result: &'static str, outcome: &str, seconds: f64) {
     histogram!("relay_dispatch_seconds", "endpoint" => e).record(seconds);
 }
 
+/// Intents claimed by a dispatcher: `via` is `claim` (the claim loop) or
+/// `ingest` (written claimed by the consumer beside it, [`crate::handoff`]).
+pub fn claimed(via: &'static str, n: u64) {
+    counter!("relay_intents_claimed_total", "via" => via).increment(n);
+}
+
 /// Leases rescued after their holder was lost.
 pub fn rescued(kind: &'static str, n: u64) {
     counter!("relay_leases_rescued_total", "kind" => kind).increment(n);

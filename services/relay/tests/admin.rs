@@ -107,6 +107,9 @@ async fn the_admin_server_serves_metrics_health_and_readiness() {
         Some(2.0),
         "{body}"
     );
+    // `relay run`: both intents were written claimed by the consumer, none by a claim.
+    assert_eq!(metric(&body, "relay_intents_claimed_total", &[("via", "ingest")]), Some(2.0), "{body}");
+    assert_eq!(metric(&body, "relay_intents_claimed_total", &[("via", "claim")]), None, "{body}");
     assert_eq!(metric(&body, "relay_intents", &[("state", "dead")]), Some(0.0), "{body}");
     assert!(metric(&body, "relay_outbox_rows", &[("state", "pending")]).is_some(), "{body}");
     assert!(metric(&body, "relay_table_rows_estimated", &[("table", "inbox")]).is_some(), "{body}");
