@@ -902,10 +902,20 @@ struct Steady {
 /// The dispatcher's poll interval in the latency runs (the relay's default).
 const POLL: Duration = Duration::from_secs(1);
 
-async fn steady(env: &Env, rate: f64, (warm, secs): (f64, f64), poll: Duration) -> anyhow::Result<Steady> {
+/// How a latency run's calls get going: the dispatcher's poll interval, and
+/// whether the consumer hands intents over claimed at ingest (otherwise each
+/// waits for a NOTIFY wake-up and a claim, as with separate processes).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Wakeup {
+    poll: Duration,
+    claim_at_ingest: bool,
+}
+
+async fn steady(env: &Env, rate: f64, (warm, secs): (f64, f64), how: Wakeup) -> anyhow::Result<Steady> {
     let s = setup(env, 4).await?;
     let mut cfg = config(env, &s, 64)?;
-    cfg.dispatcher.poll_interval = poll;
+    cfg.dispatcher.poll_interval = how.poll;
+    cfg.dispatcher.claim_at_ingest = how.claim_at_ingest;
     let relay = Relay::new(cfg, Handlers::default(), Faults::none()).await?;
     let mut relay = UnderTest::start(relay, Components { consumer: true, dispatcher: true, publisher: false });
     // Warm up: wait until the consumer has its partitions (a first record goes through).
@@ -968,7 +978,8 @@ async fn sustained_peak(
     let (mut lo, mut hi) = (lo, hi);
     for _ in 0..steps {
         let rate = (lo + hi) / 2.0;
-        let mut run = steady(env, rate, (0.0, secs), POLL).await?;
+        let how = Wakeup { poll: POLL, claim_at_ingest: env.claim_at_ingest };
+        let mut run = steady(env, rate, (0.0, secs), how).await?;
         run.finish().await?;
         let kept_up = (run.lag as f64) < rate * 0.25;
         eprintln!(
@@ -993,10 +1004,10 @@ async fn latency(
     env: &Env,
     rate: f64,
     (warm, secs): (f64, f64),
-    poll: Duration,
+    how: Wakeup,
     splits: &Mutex<Vec<(f64, String)>>,
 ) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
-    let mut run = steady(env, rate, (warm, secs), poll).await?;
+    let mut run = steady(env, rate, (warm, secs), how).await?;
     run.finish().await?;
     let Steady { s, achieved, measured_from_us, .. } = run;
     // The intent's created_at is the start of the consumer's transaction
@@ -1323,7 +1334,7 @@ pub async fn run_all(env: &Env) -> anyhow::Result<Vec<Section>> {
         eprintln!("bench: latency");
         let pn = env.size(2_000, 30_000);
         let mut lat = Section::new(
-            "4. Latency: produce → the provider receives the call (poll interval 1 s, NOTIFY on)",
+            "4. Latency: produce → the provider receives the call (poll interval 1 s, NOTIFY on, claim at ingest on unless said)",
             "records/s",
         );
         let peak = match env.peak {
@@ -1365,32 +1376,44 @@ pub async fn run_all(env: &Env) -> anyhow::Result<Vec<Section>> {
         // two the pools fill (database connections, each preparing its
         // statements; HTTP connections to the provider).
         let (warm, secs) = if env.quick { (1.0, 2.0) } else { (2.0, 10.0) };
-        let (mut worst_p99, mut top_p99) = (0.0f64, 0.0f64);
-        // The highest load once more with a poll interval ten times longer: a
-        // p99 that waited for polls would grow with it; one set by queueing
-        // behind the work does not.
+        let (mut worst_p99, mut notify_p99) = (0.0f64, 0.0f64);
+        // The highest load once more with every intent claimed after a NOTIFY
+        // wake-up (claim at ingest off: what separate consumer and dispatcher
+        // processes get), then that again with a poll interval ten times
+        // longer, as a control: a p99 that waited for polls would grow with
+        // it; one set by queueing behind the work does not.
         let top = env.loads.iter().copied().reduce(f64::max).unwrap_or(0.9);
-        let slow_poll = POLL * 10;
-        let runs = env.loads.iter().map(|&f| (f, POLL)).chain([(top, slow_poll)]);
-        for (frac, poll) in runs {
+        let default = Wakeup { poll: POLL, claim_at_ingest: env.claim_at_ingest };
+        let notify = Wakeup { poll: POLL, claim_at_ingest: false };
+        let control = Wakeup { poll: POLL * 10, claim_at_ingest: false };
+        let extra = if env.claim_at_ingest { vec![(top, notify), (top, control)] } else { vec![(top, control)] };
+        let runs = env.loads.iter().map(|&f| (f, default)).chain(extra);
+        for (frac, how) in runs {
             let rate = (peak * frac).max(10.0);
             let splits = Mutex::new(Vec::new());
-            let r = median(env, || latency(env, rate, (warm, secs), poll, &splits)).await?;
+            let r = median(env, || latency(env, rate, (warm, secs), how, &splits)).await?;
             let p99 = r.2.map_or(0.0, |l| l.1);
-            let control = poll != POLL;
-            if control {
+            if how == default {
+                worst_p99 = worst_p99.max(p99);
+            }
+            if how == notify && frac == top {
+                notify_p99 = p99;
+            }
+            if how == notify && how != default {
                 lat.verdicts.push(format!(
-                    "control: with a {} s poll interval the p99 at {:.0} % was {p99:.0} ms ({top_p99:.0} ms with {} s); \
-                     a wake-up left to the poll would cost up to the whole interval",
-                    poll.as_secs(),
+                    "with every intent claimed after a NOTIFY wake-up (claim at ingest off, as with separate \
+                     consumer and dispatcher processes) the p99 at {:.0} % was {p99:.0} ms",
+                    frac * 100.0
+                ));
+            }
+            if how == control {
+                lat.verdicts.push(format!(
+                    "control: with a {} s poll interval (claim at ingest off) the p99 at {:.0} % was {p99:.0} ms \
+                     ({notify_p99:.0} ms with {} s); a wake-up left to the poll would cost up to the whole interval",
+                    how.poll.as_secs(),
                     frac * 100.0,
                     POLL.as_secs()
                 ));
-            } else {
-                worst_p99 = worst_p99.max(p99);
-                if frac == top {
-                    top_p99 = p99;
-                }
             }
             // Where the time went in the run whose p99 is reported (the median one).
             let mut splits = splits.into_inner().expect("splits lock");
@@ -1399,8 +1422,13 @@ pub async fn run_all(env: &Env) -> anyhow::Result<Vec<Section>> {
             // The p99 swings from run to run at high loads: show every run's.
             let p99s = splits.iter().map(|s| format!("{:.0}", s.0)).collect::<Vec<_>>().join(" / ");
             let name = format!("{:.0} % of peak ({rate:.0}/s target)", frac * 100.0);
+            let name = match how {
+                h if h == default => name,
+                h if h == notify => format!("{name}, claim at ingest off (NOTIFY wake-up + claim)"),
+                h => format!("{name}, claim at ingest off, poll interval {} s", h.poll.as_secs()),
+            };
             lat.rows.push(row(
-                if control { format!("{name}, poll interval {} s", poll.as_secs()) } else { name },
+                name,
                 r,
                 format!(
                     "{secs:.0} s steady after {warm:.0} s of warm-up; p99 of the {} runs {p99s} ms; {where_}",
