@@ -209,12 +209,10 @@ impl Dispatcher {
                 }
             }
         };
-        if let Some(desk) = desk
-            && result.is_ok()
-        {
-            desk.close(&self.inner.pool).await;
-        }
         if result.is_ok() {
+            if let Some(desk) = desk {
+                desk.close(&self.inner.pool).await;
+            }
             info!(worker = %self.inner.worker, in_flight = tasks.len(), "dispatcher stopping; finishing calls in flight");
             while let Some(done) = tasks.join_next().await {
                 if let Ok(Err(f)) = done {

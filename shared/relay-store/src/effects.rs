@@ -60,7 +60,8 @@ pub async fn insert(
                 select.push(format!("SELECT '{name}' AS part, id, lease_token, expires_at, created_at FROM {name}"))
             }
             "new_outbox" => select.push(format!(
-                "SELECT '{name}' AS part, id, NULL::uuid, NULL::timestamptz, NULL::timestamptz FROM {name}"
+                "SELECT '{name}' AS part, id, NULL::uuid AS lease_token, NULL::timestamptz AS expires_at, \
+                 NULL::timestamptz AS created_at FROM {name}"
             )),
             _ => {}
         }
