@@ -145,16 +145,20 @@ where
             lat.push(l);
         }
     }
-    let mut sorted = rates.clone();
-    sorted.sort_by(f64::total_cmp);
-    let mid = sorted[sorted.len() / 2];
+    let (mid, spread) = median_spread(rates);
     let lat = if lat.is_empty() {
         None
     } else {
         lat.sort_by(|a, b| a.1.total_cmp(&b.1));
         Some(lat[lat.len() / 2])
     };
-    Ok((mid, (sorted[0], sorted[sorted.len() - 1]), lat))
+    Ok((mid, spread, lat))
+}
+
+/// The median of `v` (not empty) and its spread (min, max).
+fn median_spread(mut v: Vec<f64>) -> (f64, (f64, f64)) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], (v[0], v[v.len() - 1]))
 }
 
 fn row(name: impl Into<String>, m: (f64, (f64, f64), Option<(f64, f64)>), note: impl Into<String>) -> Row {
@@ -1125,16 +1129,12 @@ async fn memory_median(env: &Env, backlog: usize) -> anyhow::Result<Vec<Measured
     for _ in 0..env.runs.max(1) {
         runs.push(memory(env, backlog).await?);
     }
-    let mid = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        (v[v.len() / 2], v[0], v[v.len() - 1])
-    };
     let kinds = runs[0].len();
     Ok((0..kinds)
         .map(|k| {
             let first = &runs[0][k];
-            let (rate, lo, hi) = mid(runs.iter().map(|r| r[k].row.rate).collect());
-            let (rss, rss_lo, rss_hi) = mid(runs.iter().map(|r| r[k].peak_rss).collect());
+            let (rate, spread) = median_spread(runs.iter().map(|r| r[k].row.rate).collect());
+            let (rss, (rss_lo, rss_hi)) = median_spread(runs.iter().map(|r| r[k].peak_rss).collect());
             let note = if runs.len() > 1 {
                 format!("peak RSS {rss:.0} MiB (median of {}: {rss_lo:.0} – {rss_hi:.0})", runs.len())
             } else {
@@ -1143,7 +1143,7 @@ async fn memory_median(env: &Env, backlog: usize) -> anyhow::Result<Vec<Measured
             Measured {
                 process: first.process,
                 peak_rss: rss,
-                row: Row { name: first.row.name.clone(), rate, spread: (lo, hi), latency: None, note },
+                row: Row { name: first.row.name.clone(), rate, spread, latency: None, note },
             }
         })
         .collect())
