@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use relay_store::ops::{self, Cleanup};
 use relay_store::stats;
-use relay_store::{ClaimPool, begin_by_key, intents, outbox};
+use relay_store::{ClaimPool, FinishPool, begin_by_key, intents, outbox};
 use relay_testkit::TestDb;
 use serde_json::Value;
 use sqlx::{Connection, PgConnection};
@@ -239,6 +239,30 @@ async fn finishing_a_claim_probes_the_primary_key_when_the_statistics_say_nothin
     }
 }
 
+/// Which connection a statement runs on in the relay.
+#[derive(Clone, Copy, PartialEq)]
+enum On {
+    Claims,
+    Finishes,
+    ByKey,
+}
+
+struct Conns {
+    claims: relay_store::ClaimConnection,
+    finishes: relay_store::FinishConnection,
+    plain: sqlx::pool::PoolConnection<sqlx::Postgres>,
+}
+
+impl Conns {
+    fn on(&mut self, which: On) -> &mut PgConnection {
+        match which {
+            On::Claims => self.claims.as_conn(),
+            On::Finishes => &mut self.finishes,
+            On::ByKey => &mut self.plain,
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_plan_cached_while_the_table_was_small_still_probes_keys_once_it_has_grown() {
     let db = TestDb::new().await.unwrap();
@@ -253,54 +277,60 @@ async fn a_plan_cached_while_the_table_was_small_still_probes_keys_once_it_has_g
     insert_backlog(&db.pool, 10).await;
     sqlx::query("ANALYZE").execute(&db.pool).await.unwrap();
     // What PostgreSQL does by itself from a statement's sixth run on: plan it
-    // once for any parameters and keep that plan for the connection.
-    // Claims on a claim connection, finishes on another, as the relay runs them.
-    let mut claims = ClaimPool::beside(&db.pool, 1).acquire().await.unwrap();
-    let mut conn = db.conn().await.unwrap();
-    for (claim, sql) in [
-        (true, "SET plan_cache_mode = force_generic_plan".to_owned()),
-        (false, "SET plan_cache_mode = force_generic_plan".to_owned()),
-        (true, format!("PREPARE claim_intents AS {}", intents::CLAIM)),
-        (true, format!("PREPARE claim_outbox AS {}", outbox::CLAIM)),
-        (false, format!("PREPARE finish_intents AS {}", intents::FINISH)),
-        (false, format!("PREPARE mark_published AS {}", outbox::MARK_PUBLISHED)),
+    // once for any parameters and keep that plan for the connection. Each on
+    // the connection the relay runs it on: claims on a claim connection,
+    // intents' finishes on a finish connection, outbox rows marked published
+    // on a plain one, in a transaction begun by key.
+    let mut conns = Conns {
+        claims: ClaimPool::beside(&db.pool, 1).acquire().await.unwrap(),
+        finishes: FinishPool::beside(&db.pool, 1).acquire().await.unwrap(),
+        plain: db.conn().await.unwrap(),
+    };
+    for (which, sql) in [
+        (On::Claims, "SET plan_cache_mode = force_generic_plan".to_owned()),
+        (On::Finishes, "SET plan_cache_mode = force_generic_plan".to_owned()),
+        (On::ByKey, "SET plan_cache_mode = force_generic_plan".to_owned()),
+        (On::Claims, format!("PREPARE claim_intents AS {}", intents::CLAIM)),
+        (On::Claims, format!("PREPARE claim_outbox AS {}", outbox::CLAIM)),
+        (On::Finishes, format!("PREPARE finish_intents AS {}", intents::FINISH)),
+        (On::ByKey, format!("PREPARE mark_published AS {}", outbox::MARK_PUBLISHED)),
     ] {
-        let c: &mut PgConnection = if claim { claims.as_conn() } else { &mut conn };
-        sqlx::raw_sql(&sql).execute(c).await.unwrap();
+        sqlx::raw_sql(&sql).execute(conns.on(which)).await.unwrap();
     }
-    // Each statement runs once while the table is small (claims on their
-    // connection, finishes in their own transactions; rolled back here): its
-    // plan is made and cached now.
-    let execute = |name: &str, claim: bool| {
+    // Each statement runs once while the table is small (rolled back here):
+    // its plan is made and cached now.
+    let execute = |name: &str, which: On| {
         let args = match name {
             "claim_intents" => "(2, 'worker', 30)",
             "claim_outbox" => "(2, 30)",
             "finish_intents" => "('{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}')",
             _ => "('{}', '{}')",
         };
-        (format!("EXECUTE {name}{args}"), claim)
+        (format!("EXECUTE {name}{args}"), which)
     };
     let statements = [
-        execute("claim_intents", true),
-        execute("claim_outbox", true),
-        execute("finish_intents", false),
-        execute("mark_published", false),
+        execute("claim_intents", On::Claims),
+        execute("claim_outbox", On::Claims),
+        execute("finish_intents", On::Finishes),
+        execute("mark_published", On::ByKey),
     ];
-    for (sql, claim) in &statements {
-        let mut tx = if *claim { claims.as_conn().begin().await } else { begin_by_key(&mut conn).await }.unwrap();
+    for (sql, which) in &statements {
+        let c = conns.on(*which);
+        let mut tx = if *which == On::ByKey { begin_by_key(c).await } else { c.begin().await }.unwrap();
         sqlx::raw_sql(sql).execute(&mut *tx).await.unwrap();
         tx.rollback().await.unwrap();
     }
     // The tables grow; nothing tells the cached plans.
     insert_backlog(&db.pool, ROWS).await;
-    for ((sql, claim), index) in statements.iter().zip(["intents_due", "outbox_pending_by_seq", "", ""]) {
-        let mut tx = if *claim { claims.as_conn().begin().await } else { begin_by_key(&mut conn).await }.unwrap();
+    for ((sql, which), index) in statements.iter().zip(["intents_due", "outbox_pending_by_seq", "", ""]) {
+        let c = conns.on(*which);
+        let mut tx = if *which == On::ByKey { begin_by_key(c).await } else { c.begin().await }.unwrap();
         let plan: Value =
             sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {sql}")).fetch_one(&mut *tx).await.unwrap();
         tx.rollback().await.unwrap();
         let plan = nodes(&plan);
         assert!(!plan.iter().any(|n| n.starts_with("Hash")), "{sql} hashes a whole table; plan: {plan:?}");
-        if *claim {
+        if *which == On::Claims {
             assert_index_order(sql, &plan, index);
         } else {
             let (key, leases) = if sql.contains("intents") {
@@ -322,11 +352,13 @@ async fn only_claims_commit_without_waiting_for_the_disk() {
     let mut conn = db.conn().await.unwrap();
     let setting = "SELECT current_setting('synchronous_commit')";
     let claim: String = sqlx::query_scalar(setting).fetch_one(claims.as_conn()).await.unwrap();
+    let mut finishes = FinishPool::beside(&db.pool, 1).acquire().await.unwrap();
+    let finish: String = sqlx::query_scalar(setting).fetch_one(&mut *finishes).await.unwrap();
     let mut tx = begin_by_key(&mut conn).await.unwrap();
-    let finish: String = sqlx::query_scalar(setting).fetch_one(&mut *tx).await.unwrap();
+    let by_key: String = sqlx::query_scalar(setting).fetch_one(&mut *tx).await.unwrap();
     tx.commit().await.unwrap();
     let after: String = sqlx::query_scalar(setting).fetch_one(&mut *conn).await.unwrap();
-    assert_eq!((claim.as_str(), finish.as_str(), after.as_str()), ("off", "on", "on"));
+    assert_eq!((claim.as_str(), finish.as_str(), by_key.as_str(), after.as_str()), ("off", "on", "on", "on"));
 }
 
 #[tokio::test]

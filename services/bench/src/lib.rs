@@ -733,7 +733,7 @@ async fn dispatch_database_only(env: &Env, m: usize, workers: usize) -> anyhow::
         let pool = s.db.pool.clone();
         async move {
             let worker = format!("bench-db-{w}");
-            let mut conn = pool.acquire().await?;
+            let mut conn = relay_store::FinishPool::beside(&pool, 1).acquire().await?;
             let mut claims = relay_store::ClaimPool::beside(&pool, 1).acquire().await?;
             loop {
                 let claim = intents::claim(&mut claims, &worker, 256, Duration::from_secs(30)).await?;
@@ -760,9 +760,7 @@ async fn dispatch_database_only(env: &Env, m: usize, workers: usize) -> anyhow::
                         attempted: true,
                     })
                     .collect();
-                let mut tx = relay_store::begin_by_key(&mut conn).await?;
-                intents::finish_many(&mut tx, &items).await?;
-                tx.commit().await?;
+                intents::finish_many(&mut conn, &items).await?;
             }
         }
     });

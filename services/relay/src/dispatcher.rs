@@ -24,7 +24,7 @@
 //! with the same key (C9, C10). A worker that finishes after its lease was
 //! rescued finds its token gone and records nothing (C17).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,7 +36,7 @@ use relay_core::retry::{Verdict, classify};
 use relay_core::{Outcome, Provenance};
 use relay_store::intents::{self, AttemptRecord, ClaimedIntent, Finish, NextState};
 use relay_store::sagas::{self, Transition};
-use relay_store::{Claim, ClaimPool, Claimer, inbox, outbox};
+use relay_store::{Claim, ClaimPool, Claimer, FinishPool, inbox, outbox};
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
@@ -47,6 +47,9 @@ use tracing::{debug, error, info, warn};
 use crate::faults::{FaultInjected, Faults, point};
 use crate::handoff::{Desk, Handed};
 use crate::http::{CallResult, EndpointClient, Sent};
+
+/// How many batches of outcomes are written at once ([`Dispatcher::finalize_loop`]).
+const FINALIZERS: usize = 2;
 
 /// Channel the intents trigger notifies.
 pub const CHANNEL: &str = "relay_intents";
@@ -61,6 +64,9 @@ struct Inner {
     pool: PgPool,
     /// The claim loop's connection ([`ClaimPool`]: one round trip a claim).
     claims: ClaimPool,
+    /// The finalizers' connections ([`FinishPool`]: one round trip a batch
+    /// of outcomes that records nothing but states).
+    finishes: FinishPool,
     settings: DispatcherConfig,
     worker: String,
     endpoints: HashMap<String, EndpointClient>,
@@ -100,7 +106,9 @@ impl Dispatcher {
             .collect::<anyhow::Result<_>>()?;
         let progress = tokio::sync::Notify::new();
         let claims = ClaimPool::beside(&pool, 1);
-        Ok(Dispatcher { inner: Arc::new(Inner { pool, claims, settings, worker, endpoints, faults, progress }) })
+        let finishes = FinishPool::beside(&pool, FINALIZERS as u32);
+        let inner = Inner { pool, claims, finishes, settings, worker, endpoints, faults, progress };
+        Ok(Dispatcher { inner: Arc::new(inner) })
     }
 
     /// This dispatcher's worker id.
@@ -447,15 +455,15 @@ impl Dispatcher {
     }
 
     /// Record completions in batches: whatever has arrived while earlier
-    /// batches were written goes into the next one (up to 256), in one
-    /// transaction with one fenced statement for all of them. Two batches are
+    /// batches were written goes into the next one (up to 256), with one
+    /// fenced statement for all of them (one round trip when that is all
+    /// the batch records: [`FinishPool`]). Two batches are
     /// written at once, so one commit's WAL flush does not hold up the next
     /// batch. (With four, each writer took what had arrived the moment it was
     /// free, batches averaged 13 outcomes and per-statement costs dominated:
     /// the dispatch benchmark ran 10–30 % slower than with two; with one,
     /// concurrency 1 ran 25 % slower.)
     async fn finalize_loop(self, mut rx: mpsc::Receiver<Completion>) {
-        const FINALIZERS: usize = 2;
         let slots = Arc::new(Semaphore::new(FINALIZERS));
         let mut writers = JoinSet::new();
         while let Some(first) = rx.recv().await {
@@ -512,8 +520,6 @@ impl Dispatcher {
     }
 
     async fn finalize_once(&self, batch: &[Completion]) -> Result<Vec<Finished>, sqlx::Error> {
-        let mut conn = self.inner.pool.acquire().await?;
-        let mut tx = relay_store::begin_by_key(&mut conn).await?;
         let items: Vec<Finish> = batch
             .iter()
             .map(|c| Finish {
@@ -526,26 +532,33 @@ impl Dispatcher {
                 attempted: c.attempt.error_class.as_deref() != Some("budget"),
             })
             .collect();
-        let ours: std::collections::HashSet<uuid::Uuid> =
-            intents::finish_many(&mut tx, &items).await?.into_iter().collect();
+        // What each outcome records besides the intent's state, if its lease still holds.
+        let outcomes: Vec<Option<(Outcome, &str)>> = batch
+            .iter()
+            .map(|c| match c.next {
+                NextState::Succeeded => outcome_effects(&c.intent, &c.intent.on_success).map(|o| (o, "succeeded")),
+                NextState::Dead => outcome_effects(&c.intent, &c.intent.on_dead).map(|o| (o, "dead")),
+                NextState::Retry(_) => None,
+            })
+            .collect();
+        let finished = |c: &Completion, ours: &HashSet<uuid::Uuid>| match c.next {
+            _ if !ours.contains(&c.intent.id) => Finished::LeaseLost,
+            NextState::Succeeded => Finished::Succeeded,
+            NextState::Dead => Finished::Dead,
+            NextState::Retry(_) => Finished::Retrying,
+        };
+        let mut conn = self.inner.finishes.acquire().await?;
+        if outcomes.iter().all(Option::is_none) {
+            // Only states and audit rows: one statement, its own transaction (FinishPool).
+            let ours = intents::finish_many(&mut conn, &items).await?.into_iter().collect();
+            return Ok(batch.iter().map(|c| finished(c, &ours)).collect());
+        }
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        let ours: HashSet<uuid::Uuid> = intents::finish_many(&mut tx, &items).await?.into_iter().collect();
         let now = Utc::now();
         let mut records = Vec::new();
-        let mut results = Vec::with_capacity(batch.len());
-        for c in batch {
-            if !ours.contains(&c.intent.id) {
-                results.push(Finished::LeaseLost);
-                continue;
-            }
-            let (effects, label, finished) = match c.next {
-                NextState::Succeeded => (&c.intent.on_success, "succeeded", Finished::Succeeded),
-                NextState::Dead => (&c.intent.on_dead, "dead", Finished::Dead),
-                NextState::Retry(_) => {
-                    results.push(Finished::Retrying);
-                    continue;
-                }
-            };
-            results.push(finished);
-            let Some(outcome) = outcome_effects(&c.intent, effects) else { continue };
+        for (c, outcome) in batch.iter().zip(&outcomes) {
+            let Some((outcome, label)) = outcome.as_ref().filter(|_| ours.contains(&c.intent.id)) else { continue };
             let source_id = format!("{}:{label}", c.intent.id);
             let prov = Provenance {
                 source: c.intent.emit_source.clone(),
@@ -575,7 +588,7 @@ impl Dispatcher {
             outbox::insert_many(&mut tx, consumer, &rows).await?;
         }
         tx.commit().await?;
-        Ok(results)
+        Ok(batch.iter().map(|c| finished(c, &ours)).collect())
     }
 
     async fn move_saga(

@@ -17,7 +17,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer, ProducerContext}
 use rdkafka::util::Timeout;
 use relay_core::config::{KafkaConfig, PublisherConfig};
 use relay_store::outbox::{self, ClaimedRow};
-use relay_store::{Claim, ClaimPool, Claimer};
+use relay_store::{Claim, ClaimPool, Claimer, FinishPool};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
@@ -64,6 +64,8 @@ pub struct Publisher {
     pool: PgPool,
     /// The lanes' claim connections ([`ClaimPool`]: one round trip a claim).
     claims: ClaimPool,
+    /// The lanes' connections to mark rows ([`FinishPool`]: one round trip a batch).
+    marks: FinishPool,
     producer: FutureProducer<LogContext>,
     settings: PublisherConfig,
     faults: Faults,
@@ -82,7 +84,8 @@ impl Publisher {
         cfg.set_log_level(RDKafkaLogLevel::Warning);
         let producer = cfg.create_with_context(LogContext)?;
         let claims = ClaimPool::beside(&pool, LANES as u32);
-        Ok(Publisher { pool, claims, producer, settings, faults })
+        let marks = FinishPool::beside(&pool, LANES as u32);
+        Ok(Publisher { pool, claims, marks, producer, settings, faults })
     }
 
     /// Run until `shutdown`: finish the batch in flight, flush, return.
@@ -182,7 +185,7 @@ impl Publisher {
         self.faults.hit(point::PUBLISHER_AFTER_ACK).await.map_err(PublishError::Fault)?;
         let mut ok_ids = Vec::new();
         let mut ok_tokens = Vec::new();
-        let mut conn = self.pool.acquire().await?;
+        let mut conn = self.marks.acquire().await?;
         for (row, result) in rows.iter().zip(deliveries) {
             match result {
                 Ok((partition, offset)) => {

@@ -308,8 +308,10 @@ pub const FINISH: &str = "WITH u AS (
 /// Record many attempts in one statement, each fenced by its lease token:
 /// the intent row moves (succeeded / pending again / dead) and the attempt's
 /// audit row is written. Returns the ids whose lease was still held; the
-/// others were rescued meanwhile and nothing was written for them. Run it in
-/// a transaction begun with [`crate::begin_by_key`], as the dispatcher does.
+/// others were rescued meanwhile and nothing was written for them. Run it
+/// where rows are found by key: alone (its own transaction) or in a
+/// transaction on a [`crate::FinishPool`] connection, as the dispatcher does,
+/// or in a transaction begun with [`crate::begin_by_key`].
 pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Vec<Uuid>, sqlx::Error> {
     if items.is_empty() {
         return Ok(Vec::new());

@@ -96,11 +96,7 @@ impl ClaimPool {
     /// database, with `pool`'s options otherwise; connections are opened when
     /// first needed.
     pub fn beside(pool: &PgPool, max_connections: u32) -> ClaimPool {
-        let options =
-            pool.options().clone().min_connections(0).max_connections(max_connections).after_connect(|conn, _| {
-                Box::pin(async move { sqlx::Executor::execute(conn, CLAIM_SETTINGS).await.map(drop) })
-            });
-        ClaimPool(options.connect_lazy_with(pool.connect_options().as_ref().clone()))
+        ClaimPool(pool_beside(pool, max_connections, CLAIM_SETTINGS))
     }
 
     /// A claim connection.
@@ -111,6 +107,69 @@ impl ClaimPool {
     /// A claimer: one claim loop's connection, kept between its claims.
     pub fn claimer(&self) -> Claimer {
         Claimer { pool: self.clone(), kept: None }
+    }
+}
+
+/// A pool of at most `max_connections` connections to `pool`'s database, with
+/// `pool`'s options otherwise, whose sessions start with `settings`;
+/// connections are opened when first needed.
+fn pool_beside(pool: &PgPool, max_connections: u32, settings: &'static str) -> PgPool {
+    let options =
+        pool.options().clone().min_connections(0).max_connections(max_connections).after_connect(move |conn, _| {
+            Box::pin(async move { sqlx::Executor::execute(conn, settings).await.map(drop) })
+        });
+    options.connect_lazy_with(pool.connect_options().as_ref().clone())
+}
+
+/// What a finish connection's session is set to ([`FinishPool`]).
+const FINISH_SETTINGS: &str = by_key_settings!("SET");
+
+/// The connections outcomes are recorded on — the dispatcher's finalizers'
+/// ([`intents::finish_many`]) and the publisher's marks
+/// ([`outbox::mark_published`]): a small pool beside the main one whose
+/// sessions find rows by key (the settings of [`begin_by_key`], for the
+/// session instead of one transaction). A batch of outcomes that records
+/// nothing but the intents' new state and their audit rows — no outcome
+/// events, no saga moves — is then one statement, committed as it ends: one
+/// round trip instead of three (`BEGIN` with `SET LOCAL`, the statement,
+/// `COMMIT`). One statement is one transaction, so the state and the audit
+/// rows are still written together or not at all. Unlike claims, finishes
+/// wait for the disk as every other commit does: a finish lost in a crash
+/// would be a call made and then forgotten. Nothing else runs on these
+/// connections, so the settings reach nothing else.
+#[derive(Clone, Debug)]
+pub struct FinishPool(PgPool);
+
+impl FinishPool {
+    /// A pool of at most `max_connections` finish connections to `pool`'s
+    /// database, with `pool`'s options otherwise; connections are opened
+    /// when first needed.
+    pub fn beside(pool: &PgPool, max_connections: u32) -> FinishPool {
+        FinishPool(pool_beside(pool, max_connections, FINISH_SETTINGS))
+    }
+
+    /// A finish connection: statements on it find their rows by key; a
+    /// transaction begun on it with a plain `BEGIN` does too.
+    pub async fn acquire(&self) -> Result<FinishConnection, sqlx::Error> {
+        Ok(FinishConnection(self.0.acquire().await?))
+    }
+}
+
+/// A connection of a [`FinishPool`]; usable as a plain connection too (it
+/// dereferences to one), with the finish settings.
+#[derive(Debug)]
+pub struct FinishConnection(sqlx::pool::PoolConnection<Postgres>);
+
+impl std::ops::Deref for FinishConnection {
+    type Target = PgConnection;
+    fn deref(&self) -> &PgConnection {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for FinishConnection {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        &mut self.0
     }
 }
 

@@ -8,7 +8,7 @@ use serde_json::Value;
 use sqlx::{FromRow, PgConnection, Row};
 use uuid::Uuid;
 
-use crate::{Claim, ClaimConnection, headers};
+use crate::{Claim, ClaimConnection, FinishConnection, headers};
 
 /// Insert an outbox record; `false` when it already exists (same derived id).
 pub async fn insert(
@@ -120,17 +120,18 @@ pub const MARK_PUBLISHED: &str = "UPDATE relay.outbox o
           WHERE o.id = f.id AND o.lease_token = f.token";
 
 /// Mark rows published, each only if we still hold its lease. Returns how
-/// many were ours. Runs in its own transaction ([`crate::begin_by_key`]):
-/// `conn` must not be in one.
-pub async fn mark_published(conn: &mut PgConnection, ids: &[Uuid], tokens: &[Uuid]) -> Result<u64, sqlx::Error> {
-    let done = crate::execute_by_key(conn, sqlx::query(MARK_PUBLISHED).bind(ids).bind(tokens)).await?;
+/// many were ours. One statement, its own transaction, on a finish
+/// connection ([`crate::FinishPool`]): one round trip.
+pub async fn mark_published(conn: &mut FinishConnection, ids: &[Uuid], tokens: &[Uuid]) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(MARK_PUBLISHED).bind(ids).bind(tokens).execute(&mut **conn).await?;
     Ok(done.rows_affected())
 }
 
-/// Put a row back to pending after a failed delivery (fenced). Runs in its
-/// own transaction ([`crate::begin_by_key`]): `conn` must not be in one.
+/// Put a row back to pending after a failed delivery (fenced). One
+/// statement, its own transaction, on a finish connection
+/// ([`crate::FinishPool`]).
 pub async fn schedule_retry(
-    conn: &mut PgConnection,
+    conn: &mut FinishConnection,
     id: Uuid,
     token: Uuid,
     delay: Duration,
@@ -146,7 +147,7 @@ pub async fn schedule_retry(
     .bind(token)
     .bind(delay.as_secs_f64())
     .bind(error);
-    let done = crate::execute_by_key(conn, retry).await?;
+    let done = retry.execute(&mut **conn).await?;
     Ok(done.rows_affected() == 1)
 }
 
