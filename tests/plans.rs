@@ -244,13 +244,11 @@ async fn finishing_a_claim_probes_the_primary_key_when_the_statistics_say_nothin
 enum On {
     Claims,
     Finishes,
-    ByKey,
 }
 
 struct Conns {
     claims: relay_store::ClaimConnection,
     finishes: relay_store::FinishConnection,
-    plain: sqlx::pool::PoolConnection<sqlx::Postgres>,
 }
 
 impl Conns {
@@ -258,7 +256,6 @@ impl Conns {
         match which {
             On::Claims => self.claims.as_conn(),
             On::Finishes => &mut self.finishes,
-            On::ByKey => &mut self.plain,
         }
     }
 }
@@ -279,21 +276,19 @@ async fn a_plan_cached_while_the_table_was_small_still_probes_keys_once_it_has_g
     // What PostgreSQL does by itself from a statement's sixth run on: plan it
     // once for any parameters and keep that plan for the connection. Each on
     // the connection the relay runs it on: claims on a claim connection,
-    // intents' finishes on a finish connection, outbox rows marked published
-    // on a plain one, in a transaction begun by key.
+    // intents' finishes and outbox rows marked published on a finish
+    // connection.
     let mut conns = Conns {
         claims: ClaimPool::beside(&db.pool, 1).acquire().await.unwrap(),
         finishes: FinishPool::beside(&db.pool, 1).acquire().await.unwrap(),
-        plain: db.conn().await.unwrap(),
     };
     for (which, sql) in [
         (On::Claims, "SET plan_cache_mode = force_generic_plan".to_owned()),
         (On::Finishes, "SET plan_cache_mode = force_generic_plan".to_owned()),
-        (On::ByKey, "SET plan_cache_mode = force_generic_plan".to_owned()),
         (On::Claims, format!("PREPARE claim_intents AS {}", intents::CLAIM)),
         (On::Claims, format!("PREPARE claim_outbox AS {}", outbox::CLAIM)),
         (On::Finishes, format!("PREPARE finish_intents AS {}", intents::FINISH)),
-        (On::ByKey, format!("PREPARE mark_published AS {}", outbox::MARK_PUBLISHED)),
+        (On::Finishes, format!("PREPARE mark_published AS {}", outbox::MARK_PUBLISHED)),
     ] {
         sqlx::raw_sql(&sql).execute(conns.on(which)).await.unwrap();
     }
@@ -312,19 +307,17 @@ async fn a_plan_cached_while_the_table_was_small_still_probes_keys_once_it_has_g
         execute("claim_intents", On::Claims),
         execute("claim_outbox", On::Claims),
         execute("finish_intents", On::Finishes),
-        execute("mark_published", On::ByKey),
+        execute("mark_published", On::Finishes),
     ];
     for (sql, which) in &statements {
-        let c = conns.on(*which);
-        let mut tx = if *which == On::ByKey { begin_by_key(c).await } else { c.begin().await }.unwrap();
+        let mut tx = conns.on(*which).begin().await.unwrap();
         sqlx::raw_sql(sql).execute(&mut *tx).await.unwrap();
         tx.rollback().await.unwrap();
     }
     // The tables grow; nothing tells the cached plans.
     insert_backlog(&db.pool, ROWS).await;
     for ((sql, which), index) in statements.iter().zip(["intents_due", "outbox_pending_by_seq", "", ""]) {
-        let c = conns.on(*which);
-        let mut tx = if *which == On::ByKey { begin_by_key(c).await } else { c.begin().await }.unwrap();
+        let mut tx = conns.on(*which).begin().await.unwrap();
         let plan: Value =
             sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {sql}")).fetch_one(&mut *tx).await.unwrap();
         tx.rollback().await.unwrap();

@@ -156,7 +156,9 @@ impl FinishPool {
 }
 
 /// A connection of a [`FinishPool`]; usable as a plain connection too (it
-/// dereferences to one), with the finish settings.
+/// dereferences to one): its settings only steer the planner, and commits on
+/// it wait for the disk. (A [`ClaimConnection`] does not dereference, so that
+/// nothing but a claim commits without waiting.)
 #[derive(Debug)]
 pub struct FinishConnection(sqlx::pool::PoolConnection<Postgres>);
 
