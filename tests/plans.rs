@@ -91,6 +91,8 @@ async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_
         .bind(50_i64)
         .bind("worker")
         .bind(30.0_f64)
+        .bind(None::<chrono::DateTime<chrono::Utc>>)
+        .bind(0_i64)
         .fetch_one(claims.as_conn())
         .await
         .unwrap();
@@ -110,6 +112,56 @@ async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_
     assert_eq!(ids, ["e-1", "e-2", "e-3"]);
     let rows = outbox::claim(&mut claims, 3, Duration::from_secs(30)).await.unwrap().rows;
     assert_eq!(rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [1, 2, 3]);
+}
+
+#[tokio::test]
+async fn a_claim_after_a_position_starts_reading_the_index_there_and_one_from_the_start_finds_what_it_passed() {
+    let db = TestDb::new().await.unwrap();
+    insert_backlog(&db.pool, ROWS).await;
+    let mut claims = ClaimPool::beside(&db.pool, 1).acquire().await.unwrap();
+    let lease = Duration::from_secs(30);
+    let first = intents::claim_after(&mut claims, "worker", 3, lease, None).await.unwrap();
+    let mut ids: Vec<&str> = first.rows.iter().map(|c| c.source_event_id.as_str()).collect();
+    ids.sort();
+    assert_eq!(ids, ["e-1", "e-2", "e-3"]);
+    let last = first.last.expect("a claim that took rows says where it stopped");
+    let seq: i64 = sqlx::query_scalar("SELECT seq FROM relay.intents WHERE source_event_id = 'e-3'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(last.seq, seq, "the last row in claim order");
+
+    // The position bounds the index scan (an Index Cond, where the scan
+    // starts), not a filter over every entry before it.
+    let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {}", intents::CLAIM))
+        .bind(50_i64)
+        .bind("worker")
+        .bind(30.0_f64)
+        .bind(Some(last.due))
+        .bind(last.seq)
+        .fetch_one(claims.as_conn())
+        .await
+        .unwrap();
+    fn index_cond(node: &Value, index: &str) -> Option<String> {
+        if node["Index Name"].as_str() == Some(index) {
+            return node["Index Cond"].as_str().map(str::to_owned);
+        }
+        node["Plans"].as_array()?.iter().find_map(|n| index_cond(n, index))
+    }
+    let cond = index_cond(&plan[0]["Plan"], "intents_due").expect("the claim reads intents_due");
+    assert!(cond.contains("ROW(next_attempt_at, seq) >"), "the position is no scan bound: {cond}");
+
+    // A row given back lies behind the position: a claim after it passes
+    // it over, a claim from the start takes it first.
+    let e2 = first.rows.iter().find(|c| c.source_event_id == "e-2").unwrap();
+    let mut conn = db.conn().await.unwrap();
+    intents::release(&mut conn, e2.id, e2.lease_token).await.unwrap();
+    let after = intents::claim_after(&mut claims, "worker", 2, lease, Some(last)).await.unwrap();
+    let mut ids: Vec<&str> = after.rows.iter().map(|c| c.source_event_id.as_str()).collect();
+    ids.sort();
+    assert_eq!(ids, ["e-4", "e-5"]);
+    let again = intents::claim_after(&mut claims, "worker", 1, lease, None).await.unwrap();
+    assert_eq!(again.rows.iter().map(|c| c.source_event_id.as_str()).collect::<Vec<_>>(), ["e-2"]);
 }
 
 #[tokio::test]
@@ -296,7 +348,7 @@ async fn a_plan_cached_while_the_table_was_small_still_probes_keys_once_it_has_g
     // its plan is made and cached now.
     let execute = |name: &str, which: On| {
         let args = match name {
-            "claim_intents" => "(2, 'worker', 30)",
+            "claim_intents" => "(2, 'worker', 30, NULL, 0)",
             "claim_outbox" => "(2, 30)",
             "finish_intents" => "('{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}')",
             _ => "('{}', '{}')",

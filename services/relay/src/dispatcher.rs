@@ -36,7 +36,7 @@ use relay_core::retry::{Verdict, classify};
 use relay_core::{Outcome, Provenance};
 use relay_store::intents::{self, AttemptRecord, ClaimedIntent, Finish, NextState};
 use relay_store::sagas::{self, Transition};
-use relay_store::{Claim, ClaimPool, Claimer, FinishPool, inbox, outbox};
+use relay_store::{Claim, ClaimPool, Claimer, FinishPool, Position, inbox, outbox};
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
@@ -138,6 +138,12 @@ impl Dispatcher {
         let mut tasks: JoinSet<Result<(), FaultInjected>> = JoinSet::new();
         let mut failures = 0u32;
         let mut claimer = self.inner.claims.claimer();
+        // Where the next claim may start (after the last row of a full
+        // claim), and when the loop last claimed from the start: see
+        // `intents::claim_after`. From the start at least once per poll
+        // interval, so a row passed over waits no longer than a missed
+        // wake-up would.
+        let mut resume: Option<(Position, std::time::Instant)> = None;
         let result = 'claiming: loop {
             if shutdown.is_cancelled() {
                 break Ok(());
@@ -170,12 +176,18 @@ impl Dispatcher {
                 continue;
             }
             let want = free.min(s.claim_batch as usize);
-            let Claim { rows: claimed, next_due } = match self.claim(&mut claimer, want).await {
+            // Our own progress (a retry scheduled, a key's earlier intent
+            // finished, a claim given back) may have made rows due behind
+            // the position: look from the start.
+            let progressed = futures::FutureExt::now_or_never(self.inner.progress.notified()).is_some();
+            let after = resume.filter(|(_, since)| !progressed && since.elapsed() < s.poll_interval).map(|(at, _)| at);
+            let Claim { rows: claimed, next_due, last } = match self.claim(&mut claimer, want, after).await {
                 Ok(c) => {
                     failures = 0;
                     c
                 }
                 Err(e) => {
+                    resume = None;
                     failures += 1;
                     let delay = s.poll_interval.min(Duration::from_millis(100 * u64::from(failures.min(50))));
                     error!(worker = %self.inner.worker, error = %e, "claiming intents failed; retrying");
@@ -195,8 +207,19 @@ impl Dispatcher {
                 self.start(&mut tasks, intent, claimed_at, None, &done_tx, &permits);
             }
             if n == want {
+                let since = match (after, resume) {
+                    (Some(_), Some((_, since))) => since,
+                    _ => std::time::Instant::now(),
+                };
+                resume = last.map(|at| (at, since));
                 continue; // more may be due right now
             }
+            // Nothing more after the position either: the next claim looks
+            // from the start. Not at once: what a claim after the position
+            // passed over is a row whose wake-up is still to come (a NOTIFY
+            // buffered while this loop claimed without waiting, our own
+            // progress) or one the poll interval covers, as before.
+            resume = None;
             // Nothing more is due: wait for new intents (NOTIFY), for our own
             // progress, or for the next retry to come due. A call ending does not
             // wake the claim by itself: the claim just took fewer than it had
@@ -316,9 +339,14 @@ impl Dispatcher {
     /// not due yet comes due, for the sleep after it (at most the poll
     /// interval; NOTIFY wakes us earlier for new intents, and `progress` for
     /// what our own outcomes made due).
-    async fn claim(&self, claimer: &mut Claimer, limit: usize) -> Result<Claim<ClaimedIntent>, sqlx::Error> {
+    async fn claim(
+        &self,
+        claimer: &mut Claimer,
+        limit: usize,
+        after: Option<Position>,
+    ) -> Result<Claim<ClaimedIntent>, sqlx::Error> {
         let (worker, lease) = (&self.inner.worker, self.inner.settings.lease);
-        claimer.claim(async |conn| intents::claim(conn, worker, limit as i64, lease).await).await
+        claimer.claim(async |conn| intents::claim_after(conn, worker, limit as i64, lease, after).await).await
     }
 
     async fn rescue_loop(self, shutdown: CancellationToken) {

@@ -175,7 +175,7 @@ impl Publisher {
     /// Claim (on the lane's `claimer`), produce and mark one batch.
     async fn publish_batch(&self, claimer: &mut Claimer) -> Result<Batch, PublishError> {
         let (limit, lease) = (i64::from(self.settings.batch_size), self.settings.lease);
-        let Claim { rows, next_due } = claimer.claim(async |conn| outbox::claim(conn, limit, lease).await).await?;
+        let Claim { rows, next_due, .. } = claimer.claim(async |conn| outbox::claim(conn, limit, lease).await).await?;
         let mut batch = Batch { claimed: rows.len(), unblocked: false, retry_at: None, next_due };
         if rows.is_empty() {
             return Ok(batch);

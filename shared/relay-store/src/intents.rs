@@ -20,7 +20,7 @@ use serde_json::Value;
 use sqlx::{FromRow, PgConnection};
 use uuid::Uuid;
 
-use crate::{Claim, ClaimConnection};
+use crate::{Claim, ClaimConnection, Position};
 
 /// An intent to insert.
 #[derive(Debug, Clone)]
@@ -178,19 +178,50 @@ pub async fn claim(
     limit: i64,
     lease: Duration,
 ) -> Result<Claim<ClaimedIntent>, sqlx::Error> {
-    let claim = sqlx::query(CLAIM).bind(limit).bind(worker).bind(lease.as_secs_f64());
-    crate::fetch_claim(conn.as_conn(), claim).await
+    claim_after(conn, worker, limit, lease, None).await
+}
+
+/// [`claim`], taking only rows that come after `after` in the claim order
+/// (`None`: from the start). For a claim loop draining a backlog: every
+/// claim reads the due index from its start, and the entries of rows
+/// claimed before are read again and again until vacuum removes them —
+/// which it cannot while any transaction older than those claims is open.
+/// With a snapshot held open during a 30 000-intent drain, that made each
+/// claim read all the entries of the claims before it. A loop that starts
+/// after the last row of its previous full claim ([`Claim::last`]) reads
+/// only new entries; what it passes over — rows left behind an earlier row
+/// of their ordering key, rows of a paused endpoint, rows whose
+/// transaction committed after later ones — it finds on its next claim
+/// from the start, which it must make regularly (the dispatcher: at least
+/// once per poll interval, and whenever a claim after a position comes
+/// back short).
+pub async fn claim_after(
+    conn: &mut ClaimConnection,
+    worker: &str,
+    limit: i64,
+    lease: Duration,
+    after: Option<Position>,
+) -> Result<Claim<ClaimedIntent>, sqlx::Error> {
+    let claim = sqlx::query(CLAIM)
+        .bind(limit)
+        .bind(worker)
+        .bind(lease.as_secs_f64())
+        .bind(after.map(|p| p.due))
+        .bind(after.map_or(0, |p| p.seq));
+    crate::fetch_claim(conn.as_conn(), claim, true).await
 }
 
 /// The claim statement ([`claim`]); public so a test can check its plan.
-/// `$1` limit, `$2` worker, `$3` lease in seconds. Its rows are the claimed
-/// intents, each with `next_due`; when it claims fewer than `$1`, `next_due`
-/// is when the earliest pending intent not due yet comes due, and at least
-/// one row comes back (all columns but `next_due` null when none was
-/// claimed), which [`claim`] sorts out.
+/// `$1` limit, `$2` worker, `$3` lease in seconds, `$4` and `$5` the
+/// position to claim after (`$4` null: from the start). Its rows are the
+/// claimed intents, each with `next_due`; when it claims fewer than `$1`,
+/// `next_due` is when the earliest pending intent not due yet comes due,
+/// and at least one row comes back (all columns but `next_due` null when
+/// none was claimed), which [`claim`] sorts out.
 pub const CLAIM: &str = "WITH due AS (
              SELECT i.id FROM relay.intents i
               WHERE i.state = 'pending' AND i.next_attempt_at <= now()
+                AND (i.next_attempt_at, i.seq) > (COALESCE($4::timestamptz, '-infinity'), $5::int8)
                 AND NOT EXISTS (SELECT 1 FROM relay.pauses p WHERE p.kind = 'endpoint' AND p.name = i.endpoint)
                 AND (i.ordering_key IS NULL OR NOT EXISTS (
                         SELECT 1 FROM relay.intents e
@@ -213,7 +244,7 @@ pub const CLAIM: &str = "WITH due AS (
          SELECT c.id, c.lease_token, c.consumer, c.source_event_id, c.action, c.endpoint, c.method, c.path, c.body,
                 c.request_headers, c.idempotency_key, c.ordering_key, c.attempts, c.max_attempts, c.expires_at,
                 c.on_success, c.on_dead, c.emit_source, c.aggregate_id, c.correlation_id, c.causation_id,
-                c.traceparent, c.last_error, c.created_at, next.next_due
+                c.traceparent, c.last_error, c.created_at, c.next_attempt_at AS due_at, c.seq, next.next_due
            FROM next LEFT JOIN claimed c ON true";
 
 /// How one attempt ended, for the audit row and the intent's last_* columns.

@@ -295,6 +295,20 @@ pub struct Claim<T> {
     pub rows: Vec<T>,
     /// When the earliest pending row not yet due comes due.
     pub next_due: Option<DateTime<Utc>>,
+    /// The last of the claimed rows in the claim's scan order, for a claim
+    /// that may start after it ([`intents::claim_after`]); `None` when
+    /// nothing was claimed, and for outbox claims.
+    pub last: Option<Position>,
+}
+
+/// A place in the order intents are claimed in (`intents_due`: when due,
+/// then insertion order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Position {
+    /// The row's `next_attempt_at`.
+    pub due: DateTime<Utc>,
+    /// The row's `seq`.
+    pub seq: i64,
 }
 
 /// Run a claim statement and split what it returns (`query`: a statement
@@ -313,18 +327,26 @@ pub struct Claim<T> {
 /// part of the claim statement, not a query after it, because a claimer
 /// under a steady load comes back short on nearly every claim: the lookup as
 /// a statement of its own was one round trip in four of every claim.
+///
+/// `positioned`: the claimed rows carry `due_at` and `seq`, and
+/// [`Claim::last`] is the greatest of them.
 pub(crate) async fn fetch_claim<T>(
     conn: &mut PgConnection,
     query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
+    positioned: bool,
 ) -> Result<Claim<T>, sqlx::Error>
 where
     T: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow>,
 {
     use sqlx::Row;
-    let mut claim = Claim { rows: Vec::new(), next_due: None };
+    let mut claim = Claim { rows: Vec::new(), next_due: None, last: None };
     for row in query.fetch_all(conn).await? {
         claim.next_due = row.try_get("next_due")?;
         if row.try_get::<Option<uuid::Uuid>, _>("id")?.is_some() {
+            if positioned {
+                let here = Position { due: row.try_get("due_at")?, seq: row.try_get("seq")? };
+                claim.last = claim.last.max(Some(here));
+            }
             claim.rows.push(T::from_row(&row)?);
         }
     }

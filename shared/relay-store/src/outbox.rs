@@ -78,7 +78,7 @@ impl ClaimedRow {
 /// claim also says when the next row comes due ([`Claim::next_due`]).
 pub async fn claim(conn: &mut ClaimConnection, limit: i64, lease: Duration) -> Result<Claim<ClaimedRow>, sqlx::Error> {
     let query = sqlx::query(CLAIM).bind(limit).bind(lease.as_secs_f64());
-    let mut claim: Claim<ClaimedRow> = crate::fetch_claim(conn.as_conn(), query).await?;
+    let mut claim: Claim<ClaimedRow> = crate::fetch_claim(conn.as_conn(), query, false).await?;
     claim.rows.sort_by_key(|r| r.seq);
     Ok(claim)
 }
