@@ -192,9 +192,9 @@ pub async fn claim(
 /// only new entries; what it passes over — rows left behind an earlier row
 /// of their ordering key, rows of a paused endpoint, rows whose
 /// transaction committed after later ones — it finds on its next claim
-/// from the start, which it must make regularly (the dispatcher: at least
-/// once per poll interval, and whenever a claim after a position comes
-/// back short).
+/// from the start, which it must make regularly (the dispatcher: after any
+/// short claim, when its own progress may have made rows due, and at least
+/// once per poll interval).
 pub async fn claim_after(
     conn: &mut ClaimConnection,
     worker: &str,
