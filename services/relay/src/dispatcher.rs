@@ -143,7 +143,8 @@ impl Dispatcher {
         // `intents::claim_after`. From the start at least once per poll
         // interval, so a row passed over waits no longer than a missed
         // wake-up would.
-        let mut resume: Option<(Position, std::time::Instant)> = None;
+        let mut resume: Option<Position> = None;
+        let mut from_start = std::time::Instant::now();
         let result = 'claiming: loop {
             if shutdown.is_cancelled() {
                 break Ok(());
@@ -180,7 +181,10 @@ impl Dispatcher {
             // finished, a claim given back) may have made rows due behind
             // the position: look from the start.
             let progressed = futures::FutureExt::now_or_never(self.inner.progress.notified()).is_some();
-            let after = resume.filter(|(_, since)| !progressed && since.elapsed() < s.poll_interval).map(|(at, _)| at);
+            let after = resume.filter(|_| !progressed && from_start.elapsed() < s.poll_interval);
+            if after.is_none() {
+                from_start = std::time::Instant::now();
+            }
             let Claim { rows: claimed, next_due, last } = match self.claim(&mut claimer, want, after).await {
                 Ok(c) => {
                     failures = 0;
@@ -207,11 +211,7 @@ impl Dispatcher {
                 self.start(&mut tasks, intent, claimed_at, None, &done_tx, &permits);
             }
             if n == want {
-                let since = match (after, resume) {
-                    (Some(_), Some((_, since))) => since,
-                    _ => std::time::Instant::now(),
-                };
-                resume = last.map(|at| (at, since));
+                resume = last;
                 continue; // more may be due right now
             }
             // Nothing more after the position either: the next claim looks
