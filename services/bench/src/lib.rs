@@ -1522,14 +1522,12 @@ pub async fn run_all(env: &Env) -> anyhow::Result<Vec<Section>> {
                 ing.push(i);
                 cl.push(c);
             }
-            ing.sort_by(f64::total_cmp);
-            cl.sort_by(f64::total_cmp);
-            let (i, c) = (ing[ing.len() / 2], cl[cl.len() / 2]);
+            let ((i, spread), (c, _)) = (median_spread(ing), median_spread(cl));
             let (bi, bc) = *base.get_or_insert((i, c));
             growth.rows.push(Row {
                 name,
                 rate: i,
-                spread: (ing[0], ing[ing.len() - 1]),
+                spread,
                 latency: None,
                 note: format!(
                     "ingest {:.0} % of empty; claim+dispatch {c:.0}/s ({:.0} % of empty)",
