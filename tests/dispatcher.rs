@@ -590,6 +590,54 @@ async fn the_next_event_of_a_key_is_published_as_soon_as_the_earlier_one_is_not_
 }
 
 #[tokio::test]
+async fn the_next_event_of_a_key_passed_over_by_a_full_claim_is_published_next_not_after_the_drain() {
+    // A1 is claimed with B1 in a full claim of 2 that passes over A2 (A1 is
+    // not published yet); the publisher's claims then go on after B1. Once
+    // A1 is published they must look again from A1's place, not after the
+    // position they reached — that would leave A2 until the drain is over
+    // (or the 60 s poll interval).
+    let h = Harness::new(1).await;
+    let others = 40;
+    sqlx::query(
+        "INSERT INTO relay.outbox (id, consumer, source_id, action, topic, key, payload, ordering_key)
+         SELECT gen_random_uuid(), 't', 'e-' || g, 'accepted', $1, convert_to(k, 'UTF8'), convert_to(n.name, 'UTF8'), k
+           FROM generate_series(1, $2) g,
+                LATERAL (SELECT CASE g WHEN 1 THEN 'A1' WHEN 2 THEN 'A2' ELSE 'B' || (g - 2) END AS name) n,
+                LATERAL (SELECT CASE WHEN n.name LIKE 'A%' THEN 'A' ELSE n.name END AS k) key",
+    )
+    .bind(&h.out)
+    .bind(others + 2)
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    let mut cfg = h.config(KEYED_EMIT_ROUTE);
+    cfg.publisher.batch_size = 2;
+    cfg.publisher.poll_interval = Duration::from_secs(60);
+    let publisher = h.start(cfg, Components { consumer: false, dispatcher: false, publisher: true }, no_faults()).await;
+    eventually("every row to be published", Duration::from_secs(30), || async {
+        (h.db.count("outbox", "state = 'published'").await == others + 2).then_some(())
+    })
+    .await;
+    publisher.stop().await.unwrap();
+    // Batches published after A2's (each batch is marked in one statement).
+    let later: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT published_at) FROM relay.outbox
+          WHERE published_at > (SELECT published_at FROM relay.outbox WHERE source_id = 'e-2')",
+    )
+    .fetch_one(&h.db.pool)
+    .await
+    .unwrap();
+    assert!(later >= 10, "A2 was published at the end of the drain, only {later} batches before the last");
+    let records = read_topic(&h.bootstrap, &h.out, others as usize + 2).await.unwrap();
+    let a: Vec<String> = records
+        .iter()
+        .filter(|r| r.key.as_deref() == Some(b"A".as_slice()))
+        .map(|r| String::from_utf8_lossy(r.payload.as_deref().unwrap_or_default()).into_owned())
+        .collect();
+    assert_eq!(a, ["A1", "A2"], "per-key order kept");
+}
+
+#[tokio::test]
 async fn each_endpoint_keeps_to_its_concurrency_limit_and_rate_limit() {
     let h = Harness::new(1).await;
     h.provider.set_faults(vec![rule("capture:", None, FaultKind::TimeoutAfterApply { delay_ms: 100 })]);

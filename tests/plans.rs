@@ -100,6 +100,7 @@ async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_
     let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {}", outbox::CLAIM))
         .bind(50_i64)
         .bind(30.0_f64)
+        .bind(i64::MIN)
         .fetch_one(claims.as_conn())
         .await
         .unwrap();
@@ -115,7 +116,7 @@ async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_
 }
 
 #[tokio::test]
-async fn a_claim_after_a_position_starts_reading_the_index_there_and_one_from_the_start_finds_what_it_passed() {
+async fn claims_after_a_position_start_reading_the_index_there_and_one_from_the_start_finds_what_they_passed() {
     let db = TestDb::new().await.unwrap();
     insert_backlog(&db.pool, ROWS).await;
     let mut claims = ClaimPool::beside(&db.pool, 1).acquire().await.unwrap();
@@ -162,6 +163,26 @@ async fn a_claim_after_a_position_starts_reading_the_index_there_and_one_from_th
     assert_eq!(ids, ["e-4", "e-5"]);
     let again = intents::claim_after(&mut claims, "worker", 1, lease, None).await.unwrap();
     assert_eq!(again.rows.iter().map(|c| c.source_event_id.as_str()).collect::<Vec<_>>(), ["e-2"]);
+
+    // The outbox claim the same way, its position a seq.
+    let first = outbox::claim_after(&mut claims, 3, lease, None).await.unwrap();
+    assert_eq!(first.rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [1, 2, 3]);
+    let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {}", outbox::CLAIM))
+        .bind(50_i64)
+        .bind(30.0_f64)
+        .bind(3_i64)
+        .fetch_one(claims.as_conn())
+        .await
+        .unwrap();
+    let cond = index_cond(&plan[0]["Plan"], "outbox_pending_by_seq").expect("the claim reads outbox_pending_by_seq");
+    assert!(cond.contains("seq >"), "the position is no scan bound: {cond}");
+    let two = &first.rows[1];
+    let mut finishes = FinishPool::beside(&db.pool, 1).acquire().await.unwrap();
+    assert!(outbox::schedule_retry(&mut finishes, two.id, two.lease_token, Duration::ZERO, "again").await.unwrap());
+    let after = outbox::claim_after(&mut claims, 2, lease, Some(3)).await.unwrap();
+    assert_eq!(after.rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [4, 5]);
+    let again = outbox::claim_after(&mut claims, 1, lease, None).await.unwrap();
+    assert_eq!(again.rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [2]);
 }
 
 #[tokio::test]
@@ -349,7 +370,7 @@ async fn a_plan_cached_while_the_table_was_small_still_probes_keys_once_it_has_g
     let execute = |name: &str, which: On| {
         let args = match name {
             "claim_intents" => "(2, 'worker', 30, NULL, 0)",
-            "claim_outbox" => "(2, 30)",
+            "claim_outbox" => "(2, 30, -9223372036854775808)",
             "finish_intents" => "('{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}')",
             _ => "('{}', '{}')",
         };

@@ -69,6 +69,57 @@ pub struct Publisher {
     producer: FutureProducer<LogContext>,
     settings: PublisherConfig,
     faults: Faults,
+    /// Where the lanes' next claim may start.
+    resume: std::sync::Mutex<Resume>,
+}
+
+/// Where the lanes' next claim may start, shared by the lanes: after the
+/// last row of the latest full claim ([`outbox::claim_after`]), so a lane
+/// draining a backlog reads each entry of the pending index once instead of
+/// again on every claim, until vacuum may remove it (which a transaction
+/// holding a snapshot open prevents for its whole life). From the start
+/// after a short claim (nothing more after the position), a rescue or a
+/// database error, and at least once per poll interval: that finds rows given
+/// back for a retry and rescued rows, which lie behind the position.
+#[derive(Debug)]
+struct Resume {
+    /// Claim rows with a `seq` above this; `None`: from the start.
+    after: Option<i64>,
+    /// Counts every move of `after` back (or to the start), so a lane whose
+    /// full claim began before one does not move it forward past what it was
+    /// moved back for.
+    back: u64,
+    /// When a claim last started from the start.
+    from_start: std::time::Instant,
+}
+
+impl Resume {
+    /// Where to claim after now, and the count of moves back to hand to
+    /// [`Resume::claimed`].
+    fn next(&mut self, poll_interval: Duration) -> (Option<i64>, u64) {
+        if self.from_start.elapsed() >= poll_interval {
+            self.after = None;
+        }
+        if self.after.is_none() {
+            self.from_start = std::time::Instant::now();
+        }
+        (self.after, self.back)
+    }
+
+    /// A full claim that began at `back` ended at `last`: the next claim
+    /// starts there, unless the position moved back meanwhile.
+    fn claimed(&mut self, back: u64, last: i64) {
+        if self.back == back {
+            self.after = Some(last);
+        }
+    }
+
+    /// Move back so the next claim takes the rows after `seq` (`None`: from
+    /// the start), if it would not already.
+    fn back_to(&mut self, seq: Option<i64>) {
+        self.after = seq.and_then(|seq| self.after.map(|a| a.min(seq)));
+        self.back += 1;
+    }
 }
 
 impl Publisher {
@@ -85,7 +136,8 @@ impl Publisher {
         let producer = cfg.create_with_context(LogContext)?;
         let claims = ClaimPool::beside(&pool, LANES as u32);
         let marks = FinishPool::beside(&pool, LANES as u32);
-        Ok(Publisher { pool, claims, marks, producer, settings, faults })
+        let resume = std::sync::Mutex::new(Resume { after: None, back: 0, from_start: std::time::Instant::now() });
+        Ok(Publisher { pool, claims, marks, producer, settings, faults, resume })
     }
 
     /// Run until `shutdown`: finish the batch in flight, flush, return.
@@ -129,6 +181,7 @@ impl Publisher {
                 match self.rescue().await {
                     Ok(0) => {}
                     Ok(n) => {
+                        self.resume().back_to(None);
                         crate::metrics::rescued("outbox", n);
                         warn!(
                             rescued = n,
@@ -139,7 +192,7 @@ impl Publisher {
                 }
             }
             let wait = match self.publish_batch(&mut claimer).await {
-                Ok(b) if b.claimed == self.settings.batch_size as usize || b.unblocked => {
+                Ok(b) if b.claimed == self.settings.batch_size as usize || b.unblocked.is_some() => {
                     // A full batch may have left more; a published row with an
                     // ordering key made the next row of its key publishable,
                     // and nothing else announces that.
@@ -152,6 +205,7 @@ impl Publisher {
                 }
                 Err(PublishError::Fault(f)) => return Err(anyhow::Error::from(f)),
                 Err(PublishError::Db(e)) => {
+                    self.resume().back_to(None);
                     failures += 1;
                     error!(error = %e, attempt = failures, "outbox database error; retrying");
                     let delay = Duration::from_millis(100 * u64::from(failures.min(50)));
@@ -167,6 +221,11 @@ impl Publisher {
         }
     }
 
+    /// The lanes' shared position (held for no await).
+    fn resume(&self) -> std::sync::MutexGuard<'_, Resume> {
+        self.resume.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     async fn rescue(&self) -> Result<u64, sqlx::Error> {
         let mut conn = self.pool.acquire().await?;
         outbox::rescue_expired(&mut conn, 1000).await
@@ -175,8 +234,14 @@ impl Publisher {
     /// Claim (on the lane's `claimer`), produce and mark one batch.
     async fn publish_batch(&self, claimer: &mut Claimer) -> Result<Batch, PublishError> {
         let (limit, lease) = (i64::from(self.settings.batch_size), self.settings.lease);
-        let Claim { rows, next_due, .. } = claimer.claim(async |conn| outbox::claim(conn, limit, lease).await).await?;
-        let mut batch = Batch { claimed: rows.len(), unblocked: false, retry_at: None, next_due };
+        let (after, back) = self.resume().next(self.settings.poll_interval);
+        let Claim { rows, next_due, .. } =
+            claimer.claim(async |conn| outbox::claim_after(conn, limit, lease, after).await).await?;
+        match rows.last() {
+            Some(last) if rows.len() == self.settings.batch_size as usize => self.resume().claimed(back, last.seq),
+            _ => self.resume().back_to(None),
+        }
+        let mut batch = Batch { claimed: rows.len(), unblocked: None, retry_at: None, next_due };
         if rows.is_empty() {
             return Ok(batch);
         }
@@ -193,7 +258,9 @@ impl Publisher {
                     debug!(outbox_id = %row.id, topic = %row.topic, partition, offset, event_type = row.event_type.as_deref().unwrap_or(""), "published");
                     ok_ids.push(row.id);
                     ok_tokens.push(row.lease_token);
-                    batch.unblocked |= row.ordering_key.is_some();
+                    if row.ordering_key.is_some() {
+                        batch.unblocked = Some(batch.unblocked.map_or(row.seq, |s| s.min(row.seq)));
+                    }
                 }
                 Err(e) => {
                     crate::metrics::published(&row.topic, false);
@@ -208,6 +275,10 @@ impl Publisher {
         }
         if !ok_ids.is_empty() {
             let marked = outbox::mark_published(&mut conn, &ok_ids, &ok_tokens).await?;
+            if batch.unblocked.is_some() {
+                // The next row of each key published has a higher seq.
+                self.resume().back_to(batch.unblocked);
+            }
             if marked < ok_ids.len() as u64 {
                 warn!(
                     published = ok_ids.len(),
@@ -249,9 +320,9 @@ impl Publisher {
 pub struct Batch {
     /// Rows claimed.
     pub claimed: usize,
-    /// A published row had an ordering key: the next row of its key may be
-    /// publishable now.
-    pub unblocked: bool,
+    /// The lowest `seq` of a published row with an ordering key: the next
+    /// row of its key (a higher `seq`) may be publishable now.
+    pub unblocked: Option<i64>,
     /// When the earliest publish that failed in this round is retried.
     pub retry_at: Option<chrono::DateTime<chrono::Utc>>,
     /// When the next row not due yet comes due (only after a short claim).
@@ -267,4 +338,50 @@ pub enum PublishError {
     /// A fault point fired.
     #[error(transparent)]
     Fault(crate::faults::FaultInjected),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn resume() -> Resume {
+        Resume { after: None, back: 0, from_start: std::time::Instant::now() }
+    }
+
+    const POLL: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn a_full_claim_moves_the_position_to_its_last_row_and_a_short_one_back_to_the_start() {
+        let mut r = resume();
+        let (after, back) = r.next(POLL);
+        assert_eq!(after, None);
+        r.claimed(back, 100);
+        assert_eq!(r.next(POLL).0, Some(100));
+        r.back_to(None);
+        assert_eq!(r.next(POLL).0, None);
+    }
+
+    #[test]
+    fn a_claim_begun_before_a_move_back_does_not_move_the_position_forward() {
+        let mut r = resume();
+        let (_, back) = r.next(POLL);
+        r.claimed(back, 100);
+        // Two lanes claim after 100; one publishes a keyed row at 40 while
+        // the other's claim (to 300) is on its way.
+        let (_, back) = r.next(POLL);
+        r.back_to(Some(40));
+        r.claimed(back, 300);
+        assert_eq!(r.next(POLL).0, Some(40));
+        // Moving back never moves forward.
+        r.back_to(Some(90));
+        assert_eq!(r.next(POLL).0, Some(40));
+    }
+
+    #[test]
+    fn a_claim_starts_from_the_start_once_a_poll_interval_has_passed() {
+        let mut r = resume();
+        let (_, back) = r.next(Duration::ZERO);
+        r.claimed(back, 100);
+        assert_eq!(r.next(Duration::ZERO).0, None, "the poll interval passed");
+    }
 }

@@ -297,7 +297,8 @@ pub struct Claim<T> {
     pub next_due: Option<DateTime<Utc>>,
     /// The last of the claimed rows in the claim's scan order, for a claim
     /// that may start after it ([`intents::claim_after`]); `None` when
-    /// nothing was claimed, and for outbox claims.
+    /// nothing was claimed, and for outbox claims (whose rows come back in
+    /// claim order: the last row's `seq` is their position).
     pub last: Option<Position>,
 }
 

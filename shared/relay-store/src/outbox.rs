@@ -77,18 +77,38 @@ impl ClaimedRow {
 /// on a claim connection ([`crate::ClaimPool`]): one round trip. A short
 /// claim also says when the next row comes due ([`Claim::next_due`]).
 pub async fn claim(conn: &mut ClaimConnection, limit: i64, lease: Duration) -> Result<Claim<ClaimedRow>, sqlx::Error> {
-    let query = sqlx::query(CLAIM).bind(limit).bind(lease.as_secs_f64());
+    claim_after(conn, limit, lease, None).await
+}
+
+/// [`claim`], taking only rows whose `seq` is above `after` (`None`: from
+/// the start); the rows come back in `seq` order, so the last one's is where
+/// the next claim of a drain may start. Why, and what a claim after a
+/// position passes over, as for [`crate::intents::claim_after`]: here a row
+/// given back for a retry or rescued, and the next row of an ordering key
+/// whose earlier row was still unpublished when the claim passed it — which
+/// has a higher `seq` than that earlier row, so a claim after the earlier
+/// row's `seq` finds it (the publisher's lanes move their shared position
+/// back to it when they publish it).
+pub async fn claim_after(
+    conn: &mut ClaimConnection,
+    limit: i64,
+    lease: Duration,
+    after: Option<i64>,
+) -> Result<Claim<ClaimedRow>, sqlx::Error> {
+    let query = sqlx::query(CLAIM).bind(limit).bind(lease.as_secs_f64()).bind(after.unwrap_or(i64::MIN));
     let mut claim: Claim<ClaimedRow> = crate::fetch_claim(conn.as_conn(), query, false).await?;
     claim.rows.sort_by_key(|r| r.seq);
     Ok(claim)
 }
 
 /// The claim statement ([`claim`]); public so a test can check its plan.
-/// `$1` limit, `$2` lease in seconds. Rows and `next_due` as for
+/// `$1` limit, `$2` lease in seconds, `$3` the `seq` to claim after (the
+/// lowest `int8` for the start; an Index Cond of `outbox_pending_by_seq`,
+/// where the scan starts). Rows and `next_due` as for
 /// [`crate::intents::CLAIM`].
 pub const CLAIM: &str = "WITH due AS (
              SELECT o.id FROM relay.outbox o
-              WHERE o.state = 'pending' AND o.next_attempt_at <= now()
+              WHERE o.state = 'pending' AND o.next_attempt_at <= now() AND o.seq > $3::int8
                 AND (o.ordering_key IS NULL OR NOT EXISTS (
                         SELECT 1 FROM relay.outbox e
                          WHERE e.topic = o.topic AND e.ordering_key = o.ordering_key
