@@ -627,7 +627,7 @@ async fn the_next_event_of_a_key_passed_over_by_a_full_claim_is_published_next_n
     .fetch_one(&h.db.pool)
     .await
     .unwrap();
-    assert!(later >= 10, "A2 was published at the end of the drain, only {later} batches before the last");
+    assert!(later >= 10, "A2 was published at the end of the drain: only {later} batches after it");
     let records = read_topic(&h.bootstrap, &h.out, others as usize + 2).await.unwrap();
     let a: Vec<String> = records
         .iter()

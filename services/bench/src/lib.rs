@@ -721,7 +721,7 @@ async fn dispatch_relay(
     // Timed from the first call: separate processes first start, connect
     // and prepare, which the dispatcher in this process did before `t0`.
     let started = s.sink.first.get().map_or(Duration::ZERO, |first| first.duration_since(t0));
-    let rate = m as f64 / (took - started).as_secs_f64();
+    let rate = m as f64 / took.saturating_sub(started).as_secs_f64();
     relay.stop().await?;
     Ok((rate, None))
 }
