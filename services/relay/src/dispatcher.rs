@@ -47,6 +47,7 @@ use tracing::{debug, error, info, warn};
 use crate::faults::{FaultInjected, Faults, point};
 use crate::handoff::{Desk, Handed};
 use crate::http::{CallResult, EndpointClient, Sent};
+use crate::resume::Resume;
 
 /// How many batches of outcomes are written at once ([`Dispatcher::finalize_loop`]).
 const FINALIZERS: usize = 2;
@@ -138,13 +139,8 @@ impl Dispatcher {
         let mut tasks: JoinSet<Result<(), FaultInjected>> = JoinSet::new();
         let mut failures = 0u32;
         let mut claimer = self.inner.claims.claimer();
-        // Where the next claim may start (after the last row of a full
-        // claim), and when the loop last claimed from the start: see
-        // `intents::claim_after`. From the start at least once per poll
-        // interval, so a row passed over waits no longer than a missed
-        // wake-up would.
-        let mut resume: Option<Position> = None;
-        let mut from_start = std::time::Instant::now();
+        // Where the next claim may start (see `crate::resume`).
+        let mut resume: Resume<Position> = Resume::default();
         let result = 'claiming: loop {
             if shutdown.is_cancelled() {
                 break Ok(());
@@ -180,18 +176,17 @@ impl Dispatcher {
             // Our own progress (a retry scheduled, a key's earlier intent
             // finished, a claim given back) may have made rows due behind
             // the position: look from the start.
-            let progressed = futures::FutureExt::now_or_never(self.inner.progress.notified()).is_some();
-            let after = resume.filter(|_| !progressed && from_start.elapsed() < s.poll_interval);
-            if after.is_none() {
-                from_start = std::time::Instant::now();
+            if futures::FutureExt::now_or_never(self.inner.progress.notified()).is_some() {
+                resume.back_to(None);
             }
+            let (after, back) = resume.next(s.poll_interval);
             let Claim { rows: claimed, next_due, last } = match self.claim(&mut claimer, want, after).await {
                 Ok(c) => {
                     failures = 0;
                     c
                 }
                 Err(e) => {
-                    resume = None;
+                    resume.back_to(None);
                     failures += 1;
                     let delay = s.poll_interval.min(Duration::from_millis(100 * u64::from(failures.min(50))));
                     error!(worker = %self.inner.worker, error = %e, "claiming intents failed; retrying");
@@ -211,7 +206,10 @@ impl Dispatcher {
                 self.start(&mut tasks, intent, claimed_at, None, &done_tx, &permits);
             }
             if n == want {
-                resume = last;
+                // A full claim has rows, so a last one.
+                if let Some(last) = last {
+                    resume.claimed(back, last);
+                }
                 continue; // more may be due right now
             }
             // Nothing more after the position either: the next claim looks
@@ -219,7 +217,7 @@ impl Dispatcher {
             // passed over is a row whose wake-up is still to come (a NOTIFY
             // buffered while this loop claimed without waiting, our own
             // progress) or one the poll interval covers, as before.
-            resume = None;
+            resume.back_to(None);
             // Nothing more is due: wait for new intents (NOTIFY), for our own
             // progress, or for the next retry to come due. A call ending does not
             // wake the claim by itself: the claim just took fewer than it had

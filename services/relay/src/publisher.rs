@@ -25,6 +25,7 @@ use tracing::{debug, error, info, warn};
 use crate::dispatcher::{listen, notified, until_due};
 use crate::faults::{Faults, point};
 use crate::kafka::{Role, client_config};
+use crate::resume::Resume;
 
 /// Claim-and-produce loops per publisher process.
 const LANES: usize = 2;
@@ -69,57 +70,12 @@ pub struct Publisher {
     producer: FutureProducer<LogContext>,
     settings: PublisherConfig,
     faults: Faults,
-    /// Where the lanes' next claim may start.
-    resume: std::sync::Mutex<Resume>,
-}
-
-/// Where the lanes' next claim may start, shared by the lanes: after the
-/// last row of the latest full claim ([`outbox::claim_after`]), so a lane
-/// draining a backlog reads each entry of the pending index once instead of
-/// again on every claim, until vacuum may remove it (which a transaction
-/// holding a snapshot open prevents for its whole life). From the start
-/// after a short claim (nothing more after the position), a rescue or a
-/// database error, and at least once per poll interval: that finds rows given
-/// back for a retry and rescued rows, which lie behind the position.
-#[derive(Debug)]
-struct Resume {
-    /// Claim rows with a `seq` above this; `None`: from the start.
-    after: Option<i64>,
-    /// Counts every move of `after` back (or to the start), so a lane whose
-    /// full claim began before one does not move it forward past what it was
-    /// moved back for.
-    back: u64,
-    /// When a claim last started from the start.
-    from_start: std::time::Instant,
-}
-
-impl Resume {
-    /// Where to claim after now, and the count of moves back to hand to
-    /// [`Resume::claimed`].
-    fn next(&mut self, poll_interval: Duration) -> (Option<i64>, u64) {
-        if self.from_start.elapsed() >= poll_interval {
-            self.after = None;
-        }
-        if self.after.is_none() {
-            self.from_start = std::time::Instant::now();
-        }
-        (self.after, self.back)
-    }
-
-    /// A full claim that began at `back` ended at `last`: the next claim
-    /// starts there, unless the position moved back meanwhile.
-    fn claimed(&mut self, back: u64, last: i64) {
-        if self.back == back {
-            self.after = Some(last);
-        }
-    }
-
-    /// Move back so the next claim takes the rows after `seq` (`None`: from
-    /// the start), if it would not already.
-    fn back_to(&mut self, seq: Option<i64>) {
-        self.after = seq.and_then(|seq| self.after.map(|a| a.min(seq)));
-        self.back += 1;
-    }
+    /// Where the lanes' next claim may start, shared by the lanes: after
+    /// the last row of the latest full claim ([`outbox::claim_after`]); back
+    /// to the start after a short claim, a rescue or a database error; back
+    /// to the lowest `seq` of keyed rows just published (the next row of
+    /// each key has a higher one).
+    resume: std::sync::Mutex<Resume<i64>>,
 }
 
 impl Publisher {
@@ -136,7 +92,7 @@ impl Publisher {
         let producer = cfg.create_with_context(LogContext)?;
         let claims = ClaimPool::beside(&pool, LANES as u32);
         let marks = FinishPool::beside(&pool, LANES as u32);
-        let resume = std::sync::Mutex::new(Resume { after: None, back: 0, from_start: std::time::Instant::now() });
+        let resume = std::sync::Mutex::new(Resume::default());
         Ok(Publisher { pool, claims, marks, producer, settings, faults, resume })
     }
 
@@ -222,7 +178,7 @@ impl Publisher {
     }
 
     /// The lanes' shared position (held for no await).
-    fn resume(&self) -> std::sync::MutexGuard<'_, Resume> {
+    fn resume(&self) -> std::sync::MutexGuard<'_, Resume<i64>> {
         self.resume.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
@@ -338,50 +294,4 @@ pub enum PublishError {
     /// A fault point fired.
     #[error(transparent)]
     Fault(crate::faults::FaultInjected),
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn resume() -> Resume {
-        Resume { after: None, back: 0, from_start: std::time::Instant::now() }
-    }
-
-    const POLL: Duration = Duration::from_secs(60);
-
-    #[test]
-    fn a_full_claim_moves_the_position_to_its_last_row_and_a_short_one_back_to_the_start() {
-        let mut r = resume();
-        let (after, back) = r.next(POLL);
-        assert_eq!(after, None);
-        r.claimed(back, 100);
-        assert_eq!(r.next(POLL).0, Some(100));
-        r.back_to(None);
-        assert_eq!(r.next(POLL).0, None);
-    }
-
-    #[test]
-    fn a_claim_begun_before_a_move_back_does_not_move_the_position_forward() {
-        let mut r = resume();
-        let (_, back) = r.next(POLL);
-        r.claimed(back, 100);
-        // Two lanes claim after 100; one publishes a keyed row at 40 while
-        // the other's claim (to 300) is on its way.
-        let (_, back) = r.next(POLL);
-        r.back_to(Some(40));
-        r.claimed(back, 300);
-        assert_eq!(r.next(POLL).0, Some(40));
-        // Moving back never moves forward.
-        r.back_to(Some(90));
-        assert_eq!(r.next(POLL).0, Some(40));
-    }
-
-    #[test]
-    fn a_claim_starts_from_the_start_once_a_poll_interval_has_passed() {
-        let mut r = resume();
-        let (_, back) = r.next(Duration::ZERO);
-        r.claimed(back, 100);
-        assert_eq!(r.next(Duration::ZERO).0, None, "the poll interval passed");
-    }
 }
