@@ -687,23 +687,29 @@ async fn insert_intents(pool: &PgPool, m: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Dispatch `m` pending intents with `processes` dispatchers of `concurrency`
-/// each, to a provider that answers after `provider_delay`; timed from the
-/// provider's first call to the last intent finished.
+/// Where the dispatchers under test run.
+#[derive(Clone, Copy)]
+enum Dispatchers {
+    /// One, in this process, beside the provider.
+    InThisProcess,
+    /// `relay dispatch --intents-only` processes.
+    Processes(usize),
+}
+
+/// Dispatch `m` pending intents with dispatchers of `concurrency` each, to a
+/// provider that answers after `provider_delay`; timed from the provider's
+/// first call to the last intent finished.
 async fn dispatch_relay(
     env: &Env,
     m: usize,
     concurrency: usize,
-    processes: usize,
+    dispatchers: Dispatchers,
     provider_delay: Duration,
 ) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
     let s = setup_with_provider(env, 1, provider_delay).await?;
     insert_intents(&s.db.pool, m).await?;
     let t0 = Instant::now();
-    let mut relay = if processes <= 1 {
-        let relay = Relay::new(config(env, &s, concurrency)?, Handlers::default(), Faults::none()).await?;
-        UnderTest::start(relay, DISPATCH)
-    } else {
+    let mut relay = if let Dispatchers::Processes(processes) = dispatchers {
         let path = std::env::temp_dir().join(format!("{}.toml", unique("bench")));
         std::fs::write(&path, config_text(env, &s, concurrency))?;
         let procs = (0..processes).map(|i| {
@@ -716,6 +722,9 @@ async fn dispatch_relay(
             })
         });
         UnderTest::Processes(procs.collect::<anyhow::Result<_>>()?)
+    } else {
+        let relay = Relay::new(config(env, &s, concurrency)?, Handlers::default(), Faults::none()).await?;
+        UnderTest::start(relay, DISPATCH)
     };
     let took = wait_drained(&mut relay, &s.db.pool, "intents", "succeeded", m as i64, t0).await?;
     // Timed from the first call: separate processes first start, connect
@@ -1312,7 +1321,7 @@ pub async fn run_all(env: &Env) -> anyhow::Result<Vec<Section>> {
         let mut best = (0.0f64, 0.0f64, 0usize);
         for &c in concurrencies {
             let mc = if c == 1 { m / 10 } else { m };
-            let r = median(env, || dispatch_relay(env, mc, c, 1, Duration::ZERO)).await?;
+            let r = median(env, || dispatch_relay(env, mc, c, Dispatchers::InThisProcess, Duration::ZERO)).await?;
             let l = median(env, || dispatch_limit(mc, c, Duration::ZERO)).await?;
             if r.0 > best.0 {
                 best = (r.0, l.0, c);
@@ -1332,11 +1341,15 @@ pub async fn run_all(env: &Env) -> anyhow::Result<Vec<Section>> {
             db_only,
             format!("{m} intents, {workers} loops of claim 256 → finish 256"),
         ));
-        let procs: &[usize] = if env.quick { &[2] } else { &[2, 4] };
+        // One separate process too: the rows above run the dispatcher in
+        // this process, beside the provider; this one tells what running
+        // apart costs from what more processes cost.
+        let procs: &[usize] = if env.quick { &[2] } else { &[1, 2, 4] };
         for &p in procs {
-            let r = median(env, || dispatch_relay(env, m, 64, p, Duration::ZERO)).await?;
+            let r = median(env, || dispatch_relay(env, m, 64, Dispatchers::Processes(p), Duration::ZERO)).await?;
+            let processes = if p == 1 { "1 process".to_string() } else { format!("{p} processes") };
             dispatch.rows.push(row(
-                format!("relay, {p} processes × concurrency 64"),
+                format!("relay, {processes} × concurrency 64"),
                 r,
                 "`relay dispatch --intents-only`",
             ));
@@ -1346,7 +1359,7 @@ pub async fn run_all(env: &Env) -> anyhow::Result<Vec<Section>> {
         // comparison with a provider that takes 10 ms (a fast real API).
         let (slow, c) = (Duration::from_millis(10), *concurrencies.last().unwrap_or(&64));
         let ms = slow.as_millis();
-        let r = median(env, || dispatch_relay(env, m, c, 1, slow)).await?;
+        let r = median(env, || dispatch_relay(env, m, c, Dispatchers::InThisProcess, slow)).await?;
         let l = median(env, || dispatch_limit(m, c, slow)).await?;
         dispatch.rows.push(row(
             format!("relay, concurrency {c}, provider answering after {ms} ms"),
