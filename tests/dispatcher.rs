@@ -732,6 +732,30 @@ async fn a_claim_that_waited_too_long_for_a_call_slot_is_given_back_not_sent_lat
 }
 
 #[tokio::test]
+async fn a_dispatcher_working_through_a_backlog_claims_a_quarter_batch_at_a_time_not_one_per_call() {
+    let h = Harness::new(1).await;
+    // Calls that take a while: the claim loop sees them end one by one.
+    h.provider.set_faults(vec![rule("capture:", None, FaultKind::TimeoutAfterApply { delay_ms: 20 })]);
+    let n: usize = 60;
+    h.send_orders(n).await;
+    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    h.await_inbox(n as i64).await;
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.dispatcher.concurrency = 1;
+    cfg.dispatcher.claim_batch = 16;
+    let faults = Faults::new(&[(point::DISPATCHER_AFTER_CLAIM, FaultAction::Pause(Duration::ZERO), 0)]);
+    let run = h.start(cfg, DISPATCH, faults.clone()).await;
+    h.await_intents_finished(n as i64).await;
+    run.stop().await.unwrap();
+    ingest.stop().await.unwrap();
+    assert_eq!(h.provider.stats().applied, n as u64);
+    // 16 first, then 4 whenever 4 calls have ended: about 12 claims. A claim
+    // whenever a call ends would make one per call after the first batch.
+    let claims = faults.hits(point::DISPATCHER_AFTER_CLAIM);
+    assert!(claims <= n as u64 / 3, "{claims} claims for {n} intents");
+}
+
+#[tokio::test]
 async fn calls_go_on_while_the_finalizers_are_busy_recording_outcomes() {
     let h = Harness::new(1).await;
     h.send_orders(20).await;

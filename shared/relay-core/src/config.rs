@@ -330,7 +330,8 @@ pub struct DispatcherConfig {
     /// Calls in flight at once in this process (each endpoint also has its own limit).
     pub concurrency: usize,
     /// Most intents claimed by one statement, and how many claimed intents
-    /// may wait for a free call slot. Larger drains a backlog with fewer
+    /// may wait for a free call slot (a claim is made once a quarter of a
+    /// batch has room, not for every call that ends). Larger drains a backlog with fewer
     /// statements (the dispatch benchmark ran ~25 % faster with 256 than with
     /// 64) but holds more leases ahead of the calls, which other dispatcher
     /// processes then cannot take.
