@@ -44,7 +44,7 @@ async fn a_clean_run_with_duplicates_and_poison_passes_every_check() {
     h.await_intents_finished(30).await;
     h.await_published(31).await; // 30 outcome events + 1 dead-letter copy
     eventually("all offsets committed", DEADLINE, || async {
-        let total: i64 = h.committed().await.values().map(|o| o.unwrap_or(0)).sum();
+        let total = h.committed_total().await;
         (total == 36).then_some(())
     })
     .await;

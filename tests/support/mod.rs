@@ -265,6 +265,12 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
         relay_testkit::committed_offsets(&self.bootstrap, &self.group, &self.topic).await.expect("committed offsets")
     }
 
+    /// The committed offsets of every partition added up: how many records
+    /// are consumed, when each partition starts at offset 0.
+    pub async fn committed_total(&self) -> i64 {
+        self.committed().await.values().map(|o| o.unwrap_or(0)).sum()
+    }
+
     /// Wait until partition `p`'s committed offset is exactly `offset`.
     pub async fn await_committed(&self, p: i32, offset: i64) {
         eventually(&format!("committed offset {offset} on partition {p}"), DEADLINE, || async {

@@ -56,7 +56,7 @@ async fn assert_verified(h: &Harness, cfg: &RelayConfig, pool: &sqlx::PgPool) ->
 async fn drain(h: &Harness, config: &Path, records: i64) {
     let mut p = h.process(config, &["run"], &[]);
     eventually("every offset committed", DEADLINE, || async {
-        let total: i64 = h.committed().await.values().map(|o| o.unwrap_or(0)).sum();
+        let total = h.committed_total().await;
         (total >= records).then_some(())
     })
     .await;
@@ -91,7 +91,7 @@ async fn c1_c2_a_consumer_killed_around_its_db_commit_and_at_random_moments_lose
     // and a batch of those alone adds nothing to the inbox).
     let mut p = h.process(&config, &["consume"], &[]);
     eventually("C1's records all consumed", DEADLINE, || async {
-        let total: i64 = h.committed().await.values().map(|o| o.unwrap_or(0)).sum();
+        let total = h.committed_total().await;
         (total == 200).then_some(())
     })
     .await;
@@ -103,7 +103,7 @@ async fn c1_c2_a_consumer_killed_around_its_db_commit_and_at_random_moments_lose
     let mut p = h.process(&config, &["consume"], &[("RELAY_FAULTS", &format!("consumer.after_db_commit={PAUSE}@1"))]);
     kill_at_fault_point(&mut p).await;
     let recorded = h.inbox().await;
-    let committed: i64 = h.committed().await.values().map(|o| o.unwrap_or(0)).sum();
+    let committed = h.committed_total().await;
     assert!(recorded > 200, "the paused batch was committed before the kill");
     assert!(committed < recorded, "its offsets were not: {committed} committed, {recorded} recorded");
 
@@ -360,7 +360,7 @@ async fn c15_postgresql_crashed_and_restarted_mid_run_commits_no_offset_for_unre
     })
     .await;
     // While the database is down nothing is recorded, so no offset may pass what was recorded.
-    let committed_down: i64 = h.committed().await.values().map(|o| o.unwrap_or(0)).sum();
+    let committed_down = h.committed_total().await;
     pg.start_again().unwrap();
     eventually("everything recorded after the restart", DEADLINE, || async { (count().await >= 300).then_some(()) })
         .await;
@@ -373,10 +373,7 @@ async fn c15_postgresql_crashed_and_restarted_mid_run_commits_no_offset_for_unre
         (open == 0 && done == 300).then_some(())
     })
     .await;
-    eventually("every offset committed", DEADLINE, || async {
-        (h.committed().await.values().map(|o| o.unwrap_or(0)).sum::<i64>() == 300).then_some(())
-    })
-    .await;
+    eventually("every offset committed", DEADLINE, || async { (h.committed_total().await == 300).then_some(()) }).await;
     assert!(run.terminate(Duration::from_secs(30)).unwrap().success(), "{}", run.log());
     assert!(committed_down <= 200, "offsets of records sent during the outage were committed: {committed_down}");
     let mut cfg = h.config(CAPTURE_ROUTE);
@@ -404,7 +401,7 @@ async fn c16_the_broker_killed_and_restarted_mid_run_is_reconnected_to_by_consum
     kafka.start_again().unwrap();
     send_orders(&h, 100..200, 2).await;
     eventually("every offset committed after the restart", DEADLINE, || async {
-        (h.committed().await.values().map(|o| o.unwrap_or(0)).sum::<i64>() == 200).then_some(())
+        (h.committed_total().await == 200).then_some(())
     })
     .await;
     eventually("everything published", DEADLINE, || async {
