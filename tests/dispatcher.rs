@@ -962,6 +962,38 @@ async fn an_intent_claimed_at_ingest_whose_hand_over_a_crash_prevented_is_rescue
 }
 
 #[tokio::test]
+async fn a_consumer_batch_of_more_intents_than_a_claim_batch_is_claimed_at_ingest_whole() {
+    // The dispatcher's room for intents claimed at ingest is a claim batch
+    // plus a consumer batch (relay::handoff::room). With a claim batch alone,
+    // a full consumer batch — what high load brings — wrote all but its first
+    // `claim_batch` intents pending, each to wait for a NOTIFY and a claim.
+    let h = Harness::new(1).await;
+    let n = 12;
+    for i in 0..n {
+        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
+    }
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.consumer.batch_size = n;
+    cfg.dispatcher.claim_batch = 2;
+    // Stop like a crash right after the first batch's commit: its rows are as
+    // the consumer wrote them, nothing handed over or called yet.
+    let faults = Faults::new(&[(point::CONSUMER_AFTER_DB_COMMIT, FaultAction::Fail, 1)]);
+    let crashed = h.start(cfg, Components::ALL, faults).await;
+    assert!(crashed.finished().await.is_err(), "the fault stops the relay like a crash");
+    // A call before the crash is an intent written pending and claimed by
+    // the claim loop meanwhile: what this test is there to catch.
+    assert_eq!(h.provider.stats().requests, 0, "nothing called");
+    let states: Vec<(String, i64)> =
+        sqlx::query_as("SELECT state, count(*) FROM relay.intents GROUP BY state ORDER BY state")
+            .fetch_all(&h.db.pool)
+            .await
+            .unwrap();
+    let written: i64 = states.iter().map(|(_, n)| n).sum();
+    assert!(written > 2, "the first batch held more intents than a claim batch ({states:?}); nothing to check");
+    assert_eq!(states, vec![("running".to_string(), written)], "every intent of the batch written claimed");
+}
+
+#[tokio::test]
 async fn without_claim_at_ingest_the_consumer_writes_every_intent_pending() {
     let h = Harness::new(1).await;
     h.send(&order("evt-1", "o-1")).await;

@@ -131,7 +131,8 @@ impl Relay {
         let (handoff, desk) = match &dispatcher {
             Some(d) if which.consumer && self.cfg.dispatcher.claim_at_ingest => {
                 let s = &self.cfg.dispatcher;
-                let (handoff, desk) = crate::handoff::channel(d.worker(), s.lease, s.claim_batch as usize);
+                let room = crate::handoff::room(s.claim_batch as usize, self.cfg.consumer.batch_size);
+                let (handoff, desk) = crate::handoff::channel(d.worker(), s.lease, room);
                 (Some(handoff), Some(desk))
             }
             _ => (None, None),

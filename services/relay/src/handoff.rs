@@ -20,8 +20,8 @@
 //! Not held: intents with an ordering key (they wait for their key's earlier
 //! intents, which only the claim checks), intents of a paused endpoint (the
 //! insert checks `relay.pauses` as the claim does), and anything beyond the
-//! room the dispatcher has — at most `claim_batch` handed-over intents wait
-//! for a call slot at a time, the same bound as the claim loop's claim-ahead.
+//! room the dispatcher has ([`room`]: a claim batch and a consumer batch of
+//! handed-over intents between the consumer's commit and their outcomes).
 //! Those are written pending and claimed as usual.
 
 use std::sync::Arc;
@@ -56,7 +56,8 @@ pub struct Handed {
     /// Taken before the statement that wrote the lease, so the lease is known
     /// to last at least `lease` from here.
     pub since: Instant,
-    /// One unit of room, given back when the call is done.
+    /// One unit of room, given back when its outcome is handed to a
+    /// finalizer (see [`room`]).
     pub room: OwnedSemaphorePermit,
 }
 
@@ -86,7 +87,23 @@ impl Reserved {
     }
 }
 
-/// A connected pair: `room` intents at most waiting for a call slot.
+/// How many handed-over intents may be on their way at a time (reserved,
+/// waiting for a call slot, in a call, or waiting for a finalizer to take
+/// their outcome): a claim batch, as the claim loop claims ahead, plus a
+/// whole consumer batch of one call per record.
+///
+/// With the claim batch alone, a consumer batch of more intents than that
+/// wrote the rest pending, to wait for a NOTIFY and a claim — and consumer
+/// batches are full exactly when load is high: at 90 % of the peak in the
+/// bench (batches of 500, claims of 256) 2–10 % of the intents went that
+/// slower way; with this room 0–1.3 % (BENCHMARKS.md). The bound stays: a
+/// dispatcher that falls behind (a slow provider) leaves what does not fit
+/// pending in the database, not in memory.
+pub fn room(claim_batch: usize, consumer_batch: usize) -> usize {
+    claim_batch + consumer_batch
+}
+
+/// A connected pair: `room` intents at most on their way at a time.
 pub fn channel(worker: &str, lease: Duration, room: usize) -> (Handoff, Desk) {
     let (tx, rx) = mpsc::unbounded_channel();
     let room = Arc::new(Semaphore::new(room));

@@ -347,8 +347,9 @@ pub struct DispatcherConfig {
     pub rescue_interval: Duration,
     /// With the consumer in the same process (`relay run`): the consumer
     /// writes the intents of routine records (no ordering key, endpoint not
-    /// paused) already claimed by this dispatcher, up to `claim_batch`
-    /// waiting at a time, and hands them over after its commit — no claim
+    /// paused) already claimed by this dispatcher, up to `claim_batch` +
+    /// the consumer's `batch_size` on their way at a time (beyond that,
+    /// pending as usual), and hands them over after its commit — no claim
     /// statement between the commit and the call. `false`: every intent is
     /// claimed by the claim loop, as with separate processes.
     pub claim_at_ingest: bool,
