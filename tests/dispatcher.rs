@@ -844,6 +844,20 @@ async fn row_of(db: &relay_testkit::TestDb, id: uuid::Uuid) -> (String, i32, Opt
         .unwrap()
 }
 
+/// Whether the dispatchers were woken (NOTIFY relay_intents) since
+/// `listener`, listening on that channel, last read: a marker sent now comes
+/// first unless something notified before it (notifications arrive in commit
+/// order). Reads up to the marker.
+async fn woke_dispatchers(listener: &mut sqlx::postgres::PgListener, conn: &mut sqlx::PgConnection) -> bool {
+    sqlx::query("SELECT pg_notify('relay_intents', 'marker')").execute(&mut *conn).await.unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(10), listener.recv()).await.unwrap().unwrap();
+    if first.payload() != "marker" {
+        let marker = tokio::time::timeout(Duration::from_secs(10), listener.recv()).await.unwrap().unwrap();
+        assert_eq!(marker.payload(), "marker");
+    }
+    first.payload() != "marker"
+}
+
 #[tokio::test]
 async fn an_intent_claimed_at_ingest_is_written_running_unless_it_is_keyed_or_its_endpoint_is_paused() {
     // Claim at ingest (relay::handoff): the row the consumer writes for a
@@ -856,16 +870,6 @@ async fn an_intent_claimed_at_ingest_is_written_running_unless_it_is_keyed_or_it
     let mut conn = db.conn().await.unwrap();
     relay_store::ops::pause(&mut conn, relay_store::ops::PauseKind::Endpoint, "paused", None).await.unwrap();
     let lease = Duration::from_secs(30);
-    let notified = async |listener: &mut sqlx::postgres::PgListener, conn: &mut sqlx::PgConnection| {
-        // Notifications arrive in commit order: the marker comes first unless the insert notified.
-        sqlx::query("SELECT pg_notify('relay_intents', 'marker')").execute(&mut *conn).await.unwrap();
-        let first = tokio::time::timeout(Duration::from_secs(10), listener.recv()).await.unwrap().unwrap();
-        if first.payload() != "marker" {
-            let marker = tokio::time::timeout(Duration::from_secs(10), listener.recv()).await.unwrap().unwrap();
-            assert_eq!(marker.payload(), "marker");
-        }
-        first.payload() != "marker"
-    };
 
     // All held: written running, no wake-up.
     let plain = [new_intent(1, "psp", None), new_intent(2, "psp", None)];
@@ -884,7 +888,7 @@ async fn an_intent_claimed_at_ingest_is_written_running_unless_it_is_keyed_or_it
     .await
     .unwrap();
     assert!(leased > 20.0 && leased <= 30.0, "a lease of 30 s from the insert, {leased:.1} s left");
-    assert!(!notified(&mut listener, &mut conn).await, "intents written already claimed woke the dispatchers");
+    assert!(!woke_dispatchers(&mut listener, &mut conn).await, "intents written already claimed woke the dispatchers");
 
     // Keyed, paused or not taken: pending, as without a hold, and announced.
     let others = [new_intent(3, "psp", Some("k-1")), new_intent(4, "paused", None), new_intent(5, "psp", None)];
@@ -895,7 +899,7 @@ async fn an_intent_claimed_at_ingest_is_written_running_unless_it_is_keyed_or_it
     for i in &others {
         assert_eq!(row_of(&db, i.id).await, ("pending".into(), 0, None, None), "{}", i.source_event_id);
     }
-    assert!(notified(&mut listener, &mut conn).await, "pending intents must wake the dispatchers");
+    assert!(woke_dispatchers(&mut listener, &mut conn).await, "pending intents must wake the dispatchers");
 
     // A second write of a held intent (a redelivered record) is no new claim.
     let hold = intents::Hold { worker: "w-2", lease, take: &[true] };
@@ -985,9 +989,11 @@ async fn a_consumer_batch_of_more_intents_than_a_claim_batch_is_claimed_at_inges
     assert!(crashed.finished().await.is_err(), "the fault stops the relay like a crash");
     // An intent written pending may have been claimed (and called) by the
     // claim loop before the crash; its wake-up says it was written pending.
-    sqlx::query("SELECT pg_notify('relay_intents', 'marker')").execute(&h.db.pool).await.unwrap();
-    let first = tokio::time::timeout(Duration::from_secs(10), listener.recv()).await.unwrap().unwrap();
-    assert_eq!(first.payload(), "marker", "the consumer wrote intents pending: it woke the dispatchers");
+    let mut conn = h.db.conn().await.unwrap();
+    assert!(
+        !woke_dispatchers(&mut listener, &mut conn).await,
+        "the consumer wrote intents pending: it woke the dispatchers"
+    );
     assert_eq!(h.provider.stats().requests, 0, "nothing called");
     let states: Vec<(String, i64)> =
         sqlx::query_as("SELECT state, count(*) FROM relay.intents GROUP BY state ORDER BY state")
