@@ -761,6 +761,7 @@ async fn call_latency(pool: &PgPool) -> anyhow::Result<(f64, f64)> {
 /// side. Not a goal of its own: it shows how much of the raw HTTP rate a
 /// dispatcher could reach on this machine if its own work cost nothing.
 async fn dispatch_database_only(env: &Env, m: usize, workers: usize) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
+    use relay::resume::Resume;
     use relay_store::intents::{self, AttemptRecord, Finish, NextState};
     let s = setup(env, 1).await?;
     insert_intents(&s.db.pool, m).await?;
@@ -771,19 +772,23 @@ async fn dispatch_database_only(env: &Env, m: usize, workers: usize) -> anyhow::
             let worker = format!("bench-db-{w}");
             let mut conn = relay_store::FinishPool::beside(&pool, 1).acquire().await?;
             let mut claims = relay_store::ClaimPool::beside(&pool, 1).acquire().await?;
-            // As the dispatcher's claim loop: after the last row of a full
-            // claim, from the start once a claim after it comes back short.
-            let mut after = None;
+            // As the dispatcher's claim loop (`relay::resume`): after the
+            // last row of a full claim, from the start once a claim after it
+            // comes back short; no poll interval, as nothing else writes.
+            let mut resume: Resume<relay_store::Position> = Resume::default();
             loop {
+                let (after, back) = resume.next(Duration::MAX);
                 let claim = intents::claim_after(&mut claims, &worker, 256, Duration::from_secs(30), after).await?;
-                let full = claim.rows.len() == 256;
-                if claim.rows.is_empty() {
-                    if after.take().is_some() {
-                        continue;
-                    }
+                if claim.rows.is_empty() && after.is_none() {
                     return anyhow::Ok(());
                 }
-                after = if full { claim.last } else { None };
+                match claim.last {
+                    Some(last) if claim.rows.len() == 256 => resume.claimed(back, last),
+                    _ => resume.back_to(None),
+                }
+                if claim.rows.is_empty() {
+                    continue;
+                }
                 let now = Utc::now();
                 let items: Vec<Finish> = claim
                     .rows

@@ -30,7 +30,7 @@ pub mod kafka;
 pub mod metrics;
 pub mod processor;
 pub mod publisher;
-mod resume;
+pub mod resume;
 pub mod retention;
 pub mod server;
 pub mod telemetry;

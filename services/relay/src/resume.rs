@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 /// The position, `P` being a place in the claim order.
 #[derive(Debug)]
-pub(crate) struct Resume<P> {
+pub struct Resume<P> {
     /// Claim the rows after this; `None`: from the start.
     after: Option<P>,
     /// Counts every move of `after` back (or to the start), so a full claim
@@ -36,7 +36,7 @@ impl<P> Default for Resume<P> {
 impl<P: Copy + Ord> Resume<P> {
     /// Where to claim after now, and the count of moves back to hand to
     /// [`Resume::claimed`].
-    pub(crate) fn next(&mut self, poll_interval: Duration) -> (Option<P>, u64) {
+    pub fn next(&mut self, poll_interval: Duration) -> (Option<P>, u64) {
         if self.from_start.elapsed() >= poll_interval {
             self.after = None;
         }
@@ -48,7 +48,7 @@ impl<P: Copy + Ord> Resume<P> {
 
     /// A full claim that began at `back` ended at `last`: the next claim
     /// starts there, unless the position moved back meanwhile.
-    pub(crate) fn claimed(&mut self, back: u64, last: P) {
+    pub fn claimed(&mut self, back: u64, last: P) {
         if self.back == back {
             self.after = Some(last);
         }
@@ -56,7 +56,7 @@ impl<P: Copy + Ord> Resume<P> {
 
     /// Move back so the next claim takes the rows after `to` (`None`: from
     /// the start), if it would not already.
-    pub(crate) fn back_to(&mut self, to: Option<P>) {
+    pub fn back_to(&mut self, to: Option<P>) {
         self.after = to.and_then(|to| self.after.map(|a| a.min(to)));
         self.back += 1;
     }
