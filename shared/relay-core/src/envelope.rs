@@ -415,6 +415,17 @@ fn decode_cloudevent(record: &RawRecord) -> Result<DecodedEvent, Poison> {
     let id = event.id().to_owned();
     let ty = event.ty().to_owned();
     let ident = |p: Poison| p.with_identity(Some(&id), Some(&ty));
+    // The SDK also reads 0.3, whose attributes differ (`schemaurl`, `datacontentencoding`):
+    // an event of another version is not the contract this relay applies.
+    if event.specversion() != SpecVersion::V10 {
+        return Err(ident(Poison::new(
+            PoisonClass::NotCloudEvent,
+            format!(
+                "CloudEvents specversion {} is not supported: the relay reads CloudEvents 1.0 only",
+                event.specversion()
+            ),
+        )));
+    }
     if id.trim().is_empty() {
         return Err(ident(Poison::new(PoisonClass::MissingId, "CloudEvents id is empty")));
     }
@@ -730,6 +741,25 @@ mod tests {
             Some(br#"{"specversion":"1.0","type":"t","source":"/s"}"#),
         );
         assert_eq!(decode(&rec, &opts(&FieldOverrides::default())).unwrap_err().class, PoisonClass::MissingId);
+    }
+
+    // Issue 22 item 10.
+    #[test]
+    fn only_cloudevents_1_0_is_valid_input_in_either_mode() {
+        let none = FieldOverrides::default();
+        let mut rec = binary(&[], b"{}");
+        rec.headers.retain(|h| h.name != "ce_specversion");
+        rec.headers.push(Header::text("ce_specversion", "0.3"));
+        let err = decode(&rec, &opts(&none)).unwrap_err();
+        assert_eq!(err.class, PoisonClass::NotCloudEvent);
+        assert!(err.reason.contains("specversion 0.3") && err.reason.contains("1.0 only"), "{}", err.reason);
+        assert_eq!(err.event_id.as_deref(), Some("evt-1"));
+        for version in ["0.3", "2.0", "1"] {
+            let body = json!({"specversion": version, "id": "evt-9", "type": "t", "source": "/s", "data": {}});
+            let rec =
+                record(vec![Header::text("content-type", STRUCTURED_CONTENT_TYPE)], Some(body.to_string().as_bytes()));
+            assert_eq!(decode(&rec, &opts(&none)).unwrap_err().class, PoisonClass::NotCloudEvent, "{version}");
+        }
     }
 
     #[test]

@@ -6,15 +6,30 @@
 //! dead-lettered with that reason) instead of rendering an empty string into an
 //! idempotency key or a URL.
 //!
+//! Strict undefined alone lets a JSON `null` through (minijinja prints it as
+//! `none`), so every interpolated value also goes through [`Templates`]'s
+//! formatter, which knows what each template builds ([`Kind`]):
+//!
+//! * anywhere text is rendered, a `null` is an error naming the field
+//!   (`capture:{{ data.order_id }}` must never become `capture:none`, one key
+//!   shared by every such event);
+//! * in keys and ids ([`Kind::Key`]) and paths ([`Kind::Path`]) an empty
+//!   string is an error too (`/orders//capture`, a key shared by every event
+//!   with the field empty);
+//! * in paths every value is percent-encoded as a path segment, so event data
+//!   cannot add segments, a query or a fragment (`acct-2/captures#`); a route
+//!   that wants a value raw says so with `{{ value | safe }}`.
+//!
 //! JSON templates (request bodies, emitted event data) are JSON documents whose
 //! string leaves are templates. A leaf that is exactly one expression, such as
 //! `"{{ data.amount }}"`, keeps the JSON type of its value (a number stays a
-//! number); any other string leaf renders to a string.
+//! number, a `null` stays `null`); any other string leaf renders to a string.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use minijinja::{Environment, ErrorKind, UndefinedBehavior};
+use minijinja::{Environment, Error, ErrorKind, Output, State, UndefinedBehavior};
+use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
 use serde_json::{Map, Value};
 
 /// An error while compiling a template from configuration.
@@ -66,9 +81,29 @@ pub enum JsonTemplate {
     Object(Vec<(String, JsonTemplate)>),
 }
 
+/// What a text template builds, which decides what its values may be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Free text (headers, subjects, strings in JSON documents): no `null`.
+    Text,
+    /// An idempotency key, ordering key, record key or id: no `null`, no empty value.
+    Key,
+    /// A request path: no `null`, no empty value, values percent-encoded.
+    Path,
+}
+
+/// Everything but RFC 3986's unreserved characters is encoded in a path
+/// segment, `/`, `?` and `#` among them.
+const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
+
+/// The formatter's error texts, told apart again in [`Templates::render`].
+const NULL_VALUE: &str = "a null value where a value is needed";
+const EMPTY_VALUE: &str = "an empty value where a key, id or path needs one";
+
 /// Collects templates while configuration is compiled, then freezes them.
 pub struct TemplateBuilder {
     env: Environment<'static>,
+    kinds: HashMap<String, Kind>,
     errors: Vec<CompileError>,
 }
 
@@ -78,17 +113,32 @@ impl Default for TemplateBuilder {
         env.set_undefined_behavior(UndefinedBehavior::Strict);
         // Templates build keys and URLs, not HTML: never escape.
         env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
-        TemplateBuilder { env, errors: Vec::new() }
+        TemplateBuilder { env, kinds: HashMap::new(), errors: Vec::new() }
     }
 }
 
 impl TemplateBuilder {
-    /// Compile a string template found at configuration key `location`.
+    /// Compile a free-text template found at configuration key `location`.
     pub fn text(&mut self, location: &str, source: &str) -> TextTemplate {
+        self.of_kind(Kind::Text, location, source)
+    }
+
+    /// Compile a key or id template (no empty values) at `location`.
+    pub fn key(&mut self, location: &str, source: &str) -> TextTemplate {
+        self.of_kind(Kind::Key, location, source)
+    }
+
+    /// Compile a request path template (values percent-encoded) at `location`.
+    pub fn path(&mut self, location: &str, source: &str) -> TextTemplate {
+        self.of_kind(Kind::Path, location, source)
+    }
+
+    fn of_kind(&mut self, kind: Kind, location: &str, source: &str) -> TextTemplate {
         let name = location.to_owned();
         if let Err(e) = self.env.add_template_owned(name.clone(), source.to_owned()) {
             self.errors.push(CompileError { location: location.to_owned(), message: e.to_string() });
         }
+        self.kinds.insert(name.clone(), kind);
         TextTemplate { name }
     }
 
@@ -111,9 +161,40 @@ impl TemplateBuilder {
     }
 
     /// Freeze the templates, or return every compile error at once.
-    pub fn finish(self) -> Result<Templates, Vec<CompileError>> {
-        if self.errors.is_empty() { Ok(Templates { env: Arc::new(self.env) }) } else { Err(self.errors) }
+    pub fn finish(mut self) -> Result<Templates, Vec<CompileError>> {
+        if !self.errors.is_empty() {
+            return Err(self.errors);
+        }
+        let kinds = self.kinds;
+        self.env.set_formatter(move |out, state, value| {
+            format_value(kinds.get(state.name()).copied().unwrap_or(Kind::Text), out, state, value)
+        });
+        Ok(Templates { env: Arc::new(self.env) })
     }
+}
+
+/// Write one interpolated value of a template of `kind` (see the module doc).
+fn format_value(kind: Kind, out: &mut Output, state: &State, value: &minijinja::Value) -> Result<(), Error> {
+    if value.is_none() {
+        return Err(Error::new(ErrorKind::InvalidOperation, NULL_VALUE));
+    }
+    if kind == Kind::Text {
+        return minijinja::escape_formatter(out, state, value);
+    }
+    let text = value.to_string();
+    if text.is_empty() {
+        return Err(Error::new(ErrorKind::InvalidOperation, EMPTY_VALUE));
+    }
+    if kind == Kind::Path && !value.is_safe() {
+        // `.` and `..` are unreserved, yet as a whole segment they move up the path.
+        let encoded = match text.as_str() {
+            "." => "%2E".to_owned(),
+            ".." => "%2E%2E".to_owned(),
+            _ => utf8_percent_encode(&text, SEGMENT).to_string(),
+        };
+        return out.write_str(&encoded).map_err(Error::from);
+    }
+    out.write_str(&text).map_err(Error::from)
 }
 
 /// `"{{ expr }}"` (and nothing else) → `Some("expr")`.
@@ -130,22 +211,33 @@ impl Templates {
     pub fn render(&self, t: &TextTemplate, ctx: &Context) -> Result<String, RenderError> {
         let tmpl = self.env.get_template(&t.name).map_err(|e| RenderError(format!("{}: {e}", t.name)))?;
         tmpl.render(&ctx.engine).map_err(|e| {
-            if e.kind() == ErrorKind::UndefinedError {
-                let mut missing: Vec<String> = tmpl
-                    .undeclared_variables(true)
-                    .into_iter()
-                    .filter(|path| lookup(&ctx.json, path).is_none())
-                    .collect();
-                missing.sort();
-                if !missing.is_empty() {
-                    return RenderError(format!(
-                        "template {} references {}, which this event does not have",
-                        t.name,
-                        missing.join(", ")
-                    ));
-                }
+            // The fields of the template whose value in this event is `which`.
+            let fields = |which: &dyn Fn(Option<&Value>) -> bool| {
+                let mut found: Vec<String> =
+                    tmpl.undeclared_variables(true).into_iter().filter(|path| which(lookup(&ctx.json, path))).collect();
+                found.sort();
+                found.join(", ")
+            };
+            let detail = e.detail().unwrap_or_default();
+            let (found, what) = if e.kind() == ErrorKind::UndefinedError {
+                (fields(&|v| v.is_none()), "which this event does not have")
+            } else if detail == NULL_VALUE {
+                (fields(&|v| v == Some(&Value::Null)), "which is null in this event")
+            } else if detail == EMPTY_VALUE {
+                (
+                    fields(&|v| v.and_then(Value::as_str) == Some("")),
+                    "which is empty in this event; a key, id or path needs a value",
+                )
+            } else {
+                (String::new(), "")
+            };
+            if found.is_empty() {
+                // Never the error's own text with a value in it: a detail of ours, or minijinja's kind.
+                let why = if detail == NULL_VALUE || detail == EMPTY_VALUE { detail.to_owned() } else { e.to_string() };
+                RenderError(format!("template {} failed: {why}", t.name))
+            } else {
+                RenderError(format!("template {} references {found}, {what}", t.name))
             }
-            RenderError(format!("template {} failed: {e}", t.name))
         })
     }
 
@@ -174,7 +266,8 @@ impl Templates {
 }
 
 /// Follow a dotted path (`data.order.id`) through a JSON value. Paths through
-/// a null count as missing, like strict undefined does.
+/// a null count as missing, like strict undefined does; a path that ends at a
+/// null finds it.
 fn lookup<'a>(ctx: &'a Value, path: &str) -> Option<&'a Value> {
     path.split('.').try_fold(ctx, |v, part| match v {
         Value::Object(m) => m.get(part),
@@ -280,5 +373,59 @@ mod tests {
         let t = b.text("p", "/a?x={{ data.q }}");
         let ts = b.finish().unwrap();
         assert_eq!(ts.render(&t, &json!({"data": {"q": "a&b<c>"}}).into()).unwrap(), "/a?x=a&b<c>");
+    }
+
+    // Issue 22 item 3: strict mode alone let a null render as "none".
+    #[test]
+    fn a_null_where_text_needs_a_value_is_an_error_that_names_the_field() {
+        let mut b = TemplateBuilder::default();
+        let key = b.key("routes[0].actions[0].idempotency_key", "capture:{{ data.order_id }}");
+        let text = b.text("routes[0].actions[0].headers.x-ref", "ref {{ data.order_id }}");
+        let ts = b.finish().unwrap();
+        let c: Context = json!({"data": {"order_id": null}}).into();
+        for t in [&key, &text] {
+            let err = ts.render(t, &c).unwrap_err();
+            assert!(err.0.contains("data.order_id") && err.0.contains("null"), "{err}");
+            assert!(err.0.contains(&t.name), "{err}");
+        }
+    }
+
+    #[test]
+    fn an_empty_value_in_a_key_or_path_is_an_error_but_empty_free_text_is_not() {
+        let mut b = TemplateBuilder::default();
+        let key = b.key("k", "capture:{{ data.order_id }}");
+        let path = b.path("p", "/orders/{{ data.order_id }}/capture");
+        let text = b.text("t", "note:{{ data.order_id }}");
+        let ts = b.finish().unwrap();
+        let c: Context = json!({"data": {"order_id": ""}}).into();
+        for t in [&key, &path] {
+            let err = ts.render(t, &c).unwrap_err();
+            assert!(err.0.contains("data.order_id") && err.0.contains("empty"), "{err}");
+        }
+        assert_eq!(ts.render(&text, &c).unwrap(), "note:");
+    }
+
+    #[test]
+    fn a_null_in_a_single_expression_json_leaf_stays_json_null() {
+        let mut b = TemplateBuilder::default();
+        let t = b.json("body", &json!({"note": "{{ data.note }}"}));
+        let ts = b.finish().unwrap();
+        assert_eq!(ts.render_json(&t, &json!({"data": {"note": null}}).into()).unwrap(), json!({"note": null}));
+    }
+
+    // Issue 22 item 14: event data must not rewrite the request URL.
+    #[test]
+    fn path_values_are_percent_encoded_as_one_segment_unless_marked_safe() {
+        let mut b = TemplateBuilder::default();
+        let p = b.path("p", "/accounts/{{ data.acct }}/captures");
+        let raw = b.path("r", "/{{ data.prefix | safe }}/x");
+        let ts = b.finish().unwrap();
+        let render = |v: &str| ts.render(&p, &json!({"data": {"acct": v}}).into()).unwrap();
+        assert_eq!(render("acct-2/captures#"), "/accounts/acct-2%2Fcaptures%23/captures");
+        assert_eq!(render("x?amount=1"), "/accounts/x%3Famount%3D1/captures");
+        assert_eq!(render(".."), "/accounts/%2E%2E/captures");
+        assert_eq!(render("a b\u{e9}"), "/accounts/a%20b%C3%A9/captures");
+        assert_eq!(render("o-1_A.~"), "/accounts/o-1_A.~/captures");
+        assert_eq!(ts.render(&raw, &json!({"data": {"prefix": "v2/api"}}).into()).unwrap(), "/v2/api/x");
     }
 }
