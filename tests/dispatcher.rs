@@ -1019,3 +1019,85 @@ async fn without_claim_at_ingest_the_consumer_writes_every_intent_pending() {
     let (state, ..) = intent_state(&h, "capture:o-1").await;
     assert!(state == "pending" || state == "succeeded", "{state}");
 }
+
+#[tokio::test]
+async fn a_claim_waiting_at_the_rate_limit_is_given_back_before_its_lease_runs_out_not_sent_late() {
+    // Issue 22 item 4 (C17): one call a second, 64 call slots, a 3 s lease and
+    // a 1 s timeout. Every claim finds a call slot at once; the lease must
+    // still be checked when the request is sent, after the rate limit's
+    // wait, or calls start after their lease expired, the rescuer re-queues
+    // them and a second copy is sent beside (or after) the first.
+    let h = Harness::new(1).await;
+    let n = 8;
+    h.send_orders(n).await;
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.dispatcher.concurrency = 64;
+    cfg.endpoints.get_mut("psp").unwrap().rate_limit_per_second = Some(1);
+    let run = h.start(cfg, Components::ALL, no_faults()).await;
+    h.await_intents_finished(n as i64).await;
+    run.stop().await.unwrap();
+    let stats = h.provider.stats();
+    assert_eq!(stats.applied, n as u64);
+    for (key, s) in &stats.by_key {
+        assert_eq!((s.requests, s.concurrent), (1, 0), "{key}: sent once, never after its lease ran out");
+    }
+    assert_eq!(h.db.count("intent_attempts", "outcome <> 'succeeded'").await, 0, "no lease expired");
+    assert_eq!(h.db.count("intents", "attempts <> 1").await, 0, "a claim given back costs no attempt");
+}
+
+#[tokio::test]
+async fn intents_of_one_ordering_key_run_one_at_a_time_in_commit_order() {
+    // Issue 22 item 5 (R13): two transactions (records of two partitions)
+    // write an intent for one ordering key; the one that wrote first commits
+    // last. The claim must never have both running at once, and runs them in
+    // the order they committed.
+    let db = relay_testkit::TestDb::new().await.unwrap();
+    let mut claimer = ClaimPool::beside(&db.pool, 1).claimer();
+    let lease = Duration::from_secs(60);
+    let first = new_intent(1, "psp", Some("customer-1"));
+    let second = new_intent(2, "psp", Some("customer-1"));
+    let mut a = db.pool.begin().await.unwrap();
+    relay_store::effects::insert(&mut a, "c", std::slice::from_ref(&first), None, &[], &[]).await.unwrap();
+    let (pool, row) = (db.pool.clone(), second.clone());
+    let b = tokio::spawn(async move {
+        let mut b = pool.begin().await.unwrap();
+        relay_store::effects::insert(&mut b, "c", std::slice::from_ref(&row), None, &[], &[]).await.unwrap();
+        b.commit().await.unwrap();
+    });
+    // B has committed, or waits for A's lock: either way, as far as it goes.
+    eventually("the second transaction to commit or wait", DEADLINE, || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        (b.is_finished() || waiting > 0).then_some(())
+    })
+    .await;
+    let mut claim = async || -> Vec<uuid::Uuid> {
+        let c = claimer.claim(async |conn| intents::claim(conn, "w", 10, lease).await).await.unwrap();
+        c.rows.iter().map(|r| r.id).collect()
+    };
+    let mut order = claim().await;
+    a.commit().await.unwrap();
+    b.await.unwrap();
+    let mut running = order.len();
+    while order.len() < 2 {
+        let now = claim().await;
+        running += now.len();
+        assert!(running <= 1, "two intents of one ordering key running at once: {order:?} then {now:?}");
+        order.extend(&now);
+        if now.is_empty() && running == 1 {
+            // Finish the running one; the next may go.
+            sqlx::query("UPDATE relay.intents SET state = 'succeeded', lease_token = NULL WHERE state = 'running'")
+                .execute(&db.pool)
+                .await
+                .unwrap();
+            running = 0;
+        } else if now.is_empty() {
+            panic!("nothing claimable with nothing running: {order:?}");
+        }
+    }
+    assert_eq!(order, vec![first.id, second.id], "commit order: the first transaction committed first");
+}

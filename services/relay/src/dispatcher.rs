@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
-use relay_core::config::{DispatcherConfig, EndpointConfig};
+use relay_core::config::{DispatcherConfig, EndpointConfig, LEASE_SPARE};
 use relay_core::effects::encode_event;
 use relay_core::ids::outcome_id;
 use relay_core::retry::{Verdict, classify};
@@ -280,13 +280,21 @@ impl Dispatcher {
             let _room = room;
             let completion = {
                 let _slot = permits.acquire_owned().await.expect("semaphore never closed");
-                if !me.lease_covers_a_call(&intent, claimed_at) {
+                let send_by = me.send_by(&intent, claimed_at);
+                if tokio::time::Instant::now() > send_by {
                     // Waited for a slot so long that the call might outlive the
                     // lease and overlap a rescued copy: give the claim back.
                     me.release(&intent).await;
                     return Ok(());
                 }
-                me.execute(intent).await?
+                match me.execute(intent, send_by).await? {
+                    Ok(completion) => completion,
+                    Err(intent) => {
+                        // The same, after waiting at the endpoint's rate limit or concurrency limit.
+                        me.release(&intent).await;
+                        return Ok(());
+                    }
+                }
             };
             // The call slot is free before the hand-over: a finalizer
             // busy with a slow commit holds up the outcomes, not the
@@ -310,15 +318,16 @@ impl Dispatcher {
         }
     }
 
-    /// Whether what is left of the lease covers a whole attempt (connect +
-    /// request timeout, with a second to spare).
-    fn lease_covers_a_call(&self, intent: &ClaimedIntent, claimed_at: std::time::Instant) -> bool {
-        let worst = self
-            .inner
-            .endpoints
-            .get(&intent.endpoint)
-            .map_or(Duration::ZERO, |e| e.config().timeout + e.config().connect_timeout);
-        claimed_at.elapsed() + worst + Duration::from_secs(1) < self.inner.settings.lease
+    /// The latest moment a request for `intent`, claimed at `claimed_at`, may
+    /// be sent: the lease's end less the whole attempt
+    /// ([`EndpointConfig::call_bound`]) and [`LEASE_SPARE`] — the check that
+    /// configuration validation makes too ([`EndpointConfig::min_lease`]).
+    /// `claimed_at` is taken after the claim's commit, so this end comes
+    /// before the database's.
+    fn send_by(&self, intent: &ClaimedIntent, claimed_at: std::time::Instant) -> tokio::time::Instant {
+        let call = self.inner.endpoints.get(&intent.endpoint).map_or(Duration::ZERO, |e| e.config().call_bound());
+        let lease_end = tokio::time::Instant::from_std(claimed_at) + self.inner.settings.lease;
+        lease_end.checked_sub(call + LEASE_SPARE).unwrap_or_else(|| tokio::time::Instant::from_std(claimed_at))
     }
 
     /// Return an unstarted claim to pending (its attempt is not counted).
@@ -377,11 +386,16 @@ impl Dispatcher {
         intents::rescue_expired(&mut conn, 500).await
     }
 
-    /// Make one attempt of a claimed intent and decide where the intent goes
-    /// next. The caller holds a call slot only for this; the outcome then goes
-    /// to the finalizer (`hand_over`), which records it batched with
-    /// other calls' outcomes and logs it.
-    pub async fn execute(&self, intent: ClaimedIntent) -> Result<Completion, FaultInjected> {
+    /// Make one attempt of a claimed intent, if its request can be sent by
+    /// `send_by`, and decide where the intent goes next (`Err(intent)`: not
+    /// sent, to give back). The caller holds a call slot only for this; the
+    /// outcome then goes to the finalizer (`hand_over`), which records it
+    /// batched with other calls' outcomes and logs it.
+    pub async fn execute(
+        &self,
+        intent: ClaimedIntent,
+        send_by: tokio::time::Instant,
+    ) -> Result<Result<Completion, ClaimedIntent>, FaultInjected> {
         let started = std::time::Instant::now();
         let endpoint = self.inner.endpoints.get(&intent.endpoint);
         let (verdict, result) = if intent.over_budget(Utc::now()) {
@@ -418,7 +432,10 @@ impl Dispatcher {
                 idempotency_key: fresh_key.as_deref().unwrap_or(&intent.idempotency_key),
                 traceparent: hop.traceparent.as_deref().or(intent.traceparent.as_deref()),
             };
-            let r = client.call(&intent, sent).await;
+            let Ok(r) = client.call(&intent, sent, send_by).await else {
+                hop.end("not_sent");
+                return Ok(Err(intent));
+            };
             hop.end(r.status.map_or_else(|| r.error_class.unwrap_or("error").to_owned(), |s| s.to_string()).as_str());
             self.inner.faults.hit(point::DISPATCHER_AFTER_CALL).await?;
             (classify(&r.attempt, &client.config().retryable_statuses), r)
@@ -427,8 +444,8 @@ impl Dispatcher {
             let r = CallResult { error_class: Some("endpoint_unknown"), error: Some(why), ..CallResult::not_sent() };
             (classify(&r.attempt, &[]), r)
         };
-        let (next, attempt) = decide(&intent, verdict, &result, endpoint.map(|e| e.config()));
-        Ok(Completion { intent, next, attempt, result, started })
+        let (next, attempt) = decide(&intent, verdict, &result, endpoint.map(|e| e.config()), Utc::now());
+        Ok(Ok(Completion { intent, next, attempt, result, started }))
     }
 
     /// Hand an attempt's outcome to the finalizer, waiting while its queue
@@ -525,23 +542,56 @@ impl Dispatcher {
         while writers.join_next().await.is_some() {}
     }
 
-    /// Record a batch, retrying database errors until the leases would expire.
+    /// Record a batch, retrying database errors until the leases would
+    /// expire. An outcome the database rejects (a permanent error) must not
+    /// cost the others theirs: the batch is then recorded one by one, and
+    /// only the rejected one is left to the rescuer.
     async fn finalize(&self, batch: &[Completion]) -> Vec<Finished> {
         if self.inner.faults.hit(point::DISPATCHER_BEFORE_FINISH).await.is_err() {
             return vec![Finished::LeaseLost; batch.len()];
         }
         let deadline = std::time::Instant::now() + self.inner.settings.lease;
+        match self.finalize_until(batch, deadline).await {
+            Ok(f) => f,
+            Err(_) if batch.len() > 1 => {
+                let mut out = Vec::with_capacity(batch.len());
+                for c in batch {
+                    match self.finalize_until(std::slice::from_ref(c), deadline).await {
+                        Ok(f) => out.extend(f),
+                        Err(e) => {
+                            error!(intent_id = %c.intent.id, error = %e, "the database rejected this outcome; the intent is rescued when its lease expires");
+                            out.push(Finished::LeaseLost);
+                        }
+                    }
+                }
+                out
+            }
+            Err(e) => {
+                error!(intent_id = %batch[0].intent.id, error = %e, "the database rejected this outcome; the intent is rescued when its lease expires");
+                vec![Finished::LeaseLost]
+            }
+        }
+    }
+
+    /// [`Dispatcher::finalize_once`], retrying transient errors until
+    /// `deadline` (then every intent counts as lost); `Err` for a permanent one.
+    async fn finalize_until(
+        &self,
+        batch: &[Completion],
+        deadline: std::time::Instant,
+    ) -> Result<Vec<Finished>, sqlx::Error> {
         let mut attempt = 0u32;
         loop {
             match self.finalize_once(batch).await {
-                Ok(f) => return f,
+                Ok(f) => return Ok(f),
+                Err(e) if relay_store::classify_error(&e) == relay_store::DbErrorKind::Permanent => return Err(e),
                 Err(e) => {
                     attempt += 1;
                     let delay = Duration::from_millis(100 * u64::from(attempt.min(30)));
                     if std::time::Instant::now() + delay >= deadline {
                         error!(intents = batch.len(), error = %e,
                                "could not record outcomes before the leases expire; the intents will be rescued and re-sent with the same keys");
-                        return vec![Finished::LeaseLost; batch.len()];
+                        return Ok(vec![Finished::LeaseLost; batch.len()]);
                     }
                     warn!(intents = batch.len(), error = %e, "recording outcomes failed; retrying");
                     tokio::time::sleep(delay).await;
@@ -676,11 +726,18 @@ fn outcome_effects(intent: &ClaimedIntent, effects: &serde_json::Value) -> Optio
 /// backoff for this attempt number, and not before the provider's
 /// `Retry-After`; if the attempts are spent, or the next attempt would start
 /// after the intent's max age, the intent is dead instead.
+///
+/// A `Retry-After` is the provider's word, so it is bounded before any
+/// arithmetic: one past the intent's max age can only end it, and the delay
+/// stored is never longer than the max age (a `Retry-After` of 10^13 s once
+/// overflowed the clock, and of 10^16 s PostgreSQL's interval, failing the
+/// whole batch of outcomes it was recorded with).
 fn decide(
     intent: &ClaimedIntent,
     verdict: Verdict,
     r: &CallResult,
     cfg: Option<&EndpointConfig>,
+    now: chrono::DateTime<Utc>,
 ) -> (NextState, AttemptRecord) {
     let status = r.status.map(i32::from);
     match verdict {
@@ -691,14 +748,23 @@ fn decide(
             let backoff = cfg.map(|c| c.backoff).unwrap_or_default();
             let attempt = u32::try_from(intent.attempts).unwrap_or(1);
             let mut delay = backoff.delay(attempt, &mut rand::rng());
+            // Past the intent's end any delay is as good as another.
+            let left = (intent.expires_at - now).to_std().unwrap_or_default();
             if let Some(ra) = retry_after {
                 delay = delay.max(ra);
             }
-            let next_at = Utc::now() + chrono::Duration::from_std(delay).unwrap_or_default();
+            let too_late = delay >= left;
+            let delay = delay.min(left);
             let mut rec = attempt_record(outcome, status, r);
-            if intent.attempts >= intent.max_attempts || next_at >= intent.expires_at {
+            if intent.attempts >= intent.max_attempts || too_late {
                 let why = if intent.attempts >= intent.max_attempts {
                     format!("retry budget exhausted after {} attempts", intent.attempts)
+                } else if retry_after.is_some_and(|ra| ra >= left) {
+                    format!(
+                        "the provider asked to wait {}s, past the intent's max age ({})",
+                        retry_after.unwrap_or_default().as_secs(),
+                        intent.expires_at
+                    )
                 } else {
                     format!("max age would pass before the next attempt ({})", intent.expires_at)
                 };
@@ -780,6 +846,74 @@ pub(crate) async fn notified(listener: &mut Option<PgListener>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use relay_core::retry::AttemptResult;
+
+    fn intent(attempts: i32, max_attempts: i32, expires_at: chrono::DateTime<Utc>) -> ClaimedIntent {
+        ClaimedIntent {
+            id: uuid::Uuid::nil(),
+            lease_token: uuid::Uuid::nil(),
+            consumer: "c".into(),
+            source_event_id: "e".into(),
+            action: "a".into(),
+            endpoint: "psp".into(),
+            method: "POST".into(),
+            path: "/".into(),
+            body: None,
+            request_headers: serde_json::json!({}),
+            idempotency_key: "k".into(),
+            ordering_key: None,
+            attempts,
+            max_attempts,
+            expires_at,
+            on_success: serde_json::json!({}),
+            on_dead: serde_json::json!({}),
+            emit_source: "/s".into(),
+            aggregate_id: None,
+            correlation_id: None,
+            causation_id: None,
+            traceparent: None,
+            last_error: None,
+            created_at: expires_at,
+        }
+    }
+
+    fn retry_after(secs: u64) -> (Verdict, CallResult) {
+        let ra = Some(Duration::from_secs(secs));
+        let r = CallResult {
+            attempt: AttemptResult::Response { status: 429, retry_after: ra },
+            status: Some(429),
+            error_class: Some("http_status"),
+            error: Some("HTTP 429".into()),
+            started_at: None,
+        };
+        (Verdict::Retry { retry_after: ra, uncertain: false }, r)
+    }
+
+    // Issue 22 item 11: an absurd Retry-After neither panics nor reaches the
+    // database as an interval it cannot hold.
+    #[test]
+    fn an_absurd_retry_after_ends_the_intent_instead_of_overflowing() {
+        let now = Utc::now();
+        let i = intent(1, 10, now + chrono::Duration::hours(24));
+        for secs in [10_000_000_000_000, 9_300_000_000_000_000, u64::MAX] {
+            let (v, r) = retry_after(secs);
+            let (next, rec) = decide(&i, v, &r, None, now);
+            assert_eq!(next, NextState::Dead, "{secs}");
+            assert!(rec.error.unwrap().contains("past the intent's max age"), "{secs}");
+        }
+    }
+
+    #[test]
+    fn a_retry_after_within_the_max_age_is_honoured_and_never_stored_longer_than_it() {
+        let now = Utc::now();
+        let i = intent(1, 10, now + chrono::Duration::hours(24));
+        let (v, r) = retry_after(3600);
+        let (next, _) = decide(&i, v, &r, None, now);
+        assert_eq!(next, NextState::Retry(Duration::from_secs(3600)));
+        let (v, r) = retry_after(1);
+        let NextState::Retry(d) = decide(&i, v, &r, None, now).0 else { panic!("retried") };
+        assert!(d >= Duration::from_secs(1) && d <= Duration::from_secs(24 * 3600), "{d:?}");
+    }
 
     #[test]
     fn a_retry_due_later_is_waited_for_but_never_longer_than_the_poll_interval() {

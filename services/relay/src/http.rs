@@ -136,31 +136,49 @@ impl EndpointClient {
         req.build().map_err(|e| format!("cannot build the request: {e}"))
     }
 
-    /// Make one attempt of `intent`, sent with `sent`'s idempotency key and trace context.
-    pub async fn call(&self, intent: &ClaimedIntent, sent: Sent<'_>) -> CallResult {
+    /// Make one attempt of `intent`, sent with `sent`'s idempotency key and
+    /// trace context, if it can be sent by `send_by`.
+    ///
+    /// C17: the caller's lease must outlive the whole exchange, so the
+    /// request is sent only if it starts by `send_by` (the lease's end less
+    /// [`EndpointConfig::call_bound`] and a spare): the waits for the rate
+    /// limit and for a concurrency permit end there, and `Err(NotSent)` says
+    /// the request never left. From the send on, `timeout` bounds connect,
+    /// response and body together.
+    pub async fn call(
+        &self,
+        intent: &ClaimedIntent,
+        sent: Sent<'_>,
+        send_by: tokio::time::Instant,
+    ) -> Result<CallResult, NotSent> {
         let req = match self.request(intent, sent) {
             Ok(r) => r,
             Err(e) => {
                 // The request cannot be expressed at all: as permanent as a 400.
-                return CallResult {
+                return Ok(CallResult {
                     attempt: AttemptResult::Response { status: 400, retry_after: None },
                     status: None,
                     error_class: Some("request"),
                     error: Some(e),
                     started_at: None,
-                };
+                });
             }
         };
         if let Some(limiter) = &self.limiter {
-            limiter.until_ready().await;
+            tokio::time::timeout_at(send_by, limiter.until_ready()).await.map_err(|_| NotSent)?;
         }
         // Wait for a concurrency permit first, so the recorded start is the send.
-        let mut svc = match self.svc.clone().ready_oneshot().await {
-            Ok(svc) => svc,
-            Err(e) => return classify_transport(e, self.cfg.timeout, None),
+        let mut svc = match tokio::time::timeout_at(send_by, self.svc.clone().ready_oneshot()).await {
+            Err(_) => return Err(NotSent),
+            Ok(Ok(svc)) => svc,
+            Ok(Err(e)) => return Ok(classify_transport(e, self.cfg.timeout, None)),
         };
+        if tokio::time::Instant::now() > send_by {
+            return Err(NotSent);
+        }
+        let sent_at = tokio::time::Instant::now();
         let started_at = Some(chrono::Utc::now());
-        match svc.call(req).await {
+        Ok(match svc.call(req).await {
             Ok(resp) => {
                 let status = resp.status().as_u16();
                 let retry_after = resp
@@ -172,7 +190,11 @@ impl EndpointClient {
                     None
                 } else {
                     let reason = resp.status().canonical_reason().unwrap_or("").to_owned();
-                    let body = tokio::time::timeout(self.cfg.timeout, resp.bytes()).await.ok().and_then(Result::ok);
+                    // Within the same timeout as the response, not a second one.
+                    let body = tokio::time::timeout_at(sent_at + self.cfg.timeout, resp.bytes())
+                        .await
+                        .ok()
+                        .and_then(Result::ok);
                     let snippet =
                         body.map(|b| String::from_utf8_lossy(&b[..b.len().min(256)]).into_owned()).unwrap_or_default();
                     Some(format!("HTTP {status} {reason}: {snippet}").trim_end_matches([' ', ':']).to_owned())
@@ -186,9 +208,13 @@ impl EndpointClient {
                 }
             }
             Err(e) => classify_transport(e, self.cfg.timeout, started_at),
-        }
+        })
     }
 }
+
+/// The request was not sent: it could not start in time to end within the lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NotSent;
 
 fn classify_transport(e: BoxError, timeout: Duration, started_at: Option<chrono::DateTime<chrono::Utc>>) -> CallResult {
     let (attempt, class, text) = if e.is::<tower::timeout::error::Elapsed>() {

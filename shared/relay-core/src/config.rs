@@ -336,7 +336,8 @@ pub struct DispatcherConfig {
     /// 64) but holds more leases ahead of the calls, which other dispatcher
     /// processes then cannot take.
     pub claim_batch: u32,
-    /// How long a claim is ours. Must exceed every endpoint's connect + request timeout.
+    /// How long a claim is ours: at least every endpoint's
+    /// [`EndpointConfig::min_lease`] (its timeout + 2 s).
     #[serde(with = "humantime_serde")]
     pub lease: Duration,
     /// Fallback poll when no NOTIFY arrives.
@@ -611,6 +612,28 @@ pub struct EndpointConfig {
     pub headers: BTreeMap<String, String>,
 }
 
+/// What a dispatcher lease keeps in hand beyond one call: a request is sent
+/// only while at least [`EndpointConfig::call_bound`] plus this is left of
+/// the lease (for the outcome's way to the database and clock steps).
+pub const LEASE_SPARE: Duration = Duration::from_secs(1);
+
+impl EndpointConfig {
+    /// The longest one attempt runs from the moment its request is sent:
+    /// `timeout` bounds connect, response and body together.
+    pub fn call_bound(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The shortest dispatcher lease this endpoint works with: one call, the
+    /// spare kept at the send, and one spare more for the wait between claim
+    /// and send (call slots, the rate limit). The dispatcher makes exactly
+    /// this check when it sends; with a shorter lease every claim would be
+    /// given back unsent.
+    pub fn min_lease(&self) -> Duration {
+        self.call_bound() + 2 * LEASE_SPARE
+    }
+}
+
 fn default_timeout() -> Duration {
     Duration::from_secs(10)
 }
@@ -761,12 +784,15 @@ impl RelayConfig {
             if e.idempotency_header.trim().is_empty() {
                 p.push(format!("{at}.idempotency_header: must not be empty"));
             }
-            let worst = e.timeout + e.connect_timeout;
-            if self.dispatcher.lease <= worst {
+            if self.dispatcher.lease < e.min_lease() {
                 p.push(format!(
-                    "dispatcher.lease ({:?}) must be longer than {at}.timeout + connect_timeout ({worst:?}), \
-                     or a rescued intent could run twice at once",
-                    self.dispatcher.lease
+                    "dispatcher.lease ({:?}) must be at least {at}.timeout + {:?} ({:?}): a request is sent \
+                     only while its timeout and {:?} to spare are left of the lease, or a rescued intent \
+                     could run twice at once; lengthen the lease or shorten the timeout",
+                    self.dispatcher.lease,
+                    2 * LEASE_SPARE,
+                    e.min_lease(),
+                    LEASE_SPARE
                 ));
             }
         }
@@ -942,6 +968,19 @@ mod tests {
         let text = format!("[dispatcher]\nlease = \"6s\"\n{VALID}");
         let err = RelayConfig::from_toml(&text).unwrap_err().to_string();
         assert!(err.contains("dispatcher.lease"), "{err}");
+    }
+
+    // Issue 22 item 4: the check at start-up is the one the dispatcher makes
+    // when it sends, so a lease that passes it leaves time to send.
+    #[test]
+    fn the_shortest_lease_accepted_leaves_the_dispatcher_time_to_send() {
+        let with = |lease: &str| RelayConfig::from_toml(&format!("[dispatcher]\nlease = \"{lease}\"\n{VALID}"));
+        let cfg = with("7s").expect("timeout 5 s + 2 s");
+        let e = &cfg.endpoints["psp"];
+        assert_eq!(e.min_lease(), Duration::from_secs(7));
+        let left_to_wait = cfg.dispatcher.lease - e.call_bound() - LEASE_SPARE;
+        assert_eq!(left_to_wait, LEASE_SPARE, "a claim can wait this long for a slot and still be sent");
+        assert!(with("6.9s").is_err());
     }
 
     #[test]

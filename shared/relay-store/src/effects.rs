@@ -70,6 +70,12 @@ pub async fn insert(
     if with.is_empty() {
         return Ok(Inserted::default());
     }
+    // Keyed rows draw their `seq` in commit order (crate::ordering).
+    let keys = new_intents
+        .iter()
+        .filter_map(|i| i.ordering_key.as_deref().map(crate::ordering::Key::Intent))
+        .chain(outbox::ordering_keys(new_outbox.iter().map(|(_, r)| *r)));
+    crate::ordering::lock(&mut *conn, keys).await?;
     if select.is_empty() {
         select.push(
             "SELECT NULL::text AS part, NULL::uuid AS id, NULL::uuid AS lease_token, \

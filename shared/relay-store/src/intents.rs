@@ -69,6 +69,7 @@ pub struct NewIntent {
 
 /// Insert an intent; `false` when it already exists (a reprocessed input).
 pub async fn insert(conn: &mut PgConnection, i: &NewIntent) -> Result<bool, sqlx::Error> {
+    crate::ordering::lock(&mut *conn, i.ordering_key.as_deref().map(crate::ordering::Key::Intent)).await?;
     let done = sqlx::query(
         "INSERT INTO relay.intents
              (id, consumer, source_event_id, action, endpoint, method, path, body, request_headers,
@@ -167,7 +168,9 @@ impl ClaimedIntent {
 /// Claim up to `limit` due intents for `worker` with a lease of `lease`, in one
 /// statement: `FOR UPDATE SKIP LOCKED` picks rows no other dispatcher holds and
 /// the `UPDATE` sets the lease and counts the attempt (R9). Intents whose
-/// ordering key has an earlier unfinished intent are not due (R13). The
+/// ordering key has an earlier unfinished intent, or any running one (a
+/// replayed intent is earlier than the rows after it, which may be running),
+/// are not due (R13; "earlier" is commit order, [`crate::ordering`]). The
 /// attempt's audit row is written when it finishes ([`finish_many`]) or, if
 /// its worker is lost, by the rescuer ([`rescue_expired`]). Commits by
 /// itself, on a claim connection ([`crate::ClaimPool`]): one round trip. A
@@ -225,8 +228,8 @@ pub const CLAIM: &str = "WITH due AS (
                 AND NOT EXISTS (SELECT 1 FROM relay.pauses p WHERE p.kind = 'endpoint' AND p.name = i.endpoint)
                 AND (i.ordering_key IS NULL OR NOT EXISTS (
                         SELECT 1 FROM relay.intents e
-                         WHERE e.ordering_key = i.ordering_key AND e.seq < i.seq
-                           AND e.state IN ('pending', 'running')))
+                         WHERE e.ordering_key = i.ordering_key AND e.state IN ('pending', 'running')
+                           AND (e.seq < i.seq OR e.state = 'running')))
               ORDER BY i.next_attempt_at, i.seq
               LIMIT $1
               FOR UPDATE SKIP LOCKED

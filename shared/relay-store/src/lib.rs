@@ -30,6 +30,7 @@ pub mod headers;
 pub mod inbox;
 pub mod intents;
 pub mod ops;
+pub mod ordering;
 pub mod outbox;
 pub mod sagas;
 pub mod stats;

@@ -17,6 +17,7 @@ pub async fn insert(
     source_id: &str,
     r: &OutboxRecord,
 ) -> Result<bool, sqlx::Error> {
+    crate::ordering::lock(&mut *conn, ordering_keys(std::iter::once(r))).await?;
     let done = sqlx::query(
         "INSERT INTO relay.outbox
              (id, consumer, source_id, action, topic, key, headers, payload, event_type, ordering_key)
@@ -199,6 +200,7 @@ pub async fn insert_many(
     if rows.is_empty() {
         return Ok(Vec::new());
     }
+    crate::ordering::lock(&mut *conn, ordering_keys(rows.iter().map(|(_, r)| *r))).await?;
     let rows = bind_many(sqlx::query(INSERT_MANY), consumer, rows).fetch_all(conn).await?;
     rows.iter().map(|r| r.try_get(0)).collect()
 }
@@ -230,4 +232,11 @@ pub(crate) fn bind_many<'q>(
         .bind(rows.iter().map(|(_, r)| r.payload.as_deref()).collect::<Vec<_>>())
         .bind(rows.iter().map(|(_, r)| r.event_type.as_deref()).collect::<Vec<_>>())
         .bind(rows.iter().map(|(_, r)| r.ordering_key.as_deref()).collect::<Vec<_>>())
+}
+
+/// The ordering keys of `rows` ([`crate::ordering`]).
+pub(crate) fn ordering_keys<'a>(
+    rows: impl Iterator<Item = &'a OutboxRecord>,
+) -> impl Iterator<Item = crate::ordering::Key<'a>> {
+    rows.filter_map(|r| r.ordering_key.as_deref().map(|key| crate::ordering::Key::Outbox { topic: &r.topic, key }))
 }

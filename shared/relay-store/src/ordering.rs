@@ -1,0 +1,76 @@
+//! Ordering keys in commit order (R13).
+//!
+//! Rows with an ordering key are called (intents) or published (outbox) one
+//! at a time, in `seq` order, and `seq` is drawn when a row is inserted. Two
+//! transactions that write rows for one key — records of two partitions, each
+//! in a transaction of its own — could commit in the other order than they drew
+//! their numbers: the row committed first is claimed at once, and the one
+//! committed later, with the lower `seq`, then looked "earlier" than a row
+//! already running, so both ran at once, in the wrong order.
+//!
+//! So a transaction takes a transaction-scoped advisory lock per ordering key
+//! before it inserts rows with that key, held until it commits or rolls back:
+//! the next transaction for the key waits for it and draws its `seq` after
+//! that commit, which makes `seq` order the commit order for every key. The
+//! locks of one statement are taken in one order (sorted), so transactions
+//! that lock several keys at once cannot deadlock each other through them;
+//! one that locks in two statements (two runs of a batch) can, rarely, and
+//! PostgreSQL then aborts one of them (`40P01`), which the consumer retries
+//! like any transient error. Only rows with a key pay for this: one round
+//! trip more, and a wait behind the other transaction of that key.
+//!
+//! Intents' and outbox rows' keys are locked in two name spaces (the first
+//! argument of `pg_advisory_xact_lock(int4, int4)`); an outbox key is
+//! ordered per topic. A hash collision only makes two keys wait for each
+//! other.
+
+use sqlx::PgConnection;
+
+/// The name space of intents' ordering keys.
+const INTENTS: i32 = 0x5245_4c01;
+/// The name space of outbox rows' ordering keys (per topic).
+const OUTBOX: i32 = 0x5245_4c02;
+
+/// An ordering key about to get a row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Key<'a> {
+    /// An intent's ordering key.
+    Intent(&'a str),
+    /// An outbox row's ordering key, with its topic.
+    Outbox {
+        /// The topic.
+        topic: &'a str,
+        /// The ordering key.
+        key: &'a str,
+    },
+}
+
+/// Lock `keys` for the rest of the transaction `conn` is in (nothing to do
+/// and no round trip when there are none). Call it before inserting the rows.
+pub async fn lock<'a>(conn: &mut PgConnection, keys: impl IntoIterator<Item = Key<'a>>) -> Result<(), sqlx::Error> {
+    let (mut spaces, mut names) = (Vec::new(), Vec::new());
+    for key in keys {
+        match key {
+            Key::Intent(k) => {
+                spaces.push(INTENTS);
+                names.push(k.to_owned());
+            }
+            Key::Outbox { topic, key } => {
+                spaces.push(OUTBOX);
+                // A NUL cannot be in either part (PostgreSQL text), so the pair is unambiguous.
+                names.push(format!("{topic}\u{1}{key}"));
+            }
+        }
+    }
+    if names.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(LOCK).bind(&spaces).bind(&names).execute(conn).await?;
+    Ok(())
+}
+
+/// `$1` name spaces, `$2` names. `pg_advisory_xact_lock` is volatile, so it
+/// is evaluated row by row after the sort, in the sorted order.
+pub const LOCK: &str = "SELECT pg_advisory_xact_lock(s, h)
+           FROM (SELECT DISTINCT s, hashtext(n) AS h FROM unnest($1::int4[], $2::text[]) AS t(s, n)) k
+          ORDER BY s, h";
