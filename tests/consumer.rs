@@ -797,3 +797,111 @@ async fn a_batch_that_writes_no_intents_wakes_no_dispatcher() {
     let first = tokio::time::timeout(std::time::Duration::from_secs(10), listener.recv()).await.unwrap().unwrap();
     assert_eq!(first.payload(), "marker", "the outbox-only write woke the dispatchers");
 }
+
+#[tokio::test]
+async fn an_unrouted_record_the_database_rejects_is_parked_and_its_partition_moves_on() {
+    // Issue 22 item 1: an unrouted event (strict = false) is recorded in the
+    // inbox; one whose id PostgreSQL cannot store (a NUL byte) must be
+    // dead-lettered like any other poison, not abort the transaction and
+    // stall the partition behind a "database outage".
+    let h = Harness::new(1).await;
+    h.send(&order("ok-1", "o-1")).await;
+    let (_, bad) = h.send(&TestEvent::new("odd\u{0}id", "something.else", json!({}))).await;
+    h.send(&TestEvent::new("bad-corr", "something.else", json!({})).ext("correlationid", "c\u{0}1")).await;
+    let (_, last) = h.send(&order("ok-3", "o-3")).await;
+    let run = h.start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.inbox().await, 2, "the two routed events");
+    let parked: Vec<(String, i64)> =
+        sqlx::query_as(r#"SELECT error_class, "offset" FROM relay.dead_letters ORDER BY "offset""#)
+            .fetch_all(&h.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(parked, vec![("rejected".to_string(), bad), ("rejected".to_string(), bad + 1)]);
+}
+
+#[tokio::test]
+async fn a_partition_held_at_a_paused_route_flows_again_after_a_rebalance_and_a_resume() {
+    // Issue 22 item 2: a held partition is paused at the broker; a rebalance
+    // that hands it back to the same member must not leave it paused there
+    // for good, or it never fetches again, even after the route is resumed.
+    use rdkafka::consumer::{Consumer, StreamConsumer};
+    use relay_store::ops::{self, PauseKind};
+    let h = Harness::new(1).await;
+    let mut conn = h.db.conn().await.unwrap();
+    ops::pause(&mut conn, PauseKind::Route, "order-placed", None).await.unwrap();
+    h.send(&TestEvent::new("first", "something.else", json!({}))).await;
+    h.send(&order("evt-1", "o-1")).await;
+    let run = h.start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, no_faults()).await;
+    // Offset 0 is processed; the batch holds at offset 1 (the paused route).
+    h.await_committed(0, 1).await;
+    // Another member joins the group (for a topic of its own): every member
+    // gives its partitions back, and ours gets its partition again.
+    let other_topic = unique("other");
+    relay_testkit::create_topics(&h.bootstrap, &[&other_topic], 1).await.unwrap();
+    let other: StreamConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &h.bootstrap)
+        .set("group.id", &h.group)
+        .set("session.timeout.ms", "6000")
+        .create()
+        .unwrap();
+    other.subscribe(&[&other_topic]).unwrap();
+    eventually("the other member's assignment", DEADLINE, || async {
+        let _ = tokio::time::timeout(std::time::Duration::from_millis(200), other.recv()).await;
+        other.assignment().ok().filter(|a| a.count() > 0).map(|_| ())
+    })
+    .await;
+    ops::resume(&mut conn, PauseKind::Route, "order-placed").await.unwrap();
+    let (_, last) = h.send(&order("evt-2", "o-2")).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.inbox().await, 3);
+}
+
+#[tokio::test]
+async fn a_dead_letter_is_replayed_only_by_its_own_consumer_and_never_through_a_paused_route() {
+    // Issue 22 items 13 and 16.
+    use relay_store::ops::{self, PauseKind};
+    let h = Harness::new(1).await;
+    // No order_id: the capture route's templates dead-letter it.
+    let (_, last) = h.send(&TestEvent::new("evt-1", "order.placed", json!({"amount": 5}))).await;
+    let cfg = h.config(CAPTURE_ROUTE);
+    let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+    let id: i64 = sqlx::query_scalar("SELECT id FROM relay.dead_letters").fetch_one(&h.db.pool).await.unwrap();
+
+    // The operator fixes the route: keyed by the event id instead.
+    const FIXED: &str = r#"
+[[routes]]
+name = "order-placed"
+topic = "{topic}"
+type = "order.placed"
+
+[[routes.actions]]
+kind = "call"
+name = "capture"
+endpoint = "psp"
+path = "/captures/{{ id }}"
+idempotency_key = "capture:{{ id }}"
+"#;
+    // Another consumer sharing the database sees none of this consumer's dead letters.
+    let mut other_cfg = h.config(FIXED);
+    other_cfg.consumer.name = unique("other");
+    let other = h.relay(other_cfg.clone(), Handlers::default(), no_faults()).await;
+    assert_eq!(admin::replay(&h.db.pool, &other.processor(), id).await.unwrap(), ReplayOutcome::NotFound);
+    let mut conn = h.db.conn().await.unwrap();
+    assert!(relay_store::dead_letters::get(&mut conn, &other_cfg.consumer.name, id).await.unwrap().is_none());
+    assert!(!relay_store::dead_letters::delete(&mut conn, &other_cfg.consumer.name, id).await.unwrap());
+
+    // Its own consumer, with the route paused: the replay waits like the partition would.
+    let relay = h.relay(h.config(FIXED), Handlers::default(), no_faults()).await;
+    ops::pause(&mut conn, PauseKind::Route, "order-placed", None).await.unwrap();
+    let paused = admin::replay(&h.db.pool, &relay.processor(), id).await.unwrap();
+    assert!(matches!(&paused, ReplayOutcome::StillFailing(why) if why.contains("paused")), "{paused:?}");
+    assert_eq!(h.inbox().await, 0, "nothing applied through a paused route");
+    ops::resume(&mut conn, PauseKind::Route, "order-placed").await.unwrap();
+    assert_eq!(admin::replay(&h.db.pool, &relay.processor(), id).await.unwrap(), ReplayOutcome::Applied);
+    assert_eq!(h.inbox().await, 1);
+}

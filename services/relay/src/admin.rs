@@ -38,13 +38,19 @@ impl ReplayOutcome {
     }
 }
 
-/// Replay dead letter `id` through `processor` in one transaction.
+/// Replay dead letter `id` of `processor`'s consumer through `processor` in
+/// one transaction (a dead letter of another consumer sharing the database
+/// is not found: its routes are not these). A route paused now holds the
+/// replay as it holds the partition.
 pub async fn replay(pool: &PgPool, processor: &Processor, id: i64) -> anyhow::Result<ReplayOutcome> {
     let mut conn = pool.acquire().await?;
     let mut tx = conn.begin().await?;
-    let Some(dl) = dead_letters::get(&mut tx, id).await? else {
+    let consumer = processor.consumer().to_owned();
+    let Some(dl) = dead_letters::get(&mut tx, &consumer, id).await? else {
         return Ok(ReplayOutcome::NotFound);
     };
+    // The pauses as they are now, not as a consumer of this process last read them (if any does).
+    processor.set_paused(relay_store::ops::paused_routes(&mut tx).await?);
     let processed = processor.process(&mut tx, &dl.record).await?;
     let outcome = match processed.step {
         Step::Applied { .. } => ReplayOutcome::Applied,
@@ -53,7 +59,7 @@ pub async fn replay(pool: &PgPool, processor: &Processor, id: i64) -> anyhow::Re
         Step::Poison(p) | Step::RetryLater(p) => ReplayOutcome::StillFailing(p.to_string()),
         Step::Paused { route } => ReplayOutcome::StillFailing(format!("route {route} is paused; resume it first")),
     };
-    dead_letters::mark_replayed(&mut tx, id, &outcome.stored()).await?;
+    dead_letters::mark_replayed(&mut tx, &consumer, id, &outcome.stored()).await?;
     tx.commit().await?;
     Ok(outcome)
 }

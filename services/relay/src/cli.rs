@@ -480,7 +480,7 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
             Ok(())
         }
         DeadLetterCommand::Show { id } => {
-            let Some(dl) = dead_letters::get(&mut *pool.acquire().await?, id).await? else {
+            let Some(dl) = dead_letters::get(&mut *pool.acquire().await?, &consumer, id).await? else {
                 anyhow::bail!("no dead letter with id {id} (see `relay dead-letters list --all`)");
             };
             let m = &dl.meta;
@@ -586,7 +586,7 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
             }
             let mut deleted = 0;
             for id in &ids {
-                deleted += usize::from(dead_letters::delete(&mut conn, *id).await?);
+                deleted += usize::from(dead_letters::delete(&mut conn, &consumer, *id).await?);
             }
             println!("deleted {deleted} dead letter(s)");
             Ok(())

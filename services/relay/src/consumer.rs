@@ -145,10 +145,31 @@ impl ConsumerContext for RelayContext {
         }
     }
 
-    fn post_rebalance(&self, _base: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    /// A partition we paused at the broker (held at a paused route) stays
+    /// paused in librdkafka across a revoke and a new assignment, while the
+    /// revoke forgot that we held it: nothing would ever resume it, and a
+    /// partition handed back to this member would never be fetched again.
+    /// So every partition assigned that we do not hold is resumed here; the
+    /// held records were dropped at the revoke and are fetched again from the
+    /// committed offset (and held again if the route is still paused).
+    fn post_rebalance(&self, base: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(tpl) = rebalance {
             let assigned: Vec<String> =
                 tpl.elements().iter().map(|e| format!("{}[{}]", e.topic(), e.partition())).collect();
+            let mut resume = TopicPartitionList::new();
+            {
+                let s = self.state.lock().expect("partition state lock");
+                for e in tpl.elements() {
+                    if !s.held.contains_key(&(e.topic().to_owned(), e.partition())) {
+                        let _ = resume.add_partition(e.topic(), e.partition());
+                    }
+                }
+            }
+            if resume.count() > 0
+                && let Err(e) = base.resume(&resume)
+            {
+                warn!(consumer = %self.name, error = %e, "resuming assigned partitions failed; a partition paused before the rebalance may stay paused");
+            }
             info!(consumer = %self.name, partitions = ?assigned, "partitions assigned");
         }
     }

@@ -221,6 +221,11 @@ impl Processor {
         &self.router
     }
 
+    /// The consumer (inbox namespace) this processor writes for.
+    pub fn consumer(&self) -> &str {
+        self.router.consumer()
+    }
+
     /// Process `record` inside the caller's transaction. `Err` only for
     /// transient database errors: the caller rolls back and retries the whole
     /// transaction later, committing no offset meanwhile.
@@ -241,12 +246,23 @@ impl Processor {
             }
             Ok(Routed::Unrouted(event)) => {
                 let info = EventInfo::of(&event, None);
-                let step = match inbox::insert(conn, &self.inbox_row(&event, record, InboxOutcome::Unrouted)).await {
+                // In a savepoint like every other write: a value the database
+                // rejects (a NUL in the id) aborts only this, and the record
+                // is parked instead of failing the whole transaction (C7).
+                let mut sp = conn.begin().await?;
+                let step = match inbox::insert(&mut sp, &self.inbox_row(&event, record, InboxOutcome::Unrouted)).await {
                     Ok(InboxInsert::Inserted) => {
+                        sp.commit().await?;
                         Step::NoOp { outcome: InboxOutcome::Unrouted, detail: "no route for this type".into() }
                     }
-                    Ok(InboxInsert::Duplicate) => Step::Duplicate,
-                    Err(e) if classify_error(&e) == DbErrorKind::Permanent => Step::Poison(rejected(&e, &event)),
+                    Ok(InboxInsert::Duplicate) => {
+                        sp.commit().await?;
+                        Step::Duplicate
+                    }
+                    Err(e) if classify_error(&e) == DbErrorKind::Permanent => {
+                        sp.rollback().await?;
+                        Step::Poison(rejected(&e, &event))
+                    }
                     Err(e) => return Err(e),
                 };
                 return Ok(Processed { step, info });

@@ -227,7 +227,7 @@ async fn list_dead_letters(State(s): State<Shared>, headers: HeaderMap, Query(q)
 
 async fn show_dead_letter(State(s): State<Shared>, headers: HeaderMap, Path(id): Path<i64>) -> ApiResult {
     authorize(&s, &headers)?;
-    let Some(dl) = dead_letters::get(&mut *s.pool.acquire().await?, id).await? else {
+    let Some(dl) = dead_letters::get(&mut *s.pool.acquire().await?, &s.cfg.consumer.name, id).await? else {
         return Err(ApiError(StatusCode::NOT_FOUND, format!("no dead letter {id}")));
     };
     let text =
@@ -301,7 +301,7 @@ async fn replay_dead_letters(State(s): State<Shared>, headers: HeaderMap, Json(b
 
 async fn delete_dead_letter(State(s): State<Shared>, headers: HeaderMap, Path(id): Path<i64>) -> ApiResult {
     authorize(&s, &headers)?;
-    if dead_letters::delete(&mut *s.pool.acquire().await?, id).await? {
+    if dead_letters::delete(&mut *s.pool.acquire().await?, &s.cfg.consumer.name, id).await? {
         Ok(Json(json!({"deleted": 1})))
     } else {
         Err(ApiError(StatusCode::NOT_FOUND, format!("no dead letter {id}")))
@@ -324,7 +324,7 @@ async fn purge_dead_letters(State(s): State<Shared>, headers: HeaderMap, Json(b)
         }
     } else {
         for id in b.ids {
-            deleted += u64::from(dead_letters::delete(&mut conn, id).await?);
+            deleted += u64::from(dead_letters::delete(&mut conn, &s.cfg.consumer.name, id).await?);
         }
     }
     Ok(Json(json!({"deleted": deleted})))

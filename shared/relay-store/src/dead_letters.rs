@@ -162,12 +162,14 @@ struct Raw {
 }
 
 /// One dead letter with its original record.
-pub async fn get(conn: &mut PgConnection, id: i64) -> Result<Option<DeadLetterRecord>, sqlx::Error> {
-    let Some(meta) =
-        sqlx::query_as::<_, DeadLetter>(&format!("SELECT {COLUMNS} FROM relay.dead_letters WHERE id = $1"))
-            .bind(id)
-            .fetch_optional(&mut *conn)
-            .await?
+pub async fn get(conn: &mut PgConnection, consumer: &str, id: i64) -> Result<Option<DeadLetterRecord>, sqlx::Error> {
+    let Some(meta) = sqlx::query_as::<_, DeadLetter>(&format!(
+        "SELECT {COLUMNS} FROM relay.dead_letters WHERE id = $1 AND consumer = $2"
+    ))
+    .bind(id)
+    .bind(consumer)
+    .fetch_optional(&mut *conn)
+    .await?
     else {
         return Ok(None);
     };
@@ -187,18 +189,25 @@ pub async fn get(conn: &mut PgConnection, id: i64) -> Result<Option<DeadLetterRe
 }
 
 /// Record the outcome of a replay.
-pub async fn mark_replayed(conn: &mut PgConnection, id: i64, outcome: &str) -> Result<(), sqlx::Error> {
-    sqlx::query("UPDATE relay.dead_letters SET replayed_at = now(), replay_outcome = $2 WHERE id = $1")
-        .bind(id)
-        .bind(outcome)
-        .execute(conn)
-        .await?;
+pub async fn mark_replayed(conn: &mut PgConnection, consumer: &str, id: i64, outcome: &str) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE relay.dead_letters SET replayed_at = now(), replay_outcome = $2 WHERE id = $1 AND consumer = $3",
+    )
+    .bind(id)
+    .bind(outcome)
+    .bind(consumer)
+    .execute(conn)
+    .await?;
     Ok(())
 }
 
 /// Delete one dead letter.
-pub async fn delete(conn: &mut PgConnection, id: i64) -> Result<bool, sqlx::Error> {
-    let done = sqlx::query("DELETE FROM relay.dead_letters WHERE id = $1").bind(id).execute(conn).await?;
+pub async fn delete(conn: &mut PgConnection, consumer: &str, id: i64) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query("DELETE FROM relay.dead_letters WHERE id = $1 AND consumer = $2")
+        .bind(id)
+        .bind(consumer)
+        .execute(conn)
+        .await?;
     Ok(done.rows_affected() == 1)
 }
 
