@@ -25,6 +25,10 @@ fn required(role: Role) -> &'static [(&'static str, &'static str)] {
     }
 }
 
+/// `auto.offset.reset` values that never skip records: librdkafka's names for
+/// the earliest offset, and `error` (no reset at all).
+const SAFE_OFFSET_RESETS: &[&str] = &["earliest", "smallest", "beginning", "error"];
+
 /// Build a client configuration.
 pub fn client_config(cfg: &KafkaConfig, role: Role) -> Result<ClientConfig, ConfigError> {
     let mut c = ClientConfig::new();
@@ -56,6 +60,15 @@ pub fn client_config(cfg: &KafkaConfig, role: Role) -> Result<ClientConfig, Conf
     };
     let mut problems = Vec::new();
     for (k, v) in cfg.properties.iter().chain(role_props) {
+        if role == Role::Consumer && k == "auto.offset.reset" && !SAFE_OFFSET_RESETS.contains(&v.as_str()) {
+            problems.push(format!(
+                "kafka property auto.offset.reset = {v:?}: a partition without a committed offset (a new \
+                 group, or offsets expired while the relay was down) would skip its unprocessed records; \
+                 the relay reads from the earliest offset (the inbox makes records it has seen duplicates); \
+                 use \"earliest\" or \"error\""
+            ));
+            continue;
+        }
         if let Some((_, want)) = required(role).iter().find(|(rk, _)| rk == k) {
             if v != want {
                 problems.push(format!(
@@ -90,6 +103,20 @@ mod tests {
         cfg.consumer_properties.insert("enable.auto.commit".into(), "true".into());
         let err = client_config(&cfg, Role::Consumer).unwrap_err().to_string();
         assert!(err.contains("enable.auto.commit"), "{err}");
+    }
+
+    // Issue 22 item 17.
+    #[test]
+    fn an_offset_reset_that_skips_records_is_refused() {
+        for bad in ["latest", "largest", "end"] {
+            let mut cfg = KafkaConfig::default();
+            cfg.consumer_properties.insert("auto.offset.reset".into(), bad.into());
+            let err = client_config(&cfg, Role::Consumer).unwrap_err().to_string();
+            assert!(err.contains("auto.offset.reset") && err.contains("earliest"), "{err}");
+        }
+        let mut cfg = KafkaConfig::default();
+        cfg.properties.insert("auto.offset.reset".into(), "error".into());
+        assert_eq!(client_config(&cfg, Role::Consumer).unwrap().get("auto.offset.reset"), Some("error"));
     }
 
     #[test]

@@ -100,9 +100,42 @@ pub async fn run(pool: PgPool, cfg: RetentionConfig, consumer: String, shutdown:
     }
 }
 
-/// Compare `retention.inbox` with each input topic's `retention.ms`: an
-/// inbox that forgets events sooner than the broker would let a replay apply
-/// them again (R15, R17). Refuses (an error) or warns per configuration.
+/// How long a broker may still hand a topic's records back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BrokerKeeps {
+    /// Up to this long after they were written.
+    For(Duration),
+    /// Indefinitely, for this reason.
+    Forever(String),
+}
+
+/// What a topic's configuration lets the broker keep. A record is deleted
+/// with its segment, and a segment only once its newest record is older than
+/// `retention.ms`; the active segment rolls after `segment.ms`, so a record
+/// may live up to `retention.ms + segment.ms`. A compacted topic
+/// (`cleanup.policy` with `compact`) keeps the latest record of every key
+/// indefinitely, and `retention.ms = -1` keeps everything.
+pub fn broker_keeps(retention_ms: Option<i64>, segment_ms: Option<i64>, cleanup_policy: Option<&str>) -> BrokerKeeps {
+    if cleanup_policy.is_some_and(|p| p.split(',').any(|p| p.trim() == "compact")) {
+        return BrokerKeeps::Forever(format!(
+            "is compacted (cleanup.policy = {}): it keeps the latest record of every key indefinitely",
+            cleanup_policy.unwrap_or_default()
+        ));
+    }
+    // Kafka's defaults: 7 days each.
+    let week = 7 * 86_400_000;
+    let retention = retention_ms.unwrap_or(week);
+    if retention < 0 {
+        return BrokerKeeps::Forever("keeps records forever (retention.ms = -1)".into());
+    }
+    let segment = segment_ms.unwrap_or(week).max(0);
+    BrokerKeeps::For(Duration::from_millis(retention.saturating_add(segment) as u64))
+}
+
+/// Compare `retention.inbox` with how long each input topic's records may
+/// still be handed back ([`broker_keeps`]): an inbox that forgets events
+/// sooner than the broker would let a replay apply them again (R15, R17).
+/// Refuses (an error) or warns per configuration.
 pub async fn check_topic_retention(cfg: &RelayConfig) -> anyhow::Result<()> {
     let Some(inbox) = cfg.retention.inbox else { return Ok(()) };
     let topics = cfg.subscribed_topics();
@@ -112,7 +145,7 @@ pub async fn check_topic_retention(cfg: &RelayConfig) -> anyhow::Result<()> {
     let results = admin
         .describe_configs(&specs, &opts)
         .await
-        .map_err(|e| anyhow::anyhow!("cannot read the input topics' retention.ms from the broker: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("cannot read the input topics' retention from the broker: {e}"))?;
     let mut problems = Vec::new();
     for (topic, result) in topics.iter().zip(results) {
         let resource = match result {
@@ -122,18 +155,20 @@ pub async fn check_topic_retention(cfg: &RelayConfig) -> anyhow::Result<()> {
                 continue;
             }
         };
-        let ms = resource.get("retention.ms").and_then(|e| e.value.as_deref()).and_then(|v| v.parse::<i64>().ok());
-        match ms {
-            Some(ms) if ms < 0 => problems.push(format!(
-                "topic {topic} keeps records forever (retention.ms = -1) but retention.inbox is {}",
+        let number =
+            |name: &str| resource.get(name).and_then(|e| e.value.as_deref()).and_then(|v| v.parse::<i64>().ok());
+        let policy = resource.get("cleanup.policy").and_then(|e| e.value.as_deref());
+        match broker_keeps(number("retention.ms"), number("segment.ms"), policy) {
+            BrokerKeeps::Forever(why) => problems.push(format!(
+                "topic {topic} {why}, but retention.inbox is {}",
                 humantime::format_duration(inbox)
             )),
-            Some(ms) if Duration::from_millis(ms as u64) > inbox => problems.push(format!(
-                "topic {topic} keeps records for {} but retention.inbox is only {}",
-                humantime::format_duration(Duration::from_millis(ms as u64)),
+            BrokerKeeps::For(keeps) if keeps > inbox => problems.push(format!(
+                "topic {topic} may hand records back for up to {} (retention.ms + segment.ms) but retention.inbox is only {}",
+                humantime::format_duration(keeps),
                 humantime::format_duration(inbox)
             )),
-            _ => {}
+            BrokerKeeps::For(_) => {}
         }
     }
     if problems.is_empty() {
@@ -141,7 +176,7 @@ pub async fn check_topic_retention(cfg: &RelayConfig) -> anyhow::Result<()> {
     }
     let msg = format!(
         "the inbox would forget events the broker still keeps, so replaying them would apply them again: {}. \
-         Set retention.inbox to at least the topic retention (or leave it unset to keep inbox rows forever)",
+         Set retention.inbox to at least the topic's retention.ms + segment.ms (or leave it unset to keep inbox rows forever)",
         problems.join("; ")
     );
     match cfg.retention.on_shorter_than_topic {
@@ -151,6 +186,30 @@ pub async fn check_topic_retention(cfg: &RelayConfig) -> anyhow::Result<()> {
         ShorterRetention::Warn => {
             warn!("{msg}");
             Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DAY: i64 = 86_400_000;
+
+    // Issue 22 item 6: a record lives up to retention.ms + segment.ms, and a
+    // compacted topic keeps records indefinitely.
+    #[test]
+    fn the_broker_keeps_records_for_retention_plus_a_segment_or_forever_when_compacted() {
+        let days = |d: u64| BrokerKeeps::For(Duration::from_secs(d * 86_400));
+        assert_eq!(broker_keeps(Some(7 * DAY), Some(7 * DAY), Some("delete")), days(14));
+        assert_eq!(broker_keeps(Some(DAY), Some(DAY / 24), None), BrokerKeeps::For(Duration::from_secs(25 * 3600)));
+        assert_eq!(broker_keeps(None, None, None), days(14), "Kafka's defaults");
+        assert!(matches!(broker_keeps(Some(-1), Some(DAY), Some("delete")), BrokerKeeps::Forever(_)));
+        for policy in ["compact", "compact,delete", "delete, compact"] {
+            let BrokerKeeps::Forever(why) = broker_keeps(Some(DAY), Some(DAY), Some(policy)) else {
+                panic!("{policy} keeps records indefinitely")
+            };
+            assert!(why.contains("compacted"), "{why}");
         }
     }
 }

@@ -317,6 +317,12 @@ async fn cleanup_deletes_only_rows_past_their_retention_in_bounded_batches() {
     retention.on_shorter_than_topic = ShorterRetention::Warn;
     cfg.retention = retention;
     relay::retention::check_topic_retention(&cfg).await.unwrap();
+    // Kafka's defaults keep records 7 days, in segments of 7 days: a record
+    // may be handed back for up to 14 days (issue 22 item 6).
+    cfg.retention.on_shorter_than_topic = ShorterRetention::Refuse;
+    cfg.retention.inbox = Some(Duration::from_secs(10 * 86_400));
+    let err = relay::retention::check_topic_retention(&cfg).await.unwrap_err().to_string();
+    assert!(err.contains("segment.ms"), "{err}");
     cfg.retention.inbox = Some(Duration::from_secs(30 * 86_400));
     relay::retention::check_topic_retention(&cfg).await.unwrap();
 }
