@@ -111,6 +111,9 @@ async fn relay_run_processes_events_stops_cleanly_on_sigterm_and_logs_no_payload
     let (topic, out, dlq) = (unique("orders"), unique("out"), unique("dlq"));
     create_topics(&bootstrap, &[&topic, &out, &dlq], 2).await.unwrap();
     let provider = Provider::start(SocketAddr::from(([127, 0, 0, 1], 0)), Settings::default()).await.unwrap();
+    // A schema failure over a value (jsonschema's own text quotes it).
+    let schema = std::env::temp_dir().join(format!("{}.json", unique("card-schema")));
+    std::fs::write(&schema, r#"{"type":"object","properties":{"card":{"type":"integer"}}}"#).unwrap();
     let config = write_config(&format!(
         r#"
 [consumer]
@@ -140,8 +143,14 @@ endpoint = "psp"
 path = "/captures"
 idempotency_key = "capture:{{{{ data.order_id }}}}"
 body = {{ order_id = "{{{{ data.order_id }}}}", card = "{{{{ data.card }}}}" }}
+[[routes]]
+topic = "{topic}"
+type = "card.checked"
+schema = "{schema}"
+counter = "cards_checked"
 "#,
-        provider = provider.url()
+        provider = provider.url(),
+        schema = schema.display()
     ));
     let (ok, _, stderr) = output(relay().env("DATABASE_URL", &db.url).arg("--config").arg(&config).arg("migrate"));
     assert!(ok, "{stderr}");
@@ -158,6 +167,8 @@ body = {{ order_id = "{{{{ data.order_id }}}}", card = "{{{{ data.card }}}}" }}
     }
     let poison = TestEvent::new("evt-poison", "order.placed", json!({"card": secret_payload})); // template needs order_id
     producer.event(&topic, &poison).await.unwrap();
+    let checked = TestEvent::new("evt-schema", "card.checked", json!({"card": secret_payload})); // card must be a number
+    producer.event(&topic, &checked).await.unwrap();
 
     let child = relay()
         .env("DATABASE_URL", &db.url)
@@ -180,10 +191,17 @@ body = {{ order_id = "{{{{ data.order_id }}}}", card = "{{{{ data.card }}}}" }}
     });
     eventually("5 captures at the provider", DEADLINE, || async { (provider.stats().applied == 5).then_some(()) })
         .await;
-    eventually("the poison record parked", DEADLINE, || async {
-        (db.count("dead_letters", "true").await == 1).then_some(())
+    eventually("the poison records parked", DEADLINE, || async {
+        (db.count("dead_letters", "true").await == 2).then_some(())
     })
     .await;
+    let reasons: Vec<String> =
+        sqlx::query_scalar("SELECT reason FROM relay.dead_letters").fetch_all(&db.pool).await.unwrap();
+    assert!(reasons.iter().any(|r| r.contains("/card")), "{reasons:?}");
+    assert!(
+        !reasons.iter().any(|r| r.contains(secret_payload)),
+        "a payload value in a dead-letter reason: {reasons:?}"
+    );
 
     let pid = child.0.id().to_string();
     assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
@@ -211,7 +229,8 @@ body = {{ order_id = "{{{{ data.order_id }}}}", card = "{{{{ data.card }}}}" }}
     let password_part = db.url.split('@').next().unwrap();
     assert!(!logs.contains(password_part), "the database URL leaked into the logs");
 
-    // Operator commands on what the run left behind.
+    // Operator commands on what the run left behind (the template failure alone).
+    sqlx::query("DELETE FROM relay.dead_letters WHERE event_id = 'evt-schema'").execute(&db.pool).await.unwrap();
     let cli = |args: &[&str]| output(relay().env("DATABASE_URL", &db.url).arg("--config").arg(&config).args(args));
     // A token variable that is missing is named at start.
     let (ok, _, stderr) = cli(&["run"]);

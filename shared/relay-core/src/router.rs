@@ -218,14 +218,7 @@ impl Router {
         };
         let event = resolve(record, decoded, &route.fields)?;
         if let Some(schema) = &route.schema {
-            let errors: Vec<String> = schema
-                .iter_errors(&event.data)
-                .take(5)
-                .map(|e| {
-                    let path = e.instance_path().to_string();
-                    format!("{} at {}", e, if path.is_empty() { "/" } else { &path })
-                })
-                .collect();
+            let errors: Vec<String> = schema.iter_errors(&event.data).take(5).map(|e| schema_failure(&e)).collect();
             if !errors.is_empty() {
                 return Err(Poison::new(
                     PoisonClass::SchemaInvalid,
@@ -371,6 +364,23 @@ impl Router {
 fn missing_guard_field(route: &CompiledRoute, event: &InputEvent, guard: &str, what: &str) -> Poison {
     Poison::new(PoisonClass::BadField, format!("route {} has {guard} = true but the event has no {what}", route.name))
         .with_identity(Some(&event.id), Some(&event.event_type))
+}
+
+/// One schema failure, naming where in the data and which rule, never the
+/// value: jsonschema's own text quotes the failing value (a card number, or a
+/// whole double-encoded payload), and this reason goes to logs, the
+/// dead-letter table's reason, the dead-letter topic's header and the console
+/// (R16). A `required` failure names the property, which comes from the schema.
+fn schema_failure(e: &jsonschema::ValidationError<'_>) -> String {
+    let at = e.instance_path().to_string();
+    let at = if at.is_empty() { "/".to_owned() } else { at };
+    let rule = match e.kind() {
+        jsonschema::error::ValidationErrorKind::Required { property } => {
+            format!("required property {property} is missing")
+        }
+        kind => format!("fails \"{}\"", kind.keyword()),
+    };
+    format!("{at} {rule} (schema {})", e.schema_path())
 }
 
 fn load_schema(path: &std::path::Path) -> Result<jsonschema::Validator, String> {
@@ -532,6 +542,34 @@ mod tests {
         let err = router.route(&rec).unwrap_err();
         assert_eq!(err.class, PoisonClass::SchemaInvalid);
         assert!(err.reason.contains("/amount"), "{err}");
+    }
+
+    // Issue 22 item 9: reasons name the path and the rule, never the value.
+    #[test]
+    fn schema_reasons_never_quote_the_data() {
+        let dir = std::env::temp_dir().join(format!("relay-schema-values-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let schema = dir.join("s.json");
+        std::fs::write(
+            &schema,
+            r#"{"type":"object","required":["order_id"],"properties":{"card":{"type":"integer"},"pin":{"maxLength":2}}}"#,
+        )
+        .unwrap();
+        let mut c = cfg("");
+        c.routes[0].schema = Some(schema);
+        let router = Router::new(&c).unwrap();
+        let secret = "4111-1111-1111-1111";
+        let direct = format!(r#"{{"card":"{secret}","pin":"{secret}"}}"#);
+        // Double-encoded: the data is one JSON string holding the whole payload.
+        let double = serde_json::to_string(&format!(r#"{{"order_id":"o","card":"{secret}"}}"#)).unwrap();
+        for data in [direct, double] {
+            let err = router.route(&record("order.placed", &data)).unwrap_err();
+            assert_eq!(err.class, PoisonClass::SchemaInvalid);
+            assert!(!err.reason.contains(secret) && !err.reason.contains("4111"), "{}", err.reason);
+        }
+        let err = router.route(&record("order.placed", &format!(r#"{{"card":"{secret}"}}"#))).unwrap_err();
+        assert!(err.reason.contains("/card") && err.reason.contains("type"), "{}", err.reason);
+        assert!(err.reason.contains("order_id"), "{}", err.reason);
     }
 
     #[test]
