@@ -587,6 +587,11 @@ impl InboxConsumer {
                     if not_yet >= budget.max_attempts {
                         match self.park_alone(record, &poison, not_yet).await {
                             Ok(()) => {
+                                crate::metrics::dead_lettered(
+                                    &self.settings.name,
+                                    &record.topic,
+                                    poison.class.as_str(),
+                                );
                                 warn!(
                                     consumer = %self.settings.name, topic = %record.topic, partition = record.partition,
                                     offset = record.offset, event_id = poison.event_id.as_deref().unwrap_or(""),

@@ -77,6 +77,21 @@ fn metric(body: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
     })
 }
 
+/// A saga move on a saga that never exists: retried, then parked (R19).
+const MISSING_SAGA_ROUTE: &str = r#"
+[[routes]]
+topic = "{topic}"
+type = "payment.confirmed"
+
+[[routes.actions]]
+kind = "saga"
+name = "mark-paid"
+saga = "order"
+id = "{{ data.order_id }}"
+from = ["pending"]
+to = "paid"
+"#;
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_admin_server_serves_metrics_health_and_readiness() {
     let h = Harness::new(1).await;
@@ -84,7 +99,10 @@ async fn the_admin_server_serves_metrics_health_and_readiness() {
     h.send(&order("evt-2", "o-2")).await;
     h.send(&order("evt-1", "o-1")).await; // duplicate
     h.producer.raw(&h.topic, None, None, &[("ce_specversion".into(), b"1.0".to_vec())], Some(b"{")).await.unwrap();
-    let (mut p, admin) = run_with_admin(&h, CAPTURE_ROUTE).await;
+    // Parked after its R19 budget: counted as dead-lettered too (issue 22 item 15).
+    h.send(&TestEvent::new("p-1", "payment.confirmed", json!({"order_id": "o-missing"}))).await;
+    let routes = format!("{CAPTURE_ROUTE}{MISSING_SAGA_ROUTE}");
+    let (mut p, admin) = run_with_admin(&h, &routes).await;
     h.await_intents_finished(2).await;
 
     let body = eventually("metrics with the processed records and refreshed gauges", DEADLINE, || async {
@@ -95,13 +113,14 @@ async fn the_admin_server_serves_metrics_health_and_readiness() {
             && metric(&body, "relay_business_counter", &[("name", "orders")]) == Some(2.0)
             && metric(&body, "relay_intents", &[("state", "pending")]) == Some(0.0)
             && metric(&body, "relay_intents", &[("state", "running")]) == Some(0.0)
-            && metric(&body, "relay_dead_letters", &[("state", "all")]) == Some(1.0);
+            && metric(&body, "relay_dead_letters", &[("state", "all")]) == Some(2.0);
         ready.then_some(body)
     })
     .await;
     assert_eq!(metric(&body, "relay_duplicates_total", &[("layer", "inbox")]), Some(1.0), "{body}");
     assert_eq!(metric(&body, "relay_dead_lettered_total", &[("class", "missing_id")]), Some(1.0), "{body}");
-    assert_eq!(metric(&body, "relay_records_received_total", &[]), Some(4.0), "{body}");
+    assert_eq!(metric(&body, "relay_dead_lettered_total", &[("class", "missing_reference")]), Some(1.0), "{body}");
+    assert_eq!(metric(&body, "relay_records_received_total", &[]), Some(5.0), "{body}");
     assert_eq!(
         metric(&body, "relay_calls_total", &[("endpoint", "psp"), ("result", "succeeded")]),
         Some(2.0),

@@ -51,17 +51,26 @@ fn compose_runs_postgres_kafka_the_provider_and_the_relay_on_the_ports_the_confi
     let example = std::fs::read_to_string(root().join("relay.example.toml")).unwrap();
     let lib = std::fs::read_to_string(root().join("scripts/lib.sh")).unwrap();
 
-    assert!(ports(&services["postgres"]).contains(&"5432:5432".to_string()));
+    assert!(ports(&services["postgres"]).contains(&"127.0.0.1:5432:5432".to_string()));
     assert!(lib.contains("127.0.0.1:5432") || lib.contains("127.0.0.1 5432"), "the scripts use PostgreSQL on 5432");
-    assert!(ports(&services["kafka"]).contains(&"9092:9092".to_string()));
+    assert!(ports(&services["kafka"]).contains(&"127.0.0.1:9092:9092".to_string()));
     assert!(example.contains("bootstrap_servers = \"127.0.0.1:9092\""), "the example configuration uses Kafka on 9092");
-    assert!(ports(&services["provider"]).contains(&"8081:8081".to_string()));
+    assert!(ports(&services["provider"]).contains(&"127.0.0.1:8081:8081".to_string()));
     assert!(
         example.contains("base_url = \"http://127.0.0.1:8081\""),
         "the example configuration calls the provider on 8081"
     );
-    assert!(ports(&services["relay"]).contains(&"9090:9090".to_string()), "the console and metrics are published");
+    assert!(
+        ports(&services["relay"]).contains(&"127.0.0.1:9090:9090".to_string()),
+        "the console and metrics are published"
+    );
     assert!(example.contains("listen = \"0.0.0.0:9090\"") || example.contains("listen = \"127.0.0.1:9090\""));
+    // Issue 22 item 19: nothing is published beyond this host's loopback.
+    for (name, service) in services.as_hash().unwrap() {
+        for p in ports(service) {
+            assert!(p.starts_with("127.0.0.1:"), "{name:?} publishes {p} on every interface");
+        }
+    }
     let provider_cmd = format!("{:?}", services["provider"]["entrypoint"]);
     assert!(provider_cmd.contains("0.0.0.0:8081"), "{provider_cmd}");
 }
@@ -75,6 +84,11 @@ fn the_relay_environment_in_compose_names_real_configuration_keys() {
         assert!(
             vars.iter().any(|(k, _)| k == "RELAY_ADMIN_TOKEN"),
             "{service}: the admin token comes from the environment"
+        );
+        let token = vars.iter().find(|(k, _)| k == "RELAY_ADMIN_TOKEN").map(|(_, v)| v.as_str()).unwrap_or("");
+        assert!(
+            token.starts_with("${RELAY_ADMIN_TOKEN:?"),
+            "{service}: the token must be the user's own (compose refuses to start without it), not {token:?}"
         );
         // Every RELAY_SECTION__KEY override must load into the example configuration.
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_relay"));
