@@ -1101,3 +1101,35 @@ async fn intents_of_one_ordering_key_run_one_at_a_time_in_commit_order() {
     }
     assert_eq!(order, vec![first.id, second.id], "commit order: the first transaction committed first");
 }
+
+#[tokio::test]
+async fn an_intent_out_of_budget_after_an_uncertain_attempt_is_left_uncertain_without_its_on_dead_effects() {
+    // Issue 22 item 12: the provider answers after the client's timeout,
+    // every time. The budget runs out on an uncertain attempt: as far as the
+    // relay can know the call may have taken effect, so payment.failed must
+    // not be emitted.
+    let h = Harness::new(1).await;
+    h.provider.set_faults(vec![rule("capture:o-1", None, FaultKind::TimeoutBeforeApply { delay_ms: 1_500 })]);
+    h.send(&order("evt-1", "o-1")).await;
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.endpoints.get_mut("psp").unwrap().max_attempts = 2;
+    let run = h.start(cfg, Components::ALL, no_faults()).await;
+    h.await_intents_finished(1).await;
+    run.stop().await.unwrap();
+    let (state, error): (String, Option<String>) =
+        sqlx::query_as("SELECT state, last_error FROM relay.intents").fetch_one(&h.db.pool).await.unwrap();
+    assert_eq!(state, "uncertain", "{error:?}");
+    assert!(error.unwrap_or_default().contains("outcome is unknown"));
+    assert_eq!(h.db.count("outbox", "event_type = 'payment.failed'").await, 0, "on_dead was recorded");
+    assert_eq!(h.provider.stats().requests_for("capture:o-1"), 2, "both attempts were sent");
+    // A replay asks again with the same key: the provider answers what it did.
+    h.provider.set_faults(vec![]);
+    let mut conn = h.db.conn().await.unwrap();
+    let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents").fetch_one(&mut *conn).await.unwrap();
+    assert!(intents::requeue(&mut conn, id).await.unwrap(), "an uncertain intent can be replayed");
+    let run = h.start(h.config(CAPTURE_ROUTE), DISPATCH, no_faults()).await;
+    h.await_intents_finished(1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.intents_in("succeeded").await, 1);
+    assert_eq!(h.provider.stats().applied_for("capture:o-1"), 1, "applied once");
+}

@@ -243,7 +243,7 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
     /// Wait until no intent is pending or running and `n` are finished.
     pub async fn await_intents_finished(&self, n: i64) {
         eventually(&format!("{n} finished intents"), DEADLINE, || async {
-            let finished = self.db.count("intents", "state IN ('succeeded', 'dead')").await;
+            let finished = self.db.count("intents", "state IN ('succeeded', 'dead', 'uncertain')").await;
             let open = self.db.count("intents", "state IN ('pending', 'running')").await;
             (finished >= n && open == 0).then_some(())
         })

@@ -54,6 +54,7 @@ async function refresh() {
     fill($("#intent-counts"), [
       ["pending", count(stats.intents, "pending")], ["running", count(stats.intents, "running")],
       ["succeeded", est("intents.succeeded", count(stats.intents, "succeeded"))], ["dead", count(stats.intents, "dead")],
+      ["uncertain", count(stats.intents, "uncertain")],
       ["oldest unfinished (s)", stats.oldest_pending_intent_secs === null ? "–" : stats.oldest_pending_intent_secs.toFixed(1)],
     ]);
     fill($("#outbox-counts"), [

@@ -424,7 +424,7 @@ fn print_stats(s: &Stats) {
         println!("  {outcome:<22} {n}");
     }
     println!("intents (by state):");
-    for state in ["pending", "running", "succeeded", "dead"] {
+    for state in ["pending", "running", "succeeded", "dead", "uncertain"] {
         println!("  {state:<22} {}", Stats::count(&s.intents, state));
     }
     match s.oldest_pending_intent_secs {

@@ -88,6 +88,8 @@ pub enum Finished {
     Retrying,
     /// Dead.
     Dead,
+    /// Out of budget after an attempt whose outcome is unknown.
+    Uncertain,
     /// The lease was lost before the outcome was recorded.
     LeaseLost,
 }
@@ -444,7 +446,13 @@ impl Dispatcher {
             let r = CallResult { error_class: Some("endpoint_unknown"), error: Some(why), ..CallResult::not_sent() };
             (classify(&r.attempt, &[]), r)
         };
-        let (next, attempt) = decide(&intent, verdict, &result, endpoint.map(|e| e.config()), Utc::now());
+        let (mut next, mut attempt) = decide(&intent, verdict, &result, endpoint.map(|e| e.config()), Utc::now());
+        if result.error_class == Some("budget") && next == NextState::Dead && last_attempt_uncertain(&intent) {
+            // Out of budget at the claim after an attempt whose outcome is
+            // unknown (a timeout after sending, a lost lease): not dead.
+            next = NextState::Uncertain;
+            attempt.error = attempt.error.map(|e| format!("{e}; {UNCERTAIN}"));
+        }
         Ok(Ok(Completion { intent, next, attempt, result, started }))
     }
 
@@ -462,6 +470,7 @@ impl Dispatcher {
             Finished::Succeeded => "succeeded",
             Finished::Retrying => "retrying",
             Finished::Dead => "dead",
+            Finished::Uncertain => "uncertain",
             Finished::LeaseLost => "lease_lost",
         };
         // The attempt's outcome as classified when it ended (`uncertain` for a
@@ -493,6 +502,12 @@ impl Dispatcher {
                 tracing::Level::ERROR,
                 "dead",
                 "intent is dead and will not be retried (replay it once the cause is fixed): {error}"
+            ),
+            Finished::Uncertain => emit!(
+                tracing::Level::ERROR,
+                "uncertain",
+                "intent is out of budget and its last attempt may have been applied: left uncertain for an \
+                 operator to decide (replay asks again with the same idempotency key): {error}"
             ),
             Finished::LeaseLost => emit!(
                 tracing::Level::WARN,
@@ -619,13 +634,15 @@ impl Dispatcher {
             .map(|c| match c.next {
                 NextState::Succeeded => outcome_effects(&c.intent, &c.intent.on_success).map(|o| (o, "succeeded")),
                 NextState::Dead => outcome_effects(&c.intent, &c.intent.on_dead).map(|o| (o, "dead")),
-                NextState::Retry(_) => None,
+                // Nothing is known, so nothing is told: no on_dead, no on_success.
+                NextState::Retry(_) | NextState::Uncertain => None,
             })
             .collect();
         let finished = |c: &Completion, ours: &HashSet<uuid::Uuid>| match c.next {
             _ if !ours.contains(&c.intent.id) => Finished::LeaseLost,
             NextState::Succeeded => Finished::Succeeded,
             NextState::Dead => Finished::Dead,
+            NextState::Uncertain => Finished::Uncertain,
             NextState::Retry(_) => Finished::Retrying,
         };
         let mut conn = self.inner.finishes.acquire().await?;
@@ -756,7 +773,15 @@ fn decide(
             let too_late = delay >= left;
             let delay = delay.min(left);
             let mut rec = attempt_record(outcome, status, r);
-            if intent.attempts >= intent.max_attempts || too_late {
+            if (intent.attempts >= intent.max_attempts || too_late) && uncertain {
+                let why = if intent.attempts >= intent.max_attempts {
+                    format!("retry budget exhausted after {} attempts", intent.attempts)
+                } else {
+                    format!("max age would pass before the next attempt ({})", intent.expires_at)
+                };
+                rec.error = Some(format!("{why}; {UNCERTAIN}; last error: {}", r.error.as_deref().unwrap_or("none")));
+                (NextState::Uncertain, rec)
+            } else if intent.attempts >= intent.max_attempts || too_late {
                 let why = if intent.attempts >= intent.max_attempts {
                     format!("retry budget exhausted after {} attempts", intent.attempts)
                 } else if retry_after.is_some_and(|ra| ra >= left) {
@@ -775,6 +800,16 @@ fn decide(
             }
         }
     }
+}
+
+/// Why an intent ends `uncertain` rather than dead.
+const UNCERTAIN: &str = "the last attempt's outcome is unknown (the provider may have applied it): left uncertain, \
+                         on_dead not recorded; replay it to ask again with the same idempotency key";
+
+/// Whether the attempt before this claim may have been applied: it timed out
+/// after sending, broke mid-exchange, or its worker lost the lease.
+fn last_attempt_uncertain(intent: &ClaimedIntent) -> bool {
+    matches!(intent.last_error_class.as_deref(), Some("timeout" | "transport" | "lease_expired"))
 }
 
 fn attempt_record(outcome: &'static str, status: Option<i32>, r: &CallResult) -> AttemptRecord {
@@ -873,6 +908,7 @@ mod tests {
             causation_id: None,
             traceparent: None,
             last_error: None,
+            last_error_class: None,
             created_at: expires_at,
         }
     }
@@ -887,6 +923,28 @@ mod tests {
             started_at: None,
         };
         (Verdict::Retry { retry_after: ra, uncertain: false }, r)
+    }
+
+    // Issue 22 item 12: out of budget on an attempt that may have been applied.
+    #[test]
+    fn a_budget_spent_on_an_uncertain_attempt_leaves_the_intent_uncertain_not_dead() {
+        let now = Utc::now();
+        let i = intent(3, 3, now + chrono::Duration::hours(24));
+        let timeout = CallResult {
+            attempt: AttemptResult::Timeout { sent: true },
+            status: None,
+            error_class: Some("timeout"),
+            error: Some("no response".into()),
+            started_at: None,
+        };
+        let uncertain = Verdict::Retry { retry_after: None, uncertain: true };
+        assert_eq!(decide(&i, uncertain, &timeout, None, now).0, NextState::Uncertain);
+        let refused = Verdict::Retry { retry_after: None, uncertain: false };
+        assert_eq!(decide(&i, refused, &timeout, None, now).0, NextState::Dead);
+        let mut lost = intent(4, 3, now + chrono::Duration::hours(24));
+        assert!(!last_attempt_uncertain(&lost));
+        lost.last_error_class = Some("lease_expired".into());
+        assert!(last_attempt_uncertain(&lost));
     }
 
     // Issue 22 item 11: an absurd Retry-After neither panics nor reaches the

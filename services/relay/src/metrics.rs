@@ -86,7 +86,7 @@ pub fn lag(consumer: &str, topic: &str, partition: i32, lag: i64) {
         .set(lag as f64);
 }
 
-/// One finished call attempt. `result` is succeeded, retrying, dead or lease_lost.
+/// One finished call attempt. `result` is succeeded, retrying, dead, uncertain or lease_lost.
 pub fn call(endpoint: &str, result: &'static str, outcome: &str, seconds: f64) {
     let e = endpoint.to_owned();
     counter!("relay_calls_total", "endpoint" => e.clone(), "result" => result).increment(1);
@@ -96,6 +96,9 @@ pub fn call(endpoint: &str, result: &'static str, outcome: &str, seconds: f64) {
             counter!("relay_call_failures_total", "endpoint" => e.clone(), "kind" => "retryable").increment(1);
         }
         "dead" => counter!("relay_call_failures_total", "endpoint" => e.clone(), "kind" => "permanent").increment(1),
+        "uncertain" => {
+            counter!("relay_call_failures_total", "endpoint" => e.clone(), "kind" => "uncertain").increment(1)
+        }
         _ => {}
     }
     if outcome == "uncertain" {

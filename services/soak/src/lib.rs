@@ -301,7 +301,7 @@ pub async fn run(opts: &SoakOptions) -> anyhow::Result<(Summary, Report)> {
                     started.elapsed().as_secs_f64(),
                     produced.load(Ordering::Relaxed),
                     q("SELECT count(*) FROM relay.inbox").await,
-                    q("SELECT count(*) FROM relay.intents WHERE state IN ('succeeded', 'dead')").await,
+                    q("SELECT count(*) FROM relay.intents WHERE state IN ('succeeded', 'dead', 'uncertain')").await,
                     q("SELECT count(*) FROM relay.outbox WHERE state = 'published'").await,
                     q("SELECT count(*) FROM relay.dead_letters").await,
                     kills.load(Ordering::Relaxed),

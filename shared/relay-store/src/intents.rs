@@ -153,6 +153,9 @@ pub struct ClaimedIntent {
     pub traceparent: Option<String>,
     /// Last error before this attempt.
     pub last_error: Option<String>,
+    /// Its class (`timeout`, `lease_expired`, …): whether that attempt's
+    /// outcome is unknown.
+    pub last_error_class: Option<String>,
     /// Written at.
     pub created_at: DateTime<Utc>,
 }
@@ -247,7 +250,7 @@ pub const CLAIM: &str = "WITH due AS (
          SELECT c.id, c.lease_token, c.consumer, c.source_event_id, c.action, c.endpoint, c.method, c.path, c.body,
                 c.request_headers, c.idempotency_key, c.ordering_key, c.attempts, c.max_attempts, c.expires_at,
                 c.on_success, c.on_dead, c.emit_source, c.aggregate_id, c.correlation_id, c.causation_id,
-                c.traceparent, c.last_error, c.created_at, c.next_attempt_at AS due_at, c.seq, next.next_due
+                c.traceparent, c.last_error, c.last_error_class, c.created_at, c.next_attempt_at AS due_at, c.seq, next.next_due
            FROM next LEFT JOIN claimed c ON true";
 
 /// How one attempt ended, for the audit row and the intent's last_* columns.
@@ -283,6 +286,9 @@ pub enum NextState {
     Retry(Duration),
     /// Never again: permanent error or budget spent.
     Dead,
+    /// Budget spent on an attempt whose outcome is unknown (the provider may
+    /// have applied it): no outcome effects until an operator decides.
+    Uncertain,
 }
 
 /// The outcome of one claimed intent's attempt, to record.
@@ -322,7 +328,8 @@ pub const FINISH: &str = "WITH u AS (
                     next_attempt_at = CASE WHEN u.state = 'pending'
                                            THEN now() + make_interval(secs => u.delay) ELSE i.next_attempt_at END,
                     finished_at = CASE WHEN u.state = 'pending' THEN NULL ELSE now() END,
-                    last_status = CASE WHEN u.state = 'dead' THEN COALESCE(u.status, i.last_status) ELSE u.status END,
+                    last_status = CASE WHEN u.state IN ('dead', 'uncertain') THEN COALESCE(u.status, i.last_status)
+                                       ELSE u.status END,
                     last_error = CASE WHEN u.state = 'succeeded' THEN NULL ELSE u.error END,
                     last_error_class = CASE WHEN u.state = 'succeeded' THEN NULL ELSE u.error_class END,
                     lease_token = NULL, locked_until = NULL, locked_by = NULL
@@ -354,6 +361,7 @@ pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Ve
         NextState::Succeeded => "succeeded",
         NextState::Retry(_) => "pending",
         NextState::Dead => "dead",
+        NextState::Uncertain => "uncertain",
     };
     let delay = |f: &Finish| match f.next {
         NextState::Retry(d) => d.as_secs_f64(),
@@ -590,6 +598,7 @@ impl ClaimedIntent {
             causation_id: new.causation_id,
             traceparent: new.traceparent,
             last_error: None,
+            last_error_class: None,
             created_at: held.created_at,
         }
     }
@@ -666,16 +675,16 @@ pub async fn list(
     .await
 }
 
-/// Give a dead intent a new budget and queue it again, keeping its id and
+/// Give a dead (or uncertain) intent a new budget and queue it again, keeping its id and
 /// idempotency key (the provider still sees one operation). `false` if it is
-/// not dead.
+/// neither.
 pub async fn requeue(conn: &mut PgConnection, id: Uuid) -> Result<bool, sqlx::Error> {
     let done = sqlx::query(
         "UPDATE relay.intents
             SET state = 'pending', next_attempt_at = now(), finished_at = NULL,
                 max_attempts = attempts + max_attempts,
                 expires_at = now() + (expires_at - created_at)
-          WHERE id = $1 AND state = 'dead'",
+          WHERE id = $1 AND state IN ('dead', 'uncertain')",
     )
     .bind(id)
     .execute(conn)

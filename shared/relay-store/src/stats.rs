@@ -177,6 +177,7 @@ pub const GAUGE_COUNTS: &str = "SELECT
     (SELECT count(*) FROM relay.intents WHERE state = 'pending'),
     (SELECT count(*) FROM relay.intents WHERE state = 'running'),
     (SELECT count(*) FROM relay.intents WHERE state = 'dead'),
+    (SELECT count(*) FROM relay.intents WHERE state = 'uncertain'),
     (SELECT extract(epoch FROM now() - min(created_at))::float8 FROM relay.intents WHERE state = 'pending'),
     (SELECT extract(epoch FROM now() - min(created_at))::float8 FROM relay.intents WHERE state = 'running'),
     (SELECT count(*) FROM relay.outbox WHERE state = 'pending'),
@@ -202,13 +203,30 @@ pub async fn gauges(conn: &mut PgConnection) -> Result<Gauges, sqlx::Error> {
 /// [`Gauges`] without the table estimates: the exact backlog counts and the
 /// counters, which [`overview`] shares.
 async fn exact_gauges(conn: &mut PgConnection) -> Result<Gauges, sqlx::Error> {
-    type Row = (i64, i64, i64, Option<f64>, Option<f64>, i64, i64, Option<f64>, Option<f64>, i64, i64);
-    let (pending, running, dead, oldest_p, oldest_r, o_pending, o_running, o_oldest_p, o_oldest_r, unresolved, letters): Row =
-        sqlx::query_as(GAUGE_COUNTS).fetch_one(&mut *conn).await?;
+    type Row = (i64, i64, i64, i64, Option<f64>, Option<f64>, i64, i64, Option<f64>, Option<f64>, i64, i64);
+    let (
+        pending,
+        running,
+        dead,
+        uncertain,
+        oldest_p,
+        oldest_r,
+        o_pending,
+        o_running,
+        o_oldest_p,
+        o_oldest_r,
+        unresolved,
+        letters,
+    ): Row = sqlx::query_as(GAUGE_COUNTS).fetch_one(&mut *conn).await?;
     let counters = counters(&mut *conn).await?;
     let oldest = |a: Option<f64>, b: Option<f64>| a.into_iter().chain(b).reduce(f64::max);
     Ok(Gauges {
-        intents: vec![("pending".into(), pending), ("running".into(), running), ("dead".into(), dead)],
+        intents: vec![
+            ("pending".into(), pending),
+            ("running".into(), running),
+            ("dead".into(), dead),
+            ("uncertain".into(), uncertain),
+        ],
         oldest_pending_intent_secs: oldest(oldest_p, oldest_r),
         outbox: vec![("pending".into(), o_pending), ("running".into(), o_running)],
         oldest_unpublished_outbox_secs: oldest(o_oldest_p, o_oldest_r),
