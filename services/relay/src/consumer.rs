@@ -65,6 +65,9 @@ struct PartitionState {
     held: HashMap<Tp, Vec<RawRecord>>,
     /// Partitions whose fetching is paused at the broker (because they are held).
     paused_at_broker: std::collections::HashSet<Tp>,
+    /// Partitions whose fetching is paused because a batch of their records
+    /// already waits for their busy task ([`InboxConsumer::receive`]).
+    paused_full: std::collections::HashSet<Tp>,
 }
 
 impl PartitionState {
@@ -127,6 +130,7 @@ impl ConsumerContext for RelayContext {
                         // Held records were never processed: the new owner gets them again.
                         s.held.remove(&tp);
                         s.paused_at_broker.remove(&tp);
+                        s.paused_full.remove(&tp);
                         if let Some(next) = s.next_offsets.remove(&tp) {
                             let _ = commit.add_partition_offset(&tp.0, tp.1, Offset::Offset(next));
                         }
@@ -245,8 +249,6 @@ struct Work {
     /// Records received and not started, per partition, in offset order, each
     /// with the revoke generation it was fetched in.
     waiting: BTreeMap<Tp, Vec<(RawRecord, u64)>>,
-    /// How many records `waiting` holds.
-    waiting_records: usize,
     /// Partitions with a task running.
     busy: HashSet<Tp>,
 }
@@ -301,10 +303,20 @@ impl InboxConsumer {
         let mut tasks: JoinSet<(Tp, PartitionResult)> = JoinSet::new();
         let outcome = loop {
             self.start_ready(&mut work, &mut tasks, shutdown).await;
-            // At most `batch_size` records per assigned partition wait unstarted.
+            // A partition with a batch waiting for its busy task is paused at
+            // the broker (`receive`), so one partition waiting out its R19
+            // retries stops only its own fetching. What else waits unstarted
+            // is bounded too: a batch per assigned partition, counting the
+            // partitions still fetching (what a paused one holds is bounded
+            // by the batch and what was fetched before the pause took effect).
             let partitions = self.consumer.assignment().map_or(1, |a| a.count().max(1));
             let limit = self.settings.batch_size * partitions;
-            let holding = !self.state.lock().expect("partition state lock").held.is_empty();
+            let (holding, waiting) = {
+                let s = self.state.lock().expect("partition state lock");
+                let paused = |tp: &Tp| s.paused_full.contains(tp);
+                let waiting: usize = work.waiting.iter().filter(|(tp, _)| !paused(tp)).map(|(_, q)| q.len()).sum();
+                (!s.held.is_empty(), waiting)
+            };
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break Ok(()),
@@ -321,10 +333,10 @@ impl InboxConsumer {
                         Err(f) => break Err(f),
                     }
                 }
-                m = self.consumer.recv(), if work.waiting_records < limit => match m {
+                m = self.consumer.recv(), if waiting < limit => match m {
                     Ok(m) => {
                         let mut received = vec![self.take(&m)];
-                        while work.waiting_records + received.len() < limit {
+                        while waiting + received.len() < limit {
                             match self.consumer.recv().now_or_never() {
                                 Some(Ok(m)) => received.push(self.take(&m)),
                                 Some(Err(e)) => {
@@ -374,6 +386,9 @@ impl InboxConsumer {
         for (topic, n) in by_topic {
             crate::metrics::records_received(&self.settings.name, topic, n);
         }
+        // Partitions whose next batch is full while their task runs: paused
+        // at the broker until that batch starts.
+        let mut full = TopicPartitionList::new();
         let mut s = self.state.lock().expect("partition state lock");
         for (record, generation) in received {
             let tp = (record.topic.clone(), record.partition);
@@ -386,8 +401,17 @@ impl InboxConsumer {
                 held.push(record);
                 continue;
             }
-            work.waiting.entry(tp).or_default().push((record, generation));
-            work.waiting_records += 1;
+            let queue = work.waiting.entry(tp.clone()).or_default();
+            queue.push((record, generation));
+            if queue.len() >= self.settings.batch_size && work.busy.contains(&tp) && s.paused_full.insert(tp.clone()) {
+                let _ = full.add_partition(&tp.0, tp.1);
+            }
+        }
+        drop(s);
+        if full.count() > 0
+            && let Err(e) = self.consumer.pause(&full)
+        {
+            warn!(consumer = %self.settings.name, error = %e, "pausing fetches of a partition with a full batch waiting failed");
         }
     }
 
@@ -403,7 +427,6 @@ impl InboxConsumer {
             let mut s = self.state.lock().expect("partition state lock");
             let generation = s.generation;
             for (tp, records) in s.held.drain() {
-                work.waiting_records += records.len();
                 let queued = work.waiting.entry(tp).or_default();
                 queued.splice(0..0, records.into_iter().map(|r| (r, generation)));
             }
@@ -414,10 +437,14 @@ impl InboxConsumer {
         // A pause applies to every batch that starts after it was recorded.
         self.refresh_pauses().await;
         let ready: Vec<Tp> = work.waiting.keys().filter(|tp| !work.busy.contains(*tp)).cloned().collect();
-        let s = self.state.lock().expect("partition state lock");
+        let mut resume = TopicPartitionList::new();
+        let mut s = self.state.lock().expect("partition state lock");
         for tp in ready {
             let queued = work.waiting.remove(&tp).unwrap_or_default();
-            work.waiting_records -= queued.len();
+            // Its waiting batch starts now: fetch again (unless it is held).
+            if s.paused_full.remove(&tp) && !s.paused_at_broker.contains(&tp) {
+                let _ = resume.add_partition(&tp.0, tp.1);
+            }
             let records: Vec<RawRecord> =
                 queued.into_iter().filter(|(_, g)| !s.revoked_since(&tp, *g)).map(|(r, _)| r).collect();
             if records.is_empty() {
@@ -429,6 +456,12 @@ impl InboxConsumer {
                 let run = me.process_partition(tp.clone(), records, generation, &shutdown).await;
                 (tp, run)
             });
+        }
+        drop(s);
+        if resume.count() > 0
+            && let Err(e) = self.consumer.resume(&resume)
+        {
+            warn!(consumer = %self.settings.name, error = %e, "resuming fetches of a partition whose batch started failed");
         }
     }
 
@@ -472,9 +505,10 @@ impl InboxConsumer {
                 }
             } else {
                 if let Some(later) = work.waiting.remove(&run.tp) {
-                    work.waiting_records -= later.len();
                     run.held.extend(later.into_iter().map(|(r, _)| r));
                 }
+                // Paused at the broker from here on because it is held.
+                s.paused_full.remove(&run.tp);
                 s.held.insert(run.tp.clone(), run.held);
                 if s.paused_at_broker.insert(run.tp.clone()) {
                     let _ = pause.add_partition(&run.tp.0, run.tp.1);
