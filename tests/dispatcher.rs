@@ -1133,3 +1133,53 @@ async fn an_intent_out_of_budget_after_an_uncertain_attempt_is_left_uncertain_wi
     assert_eq!(h.intents_in("succeeded").await, 1);
     assert_eq!(h.provider.stats().applied_for("capture:o-1"), 1, "applied once");
 }
+
+#[tokio::test]
+async fn an_oversized_record_is_dead_lettered_with_a_copy_the_broker_takes_and_a_row_it_never_takes_ends_dead() {
+    // Issue 22 item 7: the dead-letter copy of an oversized record was the
+    // whole record, above the producer's limit; the publisher retried the
+    // permanent MessageSizeTooLarge forever.
+    let h = Harness::new(1).await;
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.consumer.max_record_bytes = 10_000;
+    cfg.kafka.producer_properties.insert("message.max.bytes".into(), "20000".into());
+    // Not compressible to under the limit either way: the limit is on the record as given.
+    let big: String = (0..40_000u32).map(|i| char::from(b'a' + (i.wrapping_mul(2_654_435_761) % 26) as u8)).collect();
+    let big_event = TestEvent::new("evt-big", "order.placed", json!({"order_id": "o-big", "note": big}));
+    h.send(&big_event).await;
+    let (_, last) = h.send(&order("evt-1", "o-1")).await;
+    let run = h.start(cfg.clone(), INGEST, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    h.await_published(1).await; // the dead-letter copy
+    let copy = read_topic(&h.bootstrap, &h.dlq, 1).await.unwrap();
+    assert_eq!(copy[0].header("relay_dlq_error_class"), Some("oversized"));
+    assert!(copy[0].header("relay_dlq_omitted_bytes").is_some_and(|n| n.parse::<usize>().unwrap() > 40_000));
+    let stored: i32 =
+        sqlx::query_scalar("SELECT length(payload) FROM relay.dead_letters").fetch_one(&h.db.pool).await.unwrap();
+    assert!(stored > 40_000, "the dead-letter table keeps the record whole");
+
+    // A row the broker can never take (above the producer's limit) ends dead.
+    let row = relay_core::OutboxRecord {
+        id: uuid::Uuid::new_v4(),
+        action: "too-big".into(),
+        topic: h.out.clone(),
+        key: None,
+        headers: Vec::new(),
+        payload: Some(big.into_bytes()),
+        event_type: None,
+        ordering_key: None,
+    };
+    let mut conn = h.db.conn().await.unwrap();
+    outbox::insert(&mut conn, &h.consumer, "src", &row).await.unwrap();
+    let error: String = eventually("the row that can never be published to end dead", DEADLINE, || async {
+        sqlx::query_scalar("SELECT last_error FROM relay.outbox WHERE state = 'dead'")
+            .fetch_optional(&h.db.pool)
+            .await
+            .unwrap()
+    })
+    .await;
+    run.stop().await.unwrap();
+    assert!(error.contains("permanent"), "{error}");
+    let stats = relay_store::stats::gauges(&mut conn).await.unwrap();
+    assert_eq!(relay_store::stats::Stats::count(&stats.outbox, "dead"), 1);
+}

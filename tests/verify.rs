@@ -165,12 +165,34 @@ async fn damaged_state_is_reported_check_by_check() {
     exec("UPDATE relay.intents SET state = 'running', lease_token = gen_random_uuid(), locked_until = now() - interval '1 hour'
            WHERE idempotency_key = 'capture:o-2'")
         .await;
+    // An outbox row that keeps failing: its retry is always ahead, so it is never "stuck".
+    exec(
+        "INSERT INTO relay.outbox (id, consumer, source_id, action, topic, attempts, next_attempt_at, last_error)
+          SELECT gen_random_uuid(), consumer, 'y', 'y', topic, 12, now() + interval '1 minute', 'Broker: Leader not available'
+            FROM relay.outbox LIMIT 1",
+    )
+    .await;
+    // One the broker can never take.
+    exec(
+        "INSERT INTO relay.outbox (id, consumer, source_id, action, topic, state, last_error)
+          SELECT gen_random_uuid(), consumer, 'z', 'z', topic, 'dead', 'permanent: Message size too large'
+            FROM relay.outbox LIMIT 1",
+    )
+    .await;
     let mut r = check(&h, &cfg).await;
     let mut found = checks(&r);
     found.sort();
     assert_eq!(
         found,
-        vec!["counter_mismatch", "missing_intent", "poison_not_parked", "published_not_on_topic", "stuck_intent",],
+        vec![
+            "counter_mismatch",
+            "dead_outbox",
+            "failing",
+            "missing_intent",
+            "poison_not_parked",
+            "published_not_on_topic",
+            "stuck_intent",
+        ],
         "{}",
         r.render()
     );

@@ -59,7 +59,7 @@ async function refresh() {
     ]);
     fill($("#outbox-counts"), [
       ["pending", count(stats.outbox, "pending")], ["running", count(stats.outbox, "running")],
-      ["published", est("outbox.published", count(stats.outbox, "published"))],
+      ["published", est("outbox.published", count(stats.outbox, "published"))], ["dead", count(stats.outbox, "dead")],
       ["oldest unpublished (s)", stats.oldest_unpublished_outbox_secs === null ? "–" : stats.oldest_unpublished_outbox_secs.toFixed(1)],
     ]);
     fill($("#inbox-counts"), stats.inbox.length ? stats.inbox.map(([k, v]) => [k, est("inbox", v)]) : [["(empty)", ""]]);

@@ -432,7 +432,7 @@ fn print_stats(s: &Stats) {
         None => println!("  oldest unfinished        -"),
     }
     println!("outbox (by state):");
-    for state in ["pending", "running", "published"] {
+    for state in ["pending", "running", "published", "dead"] {
         println!("  {state:<22} {}", Stats::count(&s.outbox, state));
     }
     if let Some(age) = s.oldest_unpublished_outbox_secs {

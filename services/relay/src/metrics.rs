@@ -124,6 +124,11 @@ pub fn published(topic: &str, ok: bool) {
     counter!(name, "topic" => topic.to_owned()).increment(1);
 }
 
+/// An outbox row the broker can never take, ended dead.
+pub fn publish_dead(topic: &str) {
+    counter!("relay_outbox_dead_total", "topic" => topic.to_owned()).increment(1);
+}
+
 /// Refresh the table gauges (see [`stats::Gauges`] for what is exact and
 /// what is PostgreSQL's estimate).
 pub async fn refresh_gauges(pool: &PgPool) -> Result<(), sqlx::Error> {

@@ -842,7 +842,7 @@ impl Processor {
             return Ok(false);
         };
         if let Some(topic) = self.router.dead_letter_topic() {
-            let copy = encode_dead_letter(consumer, topic, record, &clean, attempts);
+            let copy = encode_dead_letter(consumer, topic, record, &clean, attempts, self.router.max_record_bytes());
             outbox::insert(conn, consumer, &format!("{}/{}/{}", record.topic, record.partition, record.offset), &copy)
                 .await?;
         }

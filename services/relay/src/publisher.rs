@@ -218,6 +218,18 @@ impl Publisher {
                         batch.unblocked = Some(batch.unblocked.map_or(row.seq, |s| s.min(row.seq)));
                     }
                 }
+                Err(e) if is_permanent(&e) => {
+                    crate::metrics::published(&row.topic, false);
+                    crate::metrics::publish_dead(&row.topic);
+                    error!(outbox_id = %row.id, topic = %row.topic, attempt = row.attempts, error = %e,
+                           "the broker can never take this record (size limit, invalid topic, policy): the row is dead; \
+                            fix the cause (e.g. raise the topic's max.message.bytes and the producer's message.max.bytes) \
+                            and requeue it");
+                    outbox::mark_dead(&mut conn, row.id, row.lease_token, &format!("permanent: {e}")).await?;
+                    if row.ordering_key.is_some() {
+                        batch.unblocked = Some(batch.unblocked.map_or(row.seq, |s| s.min(row.seq)));
+                    }
+                }
                 Err(e) => {
                     crate::metrics::published(&row.topic, false);
                     let delay = self.settings.backoff.delay(u32::try_from(row.attempts).unwrap_or(1), &mut rand::rng());
@@ -269,6 +281,18 @@ impl Publisher {
             .map(|d| (d.partition, d.offset))
             .map_err(|(e, _)| e)
     }
+}
+
+/// Whether a produce error will come back on every attempt: the record is
+/// larger than the producer or the topic allows, or the topic or the record
+/// is invalid for the broker. Anything else (timeouts, brokers down, leaders
+/// moving, authorization an operator may fix) is retried.
+fn is_permanent(e: &KafkaError) -> bool {
+    use rdkafka::types::RDKafkaErrorCode as C;
+    matches!(
+        e.rdkafka_error_code(),
+        Some(C::MessageSizeTooLarge | C::InvalidMessageSize | C::InvalidRecord | C::InvalidTopic | C::PolicyViolation)
+    )
 }
 
 /// What one publish round did, for the lane's next step.

@@ -512,6 +512,30 @@ pub async fn verify(cfg: &RelayConfig, pool: &PgPool, opts: &VerifyOptions) -> a
         );
     }
 
+    // --- Rows that keep failing (their due time is always ahead, so they
+    // never look stuck) and outbox rows the broker can never take.
+    let failing = failing(pool, consumer, FAILING_AFTER).await?;
+    if !failing.is_empty() {
+        report.violate(
+            "failing",
+            format!("{} row(s) have failed {FAILING_AFTER} attempts or more and are still retried", failing.len()),
+            failing,
+        );
+    }
+    let dead_outbox: Vec<String> = sqlx::query_scalar(
+        "SELECT id::text || ': ' || coalesce(last_error, '') FROM relay.outbox WHERE consumer = $1 AND state = 'dead'",
+    )
+    .bind(consumer)
+    .fetch_all(pool)
+    .await?;
+    if !dead_outbox.is_empty() {
+        report.violate(
+            "dead_outbox",
+            format!("{} outbox row(s) can never be published as they are (see their errors)", dead_outbox.len()),
+            dead_outbox,
+        );
+    }
+
     // --- Business counters.
     let mut expected: BTreeMap<&str, i64> = BTreeMap::new();
     for route in &cfg.routes {
@@ -543,6 +567,27 @@ pub async fn verify(cfg: &RelayConfig, pool: &PgPool, opts: &VerifyOptions) -> a
         }
     }
     Ok(report)
+}
+
+/// Attempts after which a row still being retried is reported as failing.
+/// Intents end by their budget (dead or uncertain); outbox rows are retried
+/// until the broker takes them, so only this notices one that never will.
+pub const FAILING_AFTER: i32 = 10;
+
+/// Pending or running rows of either table that have made `attempts`
+/// attempts or more.
+async fn failing(pool: &PgPool, consumer: &str, attempts: i32) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT 'intent ' || id::text || ' (' || attempts || ' attempts: ' || coalesce(last_error, '') || ')'
+           FROM relay.intents WHERE consumer = $1 AND state IN ('pending', 'running') AND attempts >= $2
+         UNION ALL
+         SELECT 'outbox ' || id::text || ' (' || attempts || ' attempts: ' || coalesce(last_error, '') || ')'
+           FROM relay.outbox WHERE consumer = $1 AND state IN ('pending', 'running') AND attempts >= $2",
+    )
+    .bind(consumer)
+    .bind(attempts)
+    .fetch_all(pool)
+    .await
 }
 
 /// Rows of `table` (`intents` or `outbox`) running past their lease, or

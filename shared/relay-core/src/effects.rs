@@ -201,18 +201,33 @@ pub mod dlq_headers {
     pub const ATTEMPTS: &str = "relay_dlq_attempts";
     /// Consumer that parked it.
     pub const CONSUMER: &str = "relay_dlq_consumer";
+    /// Set when the original key, value and headers were left out of the
+    /// copy (too large for it): how many bytes; the dead-letter table keeps them.
+    pub const OMITTED: &str = "relay_dlq_omitted_bytes";
 }
 
 /// Encode the dead-letter copy of `record`: the original key, value and
 /// headers, plus `relay_dlq_*` headers saying where it came from and why.
+///
+/// A record larger than `max_bytes` (key, value and headers; the consumer's
+/// `max_record_bytes`, so anything the relay accepts as input is copied
+/// whole) is copied without its key, value and headers, with
+/// [`dlq_headers::OMITTED`] saying how much was left out: the copy of an
+/// oversized record could never be published (the broker's and the
+/// producer's size limits), and the dead-letter table keeps it whole.
 pub fn encode_dead_letter(
     consumer: &str,
     topic: &str,
     record: &RawRecord,
     poison: &Poison,
     attempts: u32,
+    max_bytes: usize,
 ) -> OutboxRecord {
-    let mut headers = record.headers.clone();
+    let size = record.key.as_ref().map_or(0, Vec::len)
+        + record.payload.as_ref().map_or(0, Vec::len)
+        + record.headers.iter().map(|h| h.name.len() + h.value.as_ref().map_or(0, Vec::len)).sum::<usize>();
+    let whole = size <= max_bytes;
+    let mut headers = if whole { record.headers.clone() } else { Vec::new() };
     headers.push(Header::text(dlq_headers::TOPIC, &record.topic));
     headers.push(Header::text(dlq_headers::PARTITION, record.partition.to_string()));
     headers.push(Header::text(dlq_headers::OFFSET, record.offset.to_string()));
@@ -223,13 +238,16 @@ pub fn encode_dead_letter(
     headers.push(Header::text(dlq_headers::REASON, &poison.reason));
     headers.push(Header::text(dlq_headers::ATTEMPTS, attempts.to_string()));
     headers.push(Header::text(dlq_headers::CONSUMER, consumer));
+    if !whole {
+        headers.push(Header::text(dlq_headers::OMITTED, size.to_string()));
+    }
     OutboxRecord {
         id: crate::ids::dead_letter_id(consumer, &record.topic, record.partition, record.offset),
         action: "dead_letter".into(),
         topic: topic.to_owned(),
-        key: record.key.clone(),
+        key: if whole { record.key.clone() } else { None },
         headers,
-        payload: record.payload.clone(),
+        payload: if whole { record.payload.clone() } else { None },
         event_type: poison.event_type.clone(),
         ordering_key: None,
     }
@@ -288,7 +306,7 @@ mod tests {
             headers: vec![Header::text("ce_id", "e-1")],
         };
         let poison = Poison::new(PoisonClass::BadJson, "nope").with_identity(Some("e-1"), None);
-        let r = encode_dead_letter("c", "orders.dlq", &rec, &poison, 1);
+        let r = encode_dead_letter("c", "orders.dlq", &rec, &poison, 1, 1 << 20);
         assert_eq!(r.topic, "orders.dlq");
         assert_eq!(r.payload, rec.payload);
         assert_eq!(header(&r, dlq_headers::TOPIC), Some("orders"));
@@ -297,6 +315,27 @@ mod tests {
         assert_eq!(header(&r, dlq_headers::EVENT_ID), Some("e-1"));
         assert_eq!(header(&r, dlq_headers::CLASS), Some("bad_json"));
         assert_eq!(header(&r, "ce_id"), Some("e-1"), "original headers are kept");
-        assert_eq!(r.id, encode_dead_letter("c", "orders.dlq", &rec, &poison, 3).id);
+        assert_eq!(r.id, encode_dead_letter("c", "orders.dlq", &rec, &poison, 3, 1 << 20).id);
+        assert_eq!(header(&r, dlq_headers::OMITTED), None);
+    }
+
+    // Issue 22 item 7: the copy of an oversized record could never be published.
+    #[test]
+    fn a_record_larger_than_the_limit_is_copied_without_its_bytes_and_says_so() {
+        let rec = RawRecord {
+            topic: "orders".into(),
+            partition: 0,
+            offset: 1,
+            key: Some(b"k".to_vec()),
+            payload: Some(vec![b'x'; 2_000]),
+            headers: vec![Header::text("ce_id", "e-1")],
+        };
+        let poison = Poison::new(PoisonClass::Oversized, "too big").with_identity(Some("e-1"), None);
+        let r = encode_dead_letter("c", "orders.dlq", &rec, &poison, 1, 1_000);
+        assert_eq!((r.key.as_ref(), r.payload.as_ref()), (None, None));
+        assert_eq!(header(&r, dlq_headers::OMITTED), Some("2009"), "key 1 + value 2000 + header ce_id: e-1 (8)");
+        assert_eq!(header(&r, "ce_id"), None, "original headers left out too");
+        assert_eq!(header(&r, dlq_headers::CLASS), Some("oversized"));
+        assert_eq!(header(&r, dlq_headers::EVENT_ID), Some("e-1"));
     }
 }

@@ -186,6 +186,11 @@ impl Router {
         &self.source
     }
 
+    /// The largest input record accepted (`consumer.max_record_bytes`).
+    pub fn max_record_bytes(&self) -> usize {
+        self.max_record_bytes
+    }
+
     /// Where dead-letter copies go, if anywhere.
     pub fn dead_letter_topic(&self) -> Option<&str> {
         self.dead_letter_topic.as_deref()

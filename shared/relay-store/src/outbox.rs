@@ -172,6 +172,33 @@ pub async fn schedule_retry(
     Ok(done.rows_affected() == 1)
 }
 
+/// End a row the broker can never take (fenced): `dead`, with the error.
+/// One statement, its own transaction, on a finish connection.
+pub async fn mark_dead(conn: &mut FinishConnection, id: Uuid, token: Uuid, error: &str) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE relay.outbox SET state = 'dead', last_error = $3, lease_token = NULL, locked_until = NULL
+          WHERE id = $1 AND lease_token = $2",
+    )
+    .bind(id)
+    .bind(token)
+    .bind(error)
+    .execute(&mut **conn)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Queue a dead row again (its cause fixed, e.g. the topic's size limit
+/// raised). `false` if it is not dead.
+pub async fn requeue(conn: &mut PgConnection, id: Uuid) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE relay.outbox SET state = 'pending', next_attempt_at = now() WHERE id = $1 AND state = 'dead'",
+    )
+    .bind(id)
+    .execute(conn)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
 /// Return rows whose publisher lost its lease to pending.
 pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<u64, sqlx::Error> {
     let done = sqlx::query(

@@ -182,6 +182,7 @@ pub const GAUGE_COUNTS: &str = "SELECT
     (SELECT extract(epoch FROM now() - min(created_at))::float8 FROM relay.intents WHERE state = 'running'),
     (SELECT count(*) FROM relay.outbox WHERE state = 'pending'),
     (SELECT count(*) FROM relay.outbox WHERE state = 'running'),
+    (SELECT count(*) FROM relay.outbox WHERE state = 'dead'),
     (SELECT extract(epoch FROM now() - min(created_at))::float8 FROM relay.outbox WHERE state = 'pending'),
     (SELECT extract(epoch FROM now() - min(created_at))::float8 FROM relay.outbox WHERE state = 'running'),
     (SELECT count(*) FROM relay.dead_letters
@@ -203,7 +204,7 @@ pub async fn gauges(conn: &mut PgConnection) -> Result<Gauges, sqlx::Error> {
 /// [`Gauges`] without the table estimates: the exact backlog counts and the
 /// counters, which [`overview`] shares.
 async fn exact_gauges(conn: &mut PgConnection) -> Result<Gauges, sqlx::Error> {
-    type Row = (i64, i64, i64, i64, Option<f64>, Option<f64>, i64, i64, Option<f64>, Option<f64>, i64, i64);
+    type Row = (i64, i64, i64, i64, Option<f64>, Option<f64>, i64, i64, i64, Option<f64>, Option<f64>, i64, i64);
     let (
         pending,
         running,
@@ -213,6 +214,7 @@ async fn exact_gauges(conn: &mut PgConnection) -> Result<Gauges, sqlx::Error> {
         oldest_r,
         o_pending,
         o_running,
+        o_dead,
         o_oldest_p,
         o_oldest_r,
         unresolved,
@@ -228,7 +230,7 @@ async fn exact_gauges(conn: &mut PgConnection) -> Result<Gauges, sqlx::Error> {
             ("uncertain".into(), uncertain),
         ],
         oldest_pending_intent_secs: oldest(oldest_p, oldest_r),
-        outbox: vec![("pending".into(), o_pending), ("running".into(), o_running)],
+        outbox: vec![("pending".into(), o_pending), ("running".into(), o_running), ("dead".into(), o_dead)],
         oldest_unpublished_outbox_secs: oldest(o_oldest_p, o_oldest_r),
         dead_letters_unresolved: unresolved,
         dead_letters_total: letters,
