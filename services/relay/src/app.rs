@@ -90,6 +90,7 @@ impl Relay {
             group: c.group().to_owned(),
             topics,
             batch_size: c.batch_size,
+            max_buffered_bytes: c.max_buffered_bytes,
             reference_retry: c.reference_retry,
             database_backoff: c.database_backoff,
         };

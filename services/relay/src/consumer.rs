@@ -190,6 +190,8 @@ pub struct ConsumerSettings {
     pub topics: Vec<String>,
     /// Most records per batch.
     pub batch_size: usize,
+    /// Most bytes of records received and not started (all partitions).
+    pub max_buffered_bytes: usize,
     /// Budget for "not yet" records.
     pub reference_retry: RetryBudget,
     /// Backoff while the database is down.
@@ -249,6 +251,8 @@ struct Work {
     /// Records received and not started, per partition, in offset order, each
     /// with the revoke generation it was fetched in.
     waiting: BTreeMap<Tp, Vec<(RawRecord, u64)>>,
+    /// The bytes of `waiting`, per partition.
+    waiting_bytes: HashMap<Tp, usize>,
     /// Partitions with a task running.
     busy: HashSet<Tp>,
 }
@@ -311,12 +315,16 @@ impl InboxConsumer {
             // by the batch and what was fetched before the pause took effect).
             let partitions = self.consumer.assignment().map_or(1, |a| a.count().max(1));
             let limit = self.settings.batch_size * partitions;
-            let (holding, waiting) = {
+            let (holding, waiting, bytes) = {
                 let s = self.state.lock().expect("partition state lock");
-                let paused = |tp: &Tp| s.paused_full.contains(tp);
-                let waiting: usize = work.waiting.iter().filter(|(tp, _)| !paused(tp)).map(|(_, q)| q.len()).sum();
-                (!s.held.is_empty(), waiting)
+                let fetching = |tp: &&Tp| !s.paused_full.contains(*tp);
+                let waiting: usize = work.waiting.iter().filter(|(tp, _)| fetching(tp)).map(|(_, q)| q.len()).sum();
+                let bytes: usize = work.waiting_bytes.iter().filter(|(tp, _)| fetching(tp)).map(|(_, b)| b).sum();
+                (!s.held.is_empty(), waiting, bytes)
             };
+            // Records are copied out of librdkafka (the dead-letter table
+            // keeps even an oversized one whole), so bytes are bounded too.
+            let room = waiting < limit && bytes < self.settings.max_buffered_bytes;
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break Ok(()),
@@ -333,12 +341,17 @@ impl InboxConsumer {
                         Err(f) => break Err(f),
                     }
                 }
-                m = self.consumer.recv(), if waiting < limit => match m {
+                m = self.consumer.recv(), if room => match m {
                     Ok(m) => {
                         let mut received = vec![self.take(&m)];
-                        while waiting + received.len() < limit {
+                        let mut got = record_bytes(&received[0].0);
+                        while waiting + received.len() < limit && bytes + got < self.settings.max_buffered_bytes {
                             match self.consumer.recv().now_or_never() {
-                                Some(Ok(m)) => received.push(self.take(&m)),
+                                Some(Ok(m)) => {
+                                    let r = self.take(&m);
+                                    got += record_bytes(&r.0);
+                                    received.push(r);
+                                }
                                 Some(Err(e)) => {
                                     warn!(consumer = %self.settings.name, error = %e, "Kafka receive error");
                                     break;
@@ -388,7 +401,10 @@ impl InboxConsumer {
         }
         // Partitions whose next batch is full while their task runs: paused
         // at the broker until that batch starts.
-        let mut full = TopicPartitionList::new();
+        let mut to_pause = TopicPartitionList::new();
+        // A partition's share of the byte bound (never below one record).
+        let partitions = self.consumer.assignment().map_or(1, |a| a.count().max(1));
+        let share = (self.settings.max_buffered_bytes / partitions).max(1);
         let mut s = self.state.lock().expect("partition state lock");
         for (record, generation) in received {
             let tp = (record.topic.clone(), record.partition);
@@ -401,15 +417,19 @@ impl InboxConsumer {
                 held.push(record);
                 continue;
             }
+            let size = record_bytes(&record);
             let queue = work.waiting.entry(tp.clone()).or_default();
             queue.push((record, generation));
-            if queue.len() >= self.settings.batch_size && work.busy.contains(&tp) && s.paused_full.insert(tp.clone()) {
-                let _ = full.add_partition(&tp.0, tp.1);
+            let queued_bytes = work.waiting_bytes.entry(tp.clone()).or_default();
+            *queued_bytes += size;
+            let full = queue.len() >= self.settings.batch_size || *queued_bytes >= share;
+            if full && work.busy.contains(&tp) && s.paused_full.insert(tp.clone()) {
+                let _ = to_pause.add_partition(&tp.0, tp.1);
             }
         }
         drop(s);
-        if full.count() > 0
-            && let Err(e) = self.consumer.pause(&full)
+        if to_pause.count() > 0
+            && let Err(e) = self.consumer.pause(&to_pause)
         {
             warn!(consumer = %self.settings.name, error = %e, "pausing fetches of a partition with a full batch waiting failed");
         }
@@ -427,6 +447,7 @@ impl InboxConsumer {
             let mut s = self.state.lock().expect("partition state lock");
             let generation = s.generation;
             for (tp, records) in s.held.drain() {
+                *work.waiting_bytes.entry(tp.clone()).or_default() += records.iter().map(record_bytes).sum::<usize>();
                 let queued = work.waiting.entry(tp).or_default();
                 queued.splice(0..0, records.into_iter().map(|r| (r, generation)));
             }
@@ -441,6 +462,7 @@ impl InboxConsumer {
         let mut s = self.state.lock().expect("partition state lock");
         for tp in ready {
             let queued = work.waiting.remove(&tp).unwrap_or_default();
+            work.waiting_bytes.remove(&tp);
             // Its waiting batch starts now: fetch again (unless it is held).
             if s.paused_full.remove(&tp) && !s.paused_at_broker.contains(&tp) {
                 let _ = resume.add_partition(&tp.0, tp.1);
@@ -504,6 +526,7 @@ impl InboxConsumer {
                     let _ = resume.add_partition(&run.tp.0, run.tp.1);
                 }
             } else {
+                work.waiting_bytes.remove(&run.tp);
                 if let Some(later) = work.waiting.remove(&run.tp) {
                     run.held.extend(later.into_iter().map(|(r, _)| r));
                 }
@@ -801,4 +824,11 @@ impl InboxConsumer {
             _ => emit!(Level::DEBUG),
         }
     }
+}
+
+/// The bytes a record holds in the buffer: key, value and headers.
+fn record_bytes(r: &RawRecord) -> usize {
+    r.key.as_ref().map_or(0, Vec::len)
+        + r.payload.as_ref().map_or(0, Vec::len)
+        + r.headers.iter().map(|h| h.name.len() + h.value.as_ref().map_or(0, Vec::len)).sum::<usize>()
 }

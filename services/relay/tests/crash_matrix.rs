@@ -347,9 +347,21 @@ async fn c15_postgresql_crashed_and_restarted_mid_run_commits_no_offset_for_unre
     let count = || async {
         sqlx::query_scalar::<_, i64>("SELECT count(*) FROM relay.inbox").fetch_one(&pool).await.unwrap_or(-1)
     };
-    let mut run = h.process(&config, &["run"], &[("DATABASE_URL", pg.url().as_str())]);
+    // The crash lands while a batch waits before its database commit, so a
+    // relay that committed offsets first would have one past the data.
+    let mut run = h.process(
+        &config,
+        &["run"],
+        &[("DATABASE_URL", pg.url().as_str()), ("RELAY_FAULTS", "consumer.before_db_commit=pause:3s@2")],
+    );
     eventually("progress before the crash", DEADLINE, || async { (count().await >= 50).then_some(()) }).await;
+    eventually("a batch waiting before its commit", DEADLINE, || async {
+        run.log().contains("fault point: pausing").then_some(())
+    })
+    .await;
     pg.stop_immediately().unwrap();
+    // Every row the crash left was committed before this instant (same clock).
+    let crashed_at = chrono::Utc::now();
     send_orders(&h, 200..300, 2).await;
     // Down until the relay has run into the outage: the first 200 may all be
     // recorded before the crash, and a connection attempt waits up to the
@@ -375,12 +387,66 @@ async fn c15_postgresql_crashed_and_restarted_mid_run_commits_no_offset_for_unre
     .await;
     eventually("every offset committed", DEADLINE, || async { (h.committed_total().await == 300).then_some(()) }).await;
     assert!(run.terminate(Duration::from_secs(30)).unwrap().success(), "{}", run.log());
-    assert!(committed_down <= 200, "offsets of records sent during the outage were committed: {committed_down}");
+    // The committed offsets may cover only records the database had when it
+    // crashed (R1): with offsets committed before the data, a batch lost in
+    // the crash is past them. (Only "not past the 200 sent before" could not
+    // fail: nothing commits while the database is down.)
+    let recorded_at_crash: i64 = sqlx::query_scalar("SELECT count(*) FROM relay.inbox WHERE received_at <= $1")
+        .bind(crashed_at)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(
+        committed_down <= recorded_at_crash,
+        "offsets past what the database had recorded were committed: {committed_down} > {recorded_at_crash}"
+    );
     let mut cfg = h.config(CAPTURE_ROUTE);
     cfg.database.url = Some(pg.url().into());
     let r = assert_verified(&h, &cfg, &pool).await;
     assert_eq!(r.unique_events, 300);
     assert_eq!(h.provider.stats().applied, 300);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn c15_sabotaged_offsets_committed_before_the_data_are_caught_by_the_crash_check() {
+    // The check of c15 can fail: the same crash, with the offset committed
+    // before the database commit on purpose (RELAY_SABOTAGE).
+    let h = Harness::new(1).await;
+    let pg = PrivatePostgres::start().unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(&pg.url()).await.unwrap();
+    relay_store::migrate(&pool).await.unwrap();
+    let mut text = h.config_text(CAPTURE_ROUTE);
+    text = text.replace("batch_size = 50", "batch_size = 10");
+    let config = h.write_config(&text);
+    send_orders(&h, 0..100, 1).await;
+    let mut run = h.process(
+        &config,
+        &["consume"],
+        &[
+            ("DATABASE_URL", pg.url().as_str()),
+            ("RELAY_FAULTS", "consumer.before_db_commit=pause:3s@2"),
+            ("RELAY_SABOTAGE", "offset-before-commit"),
+        ],
+    );
+    eventually("a batch waiting before its commit", DEADLINE, || async {
+        run.log().contains("fault point: pausing").then_some(())
+    })
+    .await;
+    let committed_down = h.committed_total().await;
+    pg.stop_immediately().unwrap();
+    let crashed_at = chrono::Utc::now();
+    run.kill9().unwrap();
+    pg.start_again().unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(&pg.url()).await.unwrap();
+    let recorded_at_crash: i64 = sqlx::query_scalar("SELECT count(*) FROM relay.inbox WHERE received_at <= $1")
+        .bind(crashed_at)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(
+        committed_down > recorded_at_crash,
+        "the sabotaged relay committed {committed_down} offsets with {recorded_at_crash} records recorded"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

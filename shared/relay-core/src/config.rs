@@ -166,6 +166,11 @@ pub struct ConsumerConfig {
     pub max_record_bytes: usize,
     /// Most records processed in one database transaction (per partition).
     pub batch_size: usize,
+    /// Most bytes (keys, values, headers) of records received and not yet
+    /// processed, over all partitions: receiving pauses above it, and a
+    /// partition holding its share while its task runs is paused at the
+    /// broker. At least `max_record_bytes`.
+    pub max_buffered_bytes: usize,
     /// Topic that receives a copy of every dead-lettered record.
     pub dead_letter_topic: Option<String>,
     /// CloudEvents `source` of events the relay emits; default `relay/<name>`.
@@ -185,6 +190,7 @@ impl Default for ConsumerConfig {
             strict: false,
             max_record_bytes: 1024 * 1024,
             batch_size: 200,
+            max_buffered_bytes: 64 * 1024 * 1024,
             dead_letter_topic: None,
             event_source: None,
             reference_retry: RetryBudget::default(),
@@ -742,6 +748,13 @@ impl RelayConfig {
         }
         if c.batch_size == 0 {
             p.push("consumer.batch_size: must be at least 1".into());
+        }
+        if self.consumer.max_buffered_bytes < self.consumer.max_record_bytes {
+            p.push(format!(
+                "consumer.max_buffered_bytes ({}) must be at least consumer.max_record_bytes ({}): \
+                 the buffer must hold the largest record accepted",
+                self.consumer.max_buffered_bytes, self.consumer.max_record_bytes
+            ));
         }
         if c.reference_retry.max_attempts == 0 {
             p.push("consumer.reference_retry.max_attempts: must be at least 1".into());
