@@ -45,7 +45,8 @@ pub struct Relay {
 impl Relay {
     /// Connect to the database, compile the routes, and check the schema is current.
     pub async fn new(cfg: RelayConfig, handlers: Handlers, faults: Faults) -> anyhow::Result<Relay> {
-        let router = Arc::new(Router::new(&cfg)?);
+        let router =
+            Arc::new(if faults.sabotage().null_as_text { Router::sabotaged(&cfg)? } else { Router::new(&cfg)? });
         let wanted = cfg.routes.iter().filter_map(|r| r.handler.as_deref());
         let missing = handlers.missing(wanted);
         if !missing.is_empty() {

@@ -434,6 +434,12 @@ impl Dispatcher {
                 idempotency_key: fresh_key.as_deref().unwrap_or(&intent.idempotency_key),
                 traceparent: hop.traceparent.as_deref().or(intent.traceparent.as_deref()),
             };
+            // Deliberately wrong (C17): the waits at the endpoint's limits are not bounded by the lease.
+            let send_by = if self.inner.faults.sabotage().lease_checked_before_wait {
+                tokio::time::Instant::now() + Duration::from_secs(86_400)
+            } else {
+                send_by
+            };
             let Ok(r) = client.call(&intent, sent, send_by).await else {
                 hop.end("not_sent");
                 return Ok(Err(intent));

@@ -67,7 +67,7 @@ pub struct FaultInjected(pub String);
 /// Deliberately broken behaviour, to prove that `relay verify` and the soak
 /// catch the bugs the relay's design exists to prevent. Never set in
 /// production: every process that has one logs it at ERROR when it starts.
-/// `RELAY_SABOTAGE=offset-before-commit,no-inbox-dedup,fresh-idempotency-key`.
+/// `RELAY_SABOTAGE=offset-before-commit,no-inbox-dedup,fresh-idempotency-key,lease-checked-before-wait,null-as-text`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Sabotage {
     /// Commit the Kafka offset *before* the database transaction (breaks R1).
@@ -76,6 +76,12 @@ pub struct Sabotage {
     pub no_inbox_dedup: bool,
     /// Send a new idempotency key on every attempt (breaks R8).
     pub fresh_idempotency_key: bool,
+    /// Check the lease only before the waits for the endpoint's rate and
+    /// concurrency limits, not when the request is sent (breaks C17: issue 22 item 4).
+    pub lease_checked_before_wait: bool,
+    /// Render a JSON null as `none` into keys and paths, and let empty values
+    /// through (breaks R8's one key per operation: issue 22 item 3).
+    pub null_as_text: bool,
 }
 
 impl Sabotage {
@@ -87,9 +93,12 @@ impl Sabotage {
                 "offset-before-commit" => s.offset_before_commit = true,
                 "no-inbox-dedup" => s.no_inbox_dedup = true,
                 "fresh-idempotency-key" => s.fresh_idempotency_key = true,
+                "lease-checked-before-wait" => s.lease_checked_before_wait = true,
+                "null-as-text" => s.null_as_text = true,
                 other => {
                     return Err(format!(
-                        "RELAY_SABOTAGE: unknown item {other:?} (offset-before-commit, no-inbox-dedup, fresh-idempotency-key)"
+                        "RELAY_SABOTAGE: unknown item {other:?} (offset-before-commit, no-inbox-dedup, \
+                         fresh-idempotency-key, lease-checked-before-wait, null-as-text)"
                     ));
                 }
             }

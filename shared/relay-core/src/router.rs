@@ -115,7 +115,17 @@ pub struct RouterError(pub Vec<String>);
 impl Router {
     /// Compile every route of `cfg` (templates and schemas); every error at once.
     pub fn new(cfg: &RelayConfig) -> Result<Router, RouterError> {
-        let mut b = TemplateBuilder::default();
+        Router::build(cfg, TemplateBuilder::default())
+    }
+
+    /// [`Router::new`] with templates that let null and empty values through,
+    /// as before issue 22 item 3: deliberately wrong, for the tests that
+    /// prove the checks catch it (`RELAY_SABOTAGE=null-as-text`).
+    pub fn sabotaged(cfg: &RelayConfig) -> Result<Router, RouterError> {
+        Router::build(cfg, TemplateBuilder::default().sabotaged())
+    }
+
+    fn build(cfg: &RelayConfig, mut b: TemplateBuilder) -> Result<Router, RouterError> {
         let mut problems = Vec::new();
         let topics: BTreeMap<_, _> =
             cfg.topics.iter().map(|(k, t)| (k.clone(), (t.format, t.fields.clone()))).collect();

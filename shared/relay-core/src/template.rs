@@ -17,8 +17,9 @@
 //!   string is an error too (`/orders//capture`, a key shared by every event
 //!   with the field empty);
 //! * in paths every value is percent-encoded as a path segment, so event data
-//!   cannot add segments, a query or a fragment (`acct-2/captures#`); a route
-//!   that wants a value raw says so with `{{ value | safe }}`.
+//!   cannot add segments, a query or a fragment (`acct-2/captures#`), and a
+//!   value of `.` or `..` is an error (URL parsers resolve even `%2E%2E`);
+//!   a route that wants a value raw says so with `{{ value | safe }}`.
 //!
 //! JSON templates (request bodies, emitted event data) are JSON documents whose
 //! string leaves are templates. A leaf that is exactly one expression, such as
@@ -99,12 +100,17 @@ const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'
 /// The formatter's error texts, told apart again in [`Templates::render`].
 const NULL_VALUE: &str = "a null value where a value is needed";
 const EMPTY_VALUE: &str = "an empty value where a key, id or path needs one";
+const DOT_VALUE: &str = "a path value of . or .., which would move up the request path";
 
 /// Collects templates while configuration is compiled, then freezes them.
 pub struct TemplateBuilder {
     env: Environment<'static>,
     kinds: HashMap<String, Kind>,
     errors: Vec<CompileError>,
+    /// Deliberately wrong: render `null` as `none` and let empty values
+    /// through (issue 22 item 3 put back), for tests that prove the checks
+    /// catch it. Never set outside them.
+    sabotaged: bool,
 }
 
 impl Default for TemplateBuilder {
@@ -113,11 +119,18 @@ impl Default for TemplateBuilder {
         env.set_undefined_behavior(UndefinedBehavior::Strict);
         // Templates build keys and URLs, not HTML: never escape.
         env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
-        TemplateBuilder { env, kinds: HashMap::new(), errors: Vec::new() }
+        TemplateBuilder { env, kinds: HashMap::new(), errors: Vec::new(), sabotaged: false }
     }
 }
 
 impl TemplateBuilder {
+    /// The same builder with null and empty values let through, as before
+    /// issue 22 item 3 (only for tests that prove the checks catch it).
+    pub fn sabotaged(mut self) -> Self {
+        self.sabotaged = true;
+        self
+    }
+
     /// Compile a free-text template found at configuration key `location`.
     pub fn text(&mut self, location: &str, source: &str) -> TextTemplate {
         self.of_kind(Kind::Text, location, source)
@@ -165,8 +178,11 @@ impl TemplateBuilder {
         if !self.errors.is_empty() {
             return Err(self.errors);
         }
-        let kinds = self.kinds;
+        let (kinds, sabotaged) = (self.kinds, self.sabotaged);
         self.env.set_formatter(move |out, state, value| {
+            if sabotaged {
+                return minijinja::escape_formatter(out, state, value);
+            }
             format_value(kinds.get(state.name()).copied().unwrap_or(Kind::Text), out, state, value)
         });
         Ok(Templates { env: Arc::new(self.env) })
@@ -186,13 +202,12 @@ fn format_value(kind: Kind, out: &mut Output, state: &State, value: &minijinja::
         return Err(Error::new(ErrorKind::InvalidOperation, EMPTY_VALUE));
     }
     if kind == Kind::Path && !value.is_safe() {
-        // `.` and `..` are unreserved, yet as a whole segment they move up the path.
-        let encoded = match text.as_str() {
-            "." => "%2E".to_owned(),
-            ".." => "%2E%2E".to_owned(),
-            _ => utf8_percent_encode(&text, SEGMENT).to_string(),
-        };
-        return out.write_str(&encoded).map_err(Error::from);
+        // `.` and `..` move up the path, and URL parsers treat `%2E%2E`
+        // the same (WHATWG): no encoding keeps them a plain segment.
+        if text == "." || text == ".." {
+            return Err(Error::new(ErrorKind::InvalidOperation, DOT_VALUE));
+        }
+        return out.write_str(&utf8_percent_encode(&text, SEGMENT).to_string()).map_err(Error::from);
     }
     out.write_str(&text).map_err(Error::from)
 }
@@ -228,12 +243,16 @@ impl Templates {
                     fields(&|v| v.and_then(Value::as_str) == Some("")),
                     "which is empty in this event; a key, id or path needs a value",
                 )
+            } else if detail == DOT_VALUE {
+                let dots = |v: Option<&Value>| matches!(v.and_then(Value::as_str), Some("." | ".."));
+                (fields(&dots), "which is . or .. in this event: a path value may not move up the request path")
             } else {
                 (String::new(), "")
             };
             if found.is_empty() {
                 // Never the error's own text with a value in it: a detail of ours, or minijinja's kind.
-                let why = if detail == NULL_VALUE || detail == EMPTY_VALUE { detail.to_owned() } else { e.to_string() };
+                let ours = [NULL_VALUE, EMPTY_VALUE, DOT_VALUE].contains(&detail);
+                let why = if ours { detail.to_owned() } else { e.to_string() };
                 RenderError(format!("template {} failed: {why}", t.name))
             } else {
                 RenderError(format!("template {} references {found}, {what}", t.name))
@@ -423,7 +442,12 @@ mod tests {
         let render = |v: &str| ts.render(&p, &json!({"data": {"acct": v}}).into()).unwrap();
         assert_eq!(render("acct-2/captures#"), "/accounts/acct-2%2Fcaptures%23/captures");
         assert_eq!(render("x?amount=1"), "/accounts/x%3Famount%3D1/captures");
-        assert_eq!(render(".."), "/accounts/%2E%2E/captures");
+        for dots in [".", ".."] {
+            let err = ts.render(&p, &json!({"data": {"acct": dots}}).into()).unwrap_err();
+            assert!(err.0.contains("data.acct") && err.0.contains("move up"), "{err}");
+        }
+        assert_eq!(render("..x"), "/accounts/..x/captures");
+        assert_eq!(render("%2e%2e"), "/accounts/%252e%252e/captures");
         assert_eq!(render("a b\u{e9}"), "/accounts/a%20b%C3%A9/captures");
         assert_eq!(render("o-1_A.~"), "/accounts/o-1_A.~/captures");
         assert_eq!(ts.render(&raw, &json!({"data": {"prefix": "v2/api"}}).into()).unwrap(), "/v2/api/x");
