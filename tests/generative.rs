@@ -15,13 +15,12 @@
 //! seeds from `RELAY_GENERATIVE_FIRST` (default 1); a long run and its result
 //! are in EVIDENCE.md.
 //!
-//! Items 3 and 4 put back on purpose are caught
+//! Items 3, 4 and 5 put back on purpose are caught
 //! ([`reintroducing_null_as_text_is_caught`],
-//! [`reintroducing_the_lease_check_before_the_wait_is_caught`]). What it
-//! does not do yet: kill processes (the chaos soak does, with one
-//! configuration shape), and show item 5 (commit order per ordering key)
-//! caught when reintroduced: that needs two partitions' transactions for one
-//! key to commit out of order, which these runs do not force.
+//! [`reintroducing_the_lease_check_before_the_wait_is_caught`],
+//! [`reintroducing_insert_order_for_ordering_keys_is_caught`]). What it does
+//! not do yet: kill processes (the chaos soak does, with one configuration
+//! shape).
 
 mod support;
 
@@ -31,9 +30,9 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use relay::admin::{self, ReplayOutcome};
-use relay::faults::Sabotage;
+use relay::faults::{Sabotage, point};
 use relay::verify::{ProviderEffect, VerifyOptions, verify};
-use relay::{Components, Faults, Handlers};
+use relay::{Components, FaultAction, Faults, Handlers};
 use relay_core::RelayConfig;
 use relay_testkit::TestEvent;
 use serde_json::{Value, json};
@@ -73,6 +72,8 @@ struct Scenario {
     rate_limit: Option<u64>,
     pause_first: bool,
     rebalance: bool,
+    /// Produce the second half only once a batch has reached its commit.
+    stagger: bool,
     inputs: Vec<Input>,
 }
 
@@ -225,6 +226,7 @@ fn draw(seed: u64) -> Scenario {
         rate_limit,
         pause_first: rng.random_bool(0.3),
         rebalance: rng.random_bool(0.4),
+        stagger: false,
         inputs,
     }
 }
@@ -269,6 +271,12 @@ async fn run(s: &Scenario, faults: Faults) -> Vec<String> {
     produce(&h, &s.inputs[..half]).await;
     let relay = h.start(cfg.clone(), Components::ALL, faults.clone()).await;
     let second = if s.rebalance { Some(h.start(cfg.clone(), CONSUMER_ONLY, faults.clone()).await) } else { None };
+    if s.stagger {
+        eventually("a batch at its commit", DEADLINE, || async {
+            (faults.hits(point::CONSUMER_BEFORE_DB_COMMIT) >= 1).then_some(())
+        })
+        .await;
+    }
     produce(&h, &s.inputs[half..]).await;
     if s.pause_first {
         ops::resume(&mut conn, PauseKind::Route, "order-placed").await.unwrap();
@@ -473,4 +481,47 @@ async fn reintroducing_null_as_text_is_caught() {
     let wrong = run(&s, Faults::none().with_sabotage(sabotage)).await;
     let shared = |w: &String| w.to_lowercase().contains("capture:none") && w.contains("the model wants");
     assert!(wrong.iter().any(shared), "the checks missed it: {wrong:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn reintroducing_insert_order_for_ordering_keys_is_caught() {
+    // Issue 22 item 5: one customer's orders on two partitions; partition 0's
+    // transaction waits 1.5 s before its commit, and partition 1's records are
+    // produced only then, so its transaction writes after and commits first.
+    // Sound, the second waits for the first (commit order = seq order) and
+    // every check holds; with seq drawn in insert order (sabotage), the
+    // later-committed, lower-seq intents are called after higher ones.
+    let inputs: Vec<Input> = (0..12)
+        .map(|i| {
+            let order = format!("o-k-{i}");
+            let data = json!({"order_id": order, "customer_id": "c-0", "amount": 1});
+            Input {
+                event: TestEvent::new(&format!("evt-k-{i}"), "order.placed", data).partition(i / 6),
+                raw_headers: None,
+                fate: Fate::Call {
+                    key: format!("capture:{order}"),
+                    path: format!("/captures/{order}"),
+                    customer: "c-0".into(),
+                },
+            }
+        })
+        .collect();
+    let s = Scenario {
+        seed: 0,
+        partitions: 2,
+        strict: false,
+        ordered: true,
+        rate_limit: None,
+        pause_first: false,
+        rebalance: false,
+        stagger: true,
+        inputs,
+    };
+    let slow_first =
+        || Faults::new(&[(point::CONSUMER_BEFORE_DB_COMMIT, FaultAction::Pause(Duration::from_millis(1500)), 1)]);
+    let sound = run(&s, slow_first()).await;
+    assert!(sound.is_empty(), "{sound:?}");
+    let sabotage = Sabotage { ordering_by_insert: true, ..Sabotage::default() };
+    let wrong = run(&s, slow_first().with_sabotage(sabotage)).await;
+    assert!(wrong.iter().any(|w| w.contains("applied after a later intent")), "the checks missed it: {wrong:?}");
 }

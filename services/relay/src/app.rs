@@ -47,6 +47,9 @@ impl Relay {
     pub async fn new(cfg: RelayConfig, handlers: Handlers, faults: Faults) -> anyhow::Result<Relay> {
         let router =
             Arc::new(if faults.sabotage().null_as_text { Router::sabotaged(&cfg)? } else { Router::new(&cfg)? });
+        if faults.sabotage().ordering_by_insert {
+            relay_store::ordering::sabotage(&cfg.consumer.name);
+        }
         let wanted = cfg.routes.iter().filter_map(|r| r.handler.as_deref());
         let missing = handlers.missing(wanted);
         if !missing.is_empty() {

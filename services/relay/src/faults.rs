@@ -67,7 +67,7 @@ pub struct FaultInjected(pub String);
 /// Deliberately broken behaviour, to prove that `relay verify` and the soak
 /// catch the bugs the relay's design exists to prevent. Never set in
 /// production: every process that has one logs it at ERROR when it starts.
-/// `RELAY_SABOTAGE=offset-before-commit,no-inbox-dedup,fresh-idempotency-key,lease-checked-before-wait,null-as-text`.
+/// `RELAY_SABOTAGE=offset-before-commit,no-inbox-dedup,fresh-idempotency-key,lease-checked-before-wait,null-as-text,ordering-by-insert`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Sabotage {
     /// Commit the Kafka offset *before* the database transaction (breaks R1).
@@ -82,6 +82,9 @@ pub struct Sabotage {
     /// Render a JSON null as `none` into keys and paths, and let empty values
     /// through (breaks R8's one key per operation: issue 22 item 3).
     pub null_as_text: bool,
+    /// Draw ordering keys' `seq` in insert order, not commit order (breaks
+    /// R13 across partitions: issue 22 item 5).
+    pub ordering_by_insert: bool,
 }
 
 impl Sabotage {
@@ -95,10 +98,11 @@ impl Sabotage {
                 "fresh-idempotency-key" => s.fresh_idempotency_key = true,
                 "lease-checked-before-wait" => s.lease_checked_before_wait = true,
                 "null-as-text" => s.null_as_text = true,
+                "ordering-by-insert" => s.ordering_by_insert = true,
                 other => {
                     return Err(format!(
                         "RELAY_SABOTAGE: unknown item {other:?} (offset-before-commit, no-inbox-dedup, \
-                         fresh-idempotency-key, lease-checked-before-wait, null-as-text)"
+                         fresh-idempotency-key, lease-checked-before-wait, null-as-text, ordering-by-insert)"
                     ));
                 }
             }

@@ -75,7 +75,7 @@ pub async fn insert(
         .iter()
         .filter_map(|i| i.ordering_key.as_deref().map(crate::ordering::Key::Intent))
         .chain(outbox::ordering_keys(new_outbox.iter().map(|(_, r)| *r)));
-    crate::ordering::lock(&mut *conn, keys).await?;
+    crate::ordering::lock(&mut *conn, consumer, keys).await?;
     if select.is_empty() {
         select.push(
             "SELECT NULL::text AS part, NULL::uuid AS id, NULL::uuid AS lease_token, \

@@ -69,7 +69,7 @@ pub struct NewIntent {
 
 /// Insert an intent; `false` when it already exists (a reprocessed input).
 pub async fn insert(conn: &mut PgConnection, i: &NewIntent) -> Result<bool, sqlx::Error> {
-    crate::ordering::lock(&mut *conn, i.ordering_key.as_deref().map(crate::ordering::Key::Intent)).await?;
+    crate::ordering::lock(&mut *conn, &i.consumer, i.ordering_key.as_deref().map(crate::ordering::Key::Intent)).await?;
     let done = sqlx::query(
         "INSERT INTO relay.intents
              (id, consumer, source_event_id, action, endpoint, method, path, body, request_headers,

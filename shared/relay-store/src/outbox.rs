@@ -17,7 +17,7 @@ pub async fn insert(
     source_id: &str,
     r: &OutboxRecord,
 ) -> Result<bool, sqlx::Error> {
-    crate::ordering::lock(&mut *conn, ordering_keys(std::iter::once(r))).await?;
+    crate::ordering::lock(&mut *conn, consumer, ordering_keys(std::iter::once(r))).await?;
     let done = sqlx::query(
         "INSERT INTO relay.outbox
              (id, consumer, source_id, action, topic, key, headers, payload, event_type, ordering_key)
@@ -227,7 +227,7 @@ pub async fn insert_many(
     if rows.is_empty() {
         return Ok(Vec::new());
     }
-    crate::ordering::lock(&mut *conn, ordering_keys(rows.iter().map(|(_, r)| *r))).await?;
+    crate::ordering::lock(&mut *conn, consumer, ordering_keys(rows.iter().map(|(_, r)| *r))).await?;
     let rows = bind_many(sqlx::query(INSERT_MANY), consumer, rows).fetch_all(conn).await?;
     rows.iter().map(|r| r.try_get(0)).collect()
 }
