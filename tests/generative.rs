@@ -455,16 +455,23 @@ fn the_same_seed_draws_the_same_scenario() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn reintroducing_the_lease_check_before_the_wait_is_caught() {
-    // Issue 22 item 4 put back on purpose: the same checks must fail. One call
-    // a second and the shortest lease: claims wait at the rate limit past
-    // their lease, are rescued, and are sent anyway.
+    // Issue 22 item 4 put back on purpose: the same checks must fail. Two
+    // calls a second and the shortest lease: claims wait at the rate limit
+    // past their lease, are rescued, and are sent anyway.
     let mut s = draw(1);
-    s.rate_limit = Some(1);
+    s.rate_limit = Some(2);
+    // No ordering key: with one, only one call per customer is in flight
+    // and none waits long at the limit.
+    s.ordered = false;
     s.pause_first = false;
     s.rebalance = false;
     s.inputs.retain(|i| matches!(i.fate, Fate::Call { .. }));
-    s.inputs.truncate(8);
-    assert!(s.inputs.len() >= 6, "seed 1 draws enough calls");
+    s.inputs.truncate(16);
+    // 16 calls at 2 a second: the last waits ~8 s at the limit, well past
+    // the 3 s lease, however the consumer's batches spread them out.
+    assert_eq!(s.inputs.len(), 16, "seed 1 draws enough calls");
+    let sound = run(&s, no_faults()).await;
+    assert!(sound.is_empty(), "{sound:?}");
     let sabotage = Sabotage { lease_checked_before_wait: true, ..Sabotage::default() };
     let wrong = run(&s, Faults::none().with_sabotage(sabotage)).await;
     assert!(wrong.iter().any(|w| w.contains("lease(s) expired")), "the checks missed it: {wrong:?}");
@@ -486,7 +493,7 @@ async fn reintroducing_null_as_text_is_caught() {
 #[tokio::test(flavor = "multi_thread")]
 async fn reintroducing_insert_order_for_ordering_keys_is_caught() {
     // Issue 22 item 5: one customer's orders on two partitions; partition 0's
-    // transaction waits 1.5 s before its commit, and partition 1's records are
+    // transaction waits 4 s before its commit, and partition 1's records are
     // produced only then, so its transaction writes after and commits first.
     // Sound, the second waits for the first (commit order = seq order) and
     // every check holds; with seq drawn in insert order (sabotage), the
@@ -518,7 +525,7 @@ async fn reintroducing_insert_order_for_ordering_keys_is_caught() {
         inputs,
     };
     let slow_first =
-        || Faults::new(&[(point::CONSUMER_BEFORE_DB_COMMIT, FaultAction::Pause(Duration::from_millis(1500)), 1)]);
+        || Faults::new(&[(point::CONSUMER_BEFORE_DB_COMMIT, FaultAction::Pause(Duration::from_secs(4)), 1)]);
     let sound = run(&s, slow_first()).await;
     assert!(sound.is_empty(), "{sound:?}");
     let sabotage = Sabotage { ordering_by_insert: true, ..Sabotage::default() };

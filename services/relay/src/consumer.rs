@@ -344,12 +344,12 @@ impl InboxConsumer {
                 m = self.consumer.recv(), if room => match m {
                     Ok(m) => {
                         let mut received = vec![self.take(&m)];
-                        let mut got = record_bytes(&received[0].0);
+                        let mut got = received[0].0.size();
                         while waiting + received.len() < limit && bytes + got < self.settings.max_buffered_bytes {
                             match self.consumer.recv().now_or_never() {
                                 Some(Ok(m)) => {
                                     let r = self.take(&m);
-                                    got += record_bytes(&r.0);
+                                    got += r.0.size();
                                     received.push(r);
                                 }
                                 Some(Err(e)) => {
@@ -417,7 +417,7 @@ impl InboxConsumer {
                 held.push(record);
                 continue;
             }
-            let size = record_bytes(&record);
+            let size = record.size();
             let queue = work.waiting.entry(tp.clone()).or_default();
             queue.push((record, generation));
             let queued_bytes = work.waiting_bytes.entry(tp.clone()).or_default();
@@ -447,7 +447,8 @@ impl InboxConsumer {
             let mut s = self.state.lock().expect("partition state lock");
             let generation = s.generation;
             for (tp, records) in s.held.drain() {
-                *work.waiting_bytes.entry(tp.clone()).or_default() += records.iter().map(record_bytes).sum::<usize>();
+                *work.waiting_bytes.entry(tp.clone()).or_default() +=
+                    records.iter().map(RawRecord::size).sum::<usize>();
                 let queued = work.waiting.entry(tp).or_default();
                 queued.splice(0..0, records.into_iter().map(|r| (r, generation)));
             }
@@ -824,11 +825,4 @@ impl InboxConsumer {
             _ => emit!(Level::DEBUG),
         }
     }
-}
-
-/// The bytes a record holds in the buffer: key, value and headers.
-fn record_bytes(r: &RawRecord) -> usize {
-    r.key.as_ref().map_or(0, Vec::len)
-        + r.payload.as_ref().map_or(0, Vec::len)
-        + r.headers.iter().map(|h| h.name.len() + h.value.as_ref().map_or(0, Vec::len)).sum::<usize>()
 }

@@ -223,9 +223,7 @@ pub fn encode_dead_letter(
     attempts: u32,
     max_bytes: usize,
 ) -> OutboxRecord {
-    let size = record.key.as_ref().map_or(0, Vec::len)
-        + record.payload.as_ref().map_or(0, Vec::len)
-        + record.headers.iter().map(|h| h.name.len() + h.value.as_ref().map_or(0, Vec::len)).sum::<usize>();
+    let size = record.size();
     let whole = size <= max_bytes;
     let mut headers = if whole { record.headers.clone() } else { Vec::new() };
     headers.push(Header::text(dlq_headers::TOPIC, &record.topic));
