@@ -1183,3 +1183,25 @@ async fn an_oversized_record_is_dead_lettered_with_a_copy_the_broker_takes_and_a
     let stats = relay_store::stats::gauges(&mut conn).await.unwrap();
     assert_eq!(relay_store::stats::Stats::count(&stats.outbox, "dead"), 1);
 }
+
+#[tokio::test]
+async fn an_absurd_retry_after_ends_its_intent_and_the_outcomes_recorded_with_it_are_kept() {
+    // Issue 22 item 11: a Retry-After of ~10^17 s overflowed PostgreSQL's
+    // interval, and the whole batch of outcomes it was recorded with failed,
+    // again and again.
+    let h = Harness::new(1).await;
+    let absurd = FaultKind::Status { status: 429, retry_after_secs: Some(99_999_999_999_999_999) };
+    h.provider.set_faults(vec![rule("capture:o-0", None, absurd)]);
+    h.send_orders(8).await;
+    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    h.await_intents_finished(8).await;
+    run.stop().await.unwrap();
+    let (state, error): (String, Option<String>) =
+        sqlx::query_as("SELECT state, last_error FROM relay.intents WHERE idempotency_key = 'capture:o-0'")
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(state, "dead");
+    assert!(error.unwrap_or_default().contains("past the intent's max age"));
+    assert_eq!(h.intents_in("succeeded").await, 7, "the other outcomes were recorded");
+}

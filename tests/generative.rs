@@ -6,7 +6,8 @@
 //! key needs a value, ids with path characters, NUL bytes, records over the
 //! size limit, CloudEvents 0.3, unknown types, stale versions) and what
 //! happens meanwhile (a route paused and resumed, a second consumer joining
-//! and leaving: a rebalance), runs it against real PostgreSQL and Kafka, and
+//! and leaving: a rebalance; the relay aborted mid-run and started again),
+//! runs it against real PostgreSQL and Kafka, and
 //! checks the final state against a model of what each drawn record must
 //! become, `relay verify` and the provider's own record.
 //!
@@ -19,8 +20,9 @@
 //! ([`reintroducing_null_as_text_is_caught`],
 //! [`reintroducing_the_lease_check_before_the_wait_is_caught`],
 //! [`reintroducing_insert_order_for_ordering_keys_is_caught`]). What it does
-//! not do yet: kill processes (the chaos soak does, with one configuration
-//! shape).
+//! not do yet: kill OS processes (the abort drops the relay's task in this
+//! process; the chaos soak and the crash matrix SIGKILL real processes, with
+//! one configuration shape).
 
 mod support;
 
@@ -74,6 +76,8 @@ struct Scenario {
     rebalance: bool,
     /// Produce the second half only once a batch has reached its commit.
     stagger: bool,
+    /// Abort the relay mid-run (a crash of its task) and start another.
+    abort: bool,
     inputs: Vec<Input>,
 }
 
@@ -227,6 +231,7 @@ fn draw(seed: u64) -> Scenario {
         pause_first: rng.random_bool(0.3),
         rebalance: rng.random_bool(0.4),
         stagger: false,
+        abort: rng.random_bool(0.3),
         inputs,
     }
 }
@@ -269,7 +274,7 @@ async fn run(s: &Scenario, faults: Faults) -> Vec<String> {
     }
     let half = s.inputs.len() / 2;
     produce(&h, &s.inputs[..half]).await;
-    let relay = h.start(cfg.clone(), Components::ALL, faults.clone()).await;
+    let mut relay = h.start(cfg.clone(), Components::ALL, faults.clone()).await;
     let second = if s.rebalance { Some(h.start(cfg.clone(), CONSUMER_ONLY, faults.clone()).await) } else { None };
     if s.stagger {
         eventually("a batch at its commit", DEADLINE, || async {
@@ -283,6 +288,11 @@ async fn run(s: &Scenario, faults: Faults) -> Vec<String> {
     }
     if let Some(second) = second {
         second.stop().await.unwrap();
+    }
+    if s.abort {
+        eventually("some progress before the crash", DEADLINE, || async { (h.inbox().await > 0).then_some(()) }).await;
+        relay.abort();
+        relay = h.start(cfg.clone(), Components::ALL, faults.clone()).await;
     }
     let total = s.inputs.len() as i64;
     eventually("every record consumed", DEADLINE, || async { (h.committed_total().await == total).then_some(()) })
@@ -389,11 +399,11 @@ async fn check(h: &Harness, cfg: &RelayConfig, s: &Scenario) -> Vec<String> {
             last.insert(c, *q);
         }
     }
-    // 3. No lease ran out (nothing was killed, and the lease is the shortest
-    //    the configuration accepts: a claim that cannot be sent in time is
-    //    given back, never sent late).
+    // 3. No lease ran out (unless a relay was aborted: the lease is the
+    //    shortest the configuration accepts, and a claim that cannot be sent
+    //    in time is given back, never sent late).
     let expired = h.db.count("intent_attempts", "outcome = 'lease_expired'").await;
-    if expired > 0 {
+    if expired > 0 && !s.abort {
         wrong.push(format!("{expired} lease(s) expired with no process killed"));
     }
     // 4. Replaying every dead letter applies none of them (they are poison for good).
@@ -430,7 +440,7 @@ async fn drawn_configurations_inputs_and_rebalances_keep_every_invariant() {
     for seed in seeds() {
         let s = draw(seed);
         let shape = format!(
-            "seed {}: {} partitions, strict {}, ordered {}, rate limit {:?}, pause {}, rebalance {}, {} records",
+            "seed {}: {} partitions, strict {}, ordered {}, rate limit {:?}, pause {}, rebalance {}, abort {}, {} records",
             s.seed,
             s.partitions,
             s.strict,
@@ -438,6 +448,7 @@ async fn drawn_configurations_inputs_and_rebalances_keep_every_invariant() {
             s.rate_limit,
             s.pause_first,
             s.rebalance,
+            s.abort,
             s.inputs.len()
         );
         println!("{shape}");
@@ -465,6 +476,7 @@ async fn reintroducing_the_lease_check_before_the_wait_is_caught() {
     s.ordered = false;
     s.pause_first = false;
     s.rebalance = false;
+    s.abort = false;
     s.inputs.retain(|i| matches!(i.fate, Fate::Call { .. }));
     s.inputs.truncate(16);
     // 16 calls at 2 a second: the last waits ~8 s at the limit, well past
@@ -522,6 +534,7 @@ async fn reintroducing_insert_order_for_ordering_keys_is_caught() {
         pause_first: false,
         rebalance: false,
         stagger: true,
+        abort: false,
         inputs,
     };
     let slow_first =

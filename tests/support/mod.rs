@@ -70,6 +70,13 @@ impl Running {
         self.handle.await?
     }
 
+    /// Drop the run where it is, like a crash of the task (nothing finished,
+    /// nothing committed on the way out; not a process kill: tasks it
+    /// spawned apart may run on until they find their channels closed).
+    pub fn abort(self) {
+        self.handle.abort();
+    }
+
     /// Wait for the run to end by itself (e.g. a fault point), with a deadline.
     pub async fn finished(self) -> anyhow::Result<()> {
         tokio::time::timeout(DEADLINE, self.handle).await.expect("the relay did not stop")?

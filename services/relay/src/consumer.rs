@@ -704,6 +704,16 @@ impl InboxConsumer {
 
     fn db_unavailable(&self, e: &sqlx::Error, failures: u32, rng: &mut impl rand::Rng) -> Duration {
         let delay = self.settings.database_backoff.delay(failures, rng).max(Duration::from_millis(50));
+        let conflict = matches!(e, sqlx::Error::Database(db) if db.code().is_some_and(|c| c.starts_with("40")));
+        if conflict {
+            // A deadlock or serialization failure with another partition's
+            // transaction (relay_store::ordering): PostgreSQL aborted this one.
+            warn!(
+                consumer = %self.settings.name, error = %e, attempt = failures, retry_in_ms = delay.as_millis() as u64,
+                "this batch's transaction conflicted with another and was rolled back; retrying"
+            );
+            return delay;
+        }
         error!(
             consumer = %self.settings.name, error = %e, attempt = failures, retry_in_ms = delay.as_millis() as u64,
             "database error; nothing was committed for this batch and its offsets stay where they were; retrying"

@@ -13,11 +13,15 @@
 //! the next transaction for the key waits for it and draws its `seq` after
 //! that commit, which makes `seq` order the commit order for every key. The
 //! locks of one statement are taken in one order (sorted), so transactions
-//! that lock several keys at once cannot deadlock each other through them;
-//! one that locks in two statements (two runs of a batch) can, rarely, and
-//! PostgreSQL then aborts one of them (`40P01`), which the consumer retries
-//! like any transient error. Only rows with a key pay for this: one round
-//! trip more, and a wait behind the other transaction of that key.
+//! that lock several keys at once cannot deadlock each other through them
+//! alone. Two can still deadlock, rarely: one that locks in two statements
+//! (two runs of a batch), or one holding a key that waits for an inbox row
+//! the other holds (the same event id delivered on two partitions at once).
+//! PostgreSQL then aborts one of them after `deadlock_timeout` (`40P01`),
+//! and the consumer retries its batch (seen twice in 12 generative
+//! scenarios with duplicates spread over partitions). Only rows with a key
+//! pay for this: one round trip more, and a wait behind the other
+//! transaction of that key.
 //!
 //! Intents' and outbox rows' keys are locked in two name spaces (the first
 //! argument of `pg_advisory_xact_lock(int4, int4)`); an outbox key is
