@@ -443,20 +443,6 @@ async fn a_record_that_is_not_processable_yet_holds_up_its_own_partition_only() 
     assert_eq!(h.db.count("inbox", &format!("event_id LIKE 'behind-%' AND partition = {stuck_partition}")).await, 120);
 }
 
-const SAGA_ROUTE: &str = r#"
-[[routes]]
-topic = "{topic}"
-type = "payment.confirmed"
-
-[[routes.actions]]
-kind = "saga"
-name = "mark-paid"
-saga = "order"
-id = "{{ data.order_id }}"
-from = ["pending"]
-to = "paid"
-"#;
-
 #[tokio::test]
 async fn an_event_for_an_aggregate_that_never_appears_is_retried_then_parked_and_replayable() {
     let h = Harness::new(1).await;

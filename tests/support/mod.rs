@@ -46,6 +46,22 @@ key = "{{ data.order_id }}"
 data = { order_id = "{{ data.order_id }}" }
 "#;
 
+/// A saga move on `payment.confirmed`: order `data.order_id` from pending to
+/// paid (retried, then parked, while the saga does not exist: R19).
+pub const SAGA_ROUTE: &str = r#"
+[[routes]]
+topic = "{topic}"
+type = "payment.confirmed"
+
+[[routes.actions]]
+kind = "saga"
+name = "mark-paid"
+saga = "order"
+id = "{{ data.order_id }}"
+from = ["pending"]
+to = "paid"
+"#;
+
 pub struct Harness {
     pub db: TestDb,
     pub bootstrap: String,

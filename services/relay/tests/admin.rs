@@ -77,21 +77,6 @@ fn metric(body: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
     })
 }
 
-/// A saga move on a saga that never exists: retried, then parked (R19).
-const MISSING_SAGA_ROUTE: &str = r#"
-[[routes]]
-topic = "{topic}"
-type = "payment.confirmed"
-
-[[routes.actions]]
-kind = "saga"
-name = "mark-paid"
-saga = "order"
-id = "{{ data.order_id }}"
-from = ["pending"]
-to = "paid"
-"#;
-
 #[tokio::test(flavor = "multi_thread")]
 async fn the_admin_server_serves_metrics_health_and_readiness() {
     let h = Harness::new(1).await;
@@ -101,7 +86,7 @@ async fn the_admin_server_serves_metrics_health_and_readiness() {
     h.producer.raw(&h.topic, None, None, &[("ce_specversion".into(), b"1.0".to_vec())], Some(b"{")).await.unwrap();
     // Parked after its R19 budget: counted as dead-lettered too (issue 22 item 15).
     h.send(&TestEvent::new("p-1", "payment.confirmed", json!({"order_id": "o-missing"}))).await;
-    let routes = format!("{CAPTURE_ROUTE}{MISSING_SAGA_ROUTE}");
+    let routes = format!("{CAPTURE_ROUTE}{SAGA_ROUTE}");
     let (mut p, admin) = run_with_admin(&h, &routes).await;
     h.await_intents_finished(2).await;
 

@@ -336,12 +336,18 @@ async fn c14_a_publisher_killed_after_the_broker_ack_republishes_the_same_ids_an
     assert!(r.republished_rows > 0);
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn c15_postgresql_crashed_and_restarted_mid_run_commits_no_offset_for_unrecorded_work_and_loses_nothing() {
-    let h = Harness::new(2).await;
+/// A PostgreSQL server of the test's own (to crash and restart), migrated, with a small pool.
+async fn private_postgres() -> (PrivatePostgres, sqlx::PgPool) {
     let pg = PrivatePostgres::start().unwrap();
     let pool = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(&pg.url()).await.unwrap();
     relay_store::migrate(&pool).await.unwrap();
+    (pg, pool)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn c15_postgresql_crashed_and_restarted_mid_run_commits_no_offset_for_unrecorded_work_and_loses_nothing() {
+    let h = Harness::new(2).await;
+    let (pg, pool) = private_postgres().await;
     let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
     send_orders(&h, 0..200, 2).await;
     let count = || async {
@@ -412,9 +418,7 @@ async fn c15_sabotaged_offsets_committed_before_the_data_are_caught_by_the_crash
     // The check of c15 can fail: the same crash, with the offset committed
     // before the database commit on purpose (RELAY_SABOTAGE).
     let h = Harness::new(1).await;
-    let pg = PrivatePostgres::start().unwrap();
-    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(&pg.url()).await.unwrap();
-    relay_store::migrate(&pool).await.unwrap();
+    let (pg, pool) = private_postgres().await;
     let mut text = h.config_text(CAPTURE_ROUTE);
     text = text.replace("batch_size = 50", "batch_size = 10");
     let config = h.write_config(&text);
@@ -437,6 +441,7 @@ async fn c15_sabotaged_offsets_committed_before_the_data_are_caught_by_the_crash
     let crashed_at = chrono::Utc::now();
     run.kill9().unwrap();
     pg.start_again().unwrap();
+    drop(pool);
     let pool = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(&pg.url()).await.unwrap();
     let recorded_at_crash: i64 = sqlx::query_scalar("SELECT count(*) FROM relay.inbox WHERE received_at <= $1")
         .bind(crashed_at)
