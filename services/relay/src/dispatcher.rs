@@ -122,14 +122,9 @@ impl Dispatcher {
     /// Run until `shutdown`: stop claiming, let calls in flight finish and
     /// record their outcome, then return. A fault point that fails stops the
     /// loop at once, leaving claimed intents to the rescuer (like a crash).
-    pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
-        self.run_with(shutdown, None).await
-    }
-
-    /// [`Dispatcher::run`], also calling the intents a consumer of this
-    /// process claimed at ingest for us and hands over at `desk`
-    /// ([`crate::handoff`]). Stopping, it gives back to pending what was
-    /// handed over and not started.
+    /// With a `desk`, also call the intents a consumer of this process
+    /// claimed at ingest for us and hands over there ([`crate::handoff`]);
+    /// stopping, it gives back to pending what was handed over and not started.
     pub async fn run_with(self, shutdown: CancellationToken, mut desk: Option<Desk>) -> anyhow::Result<()> {
         let s = &self.inner.settings;
         info!(worker = %self.inner.worker, concurrency = s.concurrency, lease = ?s.lease, "dispatcher started");

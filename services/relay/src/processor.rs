@@ -216,11 +216,6 @@ impl Processor {
         self.paused.read().unwrap_or_else(std::sync::PoisonError::into_inner).contains(&route.name)
     }
 
-    /// The routing table.
-    pub fn router(&self) -> &Router {
-        &self.router
-    }
-
     /// The consumer (inbox namespace) this processor writes for.
     pub fn consumer(&self) -> &str {
         self.router.consumer()

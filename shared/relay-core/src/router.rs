@@ -191,11 +191,6 @@ impl Router {
         &self.consumer
     }
 
-    /// CloudEvents source of emitted events.
-    pub fn source(&self) -> &str {
-        &self.source
-    }
-
     /// The largest input record accepted (`consumer.max_record_bytes`).
     pub fn max_record_bytes(&self) -> usize {
         self.max_record_bytes

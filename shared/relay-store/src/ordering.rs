@@ -39,7 +39,7 @@ use sqlx::PgConnection;
 /// beside a sound one in one test process breaks only itself.
 static SABOTAGED: LazyLock<RwLock<HashSet<String>>> = LazyLock::new(RwLock::default);
 
-/// Stop locking ordering keys for `consumer` (see [`SABOTAGED`]).
+/// Stop locking ordering keys for `consumer`: deliberately wrong, for tests only.
 pub fn sabotage(consumer: &str) {
     SABOTAGED.write().unwrap_or_else(std::sync::PoisonError::into_inner).insert(consumer.to_owned());
 }
