@@ -131,7 +131,7 @@ impl From<PauseKindArg> for relay_store::ops::PauseKind {
 pub enum IntentCommand {
     /// List intents, newest first.
     List {
-        /// Only this state: pending, running, succeeded or dead.
+        /// Only this state: pending, running, succeeded, dead or uncertain.
         #[arg(long)]
         state: Option<String>,
         /// Only this endpoint.
@@ -682,7 +682,7 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
                 let ok = intents::requeue(&mut conn, *id).await?;
                 requeued += usize::from(ok);
                 if !ok {
-                    println!("{id}: not dead, left as it is");
+                    println!("{id}: neither dead nor uncertain, left as it is");
                 }
                 if (n + 1) % 1000 == 0 {
                     eprintln!("  {} of {} done", n + 1, ids.len());

@@ -378,7 +378,7 @@ impl InboxConsumer {
                                 None => break,
                             }
                         }
-                        self.receive(received, &mut work);
+                        self.receive(received, &mut work, partitions);
                     }
                     Err(e) => {
                         warn!(consumer = %self.settings.name, error = %e, "Kafka receive error; the client reconnects by itself");
@@ -410,7 +410,7 @@ impl InboxConsumer {
     /// File received records: dropped when their partition was revoked since
     /// they were fetched, behind the held ones when it is held, else waiting
     /// for their partition's next task.
-    fn receive(&self, received: Vec<(RawRecord, u64)>, work: &mut Work) {
+    fn receive(&self, received: Vec<(RawRecord, u64)>, work: &mut Work, partitions: usize) {
         // Counted per receive and topic, not per record: a metric update
         // hashes its labels.
         let mut by_topic: BTreeMap<&str, u64> = BTreeMap::new();
@@ -424,7 +424,6 @@ impl InboxConsumer {
         // at the broker until that batch starts.
         let mut to_pause = TopicPartitionList::new();
         // A partition's share of the byte bound (never below one record).
-        let partitions = self.consumer.assignment().map_or(1, |a| a.count().max(1));
         let share = (self.settings.max_buffered_bytes / partitions).max(1);
         let mut s = self.state.lock().expect("partition state lock");
         for (record, generation) in received {

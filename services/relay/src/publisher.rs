@@ -223,8 +223,8 @@ impl Publisher {
                     crate::metrics::publish_dead(&row.topic);
                     error!(outbox_id = %row.id, topic = %row.topic, attempt = row.attempts, error = %e,
                            "the broker can never take this record (size limit, invalid topic, policy): the row is dead; \
-                            fix the cause (e.g. raise the topic's max.message.bytes and the producer's message.max.bytes) \
-                            and requeue it");
+                            fix the cause (e.g. raise the topic's max.message.bytes and the producer's message.max.bytes), \
+                            then set the row back to state 'pending' (no relay command does this yet)");
                     outbox::mark_dead(&mut conn, row.id, row.lease_token, &format!("permanent: {e}")).await?;
                     if row.ordering_key.is_some() {
                         batch.unblocked = Some(batch.unblocked.map_or(row.seq, |s| s.min(row.seq)));

@@ -336,6 +336,15 @@ async fn c14_a_publisher_killed_after_the_broker_ack_republishes_the_same_ids_an
     assert!(r.republished_rows > 0);
 }
 
+/// Inbox rows recorded by `at`: after a crash at `at`, what the database had.
+async fn recorded_by(pool: &sqlx::PgPool, at: chrono::DateTime<chrono::Utc>) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM relay.inbox WHERE received_at <= $1")
+        .bind(at)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 /// A PostgreSQL server of the test's own (to crash and restart), migrated, with a small pool.
 async fn private_postgres() -> (PrivatePostgres, sqlx::PgPool) {
     let pg = PrivatePostgres::start().unwrap();
@@ -397,11 +406,7 @@ async fn c15_postgresql_crashed_and_restarted_mid_run_commits_no_offset_for_unre
     // crashed (R1): with offsets committed before the data, a batch lost in
     // the crash is past them. (Only "not past the 200 sent before" could not
     // fail: nothing commits while the database is down.)
-    let recorded_at_crash: i64 = sqlx::query_scalar("SELECT count(*) FROM relay.inbox WHERE received_at <= $1")
-        .bind(crashed_at)
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let recorded_at_crash: i64 = recorded_by(&pool, crashed_at).await;
     assert!(
         committed_down <= recorded_at_crash,
         "offsets past what the database had recorded were committed: {committed_down} > {recorded_at_crash}"
@@ -443,11 +448,7 @@ async fn c15_sabotaged_offsets_committed_before_the_data_are_caught_by_the_crash
     pg.start_again().unwrap();
     drop(pool);
     let pool = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(&pg.url()).await.unwrap();
-    let recorded_at_crash: i64 = sqlx::query_scalar("SELECT count(*) FROM relay.inbox WHERE received_at <= $1")
-        .bind(crashed_at)
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let recorded_at_crash: i64 = recorded_by(&pool, crashed_at).await;
     assert!(
         committed_down > recorded_at_crash,
         "the sabotaged relay committed {committed_down} offsets with {recorded_at_crash} records recorded"

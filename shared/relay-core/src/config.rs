@@ -168,8 +168,8 @@ pub struct ConsumerConfig {
     pub batch_size: usize,
     /// Most bytes (keys, values, headers) of records received and not yet
     /// processed, over all partitions: receiving pauses above it, and a
-    /// partition holding its share while its task runs is paused at the
-    /// broker. At least `max_record_bytes`.
+    /// partition holding its share (or a batch) while its task waits out a
+    /// retry is paused at the broker. At least `max_record_bytes`.
     pub max_buffered_bytes: usize,
     /// Topic that receives a copy of every dead-lettered record.
     pub dead_letter_topic: Option<String>,

@@ -80,7 +80,7 @@ pub async fn lock<'a>(
             }
             Key::Outbox { topic, key } => {
                 spaces.push(OUTBOX);
-                // A NUL cannot be in either part (PostgreSQL text), so the pair is unambiguous.
+                // Kafka topic names hold only [a-zA-Z0-9._-], so the first U+0001 ends the topic.
                 names.push(format!("{topic}\u{1}{key}"));
             }
         }

@@ -187,18 +187,6 @@ pub async fn mark_dead(conn: &mut FinishConnection, id: Uuid, token: Uuid, error
     Ok(done.rows_affected() == 1)
 }
 
-/// Queue a dead row again (its cause fixed, e.g. the topic's size limit
-/// raised). `false` if it is not dead.
-pub async fn requeue(conn: &mut PgConnection, id: Uuid) -> Result<bool, sqlx::Error> {
-    let done = sqlx::query(
-        "UPDATE relay.outbox SET state = 'pending', next_attempt_at = now() WHERE id = $1 AND state = 'dead'",
-    )
-    .bind(id)
-    .execute(conn)
-    .await?;
-    Ok(done.rows_affected() == 1)
-}
-
 /// Return rows whose publisher lost its lease to pending.
 pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<u64, sqlx::Error> {
     let done = sqlx::query(
