@@ -32,7 +32,7 @@ use chrono::Utc;
 use relay_core::config::{DispatcherConfig, EndpointConfig, LEASE_SPARE};
 use relay_core::effects::encode_event;
 use relay_core::ids::outcome_id;
-use relay_core::retry::{Verdict, classify};
+use relay_core::retry::{self, BackoffPolicy, Decision, Tried, classify};
 use relay_core::{Outcome, Provenance};
 use relay_store::intents::{self, AttemptRecord, ClaimedIntent, Finish, NextState};
 use relay_store::sagas::{self, Transition};
@@ -190,7 +190,7 @@ impl Dispatcher {
                 Err(e) => {
                     resume.back_to(None);
                     failures += 1;
-                    let delay = s.poll_interval.min(Duration::from_millis(100 * u64::from(failures.min(50))));
+                    let delay = s.poll_interval.min(BackoffPolicy::DATABASE.delay(failures, &mut rand::rng()));
                     error!(worker = %self.inner.worker, error = %e, "claiming intents failed; retrying");
                     tokio::select! { _ = shutdown.cancelled() => break Ok(()), _ = tokio::time::sleep(delay) => {} }
                     continue;
@@ -395,14 +395,12 @@ impl Dispatcher {
     ) -> Result<Result<Completion, ClaimedIntent>, FaultInjected> {
         let started = std::time::Instant::now();
         let endpoint = self.inner.endpoints.get(&intent.endpoint);
-        let (verdict, result) = if intent.over_budget(Utc::now()) {
-            let last = intent.last_error.as_deref().unwrap_or("none");
-            let why = if intent.attempts > intent.max_attempts {
-                format!("retry budget exhausted: {} attempts made (last error: {last})", intent.max_attempts)
-            } else {
-                format!("max age passed at {} (last error: {last})", intent.expires_at)
-            };
-            (Verdict::Permanent, CallResult { error_class: Some("budget"), error: Some(why), ..CallResult::not_sent() })
+        let now = Utc::now();
+        let budget = intent.budget();
+        let (tried, result) = if budget.spent(now).is_some() {
+            let r =
+                CallResult { error_class: Some("budget"), error: intent.last_error.clone(), ..CallResult::not_sent() };
+            (Tried::Spent, r)
         } else if let Some(client) = endpoint {
             let attrs = || {
                 vec![
@@ -441,20 +439,16 @@ impl Dispatcher {
             };
             hop.end(r.status.map_or_else(|| r.error_class.unwrap_or("error").to_owned(), |s| s.to_string()).as_str());
             self.inner.faults.hit(point::DISPATCHER_AFTER_CALL).await?;
-            (classify(&r.attempt, &client.config().retryable_statuses), r)
+            (Tried::Attempt(classify(&r.attempt, &client.config().retryable_statuses)), r)
         } else {
             let why = format!("endpoint {:?} is not configured in this dispatcher", intent.endpoint);
             let r = CallResult { error_class: Some("endpoint_unknown"), error: Some(why), ..CallResult::not_sent() };
-            (classify(&r.attempt, &[]), r)
+            (Tried::Attempt(classify(&r.attempt, &[])), r)
         };
-        let (mut next, mut attempt) = decide(&intent, verdict, &result, endpoint.map(|e| e.config()), Utc::now());
-        if result.error_class == Some("budget") && next == NextState::Dead && last_attempt_uncertain(&intent) {
-            // Out of budget at the claim after an attempt whose outcome is
-            // unknown (a timeout after sending, a lost lease): not dead.
-            next = NextState::Uncertain;
-            attempt.error = attempt.error.map(|e| format!("{e}; {UNCERTAIN}"));
-        }
-        Ok(Ok(Completion { intent, next, attempt, result, started }))
+        let policy = endpoint.map(|e| e.config().backoff).unwrap_or_default();
+        let decision = retry::decide(&budget, tried, &policy, Utc::now(), &mut rand::rng());
+        let attempt = attempt_record(&decision, &result);
+        Ok(Ok(Completion { intent, next: decision.next, attempt, result, started }))
     }
 
     /// Hand an attempt's outcome to the finalizer, waiting while its queue
@@ -603,7 +597,7 @@ impl Dispatcher {
                 Err(e) if relay_store::classify_error(&e) == relay_store::DbErrorKind::Permanent => return Err(e),
                 Err(e) => {
                     attempt += 1;
-                    let delay = Duration::from_millis(100 * u64::from(attempt.min(30)));
+                    let delay = BackoffPolicy::DATABASE.delay(attempt, &mut rand::rng());
                     if std::time::Instant::now() + delay >= deadline {
                         error!(intents = batch.len(), error = %e,
                                "could not record outcomes before the leases expire; the intents will be rescued and re-sent with the same keys");
@@ -739,87 +733,19 @@ fn outcome_effects(intent: &ClaimedIntent, effects: &serde_json::Value) -> Optio
     }
 }
 
-/// Where an attempt leaves its intent: the retry schedule lives here. After a
-/// retryable failure the next attempt comes after the endpoint's full-jitter
-/// backoff for this attempt number, and not before the provider's
-/// `Retry-After`; if the attempts are spent, or the next attempt would start
-/// after the intent's max age, the intent is dead instead.
-///
-/// A `Retry-After` is the provider's word, so it is bounded before any
-/// arithmetic: one past the intent's max age can only end it, and the delay
-/// stored is never longer than the max age (a `Retry-After` of 10^13 s once
-/// overflowed the clock, and of 10^16 s PostgreSQL's interval, failing the
-/// whole batch of outcomes it was recorded with).
-fn decide(
-    intent: &ClaimedIntent,
-    verdict: Verdict,
-    r: &CallResult,
-    cfg: Option<&EndpointConfig>,
-    now: chrono::DateTime<Utc>,
-) -> (NextState, AttemptRecord) {
-    let status = r.status.map(i32::from);
-    match verdict {
-        Verdict::Success => (NextState::Succeeded, attempt_record("succeeded", status, r)),
-        Verdict::Permanent => (NextState::Dead, attempt_record("permanent", status, r)),
-        Verdict::Retry { retry_after, uncertain } => {
-            let outcome = if uncertain { "uncertain" } else { "retryable" };
-            let backoff = cfg.map(|c| c.backoff).unwrap_or_default();
-            let attempt = u32::try_from(intent.attempts).unwrap_or(1);
-            let mut delay = backoff.delay(attempt, &mut rand::rng());
-            // Past the intent's end any delay is as good as another.
-            let left = (intent.expires_at - now).to_std().unwrap_or_default();
-            if let Some(ra) = retry_after {
-                delay = delay.max(ra);
-            }
-            let too_late = delay >= left;
-            let delay = delay.min(left);
-            let mut rec = attempt_record(outcome, status, r);
-            if (intent.attempts >= intent.max_attempts || too_late) && uncertain {
-                let why = if intent.attempts >= intent.max_attempts {
-                    format!("retry budget exhausted after {} attempts", intent.attempts)
-                } else {
-                    format!("max age would pass before the next attempt ({})", intent.expires_at)
-                };
-                rec.error = Some(format!("{why}; {UNCERTAIN}; last error: {}", r.error.as_deref().unwrap_or("none")));
-                (NextState::Uncertain, rec)
-            } else if intent.attempts >= intent.max_attempts || too_late {
-                let why = if intent.attempts >= intent.max_attempts {
-                    format!("retry budget exhausted after {} attempts", intent.attempts)
-                } else if retry_after.is_some_and(|ra| ra >= left) {
-                    format!(
-                        "the provider asked to wait {}s, past the intent's max age ({})",
-                        retry_after.unwrap_or_default().as_secs(),
-                        intent.expires_at
-                    )
-                } else {
-                    format!("max age would pass before the next attempt ({})", intent.expires_at)
-                };
-                rec.error = Some(format!("{why}; last error: {}", r.error.as_deref().unwrap_or("none")));
-                (NextState::Dead, rec)
-            } else {
-                (NextState::Retry(delay), rec)
-            }
-        }
-    }
-}
-
-/// Why an intent ends `uncertain` rather than dead.
-const UNCERTAIN: &str = "the last attempt's outcome is unknown (the provider may have applied it): left uncertain, \
-                         on_dead not recorded; replay it to ask again with the same idempotency key";
-
-/// Whether the attempt before this claim may have been applied: it timed out
-/// after sending, broke mid-exchange, or its worker lost the lease.
-fn last_attempt_uncertain(intent: &ClaimedIntent) -> bool {
-    matches!(intent.last_error_class.as_deref(), Some("timeout" | "transport" | "lease_expired"))
-}
-
-fn attempt_record(outcome: &'static str, status: Option<i32>, r: &CallResult) -> AttemptRecord {
+/// What to record about an attempt: its outcome class, status and error,
+/// with the decision's reason in front when the budget ended the intent.
+fn attempt_record(d: &Decision, r: &CallResult) -> AttemptRecord {
+    let error = match &d.why {
+        Some(why) => Some(format!("{why}; last error: {}", r.error.as_deref().unwrap_or("none"))),
+        None => r.error.clone(),
+    };
     AttemptRecord {
         started_at: r.started_at,
-        outcome,
-        status,
+        outcome: d.outcome,
+        status: r.status.map(i32::from),
         error_class: r.error_class.map(str::to_owned),
-        error: r.error.clone(),
+        error,
     }
 }
 
@@ -882,97 +808,6 @@ pub(crate) async fn notified(listener: &mut Option<PgListener>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use relay_core::retry::AttemptResult;
-
-    fn intent(attempts: i32, max_attempts: i32, expires_at: chrono::DateTime<Utc>) -> ClaimedIntent {
-        ClaimedIntent {
-            id: uuid::Uuid::nil(),
-            lease_token: uuid::Uuid::nil(),
-            consumer: "c".into(),
-            source_event_id: "e".into(),
-            action: "a".into(),
-            endpoint: "psp".into(),
-            method: "POST".into(),
-            path: "/".into(),
-            body: None,
-            request_headers: serde_json::json!({}),
-            idempotency_key: "k".into(),
-            ordering_key: None,
-            attempts,
-            max_attempts,
-            expires_at,
-            on_success: serde_json::json!({}),
-            on_dead: serde_json::json!({}),
-            emit_source: "/s".into(),
-            aggregate_id: None,
-            correlation_id: None,
-            causation_id: None,
-            traceparent: None,
-            last_error: None,
-            last_error_class: None,
-            created_at: expires_at,
-        }
-    }
-
-    fn retry_after(secs: u64) -> (Verdict, CallResult) {
-        let ra = Some(Duration::from_secs(secs));
-        let r = CallResult {
-            attempt: AttemptResult::Response { status: 429, retry_after: ra },
-            status: Some(429),
-            error_class: Some("http_status"),
-            error: Some("HTTP 429".into()),
-            started_at: None,
-        };
-        (Verdict::Retry { retry_after: ra, uncertain: false }, r)
-    }
-
-    // Issue 22 item 12: out of budget on an attempt that may have been applied.
-    #[test]
-    fn a_budget_spent_on_an_uncertain_attempt_leaves_the_intent_uncertain_not_dead() {
-        let now = Utc::now();
-        let i = intent(3, 3, now + chrono::Duration::hours(24));
-        let timeout = CallResult {
-            attempt: AttemptResult::Timeout { sent: true },
-            status: None,
-            error_class: Some("timeout"),
-            error: Some("no response".into()),
-            started_at: None,
-        };
-        let uncertain = Verdict::Retry { retry_after: None, uncertain: true };
-        assert_eq!(decide(&i, uncertain, &timeout, None, now).0, NextState::Uncertain);
-        let refused = Verdict::Retry { retry_after: None, uncertain: false };
-        assert_eq!(decide(&i, refused, &timeout, None, now).0, NextState::Dead);
-        let mut lost = intent(4, 3, now + chrono::Duration::hours(24));
-        assert!(!last_attempt_uncertain(&lost));
-        lost.last_error_class = Some("lease_expired".into());
-        assert!(last_attempt_uncertain(&lost));
-    }
-
-    // Issue 22 item 11: an absurd Retry-After neither panics nor reaches the
-    // database as an interval it cannot hold.
-    #[test]
-    fn an_absurd_retry_after_ends_the_intent_instead_of_overflowing() {
-        let now = Utc::now();
-        let i = intent(1, 10, now + chrono::Duration::hours(24));
-        for secs in [10_000_000_000_000, 9_300_000_000_000_000, u64::MAX] {
-            let (v, r) = retry_after(secs);
-            let (next, rec) = decide(&i, v, &r, None, now);
-            assert_eq!(next, NextState::Dead, "{secs}");
-            assert!(rec.error.unwrap().contains("past the intent's max age"), "{secs}");
-        }
-    }
-
-    #[test]
-    fn a_retry_after_within_the_max_age_is_honoured_and_never_stored_longer_than_it() {
-        let now = Utc::now();
-        let i = intent(1, 10, now + chrono::Duration::hours(24));
-        let (v, r) = retry_after(3600);
-        let (next, _) = decide(&i, v, &r, None, now);
-        assert_eq!(next, NextState::Retry(Duration::from_secs(3600)));
-        let (v, r) = retry_after(1);
-        let NextState::Retry(d) = decide(&i, v, &r, None, now).0 else { panic!("retried") };
-        assert!(d >= Duration::from_secs(1) && d <= Duration::from_secs(24 * 3600), "{d:?}");
-    }
 
     #[test]
     fn a_retry_due_later_is_waited_for_but_never_longer_than_the_poll_interval() {

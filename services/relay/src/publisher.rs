@@ -6,8 +6,6 @@
 //! record with the same CloudEvents id after the lease expires (C14);
 //! consumers downstream dedup on that id, as the relay's own inbox does.
 
-use std::time::Duration;
-
 use futures::future::join_all;
 use rdkafka::ClientContext;
 use rdkafka::config::RDKafkaLogLevel;
@@ -16,6 +14,7 @@ use rdkafka::message::{Header as KHeader, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer, ProducerContext};
 use rdkafka::util::Timeout;
 use relay_core::config::{KafkaConfig, PublisherConfig};
+use relay_core::retry::BackoffPolicy;
 use relay_store::outbox::{self, ClaimedRow};
 use relay_store::{Claim, ClaimPool, Claimer, FinishPool};
 use sqlx::PgPool;
@@ -164,7 +163,7 @@ impl Publisher {
                     self.resume().back_to(None);
                     failures += 1;
                     error!(error = %e, attempt = failures, "outbox database error; retrying");
-                    let delay = Duration::from_millis(100 * u64::from(failures.min(50)));
+                    let delay = BackoffPolicy::DATABASE.delay(failures, &mut rand::rng());
                     tokio::select! { _ = shutdown.cancelled() => return Ok(()), _ = tokio::time::sleep(delay) => {} }
                     continue;
                 }

@@ -1,9 +1,11 @@
-//! Retry classification and backoff for external calls (R8).
+//! Retry classification, backoff and an intent's next state (R8, R10).
 //!
-//! The decision whether an attempt is retried lives in exactly one function,
-//! [`classify`]. The delay before the next attempt is a pure function of
-//! `(attempt, policy, random source)`, [`BackoffPolicy::delay`], so tests can
-//! pin it with a seeded generator.
+//! Three pure functions, each the only place its decision is made:
+//! [`classify`] turns one attempt's result into a [`Verdict`];
+//! [`decide`] turns a verdict and the intent's [`Budget`] into its
+//! [`NextState`]; [`BackoffPolicy::delay`] draws the wait before the next
+//! attempt. The clock (`now`) and the random source are parameters, so tests
+//! pin every branch with a fixed time and a seeded generator.
 //!
 //! Schedule: the exponential ceiling comes from `backon`'s
 //! [`ExponentialBuilder`] (min delay, factor, max delay); the delay is then
@@ -104,6 +106,138 @@ pub fn parse_retry_after(value: &str, now: chrono::DateTime<chrono::Utc>) -> Opt
     Some(delta.to_std().unwrap_or(Duration::ZERO))
 }
 
+/// Where an intent goes after an attempt (or after a claim that found its
+/// budget spent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NextState {
+    /// The call took effect.
+    Succeeded,
+    /// Try again after this delay.
+    Retry(Duration),
+    /// Never again: a permanent error or a spent budget.
+    Dead,
+    /// Budget spent on an attempt whose outcome is unknown (the provider may
+    /// have applied it): no outcome effects until an operator decides.
+    Uncertain,
+}
+
+/// What [`decide`] needs to know about an intent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    /// Attempts made, counting the one being decided (the claim counts it).
+    pub attempts: u32,
+    /// Attempts allowed.
+    pub max_attempts: u32,
+    /// No attempt starts after this.
+    pub expires_at: chrono::DateTime<chrono::Utc>,
+    /// The attempt before this claim may have taken effect (it timed out
+    /// after sending, broke mid-exchange, or its worker lost the lease).
+    pub last_uncertain: bool,
+}
+
+impl Budget {
+    /// Why this claim may not make an attempt at all, if it may not: the
+    /// attempts are spent or the max age has passed.
+    pub fn spent(&self, now: chrono::DateTime<chrono::Utc>) -> Option<String> {
+        if self.attempts > self.max_attempts {
+            Some(format!("retry budget exhausted: {} attempts made", self.max_attempts))
+        } else if now >= self.expires_at {
+            Some(format!("max age passed at {}", self.expires_at))
+        } else {
+            None
+        }
+    }
+}
+
+/// What happened at a claim, as [`decide`] sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tried {
+    /// An attempt was made and classified.
+    Attempt(Verdict),
+    /// No attempt: [`Budget::spent`] said the budget was spent at the claim.
+    Spent,
+}
+
+/// An intent's next state and what to record about the attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    /// Where the intent goes.
+    pub next: NextState,
+    /// The attempt's outcome class: `succeeded`, `permanent`, `retryable`, `uncertain`.
+    pub outcome: &'static str,
+    /// Why the intent ends here, when the attempt's own error does not say
+    /// it (the budget or the max age ended it).
+    pub why: Option<String>,
+}
+
+/// Why an intent ends `uncertain` rather than dead.
+pub const UNCERTAIN: &str = "the last attempt's outcome is unknown (the provider may have applied it): left \
+                             uncertain, on_dead not recorded; replay it to ask again with the same idempotency key";
+
+/// Decide an intent's next state after `tried`, at `now`, drawing a retry's
+/// backoff from `rng` (R8, R10):
+///
+/// | tried | budget left | next |
+/// |---|---|---|
+/// | success | – | succeeded |
+/// | permanent | – | dead |
+/// | retry | attempts and time left for the delay | retry after max(backoff, `Retry-After`) |
+/// | retry | attempts spent, or the delay passes the max age | dead; uncertain if this attempt's outcome is unknown |
+/// | spent at the claim | – | dead; uncertain if the previous attempt's outcome is unknown |
+///
+/// A `Retry-After` is the provider's word, so it is bounded before any
+/// arithmetic: one past the intent's max age can only end it, and the delay
+/// returned is never longer than the time left (a `Retry-After` of 10^13 s
+/// once overflowed the clock, and of 10^16 s PostgreSQL's interval).
+pub fn decide(
+    budget: &Budget,
+    tried: Tried,
+    policy: &BackoffPolicy,
+    now: chrono::DateTime<chrono::Utc>,
+    rng: &mut impl Rng,
+) -> Decision {
+    let end = |uncertain: bool, outcome, why: String| {
+        if uncertain {
+            Decision { next: NextState::Uncertain, outcome, why: Some(format!("{why}; {UNCERTAIN}")) }
+        } else {
+            Decision { next: NextState::Dead, outcome, why: Some(why) }
+        }
+    };
+    let verdict = match tried {
+        Tried::Spent => {
+            let why = budget.spent(now).unwrap_or_else(|| "retry budget exhausted".into());
+            return end(budget.last_uncertain, "permanent", why);
+        }
+        Tried::Attempt(v) => v,
+    };
+    let (retry_after, uncertain) = match verdict {
+        Verdict::Success => return Decision { next: NextState::Succeeded, outcome: "succeeded", why: None },
+        Verdict::Permanent => return Decision { next: NextState::Dead, outcome: "permanent", why: None },
+        Verdict::Retry { retry_after, uncertain } => (retry_after, uncertain),
+    };
+    let outcome = if uncertain { "uncertain" } else { "retryable" };
+    // Past the intent's end any delay is as good as another.
+    let left = (budget.expires_at - now).to_std().unwrap_or_default();
+    let delay = policy.delay(budget.attempts.max(1), rng).max(retry_after.unwrap_or_default());
+    if budget.attempts >= budget.max_attempts {
+        end(uncertain, outcome, format!("retry budget exhausted after {} attempts", budget.attempts))
+    } else if delay >= left {
+        let why = match retry_after {
+            Some(ra) if ra >= left && !uncertain => {
+                format!(
+                    "the provider asked to wait {}s, past the intent's max age ({})",
+                    ra.as_secs(),
+                    budget.expires_at
+                )
+            }
+            _ => format!("max age would pass before the next attempt ({})", budget.expires_at),
+        };
+        end(uncertain, outcome, why)
+    } else {
+        Decision { next: NextState::Retry(delay), outcome, why: None }
+    }
+}
+
 /// Exponential backoff with full jitter.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -125,6 +259,11 @@ impl Default for BackoffPolicy {
 }
 
 impl BackoffPolicy {
+    /// The wait between rounds of database work that failed (a claim, a
+    /// batch of outcomes, a publish): 100 ms, doubling, at most 5 s.
+    pub const DATABASE: BackoffPolicy =
+        BackoffPolicy { min_delay: Duration::from_millis(100), max_delay: Duration::from_secs(5), factor: 2.0 };
+
     /// The exponential ceiling after failed attempt number `attempt` (1-based).
     pub fn ceiling(&self, attempt: u32) -> Duration {
         let n = attempt.max(1) as usize;
@@ -213,6 +352,88 @@ mod tests {
         assert_eq!(parse_retry_after("Mon, 30 Nov 2026 12:00:30 GMT", now), Some(Duration::from_secs(30)));
         assert_eq!(parse_retry_after("Mon, 30 Nov 2026 11:00:00 GMT", now), Some(Duration::ZERO));
         assert_eq!(parse_retry_after("soon", now), None);
+    }
+
+    fn at() -> chrono::DateTime<chrono::Utc> {
+        chrono::DateTime::parse_from_rfc3339("2026-12-03T12:00:00Z").unwrap().to_utc()
+    }
+
+    fn budget(attempts: u32, max_attempts: u32, hours_left: i64, last_uncertain: bool) -> Budget {
+        Budget { attempts, max_attempts, expires_at: at() + chrono::Duration::hours(hours_left), last_uncertain }
+    }
+
+    fn decided(b: &Budget, tried: Tried) -> Decision {
+        decide(b, tried, &BackoffPolicy::default(), at(), &mut StdRng::seed_from_u64(3))
+    }
+
+    fn retry(retry_after: Option<u64>, uncertain: bool) -> Tried {
+        Tried::Attempt(Verdict::Retry { retry_after: retry_after.map(Duration::from_secs), uncertain })
+    }
+
+    #[test]
+    fn decide_a_success_succeeds_and_a_permanent_error_is_dead() {
+        let b = budget(1, 5, 24, true);
+        assert_eq!(decided(&b, Tried::Attempt(Verdict::Success)).next, NextState::Succeeded);
+        let d = decided(&b, Tried::Attempt(Verdict::Permanent));
+        assert_eq!((d.next, d.outcome, d.why), (NextState::Dead, "permanent", None));
+    }
+
+    #[test]
+    fn decide_a_retry_with_budget_left_waits_the_seeded_backoff() {
+        let b = budget(2, 5, 24, false);
+        let d = decided(&b, retry(None, false));
+        let expected = BackoffPolicy::default().delay(2, &mut StdRng::seed_from_u64(3));
+        assert_eq!((d.next, d.outcome), (NextState::Retry(expected), "retryable"));
+        assert_eq!(decided(&b, retry(None, true)).outcome, "uncertain");
+    }
+
+    #[test]
+    fn decide_a_retry_after_longer_than_the_backoff_is_honoured() {
+        let d = decided(&budget(1, 5, 24, false), retry(Some(3600), false));
+        assert_eq!(d.next, NextState::Retry(Duration::from_secs(3600)));
+    }
+
+    #[test]
+    fn decide_the_last_attempt_failing_ends_dead_or_uncertain() {
+        let b = budget(3, 3, 24, false);
+        let d = decided(&b, retry(None, false));
+        assert_eq!(d.next, NextState::Dead);
+        assert!(d.why.unwrap().contains("budget exhausted after 3 attempts"));
+        let d = decided(&b, retry(None, true));
+        assert_eq!(d.next, NextState::Uncertain);
+        assert!(d.why.unwrap().contains(UNCERTAIN));
+    }
+
+    #[test]
+    fn decide_a_retry_after_past_the_max_age_ends_the_intent_without_overflow() {
+        for secs in [10_000_000_000_000, 9_300_000_000_000_000, u64::MAX] {
+            let d = decided(&budget(1, 10, 24, false), retry(Some(secs), false));
+            assert_eq!(d.next, NextState::Dead, "{secs}");
+            assert!(d.why.unwrap().contains("past the intent's max age"), "{secs}");
+        }
+    }
+
+    #[test]
+    fn decide_a_backoff_past_the_max_age_ends_the_intent() {
+        // 1 s left; the seed draws a delay above it from the 8th ceiling (60 s).
+        let b = Budget { expires_at: at() + chrono::Duration::seconds(1), ..budget(8, 10, 0, false) };
+        let d = decided(&b, retry(None, false));
+        assert_eq!(d.next, NextState::Dead);
+        assert!(d.why.unwrap().contains("max age would pass"));
+        assert_eq!(decided(&b, retry(None, true)).next, NextState::Uncertain);
+    }
+
+    #[test]
+    fn decide_a_claim_with_its_budget_spent_is_dead_unless_the_last_attempt_is_unknown() {
+        let b = budget(4, 3, 24, false);
+        assert_eq!(b.spent(at()).as_deref(), Some("retry budget exhausted: 3 attempts made"));
+        let d = decided(&b, Tried::Spent);
+        assert_eq!((d.next, d.outcome), (NextState::Dead, "permanent"));
+        let d = decided(&Budget { last_uncertain: true, ..b }, Tried::Spent);
+        assert_eq!(d.next, NextState::Uncertain);
+        let aged = budget(1, 3, 0, false);
+        assert!(aged.spent(at()).unwrap().starts_with("max age passed"));
+        assert_eq!(budget(1, 3, 1, false).spent(at()), None);
     }
 
     #[test]

@@ -161,10 +161,16 @@ pub struct ClaimedIntent {
 }
 
 impl ClaimedIntent {
-    /// Whether this claim is already over budget (count or age): the intent
-    /// must be declared dead without another call.
-    pub fn over_budget(&self, now: DateTime<Utc>) -> bool {
-        self.attempts > self.max_attempts || now >= self.expires_at
+    /// Its retry budget, for [`relay_core::retry::decide`].
+    pub fn budget(&self) -> relay_core::retry::Budget {
+        relay_core::retry::Budget {
+            attempts: u32::try_from(self.attempts).unwrap_or(0),
+            max_attempts: u32::try_from(self.max_attempts).unwrap_or(0),
+            expires_at: self.expires_at,
+            // The attempt before this claim may have taken effect: it timed
+            // out after sending, broke mid-exchange, or lost its lease.
+            last_uncertain: matches!(self.last_error_class.as_deref(), Some("timeout" | "transport" | "lease_expired")),
+        }
     }
 }
 
@@ -277,19 +283,7 @@ pub enum Fenced {
     LeaseLost,
 }
 
-/// Where a finished attempt leaves its intent.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum NextState {
-    /// The call took effect.
-    Succeeded,
-    /// Try again after this delay.
-    Retry(Duration),
-    /// Never again: permanent error or budget spent.
-    Dead,
-    /// Budget spent on an attempt whose outcome is unknown (the provider may
-    /// have applied it): no outcome effects until an operator decides.
-    Uncertain,
-}
+pub use relay_core::retry::NextState;
 
 /// The outcome of one claimed intent's attempt, to record.
 #[derive(Debug, Clone)]
