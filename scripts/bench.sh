@@ -10,12 +10,12 @@ cd "$ROOT"
 if [ "${1:-}" = "--quick" ]; then
   shift
   # Only checks that the harness runs: the debug build the tests already made is enough.
-  cargo build -q --locked -p relay -p relay-bench
+  cargo build -q --locked -p relay-cli -p relay-bench
   start_test_services
   target/debug/relay-bench --quick "$@"
 else
   say "building relay and relay-bench (release)"
-  cargo build -q --locked --release -p relay -p relay-bench
+  cargo build -q --locked --release -p relay-cli -p relay-bench
   start_test_services
   target/release/relay-bench --out BENCHMARKS.md "$@"
 fi

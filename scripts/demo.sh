@@ -13,6 +13,6 @@ ensure_postgres relay_demo
 fresh_database relay_demo relay_demo
 export DATABASE_URL="postgres://relay_demo:relay_demo@127.0.0.1:5432/relay_demo"
 say "building the relay (first build compiles librdkafka: a few minutes)"
-cargo build -q --locked -p relay
+cargo build -q --locked -p relay-cli
 # RUST_LOG=info shows every record and call as it is processed.
 RUST_LOG="${RUST_LOG:-error}" target/debug/relay demo

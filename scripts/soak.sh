@@ -16,6 +16,6 @@ if [ "${1:-}" = "--long" ]; then
 fi
 [ "${1:-}" = "--" ] && shift
 say "building relay and relay-soak"
-cargo build -q --locked -p relay -p relay-soak
+cargo build -q --locked -p relay-cli -p relay-soak
 start_test_services
 target/debug/relay-soak "${args[@]}" "$@"

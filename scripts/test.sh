@@ -20,6 +20,6 @@ cargo test --workspace --locked "$@"
 
 if [ $# -eq 0 ]; then
   say "short chaos soak (the long one: scripts/soak.sh --long, results in EVIDENCE.md)"
-  cargo build -q --locked -p relay -p relay-soak
+  cargo build -q --locked -p relay-cli -p relay-soak
   target/debug/relay-soak --events 3000 --kills 50 --seed 42
 fi

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use async_trait::async_trait;
-use relay::admin::{self, ReplayOutcome};
+use relay::ops::admin::{self, ReplayOutcome};
 use relay::{Components, FaultAction, Faults, Handler, HandlerError, Handlers};
 use relay_core::{CallSpec, InputEvent, Plan, RelayConfig};
 use relay_store::inbox;
@@ -251,7 +251,7 @@ async fn a_consumer_that_dies_after_the_db_commit_gets_the_record_again_and_appl
     let h = Harness::new(1).await;
     h.send(&order("evt-1", "o-1")).await;
     // C2: stop right after the commit, before the offset is stored.
-    let faults = Faults::new(&[(relay::faults::point::CONSUMER_AFTER_DB_COMMIT, FaultAction::Fail, 1)]);
+    let faults = Faults::new(&[(relay::runtime::faults::point::CONSUMER_AFTER_DB_COMMIT, FaultAction::Fail, 1)]);
     let run = h.start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, faults).await;
     assert!(run.finished().await.is_err(), "the fault stops the consumer like a crash");
     assert_eq!(h.inbox().await, 1, "the transaction committed");
@@ -278,7 +278,7 @@ async fn a_consumer_that_dies_before_the_db_commit_gets_the_record_again_and_app
     let h = Harness::new(1).await;
     h.send(&order("evt-1", "o-1")).await;
     // C1: die with the batch written but not committed.
-    let faults = Faults::new(&[(relay::faults::point::CONSUMER_BEFORE_DB_COMMIT, FaultAction::Fail, 1)]);
+    let faults = Faults::new(&[(relay::runtime::faults::point::CONSUMER_BEFORE_DB_COMMIT, FaultAction::Fail, 1)]);
     let run = h.start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, faults).await;
     assert!(run.finished().await.is_err());
     assert_eq!(h.inbox().await, 0, "nothing was committed");
@@ -622,7 +622,7 @@ async fn consumers_joining_and_leaving_the_group_mid_stream_lose_nothing_and_dou
     small.consumer.batch_size = 5; // many small batches: the rebalance lands mid-stream
     // Each instance counts its committed batches at a fault point; A is slowed
     // down so that B joins while most records are still unprocessed.
-    let after_commit = relay::faults::point::CONSUMER_AFTER_DB_COMMIT;
+    let after_commit = relay::runtime::faults::point::CONSUMER_AFTER_DB_COMMIT;
     let a_faults = Faults::new(&[(after_commit, FaultAction::Pause(std::time::Duration::from_millis(30)), 0)]);
     let b_faults = Faults::new(&[(after_commit, FaultAction::Pause(std::time::Duration::ZERO), 0)]);
     let a = h.start(small.clone(), CONSUMER_ONLY, a_faults.clone()).await;

@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use example_provider::{FaultKind, FaultRule};
-use relay::faults::point;
+use relay::runtime::faults::point;
 use relay::{Components, FaultAction, Faults};
 use relay_store::intents::{self, AttemptRecord, Fenced, Finish, NextState};
 use relay_store::{ClaimPool, outbox};
@@ -860,7 +860,7 @@ async fn woke_dispatchers(listener: &mut sqlx::postgres::PgListener, conn: &mut 
 
 #[tokio::test]
 async fn an_intent_claimed_at_ingest_is_written_running_unless_it_is_keyed_or_its_endpoint_is_paused() {
-    // Claim at ingest (relay::handoff): the row the consumer writes for a
+    // Claim at ingest (relay::deliver::handoff): the row the consumer writes for a
     // held intent is the one a claim would leave, and only intents a claim
     // could take right now are held. Dispatchers are woken only by an insert
     // that wrote a pending intent (migration 0008).
@@ -911,7 +911,7 @@ async fn an_intent_claimed_at_ingest_is_written_running_unless_it_is_keyed_or_it
 #[tokio::test]
 async fn intents_handed_over_but_not_started_go_back_to_pending_uncounted_when_the_dispatcher_stops() {
     let db = relay_testkit::TestDb::new().await.unwrap();
-    let (handoff, desk) = relay::handoff::channel("w-1", Duration::from_secs(30), 3);
+    let (handoff, desk) = relay::deliver::handoff::channel("w-1", Duration::from_secs(30), 3);
     let mut reserved = handoff.reserve(10).expect("room");
     assert_eq!(reserved.len(), 3, "as much room as there is");
     assert!(handoff.reserve(1).is_none(), "no room left");
@@ -968,7 +968,7 @@ async fn an_intent_claimed_at_ingest_whose_hand_over_a_crash_prevented_is_rescue
 #[tokio::test]
 async fn a_consumer_batch_of_more_intents_than_a_claim_batch_is_claimed_at_ingest_whole() {
     // The dispatcher's room for intents claimed at ingest is a claim batch
-    // plus a consumer batch (relay::handoff::room). With a claim batch alone,
+    // plus a consumer batch (relay::deliver::handoff::room). With a claim batch alone,
     // a full consumer batch — what high load brings — wrote all but its first
     // `claim_batch` intents pending, each to wait for a NOTIFY and a claim.
     let h = Harness::new(1).await;

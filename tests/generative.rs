@@ -31,10 +31,10 @@ use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use relay::admin::{self, ReplayOutcome};
-use relay::faults::{Sabotage, point};
-use relay::verify::{ProviderEffect, VerifyOptions, verify};
+use relay::ops::admin::{self, ReplayOutcome};
+use relay::runtime::faults::{Sabotage, point};
 use relay::{Components, FaultAction, Faults, Handlers};
+use relay_cli::verify::{ProviderEffect, VerifyOptions, verify};
 use relay_core::RelayConfig;
 use relay_testkit::TestEvent;
 use serde_json::{Value, json};

@@ -7,9 +7,9 @@ mod support;
 use std::time::Duration;
 
 use example_provider::{FaultKind, FaultRule};
-use relay::faults::{Sabotage, point};
-use relay::verify::{ProviderEffect, Report, VerifyOptions, verify};
+use relay::runtime::faults::{Sabotage, point};
 use relay::{Components, FaultAction, Faults};
+use relay_cli::verify::{ProviderEffect, Report, VerifyOptions, verify};
 use relay_core::RelayConfig;
 use support::*;
 

@@ -761,7 +761,7 @@ async fn call_latency(pool: &PgPool) -> anyhow::Result<(f64, f64)> {
 /// side. Not a goal of its own: it shows how much of the raw HTTP rate a
 /// dispatcher could reach on this machine if its own work cost nothing.
 async fn dispatch_database_only(env: &Env, m: usize, workers: usize) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
-    use relay::resume::Resume;
+    use relay::runtime::claim_loop::Resume;
     use relay_store::intents::{self, AttemptRecord, Finish, NextState};
     let s = setup(env, 1).await?;
     insert_intents(&s.db.pool, m).await?;
@@ -772,7 +772,7 @@ async fn dispatch_database_only(env: &Env, m: usize, workers: usize) -> anyhow::
             let worker = format!("bench-db-{w}");
             let mut conn = relay_store::FinishPool::beside(&pool, 1).acquire().await?;
             let mut claims = relay_store::ClaimPool::beside(&pool, 1).acquire().await?;
-            // As the dispatcher's claim loop (`relay::resume`): after the
+            // As the dispatcher's claim loop (`relay::runtime::claim_loop`): after the
             // last row of a full claim, from the start once a claim after it
             // comes back short; no poll interval, as nothing else writes.
             let mut resume: Resume<relay_store::Position> = Resume::default();

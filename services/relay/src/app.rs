@@ -9,12 +9,12 @@ use sqlx::{Connection, PgPool};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
-use crate::consumer::{ConsumerSettings, InboxConsumer};
-use crate::dispatcher::Dispatcher;
-use crate::faults::Faults;
-use crate::handler::Handlers;
-use crate::processor::Processor;
-use crate::publisher::Publisher;
+use crate::deliver::dispatcher::Dispatcher;
+use crate::ingest::consumer::{ConsumerSettings, InboxConsumer};
+use crate::ingest::handler::Handlers;
+use crate::ingest::processor::Processor;
+use crate::publish::publisher::Publisher;
+use crate::runtime::faults::Faults;
 
 /// Which components to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,8 +45,12 @@ pub struct Relay {
 impl Relay {
     /// Connect to the database, compile the routes, and check the schema is current.
     pub async fn new(cfg: RelayConfig, handlers: Handlers, faults: Faults) -> anyhow::Result<Relay> {
+        #[cfg(feature = "faults")]
         let router =
             Arc::new(if faults.sabotage().null_as_text { Router::sabotaged(&cfg)? } else { Router::new(&cfg)? });
+        #[cfg(not(feature = "faults"))]
+        let router = Arc::new(Router::new(&cfg)?);
+        #[cfg(feature = "faults")]
         if faults.sabotage().ordering_by_insert {
             relay_store::ordering::sabotage(&cfg.consumer.name);
         }
@@ -115,32 +119,31 @@ impl Relay {
     /// the others are stopped gracefully and the first error is returned).
     pub async fn run(&self, which: Components, shutdown: CancellationToken) -> anyhow::Result<()> {
         let inner = shutdown.child_token();
-        let metrics = crate::metrics::install();
-        crate::trace::init(&self.cfg.telemetry)?;
+        let metrics = crate::runtime::metrics::install();
+        crate::runtime::trace::init(&self.cfg.telemetry)?;
         if which.consumer {
-            crate::retention::check_topic_retention(&self.cfg).await?;
+            crate::ops::retention::check_topic_retention(&self.cfg).await?;
         }
         let mut set = tokio::task::JoinSet::new();
         if self.cfg.admin.listen.is_some() {
             let (cfg, pool, processor, t) = (self.cfg.clone(), self.pool.clone(), self.processor(), inner.clone());
-            set.spawn(async move { ("admin server", crate::server::serve(cfg, pool, processor, metrics, t).await) });
+            set.spawn(
+                async move { ("admin server", crate::ops::server::serve(cfg, pool, processor, metrics, t).await) },
+            );
         }
         if which.dispatcher {
             // Retention cleanup runs beside dispatchers; an advisory lock keeps it to one at a time.
             let (pool, retention, consumer, t) =
                 (self.pool.clone(), self.cfg.retention.clone(), self.cfg.consumer.name.clone(), inner.clone());
-            tokio::spawn(crate::retention::run(pool, retention, consumer, t));
+            tokio::spawn(crate::ops::retention::run(pool, retention, consumer, t));
         }
         let dispatcher = which.dispatcher.then(|| self.dispatcher()).transpose()?;
-        // Consumer and dispatcher side by side: claim at ingest (crate::handoff).
-        let (handoff, desk) = match &dispatcher {
+        // Consumer and dispatcher side by side: claim at ingest (crate::deliver::handoff).
+        let handoff = match &dispatcher {
             Some(d) if which.consumer && self.cfg.dispatcher.claim_at_ingest => {
-                let s = &self.cfg.dispatcher;
-                let room = crate::handoff::room(s.claim_batch as usize, self.cfg.consumer.batch_size);
-                let (handoff, desk) = crate::handoff::channel(d.worker(), s.lease, room);
-                (Some(handoff), Some(desk))
+                Some(d.handoff(self.cfg.consumer.batch_size))
             }
-            _ => (None, None),
+            _ => None,
         };
         if which.consumer {
             let processor = self.processor();
@@ -153,7 +156,7 @@ impl Relay {
         }
         if let Some(d) = dispatcher {
             let t = inner.clone();
-            set.spawn(async move { ("dispatcher", d.run_with(t, desk).await) });
+            set.spawn(async move { ("dispatcher", d.run(t).await) });
         }
         if which.publisher {
             let p = self.publisher()?;
@@ -172,7 +175,7 @@ impl Relay {
                 }
             }
         }
-        crate::trace::shutdown();
+        crate::runtime::trace::shutdown();
         first_error.map_or(Ok(()), Err)
     }
 }

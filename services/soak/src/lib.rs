@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use example_provider::{FaultKind, FaultRule, Provider, Settings};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use relay::verify::{ProviderEffect, Report, VerifyOptions, verify};
+use relay_cli::verify::{ProviderEffect, Report, VerifyOptions, verify};
 use relay_core::RelayConfig;
 use relay_testkit::process::{RelayProcess, RelaySpec};
 use relay_testkit::{TestDb, TestEvent, TestProducer, committed_offsets, create_topics, unique};

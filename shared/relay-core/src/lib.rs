@@ -2,6 +2,13 @@
 //! route applies, what the route produces, which ids those products get, and
 //! how failed calls are classified and retried.
 //!
+//! * [`envelope`] — record to event; [`router`] — event to plan (routes,
+//!   templates in [`template`], derived ids in [`ids`]); [`effects`] — the
+//!   plan's parts and their encodings.
+//! * [`retry`] — [`retry::classify`] an attempt, [`retry::decide`] the
+//!   intent's next state (clock and random source passed in), backoff.
+//! * [`config`] — the configuration's types and validation.
+//!
 //! Nothing in this crate performs I/O. That is what makes its decisions
 //! deterministic: the same record under the same configuration always decodes,
 //! routes and renders to the same plan with the same derived ids (R7), and a

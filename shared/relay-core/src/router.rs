@@ -120,7 +120,9 @@ impl Router {
 
     /// [`Router::new`] with templates that let null and empty values through,
     /// as before issue 22 item 3: deliberately wrong, for the tests that
-    /// prove the checks catch it (`RELAY_SABOTAGE=null-as-text`).
+    /// prove the checks catch it (`RELAY_SABOTAGE=null-as-text`; only with
+    /// the `sabotage` feature).
+    #[cfg(feature = "sabotage")]
     pub fn sabotaged(cfg: &RelayConfig) -> Result<Router, RouterError> {
         Router::build(cfg, TemplateBuilder::default().sabotaged())
     }

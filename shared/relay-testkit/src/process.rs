@@ -91,12 +91,10 @@ impl RelayProcess {
         for (k, v) in &self.spec.env {
             cmd.env(k, v);
         }
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .with_context(|| format!("start {} (build it with `cargo build -p relay`)", self.spec.bin.display()))?;
+        let child =
+            cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::from(log)).spawn().with_context(|| {
+                format!("start {} (build it with `cargo build -p relay-cli`)", self.spec.bin.display())
+            })?;
         self.child = Some(child);
         self.starts += 1;
         Ok(())
@@ -143,6 +141,10 @@ impl RelayProcess {
             if Instant::now() > end {
                 bail!("{:?} did not exit within {timeout:?} (log: {})", self.spec.args, self.spec.log.display());
             }
+            #[allow(
+                clippy::disallowed_methods,
+                reason = "a test helper polling a child process with a deadline, synchronously"
+            )]
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -320,6 +322,10 @@ impl PrivateKafka {
             if Instant::now() > end {
                 bail!("private Kafka did not start (see {})", self.dir.join("broker.log").display());
             }
+            #[allow(
+                clippy::disallowed_methods,
+                reason = "a test helper polling a child process with a deadline, synchronously"
+            )]
             std::thread::sleep(Duration::from_millis(100));
         }
     }

@@ -214,6 +214,10 @@ counter = "cards_checked"
             if started.elapsed() > Duration::from_secs(30) {
                 return None;
             }
+            #[allow(
+                clippy::disallowed_methods,
+                reason = "a test helper polling a child process with a deadline, synchronously"
+            )]
             std::thread::sleep(Duration::from_millis(50));
         }
     })

@@ -23,9 +23,9 @@ use relay_store::stats::{self, Stats};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use crate::app::{Components, Relay};
-use crate::faults::Faults;
-use crate::handler::Handlers;
+use relay::app::{Components, Relay};
+use relay::ingest::handler::Handlers;
+use relay::runtime::faults::Faults;
 
 const CONFIG: &str = include_str!("../../../relay.example.toml");
 const SCHEMAS: &[(&str, &str)] = &[
@@ -162,7 +162,7 @@ pub async fn run() -> anyhow::Result<()> {
     cfg.publisher.poll_interval = Duration::from_millis(200);
     cfg.endpoints.get_mut("payments").expect("example config has the payments endpoint").base_url =
         provider.url().parse()?;
-    let pool = crate::app::connect(&cfg).await?;
+    let pool = relay::app::connect(&cfg).await?;
     relay_store::migrate(&pool).await?;
     println!("* PostgreSQL migrated");
 
@@ -224,7 +224,7 @@ async fn report(pool: &sqlx::PgPool, provider: &Provider, s: &Stats) -> anyhow::
         println!("  {outcome:<22} {n}");
     }
     // From the same counters /metrics serves.
-    let metrics = crate::metrics::install().render();
+    let metrics = relay::runtime::metrics::install().render();
     let counted = |layer: &str| -> f64 {
         metrics
             .lines()

@@ -21,10 +21,9 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::dispatcher::{listen, notified, until_due};
-use crate::faults::{Faults, point};
-use crate::kafka::{Role, client_config};
-use crate::resume::Resume;
+use crate::runtime::claim_loop::{Resume, listen, notified, until_due};
+use crate::runtime::faults::{Faults, point};
+use crate::runtime::kafka::{Role, client_config, forward_error, forward_log};
 
 /// Claim-and-produce loops per publisher process.
 const LANES: usize = 2;
@@ -40,17 +39,11 @@ pub struct LogContext;
 
 impl ClientContext for LogContext {
     fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
-        match level {
-            RDKafkaLogLevel::Emerg | RDKafkaLogLevel::Alert | RDKafkaLogLevel::Critical | RDKafkaLogLevel::Error => {
-                error!(facility = fac, "librdkafka producer: {log_message}")
-            }
-            RDKafkaLogLevel::Warning => warn!(facility = fac, "librdkafka producer: {log_message}"),
-            _ => debug!(facility = fac, "librdkafka producer: {log_message}"),
-        }
+        forward_log("producer", level, fac, log_message);
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
-        warn!(error = %error, "Kafka producer error: {reason}");
+        forward_error("producer", &error, reason);
     }
 }
 
@@ -137,7 +130,7 @@ impl Publisher {
                     Ok(0) => {}
                     Ok(n) => {
                         self.resume().back_to(None);
-                        crate::metrics::rescued("outbox", n);
+                        crate::runtime::metrics::rescued("outbox", n);
                         warn!(
                             rescued = n,
                             "outbox rows whose publisher lost its lease are pending again; they will be republished under the same ids"
@@ -209,7 +202,7 @@ impl Publisher {
         for (row, result) in rows.iter().zip(deliveries) {
             match result {
                 Ok((partition, offset)) => {
-                    crate::metrics::published(&row.topic, true);
+                    crate::runtime::metrics::published(&row.topic, true);
                     debug!(outbox_id = %row.id, topic = %row.topic, partition, offset, event_type = row.event_type.as_deref().unwrap_or(""), "published");
                     ok_ids.push(row.id);
                     ok_tokens.push(row.lease_token);
@@ -218,8 +211,8 @@ impl Publisher {
                     }
                 }
                 Err(e) if is_permanent(&e) => {
-                    crate::metrics::published(&row.topic, false);
-                    crate::metrics::publish_dead(&row.topic);
+                    crate::runtime::metrics::published(&row.topic, false);
+                    crate::runtime::metrics::publish_dead(&row.topic);
                     error!(outbox_id = %row.id, topic = %row.topic, attempt = row.attempts, error = %e,
                            "the broker can never take this record (size limit, invalid topic, policy): the row is dead; \
                             fix the cause (e.g. raise the topic's max.message.bytes and the producer's message.max.bytes), \
@@ -230,7 +223,7 @@ impl Publisher {
                     }
                 }
                 Err(e) => {
-                    crate::metrics::published(&row.topic, false);
+                    crate::runtime::metrics::published(&row.topic, false);
                     let delay = self.settings.backoff.delay(u32::try_from(row.attempts).unwrap_or(1), &mut rand::rng());
                     warn!(outbox_id = %row.id, topic = %row.topic, attempt = row.attempts, retry_in_ms = delay.as_millis() as u64,
                           error = %e, "publishing failed; it will be retried under the same id");
@@ -316,5 +309,5 @@ pub enum PublishError {
     Db(#[from] sqlx::Error),
     /// A fault point fired.
     #[error(transparent)]
-    Fault(crate::faults::FaultInjected),
+    Fault(crate::runtime::faults::FaultInjected),
 }

@@ -4,7 +4,7 @@
 use relay_store::dead_letters;
 use sqlx::{Connection, PgPool};
 
-use crate::processor::{Processor, Step};
+use crate::ingest::processor::{Processor, Step};
 
 /// What a replay did.
 #[derive(Debug, Clone, PartialEq, Eq)]

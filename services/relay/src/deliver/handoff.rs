@@ -136,7 +136,7 @@ impl Handoff {
         if handed.is_empty() {
             return;
         }
-        crate::metrics::claimed("ingest", handed.len() as u64);
+        crate::runtime::metrics::claimed("ingest", handed.len() as u64);
         if let Err(back) = self.tx.send(handed) {
             give_back(pool, back.0).await;
         }

@@ -46,9 +46,9 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{Level, debug, error, info, warn};
 
-use crate::faults::{FaultInjected, Faults, point};
-use crate::kafka::{Role, client_config};
-use crate::processor::{Processed, Processor, Step};
+use crate::ingest::processor::{Processed, Processor, Step};
+use crate::runtime::faults::{FaultInjected, Faults, point};
+use crate::runtime::kafka::{Role, client_config, forward_error, forward_log};
 
 type Tp = (String, i32);
 
@@ -90,19 +90,11 @@ pub struct RelayContext {
 
 impl ClientContext for RelayContext {
     fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
-        match level {
-            RDKafkaLogLevel::Emerg | RDKafkaLogLevel::Alert | RDKafkaLogLevel::Critical | RDKafkaLogLevel::Error => {
-                error!(consumer = %self.name, facility = fac, "librdkafka: {log_message}")
-            }
-            RDKafkaLogLevel::Warning => {
-                warn!(consumer = %self.name, facility = fac, "librdkafka: {log_message}")
-            }
-            _ => debug!(consumer = %self.name, facility = fac, "librdkafka: {log_message}"),
-        }
+        forward_log(&self.name, level, fac, log_message);
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
-        warn!(consumer = %self.name, error = %error, "Kafka client error: {reason}");
+        forward_error(&self.name, &error, reason);
     }
 
     /// librdkafka's statistics (every `statistics.interval.ms`): the consumer
@@ -111,7 +103,7 @@ impl ClientContext for RelayContext {
         for (topic, t) in &statistics.topics {
             for (partition, p) in &t.partitions {
                 if *partition >= 0 && p.consumer_lag >= 0 {
-                    crate::metrics::lag(&self.name, topic, *partition, p.consumer_lag);
+                    crate::runtime::metrics::lag(&self.name, topic, *partition, p.consumer_lag);
                 }
             }
         }
@@ -418,7 +410,7 @@ impl InboxConsumer {
             *by_topic.entry(record.topic.as_str()).or_default() += 1;
         }
         for (topic, n) in by_topic {
-            crate::metrics::records_received(&self.settings.name, topic, n);
+            crate::runtime::metrics::records_received(&self.settings.name, topic, n);
         }
         // Partitions whose next batch is full while their task runs: paused
         // at the broker until that batch starts.
@@ -658,14 +650,14 @@ impl InboxConsumer {
                         return Ok(run);
                     }
                     let Some(poison) = stopped else { continue };
-                    crate::metrics::not_yet(&self.settings.name, poison.class.as_str());
+                    crate::runtime::metrics::not_yet(&self.settings.name, poison.class.as_str());
                     not_yet += 1;
                     let record = &records[i];
                     let budget = self.settings.reference_retry;
                     if not_yet >= budget.max_attempts {
                         match self.park_alone(record, &poison, not_yet).await {
                             Ok(()) => {
-                                crate::metrics::dead_lettered(
+                                crate::runtime::metrics::dead_lettered(
                                     &self.settings.name,
                                     &record.topic,
                                     poison.class.as_str(),
@@ -807,7 +799,7 @@ impl InboxConsumer {
     }
 
     fn log_record(&self, record: &RawRecord, p: &Processed, took: Duration) {
-        crate::metrics::record_processed(
+        crate::runtime::metrics::record_processed(
             &self.settings.name,
             &record.topic,
             p.info.route.as_deref().unwrap_or(""),
@@ -815,8 +807,8 @@ impl InboxConsumer {
             took.as_secs_f64(),
         );
         if let Step::Poison(poison) = &p.step {
-            crate::metrics::poison(&self.settings.name, poison.class.as_str());
-            crate::metrics::dead_lettered(&self.settings.name, &record.topic, poison.class.as_str());
+            crate::runtime::metrics::poison(&self.settings.name, poison.class.as_str());
+            crate::runtime::metrics::dead_lettered(&self.settings.name, &record.topic, poison.class.as_str());
         }
         let level = match &p.step {
             Step::Applied { .. } => Level::DEBUG,

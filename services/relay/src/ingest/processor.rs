@@ -34,9 +34,9 @@ use relay_store::{DbErrorKind, classify_error, dead_letters, effects, outbox};
 use serde_json::json;
 use sqlx::{Connection, PgConnection};
 
-use crate::faults::Sabotage;
-use crate::handler::{HandlerError, Handlers};
-use crate::handoff::{Handed, Handoff};
+use crate::deliver::handoff::{Handed, Handoff};
+use crate::ingest::handler::{HandlerError, Handlers};
+use crate::runtime::faults::Sabotage;
 
 /// The identity of a processed event, for logs (R16). Never the payload.
 #[derive(Debug, Clone, Default)]
@@ -187,7 +187,7 @@ impl Processor {
 
     /// The same processor, writing the intents of fast-path runs already
     /// claimed by the dispatcher behind `handoff` where it can
-    /// ([`crate::handoff`]); the batch calls then return them, to hand over
+    /// ([`crate::deliver::handoff`]); the batch calls then return them, to hand over
     /// after the commit.
     pub fn claiming_for(mut self, handoff: Handoff) -> Processor {
         self.handoff = Some(handoff);
@@ -765,7 +765,7 @@ impl Processor {
 
     /// Provenance of what `event` causes, as a child hop of its trace: the
     /// intents and events written carry the hop's `traceparent`.
-    fn provenance_hop(&self, event: &InputEvent, route: Option<&str>) -> (Provenance, crate::trace::Hop) {
+    fn provenance_hop(&self, event: &InputEvent, route: Option<&str>) -> (Provenance, crate::runtime::trace::Hop) {
         let mut prov = self.router.provenance(event);
         let attrs = || {
             vec![
@@ -775,7 +775,7 @@ impl Processor {
                 opentelemetry::KeyValue::new("relay.route", route.unwrap_or_default().to_owned()),
             ]
         };
-        let hop = crate::trace::Hop::start(
+        let hop = crate::runtime::trace::Hop::start(
             "relay.inbox",
             opentelemetry::trace::SpanKind::Consumer,
             prov.traceparent.as_deref(),

@@ -1,3 +1,7 @@
+//! What the dispatcher's and the publisher's claim loops share: when to
+//! claim next (LISTEN/NOTIFY, [`until_due`], the poll interval) and where
+//! the next claim starts ([`Resume`]).
+//!
 //! Where a claim loop's next claim may start: the dispatcher's
 //! ([`relay_store::intents::claim_after`], a [`relay_store::Position`]) and
 //! the publisher's lanes' ([`relay_store::outbox::claim_after`], a `seq`).
@@ -13,6 +17,11 @@
 //! interval, so no row waits longer than a missed wake-up would.
 
 use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use sqlx::PgPool;
+use sqlx::postgres::PgListener;
+use tracing::{debug, warn};
 
 /// The position, `P` being a place in the claim order.
 #[derive(Debug)]
@@ -62,6 +71,54 @@ impl<P: Copy + Ord> Resume<P> {
     }
 }
 
+/// The sleep before the next claim when the earliest pending row not due yet
+/// is due at `next_due` (rows already due but not claimed wait for an earlier
+/// row of their key or another worker, and are not counted). A time already
+/// past (the row came due since) means re-claim soon, not spin: 5 ms at least.
+pub fn until_due(next_due: Option<chrono::DateTime<Utc>>, poll: Duration) -> Duration {
+    const SOON: Duration = Duration::from_millis(5);
+    match next_due.map(|at| at - Utc::now()) {
+        Some(ahead) => ahead.to_std().unwrap_or(SOON).clamp(SOON, poll.max(SOON)),
+        None => poll,
+    }
+}
+
+/// `<hostname>-<pid>`.
+pub fn default_worker_id() -> String {
+    let host = std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_owned()).unwrap_or_else(|_| "host".into());
+    format!("{host}-{}", std::process::id())
+}
+
+/// LISTEN on `channel`; `None` (polling only) if it cannot be set up.
+pub async fn listen(pool: &PgPool, channel: &str) -> Option<PgListener> {
+    match PgListener::connect_with(pool).await {
+        Ok(mut l) => match l.listen(channel).await {
+            Ok(()) => Some(l),
+            Err(e) => {
+                warn!(error = %e, channel, "LISTEN failed; falling back to polling");
+                None
+            }
+        },
+        Err(e) => {
+            warn!(error = %e, channel, "could not open a LISTEN connection; falling back to polling");
+            None
+        }
+    }
+}
+
+/// Resolve on the next notification (never, without a listener).
+pub async fn notified(listener: &mut Option<PgListener>) {
+    match listener {
+        Some(l) => {
+            if let Err(e) = l.recv().await {
+                debug!(error = %e, "LISTEN connection error; it reconnects on the next wait");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        None => std::future::pending().await,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -101,5 +158,22 @@ mod tests {
         let (_, back) = r.next(Duration::ZERO);
         r.claimed(back, 100);
         assert_eq!(r.next(Duration::ZERO).0, None, "the poll interval passed");
+    }
+
+    #[test]
+    fn a_retry_due_later_is_waited_for_but_never_longer_than_the_poll_interval() {
+        let poll = Duration::from_secs(1);
+        let soon = until_due(Some(Utc::now() + chrono::Duration::milliseconds(300)), poll);
+        assert!(soon <= Duration::from_millis(300) && soon >= Duration::from_millis(200), "{soon:?}");
+        assert_eq!(until_due(Some(Utc::now() + chrono::Duration::seconds(30)), poll), poll);
+        assert_eq!(until_due(None, poll), poll);
+    }
+
+    #[test]
+    fn a_row_that_came_due_since_it_was_looked_up_is_claimed_soon_without_spinning() {
+        // next_due_at only returns future times; one already past came due
+        // in between. Rows due but blocked are never returned, so no spin.
+        let poll = Duration::from_millis(700);
+        assert_eq!(until_due(Some(Utc::now() - chrono::Duration::seconds(5)), poll), Duration::from_millis(5));
     }
 }

@@ -5,10 +5,20 @@
 //! Enabled only by configuration: `RELAY_FAULTS="consumer.after_db_commit=abort@3"`
 //! (abort the process the 3rd time the point is reached) for process-level
 //! tests, or [`Faults::new`] with [`FaultAction::Fail`] for in-process ones.
-//! With no faults configured every point is a single atomic load.
+//! With no faults configured every point is a single map lookup.
+//!
+//! Only in builds with the `faults` cargo feature, which the tests, the soak
+//! and the crash matrix turn on (their dev-dependency on `relay` asks for it)
+//! and release builds (Dockerfile, `scripts/bench.sh`) do not: without it
+//! [`Faults`] is empty, every point is `Ok(())` the compiler removes,
+//! [`Faults::sabotage`] is all off, and a process started with
+//! `RELAY_FAULTS` or `RELAY_SABOTAGE` set refuses to start.
 
+#[cfg(feature = "faults")]
 use std::collections::HashMap;
+#[cfg(feature = "faults")]
 use std::sync::Arc;
+#[cfg(feature = "faults")]
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -51,6 +61,7 @@ pub enum FaultAction {
     Fail,
 }
 
+#[cfg(feature = "faults")]
 #[derive(Debug)]
 struct Fault {
     action: FaultAction,
@@ -119,7 +130,9 @@ impl Sabotage {
 /// The configured faults. Cheap to clone.
 #[derive(Debug, Clone, Default)]
 pub struct Faults {
+    #[cfg(feature = "faults")]
     points: Arc<HashMap<String, Fault>>,
+    #[cfg(feature = "faults")]
     sabotage: Sabotage,
 }
 
@@ -129,6 +142,7 @@ impl Faults {
         Faults::default()
     }
 
+    #[cfg(feature = "faults")]
     /// Faults from `(point, action, on_hit)` triples; `on_hit` 0 fires every time.
     pub fn new(specs: &[(&str, FaultAction, u64)]) -> Faults {
         let points = specs
@@ -138,17 +152,22 @@ impl Faults {
         Faults { points: Arc::new(points), sabotage: Sabotage::default() }
     }
 
+    #[cfg(feature = "faults")]
     /// The same faults with `sabotage` switched on.
     pub fn with_sabotage(mut self, sabotage: Sabotage) -> Faults {
         self.sabotage = sabotage;
         self
     }
 
-    /// The sabotage in effect.
+    /// The sabotage in effect (none, without the `faults` feature).
     pub fn sabotage(&self) -> Sabotage {
-        self.sabotage
+        #[cfg(feature = "faults")]
+        return self.sabotage;
+        #[cfg(not(feature = "faults"))]
+        Sabotage::default()
     }
 
+    #[cfg(feature = "faults")]
     /// Parse `point=abort[@n],point=pause:500ms[@n],point=fail[@n]`.
     pub fn parse(spec: &str) -> Result<Faults, String> {
         let mut out = Vec::new();
@@ -189,6 +208,7 @@ impl Faults {
     }
 
     /// From `RELAY_FAULTS` and `RELAY_SABOTAGE`, if set.
+    #[cfg(feature = "faults")]
     pub fn from_env() -> Result<Faults, String> {
         let faults = match std::env::var("RELAY_FAULTS") {
             Ok(s) => Faults::parse(&s)?,
@@ -207,12 +227,34 @@ impl Faults {
         Ok(faults.with_sabotage(sabotage))
     }
 
+    /// No faults; an error if `RELAY_FAULTS` or `RELAY_SABOTAGE` asks for
+    /// some, which this build cannot give (a test relying on them would
+    /// prove nothing).
+    #[cfg(not(feature = "faults"))]
+    pub fn from_env() -> Result<Faults, String> {
+        match ["RELAY_FAULTS", "RELAY_SABOTAGE"].into_iter().find(|v| std::env::var_os(v).is_some()) {
+            Some(var) => Err(format!(
+                "{var} is set, but this relay was built without fault points (the `faults` cargo feature, \
+                 off in release builds): unset {var}, or build with `cargo build -p relay-cli --features relay/faults`"
+            )),
+            None => Ok(Faults::none()),
+        }
+    }
+
+    #[cfg(feature = "faults")]
     /// How many times point `name` was reached (only counted for configured points).
     pub fn hits(&self, name: &str) -> u64 {
         self.points.get(name).map_or(0, |f| f.hits.load(Ordering::SeqCst))
     }
 
     /// Pass fault point `name`.
+    #[cfg(not(feature = "faults"))]
+    pub async fn hit(&self, _name: &str) -> Result<(), FaultInjected> {
+        Ok(())
+    }
+
+    /// Pass fault point `name`.
+    #[cfg(feature = "faults")]
     pub async fn hit(&self, name: &str) -> Result<(), FaultInjected> {
         let Some(f) = self.points.get(name) else {
             return Ok(());
@@ -239,7 +281,7 @@ impl Faults {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "faults"))]
 mod tests {
     use super::*;
 

@@ -250,7 +250,7 @@ async fn the_console_shows_a_dead_intent_and_replaying_it_makes_it_succeed() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/console");
     assert!(
         dir.join("node_modules/playwright-core").exists(),
-        "playwright-core is not installed: run `npm ci --prefix services/relay/tests/console` (scripts/test.sh does)"
+        "playwright-core is not installed: run `npm ci --prefix services/relay-cli/tests/console` (scripts/test.sh does)"
     );
     let out = tokio::process::Command::new("node")
         .arg(dir.join("console.mjs"))
@@ -299,11 +299,12 @@ async fn cleanup_deletes_only_rows_past_their_retention_in_bounded_batches() {
         ..Default::default()
     };
     let mut batches = Vec::new();
-    let deleted =
-        relay::retention::cleanup_once(&h.db.pool, &retention, &h.consumer, |what, total| batches.push((what, total)))
-            .await
-            .unwrap()
-            .expect("no other cleaner");
+    let deleted = relay::ops::retention::cleanup_once(&h.db.pool, &retention, &h.consumer, |what, total| {
+        batches.push((what, total))
+    })
+    .await
+    .unwrap()
+    .expect("no other cleaner");
     let get = |w: Cleanup| deleted.iter().find(|d| d.0 == w).map(|d| d.1);
     assert_eq!(get(Cleanup::Inbox), Some(20));
     assert_eq!(get(Cleanup::SucceededIntents), Some(20));
@@ -316,19 +317,19 @@ async fn cleanup_deletes_only_rows_past_their_retention_in_bounded_batches() {
     // At start, an inbox retention shorter than the topic's is refused (or warned about).
     let mut cfg = h.config(CAPTURE_ROUTE);
     cfg.retention = retention.clone();
-    let err = relay::retention::check_topic_retention(&cfg).await.unwrap_err().to_string();
+    let err = relay::ops::retention::check_topic_retention(&cfg).await.unwrap_err().to_string();
     assert!(err.contains(&h.topic) && err.contains("retention.inbox"), "{err}");
     retention.on_shorter_than_topic = ShorterRetention::Warn;
     cfg.retention = retention;
-    relay::retention::check_topic_retention(&cfg).await.unwrap();
+    relay::ops::retention::check_topic_retention(&cfg).await.unwrap();
     // Kafka's defaults keep records 7 days, in segments of 7 days: a record
     // may be handed back for up to 14 days (issue 22 item 6).
     cfg.retention.on_shorter_than_topic = ShorterRetention::Refuse;
     cfg.retention.inbox = Some(Duration::from_secs(10 * 86_400));
-    let err = relay::retention::check_topic_retention(&cfg).await.unwrap_err().to_string();
+    let err = relay::ops::retention::check_topic_retention(&cfg).await.unwrap_err().to_string();
     assert!(err.contains("segment.ms"), "{err}");
     cfg.retention.inbox = Some(Duration::from_secs(30 * 86_400));
-    relay::retention::check_topic_retention(&cfg).await.unwrap();
+    relay::ops::retention::check_topic_retention(&cfg).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -31,13 +31,13 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::admin::{self, ReplayOutcome};
-use crate::kafka::{Role, client_config};
-use crate::processor::Processor;
+use crate::ingest::processor::Processor;
+use crate::ops::admin::{self, ReplayOutcome};
+use crate::runtime::kafka::{Role, client_config};
 
-const INDEX_HTML: &str = include_str!("../console/index.html");
-const APP_JS: &str = include_str!("../console/app.js");
-const STYLE_CSS: &str = include_str!("../console/style.css");
+const INDEX_HTML: &str = include_str!("../../console/index.html");
+const APP_JS: &str = include_str!("../../console/app.js");
+const STYLE_CSS: &str = include_str!("../../console/style.css");
 
 struct AppState {
     pool: PgPool,
@@ -90,7 +90,7 @@ pub async fn serve(
         let (pool, every, token) = (pool.clone(), cfg.admin.gauge_interval, shutdown.clone());
         tokio::spawn(async move {
             loop {
-                if let Err(e) = crate::metrics::refresh_gauges(&pool).await {
+                if let Err(e) = crate::runtime::metrics::refresh_gauges(&pool).await {
                     warn!(error = %e, "refreshing table gauges failed");
                 }
                 tokio::select! { _ = token.cancelled() => return, _ = tokio::time::sleep(every) => {} }

@@ -28,8 +28,8 @@ use relay_core::{Header, RawRecord, RelayConfig, Routed, Router};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
-use crate::kafka::{Role, client_config};
-use crate::publisher::OUTBOX_ID_HEADER;
+use relay::publish::publisher::OUTBOX_ID_HEADER;
+use relay::runtime::kafka::{Role, client_config};
 
 /// One effect the provider says it applied.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

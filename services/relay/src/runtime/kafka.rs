@@ -2,9 +2,11 @@
 //! required settings, then every user property passed through unchanged (so
 //! SASL_SSL, client racks, tuning all work), then secrets from the environment.
 
-use rdkafka::config::ClientConfig;
+use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
+use rdkafka::error::KafkaError;
 use relay_core::config::{ConfigError, KafkaConfig};
 use secrecy::ExposeSecret;
+use tracing::{debug, error, warn};
 
 /// Which client is being configured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,6 +88,24 @@ pub fn client_config(cfg: &KafkaConfig, role: Role) -> Result<ClientConfig, Conf
         c.set(*k, *v);
     }
     if problems.is_empty() { Ok(c) } else { Err(ConfigError::Invalid { problems }) }
+}
+
+/// Forward one librdkafka log line to tracing, at its level, naming the
+/// client (`producer`, or the consumer's name): the one log context of the
+/// consumer's and the publisher's clients.
+pub fn forward_log(client: &str, level: RDKafkaLogLevel, facility: &str, message: &str) {
+    match level {
+        RDKafkaLogLevel::Emerg | RDKafkaLogLevel::Alert | RDKafkaLogLevel::Critical | RDKafkaLogLevel::Error => {
+            error!(client, facility, "librdkafka: {message}")
+        }
+        RDKafkaLogLevel::Warning => warn!(client, facility, "librdkafka: {message}"),
+        _ => debug!(client, facility, "librdkafka: {message}"),
+    }
+}
+
+/// Forward a client-level error (librdkafka's error callback) to tracing.
+pub fn forward_error(client: &str, error: &KafkaError, reason: &str) {
+    warn!(client, error = %error, "Kafka client error: {reason}");
 }
 
 #[cfg(test)]

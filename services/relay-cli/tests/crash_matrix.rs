@@ -14,7 +14,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use example_provider::{FaultKind, FaultRule};
-use relay::verify::{ProviderEffect, VerifyOptions, verify};
+use relay_cli::verify::{ProviderEffect, VerifyOptions, verify};
 use relay_core::RelayConfig;
 use relay_testkit::process::{PrivateKafka, PrivatePostgres, RelayProcess};
 use relay_testkit::{TestEvent, TestProducer, create_topics, read_topic};
@@ -44,7 +44,7 @@ fn effects(h: &Harness) -> Vec<ProviderEffect> {
         .collect()
 }
 
-async fn assert_verified(h: &Harness, cfg: &RelayConfig, pool: &sqlx::PgPool) -> relay::verify::Report {
+async fn assert_verified(h: &Harness, cfg: &RelayConfig, pool: &sqlx::PgPool) -> relay_cli::verify::Report {
     let report =
         verify(cfg, pool, &VerifyOptions { effects: Some(effects(h)), grace: Duration::from_secs(30) }).await.unwrap();
     assert!(report.ok(), "{}", report.render());

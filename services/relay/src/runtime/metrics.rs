@@ -108,7 +108,7 @@ pub fn call(endpoint: &str, result: &'static str, outcome: &str, seconds: f64) {
 }
 
 /// Intents claimed by a dispatcher: `via` is `claim` (the claim loop) or
-/// `ingest` (written claimed by the consumer beside it, [`crate::handoff`]).
+/// `ingest` (written claimed by the consumer beside it, [`crate::deliver::handoff`]).
 pub fn claimed(via: &'static str, n: u64) {
     counter!("relay_intents_claimed_total", "via" => via).increment(n);
 }

@@ -18,7 +18,7 @@ use sqlx::{Connection, PgPool};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::kafka::{Role, client_config};
+use crate::runtime::kafka::{Role, client_config};
 
 /// Advisory lock key of the cleaner ("relay" in ASCII).
 const CLEANUP_LOCK: i64 = 0x72_65_6c_61_79;

@@ -12,11 +12,11 @@ use relay_store::stats::{self, Stats};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::admin::{self, ReplayOutcome};
-use crate::app::{Components, Relay, connect};
-use crate::faults::Faults;
-use crate::handler::Handlers;
 use crate::telemetry::{self, LogFormat};
+use relay::app::{Components, Relay, connect};
+use relay::ingest::handler::Handlers;
+use relay::ops::admin::{self, ReplayOutcome};
+use relay::runtime::faults::Faults;
 
 /// relay — exactly-once effects from Kafka's at-least-once delivery.
 #[derive(Debug, Parser)]
@@ -346,10 +346,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Cleanup => {
             let pool = connect(&cfg).await?;
-            let result = crate::retention::cleanup_once(&pool, &cfg.retention, &cfg.consumer.name, |what, total| {
-                eprintln!("  {}: {total} deleted so far", what.label());
-            })
-            .await?;
+            let result =
+                relay::ops::retention::cleanup_once(&pool, &cfg.retention, &cfg.consumer.name, |what, total| {
+                    eprintln!("  {}: {total} deleted so far", what.label());
+                })
+                .await?;
             match result {
                 None => anyhow::bail!("another relay process is cleaning up right now; try again in a moment"),
                 Some(deleted) if deleted.is_empty() => {

@@ -1,0 +1,403 @@
+//! The intent dispatcher: claim due intents, call the provider outside any
+//! transaction, record the outcome in a second short transaction that checks
+//! the lease is still ours (fencing).
+//!
+//! ```text
+//! claim (1 statement: SKIP LOCKED + lease + attempts+1)  -- commit
+//! HTTP call with the intent's idempotency key            -- no transaction open
+//! finalize (fenced UPDATE + outcome effects)             -- commit
+//! ```
+//!
+//! Retry schedule (per endpoint, stored with the intent as `next_attempt_at`):
+//! full-jitter exponential backoff from [`relay_core::retry::BackoffPolicy`],
+//! at least the provider's `Retry-After`, until `max_attempts` attempts or
+//! `max_age` since the intent was written; then the intent is dead with its
+//! last status and error, and its `on_dead` effects are recorded.
+//!
+//! Beside a consumer in the same process, most intents skip the claim: the
+//! consumer writes them already claimed for this dispatcher and hands them
+//! over after its commit ([`crate::deliver::handoff`]); from the call on they go the
+//! same way.
+//!
+//! If this process dies anywhere in that sequence, the lease expires, any
+//! dispatcher's rescuer returns the intent to pending, and it is sent again
+//! with the same key (C9, C10). A worker that finishes after its lease was
+//! rescued finds its token gone and records nothing (C17).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use relay_core::config::{DispatcherConfig, EndpointConfig, LEASE_SPARE};
+use relay_core::retry::BackoffPolicy;
+use relay_store::intents::{self, ClaimedIntent};
+use relay_store::{Claim, ClaimPool, Claimer, FinishPool, Position};
+use sqlx::PgPool;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+use super::completer::FINALIZERS;
+use super::executor::Completion;
+use crate::deliver::handoff::{self, Desk, Handed, Handoff};
+use crate::deliver::http::EndpointClient;
+use crate::runtime::claim_loop::{Resume, default_worker_id, listen, notified, until_due};
+use crate::runtime::faults::{FaultInjected, Faults, point};
+
+/// Channel the intents trigger notifies.
+pub const CHANNEL: &str = "relay_intents";
+
+/// The intent dispatcher of one process.
+#[derive(Clone)]
+pub struct Dispatcher {
+    pub(super) inner: Arc<Inner>,
+}
+
+pub(super) struct Inner {
+    pub(super) pool: PgPool,
+    /// The claim loop's connection ([`ClaimPool`]: one round trip a claim).
+    pub(super) claims: ClaimPool,
+    /// The finalizers' connections ([`FinishPool`]: one round trip a batch
+    /// of outcomes that records nothing but states).
+    pub(super) finishes: FinishPool,
+    pub(super) settings: DispatcherConfig,
+    pub(super) worker: String,
+    pub(super) endpoints: HashMap<String, EndpointClient>,
+    pub(super) faults: Faults,
+    /// Signalled when this worker made intents claimable that no NOTIFY
+    /// announces: an outcome recorded for an intent with an ordering key (its
+    /// successor may be due now), a retry scheduled, a claim given back,
+    /// expired leases rescued.
+    pub(super) progress: tokio::sync::Notify,
+    /// Where a consumer of this process hands over what it claimed at
+    /// ingest, once [`Dispatcher::handoff`] opened it; taken by the claim loop.
+    pub(super) desk: std::sync::Mutex<Option<Desk>>,
+}
+
+/// How an intent's claim ended, for the log and the tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finished {
+    /// Succeeded.
+    Succeeded,
+    /// Scheduled for another attempt.
+    Retrying,
+    /// Dead.
+    Dead,
+    /// Out of budget after an attempt whose outcome is unknown.
+    Uncertain,
+    /// The lease was lost before the outcome was recorded.
+    LeaseLost,
+}
+
+impl Dispatcher {
+    /// A dispatcher over `endpoints`. Must be called inside a tokio runtime.
+    pub fn new(
+        pool: PgPool,
+        settings: DispatcherConfig,
+        endpoints: &std::collections::BTreeMap<String, EndpointConfig>,
+        faults: Faults,
+    ) -> anyhow::Result<Dispatcher> {
+        let worker = settings.worker_id.clone().unwrap_or_else(default_worker_id);
+        let endpoints = endpoints
+            .iter()
+            .map(|(name, cfg)| Ok((name.clone(), EndpointClient::new(name, cfg)?)))
+            .collect::<anyhow::Result<_>>()?;
+        let progress = tokio::sync::Notify::new();
+        let claims = ClaimPool::beside(&pool, 1);
+        let finishes = FinishPool::beside(&pool, FINALIZERS as u32);
+        let desk = std::sync::Mutex::default();
+        let inner = Inner { pool, claims, finishes, settings, worker, endpoints, faults, progress, desk };
+        Ok(Dispatcher { inner: Arc::new(inner) })
+    }
+
+    /// This dispatcher's worker id.
+    pub fn worker(&self) -> &str {
+        &self.inner.worker
+    }
+
+    /// Open the hand-over of intents that a consumer of this process, with
+    /// batches of up to `consumer_batch` records, claims at ingest for this
+    /// dispatcher ([`crate::deliver::handoff`]). The dispatcher keeps the
+    /// receiving end; the consumer's processor holds the returned sender.
+    pub fn handoff(&self, consumer_batch: usize) -> Handoff {
+        let s = &self.inner.settings;
+        let room = handoff::room(s.claim_batch as usize, consumer_batch);
+        let (sender, desk) = handoff::channel(&self.inner.worker, s.lease, room);
+        *self.inner.desk.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(desk);
+        sender
+    }
+
+    /// Run until `shutdown`: stop claiming, let calls in flight finish and
+    /// record their outcome, then return. A fault point that fails stops the
+    /// loop at once, leaving claimed intents to the rescuer (like a crash).
+    /// Once [`Dispatcher::handoff`] was opened, also call the intents a
+    /// consumer claimed at ingest for us; stopping, it gives back to pending
+    /// what was handed over and not started.
+    pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        let mut desk = self.inner.desk.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        let s = &self.inner.settings;
+        info!(worker = %self.inner.worker, concurrency = s.concurrency, lease = ?s.lease, "dispatcher started");
+        let mut listener = listen(&self.inner.pool, CHANNEL).await;
+        let rescuer = tokio::spawn(self.clone().rescue_loop(shutdown.clone()));
+        let (done_tx, done_rx) = mpsc::channel::<Completion>(s.concurrency * 2);
+        let finalizer = tokio::spawn(self.clone().finalize_loop(done_rx));
+        let permits = Arc::new(Semaphore::new(s.concurrency));
+        let mut tasks: JoinSet<Result<(), FaultInjected>> = JoinSet::new();
+        let mut failures = 0u32;
+        let mut claimer = self.inner.claims.claimer();
+        // Where the next claim may start (see `crate::runtime::claim_loop`).
+        let mut resume: Resume<Position> = Resume::default();
+        let result = 'claiming: loop {
+            if shutdown.is_cancelled() {
+                break Ok(());
+            }
+            // Reap finished calls; a failed fault point means "crash now".
+            let mut crashed = None;
+            while let Some(done) = tasks.try_join_next() {
+                if let Ok(Err(f)) = done {
+                    crashed = Some(f);
+                }
+            }
+            if let Some(f) = crashed {
+                break Err(f.into());
+            }
+            while let Some(handed) = desk.as_mut().and_then(Desk::try_recv) {
+                self.start_handed(&mut tasks, handed, &done_tx, &permits);
+            }
+            // Claim ahead: up to one claim batch waits for a free call slot, so
+            // the next calls start the moment slots free up instead of after a
+            // round trip to the database. And claim only once a quarter of a
+            // batch has room: until then at least three quarters of one wait
+            // for slots, enough to cover the claim's round trip, and a claim
+            // for every call or two that ends cost a statement and a commit
+            // each (at concurrency 1: 0.25 commits per call, 0.12 with this;
+            // 9 800 → 16 800 calls/s in one bench run, BENCHMARKS.md).
+            let free = (s.concurrency + s.claim_batch as usize).saturating_sub(tasks.len());
+            if free < (s.claim_batch as usize / 4).max(1) {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break Ok(()),
+                    done = tasks.join_next() => {
+                        if let Some(Ok(Err(f))) = done { break Err(f.into()); }
+                    }
+                    handed = handed_over(&mut desk) => self.start_handed(&mut tasks, handed, &done_tx, &permits),
+                }
+                continue;
+            }
+            let want = free.min(s.claim_batch as usize);
+            // Our own progress (a retry scheduled, a key's earlier intent
+            // finished, a claim given back) may have made rows due behind
+            // the position: look from the start.
+            if futures::FutureExt::now_or_never(self.inner.progress.notified()).is_some() {
+                resume.back_to(None);
+            }
+            let (after, back) = resume.next(s.poll_interval);
+            let Claim { rows: claimed, next_due, last } = match self.claim(&mut claimer, want, after).await {
+                Ok(c) => {
+                    failures = 0;
+                    c
+                }
+                Err(e) => {
+                    resume.back_to(None);
+                    failures += 1;
+                    let delay = s.poll_interval.min(BackoffPolicy::DATABASE.delay(failures, &mut rand::rng()));
+                    error!(worker = %self.inner.worker, error = %e, "claiming intents failed; retrying");
+                    tokio::select! { _ = shutdown.cancelled() => break Ok(()), _ = tokio::time::sleep(delay) => {} }
+                    continue;
+                }
+            };
+            let n = claimed.len();
+            if n > 0 {
+                crate::runtime::metrics::claimed("claim", n as u64);
+                if let Err(f) = self.inner.faults.hit(point::DISPATCHER_AFTER_CLAIM).await {
+                    break Err(f.into());
+                }
+            }
+            let claimed_at = std::time::Instant::now();
+            for intent in claimed {
+                self.start(&mut tasks, intent, claimed_at, None, &done_tx, &permits);
+            }
+            if n == want {
+                // A full claim has rows, so a last one.
+                if let Some(last) = last {
+                    resume.claimed(back, last);
+                }
+                continue; // more may be due right now
+            }
+            // Nothing more after the position either: the next claim looks
+            // from the start. Not at once: what a claim after the position
+            // passed over is a row whose wake-up is still to come (a NOTIFY
+            // buffered while this loop claimed without waiting, our own
+            // progress) or one the poll interval covers, as before.
+            resume.back_to(None);
+            // Nothing more is due: wait for new intents (NOTIFY), for our own
+            // progress, or for the next retry to come due. A call ending does not
+            // wake the claim by itself: the claim just took fewer than it had
+            // room for, so a freed slot changes nothing, and re-claiming after
+            // every call would cost two queries per call under a steady load.
+            let until = tokio::time::Instant::now() + until_due(next_due, s.poll_interval);
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break 'claiming Ok(()),
+                    _ = notified(&mut listener) => break,
+                    _ = self.inner.progress.notified() => break,
+                    _ = tokio::time::sleep_until(until) => break,
+                    Some(done) = tasks.join_next(), if !tasks.is_empty() => {
+                        if let Ok(Err(f)) = done { break 'claiming Err(f.into()); }
+                    }
+                    // Already claimed: no reason to claim again.
+                    handed = handed_over(&mut desk) => self.start_handed(&mut tasks, handed, &done_tx, &permits),
+                }
+            }
+        };
+        if result.is_ok() {
+            if let Some(desk) = desk {
+                desk.close(&self.inner.pool).await;
+            }
+            info!(worker = %self.inner.worker, in_flight = tasks.len(), "dispatcher stopping; finishing calls in flight");
+            while let Some(done) = tasks.join_next().await {
+                if let Ok(Err(f)) = done {
+                    warn!(error = %f, "fault during shutdown");
+                }
+            }
+        } else {
+            tasks.abort_all();
+        }
+        drop(done_tx);
+        let _ = finalizer.await;
+        rescuer.abort();
+        info!(worker = %self.inner.worker, "dispatcher stopped");
+        result
+    }
+
+    /// Start a task that calls `intent` when a call slot is free, then hands
+    /// its outcome to the finalizer. `room`: the handed-over intent's unit of
+    /// room, given back when the task ends.
+    pub(super) fn start(
+        &self,
+        tasks: &mut JoinSet<Result<(), FaultInjected>>,
+        intent: ClaimedIntent,
+        claimed_at: std::time::Instant,
+        room: Option<OwnedSemaphorePermit>,
+        done_tx: &mpsc::Sender<Completion>,
+        permits: &Arc<Semaphore>,
+    ) {
+        let (me, done_tx, permits) = (self.clone(), done_tx.clone(), permits.clone());
+        tasks.spawn(async move {
+            let _room = room;
+            let completion = {
+                let _slot = permits.acquire_owned().await.expect("semaphore never closed");
+                let send_by = me.send_by(&intent, claimed_at);
+                if tokio::time::Instant::now() > send_by {
+                    // Waited for a slot so long that the call might outlive the
+                    // lease and overlap a rescued copy: give the claim back.
+                    me.release(&intent).await;
+                    return Ok(());
+                }
+                match me.execute(intent, send_by).await? {
+                    Ok(completion) => completion,
+                    Err(intent) => {
+                        // The same, after waiting at the endpoint's rate limit or concurrency limit.
+                        me.release(&intent).await;
+                        return Ok(());
+                    }
+                }
+            };
+            // The call slot is free before the hand-over: a finalizer
+            // busy with a slow commit holds up the outcomes, not the
+            // next calls. This task still counts against the claim
+            // loop's bound until its outcome is handed over.
+            me.hand_over(completion, &done_tx).await;
+            Ok(())
+        });
+    }
+
+    /// Start the calls of intents claimed at ingest and handed over.
+    pub(super) fn start_handed(
+        &self,
+        tasks: &mut JoinSet<Result<(), FaultInjected>>,
+        handed: Vec<Handed>,
+        done_tx: &mpsc::Sender<Completion>,
+        permits: &Arc<Semaphore>,
+    ) {
+        for Handed { intent, since, room } in handed {
+            self.start(tasks, intent, since, Some(room), done_tx, permits);
+        }
+    }
+
+    /// The latest moment a request for `intent`, claimed at `claimed_at`, may
+    /// be sent: the lease's end less the whole attempt
+    /// ([`EndpointConfig::call_bound`]) and [`LEASE_SPARE`] — the check that
+    /// configuration validation makes too ([`EndpointConfig::min_lease`]).
+    /// `claimed_at` is taken after the claim's commit, so this end comes
+    /// before the database's.
+    pub(super) fn send_by(&self, intent: &ClaimedIntent, claimed_at: std::time::Instant) -> tokio::time::Instant {
+        let call = self.inner.endpoints.get(&intent.endpoint).map_or(Duration::ZERO, |e| e.config().call_bound());
+        let lease_end = tokio::time::Instant::from_std(claimed_at) + self.inner.settings.lease;
+        lease_end.checked_sub(call + LEASE_SPARE).unwrap_or_else(|| tokio::time::Instant::from_std(claimed_at))
+    }
+
+    /// Return an unstarted claim to pending (its attempt is not counted).
+    pub(super) async fn release(&self, intent: &ClaimedIntent) {
+        let released = match self.inner.pool.acquire().await {
+            Ok(mut conn) => intents::release(&mut conn, intent.id, intent.lease_token).await,
+            Err(e) => Err(e),
+        };
+        match released {
+            Ok(_) => {
+                self.inner.progress.notify_one();
+                debug!(intent_id = %intent.id, "claim given back unstarted: not enough lease left for a call")
+            }
+            Err(e) => {
+                warn!(intent_id = %intent.id, error = %e, "giving a claim back failed; it is rescued when its lease expires")
+            }
+        }
+    }
+
+    /// Claim up to `limit` intents; a short claim also says when the next one
+    /// not due yet comes due, for the sleep after it (at most the poll
+    /// interval; NOTIFY wakes us earlier for new intents, and `progress` for
+    /// what our own outcomes made due).
+    pub(super) async fn claim(
+        &self,
+        claimer: &mut Claimer,
+        limit: usize,
+        after: Option<Position>,
+    ) -> Result<Claim<ClaimedIntent>, sqlx::Error> {
+        let (worker, lease) = (&self.inner.worker, self.inner.settings.lease);
+        claimer.claim(async |conn| intents::claim_after(conn, worker, limit as i64, lease, after).await).await
+    }
+
+    pub(super) async fn rescue_loop(self, shutdown: CancellationToken) {
+        let every = self.inner.settings.rescue_interval;
+        loop {
+            tokio::select! { _ = shutdown.cancelled() => return, _ = tokio::time::sleep(every) => {} }
+            match self.rescue_once().await {
+                Ok(ids) if !ids.is_empty() => {
+                    self.inner.progress.notify_one();
+                    crate::runtime::metrics::rescued("intent", ids.len() as u64);
+                    warn!(worker = %self.inner.worker, rescued = ids.len(), intents = ?ids,
+                          "rescued intents whose lease expired; they will be sent again with the same idempotency key")
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    warn!(worker = %self.inner.worker, error = %e, "rescuing expired leases failed; retrying")
+                }
+            }
+        }
+    }
+
+    /// Return intents with expired leases to pending (normally run by the rescue loop).
+    pub async fn rescue_once(&self) -> Result<Vec<uuid::Uuid>, sqlx::Error> {
+        let mut conn = self.inner.pool.acquire().await?;
+        intents::rescue_expired(&mut conn, 500).await
+    }
+}
+
+/// The next intents handed over at `desk` (never, without one).
+async fn handed_over(desk: &mut Option<Desk>) -> Vec<Handed> {
+    match desk {
+        Some(d) => d.recv().await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,170 @@
+//! One attempt of a claimed intent: send it by the lease's deadline, classify
+//! the answer, and decide the intent's next state
+//! ([`relay_core::retry::decide`]); the outcome then goes to the
+//! [`completer`](super::completer).
+
+use std::time::Duration;
+
+use chrono::Utc;
+use relay_core::retry::{self, Decision, Tried, classify};
+use relay_store::intents::{AttemptRecord, ClaimedIntent, NextState};
+use tokio::sync::mpsc;
+
+use super::dispatcher::{Dispatcher, Finished};
+use super::http::{CallResult, Sent};
+use crate::runtime::faults::{FaultInjected, point};
+
+impl Dispatcher {
+    /// Make one attempt of a claimed intent, if its request can be sent by
+    /// `send_by`, and decide where the intent goes next (`Err(intent)`: not
+    /// sent, to give back). The caller holds a call slot only for this; the
+    /// outcome then goes to the finalizer (`hand_over`), which records it
+    /// batched with other calls' outcomes and logs it.
+    pub async fn execute(
+        &self,
+        intent: ClaimedIntent,
+        send_by: tokio::time::Instant,
+    ) -> Result<Result<Completion, ClaimedIntent>, FaultInjected> {
+        let started = std::time::Instant::now();
+        let endpoint = self.inner.endpoints.get(&intent.endpoint);
+        let now = Utc::now();
+        let budget = intent.budget();
+        let (tried, result) = if budget.spent(now).is_some() {
+            let r =
+                CallResult { error_class: Some("budget"), error: intent.last_error.clone(), ..CallResult::not_sent() };
+            (Tried::Spent, r)
+        } else if let Some(client) = endpoint {
+            let attrs = || {
+                vec![
+                    opentelemetry::KeyValue::new("relay.intent_id", intent.id.to_string()),
+                    opentelemetry::KeyValue::new("relay.endpoint", intent.endpoint.clone()),
+                    opentelemetry::KeyValue::new("relay.attempt", i64::from(intent.attempts)),
+                    opentelemetry::KeyValue::new("relay.idempotency_key", intent.idempotency_key.clone()),
+                ]
+            };
+            let hop = crate::runtime::trace::Hop::start(
+                "relay.call",
+                opentelemetry::trace::SpanKind::Client,
+                intent.traceparent.as_deref(),
+                attrs,
+            );
+            let fresh_key = self
+                .inner
+                .faults
+                .sabotage()
+                .fresh_idempotency_key
+                // Deliberately wrong (R8): a new key per attempt.
+                .then(|| format!("{}:{}", intent.idempotency_key, uuid::Uuid::new_v4()));
+            let sent = Sent {
+                idempotency_key: fresh_key.as_deref().unwrap_or(&intent.idempotency_key),
+                traceparent: hop.traceparent.as_deref().or(intent.traceparent.as_deref()),
+            };
+            // Deliberately wrong (C17): the waits at the endpoint's limits are not bounded by the lease.
+            let send_by = if self.inner.faults.sabotage().lease_checked_before_wait {
+                tokio::time::Instant::now() + Duration::from_secs(86_400)
+            } else {
+                send_by
+            };
+            let Ok(r) = client.call(&intent, sent, send_by).await else {
+                hop.end("not_sent");
+                return Ok(Err(intent));
+            };
+            hop.end(r.status.map_or_else(|| r.error_class.unwrap_or("error").to_owned(), |s| s.to_string()).as_str());
+            self.inner.faults.hit(point::DISPATCHER_AFTER_CALL).await?;
+            (Tried::Attempt(classify(&r.attempt, &client.config().retryable_statuses)), r)
+        } else {
+            let why = format!("endpoint {:?} is not configured in this dispatcher", intent.endpoint);
+            let r = CallResult { error_class: Some("endpoint_unknown"), error: Some(why), ..CallResult::not_sent() };
+            (Tried::Attempt(classify(&r.attempt, &[])), r)
+        };
+        let policy = endpoint.map(|e| e.config().backoff).unwrap_or_default();
+        let decision = retry::decide(&budget, tried, &policy, Utc::now(), &mut rand::rng());
+        let attempt = attempt_record(&decision, &result);
+        Ok(Ok(Completion { intent, next: decision.next, attempt, result, started }))
+    }
+
+    /// Hand an attempt's outcome to the finalizer, waiting while its queue
+    /// is full.
+    pub(super) async fn hand_over(&self, completion: Completion, done: &mpsc::Sender<Completion>) {
+        if let Err(lost) = done.send(completion).await {
+            self.log_attempt(&lost.0, Finished::LeaseLost);
+        }
+    }
+
+    pub(super) fn log_attempt(&self, c: &Completion, finished: Finished) {
+        let (intent, result, took) = (&c.intent, &c.result, c.started.elapsed());
+        let label = match finished {
+            Finished::Succeeded => "succeeded",
+            Finished::Retrying => "retrying",
+            Finished::Dead => "dead",
+            Finished::Uncertain => "uncertain",
+            Finished::LeaseLost => "lease_lost",
+        };
+        // The attempt's outcome as classified when it ended (`uncertain` for a
+        // timeout after sending, even when it left the intent dead).
+        let outcome = if finished == Finished::LeaseLost { "" } else { c.attempt.outcome };
+        crate::runtime::metrics::call(&intent.endpoint, label, outcome, took.as_secs_f64());
+        let status = result.status.map(i64::from).unwrap_or(-1);
+        let class = result.error_class.unwrap_or("");
+        let error = result.error.as_deref().unwrap_or("");
+        let (agg, corr) =
+            (intent.aggregate_id.as_deref().unwrap_or(""), intent.correlation_id.as_deref().unwrap_or(""));
+        let ms = took.as_millis() as u64;
+        macro_rules! emit {
+            ($lvl:expr, $result:expr, $($msg:tt)+) => {
+                tracing::event!(
+                    $lvl, worker = %self.inner.worker, intent_id = %intent.id, endpoint = %intent.endpoint,
+                    action = %intent.action, event_id = %intent.source_event_id, idempotency_key = %intent.idempotency_key,
+                    aggregate_id = agg, correlation_id = corr, attempt = intent.attempts, status, error_class = class,
+                    result = $result, duration_ms = ms, $($msg)+
+                )
+            };
+        }
+        match finished {
+            Finished::Succeeded => emit!(tracing::Level::DEBUG, "succeeded", "call succeeded"),
+            Finished::Retrying => {
+                emit!(tracing::Level::WARN, "retrying", "call failed; retrying with the same idempotency key: {error}")
+            }
+            Finished::Dead => emit!(
+                tracing::Level::ERROR,
+                "dead",
+                "intent is dead and will not be retried (replay it once the cause is fixed): {error}"
+            ),
+            Finished::Uncertain => emit!(
+                tracing::Level::ERROR,
+                "uncertain",
+                "intent is out of budget and its last attempt may have been applied: left uncertain for an \
+                 operator to decide (replay asks again with the same idempotency key): {error}"
+            ),
+            Finished::LeaseLost => emit!(
+                tracing::Level::WARN,
+                "lease_lost",
+                "lease lost before the outcome was recorded; another worker owns this intent now, nothing recorded"
+            ),
+        }
+    }
+}
+
+/// An attempt's outcome on its way to the finalizer.
+pub struct Completion {
+    pub(super) intent: ClaimedIntent,
+    pub(super) next: NextState,
+    pub(super) attempt: AttemptRecord,
+    pub(super) result: CallResult,
+    pub(super) started: std::time::Instant,
+}
+/// What to record about an attempt: its outcome class, status and error,
+/// with the decision's reason in front when the budget ended the intent.
+pub(super) fn attempt_record(d: &Decision, r: &CallResult) -> AttemptRecord {
+    let error = match &d.why {
+        Some(why) => Some(format!("{why}; last error: {}", r.error.as_deref().unwrap_or("none"))),
+        None => r.error.clone(),
+    };
+    AttemptRecord {
+        started_at: r.started_at,
+        outcome: d.outcome,
+        status: r.status.map(i32::from),
+        error_class: r.error_class.map(str::to_owned),
+        error,
+    }
+}

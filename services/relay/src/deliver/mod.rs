@@ -1,0 +1,17 @@
+//! Deliver: intents out to external HTTP APIs, exactly once in effect
+//! (R8–R11, C10–C17).
+//!
+//! * [`dispatcher`] — the claim loop (`FOR UPDATE SKIP LOCKED` and a lease),
+//!   with [`executor`] making one attempt and [`completer`] recording
+//!   outcomes fenced by the lease. An intent's next state is decided in
+//!   [`relay_core::retry::decide`].
+//! * [`http`] — one endpoint's client: limits, timeout, the stable
+//!   idempotency key.
+//! * [`handoff`] — intents claimed at ingest: the dispatcher owns the
+//!   channel; the consumer holds only a sender.
+
+pub mod completer;
+pub mod dispatcher;
+pub mod executor;
+pub mod handoff;
+pub mod http;

@@ -1,0 +1,4 @@
+//! Publish: outbox rows out to Kafka with an idempotent producer, marked
+//! published only after the broker's acknowledgement (R10, C9).
+
+pub mod publisher;
