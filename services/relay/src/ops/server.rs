@@ -116,6 +116,13 @@ fn router(state: Shared) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
+        .merge(api(state.clone()))
+        .with_state(state)
+}
+
+/// The operator API: every route behind one bearer-token check.
+fn api(state: Shared) -> Router<Shared> {
+    Router::new()
         .route("/api/counts", get(counts))
         .route("/api/dead-letters", get(list_dead_letters))
         .route("/api/dead-letters/replay", post(replay_dead_letters))
@@ -128,7 +135,17 @@ fn router(state: Shared) -> Router {
         .route("/api/intents/{id}/replay", post(replay_intent))
         .route("/api/pauses", get(list_pauses).post(pause))
         .route("/api/pauses/{kind}/{name}", axum::routing::delete(resume))
-        .with_state(state)
+        .route_layer(axum::middleware::from_fn_with_state(state, require_token))
+}
+
+/// The layer in front of every `/api` route.
+async fn require_token(
+    State(s): State<Shared>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Result<Response, ApiError> {
+    authorize(&s, request.headers())?;
+    Ok(next.run(request).await)
 }
 
 fn authorize(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
@@ -190,8 +207,7 @@ async fn broker_reachable(s: &AppState) -> Result<String, String> {
     .map_err(|e| e.to_string())?
 }
 
-async fn counts(State(s): State<Shared>, headers: HeaderMap) -> ApiResult {
-    authorize(&s, &headers)?;
+async fn counts(State(s): State<Shared>) -> ApiResult {
     let mut conn = s.pool.acquire().await?;
     // Refreshed every 3 s by every open console: history tables are counted
     // exactly only while they are small (see `stats::overview`).
@@ -215,8 +231,7 @@ fn filter(s: &AppState, class: Option<String>, topic: Option<String>, resolution
     Filter { consumer: Some(s.cfg.consumer.name.clone()), error_class: class, topic, resolution }
 }
 
-async fn list_dead_letters(State(s): State<Shared>, headers: HeaderMap, Query(q): Query<DeadLetterQuery>) -> ApiResult {
-    authorize(&s, &headers)?;
+async fn list_dead_letters(State(s): State<Shared>, Query(q): Query<DeadLetterQuery>) -> ApiResult {
     let resolution = if q.all { Resolution::Any } else { Resolution::Unresolved };
     let f = filter(&s, q.class, q.topic, resolution);
     let mut conn = s.pool.acquire().await?;
@@ -225,8 +240,7 @@ async fn list_dead_letters(State(s): State<Shared>, headers: HeaderMap, Query(q)
     Ok(Json(json!({"items": items, "total": total})))
 }
 
-async fn show_dead_letter(State(s): State<Shared>, headers: HeaderMap, Path(id): Path<i64>) -> ApiResult {
-    authorize(&s, &headers)?;
+async fn show_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
     let Some(dl) = dead_letters::get(&mut *s.pool.acquire().await?, &s.cfg.consumer.name, id).await? else {
         return Err(ApiError(StatusCode::NOT_FOUND, format!("no dead letter {id}")));
     };
@@ -254,8 +268,7 @@ fn outcome_json(id: i64, o: &ReplayOutcome) -> Value {
     json!({"id": id, "outcome": status, "detail": detail, "resolved": o.resolved()})
 }
 
-async fn replay_dead_letter(State(s): State<Shared>, headers: HeaderMap, Path(id): Path<i64>) -> ApiResult {
-    authorize(&s, &headers)?;
+async fn replay_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
     let o = admin::replay(&s.pool, &s.processor, id).await?;
     if o == ReplayOutcome::NotFound {
         return Err(ApiError(StatusCode::NOT_FOUND, format!("no dead letter {id}")));
@@ -274,8 +287,7 @@ struct Bulk {
     resolved: bool,
 }
 
-async fn replay_dead_letters(State(s): State<Shared>, headers: HeaderMap, Json(b): Json<Bulk>) -> ApiResult {
-    authorize(&s, &headers)?;
+async fn replay_dead_letters(State(s): State<Shared>, Json(b): Json<Bulk>) -> ApiResult {
     let ids = if b.all {
         let f = filter(&s, b.class, None, Resolution::Unresolved);
         let mut conn = s.pool.acquire().await?;
@@ -299,8 +311,7 @@ async fn replay_dead_letters(State(s): State<Shared>, headers: HeaderMap, Json(b
     Ok(Json(json!({"results": results, "resolved": resolved})))
 }
 
-async fn delete_dead_letter(State(s): State<Shared>, headers: HeaderMap, Path(id): Path<i64>) -> ApiResult {
-    authorize(&s, &headers)?;
+async fn delete_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
     if dead_letters::delete(&mut *s.pool.acquire().await?, &s.cfg.consumer.name, id).await? {
         Ok(Json(json!({"deleted": 1})))
     } else {
@@ -308,8 +319,7 @@ async fn delete_dead_letter(State(s): State<Shared>, headers: HeaderMap, Path(id
     }
 }
 
-async fn purge_dead_letters(State(s): State<Shared>, headers: HeaderMap, Json(b): Json<Bulk>) -> ApiResult {
-    authorize(&s, &headers)?;
+async fn purge_dead_letters(State(s): State<Shared>, Json(b): Json<Bulk>) -> ApiResult {
     let mut conn = s.pool.acquire().await?;
     let mut deleted = 0u64;
     if b.all {
@@ -338,8 +348,7 @@ struct IntentQuery {
     limit: Option<i64>,
 }
 
-async fn list_intents(State(s): State<Shared>, headers: HeaderMap, Query(q): Query<IntentQuery>) -> ApiResult {
-    authorize(&s, &headers)?;
+async fn list_intents(State(s): State<Shared>, Query(q): Query<IntentQuery>) -> ApiResult {
     let f = IntentFilter { state: q.state, endpoint: q.endpoint };
     let items =
         intents::list(&mut *s.pool.acquire().await?, &f, q.before, q.limit.unwrap_or(100).clamp(1, 1000)).await?;
@@ -350,8 +359,7 @@ fn parse_id(id: &str) -> Result<uuid::Uuid, ApiError> {
     id.parse().map_err(|_| ApiError(StatusCode::BAD_REQUEST, format!("{id:?} is not an intent id (a UUID)")))
 }
 
-async fn show_intent(State(s): State<Shared>, headers: HeaderMap, Path(id): Path<String>) -> ApiResult {
-    authorize(&s, &headers)?;
+async fn show_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
     let id = parse_id(&id)?;
     let mut conn = s.pool.acquire().await?;
     let Some(intent) = intents::get(&mut conn, id).await? else {
@@ -361,8 +369,7 @@ async fn show_intent(State(s): State<Shared>, headers: HeaderMap, Path(id): Path
     Ok(Json(json!({"intent": intent, "attempts": attempts})))
 }
 
-async fn replay_intent(State(s): State<Shared>, headers: HeaderMap, Path(id): Path<String>) -> ApiResult {
-    authorize(&s, &headers)?;
+async fn replay_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
     let id = parse_id(&id)?;
     if intents::requeue(&mut *s.pool.acquire().await?, id).await? {
         Ok(Json(json!({"id": id, "requeued": true})))
@@ -380,8 +387,7 @@ struct IntentBulk {
     endpoint: Option<String>,
 }
 
-async fn replay_intents(State(s): State<Shared>, headers: HeaderMap, Json(b): Json<IntentBulk>) -> ApiResult {
-    authorize(&s, &headers)?;
+async fn replay_intents(State(s): State<Shared>, Json(b): Json<IntentBulk>) -> ApiResult {
     let mut conn = s.pool.acquire().await?;
     let ids = if b.all {
         let f = IntentFilter { state: Some("dead".into()), endpoint: b.endpoint };
@@ -396,8 +402,7 @@ async fn replay_intents(State(s): State<Shared>, headers: HeaderMap, Json(b): Js
     Ok(Json(json!({"requeued": requeued, "asked": ids.len()})))
 }
 
-async fn list_pauses(State(s): State<Shared>, headers: HeaderMap) -> ApiResult {
-    authorize(&s, &headers)?;
+async fn list_pauses(State(s): State<Shared>) -> ApiResult {
     Ok(Json(json!({"pauses": ops::pauses(&mut *s.pool.acquire().await?).await?})))
 }
 
@@ -423,16 +428,14 @@ fn check_name(s: &AppState, kind: PauseKind, name: &str) -> Result<(), ApiError>
     }
 }
 
-async fn pause(State(s): State<Shared>, headers: HeaderMap, Json(p): Json<PauseRequest>) -> ApiResult {
-    authorize(&s, &headers)?;
+async fn pause(State(s): State<Shared>, Json(p): Json<PauseRequest>) -> ApiResult {
     check_name(&s, p.kind, &p.name)?;
     let new = ops::pause(&mut *s.pool.acquire().await?, p.kind, &p.name, p.reason.as_deref()).await?;
     info!(kind = p.kind.as_str(), name = %p.name, "paused through the admin API");
     Ok(Json(json!({"paused": true, "already": !new})))
 }
 
-async fn resume(State(s): State<Shared>, headers: HeaderMap, Path((kind, name)): Path<(String, String)>) -> ApiResult {
-    authorize(&s, &headers)?;
+async fn resume(State(s): State<Shared>, Path((kind, name)): Path<(String, String)>) -> ApiResult {
     let kind = match kind.as_str() {
         "route" => PauseKind::Route,
         "endpoint" => PauseKind::Endpoint,
