@@ -51,8 +51,15 @@ impl Relay {
         #[cfg(not(feature = "faults"))]
         let router = Arc::new(Router::new(&cfg)?);
         #[cfg(feature = "faults")]
-        if faults.sabotage().ordering_by_insert {
-            relay_store::ordering::sabotage(&cfg.consumer.name);
+        {
+            use relay_store::sabotage::{Broken, set};
+            let (s, consumer) = (faults.sabotage(), &cfg.consumer.name);
+            if s.ordering_by_insert {
+                set(consumer, Broken::OrderingByInsert);
+            }
+            if s.no_inbox_dedup {
+                set(consumer, Broken::NoInboxDedup);
+            }
         }
         let wanted = cfg.routes.iter().filter_map(|r| r.handler.as_deref());
         let missing = handlers.missing(wanted);
@@ -78,7 +85,7 @@ impl Relay {
 
     /// A record processor over this relay's routes (for replays).
     pub fn processor(&self) -> Processor {
-        Processor::new(self.router.clone(), self.handlers.clone()).sabotaged(self.faults.sabotage())
+        Processor::new(self.router.clone(), self.handlers.clone())
     }
 
     /// The inbox consumer.

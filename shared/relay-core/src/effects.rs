@@ -7,6 +7,7 @@
 //! are serializable.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde::{Deserialize, Serialize};
@@ -112,6 +113,67 @@ impl Plan {
         self.calls.extend(other.calls);
         self.emits.extend(other.emits);
     }
+}
+
+/// An intent to insert: a call with its derived id (R7) and the
+/// idempotency key every attempt sends (R8).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewIntent {
+    /// Derived id (R7).
+    pub id: Uuid,
+    /// Consumer that produced it.
+    pub consumer: String,
+    /// Input event id.
+    pub source_event_id: String,
+    /// Action name.
+    pub action: String,
+    /// Endpoint name.
+    pub endpoint: String,
+    /// HTTP method.
+    pub method: String,
+    /// Path under the endpoint's base URL.
+    pub path: String,
+    /// JSON body.
+    pub body: Option<Value>,
+    /// Extra headers, as a JSON object.
+    pub headers: Value,
+    /// Idempotency key sent on every attempt (R8).
+    pub idempotency_key: String,
+    /// Per-key ordering.
+    pub ordering_key: Option<String>,
+    /// Attempt budget.
+    pub max_attempts: i32,
+    /// Age budget.
+    pub max_age: Duration,
+    /// Effects on success (a serialized [`Outcome`]).
+    pub on_success: Value,
+    /// Effects on death.
+    pub on_dead: Value,
+    /// CloudEvents source for outcome events.
+    pub emit_source: String,
+    /// Aggregate id.
+    pub aggregate_id: Option<String>,
+    /// Correlation id.
+    pub correlation_id: Option<String>,
+    /// Causation id (the input event).
+    pub causation_id: Option<String>,
+    /// W3C trace context.
+    pub traceparent: Option<String>,
+}
+
+/// Everything one event writes besides its inbox row, every id derived
+/// (R7): what [`crate::Router::effects`] makes of a [`Plan`], and what the
+/// store writes.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Effects {
+    /// Guarded saga transitions, applied before anything else is written.
+    pub sagas: Vec<SagaMove>,
+    /// Intents, with derived ids and idempotency keys.
+    pub intents: Vec<NewIntent>,
+    /// Outbox records, encoded, with derived ids.
+    pub events: Vec<OutboxRecord>,
+    /// The business counter the route adds one to (R20).
+    pub counter: Option<String>,
 }
 
 /// Where an emitted event comes from, for its CloudEvents attributes.

@@ -25,6 +25,6 @@ pub mod router;
 pub mod template;
 
 pub use config::RelayConfig;
-pub use effects::{CallSpec, EmitSpec, OutboxRecord, Outcome, Plan, Provenance, SagaMove};
+pub use effects::{CallSpec, Effects, EmitSpec, NewIntent, OutboxRecord, Outcome, Plan, Provenance, SagaMove};
 pub use envelope::{Header, InputEvent, Poison, PoisonClass, RawRecord};
 pub use router::{CompiledRoute, Routed, Router};

@@ -11,10 +11,11 @@ use std::sync::Arc;
 use serde_json::{Value, json};
 
 use crate::config::{ActionConfig, EmitAction, EndpointConfig, OutcomeConfig, RelayConfig, SagaAction};
-use crate::effects::{CallSpec, EmitSpec, Outcome, Plan, Provenance, SagaMove};
+use crate::effects::{CallSpec, Effects, EmitSpec, NewIntent, Outcome, Plan, Provenance, SagaMove, encode_event};
 use crate::envelope::{
     DecodeOptions, FieldOverrides, InputEvent, Poison, PoisonClass, RawRecord, TopicFormat, decode, resolve,
 };
+use crate::ids::derived_id;
 use crate::template::{CompileError, JsonTemplate, TemplateBuilder, Templates, TextTemplate, context};
 
 /// A route ready to apply.
@@ -282,6 +283,65 @@ impl Router {
             traceparent: event.traceparent.clone(),
             aggregate_id: event.aggregate_id.clone(),
         }
+    }
+
+    /// What `plan` (the route's, plus a code handler's) writes for `event`:
+    /// intents and outbox records with their ids derived from the consumer,
+    /// the event id and the action (R7), intents' idempotency keys (the
+    /// rendered one, else the intent id) and budgets from their endpoints,
+    /// events encoded as CloudEvents with `prov` and `now`. A call naming an
+    /// endpoint that is not configured is a permanent error.
+    pub fn effects(
+        &self,
+        route: &CompiledRoute,
+        event: &InputEvent,
+        plan: Plan,
+        prov: &Provenance,
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> Result<Effects, Poison> {
+        let consumer = self.consumer();
+        let intents = plan.calls.iter().map(|call| self.intent(event, call, prov)).collect::<Result<_, _>>()?;
+        let events = plan
+            .emits
+            .iter()
+            .map(|emit| encode_event(derived_id(consumer, &event.id, &emit.action), emit, prov, now))
+            .collect();
+        Ok(Effects { sagas: plan.sagas, intents, events, counter: route.counter.clone() })
+    }
+
+    fn intent(&self, event: &InputEvent, call: &CallSpec, prov: &Provenance) -> Result<NewIntent, Poison> {
+        let consumer = self.consumer();
+        let endpoint = self.endpoint(&call.endpoint).ok_or_else(|| {
+            Poison::new(
+                PoisonClass::Rejected,
+                format!("call {:?} names unknown endpoint {:?}", call.action, call.endpoint),
+            )
+            .with_identity(Some(&event.id), Some(&event.event_type))
+        })?;
+        let id = derived_id(consumer, &event.id, &call.action);
+        let to_json = |v: &Outcome| serde_json::to_value(v).unwrap_or_default();
+        Ok(NewIntent {
+            id,
+            consumer: consumer.to_owned(),
+            source_event_id: event.id.clone(),
+            action: call.action.clone(),
+            endpoint: call.endpoint.clone(),
+            method: call.method.clone(),
+            path: call.path.clone(),
+            body: call.body.clone(),
+            headers: json!(call.headers),
+            idempotency_key: call.idempotency_key.clone().unwrap_or_else(|| id.to_string()),
+            ordering_key: call.ordering_key.clone(),
+            max_attempts: i32::try_from(endpoint.max_attempts).unwrap_or(i32::MAX),
+            max_age: endpoint.max_age,
+            on_success: to_json(&call.on_success),
+            on_dead: to_json(&call.on_dead),
+            emit_source: prov.source.clone(),
+            aggregate_id: prov.aggregate_id.clone(),
+            correlation_id: prov.correlation_id.clone(),
+            causation_id: prov.causation_id.clone(),
+            traceparent: prov.traceparent.clone(),
+        })
     }
 
     /// Render the route's actions for `event`. A template that cannot be

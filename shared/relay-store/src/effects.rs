@@ -23,7 +23,7 @@ pub struct Inserted {
 
 /// Insert intents and outbox rows (`(source_id, record)` pairs) and add to
 /// counters (`(name, shard, increment)`), as the multi-row insert of
-/// intents, [`outbox::insert_many`] and [`inbox::add_to_counters`] do, but in
+/// intents, [`outbox::insert_many`] and the counters' upsert do, but in
 /// one statement: each is a data-modifying part of one `WITH`. They are
 /// independent (none reads what another writes), so the one statement does
 /// exactly what the three did, in one round trip instead of three: the

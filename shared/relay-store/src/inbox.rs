@@ -99,46 +99,6 @@ pub async fn insert(conn: &mut PgConnection, row: &NewInboxRow<'_>) -> Result<In
     Ok(if done.rows_affected() == 1 { InboxInsert::Inserted } else { InboxInsert::Duplicate })
 }
 
-/// What claiming a business idempotency key found.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeyClaim {
-    /// This event owns the key.
-    Claimed,
-    /// Another event claimed it first.
-    Duplicate {
-        /// The event that owns the key.
-        first_event_id: String,
-    },
-}
-
-/// Claim a business idempotency key for `event_id` (R4).
-pub async fn claim_idempotency_key(
-    conn: &mut PgConnection,
-    consumer: &str,
-    key: &str,
-    event_id: &str,
-) -> Result<KeyClaim, sqlx::Error> {
-    let done = sqlx::query(
-        "INSERT INTO relay.idempotency_keys (consumer, idempotency_key, event_id)
-         VALUES ($1, $2, $3) ON CONFLICT (consumer, idempotency_key) DO NOTHING",
-    )
-    .bind(consumer)
-    .bind(key)
-    .bind(event_id)
-    .execute(&mut *conn)
-    .await?;
-    if done.rows_affected() == 1 {
-        return Ok(KeyClaim::Claimed);
-    }
-    let first_event_id: String =
-        sqlx::query_scalar("SELECT event_id FROM relay.idempotency_keys WHERE consumer = $1 AND idempotency_key = $2")
-            .bind(consumer)
-            .bind(key)
-            .fetch_one(conn)
-            .await?;
-    Ok(KeyClaim::Duplicate { first_event_id })
-}
-
 /// What the version guard decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VersionCheck {
@@ -269,21 +229,6 @@ pub async fn record_history(
     Ok(done.rows_affected() == 1)
 }
 
-/// Add one to a business counter. Call only where a new inbox row was
-/// inserted in the same transaction, so the counter counts unique events (R20).
-///
-/// `shard` is the input record's partition: a counter has one row per
-/// partition, so partitions written side by side never wait for each other's
-/// counter row (migration 0005); its value is the sum ([`counter`]).
-pub async fn increment_counter(
-    conn: &mut PgConnection,
-    consumer: &str,
-    name: &str,
-    shard: i32,
-) -> Result<(), sqlx::Error> {
-    add_to_counters(conn, consumer, &[(name, shard, 1)]).await
-}
-
 /// A business counter's value (0 when never incremented).
 pub async fn counter(conn: &mut PgConnection, consumer: &str, name: &str) -> Result<i64, sqlx::Error> {
     let v: Option<i64> =
@@ -381,23 +326,12 @@ pub async fn set_outcome_many(
     Ok(())
 }
 
-/// Add to several business counters at once: `(name, shard, increment)`
-/// triples, each (name, shard) once. Same rules as [`increment_counter`]: only
-/// for new inbox rows, the shard is the records' partition.
-pub async fn add_to_counters(
-    conn: &mut PgConnection,
-    consumer: &str,
-    adds: &[(&str, i32, i64)],
-) -> Result<(), sqlx::Error> {
-    if adds.is_empty() {
-        return Ok(());
-    }
-    bind_counters(sqlx::query(ADD_TO_COUNTERS), consumer, adds).execute(conn).await?;
-    Ok(())
-}
-
-/// The statement of [`add_to_counters`] (`$1` consumer, `$2`…`$4` names,
-/// shards and increments).
+/// Add to several business counters at once (`$1` consumer, `$2`…`$4`
+/// names, shards and increments; each (name, shard) once). Written only
+/// where new inbox rows were inserted in the same transaction, so a counter
+/// counts unique events (R20); the shard is the records' partition, so
+/// partitions written side by side never wait for each other's counter row
+/// (migration 0005), and the value is the sum ([`counter`]).
 pub(crate) const ADD_TO_COUNTERS: &str = "INSERT INTO relay.counters (consumer, name, shard, value)
          SELECT $1, * FROM unnest($2::text[], $3::int4[], $4::int8[])
          ON CONFLICT (consumer, name, shard) DO UPDATE SET value = relay.counters.value + EXCLUDED.value";

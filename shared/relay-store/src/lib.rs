@@ -32,8 +32,10 @@ pub mod intents;
 pub mod ops;
 pub mod ordering;
 pub mod outbox;
+pub mod sabotage;
 pub mod sagas;
 pub mod stats;
+pub mod write;
 
 pub use sqlx::{PgConnection, Postgres, Transaction};
 

@@ -28,36 +28,7 @@
 //! ordered per topic. A hash collision only makes two keys wait for each
 //! other.
 
-#[cfg(feature = "sabotage")]
-use std::collections::HashSet;
-#[cfg(feature = "sabotage")]
-use std::sync::{LazyLock, RwLock};
-
 use sqlx::PgConnection;
-
-/// Consumers whose keys are not locked: deliberately wrong (issue 22 item 5
-/// put back), for the tests that prove the checks catch it
-/// (`RELAY_SABOTAGE=ordering-by-insert`). Per consumer, so a sabotaged relay
-/// beside a sound one in one test process breaks only itself.
-#[cfg(feature = "sabotage")]
-static SABOTAGED: LazyLock<RwLock<HashSet<String>>> = LazyLock::new(RwLock::default);
-
-/// Stop locking ordering keys for `consumer`: deliberately wrong, for tests
-/// only (only with the `sabotage` feature).
-#[cfg(feature = "sabotage")]
-pub fn sabotage(consumer: &str) {
-    SABOTAGED.write().unwrap_or_else(std::sync::PoisonError::into_inner).insert(consumer.to_owned());
-}
-
-fn sabotaged(consumer: &str) -> bool {
-    #[cfg(feature = "sabotage")]
-    return SABOTAGED.read().unwrap_or_else(std::sync::PoisonError::into_inner).contains(consumer);
-    #[cfg(not(feature = "sabotage"))]
-    {
-        let _ = consumer;
-        false
-    }
-}
 
 /// The name space of intents' ordering keys.
 const INTENTS: i32 = 0x5245_4c01;
@@ -100,7 +71,7 @@ pub async fn lock<'a>(
             }
         }
     }
-    if names.is_empty() || sabotaged(consumer) {
+    if names.is_empty() || crate::sabotage::is(consumer, crate::sabotage::Broken::OrderingByInsert) {
         return Ok(());
     }
     sqlx::query(LOCK).bind(&spaces).bind(&names).execute(conn).await?;

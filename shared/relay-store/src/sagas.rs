@@ -1,6 +1,7 @@
 //! Saga state moved by guarded transitions (R5): the `WHERE state = ANY(from)`
 //! is the guard, and zero affected rows is classified, never ignored.
 
+use relay_core::SagaMove;
 use sqlx::PgConnection;
 
 /// What a guarded transition did.
@@ -17,6 +18,30 @@ pub enum Transition {
     },
     /// The saga does not exist (yet): a missing reference (R19).
     Missing,
+}
+
+/// Make saga move `m` because of `source_id` (an input event, or an
+/// intent's outcome), and when it moved, record it in the history with
+/// `kind` and `detail` (R14). The one way both ingest and call outcomes move
+/// a saga.
+pub async fn apply(
+    conn: &mut PgConnection,
+    consumer: &str,
+    m: &SagaMove,
+    source_id: &str,
+    kind: &str,
+    detail: &serde_json::Value,
+) -> Result<Transition, sqlx::Error> {
+    let t = if m.start {
+        start(conn, &m.saga_type, &m.saga_id, &m.to, source_id).await?
+    } else {
+        transition(conn, &m.saga_type, &m.saga_id, &m.from, &m.to, source_id).await?
+    };
+    if t == Transition::Applied {
+        let subject = format!("{}/{}", m.saga_type, m.saga_id);
+        crate::inbox::record_history(conn, consumer, source_id, &m.action, kind, Some(&subject), detail).await?;
+    }
+    Ok(t)
 }
 
 /// Create saga `(saga_type, saga_id)` in state `to`, unless it exists.

@@ -11,8 +11,8 @@ use relay_core::ids::outcome_id;
 use relay_core::retry::BackoffPolicy;
 use relay_core::{Outcome, Provenance};
 use relay_store::intents::{self, ClaimedIntent, Finish, NextState};
+use relay_store::outbox;
 use relay_store::sagas::{self, Transition};
-use relay_store::{inbox, outbox};
 use sqlx::PgConnection;
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
@@ -206,21 +206,11 @@ impl Dispatcher {
         source_id: &str,
         label: &str,
     ) -> Result<(), sqlx::Error> {
-        let t = if m.start {
-            sagas::start(tx, &m.saga_type, &m.saga_id, &m.to, source_id).await?
-        } else {
-            sagas::transition(tx, &m.saga_type, &m.saga_id, &m.from, &m.to, source_id).await?
-        };
-        let subject = format!("{}/{}", m.saga_type, m.saga_id);
-        match t {
-            Transition::Applied => {
-                let detail = serde_json::json!({"from": m.from, "to": m.to, "intent": intent.id, "outcome": label});
-                inbox::record_history(tx, &intent.consumer, source_id, &m.action, "outcome", Some(&subject), &detail)
-                    .await?;
-            }
-            other => {
-                warn!(intent_id = %intent.id, saga = %subject, action = %m.action, result = ?other, "outcome saga move was a no-op")
-            }
+        let detail = serde_json::json!({"from": m.from, "to": m.to, "intent": intent.id, "outcome": label});
+        let t = sagas::apply(tx, &intent.consumer, m, source_id, "outcome", &detail).await?;
+        if t != Transition::Applied {
+            let saga = format!("{}/{}", m.saga_type, m.saga_id);
+            warn!(intent_id = %intent.id, %saga, action = %m.action, result = ?t, "outcome saga move was a no-op");
         }
         Ok(())
     }

@@ -1,42 +1,36 @@
-//! One record, inside the caller's transaction: route, guard, write.
+//! Where a record becomes rows: route and plan it (relay-core), write it
+//! ([`relay_store::write`]), inside the caller's transaction.
 //!
 //! The caller (the consumer's batch loop, or a dead-letter replay) owns the
-//! transaction; each record runs in a savepoint of it, so a record that turns
-//! out to be poison, a no-op or "not yet" rolls back only its own writes and
-//! its neighbours in the batch are unaffected (R12).
+//! transaction. Records go to [`relay_store::write`] in runs: consecutive
+//! records of a partition batch that need no check (guard, saga move) and no
+//! code handler share one run and one savepoint — four round trips however
+//! many they are; a record with checks or a handler is a run of its own, so
+//! that a no-op, a "not yet" or a rejection found in it rolls back only its
+//! own writes and its neighbours are unaffected (R12). A run the database
+//! rejects is rolled back and its records are written one by one, so a bad
+//! record still only affects itself.
 //!
-//! Order of work for a routed event, all in one transaction (R2–R7, R14, R20):
-//!
-//! 1. inbox row, `ON CONFLICT DO NOTHING` — zero rows: duplicate, done;
-//! 2. business idempotency key — taken: `duplicate_key`;
-//! 3. version guard / sequence guard — `stale`, `duplicate_version`,
-//!    `duplicate_sequence`; a sequence gap is "retry later";
-//! 4. saga moves — `duplicate_transition`, `invalid_transition`; a missing
-//!    saga is "retry later" (R19);
-//! 5. the code handler, if any;
-//! 6. intents and outbox rows with derived ids, history rows, counters.
-//!
-//! A no-op from steps 2–4 rolls the savepoint back and records the inbox row
-//! with the no-op's class, so every event is recorded once with what happened.
+//! Order of work for one record, all in one transaction (R2–R7, R14, R20):
+//! inbox row; business idempotency key; version and sequence guards; saga
+//! moves; the code handler, if any; intents and outbox rows with derived ids,
+//! and counters. A no-op found by a check rolls the record back and records
+//! its inbox row with the no-op's class, so every event is recorded once
+//! with what happened.
 
 use std::sync::Arc;
 
 use chrono::Utc;
-use relay_core::effects::{encode_dead_letter, encode_event};
-use relay_core::ids::derived_id;
-use relay_core::{
-    CallSpec, CompiledRoute, InputEvent, Plan, Poison, PoisonClass, Provenance, RawRecord, Routed, Router,
-};
-use relay_store::inbox::{self, InboxInsert, InboxOutcome, KeyClaim, NewInboxRow, SequenceCheck, VersionCheck};
-use relay_store::intents::{self, ClaimedIntent, Hold, NewIntent};
-use relay_store::sagas::{self, Transition};
-use relay_store::{DbErrorKind, classify_error, dead_letters, effects, outbox};
-use serde_json::json;
+use relay_core::effects::encode_dead_letter;
+use relay_core::{CompiledRoute, Effects, InputEvent, Poison, PoisonClass, Provenance, RawRecord, Routed, Router};
+use relay_store::inbox::{self, InboxInsert, InboxOutcome, NewInboxRow};
+use relay_store::write::{self, HoldRoom, Planned, Written};
+use relay_store::{DbErrorKind, classify_error, dead_letters, outbox};
 use sqlx::{Connection, PgConnection};
 
-use crate::deliver::handoff::{Handed, Handoff};
+use crate::deliver::handoff::{Handed, Handoff, Reserved};
 use crate::ingest::handler::{HandlerError, Handlers};
-use crate::runtime::faults::Sabotage;
+use crate::runtime::trace::Hop;
 
 /// The identity of a processed event, for logs (R16). Never the payload.
 #[derive(Debug, Clone, Default)]
@@ -129,42 +123,67 @@ pub struct Processed {
     pub info: EventInfo,
 }
 
-enum Applied {
-    Written { intents: usize, events: usize },
-    Duplicate,
-    NoOp(InboxOutcome, String),
-}
-
-enum ApplyError {
-    RetryLater(Poison),
-    Poison(Poison),
-    Db(sqlx::Error),
-}
-
-impl From<sqlx::Error> for ApplyError {
-    fn from(e: sqlx::Error) -> Self {
-        ApplyError::Db(e)
-    }
-}
-
-/// A record that can take the fast path, decoded and planned.
-struct SimpleItem<'r> {
+/// A record routed and planned, ready to write.
+struct Item<'a, 'r> {
     record: &'r RawRecord,
     event: InputEvent,
     info: EventInfo,
-    /// The plan and the route's counter; `None` for an unrouted event.
-    plan: Option<(Plan, Option<String>)>,
+    /// Its route; `None` for an unrouted event.
+    route: Option<&'a CompiledRoute>,
+    /// What it writes (a code handler adds to it); `None` when unrouted.
+    effects: Option<Effects>,
+    /// The provenance of what it causes (a code handler's effects need it).
+    prov: Option<Provenance>,
+    /// Its hop of the trace; its intents and events carry the hop's `traceparent`.
+    hop: Option<Hop>,
 }
 
-/// Which way a record goes in [`Processor::process_batch`]. A short-lived
-/// local moved once into the run: boxing the large variant would only add an
-/// allocation per record.
+impl Item<'_, '_> {
+    /// Whether it must be written in a run of its own: it has checks or a
+    /// code handler.
+    fn alone(&self) -> bool {
+        self.route.is_some_and(|r| r.version_guard || r.sequence_guard || r.handler.is_some())
+            || self.effects.as_ref().is_some_and(|e| !e.sagas.is_empty())
+    }
+
+    /// How many of its intents could be claimed at ingest (no ordering key).
+    fn unkeyed_intents(&self) -> usize {
+        self.effects.iter().flat_map(|e| &e.intents).filter(|i| i.ordering_key.is_none()).count()
+    }
+
+    /// The record's processing step from what writing it did.
+    fn done(self, written: Written) -> Processed {
+        let step = match written {
+            Written::Applied { intents, events } => {
+                if let Some(hop) = self.hop {
+                    hop.end("applied");
+                }
+                Step::Applied { intents, events }
+            }
+            Written::Duplicate => Step::Duplicate,
+            Written::NoOp { outcome, detail } => Step::NoOp { outcome, detail },
+            Written::NotYet { class, detail } => Step::RetryLater(identified(Poison::new(class, detail), &self.event)),
+        };
+        Processed { step, info: self.info }
+    }
+}
+
+/// What routing and planning a record found. A short-lived local moved once
+/// into its run: boxing the large variant would only add an allocation per
+/// record.
 #[allow(clippy::large_enum_variant)]
 enum Prepared<'a, 'r> {
-    /// Written with its neighbours in one multi-row run.
-    Simple(SimpleItem<'r>),
-    /// Processed on its own, with what routing found.
-    Alone(Result<Routed<'a>, Poison>),
+    /// To write.
+    Ready(Item<'a, 'r>),
+    /// Nothing to write: poison, or its route is paused.
+    Done(Processed),
+}
+
+/// What writing a record alone found, before its savepoint ends.
+enum Alone {
+    Written(write::Batch),
+    Poison(Poison),
+    NotYet(Poison),
 }
 
 /// Turns records into database writes. Cheap to clone.
@@ -172,7 +191,6 @@ enum Prepared<'a, 'r> {
 pub struct Processor {
     router: Arc<Router>,
     handlers: Handlers,
-    sabotage: Sabotage,
     /// Names of paused routes, refreshed by the consumer from `relay.pauses`.
     paused: Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
     /// The dispatcher of this process, when intents are claimed at ingest.
@@ -182,13 +200,12 @@ pub struct Processor {
 impl Processor {
     /// A processor over compiled routes and registered handlers.
     pub fn new(router: Arc<Router>, handlers: Handlers) -> Processor {
-        Processor { router, handlers, sabotage: Sabotage::default(), paused: Arc::default(), handoff: None }
+        Processor { router, handlers, paused: Arc::default(), handoff: None }
     }
 
-    /// The same processor, writing the intents of fast-path runs already
-    /// claimed by the dispatcher behind `handoff` where it can
-    /// ([`crate::deliver::handoff`]); the batch calls then return them, to hand over
-    /// after the commit.
+    /// The same processor, writing intents already claimed by the dispatcher
+    /// behind `handoff` where it can ([`crate::deliver::handoff`]); the batch
+    /// calls then return them, to hand over after the commit.
     pub fn claiming_for(mut self, handoff: Handoff) -> Processor {
         self.handoff = Some(handoff);
         self
@@ -197,12 +214,6 @@ impl Processor {
     /// Where intents claimed at ingest go, if they are.
     pub fn handoff(&self) -> Option<&Handoff> {
         self.handoff.as_ref()
-    }
-
-    /// The same processor, deliberately broken (see [`Sabotage`]).
-    pub fn sabotaged(mut self, sabotage: Sabotage) -> Processor {
-        self.sabotage = sabotage;
-        self
     }
 
     /// Replace the set of paused routes.
@@ -223,102 +234,19 @@ impl Processor {
 
     /// Process `record` inside the caller's transaction. `Err` only for
     /// transient database errors: the caller rolls back and retries the whole
-    /// transaction later, committing no offset meanwhile.
+    /// transaction later, committing no offset meanwhile. Its intents are
+    /// written pending, never claimed at ingest.
     pub async fn process(&self, conn: &mut PgConnection, record: &RawRecord) -> Result<Processed, sqlx::Error> {
-        self.process_routed(conn, record, self.router.route(record)).await
-    }
-
-    /// [`Processor::process`] for a record already routed (decoded).
-    async fn process_routed(
-        &self,
-        conn: &mut PgConnection,
-        record: &RawRecord,
-        routed: Result<Routed<'_>, Poison>,
-    ) -> Result<Processed, sqlx::Error> {
-        let (route, event) = match routed {
-            Err(p) => {
-                return Ok(Processed { info: EventInfo::of_poison(&p), step: Step::Poison(p) });
-            }
-            Ok(Routed::Unrouted(event)) => {
-                let info = EventInfo::of(&event, None);
-                // In a savepoint like every other write: a value the database
-                // rejects (a NUL in the id) aborts only this, and the record
-                // is parked instead of failing the whole transaction (C7).
-                let mut sp = conn.begin().await?;
-                let step = match inbox::insert(&mut sp, &self.inbox_row(&event, record, InboxOutcome::Unrouted)).await {
-                    Ok(InboxInsert::Inserted) => {
-                        sp.commit().await?;
-                        Step::NoOp { outcome: InboxOutcome::Unrouted, detail: "no route for this type".into() }
-                    }
-                    Ok(InboxInsert::Duplicate) => {
-                        sp.commit().await?;
-                        Step::Duplicate
-                    }
-                    Err(e) if classify_error(&e) == DbErrorKind::Permanent => {
-                        sp.rollback().await?;
-                        Step::Poison(rejected(&e, &event))
-                    }
-                    Err(e) => return Err(e),
-                };
-                return Ok(Processed { step, info });
-            }
-            Ok(Routed::Route(route, event)) => (route, event),
-        };
-        let info = EventInfo::of(&event, Some(route));
-        if self.is_paused(route) {
-            return Ok(Processed { step: Step::Paused { route: route.name.clone() }, info });
+        match self.prepare(record) {
+            Prepared::Done(p) => Ok(p),
+            Prepared::Ready(item) => self.write_alone(conn, item, None).await,
         }
-        let plan = match self.router.plan(route, &event, record) {
-            Ok(plan) => plan,
-            Err(p) => {
-                return Ok(Processed { step: Step::Poison(p), info });
-            }
-        };
-        let mut sp = conn.begin().await?;
-        let step = match self.apply(&mut sp, route, &event, record, plan).await {
-            Ok(Applied::Written { intents, events }) => {
-                sp.commit().await?;
-                Step::Applied { intents, events }
-            }
-            Ok(Applied::Duplicate) => {
-                sp.commit().await?;
-                Step::Duplicate
-            }
-            Ok(Applied::NoOp(outcome, detail)) => {
-                sp.rollback().await?;
-                match inbox::insert(conn, &self.inbox_row(&event, record, outcome)).await? {
-                    InboxInsert::Inserted => Step::NoOp { outcome, detail },
-                    InboxInsert::Duplicate => Step::Duplicate,
-                }
-            }
-            Err(ApplyError::RetryLater(p)) => {
-                sp.rollback().await?;
-                Step::RetryLater(p)
-            }
-            Err(ApplyError::Poison(p)) => {
-                sp.rollback().await?;
-                Step::Poison(p)
-            }
-            Err(ApplyError::Db(e)) if classify_error(&e) == DbErrorKind::Permanent => {
-                sp.rollback().await?;
-                Step::Poison(rejected(&e, &event))
-            }
-            Err(ApplyError::Db(e)) => return Err(e),
-        };
-        Ok(Processed { step, info })
     }
 
     /// Process the records of one partition, in order, inside the caller's
     /// transaction, and return one [`Processed`] per record handled. Stops
     /// after the first [`Step::RetryLater`] or [`Step::Paused`] (the records
     /// after it are left to the caller). `Err` only for transient database errors.
-    ///
-    /// Fast path: consecutive records whose route needs no guard, saga move or
-    /// handler are written together — one multi-row statement each for inbox
-    /// rows, idempotency keys, intents, outbox rows and counters — inside one
-    /// savepoint. If the database rejects anything in such a run, the run is
-    /// rolled back and its records go through [`Processor::process`] one by
-    /// one, so a bad record still only affects itself (R12).
     ///
     /// Intents written already claimed ([`Processor::claiming_for`]) are
     /// added to `held`: hand them over once the transaction has committed,
@@ -334,16 +262,15 @@ impl Processor {
     }
 
     /// [`Processor::process_batch`] as the first work of a fresh transaction:
-    /// a fast-path run at the start of the batch is written straight into the
+    /// a run at the start of the batch is written straight into the
     /// transaction, without a savepoint around it, which saves two round
     /// trips (`SAVEPOINT`, `RELEASE`): with a steady stream of routine
     /// records the batch is that one run, and its transaction takes four —
-    /// `BEGIN`, the inbox rows, the effects ([`relay_store::effects`]),
-    /// `COMMIT` — instead of six. If the database rejects
-    /// that run, the transaction holds nothing else, so the whole of it can
-    /// go instead of the savepoint: `None` then means "roll the transaction
-    /// back and call [`Processor::process_batch`] in a new one", which finds
-    /// the bad record as before.
+    /// `BEGIN`, the inbox rows, the effects, `COMMIT` — instead of six. If
+    /// the database rejects that run, the transaction holds nothing else, so
+    /// the whole of it can go instead of the savepoint: `None` then means
+    /// "roll the transaction back and call [`Processor::process_batch`] in a
+    /// new one", which finds the bad record as before.
     pub async fn process_batch_first(
         &self,
         conn: &mut PgConnection,
@@ -353,8 +280,8 @@ impl Processor {
         self.batch(conn, records, true, held).await
     }
 
-    /// `bare`: write a fast-path run that starts the batch without a
-    /// savepoint, and return `None` if the database rejects it.
+    /// `bare`: write a run that starts the batch without a savepoint, and
+    /// return `None` if the database rejects it.
     async fn batch(
         &self,
         conn: &mut PgConnection,
@@ -365,15 +292,15 @@ impl Processor {
         let mut out = Vec::with_capacity(records.len());
         let mut i = 0;
         while i < records.len() {
-            // The fast-path run from here, and the record that ends it (each
-            // record is decoded once, whichever way it goes).
+            // The run from here, and the record that ends it (each record is
+            // routed and planned once, whichever way it goes).
             let mut run = Vec::new();
-            let mut alone = None;
+            let mut next = None;
             for record in &records[i..] {
                 match self.prepare(record) {
-                    Prepared::Simple(item) => run.push(item),
-                    Prepared::Alone(routed) => {
-                        alone = Some(routed);
+                    Prepared::Ready(item) if !item.alone() => run.push(item),
+                    other => {
+                        next = Some(other);
                         break;
                     }
                 }
@@ -386,14 +313,20 @@ impl Processor {
                     None if bare => return Ok(None),
                     None => {
                         for record in &records[i..i + n] {
-                            out.push(self.process(conn, record).await?);
+                            out.push(match self.prepare(record) {
+                                Prepared::Done(p) => p,
+                                Prepared::Ready(item) => self.write_alone(conn, item, Some(&mut *held)).await?,
+                            });
                         }
                     }
                 }
                 i += n;
             }
-            let Some(routed) = alone else { continue };
-            let processed = self.process_routed(conn, &records[i], routed).await?;
+            let processed = match next {
+                None => continue,
+                Some(Prepared::Done(p)) => p,
+                Some(Prepared::Ready(item)) => self.write_alone(conn, item, Some(&mut *held)).await?,
+            };
             let stop = matches!(processed.step, Step::RetryLater(_) | Step::Paused { .. });
             out.push(processed);
             i += 1;
@@ -404,368 +337,220 @@ impl Processor {
         Ok(Some(out))
     }
 
-    /// Route `record` and decide its path: the fast path when it is routed
-    /// (or unrouted) without guards, saga moves or a handler and its plan
-    /// renders; otherwise alone, through [`Processor::process_routed`].
+    /// Route and plan `record` (its effects with derived ids): ready to
+    /// write, or done already (poison, a paused route).
     fn prepare<'r>(&self, record: &'r RawRecord) -> Prepared<'_, 'r> {
         let (route, event) = match self.router.route(record) {
+            Err(p) => return Prepared::Done(Processed { info: EventInfo::of_poison(&p), step: Step::Poison(p) }),
             Ok(Routed::Unrouted(event)) => {
-                return Prepared::Simple(SimpleItem { record, info: EventInfo::of(&event, None), event, plan: None });
+                let info = EventInfo::of(&event, None);
+                let item = Item { record, event, info, route: None, effects: None, prov: None, hop: None };
+                return Prepared::Ready(item);
             }
             Ok(Routed::Route(route, event)) => (route, event),
-            Err(p) => return Prepared::Alone(Err(p)),
         };
-        if route.version_guard || route.sequence_guard || route.handler.is_some() || self.is_paused(route) {
-            return Prepared::Alone(Ok(Routed::Route(route, event)));
+        let info = EventInfo::of(&event, Some(route));
+        if self.is_paused(route) {
+            return Prepared::Done(Processed { step: Step::Paused { route: route.name.clone() }, info });
         }
-        let plan = match self.router.plan(route, &event, record) {
-            Ok(plan)
-                if plan.sagas.is_empty() && plan.calls.iter().all(|c| self.router.endpoint(&c.endpoint).is_some()) =>
-            {
-                plan
-            }
-            _ => return Prepared::Alone(Ok(Routed::Route(route, event))),
-        };
-        Prepared::Simple(SimpleItem {
-            record,
-            info: EventInfo::of(&event, Some(route)),
-            event,
-            plan: Some((plan, route.counter.clone())),
-        })
+        let (prov, hop) = self.provenance_hop(&event, Some(&route.name));
+        let effects = self
+            .router
+            .plan(route, &event, record)
+            .and_then(|plan| self.router.effects(route, &event, plan, &prov, Utc::now()));
+        match effects {
+            Ok(effects) => Prepared::Ready(Item {
+                record,
+                event,
+                info,
+                route: Some(route),
+                effects: Some(effects),
+                prov: Some(prov),
+                hop: Some(hop),
+            }),
+            Err(p) => Prepared::Done(Processed { step: Step::Poison(p), info }),
+        }
     }
 
-    /// Write a run of fast-path records in one savepoint, or with none when
-    /// `bare` (the caller then drops the whole transaction if it fails).
-    /// `None` when the database rejected the run's data (the caller retries
-    /// one by one).
+    /// What [`relay_store::write`] needs of `item`, with `effects`.
+    fn planned<'i>(&'i self, item: &'i Item<'_, '_>, effects: Option<&'i Effects>) -> Planned<'i> {
+        let (event, record, route) = (&item.event, item.record, item.route);
+        Planned {
+            inbox: NewInboxRow {
+                consumer: self.router.consumer(),
+                event_id: &event.id,
+                event_type: &event.event_type,
+                topic: &record.topic,
+                partition: record.partition,
+                offset: record.offset,
+                idempotency_key: event.idempotency_key.as_deref(),
+                aggregate_id: event.aggregate_id.as_deref(),
+                correlation_id: event.correlation_id.as_deref(),
+                outcome: if route.is_some() { InboxOutcome::Applied } else { InboxOutcome::Unrouted },
+            },
+            // The router guarantees the version and sequence exist when a guard is on.
+            version: route.filter(|r| r.version_guard).map(|_| event.aggregate_version.unwrap_or_default()),
+            sequence: route.filter(|r| r.sequence_guard).map(|_| event.sequence.unwrap_or_default()),
+            effects,
+        }
+    }
+
+    /// Room at the dispatcher for up to `intents` intents claimed at ingest.
+    fn reserve(&self, intents: usize) -> Option<(HoldRoom<'_>, Reserved)> {
+        let h = self.handoff.as_ref()?;
+        let reserved = h.reserve(intents)?;
+        Some((HoldRoom { worker: h.worker(), lease: h.lease(), room: reserved.len() }, reserved))
+    }
+
+    /// Hand the intents `batch` wrote claimed over to `reserved` room (to
+    /// `held`, for after the commit).
+    fn keep_held(batch: &mut write::Batch, room: Option<(HoldRoom<'_>, Reserved)>, held: &mut Vec<Handed>) {
+        if let Some((_, mut reserved)) = room {
+            held.extend(std::mem::take(&mut batch.held).into_iter().filter_map(|claimed| reserved.hand(claimed)));
+        }
+    }
+
+    /// Write a run of records without checks in one savepoint, or with none
+    /// when `bare` (the caller then drops the whole transaction if it
+    /// fails). `None` when the database rejected the run's data (the caller
+    /// writes its records one by one). The intents it wrote claimed go to
+    /// `held` only once nothing in it can fail any more.
     async fn write_run(
         &self,
         conn: &mut PgConnection,
-        run: Vec<SimpleItem<'_>>,
+        run: Vec<Item<'_, '_>>,
         bare: bool,
         held: &mut Vec<Handed>,
     ) -> Result<Option<Vec<Processed>>, sqlx::Error> {
-        fn done(run: Vec<SimpleItem<'_>>, steps: Vec<Step>) -> Vec<Processed> {
-            run.into_iter().zip(steps).map(|(item, step)| Processed { step, info: item.info }).collect()
-        }
-        if bare {
-            return match self.write_run_in(conn, &run, held).await {
-                Ok(steps) => Ok(Some(done(run, steps))),
-                Err(e) if classify_error(&e) == DbErrorKind::Permanent => Ok(None),
+        let consumer = self.router.consumer();
+        let planned: Vec<Planned<'_>> = run.iter().map(|item| self.planned(item, item.effects.as_ref())).collect();
+        let room = self.reserve(run.iter().map(Item::unkeyed_intents).sum());
+        let hold = room.as_ref().map(|(h, _)| *h);
+        let written = if bare {
+            write::write(conn, consumer, &planned, hold).await
+        } else {
+            let mut sp = conn.begin().await?;
+            match write::write(&mut sp, consumer, &planned, hold).await {
+                Ok(batch) => sp.commit().await.map(|()| batch),
+                Err(e) if classify_error(&e) == DbErrorKind::Permanent => {
+                    sp.rollback().await?;
+                    Err(e)
+                }
                 Err(e) => Err(e),
-            };
-        }
+            }
+        };
+        let mut batch = match written {
+            Ok(batch) => batch,
+            Err(e) if classify_error(&e) == DbErrorKind::Permanent => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        drop(planned);
+        Self::keep_held(&mut batch, room, held);
+        Ok(Some(run.into_iter().zip(batch.written).map(|(item, w)| item.done(w)).collect()))
+    }
+
+    /// Write one record in a savepoint of its own, its code handler between
+    /// the checks and the effects. A no-op found by a check, a "not yet" or
+    /// a rejection rolls the savepoint back; a no-op then records its inbox
+    /// row with its class. With `held`, its intents may be claimed at ingest.
+    async fn write_alone(
+        &self,
+        conn: &mut PgConnection,
+        item: Item<'_, '_>,
+        held: Option<&mut Vec<Handed>>,
+    ) -> Result<Processed, sqlx::Error> {
+        let room = if held.is_some() { self.reserve(item.unkeyed_intents()) } else { None };
         let mut sp = conn.begin().await?;
-        match self.write_run_in(&mut sp, &run, held).await {
-            Ok(steps) => {
+        let alone = match self.write_checked(&mut sp, &item, room.as_ref().map(|(h, _)| *h)).await {
+            Ok(Alone::Written(batch)) if !batch.written[0].undo() => {
                 sp.commit().await?;
-                Ok(Some(done(run, steps)))
+                Ok(batch)
+            }
+            Ok(other) => {
+                sp.rollback().await?;
+                Err(other)
             }
             Err(e) if classify_error(&e) == DbErrorKind::Permanent => {
                 sp.rollback().await?;
-                Ok(None)
+                Err(Alone::Poison(rejected(&e, &item.event)))
             }
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Write a run; the intents it wrote already claimed go to `held`, and
-    /// only once nothing in it can fail any more (the effects statement is
-    /// its last), so a run the database rejects adds none.
-    async fn write_run_in(
-        &self,
-        tx: &mut PgConnection,
-        run: &[SimpleItem<'_>],
-        held: &mut Vec<Handed>,
-    ) -> Result<Vec<Step>, sqlx::Error> {
-        let consumer = self.router.consumer();
-        let mut steps: Vec<Option<Step>> = vec![None; run.len()];
-        // 1. Inbox rows; a second occurrence of an id in the run is a duplicate.
-        let mut first = std::collections::HashSet::new();
-        let mut rows = Vec::with_capacity(run.len());
-        for (k, item) in run.iter().enumerate() {
-            if first.insert(item.event.id.as_str()) {
-                let outcome = if item.plan.is_some() { InboxOutcome::Applied } else { InboxOutcome::Unrouted };
-                rows.push(self.inbox_row(&item.event, item.record, outcome));
-            } else if !self.sabotage.no_inbox_dedup {
-                steps[k] = Some(Step::Duplicate);
-            }
-        }
-        let inserted: std::collections::HashSet<String> = inbox::insert_many(tx, &rows).await?.into_iter().collect();
-        let mut claimed_in_run = std::collections::HashSet::new();
-        let mut keyed = Vec::new();
-        for (k, item) in run.iter().enumerate() {
-            if steps[k].is_some() {
-                continue;
-            }
-            if !inserted.contains(&item.event.id) && !self.sabotage.no_inbox_dedup {
-                steps[k] = Some(Step::Duplicate);
-            } else if item.plan.is_none() {
-                steps[k] =
-                    Some(Step::NoOp { outcome: InboxOutcome::Unrouted, detail: "no route for this type".into() });
-            } else if let Some(key) = item.event.idempotency_key.as_deref() {
-                if claimed_in_run.insert(key) {
-                    keyed.push((key, item.event.id.as_str()));
-                } else {
-                    steps[k] = Some(Step::NoOp {
-                        outcome: InboxOutcome::DuplicateKey,
-                        detail: format!("idempotency key {key:?} was taken by an earlier event of this batch"),
-                    });
-                }
-            }
-        }
-        // 2. Business idempotency keys (R4).
-        let won: std::collections::HashSet<String> =
-            inbox::claim_idempotency_keys(tx, consumer, &keyed).await?.into_iter().collect();
-        let mut lost_keys = Vec::new();
-        for (k, item) in run.iter().enumerate() {
-            if steps[k].is_none()
-                && let Some(key) = item.event.idempotency_key.as_deref()
-                && !won.contains(key)
-            {
-                lost_keys.push(item.event.id.as_str());
-                steps[k] = Some(Step::NoOp {
-                    outcome: InboxOutcome::DuplicateKey,
-                    detail: format!("idempotency key {key:?} was taken by an earlier event"),
-                });
-            }
-        }
-        let dup_key_ids: Vec<&str> = run
-            .iter()
-            .zip(&steps)
-            .filter(|(item, s)| {
-                matches!(s, Some(Step::NoOp { outcome: InboxOutcome::DuplicateKey, .. }))
-                    && inserted.contains(&item.event.id)
-            })
-            .map(|(item, _)| item.event.id.as_str())
-            .collect();
-        inbox::set_outcome_many(tx, consumer, &dup_key_ids, InboxOutcome::DuplicateKey).await?;
-        // 3. Effects of the applied ones: intents, outbox rows, counters.
-        let now = Utc::now();
-        let mut intents_new = Vec::new();
-        let mut outbox_new = Vec::new();
-        let mut counters: std::collections::BTreeMap<(&str, i32), i64> = std::collections::BTreeMap::new();
-        for (k, item) in run.iter().enumerate() {
-            if steps[k].is_some() {
-                continue;
-            }
-            let Some((plan, counter)) = &item.plan else { continue };
-            let (prov, hop) = self.provenance_hop(&item.event, item.info.route.as_deref());
-            hop.end("applied");
-            for call in &plan.calls {
-                // `simple` only admits plans whose endpoints are configured.
-                if let Ok(intent) = self.new_intent(&item.event, call, &prov) {
-                    intents_new.push((k, intent));
-                }
-            }
-            for emit in &plan.emits {
-                let rec = encode_event(derived_id(consumer, &item.event.id, &emit.action), emit, &prov, now);
-                outbox_new.push((k, rec));
-            }
-            if let Some(c) = counter {
-                *counters.entry((c.as_str(), item.record.partition)).or_default() += 1;
-            }
-        }
-        let intents_rows: Vec<NewIntent> = intents_new.iter().map(|(_, i)| i.clone()).collect();
-        let outbox_rows: Vec<(&str, &relay_core::OutboxRecord)> =
-            outbox_new.iter().map(|(k, r)| (run[*k].event.id.as_str(), r)).collect();
-        let adds: Vec<(&str, i32, i64)> = counters.into_iter().map(|((name, shard), n)| (name, shard, n)).collect();
-        // Claim at ingest: room for the intents that can be held, first come first.
-        let mut room = self
-            .handoff
-            .as_ref()
-            .and_then(|h| h.reserve(intents_rows.iter().filter(|i| i.ordering_key.is_none()).count()).map(|r| (h, r)));
-        let take: Vec<bool> = match &room {
-            Some((_, r)) => {
-                let mut left = r.len();
-                intents_rows
-                    .iter()
-                    .map(|i| {
-                        let take = i.ordering_key.is_none() && left > 0;
-                        left -= usize::from(take);
-                        take
-                    })
-                    .collect()
-            }
-            None => Vec::new(),
+            Err(e) => return Err(e),
         };
-        let hold = room.as_ref().map(|(h, _)| Hold { worker: h.worker(), lease: h.lease(), take: &take });
-        let mut new = effects::insert(tx, consumer, &intents_rows, hold, &outbox_rows, &adds).await?;
-        let mut written = vec![(0usize, 0usize); run.len()];
-        for (k, i) in &intents_new {
-            written[*k].0 += usize::from(new.intents.contains(&i.id));
-        }
-        if let Some((_, reserved)) = &mut room {
-            for intent in intents_rows {
-                // `remove`: one hand-over per row, whatever the list repeats.
-                if let Some(h) = new.held.remove(&intent.id)
-                    && let Some(handed) = reserved.hand(ClaimedIntent::held_at_insert(intent, h))
-                {
-                    held.push(handed);
+        let step = match alone {
+            Ok(mut batch) => {
+                if let Some(held) = held {
+                    Self::keep_held(&mut batch, room, held);
                 }
+                let written = batch.written.pop().unwrap_or(Written::Duplicate);
+                return Ok(item.done(written));
             }
-        }
-        for (k, r) in &outbox_new {
-            written[*k].1 += usize::from(new.outbox.contains(&r.id));
-        }
-        Ok(steps
-            .into_iter()
-            .zip(written)
-            .map(|(s, (intents, events))| s.unwrap_or(Step::Applied { intents, events }))
-            .collect())
+            Err(Alone::Poison(p)) => Step::Poison(p),
+            Err(Alone::NotYet(p)) => Step::RetryLater(p),
+            Err(Alone::Written(mut batch)) => match batch.written.pop() {
+                Some(Written::NoOp { outcome, detail }) => {
+                    let row = NewInboxRow { outcome, ..self.planned(&item, None).inbox };
+                    match inbox::insert(conn, &row).await? {
+                        InboxInsert::Inserted => Step::NoOp { outcome, detail },
+                        InboxInsert::Duplicate => Step::Duplicate,
+                    }
+                }
+                Some(other) => return Ok(item.done(other)),
+                None => Step::Duplicate,
+            },
+        };
+        Ok(Processed { step, info: item.info })
     }
 
-    fn inbox_row<'a>(&'a self, event: &'a InputEvent, record: &'a RawRecord, outcome: InboxOutcome) -> NewInboxRow<'a> {
-        NewInboxRow {
-            consumer: self.router.consumer(),
-            event_id: &event.id,
-            event_type: &event.event_type,
-            topic: &record.topic,
-            partition: record.partition,
-            offset: record.offset,
-            idempotency_key: event.idempotency_key.as_deref(),
-            aggregate_id: event.aggregate_id.as_deref(),
-            correlation_id: event.correlation_id.as_deref(),
-            outcome,
-        }
-    }
-
-    async fn apply(
+    /// The writes of [`Processor::write_alone`], inside its savepoint.
+    async fn write_checked(
         &self,
         tx: &mut PgConnection,
-        route: &CompiledRoute,
-        event: &InputEvent,
-        record: &RawRecord,
-        mut plan: Plan,
-    ) -> Result<Applied, ApplyError> {
+        item: &Item<'_, '_>,
+        hold: Option<HoldRoom<'_>>,
+    ) -> Result<Alone, sqlx::Error> {
         let consumer = self.router.consumer();
-        if inbox::insert(tx, &self.inbox_row(event, record, InboxOutcome::Applied)).await? == InboxInsert::Duplicate
-            && !self.sabotage.no_inbox_dedup
+        let planned = self.planned(item, item.effects.as_ref());
+        let admitted = write::admit(tx, consumer, std::slice::from_ref(&planned)).await?;
+        let mut merged = None;
+        if admitted[0].is_none()
+            && let Some(route) = item.route
+            && let Some(name) = &route.handler
         {
-            return Ok(Applied::Duplicate);
-        }
-        if let Some(key) = &event.idempotency_key
-            && let KeyClaim::Duplicate { first_event_id } =
-                inbox::claim_idempotency_key(tx, consumer, key, &event.id).await?
-        {
-            let detail = format!("idempotency key {key:?} was taken by event {first_event_id}");
-            return Ok(Applied::NoOp(InboxOutcome::DuplicateKey, detail));
-        }
-        // The router guarantees aggregate id and version/sequence exist when a guard is on.
-        let aggregate = event.aggregate_id.as_deref().unwrap_or_default();
-        if route.version_guard {
-            let version = event.aggregate_version.unwrap_or_default();
-            match inbox::check_version(tx, consumer, aggregate, version).await? {
-                VersionCheck::Applied => {}
-                VersionCheck::Duplicate => {
-                    return Ok(Applied::NoOp(
-                        InboxOutcome::DuplicateVersion,
-                        format!("version {version} of {aggregate} was applied already"),
-                    ));
-                }
-                VersionCheck::Stale { current } => {
-                    return Ok(Applied::NoOp(
-                        InboxOutcome::Stale,
-                        format!("version {version} of {aggregate} is older than applied version {current}"),
-                    ));
-                }
-            }
-        }
-        if route.sequence_guard {
-            let seq = event.sequence.unwrap_or_default();
-            match inbox::check_sequence(tx, consumer, aggregate, seq).await? {
-                SequenceCheck::Applied => {}
-                SequenceCheck::Duplicate { last } => {
-                    return Ok(Applied::NoOp(
-                        InboxOutcome::DuplicateSequence,
-                        format!("sequence {seq} of {aggregate} is at or below the last applied {last}"),
-                    ));
-                }
-                SequenceCheck::Gap { last } => {
-                    return Err(ApplyError::RetryLater(identified(
-                        Poison::new(
-                            PoisonClass::SequenceGap,
-                            format!(
-                                "sequence {seq} of {aggregate} arrived while the last applied is {last}; waiting for {}",
-                                last + 1
-                            ),
-                        ),
-                        event,
-                    )));
-                }
-            }
-        }
-        for m in &plan.sagas {
-            let t = if m.start {
-                sagas::start(tx, &m.saga_type, &m.saga_id, &m.to, &event.id).await?
-            } else {
-                sagas::transition(tx, &m.saga_type, &m.saga_id, &m.from, &m.to, &event.id).await?
+            let poison = |class, why: String| identified(Poison::new(class, why), &item.event);
+            let Some(handler) = self.handlers.get(name) else {
+                let why = format!("handler {name:?} is not registered");
+                return Ok(Alone::Poison(poison(PoisonClass::Rejected, why)));
             };
-            let subject = format!("{}/{}", m.saga_type, m.saga_id);
-            match t {
-                Transition::Applied => {
-                    let detail = json!({"from": m.from, "to": m.to, "start": m.start});
-                    inbox::record_history(tx, consumer, &event.id, &m.action, "saga", Some(&subject), &detail).await?;
-                }
-                Transition::AlreadyThere => {
-                    let detail = format!("saga {subject} is already {:?}", m.to);
-                    return Ok(Applied::NoOp(InboxOutcome::DuplicateTransition, detail));
-                }
-                Transition::Invalid { current } => {
-                    let detail =
-                        format!("saga {subject} is {current:?}; {} may only move it from {:?}", m.action, m.from);
-                    return Ok(Applied::NoOp(InboxOutcome::InvalidTransition, detail));
-                }
-                Transition::Missing => {
-                    return Err(ApplyError::RetryLater(identified(
-                        Poison::new(PoisonClass::MissingReference, format!("saga {subject} does not exist (yet)")),
-                        event,
-                    )));
-                }
+            let more = match handler.handle(tx, &item.event).await {
+                Ok(more) => more,
+                Err(HandlerError::NotYet(why)) => return Ok(Alone::NotYet(poison(PoisonClass::MissingReference, why))),
+                Err(HandlerError::Reject(why)) => return Ok(Alone::Poison(poison(PoisonClass::Rejected, why))),
+                Err(HandlerError::Db(e)) => return Err(e),
+            };
+            if !more.sagas.is_empty() {
+                let why = format!(
+                    "handler {name:?} returned saga moves: a handler returns calls and events; saga moves belong in the route"
+                );
+                return Ok(Alone::Poison(poison(PoisonClass::Rejected, why)));
             }
+            let prov = item.prov.clone().unwrap_or_default();
+            let extra = match self.router.effects(route, &item.event, more, &prov, Utc::now()) {
+                Ok(extra) => extra,
+                Err(p) => return Ok(Alone::Poison(p)),
+            };
+            let mut all = item.effects.clone().unwrap_or_default();
+            all.intents.extend(extra.intents);
+            all.events.extend(extra.events);
+            merged = Some(all);
         }
-        if let Some(name) = &route.handler {
-            let handler = self.handlers.get(name).ok_or_else(|| {
-                ApplyError::Poison(identified(
-                    Poison::new(PoisonClass::Rejected, format!("handler {name:?} is not registered")),
-                    event,
-                ))
-            })?;
-            match handler.handle(tx, event).await {
-                Ok(more) => plan.extend(more),
-                Err(HandlerError::NotYet(why)) => {
-                    return Err(ApplyError::RetryLater(identified(
-                        Poison::new(PoisonClass::MissingReference, why),
-                        event,
-                    )));
-                }
-                Err(HandlerError::Reject(why)) => {
-                    return Err(ApplyError::Poison(identified(Poison::new(PoisonClass::Rejected, why), event)));
-                }
-                Err(HandlerError::Db(e)) => return Err(ApplyError::Db(e)),
-            }
-        }
-        let (prov, hop) = self.provenance_hop(event, Some(&route.name));
-        let mut written = (0, 0);
-        for call in &plan.calls {
-            let intent = self.new_intent(event, call, &prov).map_err(|p| ApplyError::Poison(identified(p, event)))?;
-            written.0 += usize::from(intents::insert(tx, &intent).await?);
-        }
-        let now = Utc::now();
-        for emit in &plan.emits {
-            let rec = encode_event(derived_id(consumer, &event.id, &emit.action), emit, &prov, now);
-            written.1 += usize::from(outbox::insert(tx, consumer, &event.id, &rec).await?);
-        }
-        if let Some(counter) = &route.counter {
-            inbox::increment_counter(tx, consumer, counter, record.partition).await?;
-        }
-        hop.end("applied");
-        Ok(Applied::Written { intents: written.0, events: written.1 })
+        let effects = merged.as_ref().or(item.effects.as_ref());
+        let batch = write::finish(tx, consumer, std::slice::from_ref(&planned), admitted, &[effects], hold).await?;
+        Ok(Alone::Written(batch))
     }
 
     /// Provenance of what `event` causes, as a child hop of its trace: the
     /// intents and events written carry the hop's `traceparent`.
-    fn provenance_hop(&self, event: &InputEvent, route: Option<&str>) -> (Provenance, crate::runtime::trace::Hop) {
+    fn provenance_hop(&self, event: &InputEvent, route: Option<&str>) -> (Provenance, Hop) {
         let mut prov = self.router.provenance(event);
         let attrs = || {
             vec![
@@ -775,50 +560,12 @@ impl Processor {
                 opentelemetry::KeyValue::new("relay.route", route.unwrap_or_default().to_owned()),
             ]
         };
-        let hop = crate::runtime::trace::Hop::start(
-            "relay.inbox",
-            opentelemetry::trace::SpanKind::Consumer,
-            prov.traceparent.as_deref(),
-            attrs,
-        );
+        let hop =
+            Hop::start("relay.inbox", opentelemetry::trace::SpanKind::Consumer, prov.traceparent.as_deref(), attrs);
         if let Some(tp) = &hop.traceparent {
             prov.traceparent = Some(tp.clone());
         }
         (prov, hop)
-    }
-
-    fn new_intent(&self, event: &InputEvent, call: &CallSpec, prov: &Provenance) -> Result<NewIntent, Poison> {
-        let consumer = self.router.consumer();
-        let endpoint = self.router.endpoint(&call.endpoint).ok_or_else(|| {
-            Poison::new(
-                PoisonClass::Rejected,
-                format!("call {:?} names unknown endpoint {:?}", call.action, call.endpoint),
-            )
-        })?;
-        let id = derived_id(consumer, &event.id, &call.action);
-        let to_json = |v: &relay_core::Outcome| serde_json::to_value(v).unwrap_or_default();
-        Ok(NewIntent {
-            id,
-            consumer: consumer.to_owned(),
-            source_event_id: event.id.clone(),
-            action: call.action.clone(),
-            endpoint: call.endpoint.clone(),
-            method: call.method.clone(),
-            path: call.path.clone(),
-            body: call.body.clone(),
-            headers: json!(call.headers),
-            idempotency_key: call.idempotency_key.clone().unwrap_or_else(|| id.to_string()),
-            ordering_key: call.ordering_key.clone(),
-            max_attempts: i32::try_from(endpoint.max_attempts).unwrap_or(i32::MAX),
-            max_age: endpoint.max_age,
-            on_success: to_json(&call.on_success),
-            on_dead: to_json(&call.on_dead),
-            emit_source: prov.source.clone(),
-            aggregate_id: prov.aggregate_id.clone(),
-            correlation_id: prov.correlation_id.clone(),
-            causation_id: prov.causation_id.clone(),
-            traceparent: prov.traceparent.clone(),
-        })
     }
 
     /// Park `record` as a dead letter (and queue its copy to the dead-letter
