@@ -349,6 +349,42 @@ fn waiting_for_customer(h: &Harness) -> (Arc<AtomicBool>, Arc<AtomicU32>, Handle
     (ready, refusals, handlers, cfg)
 }
 
+/// A handler that returns a saga move, which handlers may not do.
+struct MovesASaga;
+
+#[async_trait]
+impl Handler for MovesASaga {
+    async fn handle(&self, _: &mut sqlx::PgConnection, event: &InputEvent) -> Result<Plan, HandlerError> {
+        let saga = relay_core::SagaMove {
+            action: "start".into(),
+            saga_type: "order".into(),
+            saga_id: event.data["order_id"].as_str().unwrap_or_default().into(),
+            from: Vec::new(),
+            to: "placed".into(),
+            start: true,
+        };
+        Ok(Plan { sagas: vec![saga], ..Plan::default() })
+    }
+}
+
+// Saga moves a handler returned were once dropped without a word (the
+// per-record path applied the route's moves before the handler ran).
+#[tokio::test]
+async fn a_handler_returning_saga_moves_is_dead_lettered_saying_so_not_silently_ignored() {
+    let h = Harness::new(1).await;
+    let handlers = Handlers::default().register("moves-a-saga", MovesASaga);
+    let cfg = h.config(&HANDLER_ROUTE.replace("waits-for-customer", "moves-a-saga"));
+    let (_, offset) = h.send(&order("evt-1", "o-1")).await;
+    let run = h.start_with(cfg, CONSUMER_ONLY, handlers, no_faults()).await;
+    h.await_committed(0, offset + 1).await;
+    run.stop().await.unwrap();
+    let reason: String =
+        sqlx::query_scalar("SELECT reason FROM relay.dead_letters").fetch_one(&h.db.pool).await.unwrap();
+    assert!(reason.contains("saga moves belong in the route"), "{reason}");
+    assert_eq!(h.db.count("sagas", "true").await, 0, "nothing of it applied");
+    assert_eq!(h.inbox().await, 0, "parked, not recorded as applied");
+}
+
 #[tokio::test]
 async fn the_committed_offset_never_passes_a_record_that_is_not_processed_yet() {
     let h = Harness::new(1).await;
