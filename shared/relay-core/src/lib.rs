@@ -16,6 +16,7 @@
 //! not retried).
 
 pub mod config;
+pub mod disposition;
 pub mod effects;
 pub mod envelope;
 pub mod fuzz;
@@ -25,6 +26,7 @@ pub mod router;
 pub mod template;
 
 pub use config::RelayConfig;
+pub use disposition::{Disposition, InboxOutcome};
 pub use effects::{CallSpec, Effects, EmitSpec, NewIntent, OutboxRecord, Outcome, Plan, Provenance, SagaMove};
 pub use envelope::{Header, InputEvent, Poison, PoisonClass, RawRecord};
 pub use router::{CompiledRoute, Routed, Router};

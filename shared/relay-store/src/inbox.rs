@@ -13,42 +13,7 @@ pub enum InboxInsert {
     Duplicate,
 }
 
-/// The recorded result of an event, stored in `inbox.outcome`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum InboxOutcome {
-    /// The route's effects were written.
-    Applied,
-    /// Another event with the same business idempotency key came first.
-    DuplicateKey,
-    /// Its aggregate version is lower than one already applied.
-    Stale,
-    /// Its aggregate version equals the one already applied.
-    DuplicateVersion,
-    /// The saga was already in the target state.
-    DuplicateTransition,
-    /// The saga is in a state the transition may not start from.
-    InvalidTransition,
-    /// Its sequence number was already applied.
-    DuplicateSequence,
-    /// No route for its type (non-strict consumer).
-    Unrouted,
-}
-
-impl InboxOutcome {
-    /// Stored / logged name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            InboxOutcome::Applied => "applied",
-            InboxOutcome::DuplicateKey => "duplicate_key",
-            InboxOutcome::Stale => "stale",
-            InboxOutcome::DuplicateVersion => "duplicate_version",
-            InboxOutcome::DuplicateTransition => "duplicate_transition",
-            InboxOutcome::InvalidTransition => "invalid_transition",
-            InboxOutcome::DuplicateSequence => "duplicate_sequence",
-            InboxOutcome::Unrouted => "unrouted",
-        }
-    }
-}
+pub use relay_core::disposition::InboxOutcome;
 
 /// One inbox row to write.
 #[derive(Debug, Clone)]

@@ -16,7 +16,7 @@
 //!
 //! A no-op found in step 3, or a record that is not processable yet, has
 //! already written its inbox row and key and maybe some of its checks:
-//! [`Written::undo`] says so, and the caller rolls the record back (a
+//! [`Disposition::undo`] says so, and the caller rolls the record back (a
 //! savepoint around it) and records its inbox row with the no-op's class
 //! ([`crate::inbox::insert`]). A record with checks is therefore written in a
 //! batch of its own; records without them share one batch, four round trips
@@ -26,7 +26,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
-use relay_core::{Effects, PoisonClass};
+use relay_core::{Disposition, Effects, PoisonClass};
 use serde_json::json;
 use sqlx::PgConnection;
 use uuid::Uuid;
@@ -57,55 +57,6 @@ impl Planned<'_> {
     }
 }
 
-/// What writing one record did.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Written {
-    /// Its effects were written: how many intents and outbox rows were new.
-    Applied {
-        /// New intents.
-        intents: usize,
-        /// New outbox rows.
-        events: usize,
-    },
-    /// Already in the inbox (or earlier in the batch): nothing written.
-    Duplicate,
-    /// Recorded as a classified no-op (R5).
-    NoOp {
-        /// The class.
-        outcome: InboxOutcome,
-        /// Why, for the log line.
-        detail: String,
-    },
-    /// Not processable yet (a sequence gap, a saga that does not exist yet):
-    /// the caller rolls it back and retries it later.
-    NotYet {
-        /// Why, as a dead-letter class if it never becomes processable.
-        class: PoisonClass,
-        /// Why, for the log line.
-        detail: String,
-    },
-}
-
-impl Written {
-    /// Whether the caller must roll this record's writes back (its inbox
-    /// row, key and checks are written): a no-op found by a check, or a
-    /// record not processable yet. A no-op is then recorded with its class.
-    pub fn undo(&self) -> bool {
-        matches!(
-            self,
-            Written::NotYet { .. }
-                | Written::NoOp {
-                    outcome: InboxOutcome::Stale
-                        | InboxOutcome::DuplicateVersion
-                        | InboxOutcome::DuplicateSequence
-                        | InboxOutcome::DuplicateTransition
-                        | InboxOutcome::InvalidTransition,
-                    ..
-                }
-        )
-    }
-}
-
 /// Intents to write already claimed for a dispatcher of this process (its
 /// hand-over): up to `room` of the batch's intents without an ordering key.
 #[derive(Debug, Clone, Copy)]
@@ -118,12 +69,12 @@ pub struct HoldRoom<'a> {
     pub room: usize,
 }
 
-/// What [`write`] did: one [`Written`] per record, and the intents written
+/// What [`write`] did: one [`Disposition`] per record, and the intents written
 /// already claimed ([`HoldRoom`]), to hand over once the transaction commits.
 #[derive(Debug, Default)]
 pub struct Batch {
     /// Per record, in order.
-    pub written: Vec<Written>,
+    pub written: Vec<Disposition>,
     /// New intents written claimed.
     pub held: Vec<ClaimedIntent>,
 }
@@ -147,9 +98,9 @@ pub async fn admit(
     conn: &mut PgConnection,
     consumer: &str,
     batch: &[Planned<'_>],
-) -> Result<Vec<Option<Written>>, sqlx::Error> {
+) -> Result<Vec<Option<Disposition>>, sqlx::Error> {
     let dedup = !sabotage::is(consumer, sabotage::Broken::NoInboxDedup);
-    let mut out: Vec<Option<Written>> = vec![None; batch.len()];
+    let mut out: Vec<Option<Disposition>> = vec![None; batch.len()];
     // 1. Inbox rows; a second occurrence of an id in the batch is a duplicate.
     let mut first = HashSet::new();
     let mut rows = Vec::with_capacity(batch.len());
@@ -157,7 +108,7 @@ pub async fn admit(
         if first.insert(p.inbox.event_id) {
             rows.push(p.inbox.clone());
         } else if dedup {
-            out[k] = Some(Written::Duplicate);
+            out[k] = Some(Disposition::Duplicate);
         }
     }
     let inserted: HashSet<String> = inbox::insert_many(conn, &rows).await?.into_iter().collect();
@@ -169,14 +120,15 @@ pub async fn admit(
             continue;
         }
         if !inserted.contains(p.inbox.event_id) && dedup {
-            out[k] = Some(Written::Duplicate);
+            out[k] = Some(Disposition::Duplicate);
         } else if p.effects.is_none() {
-            out[k] = Some(Written::NoOp { outcome: InboxOutcome::Unrouted, detail: "no route for this type".into() });
+            out[k] =
+                Some(Disposition::NoOp { outcome: InboxOutcome::Unrouted, detail: "no route for this type".into() });
         } else if let Some(key) = p.inbox.idempotency_key {
             if claimed_here.insert(key) {
                 keyed.push((key, p.inbox.event_id));
             } else {
-                out[k] = Some(Written::NoOp {
+                out[k] = Some(Disposition::NoOp {
                     outcome: InboxOutcome::DuplicateKey,
                     detail: format!("idempotency key {key:?} was taken by an earlier event of this batch"),
                 });
@@ -189,7 +141,7 @@ pub async fn admit(
             && let Some(key) = p.inbox.idempotency_key
             && !won.contains(key)
         {
-            out[k] = Some(Written::NoOp {
+            out[k] = Some(Disposition::NoOp {
                 outcome: InboxOutcome::DuplicateKey,
                 detail: format!("idempotency key {key:?} was taken by an earlier event"),
             });
@@ -199,7 +151,7 @@ pub async fn admit(
         .iter()
         .zip(&out)
         .filter(|(p, w)| {
-            matches!(w, Some(Written::NoOp { outcome: InboxOutcome::DuplicateKey, .. }))
+            matches!(w, Some(Disposition::NoOp { outcome: InboxOutcome::DuplicateKey, .. }))
                 && inserted.contains(p.inbox.event_id)
         })
         .map(|(p, _)| p.inbox.event_id)
@@ -216,10 +168,10 @@ pub async fn admit(
 
 /// The version guard, the sequence guard and the saga moves of `p`, in that
 /// order; the first that says no decides.
-async fn check(conn: &mut PgConnection, consumer: &str, p: &Planned<'_>) -> Result<Option<Written>, sqlx::Error> {
+async fn check(conn: &mut PgConnection, consumer: &str, p: &Planned<'_>) -> Result<Option<Disposition>, sqlx::Error> {
     // The router guarantees an aggregate id when a guard is on.
     let aggregate = p.inbox.aggregate_id.unwrap_or_default();
-    let no_op = |outcome, detail| Ok(Some(Written::NoOp { outcome, detail }));
+    let no_op = |outcome, detail| Ok(Some(Disposition::NoOp { outcome, detail }));
     if let Some(version) = p.version {
         match inbox::check_version(conn, consumer, aggregate, version).await? {
             VersionCheck::Applied => {}
@@ -247,13 +199,13 @@ async fn check(conn: &mut PgConnection, consumer: &str, p: &Planned<'_>) -> Resu
                 );
             }
             SequenceCheck::Gap { last } => {
-                return Ok(Some(Written::NotYet {
-                    class: PoisonClass::SequenceGap,
-                    detail: format!(
+                return Ok(Some(Disposition::not_yet(
+                    PoisonClass::SequenceGap,
+                    format!(
                         "sequence {seq} of {aggregate} arrived while the last applied is {last}; waiting for {}",
                         last + 1
                     ),
-                }));
+                )));
             }
         }
     }
@@ -272,10 +224,8 @@ async fn check(conn: &mut PgConnection, consumer: &str, p: &Planned<'_>) -> Resu
                 );
             }
             Transition::Missing => {
-                return Ok(Some(Written::NotYet {
-                    class: PoisonClass::MissingReference,
-                    detail: format!("saga {subject} does not exist (yet)"),
-                }));
+                let detail = format!("saga {subject} does not exist (yet)");
+                return Ok(Some(Disposition::not_yet(PoisonClass::MissingReference, detail)));
             }
         }
     }
@@ -289,7 +239,7 @@ pub async fn finish(
     conn: &mut PgConnection,
     consumer: &str,
     batch: &[Planned<'_>],
-    admitted: Vec<Option<Written>>,
+    admitted: Vec<Option<Disposition>>,
     effects: &[Option<&Effects>],
     hold: Option<HoldRoom<'_>>,
 ) -> Result<Batch, sqlx::Error> {
@@ -326,11 +276,11 @@ pub async fn finish(
     };
     let hold = hold.map(|h| Hold { worker: h.worker, lease: h.lease, take: &take });
     let mut new = effects::insert(conn, consumer, &intents, hold, &outbox, &adds).await?;
-    let mut written: Vec<Written> =
-        admitted.into_iter().map(|w| w.unwrap_or(Written::Applied { intents: 0, events: 0 })).collect();
+    let mut written: Vec<Disposition> =
+        admitted.into_iter().map(|w| w.unwrap_or(Disposition::Applied { intents: 0, events: 0 })).collect();
     for (k, e) in &standing {
         let count = |ids: &HashSet<Uuid>, of: &mut dyn Iterator<Item = Uuid>| of.filter(|id| ids.contains(id)).count();
-        written[*k] = Written::Applied {
+        written[*k] = Disposition::Applied {
             intents: count(&new.intents, &mut e.intents.iter().map(|i| i.id)),
             events: count(&new.outbox, &mut e.events.iter().map(|r| r.id)),
         };

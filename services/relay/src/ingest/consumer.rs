@@ -46,7 +46,9 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{Level, debug, error, info, warn};
 
-use crate::ingest::processor::{Processed, Processor, Step};
+use relay_core::Disposition;
+
+use crate::ingest::processor::{Processed, Processor};
 use crate::runtime::faults::{FaultInjected, Faults, point};
 use crate::runtime::kafka::{Role, client_config, forward_error, forward_log};
 
@@ -761,12 +763,12 @@ impl InboxConsumer {
         };
         let (mut stopped, mut paused) = (None, None);
         for (record, p) in records.iter().zip(&processed) {
-            match &p.step {
-                Step::Poison(poison) => {
+            match &p.disposition {
+                Disposition::DeadLetter(poison) => {
                     self.processor.park(&mut tx, record, poison, 1).await?;
                 }
-                Step::RetryLater(poison) => stopped = Some(poison.clone()),
-                Step::Paused { route } => paused = Some(route.clone()),
+                Disposition::RetryLater(poison) => stopped = Some(poison.clone()),
+                Disposition::Paused { route } => paused = Some(route.clone()),
                 _ => {}
             }
         }
@@ -803,27 +805,27 @@ impl InboxConsumer {
             &self.settings.name,
             &record.topic,
             p.info.route.as_deref().unwrap_or(""),
-            p.step.result(),
+            p.disposition.result(),
             took.as_secs_f64(),
         );
-        if let Step::Poison(poison) = &p.step {
+        if let Disposition::DeadLetter(poison) = &p.disposition {
             crate::runtime::metrics::poison(&self.settings.name, poison.class.as_str());
             crate::runtime::metrics::dead_lettered(&self.settings.name, &record.topic, poison.class.as_str());
         }
-        let level = match &p.step {
-            Step::Applied { .. } => Level::DEBUG,
-            Step::Duplicate | Step::NoOp { .. } => Level::INFO,
-            Step::Poison(_) | Step::RetryLater(_) | Step::Paused { .. } => Level::WARN,
+        let level = match &p.disposition {
+            Disposition::Applied { .. } => Level::DEBUG,
+            Disposition::Duplicate | Disposition::NoOp { .. } => Level::INFO,
+            Disposition::DeadLetter(_) | Disposition::RetryLater(_) | Disposition::Paused { .. } => Level::WARN,
         };
-        let detail = match &p.step {
-            Step::Applied { intents, events } => {
+        let detail = match &p.disposition {
+            Disposition::Applied { intents, events } => {
                 format!("applied: {intents} intent(s), {events} event(s) written")
             }
-            Step::Duplicate => "duplicate: already in the inbox, nothing written".into(),
-            Step::NoOp { outcome, detail } => format!("{}: {detail}", outcome.as_str()),
-            Step::Poison(poison) => format!("dead-lettered ({}): {}", poison.class, poison.reason),
-            Step::RetryLater(poison) => format!("not yet ({}): {}", poison.class, poison.reason),
-            Step::Paused { route } => format!("route {route} is paused"),
+            Disposition::Duplicate => "duplicate: already in the inbox, nothing written".into(),
+            Disposition::NoOp { outcome, detail } => format!("{}: {detail}", outcome.as_str()),
+            Disposition::DeadLetter(poison) => format!("dead-lettered ({}): {}", poison.class, poison.reason),
+            Disposition::RetryLater(poison) => format!("not yet ({}): {}", poison.class, poison.reason),
+            Disposition::Paused { route } => format!("route {route} is paused"),
         };
         let i = &p.info;
         macro_rules! emit {
@@ -842,7 +844,7 @@ impl InboxConsumer {
                     aggregate_id = i.aggregate_id.as_deref().unwrap_or(""),
                     correlation_id = i.correlation_id.as_deref().unwrap_or(""),
                     causation_id = i.causation_id.as_deref().unwrap_or(""),
-                    result = p.step.result(),
+                    result = p.disposition.result(),
                     duration_us = took.as_micros() as u64,
                     "{detail}"
                 )

@@ -22,9 +22,11 @@ use std::sync::Arc;
 
 use chrono::Utc;
 use relay_core::effects::encode_dead_letter;
-use relay_core::{CompiledRoute, Effects, InputEvent, Poison, PoisonClass, Provenance, RawRecord, Routed, Router};
+use relay_core::{
+    CompiledRoute, Disposition, Effects, InputEvent, Poison, PoisonClass, Provenance, RawRecord, Routed, Router,
+};
 use relay_store::inbox::{self, InboxInsert, InboxOutcome, NewInboxRow};
-use relay_store::write::{self, HoldRoom, Planned, Written};
+use relay_store::write::{self, HoldRoom, Planned};
 use relay_store::{DbErrorKind, classify_error, dead_letters, outbox};
 use sqlx::{Connection, PgConnection};
 
@@ -69,56 +71,11 @@ impl EventInfo {
     }
 }
 
-/// What processing a record decided.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Step {
-    /// The effects were written.
-    Applied {
-        /// Intents written (new rows).
-        intents: usize,
-        /// Outbox events written (new rows).
-        events: usize,
-    },
-    /// Already in the inbox: a duplicate delivery or replay; nothing written.
-    Duplicate,
-    /// Recorded in the inbox as a classified no-op (R5).
-    NoOp {
-        /// The class.
-        outcome: InboxOutcome,
-        /// Why, for the log line.
-        detail: String,
-    },
-    /// Permanently unprocessable: the caller parks it.
-    Poison(Poison),
-    /// Not yet processable (missing reference, sequence gap): the caller
-    /// retries it with backoff, then parks it.
-    RetryLater(Poison),
-    /// Its route is paused: the partition waits here, nothing is skipped.
-    Paused {
-        /// The paused route.
-        route: String,
-    },
-}
-
-impl Step {
-    /// Short name for logs and counts.
-    pub fn result(&self) -> &'static str {
-        match self {
-            Step::Applied { .. } => "applied",
-            Step::Duplicate => "duplicate",
-            Step::NoOp { outcome, .. } => outcome.as_str(),
-            Step::Poison(_) => "poison",
-            Step::RetryLater(_) => "retry_later",
-            Step::Paused { .. } => "paused",
-        }
-    }
-}
-
 /// A processed record: the decision and who it was.
 #[derive(Debug, Clone)]
 pub struct Processed {
     /// The decision.
-    pub step: Step,
+    pub disposition: Disposition,
     /// The event's identity, as far as it could be read.
     pub info: EventInfo,
 }
@@ -151,20 +108,17 @@ impl Item<'_, '_> {
         self.effects.iter().flat_map(|e| &e.intents).filter(|i| i.ordering_key.is_none()).count()
     }
 
-    /// The record's processing step from what writing it did.
-    fn done(self, written: Written) -> Processed {
-        let step = match written {
-            Written::Applied { intents, events } => {
-                if let Some(hop) = self.hop {
-                    hop.end("applied");
-                }
-                Step::Applied { intents, events }
-            }
-            Written::Duplicate => Step::Duplicate,
-            Written::NoOp { outcome, detail } => Step::NoOp { outcome, detail },
-            Written::NotYet { class, detail } => Step::RetryLater(identified(Poison::new(class, detail), &self.event)),
+    /// The record processed, with what writing it decided.
+    fn done(self, disposition: Disposition) -> Processed {
+        let disposition = match disposition {
+            Disposition::RetryLater(p) => Disposition::RetryLater(identified(p, &self.event)),
+            Disposition::DeadLetter(p) => Disposition::DeadLetter(identified(p, &self.event)),
+            d => d,
         };
-        Processed { step, info: self.info }
+        if let (Disposition::Applied { .. }, Some(hop)) = (&disposition, self.hop) {
+            hop.end("applied");
+        }
+        Processed { disposition, info: self.info }
     }
 }
 
@@ -177,13 +131,6 @@ enum Prepared<'a, 'r> {
     Ready(Item<'a, 'r>),
     /// Nothing to write: poison, or its route is paused.
     Done(Processed),
-}
-
-/// What writing a record alone found, before its savepoint ends.
-enum Alone {
-    Written(write::Batch),
-    Poison(Poison),
-    NotYet(Poison),
 }
 
 /// Turns records into database writes. Cheap to clone.
@@ -245,7 +192,7 @@ impl Processor {
 
     /// Process the records of one partition, in order, inside the caller's
     /// transaction, and return one [`Processed`] per record handled. Stops
-    /// after the first [`Step::RetryLater`] or [`Step::Paused`] (the records
+    /// after the first [`Disposition::RetryLater`] or [`Disposition::Paused`] (the records
     /// after it are left to the caller). `Err` only for transient database errors.
     ///
     /// Intents written already claimed ([`Processor::claiming_for`]) are
@@ -327,7 +274,7 @@ impl Processor {
                 Some(Prepared::Done(p)) => p,
                 Some(Prepared::Ready(item)) => self.write_alone(conn, item, Some(&mut *held)).await?,
             };
-            let stop = matches!(processed.step, Step::RetryLater(_) | Step::Paused { .. });
+            let stop = matches!(processed.disposition, Disposition::RetryLater(_) | Disposition::Paused { .. });
             out.push(processed);
             i += 1;
             if stop {
@@ -341,7 +288,12 @@ impl Processor {
     /// write, or done already (poison, a paused route).
     fn prepare<'r>(&self, record: &'r RawRecord) -> Prepared<'_, 'r> {
         let (route, event) = match self.router.route(record) {
-            Err(p) => return Prepared::Done(Processed { info: EventInfo::of_poison(&p), step: Step::Poison(p) }),
+            Err(p) => {
+                return Prepared::Done(Processed {
+                    info: EventInfo::of_poison(&p),
+                    disposition: Disposition::DeadLetter(p),
+                });
+            }
             Ok(Routed::Unrouted(event)) => {
                 let info = EventInfo::of(&event, None);
                 let item = Item { record, event, info, route: None, effects: None, prov: None, hop: None };
@@ -351,7 +303,7 @@ impl Processor {
         };
         let info = EventInfo::of(&event, Some(route));
         if self.is_paused(route) {
-            return Prepared::Done(Processed { step: Step::Paused { route: route.name.clone() }, info });
+            return Prepared::Done(Processed { disposition: Disposition::Paused { route: route.name.clone() }, info });
         }
         let (prov, hop) = self.provenance_hop(&event, Some(&route.name));
         let effects = self
@@ -368,7 +320,7 @@ impl Processor {
                 prov: Some(prov),
                 hop: Some(hop),
             }),
-            Err(p) => Prepared::Done(Processed { step: Step::Poison(p), info }),
+            Err(p) => Prepared::Done(Processed { disposition: Disposition::DeadLetter(p), info }),
         }
     }
 
@@ -461,44 +413,43 @@ impl Processor {
     ) -> Result<Processed, sqlx::Error> {
         let room = if held.is_some() { self.reserve(item.unkeyed_intents()) } else { None };
         let mut sp = conn.begin().await?;
-        let alone = match self.write_checked(&mut sp, &item, room.as_ref().map(|(h, _)| *h)).await {
-            Ok(Alone::Written(batch)) if !batch.written[0].undo() => {
+        let outcome = match self.write_checked(&mut sp, &item, room.as_ref().map(|(h, _)| *h)).await {
+            Ok(Ok(batch)) if !batch.written[0].undo() => {
                 sp.commit().await?;
                 Ok(batch)
             }
-            Ok(other) => {
+            Ok(Ok(mut batch)) => {
                 sp.rollback().await?;
-                Err(other)
+                Err(batch.written.pop().unwrap_or(Disposition::Duplicate))
+            }
+            Ok(Err(disposition)) => {
+                sp.rollback().await?;
+                Err(disposition)
             }
             Err(e) if classify_error(&e) == DbErrorKind::Permanent => {
                 sp.rollback().await?;
-                Err(Alone::Poison(rejected(&e, &item.event)))
+                Err(Disposition::DeadLetter(rejected(&e, &item.event)))
             }
             Err(e) => return Err(e),
         };
-        let step = match alone {
+        let disposition = match outcome {
             Ok(mut batch) => {
                 if let Some(held) = held {
                     Self::keep_held(&mut batch, room, held);
                 }
-                let written = batch.written.pop().unwrap_or(Written::Duplicate);
-                return Ok(item.done(written));
+                batch.written.pop().unwrap_or(Disposition::Duplicate)
             }
-            Err(Alone::Poison(p)) => Step::Poison(p),
-            Err(Alone::NotYet(p)) => Step::RetryLater(p),
-            Err(Alone::Written(mut batch)) => match batch.written.pop() {
-                Some(Written::NoOp { outcome, detail }) => {
-                    let row = NewInboxRow { outcome, ..self.planned(&item, None).inbox };
-                    match inbox::insert(conn, &row).await? {
-                        InboxInsert::Inserted => Step::NoOp { outcome, detail },
-                        InboxInsert::Duplicate => Step::Duplicate,
-                    }
+            // Rolled back: recorded again with its class alone.
+            Err(Disposition::NoOp { outcome, detail }) => {
+                let row = NewInboxRow { outcome, ..self.planned(&item, None).inbox };
+                match inbox::insert(conn, &row).await? {
+                    InboxInsert::Inserted => Disposition::NoOp { outcome, detail },
+                    InboxInsert::Duplicate => Disposition::Duplicate,
                 }
-                Some(other) => return Ok(item.done(other)),
-                None => Step::Duplicate,
-            },
+            }
+            Err(other) => other,
         };
-        Ok(Processed { step, info: item.info })
+        Ok(item.done(disposition))
     }
 
     /// The writes of [`Processor::write_alone`], inside its savepoint.
@@ -507,7 +458,7 @@ impl Processor {
         tx: &mut PgConnection,
         item: &Item<'_, '_>,
         hold: Option<HoldRoom<'_>>,
-    ) -> Result<Alone, sqlx::Error> {
+    ) -> Result<Result<write::Batch, Disposition>, sqlx::Error> {
         let consumer = self.router.consumer();
         let planned = self.planned(item, item.effects.as_ref());
         let admitted = write::admit(tx, consumer, std::slice::from_ref(&planned)).await?;
@@ -519,24 +470,28 @@ impl Processor {
             let poison = |class, why: String| identified(Poison::new(class, why), &item.event);
             let Some(handler) = self.handlers.get(name) else {
                 let why = format!("handler {name:?} is not registered");
-                return Ok(Alone::Poison(poison(PoisonClass::Rejected, why)));
+                return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
             };
             let more = match handler.handle(tx, &item.event).await {
                 Ok(more) => more,
-                Err(HandlerError::NotYet(why)) => return Ok(Alone::NotYet(poison(PoisonClass::MissingReference, why))),
-                Err(HandlerError::Reject(why)) => return Ok(Alone::Poison(poison(PoisonClass::Rejected, why))),
+                Err(HandlerError::NotYet(why)) => {
+                    return Ok(Err(Disposition::RetryLater(poison(PoisonClass::MissingReference, why))));
+                }
+                Err(HandlerError::Reject(why)) => {
+                    return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
+                }
                 Err(HandlerError::Db(e)) => return Err(e),
             };
             if !more.sagas.is_empty() {
                 let why = format!(
                     "handler {name:?} returned saga moves: a handler returns calls and events; saga moves belong in the route"
                 );
-                return Ok(Alone::Poison(poison(PoisonClass::Rejected, why)));
+                return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
             }
             let prov = item.prov.clone().unwrap_or_default();
             let extra = match self.router.effects(route, &item.event, more, &prov, Utc::now()) {
                 Ok(extra) => extra,
-                Err(p) => return Ok(Alone::Poison(p)),
+                Err(p) => return Ok(Err(Disposition::DeadLetter(p))),
             };
             let mut all = item.effects.clone().unwrap_or_default();
             all.intents.extend(extra.intents);
@@ -545,7 +500,7 @@ impl Processor {
         }
         let effects = merged.as_ref().or(item.effects.as_ref());
         let batch = write::finish(tx, consumer, std::slice::from_ref(&planned), admitted, &[effects], hold).await?;
-        Ok(Alone::Written(batch))
+        Ok(Ok(batch))
     }
 
     /// Provenance of what `event` causes, as a child hop of its trace: the

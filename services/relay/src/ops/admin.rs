@@ -4,7 +4,9 @@
 use relay_store::dead_letters;
 use sqlx::{Connection, PgPool};
 
-use crate::ingest::processor::{Processor, Step};
+use relay_core::Disposition;
+
+use crate::ingest::processor::Processor;
 
 /// What a replay did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,12 +54,14 @@ pub async fn replay(pool: &PgPool, processor: &Processor, id: i64) -> anyhow::Re
     // The pauses as they are now, not as a consumer of this process last read them (if any does).
     processor.set_paused(relay_store::ops::paused_routes(&mut tx).await?);
     let processed = processor.process(&mut tx, &dl.record).await?;
-    let outcome = match processed.step {
-        Step::Applied { .. } => ReplayOutcome::Applied,
-        Step::Duplicate => ReplayOutcome::Duplicate,
-        Step::NoOp { outcome, .. } => ReplayOutcome::NoOp(outcome.as_str().to_owned()),
-        Step::Poison(p) | Step::RetryLater(p) => ReplayOutcome::StillFailing(p.to_string()),
-        Step::Paused { route } => ReplayOutcome::StillFailing(format!("route {route} is paused; resume it first")),
+    let outcome = match processed.disposition {
+        Disposition::Applied { .. } => ReplayOutcome::Applied,
+        Disposition::Duplicate => ReplayOutcome::Duplicate,
+        Disposition::NoOp { outcome, .. } => ReplayOutcome::NoOp(outcome.as_str().to_owned()),
+        Disposition::DeadLetter(p) | Disposition::RetryLater(p) => ReplayOutcome::StillFailing(p.to_string()),
+        Disposition::Paused { route } => {
+            ReplayOutcome::StillFailing(format!("route {route} is paused; resume it first"))
+        }
     };
     dead_letters::mark_replayed(&mut tx, &consumer, id, &outcome.stored()).await?;
     tx.commit().await?;
