@@ -29,7 +29,7 @@ use cloudevents::event::SpecVersion;
 use cloudevents::message::{
     BinaryDeserializer, BinarySerializer, Error as CeError, MessageAttributeValue, Result as CeResult,
 };
-use cloudevents::{AttributesReader, Data, Event};
+use cloudevents::{AttributesReader, Data, Event as CloudEvent};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -263,28 +263,11 @@ impl FieldOverrides {
     }
 }
 
-/// A record decoded far enough to route it: id, type and data are known, the
-/// guard fields are not resolved yet (their sources depend on the route).
-#[derive(Debug, Clone, PartialEq)]
-pub struct DecodedEvent {
-    /// Event id (CloudEvents `id` or the topic's id source).
-    pub id: String,
-    /// Event type.
-    pub event_type: String,
-    /// CloudEvents `source` (the topic name for plain JSON topics).
-    pub source: String,
-    /// CloudEvents `subject`.
-    pub subject: Option<String>,
-    /// CloudEvents `time`.
-    pub time: Option<DateTime<Utc>>,
-    /// The data as JSON (`Null` when the event carries none).
-    pub data: Value,
-    /// CloudEvents extension attributes, as text.
-    pub extensions: BTreeMap<String, String>,
-}
-
-/// A fully resolved input event: what routes, guards and templates see.
-#[derive(Debug, Clone, PartialEq)]
+/// An input event: what routes, guards, templates and handlers see. The
+/// one event type from decoding on: [`decode`] fills in what routing needs
+/// (id, type, data, …) and leaves the guard fields empty; [`resolve`] reads
+/// them once the route, and with it their sources, is known.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct InputEvent {
     /// Event id (R3); the inbox key together with the consumer name.
     pub id: String,
@@ -327,8 +310,9 @@ pub struct DecodeOptions<'a> {
     pub fields: &'a FieldOverrides,
 }
 
-/// Decode a record to a [`DecodedEvent`], or say exactly why it is poison.
-pub fn decode(record: &RawRecord, opts: &DecodeOptions<'_>) -> Result<DecodedEvent, Poison> {
+/// Decode a record to an [`InputEvent`] with its guard fields still empty
+/// (see [`resolve`]), or say exactly why it is poison.
+pub fn decode(record: &RawRecord, opts: &DecodeOptions<'_>) -> Result<InputEvent, Poison> {
     let size = record.size();
     if size > opts.max_record_bytes {
         return Err(Poison::new(
@@ -355,7 +339,7 @@ pub fn decode(record: &RawRecord, opts: &DecodeOptions<'_>) -> Result<DecodedEve
 
 fn required_text(
     record: &RawRecord,
-    partial: &DecodedEvent,
+    partial: &InputEvent,
     src: &FieldSource,
     what: &str,
     class: PoisonClass,
@@ -367,13 +351,13 @@ fn required_text(
     }
 }
 
-fn decode_plain_json(record: &RawRecord, fields: &FieldOverrides) -> Result<DecodedEvent, Poison> {
+fn decode_plain_json(record: &RawRecord, fields: &FieldOverrides) -> Result<InputEvent, Poison> {
     let data = match &record.payload {
         None => Value::Null,
         Some(bytes) => serde_json::from_slice(bytes)
             .map_err(|e| Poison::new(PoisonClass::BadJson, format!("record value is not valid JSON: {e}")))?,
     };
-    let mut partial = DecodedEvent {
+    let mut partial = InputEvent {
         id: String::new(),
         event_type: String::new(),
         source: record.topic.clone(),
@@ -381,6 +365,7 @@ fn decode_plain_json(record: &RawRecord, fields: &FieldOverrides) -> Result<Deco
         time: None,
         data,
         extensions: BTreeMap::new(),
+        ..InputEvent::default()
     };
     let id_src = fields
         .id
@@ -396,7 +381,7 @@ fn decode_plain_json(record: &RawRecord, fields: &FieldOverrides) -> Result<Deco
     Ok(partial)
 }
 
-fn decode_cloudevent(record: &RawRecord) -> Result<DecodedEvent, Poison> {
+fn decode_cloudevent(record: &RawRecord) -> Result<InputEvent, Poison> {
     let content_type = header_text(record, "content-type")?;
     let structured =
         content_type.as_deref().is_some_and(|ct| ct.to_ascii_lowercase().starts_with(STRUCTURED_CONTENT_TYPE));
@@ -434,7 +419,7 @@ fn decode_cloudevent(record: &RawRecord) -> Result<DecodedEvent, Poison> {
     }
     let data = event_data_as_json(&event).map_err(ident)?;
     let extensions = event.iter_extensions().map(|(k, v)| (k.to_owned(), v.to_string())).collect();
-    Ok(DecodedEvent {
+    Ok(InputEvent {
         id,
         event_type: ty,
         source: event.source().to_string(),
@@ -442,10 +427,11 @@ fn decode_cloudevent(record: &RawRecord) -> Result<DecodedEvent, Poison> {
         time: event.time().copied(),
         data,
         extensions,
+        ..InputEvent::default()
     })
 }
 
-fn decode_structured(record: &RawRecord) -> Result<Event, Poison> {
+fn decode_structured(record: &RawRecord) -> Result<CloudEvent, Poison> {
     let bytes = record
         .payload
         .as_deref()
@@ -468,13 +454,13 @@ fn decode_structured(record: &RawRecord) -> Result<Event, Poison> {
             .with_identity(None, ty.as_deref()));
         }
     }
-    serde_json::from_value::<Event>(json).map_err(|e| {
+    serde_json::from_value::<CloudEvent>(json).map_err(|e| {
         Poison::new(PoisonClass::NotCloudEvent, format!("invalid structured CloudEvent: {e}"))
             .with_identity(id.as_deref(), ty.as_deref())
     })
 }
 
-fn decode_binary(record: &RawRecord) -> Result<Event, Poison> {
+fn decode_binary(record: &RawRecord) -> Result<CloudEvent, Poison> {
     let id = header_text(record, "ce_id")?;
     let ty = header_text(record, "ce_type")?;
     if id.is_none() {
@@ -545,7 +531,7 @@ fn is_json_content_type(ct: Option<&str>) -> bool {
     }
 }
 
-fn event_data_as_json(event: &Event) -> Result<Value, Poison> {
+fn event_data_as_json(event: &CloudEvent) -> Result<Value, Poison> {
     let json_ct = is_json_content_type(event.datacontenttype());
     match event.data() {
         None => Ok(Value::Null),
@@ -594,7 +580,7 @@ fn json_kind(v: &Value) -> &'static str {
 }
 
 /// Read one field from its source; `Ok(None)` when the source is absent.
-fn read_source(record: &RawRecord, event: &DecodedEvent, src: &FieldSource) -> Result<Option<String>, Poison> {
+fn read_source(record: &RawRecord, event: &InputEvent, src: &FieldSource) -> Result<Option<String>, Poison> {
     match src {
         FieldSource::Header(name) => header_text(record, name),
         FieldSource::Extension(name) => Ok(event.extensions.get(name).cloned()),
@@ -619,7 +605,7 @@ fn read_source(record: &RawRecord, event: &DecodedEvent, src: &FieldSource) -> R
 
 /// Resolve the guard fields of a decoded event from `fields` (route level
 /// already merged over topic level), defaulting to the CloudEvents extensions.
-pub fn resolve(record: &RawRecord, decoded: DecodedEvent, fields: &FieldOverrides) -> Result<InputEvent, Poison> {
+pub fn resolve(record: &RawRecord, decoded: InputEvent, fields: &FieldOverrides) -> Result<InputEvent, Poison> {
     let ident = |p: Poison| p.with_identity(Some(&decoded.id), Some(&decoded.event_type));
     let text = |src: &Option<FieldSource>, default_ext: &str| -> Result<Option<String>, Poison> {
         let fallback = FieldSource::Extension(default_ext.to_owned());
@@ -642,13 +628,6 @@ pub fn resolve(record: &RawRecord, decoded: DecodedEvent, fields: &FieldOverride
     let causation_id = text(&fields.causation_id, "causationid")?;
     let traceparent = text(&fields.traceparent, "traceparent")?;
     Ok(InputEvent {
-        id: decoded.id,
-        event_type: decoded.event_type,
-        source: decoded.source,
-        subject: decoded.subject,
-        time: decoded.time,
-        data: decoded.data,
-        extensions: decoded.extensions,
         aggregate_id,
         aggregate_version,
         sequence,
@@ -656,6 +635,7 @@ pub fn resolve(record: &RawRecord, decoded: DecodedEvent, fields: &FieldOverride
         correlation_id,
         causation_id,
         traceparent,
+        ..decoded
     })
 }
 
