@@ -267,11 +267,25 @@ async fn committed(cfg: &RelayConfig, topics: &[String]) -> anyhow::Result<HashM
 
 /// Check everything; reads the input and output topics from the beginning.
 pub async fn verify(cfg: &RelayConfig, pool: &PgPool, opts: &VerifyOptions) -> anyhow::Result<Report> {
-    let router = Router::new(cfg)?;
     let consumer = cfg.consumer.name.as_str();
     let mut report = Report::default();
+    check_inputs(cfg, pool, &mut report).await?;
+    let intents = check_intents(cfg, pool, &mut report).await?;
+    if let Some(effects) = &opts.effects {
+        check_provider(consumer, effects, &intents, &mut report);
+    }
+    check_outbox(cfg, pool, &mut report).await?;
+    check_stuck(pool, consumer, opts.grace, &mut report).await?;
+    check_failing(pool, consumer, &mut report).await?;
+    check_counters(cfg, pool, &mut report).await?;
+    Ok(report)
+}
 
-    // --- Inputs against the inbox and the dead letters.
+/// Every valid input record below the committed offset is in the inbox or
+/// parked, and every poison one is parked (`lost`, `poison_not_parked`).
+async fn check_inputs(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -> anyhow::Result<()> {
+    let router = Router::new(cfg)?;
+    let consumer = cfg.consumer.name.as_str();
     let input_topics = cfg.subscribed_topics();
     let committed = committed(cfg, &input_topics).await?;
     let inbox: HashSet<String> = sqlx::query_scalar("SELECT event_id FROM relay.inbox WHERE consumer = $1")
@@ -357,9 +371,16 @@ pub async fn verify(cfg: &RelayConfig, pool: &PgPool, opts: &VerifyOptions) -> a
             .fetch_all(pool)
             .await?;
     report.inbox_by_outcome = by_outcome.into_iter().collect();
+    Ok(())
+}
 
-    // --- Intents of applied events (declarative routes).
-    let intents: Vec<(uuid::Uuid, String, String, String)> =
+/// An intent (its id, state, idempotency key and source event), as the checks read it.
+type IntentRow = (uuid::Uuid, String, String, String);
+
+/// Every applied event has the intents its route requires (`missing_intent`).
+async fn check_intents(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -> anyhow::Result<Vec<IntentRow>> {
+    let consumer = cfg.consumer.name.as_str();
+    let intents: Vec<IntentRow> =
         sqlx::query_as("SELECT id, state, idempotency_key, source_event_id FROM relay.intents WHERE consumer = $1")
             .bind(consumer)
             .fetch_all(pool)
@@ -407,65 +428,67 @@ pub async fn verify(cfg: &RelayConfig, pool: &PgPool, opts: &VerifyOptions) -> a
             missing_intents,
         );
     }
+    Ok(intents)
+}
 
-    // --- Effects at the provider.
-    if let Some(effects) = &opts.effects {
-        report.provider_effects = Some(effects.len());
-        let mut per_key: HashMap<&str, usize> = HashMap::new();
-        let mut keys_per_intent: HashMap<&str, HashSet<&str>> = HashMap::new();
-        for e in effects {
-            *per_key.entry(e.idempotency_key.as_str()).or_default() += 1;
-            if let Some(i) = &e.intent_id {
-                keys_per_intent.entry(i.as_str()).or_default().insert(e.idempotency_key.as_str());
-            }
-        }
-        let twice: Vec<String> = per_key.iter().filter(|(_, n)| **n > 1).map(|(k, n)| format!("{k} ×{n}")).collect();
-        if !twice.is_empty() {
-            report.violate(
-                "double_effect",
-                format!("{} idempotency key(s) applied more than once", twice.len()),
-                twice,
-            );
-        }
-        let several: Vec<String> = keys_per_intent
-            .iter()
-            .filter(|(_, keys)| keys.len() > 1)
-            .map(|(i, keys)| format!("{i} ({} keys)", keys.len()))
-            .collect();
-        if !several.is_empty() {
-            report.violate(
-                "intent_applied_twice",
-                format!("{} intent(s) were applied under more than one idempotency key", several.len()),
-                several,
-            );
-        }
-        let ours: HashSet<&str> = intents.iter().map(|i| i.2.as_str()).collect();
-        let no_effect: Vec<String> = intents
-            .iter()
-            .filter(|i| i.1 == "succeeded" && !per_key.contains_key(i.2.as_str()))
-            .map(|i| format!("{} (event {})", i.2, i.3))
-            .collect();
-        if !no_effect.is_empty() {
-            report.violate(
-                "succeeded_without_effect",
-                format!("{} succeeded intent(s) have no effect in the provider's record", no_effect.len()),
-                no_effect,
-            );
-        }
-        let dead_with_effect = intents.iter().filter(|i| i.1 == "dead" && per_key.contains_key(i.2.as_str())).count();
-        if dead_with_effect > 0 {
-            report.warnings.push(format!(
-                "{dead_with_effect} dead intent(s) have an effect at the provider (the call took effect but its \
-                 outcome was never seen, e.g. the budget ran out on timeouts): check them with the provider"
-            ));
-        }
-        let foreign = per_key.keys().filter(|k| !ours.contains(*k)).count();
-        if foreign > 0 {
-            report.warnings.push(format!("{foreign} provider key(s) belong to no intent of consumer {consumer}"));
+/// The provider applied each idempotency key once and each intent under one
+/// key, and every succeeded intent has its effect (`double_effect`,
+/// `intent_applied_twice`, `succeeded_without_effect`).
+fn check_provider(consumer: &str, effects: &[ProviderEffect], intents: &[IntentRow], report: &mut Report) {
+    report.provider_effects = Some(effects.len());
+    let mut per_key: HashMap<&str, usize> = HashMap::new();
+    let mut keys_per_intent: HashMap<&str, HashSet<&str>> = HashMap::new();
+    for e in effects {
+        *per_key.entry(e.idempotency_key.as_str()).or_default() += 1;
+        if let Some(i) = &e.intent_id {
+            keys_per_intent.entry(i.as_str()).or_default().insert(e.idempotency_key.as_str());
         }
     }
+    let twice: Vec<String> = per_key.iter().filter(|(_, n)| **n > 1).map(|(k, n)| format!("{k} ×{n}")).collect();
+    if !twice.is_empty() {
+        report.violate("double_effect", format!("{} idempotency key(s) applied more than once", twice.len()), twice);
+    }
+    let several: Vec<String> = keys_per_intent
+        .iter()
+        .filter(|(_, keys)| keys.len() > 1)
+        .map(|(i, keys)| format!("{i} ({} keys)", keys.len()))
+        .collect();
+    if !several.is_empty() {
+        report.violate(
+            "intent_applied_twice",
+            format!("{} intent(s) were applied under more than one idempotency key", several.len()),
+            several,
+        );
+    }
+    let ours: HashSet<&str> = intents.iter().map(|i| i.2.as_str()).collect();
+    let no_effect: Vec<String> = intents
+        .iter()
+        .filter(|i| i.1 == "succeeded" && !per_key.contains_key(i.2.as_str()))
+        .map(|i| format!("{} (event {})", i.2, i.3))
+        .collect();
+    if !no_effect.is_empty() {
+        report.violate(
+            "succeeded_without_effect",
+            format!("{} succeeded intent(s) have no effect in the provider's record", no_effect.len()),
+            no_effect,
+        );
+    }
+    let dead_with_effect = intents.iter().filter(|i| i.1 == "dead" && per_key.contains_key(i.2.as_str())).count();
+    if dead_with_effect > 0 {
+        report.warnings.push(format!(
+            "{dead_with_effect} dead intent(s) have an effect at the provider (the call took effect but its \
+             outcome was never seen, e.g. the budget ran out on timeouts): check them with the provider"
+        ));
+    }
+    let foreign = per_key.keys().filter(|k| !ours.contains(*k)).count();
+    if foreign > 0 {
+        report.warnings.push(format!("{foreign} provider key(s) belong to no intent of consumer {consumer}"));
+    }
+}
 
-    // --- Outbox rows on their topics.
+/// Every outbox row marked published is on its topic (`published_not_on_topic`).
+async fn check_outbox(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -> anyhow::Result<()> {
+    let consumer = cfg.consumer.name.as_str();
     let published: Vec<(uuid::Uuid, String)> =
         sqlx::query_as("SELECT id, topic FROM relay.outbox WHERE consumer = $1 AND state = 'published'")
             .bind(consumer)
@@ -495,9 +518,12 @@ pub async fn verify(cfg: &RelayConfig, pool: &PgPool, opts: &VerifyOptions) -> a
             missing,
         );
     }
+    Ok(())
+}
 
-    // --- Stuck rows.
-    let stuck_intents = stuck(pool, "intents", consumer, opts.grace).await?;
+/// No row is past its lease or due time with nobody on it (`stuck_intent`, `stuck_outbox`).
+async fn check_stuck(pool: &PgPool, consumer: &str, grace: Duration, report: &mut Report) -> anyhow::Result<()> {
+    let stuck_intents = stuck(pool, "intents", consumer, grace).await?;
     if !stuck_intents.is_empty() {
         report.violate(
             "stuck_intent",
@@ -505,7 +531,7 @@ pub async fn verify(cfg: &RelayConfig, pool: &PgPool, opts: &VerifyOptions) -> a
             stuck_intents,
         );
     }
-    let stuck_outbox = stuck(pool, "outbox", consumer, opts.grace).await?;
+    let stuck_outbox = stuck(pool, "outbox", consumer, grace).await?;
     if !stuck_outbox.is_empty() {
         report.violate(
             "stuck_outbox",
@@ -513,9 +539,11 @@ pub async fn verify(cfg: &RelayConfig, pool: &PgPool, opts: &VerifyOptions) -> a
             stuck_outbox,
         );
     }
+    Ok(())
+}
 
-    // --- Rows that keep failing (their due time is always ahead, so they
-    // never look stuck) and outbox rows the broker can never take.
+/// No row keeps failing unnoticed, and no outbox row is dead (`failing`, `dead_outbox`).
+async fn check_failing(pool: &PgPool, consumer: &str, report: &mut Report) -> anyhow::Result<()> {
     let failing = failing(pool, consumer, FAILING_AFTER).await?;
     if !failing.is_empty() {
         report.violate(
@@ -537,8 +565,12 @@ pub async fn verify(cfg: &RelayConfig, pool: &PgPool, opts: &VerifyOptions) -> a
             dead_outbox,
         );
     }
+    Ok(())
+}
 
-    // --- Business counters.
+/// Each business counter equals the unique events applied (`counter_mismatch`).
+async fn check_counters(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -> anyhow::Result<()> {
+    let consumer = cfg.consumer.name.as_str();
     let mut expected: BTreeMap<&str, i64> = BTreeMap::new();
     for route in &cfg.routes {
         let Some(counter) = &route.counter else { continue };
@@ -568,7 +600,7 @@ pub async fn verify(cfg: &RelayConfig, pool: &PgPool, opts: &VerifyOptions) -> a
             );
         }
     }
-    Ok(report)
+    Ok(())
 }
 
 /// Attempts after which a row still being retried is reported as failing.

@@ -337,10 +337,10 @@ pub struct DispatcherConfig {
     pub concurrency: usize,
     /// Most intents claimed by one statement, and how many claimed intents
     /// may wait for a free call slot (a claim is made once a quarter of a
-    /// batch has room, not for every call that ends). Larger drains a backlog with fewer
-    /// statements (the dispatch benchmark ran ~25 % faster with 256 than with
-    /// 64) but holds more leases ahead of the calls, which other dispatcher
-    /// processes then cannot take.
+    /// batch has room, not for every call that ends). Larger drains a backlog
+    /// with fewer statements (BENCHMARKS.md has the measurements) but holds
+    /// more leases ahead of the calls, which other dispatcher processes then
+    /// cannot take.
     pub claim_batch: u32,
     /// How long a claim is ours: at least every endpoint's
     /// [`EndpointConfig::min_lease`] (its timeout + 2 s).

@@ -47,8 +47,7 @@ const CLAIM_SETTINGS: &str = concat!("SET synchronous_commit = off; SET enable_s
 /// count of the attempts they started (R9 counts attempts so that a worker
 /// that dies on an intent cannot retry it forever; a worker dying does not
 /// lose its claim). Not waiting for the flush matters because a dispatcher
-/// claims one batch after another: in the latency benchmark the steady rate
-/// the pipeline kept up with rose from 4 900–5 300 to 5 900–6 200 records/s.
+/// claims one batch after another (BENCHMARKS.md has the measurement).
 ///
 /// A claim takes the first due rows of its partial index in the index's
 /// order, reading only the rows it takes. The other plan — read every due row

@@ -31,10 +31,9 @@ impl Dispatcher {
     /// fenced statement for all of them (one round trip when that is all
     /// the batch records: [`FinishPool`]). Two batches are
     /// written at once, so one commit's WAL flush does not hold up the next
-    /// batch. (With four, each writer took what had arrived the moment it was
-    /// free, batches averaged 13 outcomes and per-statement costs dominated:
-    /// the dispatch benchmark ran 10–30 % slower than with two; with one,
-    /// concurrency 1 ran 25 % slower.)
+    /// batch; more writers would each take what had arrived the moment they
+    /// were free, so batches shrink and per-statement costs dominate
+    /// (measured: BENCHMARKS.md, "What was done to make it fast").
     pub(super) async fn finalize_loop(self, mut rx: mpsc::Receiver<Completion>) {
         let slots = Arc::new(Semaphore::new(FINALIZERS));
         let mut writers = JoinSet::new();

@@ -310,8 +310,8 @@ impl InboxConsumer {
     /// partition at a time (R13: in order), and the loop keeps receiving while
     /// tasks run: records of a busy partition wait for its task to end and
     /// then go as its next batch. No partition waits for another: not for a
-    /// slower transaction (in the latency benchmark the slowest of four took
-    /// ~25 % longer than the average, and every partition waited for it), and
+    /// slower transaction (every partition once waited for the slowest, see
+    /// BENCHMARKS.md), and
     /// not for a record that is not processable yet (R19: its partition
     /// retries it with backoff for up to its budget while the others flow).
     async fn run_loop(self: &Arc<Self>, shutdown: &CancellationToken) -> anyhow::Result<()> {
