@@ -8,6 +8,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use relay_core::RelayConfig;
 use relay_store::dead_letters::{self, Filter, Resolution};
+use relay_store::intents::IntentState;
+use relay_store::outbox::OutboxState;
 use relay_store::stats::{self, Stats};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -133,7 +135,7 @@ pub enum IntentCommand {
     List {
         /// Only this state: pending, running, succeeded, dead or uncertain.
         #[arg(long)]
-        state: Option<String>,
+        state: Option<IntentState>,
         /// Only this endpoint.
         #[arg(long)]
         endpoint: Option<String>,
@@ -425,7 +427,7 @@ fn print_stats(s: &Stats) {
         println!("  {outcome:<22} {n}");
     }
     println!("intents (by state):");
-    for state in ["pending", "running", "succeeded", "dead", "uncertain"] {
+    for state in IntentState::ALL.map(IntentState::as_str) {
         println!("  {state:<22} {}", Stats::count(&s.intents, state));
     }
     match s.oldest_pending_intent_secs {
@@ -433,7 +435,7 @@ fn print_stats(s: &Stats) {
         None => println!("  oldest unfinished        -"),
     }
     println!("outbox (by state):");
-    for state in ["pending", "running", "published", "dead"] {
+    for state in OutboxState::ALL.map(OutboxState::as_str) {
         println!("  {state:<22} {}", Stats::count(&s.outbox, state));
     }
     if let Some(age) = s.oldest_unpublished_outbox_secs {
@@ -667,7 +669,7 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
         }
         IntentCommand::Replay { ids, all, endpoint } => {
             let ids = if all {
-                intents::list(&mut conn, &IntentFilter { state: Some("dead".into()), endpoint }, None, 1_000_000)
+                intents::list(&mut conn, &IntentFilter { state: Some(IntentState::Dead), endpoint }, None, 1_000_000)
                     .await?
                     .into_iter()
                     .map(|i| i.id)

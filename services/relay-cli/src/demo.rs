@@ -19,6 +19,8 @@ use rdkafka::message::{Header as KHeader, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use relay_core::RelayConfig;
+use relay_store::intents::IntentState;
+use relay_store::outbox::OutboxState;
 use relay_store::stats::{self, Stats};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -195,13 +197,17 @@ pub async fn run() -> anyhow::Result<()> {
     let snapshot = loop {
         let s = stats::snapshot(&mut *pool.acquire().await?).await?;
         let inbox: i64 = s.inbox.iter().map(|(_, n)| n).sum();
-        let unfinished = Stats::count(&s.intents, "pending") + Stats::count(&s.intents, "running");
-        let unpublished = Stats::count(&s.outbox, "pending") + Stats::count(&s.outbox, "running");
+        let unfinished = Stats::count(&s.intents, IntentState::Pending.as_str())
+            + Stats::count(&s.intents, IntentState::Running.as_str());
+        let unpublished = Stats::count(&s.outbox, OutboxState::Pending.as_str())
+            + Stats::count(&s.outbox, OutboxState::Running.as_str());
         let done = inbox >= expected_inbox
             && s.dead_letters_total >= 3
             && unfinished == 0
             && unpublished == 0
-            && Stats::count(&s.intents, "succeeded") + Stats::count(&s.intents, "dead") >= 6;
+            && Stats::count(&s.intents, IntentState::Succeeded.as_str())
+                + Stats::count(&s.intents, IntentState::Dead.as_str())
+                >= 6;
         if done {
             break s;
         }
@@ -243,8 +249,8 @@ async fn report(pool: &sqlx::PgPool, provider: &Provider, s: &Stats) -> anyhow::
     println!("  keys applied twice     {}", p.double_applied().len());
     println!(
         "\nintents: {} succeeded, {} dead",
-        Stats::count(&s.intents, "succeeded"),
-        Stats::count(&s.intents, "dead")
+        Stats::count(&s.intents, IntentState::Succeeded.as_str()),
+        Stats::count(&s.intents, IntentState::Dead.as_str())
     );
     let dead: Vec<(String, Option<i32>, Option<String>)> =
         sqlx::query_as("SELECT idempotency_key, last_status, last_error FROM relay.intents WHERE state = 'dead' ORDER BY idempotency_key")
@@ -303,7 +309,9 @@ async fn report(pool: &sqlx::PgPool, provider: &Provider, s: &Stats) -> anyhow::
     if p.applied != 5 {
         problems.push(format!("expected 5 captures applied at the provider, saw {} (keys: {captured})", p.applied));
     }
-    if Stats::count(&s.intents, "succeeded") != 5 || Stats::count(&s.intents, "dead") != 1 {
+    if Stats::count(&s.intents, IntentState::Succeeded.as_str()) != 5
+        || Stats::count(&s.intents, IntentState::Dead.as_str()) != 1
+    {
         problems.push(format!("expected 5 succeeded and 1 dead intent, saw {:?}", s.intents));
     }
     if dls.len() != 3 {

@@ -25,6 +25,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use relay_core::config::ActionConfig;
 use relay_core::ids::derived_id;
 use relay_core::{Header, RawRecord, RelayConfig, Routed, Router};
+use relay_store::intents::IntentState;
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
@@ -463,7 +464,7 @@ fn check_provider(consumer: &str, effects: &[ProviderEffect], intents: &[IntentR
     let ours: HashSet<&str> = intents.iter().map(|i| i.2.as_str()).collect();
     let no_effect: Vec<String> = intents
         .iter()
-        .filter(|i| i.1 == "succeeded" && !per_key.contains_key(i.2.as_str()))
+        .filter(|i| i.1 == IntentState::Succeeded.as_str() && !per_key.contains_key(i.2.as_str()))
         .map(|i| format!("{} (event {})", i.2, i.3))
         .collect();
     if !no_effect.is_empty() {
@@ -473,7 +474,8 @@ fn check_provider(consumer: &str, effects: &[ProviderEffect], intents: &[IntentR
             no_effect,
         );
     }
-    let dead_with_effect = intents.iter().filter(|i| i.1 == "dead" && per_key.contains_key(i.2.as_str())).count();
+    let dead_with_effect =
+        intents.iter().filter(|i| i.1 == IntentState::Dead.as_str() && per_key.contains_key(i.2.as_str())).count();
     if dead_with_effect > 0 {
         report.warnings.push(format!(
             "{dead_with_effect} dead intent(s) have an effect at the provider (the call took effect but its \

@@ -173,6 +173,12 @@ async fn the_admin_api_needs_its_token_and_pauses_hold_work_without_skipping_it(
     assert_eq!(admin.get("/api/counts", None).await.0, 401);
     assert_eq!(admin.get("/api/counts", Some("wrong")).await.0, 401);
     assert_eq!(admin.get("/api/counts", Some(TOKEN)).await.0, 200);
+    // Every /api route is behind the one token layer, and a bad filter is refused, not an empty list.
+    assert_eq!(admin.get("/api/intents?state=dead", None).await.0, 401);
+    let (status, body) = admin.get("/api/intents?state=deadd", Some(TOKEN)).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("unknown intent state"), "{body}");
+    assert_eq!(admin.get("/api/intents?state=dead", Some(TOKEN)).await.0, 200);
 
     // An endpoint pause: its intents wait, the other endpoint's go out.
     admin

@@ -24,6 +24,55 @@ use crate::{Claim, ClaimConnection, Position};
 
 pub use relay_core::effects::NewIntent;
 
+/// Where an intent is, as `intents.state` stores it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IntentState {
+    /// Waiting for a claim (new, or scheduled for another attempt).
+    Pending,
+    /// Claimed by a worker under a lease.
+    Running,
+    /// The call took effect.
+    Succeeded,
+    /// Never again: a permanent error or a spent budget.
+    Dead,
+    /// Budget spent on an attempt whose outcome is unknown.
+    Uncertain,
+}
+
+impl IntentState {
+    /// Every state, in lifecycle order.
+    pub const ALL: [IntentState; 5] =
+        [IntentState::Pending, IntentState::Running, IntentState::Succeeded, IntentState::Dead, IntentState::Uncertain];
+
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IntentState::Pending => "pending",
+            IntentState::Running => "running",
+            IntentState::Succeeded => "succeeded",
+            IntentState::Dead => "dead",
+            IntentState::Uncertain => "uncertain",
+        }
+    }
+}
+
+impl std::str::FromStr for IntentState {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        IntentState::ALL.into_iter().find(|st| st.as_str() == s).ok_or_else(|| {
+            let names: Vec<&str> = IntentState::ALL.iter().map(|st| st.as_str()).collect();
+            format!("unknown intent state {s:?} (one of: {})", names.join(", "))
+        })
+    }
+}
+
+impl std::fmt::Display for IntentState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// A claimed intent: everything a worker needs to make the call.
 #[derive(Debug, Clone, FromRow)]
 pub struct ClaimedIntent {
@@ -559,8 +608,8 @@ pub(crate) fn bind_many<'q>(
 /// Filters for listing intents.
 #[derive(Debug, Clone, Default)]
 pub struct IntentFilter {
-    /// Only this state (`pending`, `running`, `succeeded`, `dead`).
-    pub state: Option<String>,
+    /// Only this state.
+    pub state: Option<IntentState>,
     /// Only this endpoint.
     pub endpoint: Option<String>,
 }
@@ -581,7 +630,7 @@ pub async fn list(
             AND ($3::timestamptz IS NULL OR created_at < $3)
           ORDER BY created_at DESC LIMIT $4"
     ))
-    .bind(&f.state)
+    .bind(f.state.map(IntentState::as_str))
     .bind(&f.endpoint)
     .bind(before)
     .bind(limit)
@@ -604,4 +653,18 @@ pub async fn requeue(conn: &mut PgConnection, id: Uuid) -> Result<bool, sqlx::Er
     .execute(conn)
     .await?;
     Ok(done.rows_affected() == 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::IntentState;
+
+    #[test]
+    fn a_state_filter_names_a_known_state_or_says_which_there_are() {
+        for st in IntentState::ALL {
+            assert_eq!(st.as_str().parse::<IntentState>(), Ok(st));
+        }
+        let err = "deadd".parse::<IntentState>().unwrap_err();
+        assert!(err.contains("\"deadd\"") && err.contains("pending, running, succeeded, dead, uncertain"), "{err}");
+    }
 }

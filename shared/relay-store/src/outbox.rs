@@ -10,6 +10,35 @@ use uuid::Uuid;
 
 use crate::{Claim, ClaimConnection, FinishConnection, headers};
 
+/// Where an outbox row is, as `outbox.state` stores it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OutboxState {
+    /// Waiting for a publisher.
+    Pending,
+    /// Claimed by a publisher under a lease.
+    Running,
+    /// Acknowledged by the broker.
+    Published,
+    /// The broker refuses it for good (too large, …): never retried as it is.
+    Dead,
+}
+
+impl OutboxState {
+    /// Every state, in lifecycle order.
+    pub const ALL: [OutboxState; 4] =
+        [OutboxState::Pending, OutboxState::Running, OutboxState::Published, OutboxState::Dead];
+
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OutboxState::Pending => "pending",
+            OutboxState::Running => "running",
+            OutboxState::Published => "published",
+            OutboxState::Dead => "dead",
+        }
+    }
+}
+
 /// Insert an outbox record; `false` when it already exists (same derived id).
 pub async fn insert(
     conn: &mut PgConnection,

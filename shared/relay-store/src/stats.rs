@@ -120,10 +120,10 @@ pub async fn overview(conn: &mut PgConnection, exact_up_to: i64) -> Result<(Stat
         sqlx::query_scalar("SELECT count(*) FROM relay.outbox WHERE state = 'published'").fetch_one(&mut *conn).await?
     };
     let mut intents = g.intents;
-    intents.push(("succeeded".into(), succeeded));
+    intents.push((crate::intents::IntentState::Succeeded.as_str().into(), succeeded));
     intents.sort();
     let mut outbox = g.outbox;
-    outbox.push(("published".into(), published));
+    outbox.push((crate::outbox::OutboxState::Published.as_str().into(), published));
     outbox.sort();
     let stats = Stats {
         inbox,

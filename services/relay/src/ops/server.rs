@@ -21,7 +21,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use relay_core::RelayConfig;
 use relay_store::dead_letters::{self, Filter, Resolution};
-use relay_store::intents::{self, IntentFilter};
+use relay_store::intents::{self, IntentFilter, IntentState};
 use relay_store::ops::{self, PauseKind};
 use relay_store::stats;
 use secrecy::{ExposeSecret, SecretString};
@@ -349,7 +349,9 @@ struct IntentQuery {
 }
 
 async fn list_intents(State(s): State<Shared>, Query(q): Query<IntentQuery>) -> ApiResult {
-    let f = IntentFilter { state: q.state, endpoint: q.endpoint };
+    let state =
+        q.state.map(|st| st.parse::<IntentState>()).transpose().map_err(|e| ApiError(StatusCode::BAD_REQUEST, e))?;
+    let f = IntentFilter { state, endpoint: q.endpoint };
     let items =
         intents::list(&mut *s.pool.acquire().await?, &f, q.before, q.limit.unwrap_or(100).clamp(1, 1000)).await?;
     Ok(Json(json!({"items": items})))
@@ -390,7 +392,7 @@ struct IntentBulk {
 async fn replay_intents(State(s): State<Shared>, Json(b): Json<IntentBulk>) -> ApiResult {
     let mut conn = s.pool.acquire().await?;
     let ids = if b.all {
-        let f = IntentFilter { state: Some("dead".into()), endpoint: b.endpoint };
+        let f = IntentFilter { state: Some(IntentState::Dead), endpoint: b.endpoint };
         intents::list(&mut conn, &f, None, 100_000).await?.into_iter().map(|i| i.id).collect()
     } else {
         b.ids
