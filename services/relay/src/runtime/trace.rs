@@ -9,14 +9,17 @@
 //! exported and the child span ids are random, which is enough for the
 //! provider's or the downstream consumer's own tracing to attach to the trace.
 
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+use opentelemetry::propagation::TextMapPropagator;
 use opentelemetry::trace::{
-    Span as _, SpanContext, SpanId, SpanKind, TraceContextExt, TraceFlags, TraceId, TraceState, Tracer,
-    TracerProvider as _,
+    Span as _, SpanContext, SpanId, SpanKind, TraceContextExt, TraceState, Tracer, TracerProvider as _,
 };
 use opentelemetry::{Context, KeyValue};
+use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use relay_core::config::TelemetryConfig;
-use std::sync::OnceLock;
 
 static PROVIDER: OnceLock<Option<SdkTracerProvider>> = OnceLock::new();
 
@@ -50,26 +53,24 @@ pub fn shutdown() {
     }
 }
 
-/// Parse a W3C `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`).
+/// Parse a W3C `traceparent` with OpenTelemetry's W3C propagator; `None`
+/// when it is malformed or invalid (all-zero ids, an unknown version).
 pub fn parse(header: &str) -> Option<SpanContext> {
-    let mut parts = header.trim().split('-');
-    let (version, trace, span, flags) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-    if version.len() != 2 || version == "ff" || trace.len() != 32 || span.len() != 16 || flags.len() != 2 {
-        return None;
-    }
-    let trace_id = TraceId::from_hex(trace).ok()?;
-    let span_id = SpanId::from_hex(span).ok()?;
-    let flags = u8::from_str_radix(flags, 16).ok()?;
-    if trace_id == TraceId::INVALID || span_id == SpanId::INVALID {
-        return None;
-    }
-    Some(SpanContext::new(trace_id, span_id, TraceFlags::new(flags), true, TraceState::default()))
+    let carrier = HashMap::from([(TRACEPARENT.to_owned(), header.to_owned())]);
+    let cx = TraceContextPropagator::new().extract(&carrier);
+    let span = cx.span().span_context().clone();
+    span.is_valid().then_some(span)
 }
 
-/// Format a span context as a `traceparent`.
+/// Format a span context as a `traceparent`, with the same propagator.
 pub fn format(cx: &SpanContext) -> String {
-    format!("00-{}-{}-{:02x}", cx.trace_id(), cx.span_id(), cx.trace_flags().to_u8())
+    let mut carrier = HashMap::new();
+    TraceContextPropagator::new().inject_context(&Context::new().with_remote_span_context(cx.clone()), &mut carrier);
+    carrier.remove(TRACEPARENT).unwrap_or_default()
 }
+
+/// The W3C trace context header the relay carries from hop to hop.
+const TRACEPARENT: &str = "traceparent";
 
 /// A hop of the trace: a child of `parent`, exported when OTLP is on.
 pub struct Hop {
