@@ -11,7 +11,7 @@ use relay_store::intents::{AttemptRecord, ClaimedIntent, NextState};
 use tokio::sync::mpsc;
 
 use super::dispatcher::{Dispatcher, Finished};
-use super::http::{CallResult, Sent};
+use super::http::{CallResult, Request};
 use crate::runtime::faults::{FaultInjected, point};
 
 impl Dispatcher {
@@ -55,9 +55,16 @@ impl Dispatcher {
                 .fresh_idempotency_key
                 // Deliberately wrong (R8): a new key per attempt.
                 .then(|| format!("{}:{}", intent.idempotency_key, uuid::Uuid::new_v4()));
-            let sent = Sent {
+            let request = Request {
+                method: &intent.method,
+                path: &intent.path,
+                body: intent.body.as_ref(),
+                headers: &intent.request_headers,
                 idempotency_key: fresh_key.as_deref().unwrap_or(&intent.idempotency_key),
                 traceparent: hop.traceparent.as_deref().or(intent.traceparent.as_deref()),
+                correlation_id: intent.correlation_id.as_deref(),
+                intent_id: intent.id,
+                attempt: intent.attempts,
             };
             // Deliberately wrong (C17): the waits at the endpoint's limits are not bounded by the lease.
             let send_by = if self.inner.faults.sabotage().lease_checked_before_wait {
@@ -65,7 +72,7 @@ impl Dispatcher {
             } else {
                 send_by
             };
-            let Ok(r) = client.call(&intent, sent, send_by).await else {
+            let Ok(r) = client.call(request, send_by).await else {
                 hop.end("not_sent");
                 return Ok(Err(intent));
             };

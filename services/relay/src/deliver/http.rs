@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use relay_core::config::EndpointConfig;
 use relay_core::retry::{AttemptResult, parse_retry_after};
-use relay_store::intents::ClaimedIntent;
 use reqwest::header::{HeaderName, HeaderValue, RETRY_AFTER};
 use secrecy::{ExposeSecret, SecretString};
 use std::sync::Arc;
@@ -44,15 +43,28 @@ impl CallResult {
     }
 }
 
-/// What a request carries that is not simply the intent's: the trace context
-/// of this attempt's hop, and the idempotency key (the intent's, except when a
-/// test sabotages it).
+/// One request to make: what the endpoint's client sends, described apart
+/// from where it came from (an intent's row).
 #[derive(Debug, Clone, Copy)]
-pub struct Sent<'a> {
-    /// Sent in the configured idempotency header.
+pub struct Request<'a> {
+    /// HTTP method.
+    pub method: &'a str,
+    /// Path under the endpoint's base URL.
+    pub path: &'a str,
+    /// JSON body.
+    pub body: Option<&'a serde_json::Value>,
+    /// Extra headers, a JSON object of strings.
+    pub headers: &'a serde_json::Value,
+    /// Sent in the configured idempotency header, the same on every attempt (R8).
     pub idempotency_key: &'a str,
     /// Sent as `traceparent`, when there is one.
     pub traceparent: Option<&'a str>,
+    /// Sent as `x-correlation-id`, when there is one.
+    pub correlation_id: Option<&'a str>,
+    /// Sent as `x-relay-intent-id`.
+    pub intent_id: uuid::Uuid,
+    /// Sent as `x-relay-attempt`.
+    pub attempt: i32,
 }
 
 /// The client of one endpoint. Cheap to clone.
@@ -98,28 +110,28 @@ impl EndpointClient {
         &self.cfg
     }
 
-    fn request(&self, intent: &ClaimedIntent, sent: Sent<'_>) -> Result<reqwest::Request, String> {
+    fn request(&self, r: Request<'_>) -> Result<reqwest::Request, String> {
         let base = self.cfg.base_url.as_str().trim_end_matches('/');
-        let path = intent.path.trim_start_matches('/');
+        let path = r.path.trim_start_matches('/');
         let url = format!("{base}/{path}");
-        let method = reqwest::Method::from_bytes(intent.method.as_bytes())
-            .map_err(|e| format!("method {:?}: {e}", intent.method))?;
+        let method =
+            reqwest::Method::from_bytes(r.method.as_bytes()).map_err(|e| format!("method {:?}: {e}", r.method))?;
         let mut req = self
             .http
             .request(method, &url)
-            .header(self.cfg.idempotency_header.as_str(), sent.idempotency_key)
-            .header("x-relay-intent-id", intent.id.to_string())
-            .header("x-relay-attempt", intent.attempts.to_string());
-        if let Some(t) = sent.traceparent {
+            .header(self.cfg.idempotency_header.as_str(), r.idempotency_key)
+            .header("x-relay-intent-id", r.intent_id.to_string())
+            .header("x-relay-attempt", r.attempt.to_string());
+        if let Some(t) = r.traceparent {
             req = req.header("traceparent", t);
         }
-        if let Some(c) = &intent.correlation_id {
+        if let Some(c) = r.correlation_id {
             req = req.header("x-correlation-id", c);
         }
         for (k, v) in &self.cfg.headers {
             req = req.header(k, v);
         }
-        if let Some(obj) = intent.request_headers.as_object() {
+        if let Some(obj) = r.headers.as_object() {
             for (k, v) in obj {
                 let name = HeaderName::from_bytes(k.as_bytes()).map_err(|e| format!("header name {k:?}: {e}"))?;
                 let value =
@@ -130,14 +142,13 @@ impl EndpointClient {
         if let Some(token) = &self.token {
             req = req.bearer_auth(token.expose_secret());
         }
-        if let Some(body) = &intent.body {
+        if let Some(body) = r.body {
             req = req.json(body);
         }
         req.build().map_err(|e| format!("cannot build the request: {e}"))
     }
 
-    /// Make one attempt of `intent`, sent with `sent`'s idempotency key and
-    /// trace context, if it can be sent by `send_by`.
+    /// Make one attempt of `request`, if it can be sent by `send_by`.
     ///
     /// C17: the caller's lease must outlive the whole exchange, so the
     /// request is sent only if it starts by `send_by` (the lease's end less
@@ -145,13 +156,8 @@ impl EndpointClient {
     /// limit and for a concurrency permit end there, and `Err(NotSent)` says
     /// the request never left. From the send on, `timeout` bounds connect,
     /// response and body together.
-    pub async fn call(
-        &self,
-        intent: &ClaimedIntent,
-        sent: Sent<'_>,
-        send_by: tokio::time::Instant,
-    ) -> Result<CallResult, NotSent> {
-        let req = match self.request(intent, sent) {
+    pub async fn call(&self, request: Request<'_>, send_by: tokio::time::Instant) -> Result<CallResult, NotSent> {
+        let req = match self.request(request) {
             Ok(r) => r,
             Err(e) => {
                 // The request cannot be expressed at all: as permanent as a 400.
@@ -246,4 +252,55 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         cur = s.source();
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn client() -> EndpointClient {
+        let cfg: EndpointConfig = serde_json::from_value(serde_json::json!({"base_url": "http://provider.test/api/"}))
+            .expect("an endpoint with defaults");
+        EndpointClient::new("psp", &cfg).unwrap()
+    }
+
+    fn request<'a>(headers: &'a serde_json::Value, body: Option<&'a serde_json::Value>) -> Request<'a> {
+        Request {
+            method: "POST",
+            path: "/captures/o-1",
+            body,
+            headers,
+            idempotency_key: "capture:o-1",
+            traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+            correlation_id: Some("corr-1"),
+            intent_id: uuid::Uuid::nil(),
+            attempt: 3,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_carries_the_key_the_trace_and_the_intent_on_the_endpoint_url() {
+        let headers = serde_json::json!({"x-tenant": "t-1"});
+        let body = serde_json::json!({"amount": 5});
+        let req = client().request(request(&headers, Some(&body))).unwrap();
+        assert_eq!(req.method(), reqwest::Method::POST);
+        assert_eq!(req.url().as_str(), "http://provider.test/api/captures/o-1", "one slash between base and path");
+        let h = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        assert_eq!(h("idempotency-key").as_deref(), Some("capture:o-1"));
+        assert_eq!(h("traceparent").as_deref(), Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"));
+        assert_eq!(h("x-correlation-id").as_deref(), Some("corr-1"));
+        assert_eq!(h("x-relay-attempt").as_deref(), Some("3"));
+        assert_eq!(h("x-tenant").as_deref(), Some("t-1"));
+        assert_eq!(req.body().and_then(|b| b.as_bytes()), Some(&br#"{"amount":5}"#[..]));
+    }
+
+    #[tokio::test]
+    async fn a_request_that_cannot_be_expressed_says_why() {
+        let headers = serde_json::json!({"bad header": "x"});
+        let err = client().request(request(&headers, None)).unwrap_err();
+        assert!(err.contains("header name \"bad header\""), "{err}");
+        let none = serde_json::json!({});
+        let err = client().request(Request { method: "PO ST", ..request(&none, None) }).unwrap_err();
+        assert!(err.contains("method"), "{err}");
+    }
 }
