@@ -1,0 +1,214 @@
+//! Ingest: the relay consumer against the same rows inserted directly and a naive consumer.
+
+use super::*;
+
+/// Ingest through the relay into `s` (which may hold rows already): records/s
+/// from the first row recorded to the last offset committed.
+pub(super) async fn ingest_into(env: &Env, s: &Setup, n: usize, first: usize) -> anyhow::Result<f64> {
+    produce(env, &s.topic, first..first + n).await?;
+    let offsets = OffsetWatch::new(&env.bootstrap, &s.group, &s.topic).await?;
+    let since = db_now(&s.db.pool).await?;
+    let relay = Relay::new(config(env, s, 64)?, Handlers::default(), Faults::none()).await?;
+    let mut relay = UnderTest::start(relay, CONSUME);
+    wait_until(&mut relay, "the first record", Duration::from_secs(120), async || {
+        inbox_since(&s.db.pool, since).await > 0
+    })
+    .await?;
+    let t0 = Instant::now();
+    let c0 = inbox_since(&s.db.pool, since).await;
+    let total = (first + n) as i64;
+    wait_until(&mut relay, "every offset committed", Duration::from_secs(600), async || {
+        offsets.total().await.is_ok_and(|t| t >= total)
+    })
+    .await?;
+    let elapsed = t0.elapsed().as_secs_f64();
+    relay.stop().await?;
+    Ok((n as f64 - c0 as f64) / elapsed)
+}
+
+pub(super) async fn ingest_relay(env: &Env, n: usize) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
+    let s = setup(env, 4).await?;
+    Ok((ingest_into(env, &s, n, 0).await?, None))
+}
+
+/// The limit: the same rows the relay writes for these records (same
+/// content, same multi-row `UNNEST` statements), built beforehand and
+/// inserted in transactions of `batch` records — no Kafka, no routing.
+pub(super) async fn ingest_limit(env: &Env, n: usize, batch: usize) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
+    use relay_core::effects::{EmitSpec, Provenance, encode_event};
+    use relay_store::inbox::{InboxOutcome, NewInboxRow};
+    use relay_store::intents::NewIntent;
+    let s = setup(env, 1).await?;
+    let ids: Vec<String> = (0..n).map(|i| format!("e-{i}")).collect();
+    let topic = s.topic.clone();
+    let inbox_rows: Vec<NewInboxRow<'_>> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| NewInboxRow {
+            consumer: CONSUMER,
+            event_id: id,
+            event_type: "order.placed",
+            topic: &topic,
+            partition: 0,
+            offset: i as i64,
+            idempotency_key: None,
+            aggregate_id: None,
+            correlation_id: None,
+            outcome: InboxOutcome::Applied,
+        })
+        .collect();
+    let empty_outcome = serde_json::json!({"emit": [], "saga": []});
+    let intents: Vec<NewIntent> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| {
+            let order = format!("o-{i}");
+            let iid = relay_core::ids::derived_id(CONSUMER, id, "capture");
+            NewIntent {
+                id: iid,
+                consumer: CONSUMER.into(),
+                source_event_id: id.clone(),
+                action: "capture".into(),
+                endpoint: "sink".into(),
+                method: "POST".into(),
+                path: "/captures".into(),
+                body: Some(serde_json::json!({"order_id": order, "amount": i, "produced_at_us": now_us()})),
+                headers: serde_json::json!({}),
+                idempotency_key: format!("capture:{order}"),
+                ordering_key: None,
+                max_attempts: 10,
+                max_age: Duration::from_secs(86_400),
+                on_success: empty_outcome.clone(),
+                on_dead: empty_outcome.clone(),
+                emit_source: format!("relay/{CONSUMER}"),
+                aggregate_id: None,
+                correlation_id: Some(id.clone()),
+                causation_id: Some(id.clone()),
+                traceparent: None,
+            }
+        })
+        .collect();
+    let now = chrono::Utc::now();
+    let outbox: Vec<relay_core::OutboxRecord> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| {
+            let order = format!("o-{i}");
+            let spec = EmitSpec {
+                action: "accepted".into(),
+                event_type: "order.accepted".into(),
+                topic: s.out.clone(),
+                key: Some(order.clone()),
+                subject: None,
+                data: serde_json::json!({"order_id": order}),
+                ordered: true,
+            };
+            let prov = Provenance {
+                source: format!("relay/{CONSUMER}"),
+                correlation_id: Some(id.clone()),
+                causation_id: Some(id.clone()),
+                traceparent: None,
+                aggregate_id: None,
+            };
+            encode_event(relay_core::ids::derived_id(CONSUMER, id, "accepted"), &spec, &prov, now)
+        })
+        .collect();
+    let mut conn = s.db.pool.acquire().await?;
+    let t0 = Instant::now();
+    for start in (0..n).step_by(batch) {
+        let end = (start + batch).min(n);
+        let mut tx = conn.begin().await?;
+        relay_store::inbox::insert_many(&mut tx, &inbox_rows[start..end]).await?;
+        let rows: Vec<(&str, &relay_core::OutboxRecord)> =
+            (start..end).map(|i| (ids[i].as_str(), &outbox[i])).collect();
+        let counted = [("orders", 0, (end - start) as i64)];
+        relay_store::effects::insert(&mut tx, CONSUMER, &intents[start..end], None, &rows, &counted).await?;
+        tx.commit().await?;
+    }
+    Ok((n as f64 / t0.elapsed().as_secs_f64(), None))
+}
+
+/// The floor: one transaction per record, check before insert, offset stored per record.
+pub(super) async fn ingest_floor(env: &Env, n: usize) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
+    let s = setup(env, 1).await?;
+    produce(env, &s.topic, 0..n).await?;
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &env.bootstrap)
+        .set("group.id", &s.group)
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .create()?;
+    consumer.subscribe(&[&s.topic])?;
+    let mut conn = s.db.pool.acquire().await?;
+    let mut stream = consumer.stream();
+    let mut t0 = None;
+    for i in 0..n {
+        let m = stream.next().await.ok_or_else(|| anyhow::anyhow!("stream ended"))??;
+        t0.get_or_insert_with(Instant::now);
+        let id = format!("e-{i}");
+        let mut tx = conn.begin().await?;
+        let seen: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM relay.inbox WHERE consumer = 'bench' AND event_id = $1)")
+                .bind(&id)
+                .fetch_one(&mut *tx)
+                .await?;
+        if !seen {
+            sqlx::query(r#"INSERT INTO relay.inbox (consumer, event_id, event_type, topic, partition, "offset", outcome) VALUES ('bench', $1, 'order.placed', 't', 0, $2, 'applied')"#)
+                .bind(&id)
+                .bind(m.offset())
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query(
+                "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path, idempotency_key, max_attempts, expires_at, emit_source)
+                 VALUES (gen_random_uuid(), 'bench', $1, 'capture', 'sink', 'POST', '/captures', 'capture:' || $1, 10, now() + interval '1 day', 'bench')",
+            )
+            .bind(&id)
+            .execute(&mut *tx)
+            .await?;
+            sqlx::query("INSERT INTO relay.outbox (id, consumer, source_id, action, topic) VALUES (gen_random_uuid(), 'bench', $1, 'accepted', 'out')")
+                .bind(&id)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        consumer.store_offset_from_message(&m)?;
+    }
+    let rate = n as f64 / t0.map_or(1.0, |t| t.elapsed().as_secs_f64());
+    Ok((rate, None))
+}
+
+/// The ingest section of the report.
+pub(super) async fn ingest_section(env: &Env) -> anyhow::Result<Section> {
+    let n = env.size(2_000, 50_000);
+    let batch = 500;
+    eprintln!("bench: ingest");
+    let mut ingest =
+        Section::new(&format!("1. Ingest ({n} records, 4 partitions, 1 intent + 1 outbox row each)"), "records/s");
+    ingest.rows.push(row(
+        "relay consumer",
+        median(env, || ingest_relay(env, n)).await?,
+        "offsets committed after each batch",
+    ));
+    ingest.rows.push(row(
+        "limit: the same rows, batched inserts, no Kafka",
+        median(env, || ingest_limit(env, n, batch)).await?,
+        format!("{batch} records per transaction"),
+    ));
+    let nf = env.size(200, 3_000);
+    ingest.rows.push(row(
+        "floor: naive consumer",
+        median(env, || ingest_floor(env, nf)).await?,
+        format!("1 transaction per record, check-then-insert ({nf} records)"),
+    ));
+    let (relay, limit, floor) = (
+        ingest.rate("relay consumer"),
+        ingest.rate("limit: the same rows, batched inserts, no Kafka"),
+        ingest.rate("floor: naive consumer"),
+    );
+    ingest.verdicts.push(format!(
+        "relay / limit = **{:.2}** (goal ≥ 0.5); relay / floor = **{:.1}** (goal ≥ 10)",
+        relay / limit,
+        relay / floor
+    ));
+    Ok(ingest)
+}
