@@ -25,7 +25,7 @@
 //! inbox makes the records it meets again duplicates — their insert waits for
 //! the old owner's transaction and then finds the rows.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -48,41 +48,10 @@ use tracing::{Level, debug, error, info, warn};
 
 use relay_core::Disposition;
 
+use crate::ingest::partitions::{PartitionResult, PartitionRun, PartitionState, Tp, Work};
 use crate::ingest::processor::{Processed, Processor};
 use crate::runtime::faults::{FaultInjected, Faults, point};
 use crate::runtime::kafka::{Role, client_config, forward_error, forward_log};
-
-type Tp = (String, i32);
-
-#[derive(Default)]
-struct PartitionState {
-    /// Bumped on every revoke.
-    generation: u64,
-    /// Generation at which each partition was last revoked.
-    revoked_at: HashMap<Tp, u64>,
-    /// Next offset to commit per owned partition (end of the processed prefix).
-    next_offsets: HashMap<Tp, i64>,
-    /// Records of partitions held at a paused route, in order, not yet
-    /// processed; the partition is paused at the broker meanwhile.
-    held: HashMap<Tp, Vec<RawRecord>>,
-    /// Partitions whose fetching is paused at the broker (because they are held).
-    paused_at_broker: std::collections::HashSet<Tp>,
-    /// Partitions whose fetching is paused because a batch of their records
-    /// already waits for their task while it waits out a retry
-    /// ([`InboxConsumer::receive`]).
-    paused_full: std::collections::HashSet<Tp>,
-    /// Partitions whose task is waiting out a retry (R19, or the database):
-    /// their records wait outside the shared bound, paused at the broker
-    /// once a batch of them waits.
-    waiting_out: std::collections::HashSet<Tp>,
-}
-
-impl PartitionState {
-    /// Whether `tp` was revoked after `generation`.
-    fn revoked_since(&self, tp: &Tp, generation: u64) -> bool {
-        self.revoked_at.get(tp).is_some_and(|revoked| *revoked > generation)
-    }
-}
 
 /// Consumer context: commits on revoke, forwards librdkafka logs to tracing.
 pub struct RelayContext {
@@ -234,30 +203,6 @@ impl From<FaultInjected> for BatchError {
     fn from(e: FaultInjected) -> Self {
         BatchError::Fault(e)
     }
-}
-
-/// How one partition's records ended.
-struct PartitionRun {
-    tp: Tp,
-    /// The revoke generation its task started in.
-    generation: u64,
-    interrupted: bool,
-    /// Records from a paused route on: to hold until the route is resumed.
-    held: Vec<RawRecord>,
-}
-
-type PartitionResult = Result<PartitionRun, FaultInjected>;
-
-/// What the consumer loop holds between receiving records and starting them.
-#[derive(Default)]
-struct Work {
-    /// Records received and not started, per partition, in offset order, each
-    /// with the revoke generation it was fetched in.
-    waiting: BTreeMap<Tp, Vec<(RawRecord, u64)>>,
-    /// The bytes of `waiting`, per partition.
-    waiting_bytes: HashMap<Tp, usize>,
-    /// Partitions with a task running.
-    busy: HashSet<Tp>,
 }
 
 impl InboxConsumer {

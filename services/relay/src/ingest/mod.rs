@@ -6,9 +6,11 @@
 //!   not processable yet and parks poison.
 //! * [`processor`] — one batch of records inside the caller's transaction:
 //!   route, guard, write (where a record becomes rows).
+//! * `partitions` — what the consumer knows of each partition it owns.
 //! * [`handler`] — the code handler trait: a database connection in, more
 //!   effects out, never an external client.
 
 pub mod consumer;
 pub mod handler;
+mod partitions;
 pub mod processor;
