@@ -19,6 +19,7 @@ use rdkafka::message::{Header as KHeader, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use relay_core::RelayConfig;
+use relay_store::audit;
 use relay_store::intents::IntentState;
 use relay_store::outbox::OutboxState;
 use relay_store::stats::{self, Stats};
@@ -252,10 +253,7 @@ async fn report(pool: &sqlx::PgPool, provider: &Provider, s: &Stats) -> anyhow::
         Stats::count(&s.intents, IntentState::Succeeded.as_str()),
         Stats::count(&s.intents, IntentState::Dead.as_str())
     );
-    let dead: Vec<(String, Option<i32>, Option<String>)> =
-        sqlx::query_as("SELECT idempotency_key, last_status, last_error FROM relay.intents WHERE state = 'dead' ORDER BY idempotency_key")
-            .fetch_all(pool)
-            .await?;
+    let dead = audit::dead_intents(pool).await?;
     for (key, status, err) in &dead {
         println!(
             "  dead: {key} (HTTP {}) {}",
@@ -263,30 +261,18 @@ async fn report(pool: &sqlx::PgPool, provider: &Provider, s: &Stats) -> anyhow::
             err.as_deref().unwrap_or("")
         );
     }
-    let published: Vec<(String, String, i64)> = sqlx::query_as(
-        "SELECT topic, CASE WHEN action = 'dead_letter' THEN '(copies of dead-lettered records)' ELSE event_type END, count(*)
-           FROM relay.outbox WHERE state = 'published' GROUP BY 1, 2 ORDER BY 1, 2",
-    )
-    .fetch_all(pool)
-    .await?;
+    let published = audit::published_by_type(pool).await?;
     println!("\npublished to Kafka (acknowledged by the broker):");
     for (topic, ty, n) in &published {
         println!("  {topic:<20} {ty:<42} {n}");
     }
-    let dls: Vec<(i64, String, i32, i64, String, String)> = sqlx::query_as(
-        r#"SELECT id, topic, partition, "offset", error_class, reason FROM relay.dead_letters ORDER BY id"#,
-    )
-    .fetch_all(pool)
-    .await?;
+    let dls = audit::dead_letters_brief(pool).await?;
     println!("\ndead letters (also copied to topic relay.dead-letters; `relay dead-letters list` shows them):");
     for (id, topic, part, off, class, reason) in &dls {
         let reason: String = reason.chars().take(90).collect();
         println!("  #{id} {topic}[{part}]@{off} {class}: {reason}");
     }
-    let sagas: Vec<(String, String)> =
-        sqlx::query_as("SELECT saga_id, state FROM relay.sagas WHERE saga_type = 'order' ORDER BY saga_id")
-            .fetch_all(pool)
-            .await?;
+    let sagas = audit::sagas_of(pool, "order").await?;
     println!("\norder sagas:");
     let by_state: BTreeMap<&str, Vec<&str>> = sagas.iter().fold(BTreeMap::new(), |mut m, (id, st)| {
         m.entry(st.as_str()).or_insert_with(Vec::new).push(id.as_str());

@@ -25,6 +25,8 @@ use rdkafka::{Offset, TopicPartitionList};
 use relay_core::config::ActionConfig;
 use relay_core::ids::derived_id;
 use relay_core::{Header, RawRecord, RelayConfig, Routed, Router};
+use relay_store::audit::{self, Claimed};
+use relay_store::inbox;
 use relay_store::intents::IntentState;
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
@@ -289,17 +291,8 @@ async fn check_inputs(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -> 
     let consumer = cfg.consumer.name.as_str();
     let input_topics = cfg.subscribed_topics();
     let committed = committed(cfg, &input_topics).await?;
-    let inbox: HashSet<String> = sqlx::query_scalar("SELECT event_id FROM relay.inbox WHERE consumer = $1")
-        .bind(consumer)
-        .fetch_all(pool)
-        .await?
-        .into_iter()
-        .collect();
-    let dead: Vec<(String, i32, i64, Option<String>)> =
-        sqlx::query_as(r#"SELECT topic, partition, "offset", event_id FROM relay.dead_letters WHERE consumer = $1"#)
-            .bind(consumer)
-            .fetch_all(pool)
-            .await?;
+    let inbox: HashSet<String> = audit::inbox_ids(pool, consumer).await?.into_iter().collect();
+    let dead = audit::parked_positions(pool, consumer).await?;
     report.dead_letters = dead.len();
     let parked_at: HashSet<(String, i32, i64)> = dead.iter().map(|(t, p, o, _)| (t.clone(), *p, *o)).collect();
     let parked_ids: HashSet<&str> = dead.iter().filter_map(|(_, _, _, id)| id.as_deref()).collect();
@@ -366,11 +359,7 @@ async fn check_inputs(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -> 
             unparked,
         );
     }
-    let by_outcome: Vec<(String, i64)> =
-        sqlx::query_as("SELECT outcome, count(*) FROM relay.inbox WHERE consumer = $1 GROUP BY outcome")
-            .bind(consumer)
-            .fetch_all(pool)
-            .await?;
+    let by_outcome = audit::inbox_by_outcome(pool, consumer).await?;
     report.inbox_by_outcome = by_outcome.into_iter().collect();
     Ok(())
 }
@@ -381,11 +370,7 @@ type IntentRow = (uuid::Uuid, String, String, String);
 /// Every applied event has the intents its route requires (`missing_intent`).
 async fn check_intents(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -> anyhow::Result<Vec<IntentRow>> {
     let consumer = cfg.consumer.name.as_str();
-    let intents: Vec<IntentRow> =
-        sqlx::query_as("SELECT id, state, idempotency_key, source_event_id FROM relay.intents WHERE consumer = $1")
-            .bind(consumer)
-            .fetch_all(pool)
-            .await?;
+    let intents: Vec<IntentRow> = audit::intents_brief(pool, consumer).await?;
     let intent_ids: HashSet<uuid::Uuid> = intents.iter().map(|i| i.0).collect();
     for (state, n) in intents.iter().fold(BTreeMap::new(), |mut m, i| {
         *m.entry(i.1.clone()).or_insert(0i64) += 1;
@@ -406,14 +391,7 @@ async fn check_intents(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) ->
         if calls.is_empty() {
             continue;
         }
-        let applied: Vec<String> = sqlx::query_scalar(
-            "SELECT event_id FROM relay.inbox WHERE consumer = $1 AND topic = $2 AND event_type = $3 AND outcome = 'applied'",
-        )
-        .bind(consumer)
-        .bind(&route.topic)
-        .bind(&route.event_type)
-        .fetch_all(pool)
-        .await?;
+        let applied = audit::applied_ids(pool, consumer, &route.topic, &route.event_type).await?;
         for event_id in applied {
             for action in &calls {
                 if !intent_ids.contains(&derived_id(consumer, &event_id, action)) {
@@ -491,11 +469,7 @@ fn check_provider(consumer: &str, effects: &[ProviderEffect], intents: &[IntentR
 /// Every outbox row marked published is on its topic (`published_not_on_topic`).
 async fn check_outbox(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -> anyhow::Result<()> {
     let consumer = cfg.consumer.name.as_str();
-    let published: Vec<(uuid::Uuid, String)> =
-        sqlx::query_as("SELECT id, topic FROM relay.outbox WHERE consumer = $1 AND state = 'published'")
-            .bind(consumer)
-            .fetch_all(pool)
-            .await?;
+    let published = audit::published_rows(pool, consumer).await?;
     report.published_rows = published.len();
     let mut out_topics: Vec<String> = published.iter().map(|p| p.1.clone()).collect();
     out_topics.sort();
@@ -525,7 +499,7 @@ async fn check_outbox(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -> 
 
 /// No row is past its lease or due time with nobody on it (`stuck_intent`, `stuck_outbox`).
 async fn check_stuck(pool: &PgPool, consumer: &str, grace: Duration, report: &mut Report) -> anyhow::Result<()> {
-    let stuck_intents = stuck(pool, "intents", consumer, grace).await?;
+    let stuck_intents = audit::stuck(pool, Claimed::Intents, consumer, grace).await?;
     if !stuck_intents.is_empty() {
         report.violate(
             "stuck_intent",
@@ -533,7 +507,7 @@ async fn check_stuck(pool: &PgPool, consumer: &str, grace: Duration, report: &mu
             stuck_intents,
         );
     }
-    let stuck_outbox = stuck(pool, "outbox", consumer, grace).await?;
+    let stuck_outbox = audit::stuck(pool, Claimed::Outbox, consumer, grace).await?;
     if !stuck_outbox.is_empty() {
         report.violate(
             "stuck_outbox",
@@ -546,7 +520,7 @@ async fn check_stuck(pool: &PgPool, consumer: &str, grace: Duration, report: &mu
 
 /// No row keeps failing unnoticed, and no outbox row is dead (`failing`, `dead_outbox`).
 async fn check_failing(pool: &PgPool, consumer: &str, report: &mut Report) -> anyhow::Result<()> {
-    let failing = failing(pool, consumer, FAILING_AFTER).await?;
+    let failing = audit::failing(pool, consumer, FAILING_AFTER).await?;
     if !failing.is_empty() {
         report.violate(
             "failing",
@@ -554,12 +528,7 @@ async fn check_failing(pool: &PgPool, consumer: &str, report: &mut Report) -> an
             failing,
         );
     }
-    let dead_outbox: Vec<String> = sqlx::query_scalar(
-        "SELECT id::text || ': ' || coalesce(last_error, '') FROM relay.outbox WHERE consumer = $1 AND state = 'dead'",
-    )
-    .bind(consumer)
-    .fetch_all(pool)
-    .await?;
+    let dead_outbox = audit::dead_outbox(pool, consumer).await?;
     if !dead_outbox.is_empty() {
         report.violate(
             "dead_outbox",
@@ -576,24 +545,11 @@ async fn check_counters(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -
     let mut expected: BTreeMap<&str, i64> = BTreeMap::new();
     for route in &cfg.routes {
         let Some(counter) = &route.counter else { continue };
-        let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM relay.inbox WHERE consumer = $1 AND topic = $2 AND event_type = $3 AND outcome = 'applied'",
-        )
-        .bind(consumer)
-        .bind(&route.topic)
-        .bind(&route.event_type)
-        .fetch_one(pool)
-        .await?;
+        let n = audit::applied_count(pool, consumer, &route.topic, &route.event_type).await?;
         *expected.entry(counter.as_str()).or_default() += n;
     }
     for (name, want) in expected {
-        let got: i64 = sqlx::query_scalar(
-            "SELECT coalesce(sum(value), 0)::int8 FROM relay.counters WHERE consumer = $1 AND name = $2",
-        )
-        .bind(consumer)
-        .bind(name)
-        .fetch_one(pool)
-        .await?;
+        let got = inbox::counter(&mut *pool.acquire().await?, consumer, name).await?;
         if got != want {
             report.violate(
                 "counter_mismatch",
@@ -609,38 +565,3 @@ async fn check_counters(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -
 /// Intents end by their budget (dead or uncertain); outbox rows are retried
 /// until the broker takes them, so only this notices one that never will.
 pub const FAILING_AFTER: i32 = 10;
-
-/// Pending or running rows of either table that have made `attempts`
-/// attempts or more.
-async fn failing(pool: &PgPool, consumer: &str, attempts: i32) -> Result<Vec<String>, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT 'intent ' || id::text || ' (' || attempts || ' attempts: ' || coalesce(last_error, '') || ')'
-           FROM relay.intents WHERE consumer = $1 AND state IN ('pending', 'running') AND attempts >= $2
-         UNION ALL
-         SELECT 'outbox ' || id::text || ' (' || attempts || ' attempts: ' || coalesce(last_error, '') || ')'
-           FROM relay.outbox WHERE consumer = $1 AND state IN ('pending', 'running') AND attempts >= $2",
-    )
-    .bind(consumer)
-    .bind(attempts)
-    .fetch_all(pool)
-    .await
-}
-
-/// Rows of `table` (`intents` or `outbox`) running past their lease, or
-/// pending past their due time, by more than `grace`.
-async fn stuck(
-    pool: &PgPool,
-    table: &'static str,
-    consumer: &str,
-    grace: Duration,
-) -> Result<Vec<String>, sqlx::Error> {
-    sqlx::query_scalar(&format!(
-        "SELECT id::text || ' (' || state || ')' FROM relay.{table} WHERE consumer = $1 AND (
-             (state = 'running' AND locked_until < now() - make_interval(secs => $2))
-          OR (state = 'pending' AND next_attempt_at < now() - make_interval(secs => $2)))"
-    ))
-    .bind(consumer)
-    .bind(grace.as_secs_f64())
-    .fetch_all(pool)
-    .await
-}

@@ -28,6 +28,7 @@ use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 use sqlx::migrate::Migrator;
 
+pub mod audit;
 pub mod dead_letters;
 pub mod effects;
 pub mod headers;

@@ -192,3 +192,9 @@ pub fn delete_sql(what: Cleanup, limit: i64) -> String {
     let state = if what == Cleanup::DeadIntents { "dead" } else { "succeeded" };
     sql.replace("{state}", state).replace("{limit}", &limit.to_string())
 }
+
+/// Take transaction-level advisory lock `key` if no other session holds it
+/// (`false`: another does): one cleaner at a time across processes.
+pub async fn try_lock(conn: &mut PgConnection, key: i64) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)").bind(key).fetch_one(conn).await
+}

@@ -55,11 +55,7 @@ pub async fn cleanup_once(
         loop {
             let mut conn = pool.acquire().await?;
             let mut tx = conn.begin().await?;
-            let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
-                .bind(CLEANUP_LOCK)
-                .fetch_one(&mut *tx)
-                .await?;
-            if !locked {
+            if !ops::try_lock(&mut tx, CLEANUP_LOCK).await? {
                 return Ok(None);
             }
             let n = ops::delete_batch(&mut tx, what, consumer, keep, i64::from(cfg.batch_size)).await?;

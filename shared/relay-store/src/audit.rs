@@ -1,0 +1,164 @@
+//! Read-only queries for checking the relay from outside: `relay verify`
+//! reads the state it holds against the relay's invariants, `relay demo`
+//! prints what a run left. None is on a hot path.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+use uuid::Uuid;
+
+/// Every event id in `consumer`'s inbox.
+pub async fn inbox_ids(pool: &PgPool, consumer: &str) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT event_id FROM relay.inbox WHERE consumer = $1").bind(consumer).fetch_all(pool).await
+}
+
+/// Inbox rows by outcome.
+pub async fn inbox_by_outcome(pool: &PgPool, consumer: &str) -> Result<Vec<(String, i64)>, sqlx::Error> {
+    sqlx::query_as("SELECT outcome, count(*) FROM relay.inbox WHERE consumer = $1 GROUP BY outcome")
+        .bind(consumer)
+        .fetch_all(pool)
+        .await
+}
+
+/// Event ids applied (`outcome = 'applied'`) from `topic` with type `event_type`.
+pub async fn applied_ids(
+    pool: &PgPool,
+    consumer: &str,
+    topic: &str,
+    event_type: &str,
+) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT event_id FROM relay.inbox WHERE consumer = $1 AND topic = $2 AND event_type = $3 AND outcome = 'applied'",
+    )
+    .bind(consumer)
+    .bind(topic)
+    .bind(event_type)
+    .fetch_all(pool)
+    .await
+}
+
+/// How many events were applied from `topic` with type `event_type`.
+pub async fn applied_count(pool: &PgPool, consumer: &str, topic: &str, event_type: &str) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM relay.inbox WHERE consumer = $1 AND topic = $2 AND event_type = $3 AND outcome = 'applied'",
+    )
+    .bind(consumer)
+    .bind(topic)
+    .bind(event_type)
+    .fetch_one(pool)
+    .await
+}
+
+/// Where each dead letter was read: `(topic, partition, offset, event id)`.
+pub async fn parked_positions(
+    pool: &PgPool,
+    consumer: &str,
+) -> Result<Vec<(String, i32, i64, Option<String>)>, sqlx::Error> {
+    sqlx::query_as(r#"SELECT topic, partition, "offset", event_id FROM relay.dead_letters WHERE consumer = $1"#)
+        .bind(consumer)
+        .fetch_all(pool)
+        .await
+}
+
+/// Every intent: `(id, state, idempotency key, source event id)`.
+pub async fn intents_brief(pool: &PgPool, consumer: &str) -> Result<Vec<(Uuid, String, String, String)>, sqlx::Error> {
+    sqlx::query_as("SELECT id, state, idempotency_key, source_event_id FROM relay.intents WHERE consumer = $1")
+        .bind(consumer)
+        .fetch_all(pool)
+        .await
+}
+
+/// Outbox rows marked published: `(id, topic)`.
+pub async fn published_rows(pool: &PgPool, consumer: &str) -> Result<Vec<(Uuid, String)>, sqlx::Error> {
+    sqlx::query_as("SELECT id, topic FROM relay.outbox WHERE consumer = $1 AND state = 'published'")
+        .bind(consumer)
+        .fetch_all(pool)
+        .await
+}
+
+/// Outbox rows that ended dead, each as `id: last error`.
+pub async fn dead_outbox(pool: &PgPool, consumer: &str) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT id::text || ': ' || coalesce(last_error, '') FROM relay.outbox WHERE consumer = $1 AND state = 'dead'",
+    )
+    .bind(consumer)
+    .fetch_all(pool)
+    .await
+}
+
+/// A table of claimed rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claimed {
+    /// `relay.intents`.
+    Intents,
+    /// `relay.outbox`.
+    Outbox,
+}
+
+/// Rows of `table` running past their lease, or pending past their due
+/// time, by more than `grace`, each as `id (state)`.
+pub async fn stuck(pool: &PgPool, table: Claimed, consumer: &str, grace: Duration) -> Result<Vec<String>, sqlx::Error> {
+    let table = match table {
+        Claimed::Intents => "intents",
+        Claimed::Outbox => "outbox",
+    };
+    sqlx::query_scalar(&format!(
+        "SELECT id::text || ' (' || state || ')' FROM relay.{table} WHERE consumer = $1 AND (
+             (state = 'running' AND locked_until < now() - make_interval(secs => $2))
+          OR (state = 'pending' AND next_attempt_at < now() - make_interval(secs => $2)))"
+    ))
+    .bind(consumer)
+    .bind(grace.as_secs_f64())
+    .fetch_all(pool)
+    .await
+}
+
+/// Pending or running rows of either table that have made `attempts`
+/// attempts or more, each as `intent|outbox id (n attempts: last error)`.
+pub async fn failing(pool: &PgPool, consumer: &str, attempts: i32) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT 'intent ' || id::text || ' (' || attempts || ' attempts: ' || coalesce(last_error, '') || ')'
+           FROM relay.intents WHERE consumer = $1 AND state IN ('pending', 'running') AND attempts >= $2
+         UNION ALL
+         SELECT 'outbox ' || id::text || ' (' || attempts || ' attempts: ' || coalesce(last_error, '') || ')'
+           FROM relay.outbox WHERE consumer = $1 AND state IN ('pending', 'running') AND attempts >= $2",
+    )
+    .bind(consumer)
+    .bind(attempts)
+    .fetch_all(pool)
+    .await
+}
+
+/// Dead intents of every consumer: `(idempotency key, last status, last error)`.
+pub async fn dead_intents(pool: &PgPool) -> Result<Vec<(String, Option<i32>, Option<String>)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT idempotency_key, last_status, last_error FROM relay.intents WHERE state = 'dead' ORDER BY idempotency_key",
+    )
+    .fetch_all(pool)
+    .await
+}
+
+/// Published outbox rows by topic and event type (dead-letter copies as one type).
+pub async fn published_by_type(pool: &PgPool) -> Result<Vec<(String, String, i64)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT topic, CASE WHEN action = 'dead_letter' THEN '(copies of dead-lettered records)' ELSE event_type END, count(*)
+           FROM relay.outbox WHERE state = 'published' GROUP BY 1, 2 ORDER BY 1, 2",
+    )
+    .fetch_all(pool)
+    .await
+}
+
+/// Every dead letter: `(id, topic, partition, offset, class, reason)`.
+pub async fn dead_letters_brief(pool: &PgPool) -> Result<Vec<(i64, String, i32, i64, String, String)>, sqlx::Error> {
+    sqlx::query_as(r#"SELECT id, topic, partition, "offset", error_class, reason FROM relay.dead_letters ORDER BY id"#)
+        .fetch_all(pool)
+        .await
+}
+
+/// The sagas of `saga_type`: `(id, state)`.
+pub async fn sagas_of(pool: &PgPool, saga_type: &str) -> Result<Vec<(String, String)>, sqlx::Error> {
+    sqlx::query_as("SELECT saga_id, state FROM relay.sagas WHERE saga_type = $1 ORDER BY saga_id")
+        .bind(saga_type)
+        .fetch_all(pool)
+        .await
+}
