@@ -499,21 +499,16 @@ async fn check_outbox(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -> 
 
 /// No row is past its lease or due time with nobody on it (`stuck_intent`, `stuck_outbox`).
 async fn check_stuck(pool: &PgPool, consumer: &str, grace: Duration, report: &mut Report) -> anyhow::Result<()> {
-    let stuck_intents = audit::stuck(pool, Claimed::Intents, consumer, grace).await?;
-    if !stuck_intents.is_empty() {
-        report.violate(
-            "stuck_intent",
-            format!("{} intent(s) are past their lease or due time with no worker", stuck_intents.len()),
-            stuck_intents,
-        );
-    }
-    let stuck_outbox = audit::stuck(pool, Claimed::Outbox, consumer, grace).await?;
-    if !stuck_outbox.is_empty() {
-        report.violate(
-            "stuck_outbox",
-            format!("{} outbox row(s) are past their lease or due time with no publisher", stuck_outbox.len()),
-            stuck_outbox,
-        );
+    let tables = [
+        (Claimed::Intents, "stuck_intent", "intent(s)", "worker"),
+        (Claimed::Outbox, "stuck_outbox", "outbox row(s)", "publisher"),
+    ];
+    for (table, check, rows, who) in tables {
+        let stuck = audit::stuck(pool, table, consumer, grace).await?;
+        if !stuck.is_empty() {
+            let summary = format!("{} {rows} are past their lease or due time with no {who}", stuck.len());
+            report.violate(check, summary, stuck);
+        }
     }
     Ok(())
 }
