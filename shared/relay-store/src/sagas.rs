@@ -23,7 +23,8 @@ pub enum Transition {
 /// Make saga move `m` because of `source_id` (an input event, or an
 /// intent's outcome), and when it moved, record it in the history with
 /// `kind` and `detail` (R14). The one way both ingest and call outcomes move
-/// a saga.
+/// a saga: a start creates the saga in `to` unless it exists; a transition
+/// moves it to `to` only from one of `from` (the guard).
 pub async fn apply(
     conn: &mut PgConnection,
     consumer: &str,
@@ -32,67 +33,33 @@ pub async fn apply(
     kind: &str,
     detail: &serde_json::Value,
 ) -> Result<Transition, sqlx::Error> {
-    let t = if m.start {
-        start(conn, &m.saga_type, &m.saga_id, &m.to, source_id).await?
+    let moved = if m.start {
+        sqlx::query(
+            "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ($1, $2, $4, $5)
+             ON CONFLICT (saga_type, saga_id) DO NOTHING",
+        )
     } else {
-        transition(conn, &m.saga_type, &m.saga_id, &m.from, &m.to, source_id).await?
-    };
-    if t == Transition::Applied {
-        let subject = format!("{}/{}", m.saga_type, m.saga_id);
-        crate::inbox::record_history(conn, consumer, source_id, &m.action, kind, Some(&subject), detail).await?;
+        sqlx::query(
+            "UPDATE relay.sagas
+                SET state = $4, version = version + 1, last_event_id = $5, updated_at = now()
+              WHERE saga_type = $1 AND saga_id = $2 AND state = ANY($3)",
+        )
     }
-    Ok(t)
-}
-
-/// Create saga `(saga_type, saga_id)` in state `to`, unless it exists.
-pub async fn start(
-    conn: &mut PgConnection,
-    saga_type: &str,
-    saga_id: &str,
-    to: &str,
-    event_id: &str,
-) -> Result<Transition, sqlx::Error> {
-    let done = sqlx::query(
-        "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ($1, $2, $3, $4)
-         ON CONFLICT (saga_type, saga_id) DO NOTHING",
-    )
-    .bind(saga_type)
-    .bind(saga_id)
-    .bind(to)
-    .bind(event_id)
+    .bind(&m.saga_type)
+    .bind(&m.saga_id)
+    .bind(&m.from)
+    .bind(&m.to)
+    .bind(source_id)
     .execute(&mut *conn)
-    .await?;
-    if done.rows_affected() == 1 {
-        return Ok(Transition::Applied);
+    .await?
+    .rows_affected()
+        == 1;
+    if !moved {
+        return classify(conn, &m.saga_type, &m.saga_id, &m.to).await;
     }
-    classify(conn, saga_type, saga_id, to).await
-}
-
-/// Move the saga to `to` if it is in one of `from`.
-pub async fn transition(
-    conn: &mut PgConnection,
-    saga_type: &str,
-    saga_id: &str,
-    from: &[String],
-    to: &str,
-    event_id: &str,
-) -> Result<Transition, sqlx::Error> {
-    let done = sqlx::query(
-        "UPDATE relay.sagas
-            SET state = $4, version = version + 1, last_event_id = $5, updated_at = now()
-          WHERE saga_type = $1 AND saga_id = $2 AND state = ANY($3)",
-    )
-    .bind(saga_type)
-    .bind(saga_id)
-    .bind(from)
-    .bind(to)
-    .bind(event_id)
-    .execute(&mut *conn)
-    .await?;
-    if done.rows_affected() == 1 {
-        return Ok(Transition::Applied);
-    }
-    classify(conn, saga_type, saga_id, to).await
+    let subject = format!("{}/{}", m.saga_type, m.saga_id);
+    crate::inbox::record_history(conn, consumer, source_id, &m.action, kind, Some(&subject), detail).await?;
+    Ok(Transition::Applied)
 }
 
 async fn classify(
