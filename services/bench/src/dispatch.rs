@@ -185,6 +185,17 @@ pub(super) async fn dispatch_limit(
     Ok((rate, Some((percentile(&took, 0.5), percentile(&took, 0.99)))))
 }
 
+/// A median with its spread and, when measured, its latency percentiles.
+type Measure = (f64, (f64, f64), Option<(f64, f64)>);
+
+/// The relay's row and the raw HTTP client's row for the same `setting`.
+fn relay_and_raw(section: &mut Section, setting: &str, (relay, raw): (Measure, Measure), intents: usize) {
+    let note = format!("{intents} intents, 1 process; latency: {RELAY_CALL}");
+    section.rows.push(row(format!("relay, {setting}"), relay, note));
+    let note = format!("same client and provider, no database; latency: {RAW_CALL}");
+    section.rows.push(row(format!("limit: raw HTTP, {setting}"), raw, note));
+}
+
 /// The dispatch section of the report.
 pub(super) async fn dispatch_section(env: &Env) -> anyhow::Result<Section> {
     eprintln!("bench: dispatch");
@@ -199,16 +210,7 @@ pub(super) async fn dispatch_section(env: &Env) -> anyhow::Result<Section> {
         if r.0 > best.0 {
             best = (r.0, l.0, c);
         }
-        dispatch.rows.push(row(
-            format!("relay, concurrency {c}"),
-            r,
-            format!("{mc} intents, 1 process; latency: {RELAY_CALL}"),
-        ));
-        dispatch.rows.push(row(
-            format!("limit: raw HTTP, concurrency {c}"),
-            l,
-            format!("same client and provider, no database; latency: {RAW_CALL}"),
-        ));
+        relay_and_raw(&mut dispatch, &format!("concurrency {c}"), (r, l), mc);
     }
     // Two loops: one per core (4 and 8 measured no faster here).
     let workers = 2;
@@ -238,16 +240,7 @@ pub(super) async fn dispatch_section(env: &Env) -> anyhow::Result<Section> {
     let ms = slow.as_millis();
     let r = median(env, || dispatch_relay(env, m, c, Dispatchers::InThisProcess, slow)).await?;
     let l = median(env, || dispatch_limit(m, c, slow)).await?;
-    dispatch.rows.push(row(
-        format!("relay, concurrency {c}, provider answering after {ms} ms"),
-        r,
-        format!("{m} intents, 1 process; latency: {RELAY_CALL}"),
-    ));
-    dispatch.rows.push(row(
-        format!("limit: raw HTTP, concurrency {c}, provider answering after {ms} ms"),
-        l,
-        format!("same client and provider, no database; latency: {RAW_CALL}"),
-    ));
+    relay_and_raw(&mut dispatch, &format!("concurrency {c}, provider answering after {ms} ms"), (r, l), m);
     dispatch.verdicts.push(format!(
         "best relay / raw HTTP at the same concurrency ({}) = **{:.2}** (goal ≥ 0.5)",
         best.2,

@@ -146,51 +146,27 @@ pub fn delete_sql(what: Cleanup, limit: i64) -> String {
              DELETE FROM relay.intent_attempts a USING gone WHERE a.intent_id = gone.id
          )
          SELECT count(*) FROM gone";
-    let sql = match what {
-        Cleanup::Inbox => {
-            "WITH gone AS (
-                 DELETE FROM relay.inbox WHERE (consumer, event_id) IN (
-                     SELECT consumer, event_id FROM relay.inbox
-                      WHERE consumer = $1 AND received_at < now() - make_interval(secs => $2)
-                      ORDER BY received_at LIMIT {limit})
-                 RETURNING 1
-             )
-             SELECT count(*) FROM gone"
-        }
-        Cleanup::IdempotencyKeys => {
-            "WITH gone AS (
-                 DELETE FROM relay.idempotency_keys WHERE (consumer, idempotency_key) IN (
-                     SELECT consumer, idempotency_key FROM relay.idempotency_keys
-                      WHERE consumer = $1 AND created_at < now() - make_interval(secs => $2)
-                      ORDER BY created_at LIMIT {limit})
-                 RETURNING 1
-             )
-             SELECT count(*) FROM gone"
-        }
-        Cleanup::SucceededIntents | Cleanup::DeadIntents => FINISHED_INTENTS,
-        Cleanup::PublishedOutbox => {
-            "WITH gone AS (
-                 DELETE FROM relay.outbox WHERE id IN (
-                     SELECT id FROM relay.outbox
-                      WHERE state = 'published' AND consumer = $1 AND published_at < now() - make_interval(secs => $2)
-                      ORDER BY published_at LIMIT {limit})
-                 RETURNING 1
-             )
-             SELECT count(*) FROM gone"
-        }
-        Cleanup::DeadLetters => {
-            "WITH gone AS (
-                 DELETE FROM relay.dead_letters WHERE id IN (
-                     SELECT id FROM relay.dead_letters
-                      WHERE consumer = $1 AND created_at < now() - make_interval(secs => $2)
-                      ORDER BY created_at LIMIT {limit})
-                 RETURNING 1
-             )
-             SELECT count(*) FROM gone"
+    // The other tables: their oldest rows of the consumer, by one time column.
+    let (table, key, only, time) = match what {
+        Cleanup::Inbox => ("inbox", "consumer, event_id", "", "received_at"),
+        Cleanup::IdempotencyKeys => ("idempotency_keys", "consumer, idempotency_key", "", "created_at"),
+        Cleanup::PublishedOutbox => ("outbox", "id", "state = 'published' AND ", "published_at"),
+        Cleanup::DeadLetters => ("dead_letters", "id", "", "created_at"),
+        Cleanup::SucceededIntents | Cleanup::DeadIntents => {
+            let state = if what == Cleanup::DeadIntents { "dead" } else { "succeeded" };
+            return FINISHED_INTENTS.replace("{state}", state).replace("{limit}", &limit.to_string());
         }
     };
-    let state = if what == Cleanup::DeadIntents { "dead" } else { "succeeded" };
-    sql.replace("{state}", state).replace("{limit}", &limit.to_string())
+    format!(
+        "WITH gone AS (
+             DELETE FROM relay.{table} WHERE ({key}) IN (
+                 SELECT {key} FROM relay.{table}
+                  WHERE {only}consumer = $1 AND {time} < now() - make_interval(secs => $2)
+                  ORDER BY {time} LIMIT {limit})
+             RETURNING 1
+         )
+         SELECT count(*) FROM gone"
+    )
 }
 
 /// Take transaction-level advisory lock `key` if no other session holds it
