@@ -236,13 +236,7 @@ async fn server_errors_and_throttling_are_retried_with_backoff_until_the_call_su
         vec![("retryable".into(), Some(429)), ("succeeded".into(), Some(201))]
     );
     // Retry-After: 1 is honoured even though the backoff alone would retry within 100 ms.
-    let gap: f64 = sqlx::query_scalar(
-        "SELECT extract(epoch FROM max(a.started_at) - min(a.started_at))::float8 FROM relay.intent_attempts a
-           JOIN relay.intents i ON i.id = a.intent_id WHERE i.idempotency_key = 'capture:o-429'",
-    )
-    .fetch_one(&h.db.pool)
-    .await
-    .unwrap();
+    let gap = attempts_span(&h, "i.idempotency_key = 'capture:o-429'").await;
     assert!(gap >= 0.95, "second attempt came {gap:.3}s after the first");
 }
 
@@ -654,12 +648,7 @@ async fn each_endpoint_keeps_to_its_concurrency_limit_and_rate_limit() {
     assert_eq!(stats.applied, 12);
     assert!(stats.max_in_flight <= 2, "at most 2 calls at once, saw {}", stats.max_in_flight);
     // 8 per second: after the first (burst) call, each later one waits its 125 ms slot.
-    let span: f64 = sqlx::query_scalar(
-        "SELECT extract(epoch FROM max(started_at) - min(started_at))::float8 FROM relay.intent_attempts",
-    )
-    .fetch_one(&h.db.pool)
-    .await
-    .unwrap();
+    let span = attempts_span(&h, "true").await;
     assert!(span >= 1.2, "12 calls at 8/s took {span:.3}s");
 }
 
@@ -1204,4 +1193,15 @@ async fn an_absurd_retry_after_ends_its_intent_and_the_outcomes_recorded_with_it
     assert_eq!(state, "dead");
     assert!(error.unwrap_or_default().contains("past the intent's max age"));
     assert_eq!(h.intents_in("succeeded").await, 7, "the other outcomes were recorded");
+}
+
+/// Seconds from the first to the last attempt of the intents `i` matching `filter`.
+async fn attempts_span(h: &Harness, filter: &str) -> f64 {
+    sqlx::query_scalar(&format!(
+        "SELECT extract(epoch FROM max(a.started_at) - min(a.started_at))::float8
+           FROM relay.intent_attempts a JOIN relay.intents i ON i.id = a.intent_id WHERE {filter}"
+    ))
+    .fetch_one(&h.db.pool)
+    .await
+    .unwrap()
 }
