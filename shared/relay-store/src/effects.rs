@@ -35,7 +35,7 @@ pub struct Inserted {
 /// publishers' wake-ups, and they would fire for an insert of nothing too.
 ///
 /// `hold` writes some of the intents already claimed by a dispatcher (see
-/// [`intents::INSERT_MANY`]); their claims come back in [`Inserted::held`].
+/// `intents::INSERT_MANY`); their claims come back in [`Inserted::held`].
 pub async fn insert(
     conn: &mut PgConnection,
     consumer: &str,

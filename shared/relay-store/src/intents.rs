@@ -511,7 +511,7 @@ pub(crate) const INSERT_MANY: &str = "INSERT INTO relay.intents
          RETURNING id, lease_token, expires_at, created_at";
 
 /// Rows of a multi-row intent insert to write as already claimed by a
-/// dispatcher (see [`INSERT_MANY`]).
+/// dispatcher (see `INSERT_MANY`).
 #[derive(Debug, Clone, Copy)]
 pub struct Hold<'a> {
     /// The dispatcher's worker id (`locked_by`).

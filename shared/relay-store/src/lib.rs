@@ -1,7 +1,7 @@
 //! Every SQL statement of the relay, one named async function per statement,
 //! grouped by concern: [`inbox`], [`sagas`], [`intents`], [`outbox`],
 //! [`dead_letters`], [`stats`], [`ops`], and the read-only checks of `relay
-//! verify` / `relay demo` in [`audit`]. [`write`] is where an input event
+//! verify` / `relay demo` in [`audit`]. [`write`](mod@write) is where an input event
 //! becomes rows (inbox, keys, guards, saga moves, intents, outbox, counters),
 //! for a batch and a single record alike. Connections with session settings
 //! of their own (claims, finishes) are in `session`; statements composed of

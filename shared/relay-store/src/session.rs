@@ -20,7 +20,7 @@ macro_rules! by_key_settings {
 /// What a claim connection's session is set to ([`ClaimPool`]).
 const CLAIM_SETTINGS: &str = concat!("SET synchronous_commit = off; SET enable_sort = off; ", by_key_settings!("SET"));
 
-/// The connections claims run on ([`intents::claim`], [`outbox::claim`]): a
+/// The connections claims run on ([`crate::intents::claim`], [`crate::outbox::claim`]): a
 /// small pool beside the main one, to the same database, whose sessions
 /// start with the planner told not to sort (`enable_sort = off`) and to find
 /// rows by key (the settings of [`begin_by_key`]), and with commits that do
@@ -95,8 +95,8 @@ fn pool_beside(pool: &PgPool, max_connections: u32, settings: &'static str) -> P
 const FINISH_SETTINGS: &str = by_key_settings!("SET");
 
 /// The connections outcomes are recorded on — the dispatcher's finalizers'
-/// ([`intents::finish_many`]) and the publisher's marks
-/// ([`outbox::mark_published`]): a small pool beside the main one whose
+/// ([`crate::intents::finish_many`]) and the publisher's marks
+/// ([`crate::outbox::mark_published`]): a small pool beside the main one whose
 /// sessions find rows by key (the settings of [`begin_by_key`], for the
 /// session instead of one transaction). A batch of outcomes that records
 /// nothing but the intents' new state and their audit rows — no outcome

@@ -1,7 +1,7 @@
 //! Where input events become rows: one path for a batch of records and for a
 //! single one alike (R2–R7, R14, R20).
 //!
-//! [`write`] takes planned records ([`Planned`]: the inbox row, the guards
+//! [`write()`] takes planned records ([`Planned`]: the inbox row, the guards
 //! the route asks for, the [`Effects`] the core derived) and, inside the
 //! caller's transaction:
 //!
@@ -51,7 +51,7 @@ pub struct Planned<'a> {
 }
 
 impl Planned<'_> {
-    /// Whether [`write`] runs checks for it (then it must be alone in its batch).
+    /// Whether [`write()`] runs checks for it (then it must be alone in its batch).
     pub fn has_checks(&self) -> bool {
         self.version.is_some() || self.sequence.is_some() || self.effects.is_some_and(|e| !e.sagas.is_empty())
     }
@@ -69,7 +69,7 @@ pub struct HoldRoom<'a> {
     pub room: usize,
 }
 
-/// What [`write`] did: one [`Disposition`] per record, and the intents written
+/// What [`write()`] did: one [`Disposition`] per record, and the intents written
 /// already claimed ([`HoldRoom`]), to hand over once the transaction commits.
 #[derive(Debug, Default)]
 pub struct Batch {
@@ -92,7 +92,7 @@ pub async fn write(
     finish(conn, consumer, batch, admitted, &effects, hold).await
 }
 
-/// Steps 1–3 of [`write`]: `None` for each record admitted (its effects
+/// Steps 1–3 of [`write()`]: `None` for each record admitted (its effects
 /// are to be written), else what became of it.
 pub async fn admit(
     conn: &mut PgConnection,
@@ -232,7 +232,7 @@ async fn check(conn: &mut PgConnection, consumer: &str, p: &Planned<'_>) -> Resu
     Ok(None)
 }
 
-/// Step 4 of [`write`]: the effects (`effects[k]`, for record `k`) of the
+/// Step 4 of [`write()`]: the effects (`effects[k]`, for record `k`) of the
 /// records [`admit`] admitted, in one statement, and the final [`Batch`].
 /// A record whose `effects[k]` is `None` is taken as having none.
 pub async fn finish(

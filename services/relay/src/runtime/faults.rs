@@ -4,7 +4,7 @@
 //!
 //! Enabled only by configuration: `RELAY_FAULTS="consumer.after_db_commit=abort@3"`
 //! (abort the process the 3rd time the point is reached) for process-level
-//! tests, or [`Faults::new`] with [`FaultAction::Fail`] for in-process ones.
+//! tests, or `Faults::new` with [`FaultAction::Fail`] for in-process ones.
 //! With no faults configured every point is a single map lookup.
 //!
 //! Only in builds with the `faults` cargo feature, which the tests, the soak
