@@ -117,7 +117,7 @@ impl Plan {
 
 /// An intent to insert: a call with its derived id (R7) and the
 /// idempotency key every attempt sends (R8).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct NewIntent {
     /// Derived id (R7).
     pub id: Uuid,

@@ -191,3 +191,39 @@ pub async fn give_back(pool: &PgPool, handed: Vec<Handed>) {
     }
     debug!(intents = n, "intents claimed at ingest given back to pending: the dispatcher has stopped");
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use relay_store::intents::{Held, NewIntent};
+
+    fn claimed() -> ClaimedIntent {
+        let now = chrono::Utc::now();
+        ClaimedIntent::held_at_insert(
+            NewIntent::default(),
+            Held { lease_token: uuid::Uuid::nil(), expires_at: now, created_at: now },
+        )
+    }
+
+    #[test]
+    fn room_is_held_per_intent_handed_over_and_comes_back_when_it_is_done() {
+        let (handoff, _desk) = channel("w-1", Duration::from_secs(30), 3);
+        let mut reserved = handoff.reserve(10).expect("room");
+        assert_eq!(reserved.len(), 3, "as much as is free, never more");
+        assert!(handoff.reserve(1).is_none(), "none left, and reserving never waits");
+        let handed = reserved.hand(claimed()).expect("a unit of the reservation");
+        drop(reserved);
+        assert_eq!(handoff.reserve(10).map(|r| r.len()), Some(2), "the unused units went back");
+        drop(handed);
+        assert_eq!(handoff.reserve(10).map(|r| r.len()), Some(3), "the call done, its unit is back");
+    }
+
+    #[test]
+    fn a_reservation_hands_over_no_more_intents_than_it_has_room_for() {
+        let (handoff, _desk) = channel("w-1", Duration::from_secs(30), 1);
+        let mut reserved = handoff.reserve(5).expect("room");
+        let first = reserved.hand(claimed());
+        assert!(first.is_some());
+        assert!(reserved.hand(claimed()).is_none(), "the second finds no unit: it is written pending");
+    }
+}
