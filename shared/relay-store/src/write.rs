@@ -29,7 +29,6 @@ use std::time::Duration;
 use relay_core::{Disposition, Effects, PoisonClass};
 use serde_json::json;
 use sqlx::PgConnection;
-use uuid::Uuid;
 
 use crate::inbox::{self, InboxOutcome, NewInboxRow, SequenceCheck, VersionCheck};
 use crate::intents::{ClaimedIntent, Hold};
@@ -88,8 +87,7 @@ pub async fn write(
     hold: Option<HoldRoom<'_>>,
 ) -> Result<Batch, sqlx::Error> {
     let admitted = admit(conn, consumer, batch).await?;
-    let effects: Vec<Option<&Effects>> = batch.iter().map(|p| p.effects).collect();
-    finish(conn, consumer, batch, admitted, &effects, hold).await
+    finish(conn, consumer, batch, admitted, hold).await
 }
 
 /// Steps 1–3 of [`write()`]: `None` for each record admitted (its effects
@@ -232,22 +230,22 @@ async fn check(conn: &mut PgConnection, consumer: &str, p: &Planned<'_>) -> Resu
     Ok(None)
 }
 
-/// Step 4 of [`write()`]: the effects (`effects[k]`, for record `k`) of the
-/// records [`admit`] admitted, in one statement, and the final [`Batch`].
-/// A record whose `effects[k]` is `None` is taken as having none.
+/// Step 4 of [`write()`]: the effects of the records [`admit`] admitted, in
+/// one statement, and the final [`Batch`]. `batch` is the one admitted, its
+/// effects grown by what a code handler added since, if any.
 pub async fn finish(
     conn: &mut PgConnection,
     consumer: &str,
     batch: &[Planned<'_>],
     admitted: Vec<Option<Disposition>>,
-    effects: &[Option<&Effects>],
     hold: Option<HoldRoom<'_>>,
 ) -> Result<Batch, sqlx::Error> {
-    let standing: Vec<(usize, &Effects)> = admitted
+    let standing: Vec<(usize, &Effects)> = batch
         .iter()
+        .zip(&admitted)
         .enumerate()
-        .filter(|(_, w)| w.is_none())
-        .filter_map(|(k, _)| effects.get(k).copied().flatten().map(|e| (k, e)))
+        .filter(|(_, (_, w))| w.is_none())
+        .filter_map(|(k, (p, _))| p.effects.map(|e| (k, e)))
         .collect();
     let intents: Vec<_> = standing.iter().flat_map(|(_, e)| e.intents.iter().cloned()).collect();
     let outbox: Vec<(&str, &relay_core::OutboxRecord)> =
@@ -279,10 +277,9 @@ pub async fn finish(
     let mut written: Vec<Disposition> =
         admitted.into_iter().map(|w| w.unwrap_or(Disposition::Applied { intents: 0, events: 0 })).collect();
     for (k, e) in &standing {
-        let count = |ids: &HashSet<Uuid>, of: &mut dyn Iterator<Item = Uuid>| of.filter(|id| ids.contains(id)).count();
         written[*k] = Disposition::Applied {
-            intents: count(&new.intents, &mut e.intents.iter().map(|i| i.id)),
-            events: count(&new.outbox, &mut e.events.iter().map(|r| r.id)),
+            intents: e.intents.iter().filter(|i| new.intents.contains(&i.id)).count(),
+            events: e.events.iter().filter(|r| new.outbox.contains(&r.id)).count(),
         };
     }
     // `remove`: one claim per row, whatever the list repeats.

@@ -96,13 +96,6 @@ struct Item<'a, 'r> {
 }
 
 impl Item<'_, '_> {
-    /// Whether it must be written in a run of its own: it has checks or a
-    /// code handler.
-    fn alone(&self) -> bool {
-        self.route.is_some_and(|r| r.version_guard || r.sequence_guard || r.handler.is_some())
-            || self.effects.as_ref().is_some_and(|e| !e.sagas.is_empty())
-    }
-
     /// How many of its intents could be claimed at ingest (no ordering key).
     fn unkeyed_intents(&self) -> usize {
         self.effects.iter().flat_map(|e| &e.intents).filter(|i| i.ordering_key.is_none()).count()
@@ -184,9 +177,20 @@ impl Processor {
     /// transaction later, committing no offset meanwhile. Its intents are
     /// written pending, never claimed at ingest.
     pub async fn process(&self, conn: &mut PgConnection, record: &RawRecord) -> Result<Processed, sqlx::Error> {
+        self.process_alone(conn, record, None).await
+    }
+
+    /// Route, plan and write `record` in a run of its own. With `held`, its
+    /// intents may be claimed at ingest.
+    async fn process_alone(
+        &self,
+        conn: &mut PgConnection,
+        record: &RawRecord,
+        held: Option<&mut Vec<Handed>>,
+    ) -> Result<Processed, sqlx::Error> {
         match self.prepare(record) {
             Prepared::Done(p) => Ok(p),
-            Prepared::Ready(item) => self.write_alone(conn, item, None).await,
+            Prepared::Ready(item) => self.write_alone(conn, item, held).await,
         }
     }
 
@@ -245,7 +249,7 @@ impl Processor {
             let mut next = None;
             for record in &records[i..] {
                 match self.prepare(record) {
-                    Prepared::Ready(item) if !item.alone() => run.push(item),
+                    Prepared::Ready(item) if !self.alone(&item) => run.push(item),
                     other => {
                         next = Some(other);
                         break;
@@ -260,10 +264,7 @@ impl Processor {
                     None if bare => return Ok(None),
                     None => {
                         for record in &records[i..i + n] {
-                            out.push(match self.prepare(record) {
-                                Prepared::Done(p) => p,
-                                Prepared::Ready(item) => self.write_alone(conn, item, Some(&mut *held)).await?,
-                            });
+                            out.push(self.process_alone(conn, record, Some(&mut *held)).await?);
                         }
                     }
                 }
@@ -347,6 +348,12 @@ impl Processor {
         }
     }
 
+    /// Whether `item` must be written in a run of its own: the write path
+    /// runs checks for it, or it has a code handler.
+    fn alone(&self, item: &Item<'_, '_>) -> bool {
+        item.route.is_some_and(|r| r.handler.is_some()) || self.planned(item, item.effects.as_ref()).has_checks()
+    }
+
     /// Room at the dispatcher for up to `intents` intents claimed at ingest.
     fn reserve(&self, intents: usize) -> Option<(HoldRoom<'_>, Reserved)> {
         let h = self.handoff.as_ref()?;
@@ -382,14 +389,14 @@ impl Processor {
             write::write(conn, consumer, &planned, hold).await
         } else {
             let mut sp = conn.begin().await?;
-            match write::write(&mut sp, consumer, &planned, hold).await {
-                Ok(batch) => sp.commit().await.map(|()| batch),
-                Err(e) if classify_error(&e) == DbErrorKind::Permanent => {
-                    sp.rollback().await?;
-                    Err(e)
-                }
-                Err(e) => Err(e),
+            let written = write::write(&mut sp, consumer, &planned, hold).await;
+            match &written {
+                Ok(_) => sp.commit().await?,
+                Err(e) if classify_error(e) == DbErrorKind::Permanent => sp.rollback().await?,
+                // Transient: the caller rolls the whole transaction back.
+                Err(_) => {}
             }
+            written
         };
         let mut batch = match written {
             Ok(batch) => batch,
@@ -498,8 +505,8 @@ impl Processor {
             all.events.extend(extra.events);
             merged = Some(all);
         }
-        let effects = merged.as_ref().or(item.effects.as_ref());
-        let batch = write::finish(tx, consumer, std::slice::from_ref(&planned), admitted, &[effects], hold).await?;
+        let planned = Planned { effects: merged.as_ref().or(planned.effects), ..planned };
+        let batch = write::finish(tx, consumer, std::slice::from_ref(&planned), admitted, hold).await?;
         Ok(Ok(batch))
     }
 
