@@ -25,7 +25,7 @@ use crate::{Claim, ClaimConnection, Position};
 pub use relay_core::effects::NewIntent;
 
 /// Where an intent is, as `intents.state` stores it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IntentState {
     /// Waiting for a claim (new, or scheduled for another attempt).
     Pending,
@@ -64,12 +64,6 @@ impl std::str::FromStr for IntentState {
             let names: Vec<&str> = IntentState::ALL.iter().map(|st| st.as_str()).collect();
             format!("unknown intent state {s:?} (one of: {})", names.join(", "))
         })
-    }
-}
-
-impl std::fmt::Display for IntentState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
     }
 }
 

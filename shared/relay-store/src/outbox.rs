@@ -11,7 +11,7 @@ use uuid::Uuid;
 use crate::{Claim, ClaimConnection, FinishConnection, headers};
 
 /// Where an outbox row is, as `outbox.state` stores it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OutboxState {
     /// Waiting for a publisher.
     Pending,

@@ -118,34 +118,31 @@ impl Dispatcher {
             (intent.aggregate_id.as_deref().unwrap_or(""), intent.correlation_id.as_deref().unwrap_or(""));
         let ms = took.as_millis() as u64;
         macro_rules! emit {
-            ($lvl:expr, $result:expr, $($msg:tt)+) => {
+            ($lvl:expr, $($msg:tt)+) => {
                 tracing::event!(
                     $lvl, worker = %self.inner.worker, intent_id = %intent.id, endpoint = %intent.endpoint,
                     action = %intent.action, event_id = %intent.source_event_id, idempotency_key = %intent.idempotency_key,
                     aggregate_id = agg, correlation_id = corr, attempt = intent.attempts, status, error_class = class,
-                    result = $result, duration_ms = ms, $($msg)+
+                    result = label, duration_ms = ms, $($msg)+
                 )
             };
         }
         match finished {
-            Finished::Succeeded => emit!(tracing::Level::DEBUG, "succeeded", "call succeeded"),
+            Finished::Succeeded => emit!(tracing::Level::DEBUG, "call succeeded"),
             Finished::Retrying => {
-                emit!(tracing::Level::WARN, "retrying", "call failed; retrying with the same idempotency key: {error}")
+                emit!(tracing::Level::WARN, "call failed; retrying with the same idempotency key: {error}")
             }
             Finished::Dead => emit!(
                 tracing::Level::ERROR,
-                "dead",
                 "intent is dead and will not be retried (replay it once the cause is fixed): {error}"
             ),
             Finished::Uncertain => emit!(
                 tracing::Level::ERROR,
-                "uncertain",
                 "intent is out of budget and its last attempt may have been applied: left uncertain for an \
                  operator to decide (replay asks again with the same idempotency key): {error}"
             ),
             Finished::LeaseLost => emit!(
                 tracing::Level::WARN,
-                "lease_lost",
                 "lease lost before the outcome was recorded; another worker owns this intent now, nothing recorded"
             ),
         }
@@ -160,6 +157,7 @@ pub struct Completion {
     pub(super) result: CallResult,
     pub(super) started: std::time::Instant,
 }
+
 /// What to record about an attempt: its outcome class, status and error,
 /// with the decision's reason in front when the budget ended the intent.
 pub(super) fn attempt_record(d: &Decision, r: &CallResult) -> AttemptRecord {
