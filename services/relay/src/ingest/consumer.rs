@@ -3,11 +3,12 @@
 //!
 //! Loop: receive what is already fetched; each partition's records run on a
 //! task of their own, one task per partition at a time, in order, in
-//! transactions of up to `batch_size` records, each record in a savepoint
-//! (R12); records of a partition whose task is running wait for it and form
-//! its next batch. After each commit the next offset of the partition is
-//! stored and committed. The committed offset is always the end of a
-//! contiguous processed prefix:
+//! transactions of up to `batch_size` records, written in savepoints that a
+//! bad record rolls back alone ([`crate::ingest::processor`], R12); records
+//! of a partition whose task is running wait for it and form its next batch.
+//! After each commit the next offset of the partition is stored and
+//! committed. The committed offset is always the end of a contiguous
+//! processed prefix:
 //!
 //! * a poison record is parked (dead-letter table + dead-letter topic) in the
 //!   same transaction and counts as processed: the partition keeps moving (R11);
