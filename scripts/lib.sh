@@ -179,8 +179,8 @@ ensure_console_test_deps() {
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
   fi
   command -v node >/dev/null || die "Node.js is needed for the console test (apt-get install nodejs)"
-  if [ ! -d "$ROOT/services/relay-cli/tests/console/node_modules/playwright-core" ]; then
+  if [ ! -d "$ROOT/tests/console/node_modules/playwright-core" ]; then
     say "installing playwright-core for the console test"
-    (cd "$ROOT/services/relay-cli/tests/console" && npm ci --no-audit --no-fund --silent)
+    (cd "$ROOT/tests/console" && npm ci --no-audit --no-fund --silent)
   fi
 }

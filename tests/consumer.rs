@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use async_trait::async_trait;
-use relay::ops::admin::{self, ReplayOutcome};
+use relay::ops::admin::ReplayOutcome;
 use relay::{Components, FaultAction, Faults, Handler, HandlerError, Handlers};
 use relay_core::{CallSpec, InputEvent, Plan, RelayConfig};
 use relay_store::inbox;
@@ -512,9 +512,9 @@ async fn an_event_for_an_aggregate_that_never_appears_is_retried_then_parked_and
         .fetch_one(&h.db.pool)
         .await
         .unwrap();
-    assert_eq!(admin::replay(&h.db.pool, &relay.processor(), id).await.unwrap(), ReplayOutcome::Applied);
+    assert_eq!(relay.operator().replay(&relay.processor(), id).await.unwrap(), ReplayOutcome::Applied);
     assert_eq!(
-        admin::replay(&h.db.pool, &relay.processor(), id).await.unwrap(),
+        relay.operator().replay(&relay.processor(), id).await.unwrap(),
         ReplayOutcome::Duplicate,
         "a second replay is a no-op"
     );
@@ -589,7 +589,7 @@ async fn the_sequence_guard_applies_in_order_and_never_applies_across_a_gap() {
 
     // Now that 2 is applied, replaying 3 applies it.
     let relay = h.relay(cfg, Handlers::default(), no_faults()).await;
-    assert_eq!(admin::replay(&h.db.pool, &relay.processor(), id).await.unwrap(), ReplayOutcome::Applied);
+    assert_eq!(relay.operator().replay(&relay.processor(), id).await.unwrap(), ReplayOutcome::Applied);
     let last_seq: i64 = sqlx::query_scalar("SELECT last_seq FROM relay.aggregates WHERE aggregate_id = 'acct-1'")
         .fetch_one(&h.db.pool)
         .await
@@ -935,7 +935,7 @@ idempotency_key = "capture:{{ id }}"
     let mut other_cfg = h.config(FIXED);
     other_cfg.consumer.name = unique("other");
     let other = h.relay(other_cfg.clone(), Handlers::default(), no_faults()).await;
-    assert_eq!(admin::replay(&h.db.pool, &other.processor(), id).await.unwrap(), ReplayOutcome::NotFound);
+    assert_eq!(other.operator().replay(&other.processor(), id).await.unwrap(), ReplayOutcome::NotFound);
     let mut conn = h.db.conn().await.unwrap();
     assert!(relay_store::dead_letters::get(&mut conn, &other_cfg.consumer.name, id).await.unwrap().is_none());
     assert!(!relay_store::dead_letters::delete(&mut conn, &other_cfg.consumer.name, id).await.unwrap());
@@ -943,11 +943,11 @@ idempotency_key = "capture:{{ id }}"
     // Its own consumer, with the route paused: the replay waits like the partition would.
     let relay = h.relay(h.config(FIXED), Handlers::default(), no_faults()).await;
     ops::pause(&mut conn, PauseKind::Route, "order-placed", None).await.unwrap();
-    let paused = admin::replay(&h.db.pool, &relay.processor(), id).await.unwrap();
+    let paused = relay.operator().replay(&relay.processor(), id).await.unwrap();
     assert!(matches!(&paused, ReplayOutcome::StillFailing(why) if why.contains("paused")), "{paused:?}");
     assert_eq!(h.inbox().await, 0, "nothing applied through a paused route");
     ops::resume(&mut conn, PauseKind::Route, "order-placed").await.unwrap();
-    assert_eq!(admin::replay(&h.db.pool, &relay.processor(), id).await.unwrap(), ReplayOutcome::Applied);
+    assert_eq!(relay.operator().replay(&relay.processor(), id).await.unwrap(), ReplayOutcome::Applied);
     assert_eq!(h.inbox().await, 1);
 }
 

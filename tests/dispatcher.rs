@@ -1115,7 +1115,11 @@ async fn an_intent_out_of_budget_after_an_uncertain_attempt_is_left_uncertain_wi
     h.provider.set_faults(vec![]);
     let mut conn = h.db.conn().await.unwrap();
     let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents").fetch_one(&mut *conn).await.unwrap();
-    assert!(intents::requeue(&mut conn, id).await.unwrap(), "an uncertain intent can be replayed");
+    assert_eq!(
+        intents::requeue(&mut conn, id).await.unwrap(),
+        intents::Requeue::Queued,
+        "an uncertain intent can be replayed"
+    );
     let run = h.start(h.config(CAPTURE_ROUTE), DISPATCH, no_faults()).await;
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
@@ -1204,4 +1208,57 @@ async fn attempts_span(h: &Harness, filter: &str) -> f64 {
     .fetch_one(&h.db.pool)
     .await
     .unwrap()
+}
+
+#[tokio::test]
+async fn the_operator_queues_every_dead_intent_again_page_after_page_and_leaves_the_others() {
+    use relay::ops::admin::{Intents, Operator, OpsError};
+    let db = relay_testkit::TestDb::new().await.unwrap();
+    // 2 500 dead intents of `psp` (more than a page), 3 of `other`, 2 succeeded.
+    sqlx::query(
+        "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path,
+                                    idempotency_key, max_attempts, attempts, expires_at, emit_source, state)
+         SELECT gen_random_uuid(), 't', 'e-' || g, 'capture',
+                CASE WHEN g <= 2500 THEN 'psp' ELSE 'other' END, 'POST', '/c', 'capture:' || g, 3, 3,
+                now() + interval '1 day', 't', CASE WHEN g <= 2503 THEN 'dead' ELSE 'succeeded' END
+           FROM generate_series(1, 2505) g",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let ops = Operator::new(db.pool.clone(), &relay_core::RelayConfig::default());
+    let mut progress = Vec::new();
+    let done = ops.requeue_all(Intents::Dead { endpoint: Some("psp".into()) }, |n| progress.push(n)).await.unwrap();
+    assert_eq!((done.asked, done.queued, done.left.len()), (2500, 2500, 0));
+    assert_eq!(progress, vec![1000, 2000, 2500], "progress once a page");
+    let count = |state: &'static str, endpoint: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM relay.intents WHERE state = $1 AND endpoint = $2")
+                .bind(state)
+                .bind(endpoint)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(count("pending", "psp").await, 2500);
+    assert_eq!(count("dead", "other").await, 3, "another endpoint's dead intents stay dead");
+
+    // By id: a dead one is queued, a succeeded one (and an unknown id) left, named.
+    let id_of = |key: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, uuid::Uuid>("SELECT id FROM relay.intents WHERE idempotency_key = $1")
+                .bind(key)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let (dead, succeeded, unknown) = (id_of("capture:2501").await, id_of("capture:2504").await, uuid::Uuid::nil());
+    let done = ops.requeue_all(Intents::Ids(vec![dead, succeeded, unknown]), |_| {}).await.unwrap();
+    assert_eq!((done.asked, done.queued, done.left), (3, 1, vec![succeeded, unknown]));
+    let refused = ops.requeue(succeeded).await.unwrap_err();
+    assert!(matches!(&refused, OpsError::Conflict(why) if why.contains("neither dead nor uncertain")), "{refused:?}");
 }

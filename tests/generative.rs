@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use relay::ops::admin::{self, ReplayOutcome};
+use relay::ops::admin::ReplayOutcome;
 use relay::runtime::faults::{Sabotage, point};
 use relay::{Components, FaultAction, Faults, Handlers};
 use relay_cli::verify::{ProviderEffect, VerifyOptions, verify};
@@ -410,7 +410,7 @@ async fn check(h: &Harness, cfg: &RelayConfig, s: &Scenario) -> Vec<String> {
     let relay = h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
     let ids: Vec<i64> = sqlx::query_scalar("SELECT id FROM relay.dead_letters").fetch_all(pool).await.unwrap();
     for id in ids {
-        let outcome = admin::replay(pool, &relay.processor(), id).await.unwrap();
+        let outcome = relay.operator().replay(&relay.processor(), id).await.unwrap();
         if outcome.resolved() {
             wrong.push(format!("dead letter {id} was {outcome:?} on replay"));
         }

@@ -1,5 +1,9 @@
 //! Shared setup of the end-to-end tests: a fresh database, fresh topics, a
-//! fake provider, and a relay configured against them, run in-process.
+//! fake provider, and a relay configured against them, run in-process or as
+//! `relay` processes. The generic pieces (databases, topics, producers,
+//! processes, private servers) are `relay_testkit`'s; what is here knows the
+//! relay's configuration and routes.
+// Each test binary compiles this module and uses part of it.
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
@@ -199,8 +203,7 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
 
     /// A `relay` process (`args` e.g. `["consume"]`) on `config`, logging to a temp file.
     pub fn process(&self, config: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> RelayProcess {
-        // Only the relay package's own tests know where cargo put its binary.
-        let Some(bin) = option_env!("CARGO_BIN_EXE_relay") else { panic!("process tests live in the relay package") };
+        let bin = env!("CARGO_BIN_EXE_relay");
         let mut all =
             vec![("DATABASE_URL".to_string(), self.db.url.clone()), ("RUST_LOG".to_string(), "info".to_string())];
         all.extend(env.iter().map(|(k, v)| ((*k).to_string(), (*v).to_string())));

@@ -7,17 +7,18 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use relay_core::RelayConfig;
-use relay_store::dead_letters::{self, Filter, Resolution};
-use relay_store::intents::IntentState;
+use relay_store::dead_letters::Resolution;
+use relay_store::intents::{IntentFilter, IntentState};
+use relay_store::ops::{PauseKind, Paused, Resumed};
 use relay_store::outbox::OutboxState;
-use relay_store::stats::{self, Stats};
+use relay_store::stats::Stats;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::telemetry::{self, LogFormat};
 use relay::app::{Components, Relay, connect};
 use relay::ingest::handler::Handlers;
-use relay::ops::admin::{self, ReplayOutcome};
+use relay::ops::admin::{DeadLetters, Intents, Operator, ReplayOutcome};
 use relay::runtime::faults::Faults;
 
 /// relay — exactly-once effects from Kafka's at-least-once delivery.
@@ -119,11 +120,11 @@ pub enum PauseKindArg {
     Endpoint,
 }
 
-impl From<PauseKindArg> for relay_store::ops::PauseKind {
+impl From<PauseKindArg> for PauseKind {
     fn from(k: PauseKindArg) -> Self {
         match k {
-            PauseKindArg::Route => relay_store::ops::PauseKind::Route,
-            PauseKindArg::Endpoint => relay_store::ops::PauseKind::Endpoint,
+            PauseKindArg::Route => PauseKind::Route,
+            PauseKindArg::Endpoint => PauseKind::Endpoint,
         }
     }
 }
@@ -246,7 +247,7 @@ fn load(cli: &Cli) -> anyhow::Result<RelayConfig> {
         let default = PathBuf::from("relay.toml");
         default.exists().then_some(default)
     });
-    Ok(RelayConfig::load(path.as_deref())?)
+    Ok(relay::config::load(path.as_deref())?)
 }
 
 /// Run one parsed command.
@@ -302,36 +303,21 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::DeadLetters(cmd) => dead_letter_command(cfg, cmd).await,
         Command::Intents(cmd) => intent_command(cfg, cmd).await,
         Command::Pause { kind, name, reason } => {
-            let known: Vec<String> = match kind {
-                PauseKindArg::Route => cfg.routes.iter().map(|r| r.display_name()).collect(),
-                PauseKindArg::Endpoint => cfg.endpoints.keys().cloned().collect(),
-            };
-            if !known.contains(&name) {
-                anyhow::bail!("no {kind:?} named {name:?} in the configuration (known: {})", known.join(", "));
-            }
-            let pool = connect(&cfg).await?;
-            let new =
-                relay_store::ops::pause(&mut *pool.acquire().await?, kind.into(), &name, reason.as_deref()).await?;
-            println!(
-                "{} {name} {}",
-                format!("{kind:?}").to_lowercase(),
-                if new { "paused" } else { "was already paused" }
-            );
+            let kind = PauseKind::from(kind);
+            let done = operator(&cfg).await?.pause(kind, &name, reason.as_deref()).await?;
+            let what = if done == Paused::Paused { "paused" } else { "was already paused" };
+            println!("{} {name} {what}", kind.as_str());
             Ok(())
         }
         Command::Resume { kind, name } => {
-            let pool = connect(&cfg).await?;
-            let was = relay_store::ops::resume(&mut *pool.acquire().await?, kind.into(), &name).await?;
-            println!(
-                "{} {name} {}",
-                format!("{kind:?}").to_lowercase(),
-                if was { "resumed" } else { "was not paused" }
-            );
+            let kind = PauseKind::from(kind);
+            let done = operator(&cfg).await?.resume(kind, &name).await?;
+            let what = if done == Resumed::Resumed { "resumed" } else { "was not paused" };
+            println!("{} {name} {what}", kind.as_str());
             Ok(())
         }
         Command::Pauses => {
-            let pool = connect(&cfg).await?;
-            let pauses = relay_store::ops::pauses(&mut *pool.acquire().await?).await?;
+            let pauses = operator(&cfg).await?.pauses().await?;
             if pauses.is_empty() {
                 println!("nothing is paused");
             }
@@ -381,8 +367,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             if report.ok() { Ok(()) } else { anyhow::bail!("{} invariant violation(s)", report.violations.len()) }
         }
         Command::Stats { json } => {
-            let pool = connect(&cfg).await?;
-            let s = stats::snapshot(&mut *pool.acquire().await?).await?;
+            let s = operator(&cfg).await?.stats().await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&s)?);
             } else {
@@ -450,14 +435,17 @@ fn print_stats(s: &Stats) {
     }
 }
 
+/// The operator actions over the configured database.
+async fn operator(cfg: &RelayConfig) -> anyhow::Result<Operator> {
+    Ok(Operator::new(connect(cfg).await?, cfg))
+}
+
 async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow::Result<()> {
-    let pool = connect(&cfg).await?;
-    let consumer = cfg.consumer.name.clone();
+    let ops = operator(&cfg).await?;
     match cmd {
         DeadLetterCommand::List { class, topic, all, limit, json } => {
             let resolution = if all { Resolution::Any } else { Resolution::Unresolved };
-            let f = Filter { consumer: Some(consumer), error_class: class, topic, resolution };
-            let rows = dead_letters::list(&mut *pool.acquire().await?, &f, 0, limit).await?;
+            let rows = ops.dead_letters(&ops.filter(class, topic, resolution), 0, limit).await?;
             if json {
                 for r in &rows {
                     println!("{}", serde_json::to_string(r)?);
@@ -483,9 +471,7 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
             Ok(())
         }
         DeadLetterCommand::Show { id } => {
-            let Some(dl) = dead_letters::get(&mut *pool.acquire().await?, &consumer, id).await? else {
-                anyhow::bail!("no dead letter with id {id} (see `relay dead-letters list --all`)");
-            };
+            let dl = ops.dead_letter(id).await?;
             let m = &dl.meta;
             println!("dead letter {id}");
             println!("  source     {}[{}] offset {}", m.topic, m.partition, m.offset);
@@ -521,102 +507,55 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
             Ok(())
         }
         DeadLetterCommand::Replay { ids, all, class } => {
-            let relay = Relay::new(cfg, Handlers::default(), Faults::none()).await?;
-            let ids = if all {
-                let f = Filter {
-                    consumer: Some(consumer),
-                    error_class: class,
-                    topic: None,
-                    resolution: Resolution::Unresolved,
-                };
-                all_ids(&pool, &f).await?
-            } else {
-                ids
-            };
-            if ids.is_empty() {
+            if ids.is_empty() && !all {
                 anyhow::bail!("nothing to replay: give dead letter ids, or --all");
             }
-            let processor = relay.processor();
-            let (mut resolved, mut failing) = (0, 0);
-            for (i, id) in ids.iter().enumerate() {
-                let outcome = admin::replay(&pool, &processor, *id).await?;
-                if outcome.resolved() {
-                    resolved += 1;
-                } else {
-                    failing += 1;
-                }
-                match &outcome {
-                    ReplayOutcome::StillFailing(why) => {
-                        println!("[{}/{}] {id}: still failing: {why}", i + 1, ids.len())
-                    }
-                    ReplayOutcome::NotFound => {
-                        println!("[{}/{}] {id}: no such dead letter", i + 1, ids.len())
-                    }
-                    other => println!("[{}/{}] {id}: {other:?}", i + 1, ids.len()),
-                }
-            }
-            println!("replayed {}: {resolved} resolved, {failing} still failing", ids.len());
+            let which = if all {
+                DeadLetters::Matching(ops.filter(class, None, Resolution::Unresolved))
+            } else {
+                DeadLetters::Ids(ids)
+            };
+            let relay = Relay::new(cfg, Handlers::default(), Faults::none()).await?;
+            let done = ops
+                .replay_all(&relay.processor(), which, |n, of, id, outcome| match outcome {
+                    ReplayOutcome::StillFailing(why) => println!("[{n}/{of}] {id}: still failing: {why}"),
+                    ReplayOutcome::NotFound => println!("[{n}/{of}] {id}: no such dead letter"),
+                    other => println!("[{n}/{of}] {id}: {other:?}"),
+                })
+                .await?;
+            let resolved = done.iter().filter(|(_, o)| o.resolved()).count();
+            println!("replayed {}: {resolved} resolved, {} still failing", done.len(), done.len() - resolved);
             Ok(())
         }
         DeadLetterCommand::Purge { ids, all, class, resolved, yes } => {
-            let mut conn = pool.acquire().await?;
-            if all {
+            let which = if all {
                 let resolution = if resolved { Resolution::Resolved } else { Resolution::Any };
-                let f = Filter { consumer: Some(consumer), error_class: class, topic: None, resolution };
-                let n = dead_letters::count(&mut conn, &f).await?;
-                if !yes {
-                    println!("would delete {n} dead letter(s); add --yes to delete them");
-                    return Ok(());
-                }
-                let mut deleted = 0;
-                loop {
-                    let batch = dead_letters::purge(&mut conn, &f, 1000).await?;
-                    if batch == 0 {
-                        break;
-                    }
-                    deleted += batch;
-                    eprintln!("  deleted {deleted} of {n}");
-                }
-                println!("deleted {deleted} dead letter(s)");
-                return Ok(());
-            }
-            if ids.is_empty() {
+                DeadLetters::Matching(ops.filter(class, None, resolution))
+            } else if ids.is_empty() {
                 anyhow::bail!("nothing to purge: give dead letter ids, or --all");
-            }
+            } else {
+                DeadLetters::Ids(ids)
+            };
+            let n = match &which {
+                DeadLetters::Matching(f) => ops.count_dead_letters(f).await?,
+                DeadLetters::Ids(ids) => ids.len() as i64,
+            };
             if !yes {
-                println!("would delete {} dead letter(s); add --yes to delete them", ids.len());
+                println!("would delete {n} dead letter(s); add --yes to delete them");
                 return Ok(());
             }
-            let mut deleted = 0;
-            for id in &ids {
-                deleted += usize::from(dead_letters::delete(&mut conn, &consumer, *id).await?);
-            }
+            let deleted = ops.purge(which, |deleted| eprintln!("  deleted {deleted} of {n}")).await?;
             println!("deleted {deleted} dead letter(s)");
             Ok(())
         }
     }
 }
 
-async fn all_ids(pool: &sqlx::PgPool, f: &Filter) -> anyhow::Result<Vec<i64>> {
-    let mut conn = pool.acquire().await?;
-    let mut out = Vec::new();
-    let mut after = 0;
-    loop {
-        let page = dead_letters::list(&mut conn, f, after, 1000).await?;
-        let Some(last) = page.last() else { break };
-        after = last.id;
-        out.extend(page.iter().map(|d| d.id));
-    }
-    Ok(out)
-}
-
 async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<()> {
-    use relay_store::intents::{self, IntentFilter};
-    let pool = connect(&cfg).await?;
-    let mut conn = pool.acquire().await?;
+    let ops = operator(&cfg).await?;
     match cmd {
         IntentCommand::List { state, endpoint, limit, json } => {
-            let rows = intents::list(&mut conn, &IntentFilter { state, endpoint }, None, limit).await?;
+            let rows = ops.intents(&IntentFilter { state, endpoint }, None, limit).await?;
             if json {
                 for r in &rows {
                     println!("{}", serde_json::to_string(r)?);
@@ -643,9 +582,7 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
             }
         }
         IntentCommand::Show { id } => {
-            let Some(i) = intents::get(&mut conn, id).await? else {
-                anyhow::bail!("no intent {id} (see `relay intents list`)");
-            };
+            let (i, attempts) = ops.intent(id).await?;
             println!("intent {}", i.id);
             println!("  call       {} {} on endpoint {}", i.method, i.path, i.endpoint);
             println!("  key        {}", i.idempotency_key);
@@ -655,7 +592,7 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
                 println!("  last error {e}");
             }
             println!("  attempts");
-            for a in intents::attempts(&mut conn, id).await? {
+            for a in attempts {
                 println!(
                     "    #{:<3} {:<13} {:>4} {} by {}{}",
                     a.attempt,
@@ -668,30 +605,15 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
             }
         }
         IntentCommand::Replay { ids, all, endpoint } => {
-            let ids = if all {
-                intents::list(&mut conn, &IntentFilter { state: Some(IntentState::Dead), endpoint }, None, 1_000_000)
-                    .await?
-                    .into_iter()
-                    .map(|i| i.id)
-                    .collect()
-            } else {
-                ids
-            };
-            if ids.is_empty() {
+            if ids.is_empty() && !all {
                 anyhow::bail!("nothing to replay: give intent ids, or --all");
             }
-            let mut requeued = 0;
-            for (n, id) in ids.iter().enumerate() {
-                let ok = intents::requeue(&mut conn, *id).await?;
-                requeued += usize::from(ok);
-                if !ok {
-                    println!("{id}: neither dead nor uncertain, left as it is");
-                }
-                if (n + 1) % 1000 == 0 {
-                    eprintln!("  {} of {} done", n + 1, ids.len());
-                }
+            let which = if all { Intents::Dead { endpoint } } else { Intents::Ids(ids) };
+            let done = ops.requeue_all(which, |n| eprintln!("  {n} done")).await?;
+            for id in &done.left {
+                println!("{id}: neither dead nor uncertain, left as it is");
             }
-            println!("queued again: {requeued} of {} (same ids, same idempotency keys)", ids.len());
+            println!("queued again: {} of {} (same ids, same idempotency keys)", done.queued, done.asked);
         }
     }
     Ok(())

@@ -13,6 +13,7 @@ use crate::deliver::dispatcher::Dispatcher;
 use crate::ingest::consumer::{ConsumerSettings, InboxConsumer};
 use crate::ingest::handler::Handlers;
 use crate::ingest::processor::Processor;
+use crate::ops::admin::Operator;
 use crate::publish::publisher::Publisher;
 use crate::runtime::faults::Faults;
 
@@ -86,6 +87,11 @@ impl Relay {
     /// A record processor over this relay's routes (for replays).
     pub fn processor(&self) -> Processor {
         Processor::new(self.router.clone(), self.handlers.clone())
+    }
+
+    /// The operator actions over this relay's database and configuration.
+    pub fn operator(&self) -> Operator {
+        Operator::new(self.pool.clone(), &self.cfg)
     }
 
     /// The inbox consumer.

@@ -16,7 +16,8 @@
 //!   fault points of the crash tests.
 //! * [`ops`] — operator actions (replay, pauses, retention) and the HTTP
 //!   admin API and console over them.
-//! * [`app`] — wires the components of one process together.
+//! * [`app`] — wires the components of one process together; [`config`]
+//!   loads the configuration (file, environment) they are built from.
 //!
 //! Kafka handlers never call external systems: a [`Handler`] gets a
 //! database connection and returns what to call, never a client.
@@ -25,6 +26,7 @@
 //! `relay-cli` crate, which depends on this one (never the other way).
 
 pub mod app;
+pub mod config;
 pub mod deliver;
 pub mod ingest;
 pub mod ops;

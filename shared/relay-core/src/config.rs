@@ -1,8 +1,9 @@
-//! Configuration: a TOML file, then `RELAY_*` environment overrides.
+//! Configuration: the types of `relay.toml` with their defaults, and their
+//! validation, which needs no I/O.
 //!
-//! * Layering is [figment](https://docs.rs/figment): `relay.toml`, then
-//!   `RELAY_SECTION__KEY=value` (double underscore between levels, e.g.
-//!   `RELAY_KAFKA__BOOTSTRAP_SERVERS`), then `DATABASE_URL` for the database.
+//! * Loading — the file, then `RELAY_*` environment overrides, then checks
+//!   that touch the file system — is the service's (`relay::config::load`);
+//!   [`RelayConfig::from_toml`] parses a text alone, for tests and tools.
 //! * Invalid configuration fails at start with every problem at once, each
 //!   naming its key (`routes[1].actions[0].endpoint: …`) and what to do.
 //! * Secrets never come from the file: the database URL and provider tokens are
@@ -12,11 +13,9 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use figment::Figment;
-use figment::providers::{Env, Format, Toml};
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 use url::Url;
@@ -689,43 +688,9 @@ pub enum ConfigError {
 }
 
 impl RelayConfig {
-    /// Load `path` (if given), then the environment, then validate.
-    pub fn load(path: Option<&Path>) -> Result<RelayConfig, ConfigError> {
-        let mut fig = Figment::new();
-        if let Some(p) = path {
-            if !p.exists() {
-                return Err(ConfigError::Load(format!(
-                    "{} does not exist (pass --config PATH or set RELAY_CONFIG)",
-                    p.display()
-                )));
-            }
-            fig = fig.merge(Toml::file(p));
-        }
-        fig = fig
-            // Only RELAY_SECTION__KEY variables configure the relay; others with
-            // the prefix (RELAY_CONFIG, RELAY_FAULTS, RELAY_LOG_FORMAT) are not config keys.
-            .merge(Env::prefixed("RELAY_").filter(|k| k.as_str().contains("__")).split("__"))
-            .merge(Env::raw().only(&["DATABASE_URL"]).map(|_| "database.url".into()));
-        let mut cfg: RelayConfig = fig
-            .extract()
-            .map_err(|e| ConfigError::Load(e.into_iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; ")))?;
-        if let Some(dir) = path.and_then(Path::parent) {
-            for r in &mut cfg.routes {
-                if let Some(s) = &mut r.schema
-                    && s.is_relative()
-                {
-                    *s = dir.join(&*s);
-                }
-            }
-        }
-        cfg.validate()?;
-        Ok(cfg)
-    }
-
     /// Parse a TOML string (no environment), then validate. For tests and tools.
     pub fn from_toml(text: &str) -> Result<RelayConfig, ConfigError> {
-        let cfg: RelayConfig =
-            Figment::from(Toml::string(text)).extract().map_err(|e| ConfigError::Load(e.to_string()))?;
+        let cfg: RelayConfig = toml::from_str(text).map_err(|e| ConfigError::Load(e.to_string()))?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -829,11 +794,6 @@ impl RelayConfig {
                     "{at}.fields: id and type are read before routing; set them under [topics.{:?}.fields]",
                     r.topic
                 ));
-            }
-            if let Some(s) = &r.schema
-                && !s.exists()
-            {
-                p.push(format!("{at}.schema: {} does not exist", s.display()));
             }
             let mut names = BTreeMap::new();
             for (j, a) in r.actions.iter().enumerate() {

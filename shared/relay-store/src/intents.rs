@@ -632,10 +632,18 @@ pub async fn list(
     .await
 }
 
+/// What [`requeue`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Requeue {
+    /// Queued again.
+    Queued,
+    /// Left as it is: neither dead nor uncertain, or no such intent.
+    NotDeadOrUncertain,
+}
+
 /// Give a dead (or uncertain) intent a new budget and queue it again, keeping its id and
-/// idempotency key (the provider still sees one operation). `false` if it is
-/// neither.
-pub async fn requeue(conn: &mut PgConnection, id: Uuid) -> Result<bool, sqlx::Error> {
+/// idempotency key (the provider still sees one operation).
+pub async fn requeue(conn: &mut PgConnection, id: Uuid) -> Result<Requeue, sqlx::Error> {
     let done = sqlx::query(
         "UPDATE relay.intents
             SET state = 'pending', next_attempt_at = now(), finished_at = NULL,
@@ -646,7 +654,7 @@ pub async fn requeue(conn: &mut PgConnection, id: Uuid) -> Result<bool, sqlx::Er
     .bind(id)
     .execute(conn)
     .await?;
-    Ok(done.rows_affected() == 1)
+    Ok(if done.rows_affected() == 1 { Requeue::Queued } else { Requeue::NotDeadOrUncertain })
 }
 
 #[cfg(test)]

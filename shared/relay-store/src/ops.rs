@@ -37,30 +37,48 @@ pub struct Pause {
     pub paused_at: chrono::DateTime<chrono::Utc>,
 }
 
-/// Pause `name`; `false` if it was paused already.
+/// What [`pause`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Paused {
+    /// Paused now.
+    Paused,
+    /// It was paused already (the first reason stays).
+    AlreadyPaused,
+}
+
+/// What [`resume`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resumed {
+    /// Resumed now.
+    Resumed,
+    /// It was not paused.
+    NotPaused,
+}
+
+/// Pause `name`.
 pub async fn pause(
     conn: &mut PgConnection,
     kind: PauseKind,
     name: &str,
     reason: Option<&str>,
-) -> Result<bool, sqlx::Error> {
+) -> Result<Paused, sqlx::Error> {
     let done = sqlx::query("INSERT INTO relay.pauses (kind, name, reason) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
         .bind(kind.as_str())
         .bind(name)
         .bind(reason)
         .execute(conn)
         .await?;
-    Ok(done.rows_affected() == 1)
+    Ok(if done.rows_affected() == 1 { Paused::Paused } else { Paused::AlreadyPaused })
 }
 
-/// Resume `name`; `false` if it was not paused.
-pub async fn resume(conn: &mut PgConnection, kind: PauseKind, name: &str) -> Result<bool, sqlx::Error> {
+/// Resume `name`.
+pub async fn resume(conn: &mut PgConnection, kind: PauseKind, name: &str) -> Result<Resumed, sqlx::Error> {
     let done = sqlx::query("DELETE FROM relay.pauses WHERE kind = $1 AND name = $2")
         .bind(kind.as_str())
         .bind(name)
         .execute(conn)
         .await?;
-    Ok(done.rows_affected() == 1)
+    Ok(if done.rows_affected() == 1 { Resumed::Resumed } else { Resumed::NotPaused })
 }
 
 /// Every pause.

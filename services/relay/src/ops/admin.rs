@@ -1,12 +1,36 @@
-//! Operator actions on dead letters: replay (through the same guards, with
-//! the original event id) and purge.
+//! Operator actions: the one service behind both the `relay` command line
+//! and the HTTP admin API ([`crate::ops::server`]). Dead letters (list, show,
+//! replay through the same guards with the original event id, purge), intents
+//! (list, show, queue again), pauses and counts. Each action decides here —
+//! which names are known, what "all" selects, what counts as resolved — and
+//! its callers only render the answer (text, JSON, an HTTP status).
 
-use relay_store::dead_letters;
+use relay_core::{Disposition, RelayConfig};
+use relay_store::dead_letters::{self, DeadLetter, DeadLetterRecord, Filter, Resolution};
+use relay_store::intents::{self, AttemptView, IntentFilter, IntentState, IntentView, Requeue};
+use relay_store::ops::{self, Pause, PauseKind, Paused, Resumed};
+use relay_store::stats::{self, Stats};
 use sqlx::{Connection, PgPool};
-
-use relay_core::Disposition;
+use uuid::Uuid;
 
 use crate::ingest::processor::Processor;
+
+/// Why an operator action was refused or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    /// What was asked for does not exist (HTTP 404).
+    #[error("{0}")]
+    NotFound(String),
+    /// It exists but is in no state for this action (HTTP 409).
+    #[error("{0}")]
+    Conflict(String),
+    /// The database failed (HTTP 503).
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// Anything else (HTTP 500).
+    #[error(transparent)]
+    Other(#[from] anyhow::Error),
+}
 
 /// What a replay did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,41 +53,318 @@ impl ReplayOutcome {
         matches!(self, ReplayOutcome::Applied | ReplayOutcome::Duplicate | ReplayOutcome::NoOp(_))
     }
 
+    /// A label for the outcome (`applied`, `duplicate`, `no_op`,
+    /// `still_failing`, `not_found`) and its detail, if any.
+    pub fn label(&self) -> (&'static str, &str) {
+        match self {
+            ReplayOutcome::Applied => ("applied", ""),
+            ReplayOutcome::Duplicate => ("duplicate", ""),
+            ReplayOutcome::NoOp(c) => ("no_op", c),
+            ReplayOutcome::StillFailing(why) => ("still_failing", why),
+            ReplayOutcome::NotFound => ("not_found", ""),
+        }
+    }
+
     fn stored(&self) -> String {
         match self {
-            ReplayOutcome::Applied => "applied".into(),
-            ReplayOutcome::Duplicate => "duplicate".into(),
             ReplayOutcome::NoOp(o) => o.clone(),
             ReplayOutcome::StillFailing(why) => format!("failed: {why}"),
-            ReplayOutcome::NotFound => "not_found".into(),
+            other => other.label().0.into(),
         }
     }
 }
 
-/// Replay dead letter `id` of `processor`'s consumer through `processor` in
-/// one transaction (a dead letter of another consumer sharing the database
-/// is not found: its routes are not these). A route paused now holds the
-/// replay as it holds the partition.
-pub async fn replay(pool: &PgPool, processor: &Processor, id: i64) -> anyhow::Result<ReplayOutcome> {
-    let mut conn = pool.acquire().await?;
-    let mut tx = conn.begin().await?;
-    let consumer = processor.consumer().to_owned();
-    let Some(dl) = dead_letters::get(&mut tx, &consumer, id).await? else {
-        return Ok(ReplayOutcome::NotFound);
-    };
-    // The pauses as they are now, not as a consumer of this process last read them (if any does).
-    processor.set_paused(relay_store::ops::paused_routes(&mut tx).await?);
-    let processed = processor.process(&mut tx, &dl.record).await?;
-    let outcome = match processed.disposition {
-        Disposition::Applied { .. } => ReplayOutcome::Applied,
-        Disposition::Duplicate => ReplayOutcome::Duplicate,
-        Disposition::NoOp { outcome, .. } => ReplayOutcome::NoOp(outcome.as_str().to_owned()),
-        Disposition::DeadLetter(p) | Disposition::RetryLater(p) => ReplayOutcome::StillFailing(p.to_string()),
-        Disposition::Paused { route } => {
-            ReplayOutcome::StillFailing(format!("route {route} is paused; resume it first"))
+/// Which dead letters a bulk action works on.
+#[derive(Debug, Clone)]
+pub enum DeadLetters {
+    /// These ids (of this consumer).
+    Ids(Vec<i64>),
+    /// Every one matching (see [`Operator::filter`]).
+    Matching(Filter),
+}
+
+/// Which intents to queue again.
+#[derive(Debug, Clone)]
+pub enum Intents {
+    /// These ids.
+    Ids(Vec<Uuid>),
+    /// Every dead intent, of one endpoint if given.
+    Dead {
+        /// Only this endpoint's.
+        endpoint: Option<String>,
+    },
+}
+
+/// What queuing intents again did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Requeued {
+    /// How many were asked for.
+    pub asked: usize,
+    /// How many were queued again.
+    pub queued: usize,
+    /// Those neither dead nor uncertain (or unknown), left as they are.
+    pub left: Vec<Uuid>,
+}
+
+/// The counts the console shows.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Counts {
+    /// Rows by table and state.
+    pub stats: Stats,
+    /// Tables counted by estimate (too large to count exactly on every refresh).
+    pub estimated: Vec<&'static str>,
+    /// What is paused.
+    pub pauses: Vec<Pause>,
+}
+
+/// The operator actions of one consumer's relay.
+#[derive(Debug, Clone)]
+pub struct Operator {
+    pool: PgPool,
+    consumer: String,
+    routes: Vec<String>,
+    endpoints: Vec<String>,
+}
+
+/// Bulk actions work through ids in pages of this many.
+const PAGE: i64 = 1000;
+
+impl Operator {
+    /// The operator of the relay configured by `cfg`, over `pool`.
+    pub fn new(pool: PgPool, cfg: &RelayConfig) -> Operator {
+        Operator {
+            pool,
+            consumer: cfg.consumer.name.clone(),
+            routes: cfg.routes.iter().map(|r| r.display_name()).collect(),
+            endpoints: cfg.endpoints.keys().cloned().collect(),
         }
-    };
-    dead_letters::mark_replayed(&mut tx, &consumer, id, &outcome.stored()).await?;
-    tx.commit().await?;
-    Ok(outcome)
+    }
+
+    /// A dead-letter filter of this consumer.
+    pub fn filter(&self, class: Option<String>, topic: Option<String>, resolution: Resolution) -> Filter {
+        Filter { consumer: Some(self.consumer.clone()), error_class: class, topic, resolution }
+    }
+
+    /// Every count, exact (for the command line).
+    pub async fn stats(&self) -> Result<Stats, OpsError> {
+        Ok(stats::snapshot(&mut *self.pool.acquire().await?).await?)
+    }
+
+    /// The counts and pauses, estimated where tables are large: every open
+    /// console asks every 3 s (see `stats::overview`).
+    pub async fn counts(&self) -> Result<Counts, OpsError> {
+        let mut conn = self.pool.acquire().await?;
+        let (stats, estimated) = stats::overview(&mut conn, stats::EXACT_UP_TO).await?;
+        Ok(Counts { stats, estimated, pauses: ops::pauses(&mut conn).await? })
+    }
+
+    /// Dead letters matching `f` with ids after `after`, oldest first.
+    pub async fn dead_letters(&self, f: &Filter, after: i64, limit: i64) -> Result<Vec<DeadLetter>, OpsError> {
+        Ok(dead_letters::list(&mut *self.pool.acquire().await?, f, after, limit).await?)
+    }
+
+    /// How many dead letters match `f`.
+    pub async fn count_dead_letters(&self, f: &Filter) -> Result<i64, OpsError> {
+        Ok(dead_letters::count(&mut *self.pool.acquire().await?, f).await?)
+    }
+
+    /// Dead letter `id`, with its record.
+    pub async fn dead_letter(&self, id: i64) -> Result<DeadLetterRecord, OpsError> {
+        dead_letters::get(&mut *self.pool.acquire().await?, &self.consumer, id).await?.ok_or_else(|| {
+            OpsError::NotFound(format!("no dead letter {id} (list them with `relay dead-letters list --all`)"))
+        })
+    }
+
+    /// The ids `which` selects, in order.
+    async fn dead_letter_ids(&self, which: DeadLetters) -> Result<Vec<i64>, OpsError> {
+        let f = match which {
+            DeadLetters::Ids(ids) => return Ok(ids),
+            DeadLetters::Matching(f) => f,
+        };
+        let mut conn = self.pool.acquire().await?;
+        let (mut ids, mut after) = (Vec::new(), 0);
+        loop {
+            let page = dead_letters::list(&mut conn, &f, after, PAGE).await?;
+            let Some(last) = page.last() else { return Ok(ids) };
+            after = last.id;
+            ids.extend(page.iter().map(|d| d.id));
+        }
+    }
+
+    /// Replay dead letter `id` through `processor` in one transaction (a
+    /// dead letter of another consumer sharing the database is not found:
+    /// its routes are not these). A route paused now holds the replay as it
+    /// holds the partition.
+    pub async fn replay(&self, processor: &Processor, id: i64) -> Result<ReplayOutcome, OpsError> {
+        let mut conn = self.pool.acquire().await?;
+        let mut tx = conn.begin().await?;
+        let Some(dl) = dead_letters::get(&mut tx, &self.consumer, id).await? else {
+            return Ok(ReplayOutcome::NotFound);
+        };
+        // The pauses as they are now, not as a consumer of this process last read them (if any does).
+        processor.set_paused(ops::paused_routes(&mut tx).await?);
+        let processed = processor.process(&mut tx, &dl.record).await?;
+        let outcome = match processed.disposition {
+            Disposition::Applied { .. } => ReplayOutcome::Applied,
+            Disposition::Duplicate => ReplayOutcome::Duplicate,
+            Disposition::NoOp { outcome, .. } => ReplayOutcome::NoOp(outcome.as_str().to_owned()),
+            Disposition::DeadLetter(p) | Disposition::RetryLater(p) => ReplayOutcome::StillFailing(p.to_string()),
+            Disposition::Paused { route } => {
+                ReplayOutcome::StillFailing(format!("route {route} is paused; resume it first"))
+            }
+        };
+        dead_letters::mark_replayed(&mut tx, &self.consumer, id, &outcome.stored()).await?;
+        tx.commit().await?;
+        Ok(outcome)
+    }
+
+    /// Replay every dead letter `which` selects, one transaction each;
+    /// `each(done, of, id, outcome)` after each one.
+    pub async fn replay_all(
+        &self,
+        processor: &Processor,
+        which: DeadLetters,
+        mut each: impl FnMut(usize, usize, i64, &ReplayOutcome),
+    ) -> Result<Vec<(i64, ReplayOutcome)>, OpsError> {
+        let ids = self.dead_letter_ids(which).await?;
+        let mut results = Vec::with_capacity(ids.len());
+        for (n, id) in ids.iter().enumerate() {
+            let outcome = self.replay(processor, *id).await?;
+            each(n + 1, ids.len(), *id, &outcome);
+            results.push((*id, outcome));
+        }
+        Ok(results)
+    }
+
+    /// Delete dead letter `id`.
+    pub async fn delete_dead_letter(&self, id: i64) -> Result<(), OpsError> {
+        if dead_letters::delete(&mut *self.pool.acquire().await?, &self.consumer, id).await? {
+            Ok(())
+        } else {
+            Err(OpsError::NotFound(format!("no dead letter {id}")))
+        }
+    }
+
+    /// Delete every dead letter `which` selects (unknown ids are skipped);
+    /// `progress(deleted)` after each page. Returns how many were deleted.
+    pub async fn purge(&self, which: DeadLetters, mut progress: impl FnMut(u64)) -> Result<u64, OpsError> {
+        let mut conn = self.pool.acquire().await?;
+        let mut deleted = 0;
+        match which {
+            DeadLetters::Ids(ids) => {
+                for id in ids {
+                    deleted += u64::from(dead_letters::delete(&mut conn, &self.consumer, id).await?);
+                }
+            }
+            DeadLetters::Matching(f) => loop {
+                let n = dead_letters::purge(&mut conn, &f, PAGE).await?;
+                if n == 0 {
+                    break;
+                }
+                deleted += n;
+                progress(deleted);
+            },
+        }
+        Ok(deleted)
+    }
+
+    /// Intents matching `f` created before `before`, newest first.
+    pub async fn intents(
+        &self,
+        f: &IntentFilter,
+        before: Option<chrono::DateTime<chrono::Utc>>,
+        limit: i64,
+    ) -> Result<Vec<IntentView>, OpsError> {
+        Ok(intents::list(&mut *self.pool.acquire().await?, f, before, limit).await?)
+    }
+
+    /// Intent `id` and its attempts.
+    pub async fn intent(&self, id: Uuid) -> Result<(IntentView, Vec<AttemptView>), OpsError> {
+        let mut conn = self.pool.acquire().await?;
+        let Some(intent) = intents::get(&mut conn, id).await? else {
+            return Err(OpsError::NotFound(format!("no intent {id} (list them with `relay intents list`)")));
+        };
+        Ok((intent, intents::attempts(&mut conn, id).await?))
+    }
+
+    /// Queue intent `id` again (same id, same idempotency key); only a dead
+    /// or uncertain intent is.
+    pub async fn requeue(&self, id: Uuid) -> Result<(), OpsError> {
+        match intents::requeue(&mut *self.pool.acquire().await?, id).await? {
+            Requeue::Queued => Ok(()),
+            Requeue::NotDeadOrUncertain => Err(OpsError::Conflict(format!(
+                "intent {id} is neither dead nor uncertain (or does not exist): only those are replayed"
+            ))),
+        }
+    }
+
+    /// Queue every intent `which` selects again; `progress(asked so far)`
+    /// every thousand.
+    pub async fn requeue_all(&self, which: Intents, mut progress: impl FnMut(usize)) -> Result<Requeued, OpsError> {
+        let mut conn = self.pool.acquire().await?;
+        let ids: Vec<Uuid> = match which {
+            Intents::Ids(ids) => ids,
+            Intents::Dead { endpoint } => {
+                // Queued intents leave the dead ones, so each page starts from the newest again.
+                let f = IntentFilter { state: Some(IntentState::Dead), endpoint };
+                let mut done = Requeued::default();
+                loop {
+                    let page = intents::list(&mut conn, &f, None, PAGE).await?;
+                    if page.is_empty() {
+                        return Ok(done);
+                    }
+                    let before = done.queued;
+                    for i in &page {
+                        done.asked += 1;
+                        match intents::requeue(&mut conn, i.id).await? {
+                            Requeue::Queued => done.queued += 1,
+                            Requeue::NotDeadOrUncertain => done.left.push(i.id),
+                        }
+                    }
+                    progress(done.asked);
+                    // A page where nothing moved (so the next would be the same) ends it.
+                    if done.queued == before {
+                        return Ok(done);
+                    }
+                }
+            }
+        };
+        let mut done = Requeued { asked: ids.len(), ..Requeued::default() };
+        for (n, id) in ids.iter().enumerate() {
+            match intents::requeue(&mut conn, *id).await? {
+                Requeue::Queued => done.queued += 1,
+                Requeue::NotDeadOrUncertain => done.left.push(*id),
+            }
+            if (n + 1) % PAGE as usize == 0 {
+                progress(n + 1);
+            }
+        }
+        Ok(done)
+    }
+
+    /// Every pause.
+    pub async fn pauses(&self) -> Result<Vec<Pause>, OpsError> {
+        Ok(ops::pauses(&mut *self.pool.acquire().await?).await?)
+    }
+
+    /// Pause route or endpoint `name`, which the configuration must know.
+    pub async fn pause(&self, kind: PauseKind, name: &str, reason: Option<&str>) -> Result<Paused, OpsError> {
+        let known = match kind {
+            PauseKind::Route => &self.routes,
+            PauseKind::Endpoint => &self.endpoints,
+        };
+        if !known.iter().any(|k| k == name) {
+            return Err(OpsError::NotFound(format!(
+                "no {} named {name:?} in the configuration (known: {})",
+                kind.as_str(),
+                known.join(", ")
+            )));
+        }
+        Ok(ops::pause(&mut *self.pool.acquire().await?, kind, name, reason).await?)
+    }
+
+    /// Resume route or endpoint `name`.
+    pub async fn resume(&self, kind: PauseKind, name: &str) -> Result<Resumed, OpsError> {
+        Ok(ops::resume(&mut *self.pool.acquire().await?, kind, name).await?)
+    }
 }

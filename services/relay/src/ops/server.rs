@@ -20,10 +20,9 @@ use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use relay_core::RelayConfig;
-use relay_store::dead_letters::{self, Filter, Resolution};
-use relay_store::intents::{self, IntentFilter, IntentState};
-use relay_store::ops::{self, PauseKind};
-use relay_store::stats;
+use relay_store::dead_letters::Resolution;
+use relay_store::intents::{IntentFilter, IntentState};
+use relay_store::ops::{PauseKind, Paused, Resumed};
 use secrecy::{ExposeSecret, SecretString};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -32,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::ingest::processor::Processor;
-use crate::ops::admin::{self, ReplayOutcome};
+use crate::ops::admin::{DeadLetters, Intents, Operator, OpsError, ReplayOutcome};
 use crate::runtime::kafka::{Role, client_config};
 
 const INDEX_HTML: &str = include_str!("../../console/index.html");
@@ -42,6 +41,7 @@ const STYLE_CSS: &str = include_str!("../../console/style.css");
 struct AppState {
     pool: PgPool,
     cfg: RelayConfig,
+    operator: Operator,
     processor: Processor,
     token: Option<SecretString>,
     metrics: PrometheusHandle,
@@ -59,15 +59,15 @@ impl IntoResponse for ApiError {
     }
 }
 
-impl From<sqlx::Error> for ApiError {
-    fn from(e: sqlx::Error) -> Self {
-        ApiError(StatusCode::SERVICE_UNAVAILABLE, format!("database error: {e}"))
-    }
-}
-
-impl From<anyhow::Error> for ApiError {
-    fn from(e: anyhow::Error) -> Self {
-        ApiError(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}"))
+impl From<OpsError> for ApiError {
+    fn from(e: OpsError) -> Self {
+        let status = match &e {
+            OpsError::NotFound(_) => StatusCode::NOT_FOUND,
+            OpsError::Conflict(_) => StatusCode::CONFLICT,
+            OpsError::Database(_) => StatusCode::SERVICE_UNAVAILABLE,
+            OpsError::Other(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError(status, format!("{:#}", anyhow::Error::from(e)))
     }
 }
 
@@ -97,7 +97,8 @@ pub async fn serve(
             }
         })
     };
-    let state = Arc::new(AppState { pool, cfg, processor, token, metrics, probe: Arc::default() });
+    let operator = Operator::new(pool.clone(), &cfg);
+    let state = Arc::new(AppState { pool, cfg, operator, processor, token, metrics, probe: Arc::default() });
     let app = router(state);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -208,12 +209,7 @@ async fn broker_reachable(s: &AppState) -> Result<String, String> {
 }
 
 async fn counts(State(s): State<Shared>) -> ApiResult {
-    let mut conn = s.pool.acquire().await?;
-    // Refreshed every 3 s by every open console: history tables are counted
-    // exactly only while they are small (see `stats::overview`).
-    let (snapshot, estimated) = stats::overview(&mut conn, stats::EXACT_UP_TO).await?;
-    let pauses = ops::pauses(&mut conn).await?;
-    Ok(Json(json!({"stats": snapshot, "estimated": estimated, "pauses": pauses})))
+    Ok(Json(json!(s.operator.counts().await?)))
 }
 
 #[derive(Deserialize)]
@@ -227,23 +223,16 @@ struct DeadLetterQuery {
     limit: Option<i64>,
 }
 
-fn filter(s: &AppState, class: Option<String>, topic: Option<String>, resolution: Resolution) -> Filter {
-    Filter { consumer: Some(s.cfg.consumer.name.clone()), error_class: class, topic, resolution }
-}
-
 async fn list_dead_letters(State(s): State<Shared>, Query(q): Query<DeadLetterQuery>) -> ApiResult {
     let resolution = if q.all { Resolution::Any } else { Resolution::Unresolved };
-    let f = filter(&s, q.class, q.topic, resolution);
-    let mut conn = s.pool.acquire().await?;
-    let items = dead_letters::list(&mut conn, &f, q.after, q.limit.unwrap_or(100).clamp(1, 1000)).await?;
-    let total = dead_letters::count(&mut conn, &f).await?;
+    let f = s.operator.filter(q.class, q.topic, resolution);
+    let items = s.operator.dead_letters(&f, q.after, q.limit.unwrap_or(100).clamp(1, 1000)).await?;
+    let total = s.operator.count_dead_letters(&f).await?;
     Ok(Json(json!({"items": items, "total": total})))
 }
 
 async fn show_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
-    let Some(dl) = dead_letters::get(&mut *s.pool.acquire().await?, &s.cfg.consumer.name, id).await? else {
-        return Err(ApiError(StatusCode::NOT_FOUND, format!("no dead letter {id}")));
-    };
+    let dl = s.operator.dead_letter(id).await?;
     let text =
         |b: &Option<Vec<u8>>| b.as_deref().map(|v| String::from_utf8_lossy(&v[..v.len().min(64 * 1024)]).into_owned());
     let hdrs: Vec<Value> = dl
@@ -258,22 +247,15 @@ async fn show_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiRe
 }
 
 fn outcome_json(id: i64, o: &ReplayOutcome) -> Value {
-    let (status, detail) = match o {
-        ReplayOutcome::Applied => ("applied", String::new()),
-        ReplayOutcome::Duplicate => ("duplicate", String::new()),
-        ReplayOutcome::NoOp(c) => ("no_op", c.clone()),
-        ReplayOutcome::StillFailing(why) => ("still_failing", why.clone()),
-        ReplayOutcome::NotFound => ("not_found", String::new()),
-    };
-    json!({"id": id, "outcome": status, "detail": detail, "resolved": o.resolved()})
+    let (outcome, detail) = o.label();
+    json!({"id": id, "outcome": outcome, "detail": detail, "resolved": o.resolved()})
 }
 
 async fn replay_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
-    let o = admin::replay(&s.pool, &s.processor, id).await?;
-    if o == ReplayOutcome::NotFound {
-        return Err(ApiError(StatusCode::NOT_FOUND, format!("no dead letter {id}")));
+    match s.operator.replay(&s.processor, id).await? {
+        ReplayOutcome::NotFound => Err(ApiError(StatusCode::NOT_FOUND, format!("no dead letter {id}"))),
+        o => Ok(Json(outcome_json(id, &o))),
     }
-    Ok(Json(outcome_json(id, &o)))
 }
 
 #[derive(Deserialize)]
@@ -287,56 +269,33 @@ struct Bulk {
     resolved: bool,
 }
 
-async fn replay_dead_letters(State(s): State<Shared>, Json(b): Json<Bulk>) -> ApiResult {
-    let ids = if b.all {
-        let f = filter(&s, b.class, None, Resolution::Unresolved);
-        let mut conn = s.pool.acquire().await?;
-        let mut ids = Vec::new();
-        let mut after = 0;
-        loop {
-            let page = dead_letters::list(&mut conn, &f, after, 1000).await?;
-            let Some(last) = page.last() else { break };
-            after = last.id;
-            ids.extend(page.iter().map(|d| d.id));
+impl Bulk {
+    /// The dead letters a bulk request names: its ids, or all of `resolution` (of its class).
+    fn select(self, s: &AppState, resolution: Resolution) -> DeadLetters {
+        if self.all {
+            DeadLetters::Matching(s.operator.filter(self.class, None, resolution))
+        } else {
+            DeadLetters::Ids(self.ids)
         }
-        ids
-    } else {
-        b.ids
-    };
-    let mut results = Vec::with_capacity(ids.len());
-    for id in ids {
-        results.push(outcome_json(id, &admin::replay(&s.pool, &s.processor, id).await?));
     }
-    let resolved = results.iter().filter(|r| r["resolved"] == true).count();
+}
+
+async fn replay_dead_letters(State(s): State<Shared>, Json(b): Json<Bulk>) -> ApiResult {
+    let which = b.select(&s, Resolution::Unresolved);
+    let done = s.operator.replay_all(&s.processor, which, |_, _, _, _| {}).await?;
+    let results: Vec<Value> = done.iter().map(|(id, o)| outcome_json(*id, o)).collect();
+    let resolved = done.iter().filter(|(_, o)| o.resolved()).count();
     Ok(Json(json!({"results": results, "resolved": resolved})))
 }
 
 async fn delete_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
-    if dead_letters::delete(&mut *s.pool.acquire().await?, &s.cfg.consumer.name, id).await? {
-        Ok(Json(json!({"deleted": 1})))
-    } else {
-        Err(ApiError(StatusCode::NOT_FOUND, format!("no dead letter {id}")))
-    }
+    s.operator.delete_dead_letter(id).await?;
+    Ok(Json(json!({"deleted": 1})))
 }
 
 async fn purge_dead_letters(State(s): State<Shared>, Json(b): Json<Bulk>) -> ApiResult {
-    let mut conn = s.pool.acquire().await?;
-    let mut deleted = 0u64;
-    if b.all {
-        let resolution = if b.resolved { Resolution::Resolved } else { Resolution::Any };
-        let f = filter(&s, b.class, None, resolution);
-        loop {
-            let n = dead_letters::purge(&mut conn, &f, 1000).await?;
-            deleted += n;
-            if n == 0 {
-                break;
-            }
-        }
-    } else {
-        for id in b.ids {
-            deleted += u64::from(dead_letters::delete(&mut conn, &s.cfg.consumer.name, id).await?);
-        }
-    }
+    let resolution = if b.resolved { Resolution::Resolved } else { Resolution::Any };
+    let deleted = s.operator.purge(b.select(&s, resolution), |_| {}).await?;
     Ok(Json(json!({"deleted": deleted})))
 }
 
@@ -352,8 +311,7 @@ async fn list_intents(State(s): State<Shared>, Query(q): Query<IntentQuery>) -> 
     let state =
         q.state.map(|st| st.parse::<IntentState>()).transpose().map_err(|e| ApiError(StatusCode::BAD_REQUEST, e))?;
     let f = IntentFilter { state, endpoint: q.endpoint };
-    let items =
-        intents::list(&mut *s.pool.acquire().await?, &f, q.before, q.limit.unwrap_or(100).clamp(1, 1000)).await?;
+    let items = s.operator.intents(&f, q.before, q.limit.unwrap_or(100).clamp(1, 1000)).await?;
     Ok(Json(json!({"items": items})))
 }
 
@@ -362,22 +320,14 @@ fn parse_id(id: &str) -> Result<uuid::Uuid, ApiError> {
 }
 
 async fn show_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
-    let id = parse_id(&id)?;
-    let mut conn = s.pool.acquire().await?;
-    let Some(intent) = intents::get(&mut conn, id).await? else {
-        return Err(ApiError(StatusCode::NOT_FOUND, format!("no intent {id}")));
-    };
-    let attempts = intents::attempts(&mut conn, id).await?;
+    let (intent, attempts) = s.operator.intent(parse_id(&id)?).await?;
     Ok(Json(json!({"intent": intent, "attempts": attempts})))
 }
 
 async fn replay_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
     let id = parse_id(&id)?;
-    if intents::requeue(&mut *s.pool.acquire().await?, id).await? {
-        Ok(Json(json!({"id": id, "requeued": true})))
-    } else {
-        Err(ApiError(StatusCode::CONFLICT, format!("intent {id} is not dead (only dead intents are replayed)")))
-    }
+    s.operator.requeue(id).await?;
+    Ok(Json(json!({"id": id, "requeued": true})))
 }
 
 #[derive(Deserialize)]
@@ -390,22 +340,13 @@ struct IntentBulk {
 }
 
 async fn replay_intents(State(s): State<Shared>, Json(b): Json<IntentBulk>) -> ApiResult {
-    let mut conn = s.pool.acquire().await?;
-    let ids = if b.all {
-        let f = IntentFilter { state: Some(IntentState::Dead), endpoint: b.endpoint };
-        intents::list(&mut conn, &f, None, 100_000).await?.into_iter().map(|i| i.id).collect()
-    } else {
-        b.ids
-    };
-    let mut requeued = 0;
-    for id in &ids {
-        requeued += usize::from(intents::requeue(&mut conn, *id).await?);
-    }
-    Ok(Json(json!({"requeued": requeued, "asked": ids.len()})))
+    let which = if b.all { Intents::Dead { endpoint: b.endpoint } } else { Intents::Ids(b.ids) };
+    let done = s.operator.requeue_all(which, |_| {}).await?;
+    Ok(Json(json!({"requeued": done.queued, "asked": done.asked})))
 }
 
 async fn list_pauses(State(s): State<Shared>) -> ApiResult {
-    Ok(Json(json!({"pauses": ops::pauses(&mut *s.pool.acquire().await?).await?})))
+    Ok(Json(json!({"pauses": s.operator.pauses().await?})))
 }
 
 #[derive(Deserialize)]
@@ -415,26 +356,10 @@ struct PauseRequest {
     reason: Option<String>,
 }
 
-fn check_name(s: &AppState, kind: PauseKind, name: &str) -> Result<(), ApiError> {
-    let known: Vec<String> = match kind {
-        PauseKind::Route => s.cfg.routes.iter().map(|r| r.display_name()).collect(),
-        PauseKind::Endpoint => s.cfg.endpoints.keys().cloned().collect(),
-    };
-    if known.iter().any(|k| k == name) {
-        Ok(())
-    } else {
-        Err(ApiError(
-            StatusCode::NOT_FOUND,
-            format!("no {} named {name:?} (known: {})", kind.as_str(), known.join(", ")),
-        ))
-    }
-}
-
 async fn pause(State(s): State<Shared>, Json(p): Json<PauseRequest>) -> ApiResult {
-    check_name(&s, p.kind, &p.name)?;
-    let new = ops::pause(&mut *s.pool.acquire().await?, p.kind, &p.name, p.reason.as_deref()).await?;
+    let done = s.operator.pause(p.kind, &p.name, p.reason.as_deref()).await?;
     info!(kind = p.kind.as_str(), name = %p.name, "paused through the admin API");
-    Ok(Json(json!({"paused": true, "already": !new})))
+    Ok(Json(json!({"paused": true, "already": done == Paused::AlreadyPaused})))
 }
 
 async fn resume(State(s): State<Shared>, Path((kind, name)): Path<(String, String)>) -> ApiResult {
@@ -443,7 +368,7 @@ async fn resume(State(s): State<Shared>, Path((kind, name)): Path<(String, Strin
         "endpoint" => PauseKind::Endpoint,
         other => return Err(ApiError(StatusCode::BAD_REQUEST, format!("kind {other:?}: use route or endpoint"))),
     };
-    let was = ops::resume(&mut *s.pool.acquire().await?, kind, &name).await?;
+    let done = s.operator.resume(kind, &name).await?;
     info!(kind = kind.as_str(), %name, "resumed through the admin API");
-    Ok(Json(json!({"resumed": was})))
+    Ok(Json(json!({"resumed": done == Resumed::Resumed})))
 }

@@ -8,6 +8,16 @@
 //! exported over OTLP/HTTP (its id is the one sent on); without it, nothing is
 //! exported and the child span ids are random, which is enough for the
 //! provider's or the downstream consumer's own tracing to attach to the trace.
+//!
+//! The per-record line (`ingest::consumer`) and the per-attempt line
+//! (`deliver::executor`) are `tracing` events carrying the R16 fields, not
+//! `tracing` spans, by decision: a partition's records are written in one
+//! transaction, so a span per record would not enclose the work it names
+//! (the batch's commit is after every record's span would have closed), and
+//! the JSON log format nests span fields under `span`/`spans`, which would
+//! move `event_id`, `idempotency_key`, … away from the top level where
+//! users' log queries find them today. The spans that do follow a record
+//! across processes are the OpenTelemetry hops here.
 
 use std::collections::HashMap;
 use std::sync::OnceLock;

@@ -1,6 +1,6 @@
 // Drives the relay console in headless Chromium against a running relay:
 // a dead intent is visible, Replay (confirmed) makes it succeed, and the
-// counts on the page update. Run by services/relay-cli/tests/admin.rs, which
+// counts on the page update. Run by tests/admin.rs, which
 // sets CONSOLE_URL, CONSOLE_TOKEN and INTENT_ID; exits non-zero on failure.
 import { chromium } from "playwright-core";
 

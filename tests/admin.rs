@@ -3,7 +3,6 @@
 //! console driven in headless Chromium, retention cleanup and its start-up
 //! check against the topics' retention.
 
-#[path = "../../../tests/support/mod.rs"]
 mod support;
 
 use std::time::Duration;
@@ -253,10 +252,10 @@ async fn the_console_shows_a_dead_intent_and_replaying_it_makes_it_succeed() {
     .await;
     h.provider.set_faults(Vec::new()); // the provider is fixed; the operator replays
 
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/console");
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/console");
     assert!(
         dir.join("node_modules/playwright-core").exists(),
-        "playwright-core is not installed: run `npm ci --prefix services/relay-cli/tests/console` (scripts/test.sh does)"
+        "playwright-core is not installed: run `npm ci --prefix tests/console` (scripts/test.sh does)"
     );
     let out = tokio::process::Command::new("node")
         .arg(dir.join("console.mjs"))

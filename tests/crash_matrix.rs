@@ -6,7 +6,6 @@
 //! C15 and C16 run against a PostgreSQL / Kafka of their own, which the test
 //! crashes and restarts.
 
-#[path = "../../../tests/support/mod.rs"]
 mod support;
 
 use std::collections::HashSet;
