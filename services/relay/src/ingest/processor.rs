@@ -572,3 +572,149 @@ fn sanitized(p: &Poison) -> Poison {
         event_type: p.event_type.as_deref().map(clean),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use relay_core::{Header, RelayConfig};
+
+    const ROUTES: &str = r#"
+        [consumer]
+        name = "c"
+        [endpoints.psp]
+        base_url = "http://127.0.0.1:1"
+
+        [[routes]]
+        name = "placed"
+        topic = "orders"
+        type = "order.placed"
+        [[routes.actions]]
+        kind = "call"
+        name = "capture"
+        endpoint = "psp"
+        path = "/captures/{{ data.order_id }}"
+        idempotency_key = "capture:{{ data.order_id }}"
+
+        [[routes]]
+        name = "shipped"
+        topic = "orders"
+        type = "order.shipped"
+        version_guard = true
+        [[routes.actions]]
+        kind = "emit"
+        name = "shipped"
+        type = "order.dispatched"
+        topic = "out"
+
+        [[routes]]
+        name = "coded"
+        topic = "orders"
+        type = "order.coded"
+        handler = "h"
+    "#;
+
+    fn processor() -> Processor {
+        let cfg = RelayConfig::from_toml(ROUTES).unwrap();
+        Processor::new(Arc::new(Router::new(&cfg).unwrap()), Handlers::default())
+    }
+
+    fn record(ty: &str, id: &str, extra: &[(&str, &str)]) -> RawRecord {
+        let mut headers = vec![
+            Header::text("ce_specversion", "1.0"),
+            Header::text("ce_id", id),
+            Header::text("ce_type", ty),
+            Header::text("ce_source", "/shop"),
+        ];
+        headers.extend(extra.iter().map(|(k, v)| Header::text(*k, v)));
+        RawRecord {
+            topic: "orders".into(),
+            partition: 0,
+            offset: 7,
+            key: None,
+            payload: Some(br#"{"order_id":"o-1"}"#.to_vec()),
+            headers,
+        }
+    }
+
+    fn ready<'a, 'r>(p: Prepared<'a, 'r>) -> Item<'a, 'r> {
+        match p {
+            Prepared::Ready(item) => item,
+            Prepared::Done(done) => panic!("expected a record to write, got {:?}", done.disposition),
+        }
+    }
+
+    fn done(p: Prepared<'_, '_>) -> Disposition {
+        match p {
+            Prepared::Done(done) => done.disposition,
+            Prepared::Ready(item) => panic!("expected nothing to write, got route {:?}", item.info.route),
+        }
+    }
+
+    #[test]
+    fn a_routed_record_is_planned_with_ids_derived_from_its_event_id_alone() {
+        let p = processor();
+        let rec = record("order.placed", "evt-1", &[]);
+        let (first, again) = (ready(p.prepare(&rec)), ready(p.prepare(&rec)));
+        let intent = &first.effects.as_ref().unwrap().intents[0];
+        assert_eq!((intent.idempotency_key.as_str(), intent.path.as_str()), ("capture:o-1", "/captures/o-1"));
+        assert_eq!(intent.id, again.effects.as_ref().unwrap().intents[0].id, "the same record, the same intent id");
+        let rec2 = record("order.placed", "evt-2", &[]);
+        let other = ready(p.prepare(&rec2));
+        assert_ne!(intent.id, other.effects.as_ref().unwrap().intents[0].id, "another event, another intent");
+        let row = p.planned(&first, first.effects.as_ref()).inbox;
+        assert_eq!((row.consumer, row.event_id, row.offset, row.outcome), ("c", "evt-1", 7, InboxOutcome::Applied));
+    }
+
+    #[test]
+    fn poison_and_a_paused_route_are_done_before_any_write_and_an_unknown_type_is_recorded_unrouted() {
+        let p = processor();
+        let mut no_id = record("order.placed", "evt-1", &[]);
+        no_id.headers.retain(|h| h.name != "ce_id");
+        assert!(matches!(done(p.prepare(&no_id)), Disposition::DeadLetter(_)));
+
+        let unknown = record("order.exploded", "evt-2", &[]);
+        let item = ready(p.prepare(&unknown));
+        assert!(item.route.is_none() && item.effects.is_none());
+        assert_eq!(p.planned(&item, None).inbox.outcome, InboxOutcome::Unrouted);
+
+        p.set_paused(["placed".to_string()]);
+        let paused = done(p.prepare(&record("order.placed", "evt-3", &[])));
+        assert_eq!(paused, Disposition::Paused { route: "placed".into() });
+        p.set_paused(Vec::new());
+        ready(p.prepare(&record("order.placed", "evt-3", &[])));
+    }
+
+    #[test]
+    fn a_record_with_a_guard_or_a_handler_is_written_alone_and_the_others_share_runs() {
+        let p = processor();
+        let (plain, unrouted, coded) = (
+            record("order.placed", "evt-1", &[]),
+            record("order.exploded", "evt-2", &[]),
+            record("order.coded", "evt-4", &[]),
+        );
+        let plain = ready(p.prepare(&plain));
+        assert!(!p.alone(&plain));
+        let unrouted = ready(p.prepare(&unrouted));
+        assert!(!p.alone(&unrouted));
+        let guarded = record("order.shipped", "evt-3", &[("ce_aggregateid", "o-1"), ("ce_aggregateversion", "3")]);
+        let guarded = ready(p.prepare(&guarded));
+        assert!(p.alone(&guarded));
+        assert_eq!(p.planned(&guarded, guarded.effects.as_ref()).version, Some(3));
+        assert_eq!(p.planned(&plain, plain.effects.as_ref()).version, None, "no guard, no version written");
+        let coded = ready(p.prepare(&coded));
+        assert!(p.alone(&coded), "a code handler runs between admit and finish, alone");
+    }
+
+    #[test]
+    fn a_dead_letter_names_its_event_and_stores_without_nul_bytes() {
+        let p = processor();
+        let rec = record("order.placed", "evt-1", &[]);
+        let item = ready(p.prepare(&rec));
+        let bad = Poison::new(PoisonClass::Rejected, "bad\0byte");
+        let Disposition::DeadLetter(named) = item.done(Disposition::DeadLetter(bad)).disposition else {
+            panic!("a dead letter stays one");
+        };
+        assert_eq!((named.event_id.as_deref(), named.event_type.as_deref()), (Some("evt-1"), Some("order.placed")));
+        assert_eq!(sanitized(&named).reason, "bad\u{fffd}byte");
+    }
+}
