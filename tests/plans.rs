@@ -11,7 +11,7 @@ use std::time::Duration;
 use relay_store::ops::{self, Cleanup};
 use relay_store::stats;
 use relay_store::{ClaimPool, FinishPool, begin_by_key, intents, outbox};
-use relay_testkit::TestDb;
+use relay_testkit::{TestDb, seed};
 use serde_json::Value;
 use sqlx::{Connection, PgConnection};
 
@@ -23,7 +23,7 @@ const ROWS: i64 = 20_000;
 const OLD_ROWS: i64 = 50_000;
 const CLEANUP_BATCH: i64 = 100;
 /// Finished rows before a backlog is claimed and finished.
-const HISTORY: i64 = 100_000;
+const HISTORY: usize = 100_000;
 
 /// Every node type with the index or table it reads, from a JSON plan,
 /// flattened: `["Limit", "LockRows", "Index Scan intents_due", …]`.
@@ -57,25 +57,8 @@ fn assert_index_order(what: &str, plan: &[String], index: &str) {
 
 /// `n` pending intents (events e-1 … e-`n`) and `n` pending outbox rows, due now.
 async fn insert_backlog(pool: &sqlx::PgPool, n: i64) {
-    sqlx::query(
-        "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path, body,
-                                    idempotency_key, max_attempts, expires_at, emit_source)
-         SELECT gen_random_uuid(), 'plans', 'e-' || g, 'capture', 'psp', 'POST', '/captures',
-                jsonb_build_object('order_id', 'o-' || g), 'capture:o-' || g, 10, now() + interval '1 day', 'plans'
-           FROM generate_series(1, $1) g",
-    )
-    .bind(n)
-    .execute(pool)
-    .await
-    .unwrap();
-    sqlx::query(
-        "INSERT INTO relay.outbox (id, consumer, source_id, action, topic, payload)
-         SELECT gen_random_uuid(), 'plans', 'e-' || g, 'captured', 'out', '\\x00'::bytea FROM generate_series(1, $1) g",
-    )
-    .bind(n)
-    .execute(pool)
-    .await
-    .unwrap();
+    seed::pending_intents(pool, "plans", "psp", "", n as usize).await.unwrap();
+    seed::pending_outbox(pool, "plans", "out", n as usize).await.unwrap();
 }
 
 #[tokio::test]
@@ -253,18 +236,8 @@ async fn finishing_a_claim_probes_the_primary_key_when_the_statistics_say_nothin
     // Mostly history, analyzed: the statistics say (rightly, for the table)
     // that almost no row is running. Then a backlog is claimed. (On a much
     // smaller table, reading it whole for a batch of 256 is a fair plan.)
-    for sql in [
-        "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path, idempotency_key,
-                                    max_attempts, expires_at, emit_source, state, attempts, finished_at)
-         SELECT gen_random_uuid(), 'plans', 'old-' || g, 'capture', 'psp', 'POST', '/c', 'old:' || g, 10,
-                now() + interval '1 day', 'plans', 'succeeded', 1, now()
-           FROM generate_series(1, $1) g",
-        "INSERT INTO relay.outbox (id, consumer, source_id, action, topic, state, published_at)
-         SELECT gen_random_uuid(), 'plans', 'old-' || g, 'captured', 'out', 'published', now()
-           FROM generate_series(1, $1) g",
-    ] {
-        sqlx::query(sql).bind(HISTORY).execute(&db.pool).await.unwrap();
-    }
+    let history = seed::History { succeeded_intents: HISTORY, published_outbox: HISTORY, ..seed::History::default() };
+    seed::history(&db.pool, "plans", history).await.unwrap();
     sqlx::query("ANALYZE").execute(&db.pool).await.unwrap();
     insert_backlog(&db.pool, 1000).await;
     let mut conn = db.conn().await.unwrap();

@@ -2,18 +2,9 @@
 
 use super::*;
 
+/// `m` intents due now, apart from any the relay writes for events.
 pub(super) async fn insert_intents(pool: &PgPool, m: usize) -> anyhow::Result<()> {
-    sqlx::query(
-        "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path, body,
-                                    idempotency_key, max_attempts, expires_at, emit_source)
-         SELECT gen_random_uuid(), 'bench', 'direct-' || g, 'capture', 'sink', 'POST', '/captures',
-                jsonb_build_object('order_id', 'direct-' || g), 'capture:direct-' || g, 10, now() + interval '1 day', 'bench'
-           FROM generate_series(1, $1) g",
-    )
-    .bind(m as i64)
-    .execute(pool)
-    .await?;
-    Ok(())
+    Ok(seed::pending_intents(pool, "bench", "sink", "direct-", m).await?)
 }
 
 /// Where the dispatchers under test run.
@@ -56,7 +47,7 @@ pub(super) async fn dispatch_relay(
         let relay = Relay::new(config(env, &s, concurrency)?, Handlers::default(), Faults::none()).await?;
         UnderTest::start(relay, DISPATCH)
     };
-    let took = wait_drained(&mut relay, &s.db.pool, "intents", "succeeded", m as i64, t0).await?;
+    let took = wait_drained(&mut relay, &s.db.pool, Work::Intents, "succeeded", m as i64, t0).await?;
     // Timed from the first call: separate processes first start, connect
     // and prepare, which the dispatcher in this process did before `t0`.
     let started = s.sink.first.get().map_or(Duration::ZERO, |first| first.duration_since(t0));
@@ -75,13 +66,7 @@ pub(super) const RAW_CALL: &str = "request sent → response read";
 /// one machine, one clock. In a backlog drain an intent's time since it was
 /// written is only its place in the queue; this is what each call costs.
 pub(super) async fn call_latency(pool: &PgPool) -> anyhow::Result<(f64, f64)> {
-    Ok(sqlx::query_as(
-        "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms)
-           FROM (SELECT extract(epoch FROM finished_at - started_at)::float8 * 1000 AS ms
-                   FROM relay.intent_attempts WHERE outcome = 'succeeded') a",
-    )
-    .fetch_one(pool)
-    .await?)
+    Ok(seed::call_latency(pool).await?)
 }
 
 /// What the database alone allows: the dispatcher's statements — claim a
@@ -150,7 +135,7 @@ pub(super) async fn dispatch_database_only(
         r?;
     }
     let took = t0.elapsed();
-    let done = count(&s.db.pool, "SELECT count(*) FROM relay.intents WHERE state = 'succeeded'").await;
+    let done = seed::in_state(&s.db.pool, Work::Intents, "succeeded").await?;
     anyhow::ensure!(done == m as i64, "database-only dispatch finished {done} of {m} intents");
     Ok((m as f64 / took.as_secs_f64(), None))
 }

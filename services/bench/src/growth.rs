@@ -3,39 +3,11 @@
 use super::*;
 
 pub(super) async fn prefill(pool: &PgPool, inbox: usize, finished_intents: usize) -> anyhow::Result<()> {
-    let step = 200_000;
-    let mut done = 0;
-    while done < inbox {
-        let n = step.min(inbox - done);
-        sqlx::query(
-            r#"INSERT INTO relay.inbox (consumer, event_id, event_type, topic, partition, "offset", outcome)
-               SELECT 'bench', 'old-' || g, 'order.placed', 'old', 0, g, 'applied' FROM generate_series($1, $2) g"#,
-        )
-        .bind(done as i64)
-        .bind((done + n - 1) as i64)
-        .execute(pool)
-        .await?;
-        done += n;
-    }
-    let mut done = 0;
-    while done < finished_intents {
-        let n = step.min(finished_intents - done);
-        sqlx::query(
-            "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path, idempotency_key,
-                                        max_attempts, expires_at, emit_source, state, attempts, finished_at)
-             SELECT gen_random_uuid(), 'bench', 'old-' || g, 'capture', 'sink', 'POST', '/x', 'old:' || g, 10,
-                    now() + interval '1 day', 'bench', 'succeeded', 1, now()
-               FROM generate_series($1, $2) g",
-        )
-        .bind(done as i64)
-        .bind((done + n - 1) as i64)
-        .execute(pool)
-        .await?;
-        done += n;
-    }
+    let history = seed::History { inbox, succeeded_intents: finished_intents, published_outbox: 0 };
+    seed::history(pool, "bench", history).await?;
     // Steady state, not the aftermath of a bulk load: without this,
     // autovacuum works through the new rows during the measurement.
-    sqlx::query("VACUUM (ANALYZE)").execute(pool).await?;
+    seed::vacuum_analyze(pool).await?;
     Ok(())
 }
 
@@ -51,37 +23,22 @@ pub(super) async fn growth_case(
 ) -> anyhow::Result<(f64, f64)> {
     let s = setup(env, 4).await?;
     prefill(&s.db.pool, inbox, finished).await?;
-    let holder = if snapshot { Some(hold_snapshot(&s.db.url).await?) } else { None };
+    let holder = if snapshot { Some(seed::hold_snapshot(&s.db.url).await?) } else { None };
     let ingest = ingest_into(env, &s, n, 0).await?;
     // Claim/dispatch the intents just written plus `m` more.
     insert_intents(&s.db.pool, m).await?;
-    let pending = count(&s.db.pool, "SELECT count(*) FROM relay.intents WHERE state = 'pending'").await;
-    let target = count(&s.db.pool, "SELECT count(*) FROM relay.intents WHERE state = 'succeeded'").await + pending;
+    let pending = seed::in_state(&s.db.pool, Work::Intents, "pending").await?;
+    let target = seed::in_state(&s.db.pool, Work::Intents, "succeeded").await? + pending;
     let relay = Relay::new(config(env, &s, 64)?, Handlers::default(), Faults::none()).await?;
     let t0 = Instant::now();
     let mut relay = UnderTest::start(relay, DISPATCH);
-    let took = wait_drained(&mut relay, &s.db.pool, "intents", "succeeded", target, t0).await?;
+    let took = wait_drained(&mut relay, &s.db.pool, Work::Intents, "succeeded", target, t0).await?;
     let claim = pending as f64 / took.as_secs_f64();
     relay.stop().await?;
     if let Some(conn) = holder {
-        release_snapshot(conn).await?;
+        seed::release_snapshot(conn).await?;
     }
     Ok((ingest, claim))
-}
-
-/// A connection in a transaction that holds a snapshot open: no row version
-/// deleted or updated after it starts can be removed, by vacuum or by index
-/// scans marking entries dead, until [`release_snapshot`].
-pub(super) async fn hold_snapshot(url: &str) -> anyhow::Result<sqlx::PgConnection> {
-    let mut conn = sqlx::PgConnection::connect(url).await?;
-    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut conn).await?;
-    sqlx::query("SELECT count(*) FROM relay.intents").execute(&mut conn).await?;
-    Ok(conn)
-}
-
-pub(super) async fn release_snapshot(mut conn: sqlx::PgConnection) -> anyhow::Result<()> {
-    sqlx::query("ROLLBACK").execute(&mut conn).await?;
-    Ok(())
 }
 
 /// The growth section of the report.

@@ -161,18 +161,7 @@ pub(super) async fn latency(
     // The intent's created_at is the start of the consumer's transaction
     // (now()); the attempt's started_at is when the call was handed to the
     // HTTP client.
-    let split: (f64, f64, f64, f64) = sqlx::query_as(
-        "WITH t AS (SELECT (extract(epoch FROM i.created_at) * 1e6 - (i.body->>'produced_at_us')::float8) / 1e3 AS a,
-                           extract(epoch FROM a.started_at - i.created_at) * 1e3 AS b
-                      FROM relay.intents i JOIN relay.intent_attempts a ON a.intent_id = i.id
-                     WHERE (i.body->>'produced_at_us')::int8 >= $1)
-         SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY a), percentile_cont(0.99) WITHIN GROUP (ORDER BY a),
-                percentile_cont(0.5) WITHIN GROUP (ORDER BY b), percentile_cont(0.99) WITHIN GROUP (ORDER BY b)
-           FROM t",
-    )
-    .bind(measured_from_us)
-    .fetch_one(&s.db.pool)
-    .await?;
+    let split = seed::latency_split(&s.db.pool, measured_from_us).await?;
     let mut l: Vec<f64> = s
         .sink
         .latencies_ms

@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use futures::{FutureExt, StreamExt};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
@@ -39,6 +39,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use relay::{Components, Faults, Handlers, Relay};
 use relay_core::RelayConfig;
 use relay_testkit::process::{RelayProcess, RelaySpec};
+use relay_testkit::seed::{self, Work};
 use relay_testkit::{OffsetWatch, TestDb, TestEvent, TestProducer, create_topics, unique};
 use sqlx::{Connection, PgPool};
 use tokio_util::sync::CancellationToken;
@@ -353,58 +354,25 @@ async fn produce(env: &Env, topic: &str, range: std::ops::Range<usize>) -> anyho
     Ok(())
 }
 
-async fn count(pool: &PgPool, sql: &str) -> i64 {
-    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap_or(-1)
-}
-
-// What the harness polls while the relay works must cost the database next to
-// nothing: a `count(*)` every 10 ms scans the whole table each time and takes
-// CPU from the relay under test (with 1 M old rows, most of it). These read
-// only the rows that matter, through the relay's own indexes.
-
-/// The database's clock, to tell rows written from now on from old ones.
-async fn db_now(pool: &PgPool) -> anyhow::Result<DateTime<Utc>> {
-    Ok(sqlx::query_scalar("SELECT clock_timestamp()").fetch_one(pool).await?)
-}
-
-/// Inbox rows received after `since` (an index range scan on `received_at`).
-async fn inbox_since(pool: &PgPool, since: DateTime<Utc>) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM relay.inbox WHERE received_at > $1")
-        .bind(since)
-        .fetch_one(pool)
-        .await
-        .unwrap_or(-1)
-}
-
-/// Whether `table` (intents or outbox) has no row waiting or in flight: two
-/// probes of the partial indexes on pending and running rows.
-async fn drained(pool: &PgPool, table: &str) -> bool {
-    let sql = format!(
-        "SELECT NOT EXISTS (SELECT 1 FROM relay.{table} WHERE state = 'pending')
-            AND NOT EXISTS (SELECT 1 FROM relay.{table} WHERE state = 'running')"
-    );
-    sqlx::query_scalar(&sql).fetch_one(pool).await.unwrap_or(false)
-}
-
-/// Wait until `table` is drained, then check (once) that `done` rows are in
+/// Wait until `work` is drained, then check (once) that `done` rows are in
 /// `state`: a run where some calls died must fail, not report a rate.
 /// Returns the time from `t0` to the drain, without that check (a count over
 /// a table with a million old rows would otherwise be part of the rate).
 async fn wait_drained(
     relay: &mut UnderTest,
     pool: &PgPool,
-    table: &str,
+    work: Work,
     state: &str,
     done: i64,
     t0: Instant,
 ) -> anyhow::Result<Duration> {
-    wait_until(relay, &format!("every {table} row {state}"), Duration::from_secs(900), async || {
-        drained(pool, table).await
+    wait_until(relay, &format!("every {work:?} row {state}"), Duration::from_secs(900), async || {
+        seed::drained(pool, work).await.unwrap_or(false)
     })
     .await?;
     let took = t0.elapsed();
-    let n = count(pool, &format!("SELECT count(*) FROM relay.{table} WHERE state = '{state}'")).await;
-    anyhow::ensure!(n == done, "{n} {table} rows are {state}, expected {done}");
+    let n = seed::in_state(pool, work, state).await?;
+    anyhow::ensure!(n == done, "{n} {work:?} rows are {state}, expected {done}");
     Ok(took)
 }
 

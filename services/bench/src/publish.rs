@@ -2,35 +2,20 @@
 
 use super::*;
 
-pub(super) async fn insert_outbox(pool: &PgPool, topic: &str, k: usize) -> anyhow::Result<()> {
-    sqlx::query(
-        r#"INSERT INTO relay.outbox (id, consumer, source_id, action, topic, key, headers, payload, event_type, ordering_key)
-           SELECT gen_random_uuid(), 'bench', 'e-' || g, 'accepted', $1, convert_to('o-' || g, 'UTF8'),
-                  '[{"name":"ce_specversion","text":"1.0"},{"name":"ce_type","text":"order.accepted"},{"name":"ce_source","text":"bench"}]'::jsonb,
-                  convert_to(jsonb_build_object('order_id', 'o-' || g)::text, 'UTF8'), 'order.accepted', 'o-' || g
-             FROM generate_series(1, $2) g"#,
-    )
-    .bind(topic)
-    .bind(k as i64)
-    .execute(pool)
-    .await?;
-    Ok(())
-}
-
 /// The publisher draining `k` outbox rows; with `snapshot`, while another
 /// transaction holds a snapshot open (as in the growth section).
 pub(super) async fn publish_relay(env: &Env, k: usize, snapshot: bool) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
     let s = setup(env, 4).await?;
-    insert_outbox(&s.db.pool, &s.out, k).await?;
-    let holder = if snapshot { Some(hold_snapshot(&s.db.url).await?) } else { None };
+    seed::pending_outbox(&s.db.pool, "bench", &s.out, k).await?;
+    let holder = if snapshot { Some(seed::hold_snapshot(&s.db.url).await?) } else { None };
     let relay = Relay::new(config(env, &s, 64)?, Handlers::default(), Faults::none()).await?;
     let t0 = Instant::now();
     let mut relay = UnderTest::start(relay, PUBLISH);
-    let took = wait_drained(&mut relay, &s.db.pool, "outbox", "published", k as i64, t0).await?;
+    let took = wait_drained(&mut relay, &s.db.pool, Work::Outbox, "published", k as i64, t0).await?;
     let rate = k as f64 / took.as_secs_f64();
     relay.stop().await?;
     if let Some(conn) = holder {
-        release_snapshot(conn).await?;
+        seed::release_snapshot(conn).await?;
     }
     Ok((rate, None))
 }

@@ -9,6 +9,7 @@
 //! silently passes without one.
 
 pub mod process;
+pub mod seed;
 
 use std::collections::HashMap;
 use std::future::Future;
