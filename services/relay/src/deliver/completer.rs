@@ -74,24 +74,22 @@ impl Dispatcher {
             return vec![Finished::LeaseLost; batch.len()];
         }
         let deadline = std::time::Instant::now() + self.inner.settings.lease;
+        let rejected = |c: &Completion, e: sqlx::Error| {
+            error!(intent_id = %c.intent.id, error = %e, "the database rejected this outcome; the intent is rescued when its lease expires");
+            Finished::LeaseLost
+        };
         match self.finalize_until(batch, deadline).await {
             Ok(f) => f,
-            Err(_) if batch.len() > 1 => {
+            Err(e) if batch.len() == 1 => vec![rejected(&batch[0], e)],
+            Err(_) => {
                 let mut out = Vec::with_capacity(batch.len());
                 for c in batch {
                     match self.finalize_until(std::slice::from_ref(c), deadline).await {
                         Ok(f) => out.extend(f),
-                        Err(e) => {
-                            error!(intent_id = %c.intent.id, error = %e, "the database rejected this outcome; the intent is rescued when its lease expires");
-                            out.push(Finished::LeaseLost);
-                        }
+                        Err(e) => out.push(rejected(c, e)),
                     }
                 }
                 out
-            }
-            Err(e) => {
-                error!(intent_id = %batch[0].intent.id, error = %e, "the database rejected this outcome; the intent is rescued when its lease expires");
-                vec![Finished::LeaseLost]
             }
         }
     }
