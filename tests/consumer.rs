@@ -974,3 +974,77 @@ async fn a_buffer_bounded_to_one_large_record_still_processes_every_record() {
     let err = cfg.validate().expect_err("a buffer smaller than a record is refused").to_string();
     assert!(err.contains("max_buffered_bytes"), "{err}");
 }
+
+/// Log lines written to a buffer, to read back as JSON.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A handler that only logs.
+struct Logs;
+
+#[async_trait]
+impl Handler for Logs {
+    async fn handle(&self, _tx: &mut sqlx::PgConnection, event: &InputEvent) -> Result<Plan, HandlerError> {
+        tracing::info!(order = %event.data["order_id"], "handler saw the order");
+        Ok(Plan::default())
+    }
+}
+
+// The default (current-thread) runtime: the relay's tasks run on this
+// thread, so the subscriber set for it sees their lines.
+#[tokio::test]
+async fn a_code_handlers_own_log_lines_name_the_record_and_partition_they_belong_to() {
+    let logs = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .json()
+        .with_env_filter("info")
+        .with_writer({
+            let logs = logs.clone();
+            move || logs.clone()
+        })
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let h = Harness::new(1).await;
+    let route = "[[routes]]\ntopic = \"{topic}\"\ntype = \"order.placed\"\nhandler = \"logs\"\n";
+    let run =
+        h.start_with(h.config(route), CONSUMER_ONLY, Handlers::default().register("logs", Logs), no_faults()).await;
+    h.send(&order("evt-logged", "o-1")).await;
+    h.await_inbox(1).await;
+    run.stop().await.unwrap();
+
+    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.contains("handler saw the order"))
+        .unwrap_or_else(|| panic!("no handler line in:\n{text}"));
+    let line: serde_json::Value = serde_json::from_str(line).unwrap();
+    let span = |name: &str| {
+        line["spans"]
+            .as_array()
+            .and_then(|s| s.iter().find(|s| s["name"] == name))
+            .cloned()
+            .unwrap_or_else(|| panic!("no {name} span: {line}"))
+    };
+    let (handler, partition) = (span("handler"), span("partition"));
+    assert_eq!(
+        (handler["handler"].as_str(), handler["event_id"].as_str()),
+        (Some("logs"), Some("evt-logged")),
+        "{line}"
+    );
+    assert_eq!(handler["event_type"], "order.placed", "{line}");
+    assert_eq!(
+        (partition["topic"].as_str(), partition["partition"].as_i64()),
+        (Some(h.topic.as_str()), Some(0)),
+        "{line}"
+    );
+}

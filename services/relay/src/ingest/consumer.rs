@@ -560,6 +560,9 @@ impl InboxConsumer {
         }
     }
 
+    /// Everything logged while a partition's records are worked through
+    /// (a database error, a record waiting, …) names the partition.
+    #[tracing::instrument(name = "partition", skip_all, fields(consumer = %self.settings.name, topic = %tp.0, partition = tp.1))]
     async fn process_partition(
         &self,
         tp: Tp,

@@ -29,6 +29,7 @@ use relay_store::inbox::{self, InboxInsert, InboxOutcome, NewInboxRow};
 use relay_store::write::{self, HoldRoom, Planned};
 use relay_store::{DbErrorKind, classify_error, dead_letters, outbox};
 use sqlx::{Connection, PgConnection};
+use tracing::Instrument;
 
 use crate::deliver::handoff::{Handed, Handoff, Reserved};
 use crate::ingest::handler::{HandlerError, Handlers};
@@ -479,7 +480,17 @@ impl Processor {
                 let why = format!("handler {name:?} is not registered");
                 return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
             };
-            let more = match handler.handle(tx, &item.event).await {
+            // The handler's own log lines carry the record they handle.
+            let span = tracing::info_span!(
+                "handler",
+                handler = %name,
+                event_id = %item.event.id,
+                event_type = %item.event.event_type,
+                topic = %item.record.topic,
+                partition = item.record.partition,
+                offset = item.record.offset,
+            );
+            let more = match handler.handle(tx, &item.event).instrument(span).await {
                 Ok(more) => more,
                 Err(HandlerError::NotYet(why)) => {
                     return Ok(Err(Disposition::RetryLater(poison(PoisonClass::MissingReference, why))));

@@ -16,8 +16,12 @@
 //! (the batch's commit is after every record's span would have closed), and
 //! the JSON log format nests span fields under `span`/`spans`, which would
 //! move `event_id`, `idempotency_key`, … away from the top level where
-//! users' log queries find them today. The spans that do follow a record
-//! across processes are the OpenTelemetry hops here.
+//! users' log queries find them today. `tracing` spans give context where
+//! work does happen inside them: a partition's processing (`partition`:
+//! consumer, topic, partition — a database error names its partition) and a
+//! code handler's call (`handler`: event id, type, offset — the handler's
+//! own lines name their record). The spans that follow a record across
+//! processes are the OpenTelemetry hops here.
 
 use std::collections::HashMap;
 use std::sync::OnceLock;
