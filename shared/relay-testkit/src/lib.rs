@@ -339,6 +339,40 @@ impl TestEvent {
         self.partition = Some(p);
         self
     }
+
+    /// Its Kafka headers, in the order they are produced.
+    pub fn headers(&self) -> Vec<(String, Vec<u8>)> {
+        let mut headers = vec![
+            ("ce_specversion".to_string(), b"1.0".to_vec()),
+            ("ce_type".to_string(), self.event_type.as_bytes().to_vec()),
+            ("ce_source".to_string(), b"/tests".to_vec()),
+            ("content-type".to_string(), b"application/json".to_vec()),
+        ];
+        if let Some(id) = &self.id {
+            headers.push(("ce_id".into(), id.as_bytes().to_vec()));
+        }
+        for (k, v) in &self.extensions {
+            headers.push((format!("ce_{k}"), v.as_bytes().to_vec()));
+        }
+        headers
+    }
+
+    /// The record a consumer would receive for it at `offset` of `topic`
+    /// (its partition, or 0), for tests that route records without a broker.
+    pub fn record(&self, topic: &str, offset: i64) -> relay_core::RawRecord {
+        relay_core::RawRecord {
+            topic: topic.into(),
+            partition: self.partition.unwrap_or(0),
+            offset,
+            key: self.key.as_ref().map(|k| k.as_bytes().to_vec()),
+            payload: Some(serde_json::to_vec(&self.data).expect("JSON data serializes")),
+            headers: self
+                .headers()
+                .into_iter()
+                .map(|(name, value)| relay_core::Header { name, value: Some(value) })
+                .collect(),
+        }
+    }
 }
 
 /// A producer for tests.
@@ -355,20 +389,8 @@ impl TestProducer {
 
     /// Produce a CloudEvent in binary mode; returns (partition, offset).
     pub async fn event(&self, topic: &str, e: &TestEvent) -> anyhow::Result<(i32, i64)> {
-        let mut headers = vec![
-            ("ce_specversion".to_string(), b"1.0".to_vec()),
-            ("ce_type".to_string(), e.event_type.as_bytes().to_vec()),
-            ("ce_source".to_string(), b"/tests".to_vec()),
-            ("content-type".to_string(), b"application/json".to_vec()),
-        ];
-        if let Some(id) = &e.id {
-            headers.push(("ce_id".into(), id.as_bytes().to_vec()));
-        }
-        for (k, v) in &e.extensions {
-            headers.push((format!("ce_{k}"), v.as_bytes().to_vec()));
-        }
         let payload = serde_json::to_vec(&e.data)?;
-        self.raw(topic, e.partition, e.key.as_deref().map(str::as_bytes), &headers, Some(&payload)).await
+        self.raw(topic, e.partition, e.key.as_deref().map(str::as_bytes), &e.headers(), Some(&payload)).await
     }
 
     /// Produce any record; returns (partition, offset).

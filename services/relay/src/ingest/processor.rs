@@ -587,36 +587,26 @@ fn sanitized(p: &Poison) -> Poison {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use relay_core::{Header, RelayConfig};
+    use relay_core::RelayConfig;
+    use relay_testkit::TestEvent;
+    use serde_json::json;
 
+    /// A plain route with a call, a version-guarded one, one with a code handler.
     const ROUTES: &str = r#"
-        [consumer]
-        name = "c"
-        [endpoints.psp]
-        base_url = "http://127.0.0.1:1"
-
+        consumer = { name = "c" }
+        endpoints = { psp = { base_url = "http://127.0.0.1:1" } }
         [[routes]]
         name = "placed"
         topic = "orders"
         type = "order.placed"
-        [[routes.actions]]
-        kind = "call"
-        name = "capture"
-        endpoint = "psp"
-        path = "/captures/{{ data.order_id }}"
-        idempotency_key = "capture:{{ data.order_id }}"
-
+        actions = [{ kind = "call", name = "capture", endpoint = "psp", path = "/captures/{{ data.order_id }}",
+                     idempotency_key = "capture:{{ data.order_id }}" }]
         [[routes]]
         name = "shipped"
         topic = "orders"
         type = "order.shipped"
         version_guard = true
-        [[routes.actions]]
-        kind = "emit"
-        name = "shipped"
-        type = "order.dispatched"
-        topic = "out"
-
+        actions = [{ kind = "emit", name = "shipped", type = "order.dispatched", topic = "out" }]
         [[routes]]
         name = "coded"
         topic = "orders"
@@ -630,21 +620,8 @@ mod tests {
     }
 
     fn record(ty: &str, id: &str, extra: &[(&str, &str)]) -> RawRecord {
-        let mut headers = vec![
-            Header::text("ce_specversion", "1.0"),
-            Header::text("ce_id", id),
-            Header::text("ce_type", ty),
-            Header::text("ce_source", "/shop"),
-        ];
-        headers.extend(extra.iter().map(|(k, v)| Header::text(*k, v)));
-        RawRecord {
-            topic: "orders".into(),
-            partition: 0,
-            offset: 7,
-            key: None,
-            payload: Some(br#"{"order_id":"o-1"}"#.to_vec()),
-            headers,
-        }
+        let event = extra.iter().fold(TestEvent::new(id, ty, json!({"order_id": "o-1"})), |e, (k, v)| e.ext(k, v));
+        event.record("orders", 7)
     }
 
     fn ready<'a, 'r>(p: Prepared<'a, 'r>) -> Item<'a, 'r> {
@@ -707,7 +684,7 @@ mod tests {
         assert!(!p.alone(&plain));
         let unrouted = ready(p.prepare(&unrouted));
         assert!(!p.alone(&unrouted));
-        let guarded = record("order.shipped", "evt-3", &[("ce_aggregateid", "o-1"), ("ce_aggregateversion", "3")]);
+        let guarded = record("order.shipped", "evt-3", &[("aggregateid", "o-1"), ("aggregateversion", "3")]);
         let guarded = ready(p.prepare(&guarded));
         assert!(p.alone(&guarded));
         assert_eq!(p.planned(&guarded, guarded.effects.as_ref()).version, Some(3));
