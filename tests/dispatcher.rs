@@ -1174,7 +1174,7 @@ async fn an_oversized_record_is_dead_lettered_with_a_copy_the_broker_takes_and_a
     run.stop().await.unwrap();
     assert!(error.contains("permanent"), "{error}");
     let stats = relay_store::stats::gauges(&mut conn).await.unwrap();
-    assert_eq!(relay_store::stats::Stats::count(&stats.outbox, "dead"), 1);
+    assert_eq!(relay_store::stats::Stats::count(&stats.backlog.outbox, "dead"), 1);
 }
 
 #[tokio::test]

@@ -98,43 +98,31 @@ pub async fn overview(conn: &mut PgConnection, exact_up_to: i64) -> Result<(Stat
     .fetch_all(&mut *conn)
     .await?;
     let big = |table: &str| Stats::count(&live, table) > exact_up_to;
-    let g = exact_gauges(&mut *conn).await?;
+    let mut stats = backlog(&mut *conn).await?;
     let mut estimated = Vec::new();
-    let inbox = if big("inbox") {
+    stats.inbox = if big("inbox") {
         estimated.push("inbox");
         vec![("all".to_owned(), Stats::count(&live, "inbox"))]
     } else {
         inbox_by_outcome(&mut *conn).await?
     };
-    let backlog = |list: &[(String, i64)]| list.iter().map(|(_, n)| n).sum::<i64>();
+    let sum = |list: &[(String, i64)]| list.iter().map(|(_, n)| n).sum::<i64>();
     let succeeded = if big("intents") {
         estimated.push("intents.succeeded");
-        (Stats::count(&live, "intents") - backlog(&g.intents)).max(0)
+        (Stats::count(&live, "intents") - sum(&stats.intents)).max(0)
     } else {
         sqlx::query_scalar("SELECT count(*) FROM relay.intents WHERE state = 'succeeded'").fetch_one(&mut *conn).await?
     };
     let published = if big("outbox") {
         estimated.push("outbox.published");
-        (Stats::count(&live, "outbox") - backlog(&g.outbox)).max(0)
+        (Stats::count(&live, "outbox") - sum(&stats.outbox)).max(0)
     } else {
         sqlx::query_scalar("SELECT count(*) FROM relay.outbox WHERE state = 'published'").fetch_one(&mut *conn).await?
     };
-    let mut intents = g.intents;
-    intents.push((crate::intents::IntentState::Succeeded.as_str().into(), succeeded));
-    intents.sort();
-    let mut outbox = g.outbox;
-    outbox.push((crate::outbox::OutboxState::Published.as_str().into(), published));
-    outbox.sort();
-    let stats = Stats {
-        inbox,
-        intents,
-        oldest_pending_intent_secs: g.oldest_pending_intent_secs,
-        outbox,
-        oldest_unpublished_outbox_secs: g.oldest_unpublished_outbox_secs,
-        dead_letters_unresolved: g.dead_letters_unresolved,
-        dead_letters_total: g.dead_letters_total,
-        counters: g.counters,
-    };
+    stats.intents.push((crate::intents::IntentState::Succeeded.as_str().into(), succeeded));
+    stats.intents.sort();
+    stats.outbox.push((crate::outbox::OutboxState::Published.as_str().into(), published));
+    stats.outbox.sort();
     Ok((stats, estimated))
 }
 
@@ -150,21 +138,12 @@ pub async fn overview(conn: &mut PgConnection, exact_up_to: i64) -> Result<(Stat
 /// still counts everything exactly ([`snapshot`]).
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Gauges {
-    /// Intents by state: `pending`, `running`, `dead` (exact).
-    pub intents: Vec<(String, i64)>,
-    /// Age in seconds of the oldest pending or running intent.
-    pub oldest_pending_intent_secs: Option<f64>,
-    /// Outbox rows by state: `pending`, `running` (exact).
-    pub outbox: Vec<(String, i64)>,
-    /// Age in seconds of the oldest unpublished outbox row.
-    pub oldest_unpublished_outbox_secs: Option<f64>,
-    /// Dead letters not yet replayed successfully (exact: dead letters are
-    /// few unless something is badly wrong, and then they are the point).
-    pub dead_letters_unresolved: i64,
-    /// Dead letters in total (exact).
-    pub dead_letters_total: i64,
-    /// Business counters `(consumer, name, value)`.
-    pub counters: Vec<(String, String, i64)>,
+    /// The backlog, exact: intents `pending`, `running`, `dead`,
+    /// `uncertain`; outbox rows `pending`, `running`, `dead`; dead letters
+    /// (few unless something is badly wrong, and then they are the point);
+    /// counters. Its `inbox` is empty: inbox rows are history.
+    #[serde(flatten)]
+    pub backlog: Stats,
     /// Estimated rows per table of the `relay` schema (0 before the first
     /// ANALYZE).
     pub table_rows_estimated: Vec<(String, i64)>,
@@ -191,19 +170,19 @@ pub const GAUGE_COUNTS: &str = "SELECT
 
 /// Take the gauges' counts and estimates (see [`Gauges`]).
 pub async fn gauges(conn: &mut PgConnection) -> Result<Gauges, sqlx::Error> {
-    let mut g = exact_gauges(&mut *conn).await?;
-    g.table_rows_estimated = sqlx::query_as(
+    let backlog = backlog(&mut *conn).await?;
+    let table_rows_estimated = sqlx::query_as(
         "SELECT relname::text, greatest(reltuples, 0)::bigint FROM pg_class
           WHERE relnamespace = 'relay'::regnamespace AND relkind = 'r' ORDER BY relname",
     )
     .fetch_all(&mut *conn)
     .await?;
-    Ok(g)
+    Ok(Gauges { backlog, table_rows_estimated })
 }
 
-/// [`Gauges`] without the table estimates: the exact backlog counts and the
-/// counters, which [`overview`] shares.
-async fn exact_gauges(conn: &mut PgConnection) -> Result<Gauges, sqlx::Error> {
+/// The backlog counted exactly ([`GAUGE_COUNTS`]) and the counters, which
+/// [`gauges`] and [`overview`] share; no inbox counts.
+async fn backlog(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
     type Row = (i64, i64, i64, i64, Option<f64>, Option<f64>, i64, i64, i64, Option<f64>, Option<f64>, i64, i64);
     let (
         pending,
@@ -222,7 +201,8 @@ async fn exact_gauges(conn: &mut PgConnection) -> Result<Gauges, sqlx::Error> {
     ): Row = sqlx::query_as(GAUGE_COUNTS).fetch_one(&mut *conn).await?;
     let counters = counters(&mut *conn).await?;
     let oldest = |a: Option<f64>, b: Option<f64>| a.into_iter().chain(b).reduce(f64::max);
-    Ok(Gauges {
+    Ok(Stats {
+        inbox: Vec::new(),
         intents: vec![
             ("pending".into(), pending),
             ("running".into(), running),
@@ -235,7 +215,6 @@ async fn exact_gauges(conn: &mut PgConnection) -> Result<Gauges, sqlx::Error> {
         dead_letters_unresolved: unresolved,
         dead_letters_total: letters,
         counters,
-        table_rows_estimated: Vec::new(),
     })
 }
 

@@ -132,7 +132,7 @@ pub fn publish_dead(topic: &str) {
 /// Refresh the table gauges (see [`stats::Gauges`] for what is exact and
 /// what is PostgreSQL's estimate).
 pub async fn refresh_gauges(pool: &PgPool) -> Result<(), sqlx::Error> {
-    let g = stats::gauges(&mut *pool.acquire().await?).await?;
+    let stats::Gauges { backlog: g, table_rows_estimated } = stats::gauges(&mut *pool.acquire().await?).await?;
     for (state, n) in &g.intents {
         gauge!("relay_intents", "state" => state.clone()).set(*n as f64);
     }
@@ -146,7 +146,7 @@ pub async fn refresh_gauges(pool: &PgPool) -> Result<(), sqlx::Error> {
     for (consumer, name, v) in &g.counters {
         gauge!("relay_business_counter", "consumer" => consumer.clone(), "name" => name.clone()).set(*v as f64);
     }
-    for (table, n) in &g.table_rows_estimated {
+    for (table, n) in &table_rows_estimated {
         gauge!("relay_table_rows_estimated", "table" => table.clone()).set(*n as f64);
     }
     Ok(())
