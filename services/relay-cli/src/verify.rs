@@ -287,7 +287,10 @@ pub async fn verify(cfg: &RelayConfig, pool: &PgPool, opts: &VerifyOptions) -> a
 /// Every valid input record below the committed offset is in the inbox or
 /// parked, and every poison one is parked (`lost`, `poison_not_parked`).
 async fn check_inputs(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -> anyhow::Result<()> {
-    let router = Router::new(cfg)?;
+    // The routes as the consumer compiled them, schemas read (if the caller has not).
+    let mut routes = cfg.clone();
+    relay::config::read_schemas(&mut routes)?;
+    let router = Router::new(&routes)?;
     let consumer = cfg.consumer.name.as_str();
     let input_topics = cfg.subscribed_topics();
     let committed = committed(cfg, &input_topics).await?;

@@ -45,7 +45,8 @@ pub struct Relay {
 
 impl Relay {
     /// Connect to the database, compile the routes, and check the schema is current.
-    pub async fn new(cfg: RelayConfig, handlers: Handlers, faults: Faults) -> anyhow::Result<Relay> {
+    pub async fn new(mut cfg: RelayConfig, handlers: Handlers, faults: Faults) -> anyhow::Result<Relay> {
+        crate::config::read_schemas(&mut cfg)?;
         #[cfg(feature = "faults")]
         let router =
             Arc::new(if faults.sabotage().null_as_text { Router::sabotaged(&cfg)? } else { Router::new(&cfg)? });

@@ -5,7 +5,10 @@
 //! * Layering is [figment](https://docs.rs/figment): the file, then
 //!   `RELAY_SECTION__KEY=value` (double underscore between levels, e.g.
 //!   `RELAY_KAFKA__BOOTSTRAP_SERVERS`), then `DATABASE_URL` for the database.
-//! * A route's `schema` path is relative to the configuration file.
+//! * A route's `schema` path is relative to the configuration file; the
+//!   file is read here ([`read_schemas`]) and compiled by the router.
+//! * Secrets are read from the environment here too, when a client is
+//!   built: Kafka's `secret_properties` and an endpoint's `token_env`.
 //! * Every problem is reported at once, each naming its key.
 
 use std::path::Path;
@@ -13,7 +16,8 @@ use std::path::Path;
 use figment::Figment;
 use figment::providers::{Env, Format, Toml};
 use relay_core::RelayConfig;
-use relay_core::config::ConfigError;
+use relay_core::config::{ConfigError, EndpointConfig, KafkaConfig};
+use secrecy::SecretString;
 
 /// Load `path` (if given), then the environment, then validate.
 pub fn load(path: Option<&Path>) -> Result<RelayConfig, ConfigError> {
@@ -44,19 +48,62 @@ pub fn load(path: Option<&Path>) -> Result<RelayConfig, ConfigError> {
             }
         }
     }
-    let mut problems = match cfg.validate() {
-        Ok(()) => Vec::new(),
-        Err(ConfigError::Invalid { problems }) => problems,
-        Err(e) => return Err(e),
-    };
-    for (i, r) in cfg.routes.iter().enumerate() {
-        if let Some(s) = &r.schema
-            && !s.exists()
-        {
-            problems.push(format!("routes[{i}].schema: {} does not exist", s.display()));
+    let mut problems = Vec::new();
+    for checked in [cfg.validate(), read_schemas(&mut cfg)] {
+        match checked {
+            Ok(()) => {}
+            Err(ConfigError::Invalid { problems: p }) => problems.extend(p),
+            Err(e) => return Err(e),
         }
     }
     if problems.is_empty() { Ok(cfg) } else { Err(ConfigError::Invalid { problems }) }
+}
+
+/// Read each route's `schema` file into its `schema_document`, which the
+/// router compiles (relay-core does no I/O). A document already there is
+/// kept, so calling this again costs nothing; [`load`] calls it, and so does
+/// `Relay::new` for a configuration built another way.
+pub fn read_schemas(cfg: &mut RelayConfig) -> Result<(), ConfigError> {
+    let mut problems = Vec::new();
+    for (i, r) in cfg.routes.iter_mut().enumerate() {
+        let (Some(path), None) = (&r.schema, &r.schema_document) else { continue };
+        let read = if path.exists() {
+            std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display())).and_then(|text| {
+                serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))
+            })
+        } else {
+            Err(format!("{} does not exist", path.display()))
+        };
+        match read {
+            Ok(doc) => r.schema_document = Some(doc),
+            Err(why) => problems.push(format!("routes[{i}].schema: {why}")),
+        }
+    }
+    if problems.is_empty() { Ok(()) } else { Err(ConfigError::Invalid { problems }) }
+}
+
+/// Kafka's secret properties, read from the environment variables
+/// `kafka.secret_properties` names. Missing variables are errors.
+pub fn kafka_secrets(kafka: &KafkaConfig) -> Result<Vec<(String, SecretString)>, ConfigError> {
+    let mut out = Vec::new();
+    let mut problems = Vec::new();
+    for (prop, var) in &kafka.secret_properties {
+        match std::env::var(var) {
+            Ok(v) => out.push((prop.clone(), SecretString::from(v))),
+            Err(_) => problems.push(format!("kafka.secret_properties.{prop:?}: environment variable {var} is not set")),
+        }
+    }
+    if problems.is_empty() { Ok(out) } else { Err(ConfigError::Invalid { problems }) }
+}
+
+/// An endpoint's bearer token, read from the variable its `token_env` names.
+pub fn endpoint_token(endpoint: &EndpointConfig) -> Result<Option<SecretString>, String> {
+    match &endpoint.token_env {
+        None => Ok(None),
+        Some(var) => std::env::var(var)
+            .map(|v| Some(SecretString::from(v)))
+            .map_err(|_| format!("environment variable {var} (token_env) is not set")),
+    }
 }
 
 #[cfg(test)]
@@ -88,6 +135,7 @@ mod tests {
         std::fs::write(&file, text.replace("gone.json", "schemas/placed.json")).unwrap();
         let cfg = load(Some(&file)).unwrap();
         assert_eq!(cfg.routes[1].schema.as_deref(), Some(dir.join("schemas/placed.json").as_path()));
+        assert_eq!(cfg.routes[1].schema_document, Some(serde_json::json!({})), "read, for the router to compile");
         let missing = load(Some(&dir.join("nope.toml"))).unwrap_err().to_string();
         assert!(missing.contains("nope.toml does not exist (pass --config PATH"), "{missing}");
         std::fs::remove_dir_all(&dir).unwrap();

@@ -1,9 +1,10 @@
 //! Configuration: the types of `relay.toml` with their defaults, and their
 //! validation, which needs no I/O.
 //!
-//! * Loading — the file, then `RELAY_*` environment overrides, then checks
-//!   that touch the file system — is the service's (`relay::config::load`);
-//!   [`RelayConfig::from_toml`] parses a text alone, for tests and tools.
+//! * Loading — the file, then `RELAY_*` environment overrides, the schema
+//!   files, the secrets named by environment variable — is the service's
+//!   (`relay::config`); [`RelayConfig::from_toml`] parses a text alone, for
+//!   tests and tools.
 //! * Invalid configuration fails at start with every problem at once, each
 //!   naming its key (`routes[1].actions[0].endpoint: …`) and what to do.
 //! * Secrets never come from the file: the database URL and provider tokens are
@@ -309,23 +310,6 @@ impl Default for KafkaConfig {
     }
 }
 
-impl KafkaConfig {
-    /// Secret properties read from the environment. Missing variables are errors.
-    pub fn secrets(&self) -> Result<Vec<(String, SecretString)>, ConfigError> {
-        let mut out = Vec::new();
-        let mut problems = Vec::new();
-        for (prop, var) in &self.secret_properties {
-            match std::env::var(var) {
-                Ok(v) => out.push((prop.clone(), SecretString::from(v))),
-                Err(_) => {
-                    problems.push(format!("kafka.secret_properties.{prop:?}: environment variable {var} is not set"))
-                }
-            }
-        }
-        if problems.is_empty() { Ok(out) } else { Err(ConfigError::Invalid { problems }) }
-    }
-}
-
 /// The intent dispatcher.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -429,6 +413,10 @@ pub struct RouteConfig {
     pub event_type: String,
     /// JSON Schema file (relative to the configuration file) the data must satisfy.
     pub schema: Option<PathBuf>,
+    /// That file's JSON, read by the service when it loads the configuration
+    /// (`relay::config`): the router compiles it and does no I/O.
+    #[serde(skip)]
+    pub schema_document: Option<serde_json::Value>,
     /// Overrides of where the guard fields come from.
     #[serde(default)]
     pub fields: FieldOverrides,
@@ -659,18 +647,6 @@ fn default_retryable_statuses() -> Vec<u16> {
 }
 fn default_idempotency_header() -> String {
     "Idempotency-Key".into()
-}
-
-impl EndpointConfig {
-    /// The bearer token, read from `token_env`.
-    pub fn token(&self) -> Result<Option<SecretString>, String> {
-        match &self.token_env {
-            None => Ok(None),
-            Some(var) => std::env::var(var)
-                .map(|v| Some(SecretString::from(v)))
-                .map_err(|_| format!("environment variable {var} (token_env) is not set")),
-        }
-    }
 }
 
 /// Configuration could not be loaded or is invalid.

@@ -136,15 +136,23 @@ impl Router {
         for (i, r) in cfg.routes.iter().enumerate() {
             let at = format!("routes[{i}]");
             let topic_fields = topics.get(&r.topic).map(|(_, f)| f.clone()).unwrap_or_default();
-            let schema = match &r.schema {
-                None => None,
-                Some(path) => match load_schema(path) {
+            let schema = match (&r.schema_document, &r.schema) {
+                (Some(doc), path) => match jsonschema::validator_for(doc) {
                     Ok(v) => Some(Arc::new(v)),
                     Err(e) => {
-                        problems.push(format!("{at}.schema: {e}"));
+                        let file = path.as_ref().map(|p| format!("{} ", p.display())).unwrap_or_default();
+                        problems.push(format!("{at}.schema: {file}is not a valid JSON Schema: {e}"));
                         None
                     }
                 },
+                (None, Some(path)) => {
+                    problems.push(format!(
+                        "{at}.schema: {} was not read (relay::config::read_schemas reads the files)",
+                        path.display()
+                    ));
+                    None
+                }
+                (None, None) => None,
             };
             let actions = r
                 .actions
@@ -455,12 +463,6 @@ fn schema_failure(e: &jsonschema::ValidationError<'_>) -> String {
     format!("{at} {rule} (schema {})", e.schema_path())
 }
 
-fn load_schema(path: &std::path::Path) -> Result<jsonschema::Validator, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let doc: Value = serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))?;
-    jsonschema::validator_for(&doc).map_err(|e| format!("{} is not a valid JSON Schema: {e}", path.display()))
-}
-
 fn compile_emit(b: &mut TemplateBuilder, at: &str, e: &EmitAction) -> CompiledEmit {
     CompiledEmit {
         name: e.name.clone(),
@@ -599,16 +601,10 @@ mod tests {
 
     #[test]
     fn schema_invalid_data_is_poison_with_the_failing_path() {
-        let dir = std::env::temp_dir().join(format!("relay-schema-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let schema = dir.join("s.json");
-        std::fs::write(
-            &schema,
-            r#"{"type":"object","required":["order_id"],"properties":{"amount":{"type":"integer"}}}"#,
-        )
-        .unwrap();
         let mut c = cfg("");
-        c.routes[0].schema = Some(schema);
+        c.routes[0].schema_document = Some(
+            serde_json::json!({"type":"object","required":["order_id"],"properties":{"amount":{"type":"integer"}}}),
+        );
         let router = Router::new(&c).unwrap();
         let rec = record("order.placed", r#"{"order_id":"o","amount":"five"}"#);
         let err = router.route(&rec).unwrap_err();
@@ -619,16 +615,10 @@ mod tests {
     // Issue 22 item 9: reasons name the path and the rule, never the value.
     #[test]
     fn schema_reasons_never_quote_the_data() {
-        let dir = std::env::temp_dir().join(format!("relay-schema-values-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let schema = dir.join("s.json");
-        std::fs::write(
-            &schema,
-            r#"{"type":"object","required":["order_id"],"properties":{"card":{"type":"integer"},"pin":{"maxLength":2}}}"#,
-        )
-        .unwrap();
         let mut c = cfg("");
-        c.routes[0].schema = Some(schema);
+        c.routes[0].schema_document = Some(serde_json::json!(
+            {"type":"object","required":["order_id"],"properties":{"card":{"type":"integer"},"pin":{"maxLength":2}}}
+        ));
         let router = Router::new(&c).unwrap();
         let secret = "4111-1111-1111-1111";
         let direct = format!(r#"{{"card":"{secret}","pin":"{secret}"}}"#);

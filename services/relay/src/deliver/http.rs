@@ -90,7 +90,7 @@ impl std::fmt::Debug for EndpointClient {
 impl EndpointClient {
     /// Build the client for endpoint `name`. Must be called inside a tokio runtime.
     pub fn new(name: &str, cfg: &EndpointConfig) -> anyhow::Result<EndpointClient> {
-        let token = cfg.token().map_err(|e| anyhow::anyhow!("endpoints.{name}: {e}"))?;
+        let token = crate::config::endpoint_token(cfg).map_err(|e| anyhow::anyhow!("endpoints.{name}: {e}"))?;
         let http = reqwest::Client::builder()
             .connect_timeout(cfg.connect_timeout)
             .pool_max_idle_per_host(cfg.concurrency)

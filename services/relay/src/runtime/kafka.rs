@@ -81,7 +81,7 @@ pub fn client_config(cfg: &KafkaConfig, role: Role) -> Result<ClientConfig, Conf
         }
         c.set(k, v);
     }
-    for (k, v) in cfg.secrets()? {
+    for (k, v) in crate::config::kafka_secrets(cfg)? {
         c.set(k, v.expose_secret());
     }
     for (k, v) in required(role) {
