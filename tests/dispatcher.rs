@@ -703,14 +703,21 @@ async fn the_trace_of_an_event_continues_through_the_call_and_the_outcome_event(
 #[tokio::test]
 async fn a_claim_that_waited_too_long_for_a_call_slot_is_given_back_not_sent_late() {
     let h = Harness::new(1).await;
-    // Calls take 0.9 s; one slot; a 3 s lease; 1.5 s of timeouts per call.
+    // Calls take 0.9 s against a 2 s timeout (with 1 s, a call on a loaded
+    // machine timed out and was rightly sent again); one slot; a 4 s lease,
+    // so a claim is sent only within 1 s of it (lease − timeout − 1 s spare):
+    // of a batch of six, the third on wait 1.8 s and more for the slot. Sent
+    // late anyway, the fifth would still be running when its lease ran out
+    // and the rescuer sent it again.
     h.provider.set_faults(vec![rule("capture:", None, FaultKind::TimeoutAfterApply { delay_ms: 900 })]);
-    h.send_orders(5).await;
+    h.send_orders(6).await;
     let mut cfg = h.config(CAPTURE_ROUTE);
     cfg.dispatcher.concurrency = 1;
-    cfg.dispatcher.claim_batch = 4;
+    cfg.dispatcher.claim_batch = 6;
+    cfg.dispatcher.lease = Duration::from_secs(4);
+    cfg.endpoints.get_mut("psp").unwrap().timeout = Duration::from_secs(2);
     let run = h.start(cfg, Components::ALL, no_faults()).await;
-    h.await_intents_finished(5).await;
+    h.await_intents_finished(6).await;
     run.stop().await.unwrap();
     let stats = h.provider.stats();
     for (key, s) in &stats.by_key {
