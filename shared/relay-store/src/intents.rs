@@ -632,6 +632,20 @@ pub async fn list(
     .await
 }
 
+/// The ids of every intent matching `f`, oldest first: a snapshot of what a
+/// bulk action is to work through (ids only, however many there are).
+pub async fn ids(conn: &mut PgConnection, f: &IntentFilter) -> Result<Vec<Uuid>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT id FROM relay.intents
+          WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR endpoint = $2)
+          ORDER BY created_at, id",
+    )
+    .bind(f.state.map(IntentState::as_str))
+    .bind(&f.endpoint)
+    .fetch_all(conn)
+    .await
+}
+
 /// What [`requeue`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Requeue {

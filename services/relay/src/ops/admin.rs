@@ -298,35 +298,15 @@ impl Operator {
         }
     }
 
-    /// Queue every intent `which` selects again; `progress(asked so far)`
-    /// every thousand.
+    /// Queue every intent `which` selects again (the dead ones as they are
+    /// when it starts: one that dies again meanwhile waits for the next
+    /// replay); `progress(done so far)` every thousand.
     pub async fn requeue_all(&self, which: Intents, mut progress: impl FnMut(usize)) -> Result<Requeued, OpsError> {
         let mut conn = self.pool.acquire().await?;
-        let ids: Vec<Uuid> = match which {
+        let ids = match which {
             Intents::Ids(ids) => ids,
             Intents::Dead { endpoint } => {
-                // Queued intents leave the dead ones, so each page starts from the newest again.
-                let f = IntentFilter { state: Some(IntentState::Dead), endpoint };
-                let mut done = Requeued::default();
-                loop {
-                    let page = intents::list(&mut conn, &f, None, PAGE).await?;
-                    if page.is_empty() {
-                        return Ok(done);
-                    }
-                    let before = done.queued;
-                    for i in &page {
-                        done.asked += 1;
-                        match intents::requeue(&mut conn, i.id).await? {
-                            Requeue::Queued => done.queued += 1,
-                            Requeue::NotDeadOrUncertain => done.left.push(i.id),
-                        }
-                    }
-                    progress(done.asked);
-                    // A page where nothing moved (so the next would be the same) ends it.
-                    if done.queued == before {
-                        return Ok(done);
-                    }
-                }
+                intents::ids(&mut conn, &IntentFilter { state: Some(IntentState::Dead), endpoint }).await?
             }
         };
         let mut done = Requeued { asked: ids.len(), ..Requeued::default() };
