@@ -3,7 +3,7 @@
 //! console driven in headless Chromium, retention cleanup and its start-up
 //! check against the topics' retention.
 
-mod support;
+pub mod support;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! contiguous offsets, missing references (R19), sequence guard (R6),
 //! code handlers, dead-letter replay.
 
-mod support;
+pub mod support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};

@@ -6,7 +6,7 @@
 //! C15 and C16 run against a PostgreSQL / Kafka of their own, which the test
 //! crashes and restarts.
 
-mod support;
+pub mod support;
 
 use std::collections::HashSet;
 use std::path::Path;

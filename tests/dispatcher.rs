@@ -3,7 +3,7 @@
 //! (C9, C10), timeouts (C11), retryable and permanent failures (C12, C13),
 //! fencing and concurrent dispatchers (C17), per-key ordering (R13), NOTIFY.
 
-mod support;
+pub mod support;
 
 use std::time::Duration;
 

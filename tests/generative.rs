@@ -24,7 +24,7 @@
 //! process; the chaos soak and the crash matrix SIGKILL real processes, with
 //! one configuration shape).
 
-mod support;
+pub mod support;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;

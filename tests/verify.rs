@@ -2,7 +2,7 @@
 //! each planted bug (a guard disabled on purpose) or damaged state is reported
 //! with the ids involved.
 
-mod support;
+pub mod support;
 
 use std::time::Duration;
 

@@ -3,11 +3,11 @@
 //! `relay` processes. The generic pieces (databases, topics, producers,
 //! processes, private servers) are `relay_testkit`'s; what is here knows the
 //! relay's configuration and routes.
-// Each test binary compiles this module and uses part of it.
-#![allow(dead_code)]
+//!
+//! Each test file declares it `pub mod support;`: its public items are then
+//! the test crate's exports, not dead code in the files that use part of it.
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use example_provider::{Provider, Settings};
 use relay::{Components, Faults, Handlers, Relay};
@@ -66,18 +66,29 @@ from = ["pending"]
 to = "paid"
 "#;
 
+/// One test's world: its own database, topics, provider and names.
 pub struct Harness {
+    /// A fresh database, migrated.
     pub db: TestDb,
+    /// The test broker.
     pub bootstrap: String,
+    /// The fake provider the `psp` endpoint calls.
     pub provider: Provider,
+    /// The input topic (`{topic}` in routes).
     pub topic: String,
+    /// The output topic (`{out}` in routes).
     pub out: String,
+    /// The dead-letter topic.
     pub dlq: String,
+    /// The consumer name (inbox namespace).
     pub consumer: String,
+    /// The consumer group.
     pub group: String,
+    /// A producer to the test broker.
     pub producer: TestProducer,
 }
 
+/// A relay running in-process (a task of the test's runtime).
 pub struct Running {
     token: CancellationToken,
     handle: JoinHandle<anyhow::Result<()>>,
@@ -103,6 +114,7 @@ impl Running {
     }
 }
 
+/// Log to the test output (`RUST_LOG`, default `warn,relay=info`), once per binary.
 pub fn init_logs() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn,relay=info".into()))
@@ -111,6 +123,7 @@ pub fn init_logs() {
 }
 
 impl Harness {
+    /// A fresh world whose input topic has `partitions` partitions.
     pub async fn new(partitions: i32) -> Harness {
         init_logs();
         let bootstrap = kafka_bootstrap();
@@ -218,14 +231,17 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
         .expect("start relay process")
     }
 
+    /// A relay over `cfg` (not running).
     pub async fn relay(&self, cfg: RelayConfig, handlers: Handlers, faults: Faults) -> Relay {
         Relay::new(cfg, handlers, faults).await.expect("relay")
     }
 
+    /// Run `which` of a relay over `cfg` in this process.
     pub async fn start(&self, cfg: RelayConfig, which: Components, faults: Faults) -> Running {
         self.start_with(cfg, which, Handlers::default(), faults).await
     }
 
+    /// [`Harness::start`] with code handlers.
     pub async fn start_with(&self, cfg: RelayConfig, which: Components, handlers: Handlers, faults: Faults) -> Running {
         let relay = self.relay(cfg, handlers, faults).await;
         let token = CancellationToken::new();
@@ -234,6 +250,7 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
         Running { token, handle }
     }
 
+    /// Produce `e` to the input topic; its (partition, offset).
     pub async fn send(&self, e: &TestEvent) -> (i32, i64) {
         self.producer.event(&self.topic, e).await.expect("produce")
     }
@@ -256,6 +273,7 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
         relay_store::inbox::outcome_of(&mut conn, &self.consumer, id).await.expect("inbox lookup")
     }
 
+    /// Intents in `state`.
     pub async fn intents_in(&self, state: &str) -> i64 {
         self.db.count("intents", &format!("state = '{state}'")).await
     }
@@ -306,14 +324,12 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
     }
 }
 
+/// `order.placed` event `id` for order `order` (amount 100), keyed by the order.
 pub fn order(id: &str, order: &str) -> TestEvent {
     TestEvent::new(id, "order.placed", serde_json::json!({"order_id": order, "amount": 100})).key(order)
 }
 
+/// No fault points armed.
 pub fn no_faults() -> Faults {
     Faults::none()
-}
-
-pub async fn sleep_ms(ms: u64) {
-    tokio::time::sleep(Duration::from_millis(ms)).await;
 }
