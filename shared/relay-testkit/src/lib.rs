@@ -1,6 +1,9 @@
 //! Test harness for the relay: one fresh PostgreSQL database per test, topics
-//! with random names on the test broker, a producer for CloudEvents, a reader
-//! for what the relay published, and a polling helper with a deadline.
+//! with random names on the test broker, a producer for CloudEvents (and the
+//! records a consumer would receive, for tests without a broker), a reader
+//! for what the relay published, a polling helper with a deadline, relay
+//! processes and private servers ([`process`]), and rows written straight
+//! into the relay's tables plus the probes the benchmark polls ([`seed`]).
 //!
 //! The services come from `scripts/test.sh`, which exports
 //! `RELAY_TEST_DATABASE_URL` (a role that may create databases) and
