@@ -178,20 +178,9 @@ impl Processor {
     /// transaction later, committing no offset meanwhile. Its intents are
     /// written pending, never claimed at ingest.
     pub async fn process(&self, conn: &mut PgConnection, record: &RawRecord) -> Result<Processed, sqlx::Error> {
-        self.process_alone(conn, record, None).await
-    }
-
-    /// Route, plan and write `record` in a run of its own. With `held`, its
-    /// intents may be claimed at ingest.
-    async fn process_alone(
-        &self,
-        conn: &mut PgConnection,
-        record: &RawRecord,
-        held: Option<&mut Vec<Handed>>,
-    ) -> Result<Processed, sqlx::Error> {
         match self.prepare(record) {
             Prepared::Done(p) => Ok(p),
-            Prepared::Ready(item) => self.write_alone(conn, item, held).await,
+            Prepared::Ready(item) => self.write_alone(conn, item, None).await,
         }
     }
 
@@ -261,11 +250,11 @@ impl Processor {
                 let n = run.len();
                 let bare = bare && i == 0;
                 match self.write_run(conn, run, bare, held).await? {
-                    Some(done) => out.extend(done),
-                    None if bare => return Ok(None),
-                    None => {
-                        for record in &records[i..i + n] {
-                            out.push(self.process_alone(conn, record, Some(&mut *held)).await?);
+                    Ok(done) => out.extend(done),
+                    Err(_) if bare => return Ok(None),
+                    Err(rejected) => {
+                        for item in rejected {
+                            out.push(self.write_alone(conn, item, Some(&mut *held)).await?);
                         }
                     }
                 }
@@ -372,16 +361,17 @@ impl Processor {
 
     /// Write a run of records without checks in one savepoint, or with none
     /// when `bare` (the caller then drops the whole transaction if it
-    /// fails). `None` when the database rejected the run's data (the caller
-    /// writes its records one by one). The intents it wrote claimed go to
-    /// `held` only once nothing in it can fail any more.
-    async fn write_run(
+    /// fails). `Err(run)` when the database rejected the run's data: its
+    /// items come back, routed and planned, for the caller to write one by
+    /// one. The intents it wrote claimed go to `held` only once nothing in
+    /// it can fail any more.
+    async fn write_run<'a, 'r>(
         &self,
         conn: &mut PgConnection,
-        run: Vec<Item<'_, '_>>,
+        run: Vec<Item<'a, 'r>>,
         bare: bool,
         held: &mut Vec<Handed>,
-    ) -> Result<Option<Vec<Processed>>, sqlx::Error> {
+    ) -> Result<Result<Vec<Processed>, Vec<Item<'a, 'r>>>, sqlx::Error> {
         let consumer = self.router.consumer();
         let planned: Vec<Planned<'_>> = run.iter().map(|item| self.planned(item, item.effects.as_ref())).collect();
         let room = self.reserve(run.iter().map(Item::unkeyed_intents).sum());
@@ -399,14 +389,14 @@ impl Processor {
             }
             written
         };
+        drop(planned);
         let mut batch = match written {
             Ok(batch) => batch,
-            Err(e) if classify_error(&e) == DbErrorKind::Permanent => return Ok(None),
+            Err(e) if classify_error(&e) == DbErrorKind::Permanent => return Ok(Err(run)),
             Err(e) => return Err(e),
         };
-        drop(planned);
         Self::keep_held(&mut batch, room, held);
-        Ok(Some(run.into_iter().zip(batch.written).map(|(item, w)| item.done(w)).collect()))
+        Ok(Ok(run.into_iter().zip(batch.written).map(|(item, w)| item.done(w)).collect()))
     }
 
     /// Write one record in a savepoint of its own, its code handler between
