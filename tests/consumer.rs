@@ -832,9 +832,16 @@ async fn a_batch_that_writes_no_intents_wakes_no_dispatcher() {
         ordering_key: None,
     };
     let mut conn = db.conn().await.unwrap();
-    let new = relay_store::effects::insert(&mut conn, "c", &[], None, &[("e-1", &record)], &[("orders", 0, 1)])
-        .await
-        .unwrap();
+    let new = relay_store::effects::insert(
+        &mut conn,
+        "c",
+        &[] as &[relay_core::NewIntent],
+        None,
+        &[("e-1", &record)],
+        &[("orders", 0, 1)],
+    )
+    .await
+    .unwrap();
     assert_eq!((new.intents.len(), new.outbox.len()), (0, 1));
     assert_eq!(inbox::counter(&mut conn, "c", "orders").await.unwrap(), 1);
     // Notifications arrive in commit order: the first one must be this marker.

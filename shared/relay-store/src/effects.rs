@@ -1,6 +1,7 @@
 //! A batch's effects — intents, outbox rows and counter increments — written
 //! with one statement.
 
+use std::borrow::Borrow;
 use std::collections::{HashMap, HashSet};
 
 use relay_core::OutboxRecord;
@@ -39,7 +40,7 @@ pub struct Inserted {
 pub async fn insert(
     conn: &mut PgConnection,
     consumer: &str,
-    new_intents: &[NewIntent],
+    new_intents: &[impl Borrow<NewIntent> + Sync],
     hold: Option<Hold<'_>>,
     new_outbox: &[(&str, &OutboxRecord)],
     counters: &[(&str, i32, i64)],
@@ -73,7 +74,7 @@ pub async fn insert(
     // Keyed rows draw their `seq` in commit order (crate::ordering).
     let keys = new_intents
         .iter()
-        .filter_map(|i| i.ordering_key.as_deref().map(crate::ordering::Key::Intent))
+        .filter_map(|i| i.borrow().ordering_key.as_deref().map(crate::ordering::Key::Intent))
         .chain(outbox::ordering_keys(new_outbox.iter().map(|(_, r)| *r)));
     crate::ordering::lock(&mut *conn, consumer, keys).await?;
     if select.is_empty() {

@@ -13,6 +13,7 @@
 //! Every transition out of `running` names the lease token it holds; a worker
 //! whose lease was rescued and re-claimed finds zero rows and records nothing.
 
+use std::borrow::Borrow;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -562,13 +563,13 @@ impl ClaimedIntent {
 }
 
 /// Bind the parameters of [`INSERT_MANY`] to `q`, after those it has.
-pub(crate) fn bind_many<'q>(
+pub(crate) fn bind_many<'q, R: Borrow<NewIntent>>(
     q: crate::PgQuery<'q>,
-    rows: &'q [NewIntent],
+    rows: &'q [R],
     hold: Option<Hold<'q>>,
 ) -> crate::PgQuery<'q> {
-    fn col<'a, T: 'a>(rows: &'a [NewIntent], f: impl Fn(&'a NewIntent) -> T) -> Vec<T> {
-        rows.iter().map(f).collect()
+    fn col<'a, R: Borrow<NewIntent>, T: 'a>(rows: &'a [R], f: impl Fn(&'a NewIntent) -> T) -> Vec<T> {
+        rows.iter().map(|r| f(r.borrow())).collect()
     }
     let take: Vec<bool> = match hold {
         Some(h) => (0..rows.len()).map(|k| h.take.get(k).copied().unwrap_or(false)).collect(),

@@ -26,7 +26,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
-use relay_core::{Disposition, Effects, PoisonClass};
+use relay_core::{Disposition, Effects, NewIntent, PoisonClass};
 use serde_json::json;
 use sqlx::PgConnection;
 
@@ -247,7 +247,7 @@ pub async fn finish(
         .filter(|(_, (_, w))| w.is_none())
         .filter_map(|(k, (p, _))| p.effects.map(|e| (k, e)))
         .collect();
-    let intents: Vec<_> = standing.iter().flat_map(|(_, e)| e.intents.iter().cloned()).collect();
+    let intents: Vec<&NewIntent> = standing.iter().flat_map(|(_, e)| &e.intents).collect();
     let outbox: Vec<(&str, &relay_core::OutboxRecord)> =
         standing.iter().flat_map(|(k, e)| e.events.iter().map(|r| (batch[*k].inbox.event_id, r))).collect();
     let mut counters: BTreeMap<(&str, i32), i64> = BTreeMap::new();
@@ -282,10 +282,11 @@ pub async fn finish(
             events: e.events.iter().filter(|r| new.outbox.contains(&r.id)).count(),
         };
     }
-    // `remove`: one claim per row, whatever the list repeats.
+    // `remove`: one claim per row, whatever the list repeats. Only these
+    // intents are copied: the insert above reads them where they are.
     let held = intents
         .into_iter()
-        .filter_map(|i| new.held.remove(&i.id).map(|h| ClaimedIntent::held_at_insert(i, h)))
+        .filter_map(|i| new.held.remove(&i.id).map(|h| ClaimedIntent::held_at_insert(i.clone(), h)))
         .collect();
     Ok(Batch { written, held })
 }
