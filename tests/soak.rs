@@ -1,6 +1,6 @@
 //! The chaos soak, small: a clean run passes with zero lost and zero double
 //! effects; the same soak with a guard disabled on purpose is caught by the
-//! checker. (The long run is `scripts/soak.sh --long`; see SOAK.md.)
+//! checker. (The long run is `scripts/soak.sh --long`; see EVIDENCE.md.)
 
 use std::time::Duration;
 

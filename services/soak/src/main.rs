@@ -1,4 +1,4 @@
-//! `relay-soak`: the chaos soak. See the library docs and SOAK.md.
+//! `relay-soak`: the chaos soak. See the library docs and EVIDENCE.md.
 
 use std::process::ExitCode;
 

@@ -7,6 +7,7 @@
 //! insert with a Hold ----------> running  (claimed at ingest: same row, same lease)
 //!                                   |-----retry-----> pending (next_attempt_at later)
 //!                                   |-----dead------> dead
+//!                                   |-----budget spent after an unknown outcome--> uncertain
 //!                                   '--lease expired (rescue)--> pending
 //! ```
 //!

@@ -1,5 +1,5 @@
 //! Deliver: intents out to external HTTP APIs, exactly once in effect
-//! (R8–R11, C10–C17).
+//! (R8, R9, R11; C9–C13, C17).
 //!
 //! * [`dispatcher`] — the claim loop (`FOR UPDATE SKIP LOCKED` and a lease),
 //!   with [`executor`] making one attempt and [`completer`] recording
