@@ -7,7 +7,8 @@ use relay_core::{Header, RawRecord};
 
 #[derive(Arbitrary, Debug)]
 struct Input {
-    headers: Vec<(String, Option<Vec<u8>>)>,
+    /// Names as bytes: producers may write names that are not UTF-8.
+    headers: Vec<(Vec<u8>, Option<Vec<u8>>)>,
     key: Option<Vec<u8>>,
     payload: Option<Vec<u8>>,
     small_limit: bool,
@@ -20,7 +21,7 @@ fuzz_target!(|input: Input| {
         offset: 0,
         key: input.key,
         payload: input.payload,
-        headers: input.headers.into_iter().map(|(name, value)| Header { name, value }).collect(),
+        headers: input.headers.into_iter().map(|(name, value)| Header::from_wire(&name, value)).collect(),
     };
     relay_core::fuzz::exercise_envelope(&record, if input.small_limit { 64 } else { 1 << 20 });
 });

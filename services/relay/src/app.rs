@@ -135,6 +135,9 @@ impl Relay {
         let inner = shutdown.child_token();
         let metrics = crate::runtime::metrics::install();
         crate::runtime::trace::init(&self.cfg.telemetry)?;
+        if which.consumer || which.publisher {
+            crate::runtime::kafka::preflight(&self.cfg.kafka).await?;
+        }
         if which.consumer {
             crate::ops::retention::check_topic_retention(&self.cfg).await?;
         }
@@ -223,5 +226,28 @@ pub async fn connect(cfg: &RelayConfig) -> anyhow::Result<PgPool> {
         })
         .connect(url)
         .await
-        .map_err(|e| anyhow::anyhow!("cannot connect to PostgreSQL (database.url / DATABASE_URL): {e}"))
+        .map_err(|e| anyhow::anyhow!("{}", cannot_connect(url, &e)))
+}
+
+/// Why the pool could not connect, naming the server and its TLS settings
+/// (never the password): a certificate error says which CA file was used.
+fn cannot_connect(url: &str, e: &sqlx::Error) -> String {
+    let Ok(parsed) = url::Url::parse(url) else {
+        return format!("cannot connect to PostgreSQL (database.url / DATABASE_URL): {e}");
+    };
+    let param = |name: &str| parsed.query_pairs().find(|(k, _)| k == name).map(|(_, v)| v.into_owned());
+    let server = format!("{}:{}", parsed.host_str().unwrap_or("localhost"), parsed.port().unwrap_or(5432));
+    let mode = param("sslmode").unwrap_or_else(|| "prefer (sqlx's default)".into());
+    let text = e.to_string();
+    let hint = match param("sslrootcert") {
+        _ if !(text.contains("certificate") || text.contains("UnknownIssuer")) => String::new(),
+        Some(ca) => format!(
+            "; the server's certificate could not be verified with the CA in sslrootcert = {ca:?}: \
+             set sslrootcert to the CA that signed it"
+        ),
+        None => "; the server's certificate could not be verified with the system's CA certificates: \
+                 set sslrootcert in the URL to the CA that signed it"
+            .into(),
+    };
+    format!("cannot connect to PostgreSQL at {server} (database.url / DATABASE_URL, sslmode = {mode}): {e}{hint}")
 }

@@ -188,7 +188,10 @@ impl Default for ConsumerConfig {
             name: "relay".into(),
             group_id: None,
             strict: false,
-            max_record_bytes: 1024 * 1024,
+            // 960 KiB: a record this large still has its dead-letter copy
+            // (its relay_dlq_* headers added) fit under the producer's
+            // default message.max.bytes of 1 000 000 (security review L9).
+            max_record_bytes: 960 * 1024,
             batch_size: 200,
             max_buffered_bytes: 64 * 1024 * 1024,
             dead_letter_topic: None,

@@ -398,4 +398,35 @@ mod tests {
         assert_eq!(header(&r, dlq_headers::CLASS), Some("oversized"));
         assert_eq!(header(&r, dlq_headers::EVENT_ID), Some("e-1"));
     }
+
+    // Security review L9: the 1 MiB default was above what the default
+    // producer sends (message.max.bytes = 1 000 000), so the copy of any
+    // record between the two could never be published.
+    #[test]
+    fn the_dead_letter_copy_of_the_largest_record_accepted_by_default_fits_the_default_producer() {
+        use crate::limits::{MAX_HEADERS, MAX_KEY_BYTES, MAX_REASON_BYTES};
+        const PRODUCER_MESSAGE_MAX_BYTES: usize = 1_000_000;
+        let max = crate::config::ConsumerConfig::default().max_record_bytes;
+        let headers: Vec<Header> = (0..MAX_HEADERS).map(|i| Header::text(format!("h{i:03}"), "v")).collect();
+        let used: usize = headers.iter().map(|h| h.name.len() + 1).sum::<usize>() + 1;
+        let rec = RawRecord {
+            topic: "t".repeat(249),
+            partition: i32::MAX,
+            offset: i64::MAX,
+            key: Some(b"k".to_vec()),
+            payload: Some(vec![b'x'; max - used]),
+            headers,
+        };
+        assert_eq!(rec.size(), max);
+        let poison = Poison::new(PoisonClass::Rejected, "r".repeat(10 * MAX_REASON_BYTES))
+            .with_identity(Some(&"i".repeat(10 * MAX_KEY_BYTES)), Some(&"t".repeat(10 * MAX_KEY_BYTES)));
+        let copy = encode_dead_letter(&"c".repeat(200), "dlq", &rec, &poison, u32::MAX, max);
+        assert!(copy.payload.is_some(), "copied whole");
+        // What librdkafka measures: key, value, and each header's name and
+        // value with their two varint lengths (at most 5 bytes each).
+        let size = copy.key.as_ref().map_or(0, Vec::len)
+            + copy.payload.as_ref().map_or(0, Vec::len)
+            + copy.headers.iter().map(|h| 10 + h.name.len() + h.value.as_ref().map_or(0, Vec::len)).sum::<usize>();
+        assert!(size <= PRODUCER_MESSAGE_MAX_BYTES, "{size}");
+    }
 }

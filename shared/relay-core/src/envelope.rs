@@ -21,7 +21,8 @@
 //! has no usable id is [`PoisonClass::MissingId`], never processed under a
 //! fresh one.
 
-use std::collections::BTreeMap;
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
 use chrono::{DateTime, Utc};
@@ -33,22 +34,50 @@ use cloudevents::{AttributesReader, Data, Event as CloudEvent};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::limits::{MAX_HEADERS, MAX_KEY_BYTES, MAX_REASON_BYTES, bounded, check_key, is_blank};
+
 /// `content-type` of a structured-mode CloudEvent.
 pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json";
 
 /// One Kafka header. Kafka allows a header without a value; so do we.
+///
+/// Kafka header names are bytes on the wire, and some clients (Go's sarama
+/// and franz-go, librdkafka's C API) write names that are not UTF-8. Such a
+/// name is kept exactly in `raw_name` (its lossy text in `name`), and the
+/// record is poison ([`PoisonClass::BadHeader`]): never a crash, and the
+/// dead letter keeps the original bytes for replay.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Header {
-    /// Header name.
+    /// Header name (lossy text when the name is not UTF-8).
     pub name: String,
     /// Raw value; `None` is Kafka's null header value.
     pub value: Option<Vec<u8>>,
+    /// The name's bytes, only when they are not UTF-8.
+    pub raw_name: Option<Vec<u8>>,
 }
 
 impl Header {
+    /// A header with a UTF-8 name and any value.
+    pub fn new(name: impl Into<String>, value: Option<Vec<u8>>) -> Self {
+        Header { name: name.into(), value, raw_name: None }
+    }
+
     /// A header with a UTF-8 value.
     pub fn text(name: impl Into<String>, value: impl AsRef<str>) -> Self {
-        Header { name: name.into(), value: Some(value.as_ref().as_bytes().to_vec()) }
+        Header::new(name, Some(value.as_ref().as_bytes().to_vec()))
+    }
+
+    /// A header as read off the wire: the name as bytes, maybe not UTF-8.
+    pub fn from_wire(name: &[u8], value: Option<Vec<u8>>) -> Self {
+        match std::str::from_utf8(name) {
+            Ok(text) => Header::new(text, value),
+            Err(_) => Header { name: String::from_utf8_lossy(name).into_owned(), value, raw_name: Some(name.to_vec()) },
+        }
+    }
+
+    /// The name's bytes, exactly as on the wire.
+    pub fn name_bytes(&self) -> &[u8] {
+        self.raw_name.as_deref().unwrap_or(self.name.as_bytes())
     }
 }
 
@@ -159,15 +188,23 @@ pub struct Poison {
 }
 
 impl Poison {
-    /// A poison with no identity known yet.
+    /// A poison with no identity known yet; the reason is cut to
+    /// [`MAX_REASON_BYTES`] (it travels to logs, a header and the console).
     pub fn new(class: PoisonClass, reason: impl Into<String>) -> Self {
-        Poison { class, reason: reason.into(), event_id: None, event_type: None }
+        let reason = reason.into();
+        let reason = match bounded(&reason, MAX_REASON_BYTES) {
+            Cow::Borrowed(_) => reason,
+            Cow::Owned(cut) => cut,
+        };
+        Poison { class, reason, event_id: None, event_type: None }
     }
 
-    /// Attach the identity read so far.
+    /// Attach the identity read so far, each cut to [`MAX_KEY_BYTES`]: a
+    /// dead letter must be storable even when its id is what was wrong.
     pub fn with_identity(mut self, id: Option<&str>, ty: Option<&str>) -> Self {
-        self.event_id = self.event_id.or_else(|| id.map(str::to_owned));
-        self.event_type = self.event_type.or_else(|| ty.map(str::to_owned));
+        let cut = |v: &str| bounded(v, MAX_KEY_BYTES).into_owned();
+        self.event_id = self.event_id.or_else(|| id.map(cut));
+        self.event_type = self.event_type.or_else(|| ty.map(cut));
         self
     }
 }
@@ -320,6 +357,18 @@ pub fn decode(record: &RawRecord, opts: &DecodeOptions<'_>) -> Result<InputEvent
             format!("record is {size} bytes, over consumer.max_record_bytes = {}", opts.max_record_bytes),
         ));
     }
+    if record.headers.len() > MAX_HEADERS {
+        return Err(Poison::new(
+            PoisonClass::BadHeader,
+            format!("record has {} headers, more than the {MAX_HEADERS} the relay reads", record.headers.len()),
+        ));
+    }
+    if let Some(h) = record.headers.iter().find(|h| h.raw_name.is_some()) {
+        return Err(Poison::new(
+            PoisonClass::BadHeader,
+            format!("a header name is not valid UTF-8 (read as {:?})", bounded(&h.name, 64)),
+        ));
+    }
     let mut decoded = match opts.format {
         TopicFormat::Cloudevents => decode_cloudevent(record)?,
         TopicFormat::Json => decode_plain_json(record, opts.fields)?,
@@ -333,6 +382,11 @@ pub fn decode(record: &RawRecord, opts: &DecodeOptions<'_>) -> Result<InputEvent
         if let Some(src) = &opts.fields.event_type {
             decoded.event_type = required_text(record, &decoded, src, "event type", PoisonClass::MissingType)?;
         }
+    }
+    for (what, value) in [("event id", &decoded.id), ("event type", &decoded.event_type)] {
+        check_key(what, value).map_err(|why| {
+            Poison::new(PoisonClass::BadField, why).with_identity(Some(&decoded.id), Some(&decoded.event_type))
+        })?;
     }
     Ok(decoded)
 }
@@ -467,14 +521,22 @@ fn decode_binary(record: &RawRecord) -> Result<CloudEvent, Poison> {
         return Err(Poison::new(PoisonClass::MissingId, "binary CloudEvent has no ce_id header")
             .with_identity(None, ty.as_deref()));
     }
-    let mut headers = Vec::with_capacity(record.headers.len());
-    for h in &record.headers {
+    // One pass over the headers, the last of a repeated name winning (as
+    // `RawRecord::header` has it): looking each one up again was quadratic
+    // in the header count (security review M4).
+    let mut last: HashMap<String, usize> = HashMap::new();
+    for (i, h) in record.headers.iter().enumerate() {
         let lower = h.name.to_ascii_lowercase();
         if lower.starts_with("ce_") || lower == "content-type" {
-            let text = header_text(record, &h.name)?.unwrap_or_default();
-            headers.push((lower, text));
+            last.insert(lower, i);
         }
     }
+    let mut headers = Vec::with_capacity(last.len());
+    for (lower, i) in last {
+        headers.push((i, lower, value_text(&record.headers[i])?));
+    }
+    headers.sort_unstable_by_key(|(i, _, _)| *i);
+    let headers = headers.into_iter().map(|(_, name, text)| (name, text)).collect();
     KafkaBinary { headers, payload: record.payload.clone() }.into_event().map_err(|e| {
         Poison::new(PoisonClass::NotCloudEvent, format!("invalid binary CloudEvent: {e}"))
             .with_identity(id.as_deref(), ty.as_deref())
@@ -557,13 +619,15 @@ fn event_data_as_json(event: &CloudEvent) -> Result<Value, Poison> {
 }
 
 fn header_text(record: &RawRecord, name: &str) -> Result<Option<String>, Poison> {
-    match record.header(name) {
-        None => Ok(None),
-        Some(Header { value: None, .. }) => {
-            Err(Poison::new(PoisonClass::BadHeader, format!("header {name:?} has no value")))
-        }
-        Some(Header { value: Some(v), .. }) => String::from_utf8(v.clone())
-            .map(Some)
+    record.header(name).map(value_text).transpose()
+}
+
+/// A header's value as text, or why it cannot be read as text.
+fn value_text(h: &Header) -> Result<String, Poison> {
+    let name = bounded(&h.name, 64);
+    match &h.value {
+        None => Err(Poison::new(PoisonClass::BadHeader, format!("header {name:?} has no value"))),
+        Some(v) => String::from_utf8(v.clone())
             .map_err(|_| Poison::new(PoisonClass::BadHeader, format!("header {name:?} is not valid UTF-8"))),
     }
 }
@@ -607,26 +671,44 @@ fn read_source(record: &RawRecord, event: &InputEvent, src: &FieldSource) -> Res
 /// already merged over topic level), defaulting to the CloudEvents extensions.
 pub fn resolve(record: &RawRecord, decoded: InputEvent, fields: &FieldOverrides) -> Result<InputEvent, Poison> {
     let ident = |p: Poison| p.with_identity(Some(&decoded.id), Some(&decoded.event_type));
+    let source = |src: &Option<FieldSource>, default_ext: &str| {
+        src.clone().unwrap_or_else(|| FieldSource::Extension(default_ext.to_owned()))
+    };
+    // An empty or blank value is no value (ingest review D3): a producer
+    // that always sends the header and leaves it empty when it has no key
+    // must not make every such event share one idempotency key or aggregate.
     let text = |src: &Option<FieldSource>, default_ext: &str| -> Result<Option<String>, Poison> {
-        let fallback = FieldSource::Extension(default_ext.to_owned());
-        read_source(record, &decoded, src.as_ref().unwrap_or(&fallback)).map_err(ident)
+        let v = read_source(record, &decoded, &source(src, default_ext)).map_err(ident)?;
+        Ok(v.filter(|v| !is_blank(v)))
+    };
+    // An id or key: bounded and free of control characters (limits).
+    let key = |src: &Option<FieldSource>, default_ext: &str, what: &str| -> Result<Option<String>, Poison> {
+        let v = text(src, default_ext)?;
+        if let Some(v) = &v {
+            let what = format!("{what} (from {})", source(src, default_ext));
+            check_key(&what, v).map_err(|why| ident(Poison::new(PoisonClass::BadField, why)))?;
+        }
+        Ok(v)
     };
     let int = |src: &Option<FieldSource>, default_ext: &str, what: &str| -> Result<Option<i64>, Poison> {
         match text(src, default_ext)? {
             None => Ok(None),
+            // The value is not quoted: it is the event's data (R16), of any size.
             Some(s) => s.trim().parse::<i64>().map(Some).map_err(|_| {
-                let from = src.clone().unwrap_or(FieldSource::Extension(default_ext.to_owned()));
-                ident(Poison::new(PoisonClass::BadField, format!("{what} from {from} is {s:?}, not an integer")))
+                let from = source(src, default_ext);
+                ident(Poison::new(PoisonClass::BadField, format!("{what} from {from} is not an integer")))
             }),
         }
     };
-    let aggregate_id = text(&fields.aggregate_id, "aggregateid")?;
+    let aggregate_id = key(&fields.aggregate_id, "aggregateid", "aggregate id")?;
     let aggregate_version = int(&fields.aggregate_version, "aggregateversion", "aggregate version")?;
     let sequence = int(&fields.sequence, "sequence", "sequence")?;
-    let idempotency_key = text(&fields.idempotency_key, "idempotencykey")?;
-    let correlation_id = text(&fields.correlation_id, "correlationid")?;
-    let causation_id = text(&fields.causation_id, "causationid")?;
-    let traceparent = text(&fields.traceparent, "traceparent")?;
+    let idempotency_key = key(&fields.idempotency_key, "idempotencykey", "idempotency key")?;
+    let correlation_id = key(&fields.correlation_id, "correlationid", "correlation id")?;
+    let causation_id = key(&fields.causation_id, "causationid", "causation id")?;
+    // A traceparent that is not W3C's is ignored, as the W3C spec says: it
+    // is never forwarded raw to a provider, nor a reason to park a payment.
+    let traceparent = text(&fields.traceparent, "traceparent")?.filter(|t| is_traceparent(t));
     Ok(InputEvent {
         aggregate_id,
         aggregate_version,
@@ -637,6 +719,23 @@ pub fn resolve(record: &RawRecord, decoded: InputEvent, fields: &FieldOverrides)
         traceparent,
         ..decoded
     })
+}
+
+/// Whether `t` is a W3C `traceparent`: `vv-<32 hex>-<16 hex>-<2 hex>`,
+/// lowercase, neither id all zeros, version `ff` invalid.
+fn is_traceparent(t: &str) -> bool {
+    let parts: Vec<&str> = t.split('-').collect();
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    let zero = |s: &str| s.bytes().all(|b| b == b'0');
+    parts.len() >= 4
+        && hex(parts[0], 2)
+        && parts[0] != "ff"
+        && (parts.len() == 4 || parts[0] != "00")
+        && hex(parts[1], 32)
+        && !zero(parts[1])
+        && hex(parts[2], 16)
+        && !zero(parts[2])
+        && hex(parts[3], 2)
 }
 
 #[cfg(test)]
@@ -753,10 +852,10 @@ mod tests {
     #[test]
     fn a_null_or_non_utf8_header_is_poison_not_a_panic() {
         let mut rec = binary(&[], b"{}");
-        rec.headers.push(Header { name: "ce_subject".into(), value: None });
+        rec.headers.push(Header::new("ce_subject", None));
         assert_eq!(decode(&rec, &opts(&FieldOverrides::default())).unwrap_err().class, PoisonClass::BadHeader);
         let mut rec = binary(&[], b"{}");
-        rec.headers.push(Header { name: "ce_subject".into(), value: Some(vec![0xff, 0xfe]) });
+        rec.headers.push(Header::new("ce_subject", Some(vec![0xff, 0xfe])));
         let err = decode(&rec, &opts(&FieldOverrides::default())).unwrap_err();
         assert_eq!(err.class, PoisonClass::BadHeader);
         assert!(err.reason.contains("ce_subject"), "{err}");
@@ -825,5 +924,93 @@ mod tests {
         assert_eq!(err.class, PoisonClass::BadField);
         assert!(err.reason.contains("aggregateversion"), "{err}");
         assert_eq!(err.event_id.as_deref(), Some("evt-1"));
+    }
+
+    fn resolved(rec: &RawRecord) -> Result<InputEvent, Poison> {
+        let none = FieldOverrides::default();
+        resolve(rec, decode(rec, &opts(&none))?, &none)
+    }
+
+    // Ingest review D1 / security H1: a header name that is not UTF-8.
+    #[test]
+    fn a_header_name_that_is_not_utf8_is_bad_header_poison() {
+        let mut rec = binary(&[], b"{}");
+        rec.headers.push(Header::from_wire(b"\xff\xfe", Some(b"v".to_vec())));
+        let err = decode(&rec, &opts(&FieldOverrides::default())).unwrap_err();
+        assert_eq!(err.class, PoisonClass::BadHeader);
+        assert!(err.reason.contains("not valid UTF-8"), "{err}");
+        assert_eq!(rec.headers.last().unwrap().name_bytes(), b"\xff\xfe", "the bytes are kept");
+    }
+
+    // Ingest review D2 / security H2: an id longer than an index entry holds.
+    #[test]
+    fn an_id_or_key_longer_than_an_index_entry_holds_is_a_bad_field_naming_it() {
+        let long = "A1b2".repeat(750);
+        let err = decode(&binary(&[("ce_id", &long)], b"{}"), &opts(&FieldOverrides::default())).unwrap_err();
+        assert_eq!(err.class, PoisonClass::BadField);
+        assert!(err.reason.contains("event id") && err.reason.contains("1024"), "{err}");
+        assert!(err.event_id.as_ref().is_some_and(|id| id.len() <= MAX_KEY_BYTES), "the id kept is cut");
+        for ext in ["ce_idempotencykey", "ce_aggregateid", "ce_correlationid"] {
+            let err = resolved(&binary(&[(ext, &long)], b"{}")).unwrap_err();
+            assert_eq!(err.class, PoisonClass::BadField, "{ext}");
+            assert!(err.reason.contains(&ext["ce_".len()..]) && !err.reason.contains(&long), "{err}");
+        }
+    }
+
+    // Ingest review D3: an empty key is no key, never one shared by every such event.
+    #[test]
+    fn an_empty_or_blank_idempotency_key_aggregate_or_correlation_id_counts_as_absent() {
+        for blank in ["", "   ", "\t"] {
+            let rec =
+                binary(&[("ce_idempotencykey", blank), ("ce_aggregateid", blank), ("ce_correlationid", blank)], b"{}");
+            let e = resolved(&rec).unwrap();
+            assert_eq!((e.idempotency_key, e.aggregate_id, e.correlation_id), (None, None, None), "{blank:?}");
+        }
+        let pointer = FieldOverrides { idempotency_key: Some(FieldSource::Pointer("/k".into())), ..Default::default() };
+        let rec = binary(&[], br#"{"k": ""}"#);
+        let e = resolve(&rec, decode(&rec, &opts(&pointer)).unwrap(), &pointer).unwrap();
+        assert_eq!(e.idempotency_key, None, "an empty pointer value too");
+    }
+
+    // Ingest review D4 / security M2: control characters never reach a header.
+    #[test]
+    fn control_characters_in_ids_are_poison_and_a_malformed_traceparent_is_dropped() {
+        let err = decode(&binary(&[("ce_id", "evt-1\r")], b"{}"), &opts(&FieldOverrides::default())).unwrap_err();
+        assert_eq!(err.class, PoisonClass::BadField);
+        assert!(err.reason.contains("event id") && err.reason.contains("U+000D"), "{err}");
+        let err = resolved(&binary(&[("ce_correlationid", "a\r\nX-Evil: 1")], b"{}")).unwrap_err();
+        assert!(err.reason.contains("correlation id") && !err.reason.contains("X-Evil"), "{err}");
+        for junk in ["junk\u{7f}", "00-abc-def-01", "00-00000000000000000000000000000000-0000000000000001-01"] {
+            assert_eq!(resolved(&binary(&[("ce_traceparent", junk)], b"{}")).unwrap().traceparent, None, "{junk}");
+        }
+        let good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert_eq!(resolved(&binary(&[("ce_traceparent", good)], b"{}")).unwrap().traceparent.as_deref(), Some(good));
+    }
+
+    // Security review M3: reasons are bounded and quote no value.
+    #[test]
+    fn a_reason_is_bounded_and_never_quotes_the_value_at_fault() {
+        let value = format!("4111-1111-{}", "x".repeat(100_000));
+        let err = resolved(&binary(&[("ce_sequence", &value)], b"{}")).unwrap_err();
+        assert!(err.reason.len() <= MAX_REASON_BYTES && !err.reason.contains("4111"), "{}", err.reason.len());
+        let huge = Poison::new(PoisonClass::Rejected, "r".repeat(1 << 20));
+        assert!(huge.reason.len() <= MAX_REASON_BYTES);
+    }
+
+    // Security review M4: decoding was quadratic in the header count.
+    #[test]
+    fn a_record_with_more_headers_than_the_relay_reads_is_bad_header_and_decoding_stays_linear() {
+        let many: Vec<(String, String)> = (0..100_000).map(|i| (format!("ce_x{i}"), String::new())).collect();
+        let refs: Vec<(&str, &str)> = many.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let started = std::time::Instant::now();
+        let err = decode(&binary(&refs, b"{}"), &opts(&FieldOverrides::default())).unwrap_err();
+        assert_eq!(err.class, PoisonClass::BadHeader);
+        assert!(err.reason.contains("512"), "{err}");
+        // Under the cap, repeated names keep the last value, in one pass.
+        let repeated: Vec<(&str, &str)> =
+            (0..400).map(|_| ("ce_subject", "s")).chain([("ce_subject", "last")]).collect();
+        let e = decode(&binary(&repeated, b"{}"), &opts(&FieldOverrides::default())).unwrap();
+        assert_eq!(e.subject.as_deref(), Some("last"));
+        assert!(started.elapsed() < std::time::Duration::from_secs(2), "{:?}", started.elapsed());
     }
 }

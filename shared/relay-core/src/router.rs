@@ -92,6 +92,9 @@ pub enum Routed<'a> {
     Route(&'a CompiledRoute, InputEvent),
     /// No route for this type and the consumer is not strict: record and skip.
     Unrouted(InputEvent),
+    /// The route is paused: the record waits, whatever else is wrong with it
+    /// (its guard fields are not resolved nor its data validated yet).
+    Paused(&'a CompiledRoute, InputEvent),
 }
 
 /// The compiled routing table of one consumer.
@@ -219,6 +222,18 @@ impl Router {
 
     /// Decode and route a record.
     pub fn route<'a>(&'a self, record: &RawRecord) -> Result<Routed<'a>, Poison> {
+        self.route_unless_paused(record, |_| false)
+    }
+
+    /// Decode and route a record; a record of a route `paused` says is
+    /// paused is [`Routed::Paused`] before its fields are resolved and its
+    /// data validated, so an operator who pauses a route to fix its schema
+    /// or field sources gets its events held, not dead-lettered (D10).
+    pub fn route_unless_paused<'a>(
+        &'a self,
+        record: &RawRecord,
+        paused: impl Fn(&CompiledRoute) -> bool,
+    ) -> Result<Routed<'a>, Poison> {
         let default = (TopicFormat::Cloudevents, FieldOverrides::default());
         let (format, topic_fields) = self.topics.get(&record.topic).unwrap_or(&default);
         let opts = DecodeOptions { max_record_bytes: self.max_record_bytes, format: *format, fields: topic_fields };
@@ -237,6 +252,9 @@ impl Router {
             }
             return Ok(Routed::Unrouted(resolve(record, decoded, topic_fields)?));
         };
+        if paused(route) {
+            return Ok(Routed::Paused(route, decoded));
+        }
         let event = resolve(record, decoded, &route.fields)?;
         if let Some(schema) = &route.schema {
             let errors: Vec<String> = schema.iter_errors(&event.data).take(5).map(|e| schema_failure(&e)).collect();
@@ -308,6 +326,9 @@ impl Router {
         now: chrono::DateTime<chrono::Utc>,
     ) -> Result<Effects, Poison> {
         let consumer = self.consumer();
+        check_plan(&plan).map_err(|why| {
+            Poison::new(PoisonClass::TemplateError, why).with_identity(Some(&event.id), Some(&event.event_type))
+        })?;
         let intents = plan.calls.iter().map(|call| self.intent(event, call, prov)).collect::<Result<_, _>>()?;
         let events = plan
             .emits
@@ -441,6 +462,59 @@ impl Router {
     }
 }
 
+/// What a plan may hold, whoever made it (templates check as they render;
+/// a code handler's values are checked here): keys and ids bounded and free
+/// of control characters and not blank, paths and headers free of control
+/// characters, header names HTTP tokens. A request that could not be built
+/// would otherwise die unsent and fire `on_dead`.
+fn check_plan(plan: &Plan) -> Result<(), String> {
+    let key = |what: String, v: &str| {
+        if crate::limits::is_blank(v) {
+            return Err(format!("{what} is empty"));
+        }
+        crate::limits::check_key(&what, v)
+    };
+    let emits = |at: &str, emits: &[EmitSpec]| -> Result<(), String> {
+        for e in emits {
+            if let Some(k) = &e.key {
+                key(format!("{at}emit {:?} key", e.action), k)?;
+            }
+        }
+        Ok(())
+    };
+    let sagas = |at: &str, sagas: &[SagaMove]| -> Result<(), String> {
+        sagas.iter().try_for_each(|m| key(format!("{at}saga move {:?} id", m.action), &m.saga_id))
+    };
+    sagas("", &plan.sagas)?;
+    emits("", &plan.emits)?;
+    for c in &plan.calls {
+        let at = format!("call {:?}", c.action);
+        crate::limits::check_controls(&format!("{at} path"), &c.path)?;
+        for (name, value) in &c.headers {
+            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)) {
+                return Err(format!("{at} has a header name that is not an HTTP token"));
+            }
+            if let Some((_, ch)) = crate::limits::control_char(value).filter(|(_, ch)| *ch != '\t') {
+                return Err(format!(
+                    "{at} header {name:?} contains the control character U+{:04X}, which an HTTP header cannot carry",
+                    u32::from(ch)
+                ));
+            }
+        }
+        if let Some(k) = &c.idempotency_key {
+            key(format!("{at} idempotency key"), k)?;
+        }
+        if let Some(k) = &c.ordering_key {
+            key(format!("{at} ordering key"), k)?;
+        }
+        for (label, o) in [("on_success", &c.on_success), ("on_dead", &c.on_dead)] {
+            emits(&format!("{at} {label} "), &o.emit)?;
+            sagas(&format!("{at} {label} "), &o.saga)?;
+        }
+    }
+    Ok(())
+}
+
 fn missing_guard_field(route: &CompiledRoute, event: &InputEvent, guard: &str, what: &str) -> Poison {
     Poison::new(PoisonClass::BadField, format!("route {} has {guard} = true but the event has no {what}", route.name))
         .with_identity(Some(&event.id), Some(&event.event_type))
@@ -503,7 +577,7 @@ fn compile_action(b: &mut TemplateBuilder, at: &str, a: &ActionConfig) -> Compil
             method: c.method.to_ascii_uppercase(),
             path: b.path(&format!("{at}.path"), &c.path),
             body: c.body.as_ref().map(|d| b.json(&format!("{at}.body"), d)),
-            headers: c.headers.iter().map(|(k, v)| (k.clone(), b.text(&format!("{at}.headers.{k}"), v))).collect(),
+            headers: c.headers.iter().map(|(k, v)| (k.clone(), b.header(&format!("{at}.headers.{k}"), v))).collect(),
             idempotency_key: c.idempotency_key.as_ref().map(|k| b.key(&format!("{at}.idempotency_key"), k)),
             ordering_key: c.ordering_key.as_ref().map(|k| b.key(&format!("{at}.ordering_key"), k)),
             on_success: compile_outcome(b, &format!("{at}.on_success"), &c.on_success),

@@ -19,7 +19,14 @@
 //! * in paths every value is percent-encoded as a path segment, so event data
 //!   cannot add segments, a query or a fragment (`acct-2/captures#`), and a
 //!   value of `.` or `..` is an error (URL parsers resolve even `%2E%2E`);
-//!   a route that wants a value raw says so with `{{ value | safe }}`.
+//!   a route that wants a value raw says so with `{{ value | safe }}` (and
+//!   only so: `tojson` and `escape` give plain text here, still encoded);
+//! * a key or path template checks every field it reads, not only what it
+//!   prints: `{{ 'capture:' ~ data.order_id }}` or `| string` would turn a
+//!   null into `capture:none`, so a null or blank field it reads is an
+//!   error naming the field;
+//! * keys, paths and headers never carry a control character (an HTTP
+//!   header cannot), and a key is at most [`MAX_KEY_BYTES`] long.
 //!
 //! JSON templates (request bodies, emitted event data) are JSON documents whose
 //! string leaves are templates. A leaf that is exactly one expression, such as
@@ -32,6 +39,8 @@ use std::sync::Arc;
 use minijinja::{Environment, Error, ErrorKind, Output, State, UndefinedBehavior};
 use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
 use serde_json::{Map, Value};
+
+use crate::limits::{MAX_KEY_BYTES, control_char, is_blank};
 
 /// An error while compiling a template from configuration.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +62,8 @@ pub struct RenderError(pub String);
 #[derive(Clone)]
 pub struct Templates {
     env: Arc<Environment<'static>>,
+    /// Per template: what it builds and, for keys and paths, every field it reads.
+    reads: Arc<HashMap<String, (Kind, Vec<String>)>>,
 }
 
 impl std::fmt::Debug for Templates {
@@ -85,8 +96,10 @@ pub enum JsonTemplate {
 /// What a text template builds, which decides what its values may be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
-    /// Free text (headers, subjects, strings in JSON documents): no `null`.
+    /// Free text (subjects, strings in JSON documents): no `null`.
     Text,
+    /// An HTTP header value: no `null`, no control character but tab.
+    Header,
     /// An idempotency key, ordering key, record key or id: no `null`, no empty value.
     Key,
     /// A request path: no `null`, no empty value, values percent-encoded.
@@ -138,6 +151,11 @@ impl TemplateBuilder {
         self.of_kind(Kind::Text, location, source)
     }
 
+    /// Compile an HTTP header value template (no control characters) at `location`.
+    pub fn header(&mut self, location: &str, source: &str) -> TextTemplate {
+        self.of_kind(Kind::Header, location, source)
+    }
+
     /// Compile a key or id template (no empty values) at `location`.
     pub fn key(&mut self, location: &str, source: &str) -> TextTemplate {
         self.of_kind(Kind::Key, location, source)
@@ -180,14 +198,31 @@ impl TemplateBuilder {
         if !self.errors.is_empty() {
             return Err(self.errors);
         }
-        let (kinds, sabotaged) = (self.kinds, cfg!(feature = "sabotage") && self.sabotaged);
+        let sabotaged = cfg!(feature = "sabotage") && self.sabotaged;
+        let mut reads = HashMap::new();
+        for (name, kind) in &self.kinds {
+            let fields = match (kind, self.env.get_template(name)) {
+                (Kind::Key | Kind::Path, Ok(t)) if !sabotaged => t.undeclared_variables(true).into_iter().collect(),
+                _ => Vec::new(),
+            };
+            reads.insert(name.clone(), (*kind, fields));
+        }
+        // minijinja marks `tojson` and `escape` output safe, which would skip
+        // a path's encoding (security review L1): here they give plain text.
+        self.env.add_filter("tojson", |v: minijinja::Value| {
+            serde_json::to_string(&v).map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))
+        });
+        for name in ["e", "escape"] {
+            self.env.add_filter(name, |v: minijinja::Value| v.to_string());
+        }
+        let kinds = self.kinds;
         self.env.set_formatter(move |out, state, value| {
             if sabotaged {
                 return minijinja::escape_formatter(out, state, value);
             }
             format_value(kinds.get(state.name()).copied().unwrap_or(Kind::Text), out, state, value)
         });
-        Ok(Templates { env: Arc::new(self.env) })
+        Ok(Templates { env: Arc::new(self.env), reads: Arc::new(reads) })
     }
 }
 
@@ -196,7 +231,7 @@ fn format_value(kind: Kind, out: &mut Output, state: &State, value: &minijinja::
     if value.is_none() {
         return Err(Error::new(ErrorKind::InvalidOperation, NULL_VALUE));
     }
-    if kind == Kind::Text {
+    if matches!(kind, Kind::Text | Kind::Header) {
         return minijinja::escape_formatter(out, state, value);
     }
     let text = value.to_string();
@@ -214,6 +249,18 @@ fn format_value(kind: Kind, out: &mut Output, state: &State, value: &minijinja::
     out.write_str(&text).map_err(Error::from)
 }
 
+/// `value` as one segment of a request path, for code handlers building a
+/// [`crate::CallSpec`] path, encoded as route templates encode theirs: every
+/// character but RFC 3986's unreserved ones percent-encoded (`/`, `?`, `#`
+/// among them). `None` for an empty value, `.` or `..`, which no encoding
+/// keeps from changing the path.
+pub fn path_segment(value: &str) -> Option<String> {
+    if value.is_empty() || value == "." || value == ".." {
+        return None;
+    }
+    Some(utf8_percent_encode(value, SEGMENT).to_string())
+}
+
 /// `"{{ expr }}"` (and nothing else) → `Some("expr")`.
 fn single_expression(s: &str) -> Option<&str> {
     let inner = s.trim().strip_prefix("{{")?.strip_suffix("}}")?;
@@ -226,6 +273,76 @@ fn single_expression(s: &str) -> Option<&str> {
 impl Templates {
     /// Render a string template against `ctx`.
     pub fn render(&self, t: &TextTemplate, ctx: &Context) -> Result<String, RenderError> {
+        let (kind, reads) = self.reads.get(&t.name).map_or((Kind::Text, &[][..]), |(k, r)| (*k, r.as_slice()));
+        // Every field a key or path reads, not only what it prints (D6).
+        let mut null = Vec::new();
+        let mut blank = Vec::new();
+        for path in reads {
+            match lookup(&ctx.json, path) {
+                Some(Value::Null) => null.push(path.as_str()),
+                Some(Value::String(v)) if is_blank(v) => blank.push(path.as_str()),
+                _ => {}
+            }
+        }
+        if !null.is_empty() {
+            return Err(RenderError(format!(
+                "template {} references {}, which is null in this event",
+                t.name,
+                null.join(", ")
+            )));
+        }
+        if !blank.is_empty() {
+            return Err(RenderError(format!(
+                "template {} references {}, which is empty in this event; a key, id or path needs a value",
+                t.name,
+                blank.join(", ")
+            )));
+        }
+        let rendered = self.render_unchecked(t, ctx)?;
+        if kind == Kind::Text {
+            return Ok(rendered);
+        }
+        let what = match kind {
+            Kind::Header => "an HTTP header",
+            Kind::Path => "a request path",
+            _ => "a key or id",
+        };
+        if let Some((_, c)) = control_char(&rendered).filter(|(_, c)| !(kind == Kind::Header && *c == '\t')) {
+            return Err(RenderError(format!(
+                "template {} rendered the control character U+{:04X}, which {what} cannot carry{}",
+                t.name,
+                u32::from(c),
+                self.fields_holding(t, ctx, |v| control_char(v).is_some()),
+            )));
+        }
+        if kind == Kind::Key && rendered.len() > MAX_KEY_BYTES {
+            return Err(RenderError(format!(
+                "template {} rendered {} bytes, over the {MAX_KEY_BYTES}-byte limit for keys and ids{}",
+                t.name,
+                rendered.len(),
+                self.fields_holding(t, ctx, |v| v.len() > MAX_KEY_BYTES / 2),
+            )));
+        }
+        if kind == Kind::Key && is_blank(&rendered) {
+            return Err(RenderError(format!("template {} rendered an empty key", t.name)));
+        }
+        Ok(rendered)
+    }
+
+    /// ` (from FIELDS)`: the fields `t` reads whose text value `bad` finds at fault.
+    fn fields_holding(&self, t: &TextTemplate, ctx: &Context, bad: impl Fn(&str) -> bool) -> String {
+        let Ok(tmpl) = self.env.get_template(&t.name) else { return String::new() };
+        let mut found: Vec<String> = tmpl
+            .undeclared_variables(true)
+            .into_iter()
+            .filter(|path| lookup(&ctx.json, path).and_then(Value::as_str).is_some_and(&bad))
+            .collect();
+        found.sort();
+        if found.is_empty() { String::new() } else { format!(" (from {})", found.join(", ")) }
+    }
+
+    /// Render without the checks of what the template builds.
+    fn render_unchecked(&self, t: &TextTemplate, ctx: &Context) -> Result<String, RenderError> {
         let tmpl = self.env.get_template(&t.name).map_err(|e| RenderError(format!("{}: {e}", t.name)))?;
         tmpl.render(&ctx.engine).map_err(|e| {
             // The fields of the template whose value in this event is `which`.
@@ -252,10 +369,12 @@ impl Templates {
                 (String::new(), "")
             };
             if found.is_empty() {
-                // Never the error's own text with a value in it: a detail of ours, or minijinja's kind.
+                // Never the error's own text, which may quote a value ("unable
+                // to calculate 4111… + 1"): a detail of ours, or minijinja's kind.
                 let ours = [NULL_VALUE, EMPTY_VALUE, DOT_VALUE].contains(&detail);
-                let why = if ours { detail.to_owned() } else { e.to_string() };
-                RenderError(format!("template {} failed: {why}", t.name))
+                let why = if ours { detail.to_owned() } else { e.kind().to_string() };
+                let line = e.line().map(|l| format!(" (line {l})")).unwrap_or_default();
+                RenderError(format!("template {} failed: {why}{line}", t.name))
             } else {
                 RenderError(format!("template {} references {found}, {what}", t.name))
             }
@@ -453,5 +572,91 @@ mod tests {
         assert_eq!(render("a b\u{e9}"), "/accounts/a%20b%C3%A9/captures");
         assert_eq!(render("o-1_A.~"), "/accounts/o-1_A.~/captures");
         assert_eq!(ts.render(&raw, &json!({"data": {"prefix": "v2/api"}}).into()).unwrap(), "/v2/api/x");
+    }
+
+    // Ingest review D6: the check held only for a value printed directly.
+    #[test]
+    fn a_key_or_path_template_checks_every_field_it_reads_whatever_concatenates_or_filters_it() {
+        let mut b = TemplateBuilder::default();
+        let sources = [
+            "{{ 'capture:' ~ data.order_id }}",
+            "capture:{{ data.order_id | string }}",
+            "capture:{{ [data.order_id, 'x'] | join('-') }}",
+            "{{ data.order_id if data.order_id else 'none' }}",
+        ];
+        let keys: Vec<TextTemplate> = sources.iter().enumerate().map(|(i, src)| b.key(&format!("k{i}"), src)).collect();
+        let path = b.path("p", "/captures/{{ 'c-' ~ data.order_id }}");
+        let ts = b.finish().unwrap();
+        for value in [json!(null), json!(""), json!("  ")] {
+            let c: Context = json!({"data": {"order_id": value}}).into();
+            for t in keys.iter().chain([&path]) {
+                let err = ts.render(t, &c).unwrap_err();
+                assert!(err.0.contains("data.order_id") && err.0.contains(&t.name), "{value}: {err}");
+            }
+        }
+        let c: Context = json!({"data": {"order_id": "o-1"}}).into();
+        assert_eq!(ts.render(&keys[0], &c).unwrap(), "capture:o-1");
+    }
+
+    // Security review L1: `escape` and `tojson` output was marked safe and skipped encoding.
+    #[test]
+    fn escape_and_tojson_output_is_still_encoded_in_a_path() {
+        let mut b = TemplateBuilder::default();
+        let e = b.path("e", "/o/{{ data.id | e }}");
+        let j = b.path("j", "/o/{{ data.id | tojson }}");
+        let ts = b.finish().unwrap();
+        let c: Context = json!({"data": {"id": "../../admin"}}).into();
+        for t in [&e, &j] {
+            let p = ts.render(t, &c).unwrap();
+            assert!(!p.contains("/../") && p.starts_with("/o/") && p.matches('/').count() == 2, "{p}");
+        }
+    }
+
+    // Ingest review D4 / security M2: control characters and over-long keys
+    // are errors at render, never a request that cannot be built.
+    #[test]
+    fn control_characters_in_keys_paths_and_headers_and_over_long_keys_are_errors_naming_the_field() {
+        let mut b = TemplateBuilder::default();
+        let key = b.key("routes[0].actions[0].idempotency_key", "cap:{{ data.order_id }}");
+        let header = b.header("routes[0].actions[0].headers.x-note", "{{ data.note }}");
+        let body = b.text("routes[0].actions[0].body.note", "{{ data.note }}");
+        let ts = b.finish().unwrap();
+        let c: Context = json!({"data": {"order_id": "o-1\r\n", "note": "line one\nline two"}}).into();
+        let err = ts.render(&key, &c).unwrap_err();
+        assert!(
+            err.0.contains("idempotency_key") && err.0.contains("U+000D") && err.0.contains("data.order_id"),
+            "{err}"
+        );
+        let err = ts.render(&header, &c).unwrap_err();
+        assert!(
+            err.0.contains("headers.x-note") && err.0.contains("data.note") && !err.0.contains("line one"),
+            "{err}"
+        );
+        assert_eq!(ts.render(&body, &c).unwrap(), "line one\nline two", "free text in a body may hold a newline");
+        let long: Context = json!({"data": {"order_id": "x".repeat(2000)}}).into();
+        let err = ts.render(&key, &long).unwrap_err();
+        assert!(err.0.contains("1024") && err.0.contains("data.order_id"), "{err}");
+        let tab: Context = json!({"data": {"note": "a\tb"}}).into();
+        assert_eq!(ts.render(&header, &tab).unwrap(), "a\tb", "a header may hold a tab");
+    }
+
+    // Security review M3: minijinja's own error text quotes operand values.
+    #[test]
+    fn a_failing_expression_is_reported_without_the_values_it_failed_on() {
+        let mut b = TemplateBuilder::default();
+        let t = b.text("t", "{{ data.card + 1 }}");
+        let ts = b.finish().unwrap();
+        let err = ts.render(&t, &json!({"data": {"card": "4111111111111111"}}).into()).unwrap_err();
+        assert!(!err.0.contains("4111") && err.0.contains("template t failed"), "{err}");
+    }
+
+    // Security review L1: code handlers had no way to encode a path segment.
+    #[test]
+    fn a_handler_encodes_a_path_segment_as_templates_do() {
+        assert_eq!(path_segment("acct-2/captures#").as_deref(), Some("acct-2%2Fcaptures%23"));
+        assert_eq!(path_segment("o-1_A.~").as_deref(), Some("o-1_A.~"));
+        for bad in ["", ".", ".."] {
+            assert_eq!(path_segment(bad), None, "{bad:?}");
+        }
     }
 }

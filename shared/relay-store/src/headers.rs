@@ -1,6 +1,7 @@
 //! Kafka headers as stored in `jsonb`: `[{"name": …, "text": …}]`, with
 //! `"base64"` instead of `"text"` for values that are not UTF-8 and neither
-//! for a null value. Readable by an operator in psql, exact for replay.
+//! for a null value, and `"name_base64"` beside the lossy `"name"` for a
+//! name that is not UTF-8. Readable by an operator in psql, exact for replay.
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
@@ -12,13 +13,20 @@ pub fn to_json(headers: &[Header]) -> Value {
     Value::Array(
         headers
             .iter()
-            .map(|h| match &h.value {
-                None => json!({"name": h.name}),
-                Some(v) => match std::str::from_utf8(v) {
-                    // jsonb cannot hold U+0000: such values go as base64 too.
-                    Ok(text) if !text.contains('\0') => json!({"name": h.name, "text": text}),
-                    _ => json!({"name": h.name, "base64": STANDARD.encode(v)}),
-                },
+            .map(|h| {
+                // jsonb cannot hold U+0000: such names and values go as base64 too.
+                let name = h.name.replace('\0', "\u{fffd}");
+                let mut item = match &h.value {
+                    None => json!({"name": name}),
+                    Some(v) => match std::str::from_utf8(v) {
+                        Ok(text) if !text.contains('\0') => json!({"name": name, "text": text}),
+                        _ => json!({"name": name, "base64": STANDARD.encode(v)}),
+                    },
+                };
+                if h.raw_name.is_some() || name != h.name {
+                    item["name_base64"] = Value::String(STANDARD.encode(h.name_bytes()));
+                }
+                item
             })
             .collect(),
     )
@@ -31,7 +39,6 @@ pub fn from_json(v: &Value) -> Vec<Header> {
             items
                 .iter()
                 .filter_map(|item| {
-                    let name = item.get("name")?.as_str()?.to_owned();
                     let value = if let Some(t) = item.get("text").and_then(Value::as_str) {
                         Some(t.as_bytes().to_vec())
                     } else if let Some(b) = item.get("base64").and_then(Value::as_str) {
@@ -39,7 +46,10 @@ pub fn from_json(v: &Value) -> Vec<Header> {
                     } else {
                         None
                     };
-                    Some(Header { name, value })
+                    match item.get("name_base64").and_then(Value::as_str) {
+                        Some(b) => Some(Header::from_wire(&STANDARD.decode(b).ok()?, value)),
+                        None => Some(Header::new(item.get("name")?.as_str()?, value)),
+                    }
                 })
                 .collect()
         })
@@ -54,9 +64,11 @@ mod tests {
     fn headers_round_trip_exactly_including_binary_and_null_values() {
         let hs = vec![
             Header::text("ce_id", "e-1"),
-            Header { name: "bin".into(), value: Some(vec![0xff, 0x00, 0x10]) },
-            Header { name: "nothing".into(), value: None },
-            Header { name: "nul".into(), value: Some(b"a\0b".to_vec()) },
+            Header::new("bin", Some(vec![0xff, 0x00, 0x10])),
+            Header::new("nothing", None),
+            Header::new("nul", Some(b"a\0b".to_vec())),
+            Header::from_wire(b"\xff\xfe", Some(b"v".to_vec())),
+            Header::from_wire(b"a\0b", None),
         ];
         assert_eq!(from_json(&to_json(&hs)), hs);
         assert_eq!(to_json(&hs)[0], json!({"name": "ce_id", "text": "e-1"}));

@@ -144,21 +144,68 @@ pub async fn migrations_current(pool: &PgPool) -> Result<bool, sqlx::Error> {
 /// How a database error should be handled by the caller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DbErrorKind {
-    /// The data itself is unacceptable (SQLSTATE class 22 data exception or
-    /// 23 integrity violation): retrying the same record gives the same error.
+    /// The record's data is unacceptable (SQLSTATE class 22 data exception,
+    /// 23 integrity violation, 54 program limit — an id or key too long for
+    /// its index —, or 25P02: a statement after a failure a code handler
+    /// swallowed): retrying the same record gives the same error.
     Permanent,
     /// Anything else (connection lost, pool timeout, serialization failure,
     /// deadlock, admin shutdown): retry the whole transaction later.
     Transient,
 }
 
-/// Classify a database error.
+/// Classify a database error met while writing a record.
 pub fn classify_error(e: &sqlx::Error) -> DbErrorKind {
     match e {
-        sqlx::Error::Database(db) => match db.code().as_deref().map(|c| &c[..2.min(c.len())]) {
-            Some("22") | Some("23") => DbErrorKind::Permanent,
+        sqlx::Error::Database(db) => match db.code().as_deref() {
+            Some("25P02") => DbErrorKind::Permanent,
+            Some(c) if ["22", "23", "54"].contains(&&c[..2.min(c.len())]) => DbErrorKind::Permanent,
             _ => DbErrorKind::Transient,
         },
         _ => DbErrorKind::Transient,
     }
+}
+
+/// Whether `e` says the database is unavailable or overloaded, rather than
+/// that a statement was wrong: no connection (or class 08), a transaction
+/// rolled back by a conflict (40), insufficient resources (53), operator
+/// intervention such as a shutdown (57) or a system error (58). A code
+/// handler's error that is none of these is its record's (its own SQL bug,
+/// a constraint), never retried as an outage (ingest review D5).
+pub fn is_outage(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => {
+            db.code().as_deref().is_some_and(|c| ["08", "40", "53", "57", "58"].contains(&&c[..2.min(c.len())]))
+        }
+        _ => true,
+    }
+}
+
+/// What the database rejected, for a dead letter's reason: the SQLSTATE and
+/// the constraint, table and column it names — never PostgreSQL's message,
+/// which quotes the offending value (`invalid input syntax for type
+/// numeric: "4111…"`), and reasons go to logs and the console (R16).
+pub fn rejection(e: &sqlx::Error) -> String {
+    let sqlx::Error::Database(db) = e else { return e.to_string() };
+    let Some(pg) = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() else {
+        return format!("SQLSTATE {}", db.code().unwrap_or_default());
+    };
+    let meaning = match pg.code() {
+        "23505" => " (unique violation)",
+        "23503" => " (foreign key violation)",
+        "23502" => " (not null violation)",
+        "23514" => " (check violation)",
+        "22001" => " (value too long for its column)",
+        "22P02" => " (invalid text for its type)",
+        "54000" => " (a value too large for its index)",
+        "25P02" => " (statement in a transaction aborted by an earlier error)",
+        _ => "",
+    };
+    let mut out = format!("SQLSTATE {}{meaning}", pg.code());
+    for (what, v) in [("table", pg.table()), ("column", pg.column()), ("constraint", pg.constraint())] {
+        if let Some(v) = v {
+            out += &format!(", {what} {v}");
+        }
+    }
+    out
 }

@@ -13,6 +13,7 @@
 
 pub mod process;
 pub mod seed;
+pub mod tls;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -372,7 +373,7 @@ impl TestEvent {
             headers: self
                 .headers()
                 .into_iter()
-                .map(|(name, value)| relay_core::Header { name, value: Some(value) })
+                .map(|(name, value)| relay_core::Header::new(name, Some(value)))
                 .collect(),
         }
     }
@@ -386,8 +387,17 @@ pub struct TestProducer {
 impl TestProducer {
     /// Connect.
     pub fn new(bootstrap: &str) -> anyhow::Result<TestProducer> {
-        let inner = client(bootstrap).set("message.timeout.ms", "30000").create()?;
-        Ok(TestProducer { inner })
+        Self::with_properties(bootstrap, &[])
+    }
+
+    /// Connect with librdkafka `properties` on top (e.g. `compression.type`).
+    pub fn with_properties(bootstrap: &str, properties: &[(&str, &str)]) -> anyhow::Result<TestProducer> {
+        let mut c = client(bootstrap);
+        c.set("message.timeout.ms", "30000");
+        for (k, v) in properties {
+            c.set(*k, *v);
+        }
+        Ok(TestProducer { inner: c.create()? })
     }
 
     /// Produce a CloudEvent in binary mode; returns (partition, offset).
@@ -426,6 +436,70 @@ impl TestProducer {
             .map_err(|(e, _)| anyhow::anyhow!("produce to {topic}: {e}"))?;
         Ok((delivery.partition, delivery.offset))
     }
+}
+
+/// Produce a record whose headers' names are any bytes, as Go's sarama or
+/// librdkafka's C API can (rdkafka's safe API only takes `&str` names);
+/// waits until the producer has delivered it. A producer of its own: a
+/// `FutureProducer` expects a reply slot with every record.
+pub fn produce_with_raw_header_names(
+    bootstrap: &str,
+    topic: &str,
+    partition: i32,
+    headers: &[(&[u8], &[u8])],
+    payload: &[u8],
+) -> anyhow::Result<()> {
+    use rdkafka::bindings as rd;
+    use rdkafka::producer::{BaseProducer, Producer};
+    let producer: BaseProducer = client(bootstrap).create()?;
+    let topic_c = std::ffi::CString::new(topic)?;
+    // SAFETY: a fresh headers list; librdkafka copies each name and value
+    // (with its length) in; on success produceva takes the list over.
+    let hdrs = unsafe { rd::rd_kafka_headers_new(headers.len()) };
+    for (name, value) in headers {
+        // SAFETY: pointers and lengths of live slices, copied by librdkafka.
+        unsafe {
+            rd::rd_kafka_header_add(
+                hdrs,
+                name.as_ptr().cast(),
+                name.len() as isize,
+                value.as_ptr().cast(),
+                value.len() as isize,
+            )
+        };
+    }
+    let vu = |vtype, u| rd::rd_kafka_vu_t { vtype, u };
+    let args = [
+        vu(rd::rd_kafka_vtype_t::RD_KAFKA_VTYPE_TOPIC, rd::rd_kafka_vu_s__bindgen_ty_1 { cstr: topic_c.as_ptr() }),
+        vu(rd::rd_kafka_vtype_t::RD_KAFKA_VTYPE_PARTITION, rd::rd_kafka_vu_s__bindgen_ty_1 { i32_: partition }),
+        vu(
+            rd::rd_kafka_vtype_t::RD_KAFKA_VTYPE_VALUE,
+            rd::rd_kafka_vu_s__bindgen_ty_1 {
+                mem: rd::rd_kafka_vu_s__bindgen_ty_1__bindgen_ty_1 {
+                    ptr: payload.as_ptr() as *mut _,
+                    size: payload.len(),
+                },
+            },
+        ),
+        // RD_KAFKA_MSG_F_COPY: the payload is copied before produceva returns.
+        vu(rd::rd_kafka_vtype_t::RD_KAFKA_VTYPE_MSGFLAGS, rd::rd_kafka_vu_s__bindgen_ty_1 { i: 2 }),
+        vu(rd::rd_kafka_vtype_t::RD_KAFKA_VTYPE_HEADERS, rd::rd_kafka_vu_s__bindgen_ty_1 { headers: hdrs }),
+    ];
+    // SAFETY: the producer's live handle and a well-formed argument array.
+    let err = unsafe { rd::rd_kafka_produceva(producer.client().native_ptr(), args.as_ptr(), args.len()) };
+    if !err.is_null() {
+        // SAFETY: an error object produceva returned, read then freed once;
+        // on failure the headers stay ours to free.
+        let text = unsafe {
+            let text = std::ffi::CStr::from_ptr(rd::rd_kafka_error_string(err)).to_string_lossy().into_owned();
+            rd::rd_kafka_error_destroy(err);
+            rd::rd_kafka_headers_destroy(hdrs);
+            text
+        };
+        bail!("produce to {topic}: {text}");
+    }
+    producer.flush(Duration::from_secs(30))?;
+    Ok(())
 }
 
 /// A record read back from a topic.

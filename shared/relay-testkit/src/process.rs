@@ -191,11 +191,23 @@ pub struct PrivatePostgres {
     dir: PathBuf,
     port: u16,
     bin: PathBuf,
+    /// With [`PrivatePostgres::start_tls`]: it serves TLS with this certificate and key.
+    tls: bool,
 }
 
 impl PrivatePostgres {
     /// initdb and start.
     pub fn start() -> anyhow::Result<PrivatePostgres> {
+        Self::start_with(None)
+    }
+
+    /// initdb and start with `ssl = on`, serving `pki`'s server certificate
+    /// (for 127.0.0.1): clients may then ask for `sslmode=verify-full`.
+    pub fn start_tls(pki: &crate::tls::TestPki) -> anyhow::Result<PrivatePostgres> {
+        Self::start_with(Some(pki))
+    }
+
+    fn start_with(pki: Option<&crate::tls::TestPki>) -> anyhow::Result<PrivatePostgres> {
         let bin = pg_bin()?;
         let dir = std::env::temp_dir().join(format!("relay-pg-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir)?;
@@ -206,13 +218,28 @@ impl PrivatePostgres {
             bin.join("initdb").display(),
             data.display()
         ))?;
-        let pg = PrivatePostgres { dir, port: free_port(), bin };
+        if let Some(pki) = pki {
+            // The server reads its key only if the key is its own and private.
+            std::fs::copy(pki.server_cert(), dir.join("server.pem"))?;
+            std::fs::copy(pki.server_key(), dir.join("server.key"))?;
+            let key = dir.join("server.key");
+            Command::new("chmod").arg("600").arg(&key).status()?;
+            Command::new("chown").args(["postgres:postgres"]).arg(&key).arg(dir.join("server.pem")).status()?;
+        }
+        let pg = PrivatePostgres { dir, port: free_port(), bin, tls: pki.is_some() };
         pg.pg_ctl("start")?;
         Ok(pg)
     }
 
     fn pg_ctl(&self, action: &str) -> anyhow::Result<()> {
-        let opts = format!("-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off", self.port, self.dir.display());
+        let mut opts = format!("-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off", self.port, self.dir.display());
+        if self.tls {
+            opts += &format!(
+                " -c ssl=on -c ssl_cert_file={} -c ssl_key_file={}",
+                self.dir.join("server.pem").display(),
+                self.dir.join("server.key").display()
+            );
+        }
         run_as_postgres(&format!(
             "{} -D {} -l {} -w -t 60 -o '{opts}' {action} >/dev/null",
             self.bin.join("pg_ctl").display(),
@@ -254,51 +281,117 @@ impl Drop for PrivatePostgres {
 pub struct PrivateKafka {
     dir: PathBuf,
     port: u16,
+    /// With [`PrivateKafka::start_secure`]: the `SSL` (mutual TLS) and `SASL_SSL` ports.
+    secure: Option<(u16, u16)>,
     libs: PathBuf,
     child: Option<Child>,
 }
 
+/// The SASL user of [`PrivateKafka::start_secure`] (SCRAM-SHA-256, SCRAM-SHA-512 and PLAIN).
+pub const SASL_USER: &str = "relay";
+/// Its password.
+pub const SASL_PASSWORD: &str = "relay-secret";
+
 impl PrivateKafka {
-    /// Format storage and start.
+    /// Format storage and start, with a PLAINTEXT listener.
     pub fn start() -> anyhow::Result<PrivateKafka> {
+        Self::start_with(None)
+    }
+
+    /// Format storage and start with three listeners: PLAINTEXT, `SSL` with
+    /// client certificates required (mutual TLS), and `SASL_SSL` taking
+    /// SCRAM-SHA-256, SCRAM-SHA-512 and PLAIN for [`SASL_USER`]; the broker's
+    /// certificate is `pki`'s server certificate.
+    pub fn start_secure(pki: &crate::tls::TestPki) -> anyhow::Result<PrivateKafka> {
+        Self::start_with(Some(pki))
+    }
+
+    fn start_with(pki: Option<&crate::tls::TestPki>) -> anyhow::Result<PrivateKafka> {
         let libs = PathBuf::from(
             std::env::var("RELAY_TEST_KAFKA_LIBS").context("RELAY_TEST_KAFKA_LIBS is not set: run scripts/test.sh")?,
         );
         let dir = std::env::temp_dir().join(format!("relay-kafka-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir)?;
         let (port, ctl) = (free_port(), free_port());
+        let secure = pki.map(|_| (free_port(), free_port()));
+        let mut listeners = format!("PLAINTEXT://127.0.0.1:{port}");
+        let mut protocols = "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT".to_owned();
+        let mut tls = String::new();
+        if let (Some(pki), Some((ssl, sasl_ssl))) = (pki, secure) {
+            listeners += &format!(",SSL://127.0.0.1:{ssl},SASL_SSL://127.0.0.1:{sasl_ssl}");
+            protocols += ",SSL:SSL,SASL_SSL:SASL_SSL";
+            let scram = |m: &str| {
+                format!(
+                    "listener.name.sasl_ssl.{m}.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;\n"
+                )
+            };
+            tls = format!(
+                "ssl.keystore.type=PKCS12\nssl.keystore.location={}\nssl.keystore.password={pw}\nssl.key.password={pw}\n\
+                 ssl.truststore.type=PEM\nssl.truststore.location={}\n\
+                 listener.name.ssl.ssl.client.auth=required\n\
+                 listener.name.sasl_ssl.sasl.enabled.mechanisms=SCRAM-SHA-256,SCRAM-SHA-512,PLAIN\n\
+                 {}{}\
+                 listener.name.sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule \
+                 required user_{SASL_USER}=\"{SASL_PASSWORD}\";\n",
+                pki.server_keystore().display(),
+                pki.ca().display(),
+                scram("scram-sha-256"),
+                scram("scram-sha-512"),
+                pw = crate::tls::KEYSTORE_PASSWORD,
+            );
+        }
         std::fs::write(
             dir.join("server.properties"),
             format!(
                 "process.roles=broker,controller\nnode.id=1\ncontroller.quorum.bootstrap.servers=127.0.0.1:{ctl}\n\
-                 listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{ctl}\n\
-                 advertised.listeners=PLAINTEXT://127.0.0.1:{port}\ncontroller.listener.names=CONTROLLER\n\
-                 listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT\n\
+                 listeners={listeners},CONTROLLER://127.0.0.1:{ctl}\n\
+                 advertised.listeners={listeners}\ncontroller.listener.names=CONTROLLER\n\
+                 listener.security.protocol.map={protocols}\n\
                  inter.broker.listener.name=PLAINTEXT\nlog.dirs={}\nnum.partitions=1\n\
                  offsets.topic.replication.factor=1\noffsets.topic.num.partitions=2\n\
                  transaction.state.log.replication.factor=1\ntransaction.state.log.min.isr=1\n\
-                 group.initial.rebalance.delay.ms=0\n",
+                 group.initial.rebalance.delay.ms=0\n{tls}",
                 dir.join("data").display()
             ),
         )?;
         let cluster_id = base64_uuid();
-        let out = Command::new("java")
+        let mut format = Command::new("java");
+        format
             .arg("-cp")
             .arg(format!("{}/*", libs.display()))
             .args(["kafka.tools.StorageTool", "format", "--standalone", "-t", &cluster_id, "-c"])
-            .arg(dir.join("server.properties"))
-            .output()?;
-        if !out.status.success() {
-            bail!("kafka storage format failed: {}", String::from_utf8_lossy(&out.stderr));
+            .arg(dir.join("server.properties"));
+        if pki.is_some() {
+            for mechanism in ["SCRAM-SHA-256", "SCRAM-SHA-512"] {
+                format.arg("--add-scram").arg(format!("{mechanism}=[name={SASL_USER},password={SASL_PASSWORD}]"));
+            }
         }
-        let mut k = PrivateKafka { dir, port, libs, child: None };
+        let out = format.output()?;
+        if !out.status.success() {
+            bail!(
+                "kafka storage format failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let mut k = PrivateKafka { dir, port, secure, libs, child: None };
         k.start_again()?;
         Ok(k)
     }
 
-    /// Bootstrap address.
+    /// Bootstrap address (PLAINTEXT).
     pub fn bootstrap(&self) -> String {
         format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Bootstrap address of the `SSL` listener (mutual TLS), if started secure.
+    pub fn ssl_bootstrap(&self) -> Option<String> {
+        self.secure.map(|(ssl, _)| format!("127.0.0.1:{ssl}"))
+    }
+
+    /// Bootstrap address of the `SASL_SSL` listener, if started secure.
+    pub fn sasl_ssl_bootstrap(&self) -> Option<String> {
+        self.secure.map(|(_, sasl_ssl)| format!("127.0.0.1:{sasl_ssl}"))
     }
 
     /// Start (again) on the same data and port; waits until it serves.

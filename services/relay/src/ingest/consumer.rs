@@ -37,11 +37,11 @@ use rdkafka::client::ClientContext;
 use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::error::KafkaError;
-use rdkafka::message::{BorrowedMessage, Headers, Message};
+use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{Offset, TopicPartitionList};
 use relay_core::config::{KafkaConfig, RetryBudget};
 use relay_core::retry::BackoffPolicy;
-use relay_core::{Header, Poison, RawRecord};
+use relay_core::{Poison, RawRecord};
 use sqlx::{Connection, PgPool};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -450,12 +450,9 @@ impl InboxConsumer {
 
     /// Copy a message out of librdkafka's buffer, tagged with the revoke generation.
     fn take(&self, m: &BorrowedMessage<'_>) -> (RawRecord, u64) {
-        let headers = m
-            .headers()
-            .map(|hs| {
-                hs.iter().map(|h| Header { name: h.key.to_owned(), value: h.value.map(<[u8]>::to_vec) }).collect()
-            })
-            .unwrap_or_default();
+        // Names as bytes: rdkafka's own header accessors panic on a name
+        // that is not UTF-8 (relay_kafka_raw).
+        let headers = relay_kafka_raw::headers(m);
         let record = RawRecord {
             topic: m.topic().to_owned(),
             partition: m.partition(),

@@ -23,7 +23,12 @@ pub enum HandlerError {
     /// The event is permanently unacceptable: dead-letter it with this reason.
     #[error("rejected: {0}")]
     Reject(String),
-    /// A database error (transient ones retry the transaction; data errors dead-letter).
+    /// A database error. An outage (no connection, a conflict rolled back, a
+    /// shutdown) retries the transaction; any other error (the handler's own
+    /// SQL, a constraint) is this record's: it is dead-lettered naming the
+    /// handler. A handler must return its statements' errors, never swallow
+    /// them: PostgreSQL then refuses every later statement of the
+    /// transaction, and the record is dead-lettered saying so.
     #[error(transparent)]
     Db(#[from] sqlx::Error),
 }
@@ -46,7 +51,8 @@ pub enum HandlerError {
 ///             .execute(&mut *tx)
 ///             .await?;
 ///         if done.rows_affected() == 0 {
-///             return Err(HandlerError::NotYet(format!("no stock for {sku} yet")));
+///             // Reasons go to logs and the console: name fields, never quote values.
+///             return Err(HandlerError::NotYet("no stock for this sku yet".into()));
 ///         }
 ///         // The call is made later by the dispatcher, with a stable idempotency key.
 ///         Ok(Plan {
@@ -54,7 +60,10 @@ pub enum HandlerError {
 ///                 action: "notify-warehouse".into(),
 ///                 endpoint: "warehouse".into(),
 ///                 method: "POST".into(),
-///                 path: "/reservations".into(),
+///                 // Event data in a path: one encoded segment, as route templates do.
+///                 path: format!("/reservations/{}", relay_core::path_segment(sku).ok_or_else(|| {
+///                     HandlerError::Reject("sku cannot be a path segment".into())
+///                 })?),
 ///                 body: Some(event.data.clone()),
 ///                 headers: Default::default(),
 ///                 idempotency_key: None, // the intent id

@@ -278,7 +278,7 @@ impl Processor {
     /// Route and plan `record` (its effects with derived ids): ready to
     /// write, or done already (poison, a paused route).
     fn prepare<'r>(&self, record: &'r RawRecord) -> Prepared<'_, 'r> {
-        let (route, event) = match self.router.route(record) {
+        let (route, event) = match self.router.route_unless_paused(record, |r| self.is_paused(r)) {
             Err(p) => {
                 return Prepared::Done(Processed {
                     info: EventInfo::of_poison(&p),
@@ -290,12 +290,16 @@ impl Processor {
                 let item = Item { record, event, info, route: None, effects: None, prov: None, hop: None };
                 return Prepared::Ready(item);
             }
+            Ok(Routed::Paused(route, event)) => {
+                let info = EventInfo::of(&event, Some(route));
+                return Prepared::Done(Processed {
+                    disposition: Disposition::Paused { route: route.name.clone() },
+                    info,
+                });
+            }
             Ok(Routed::Route(route, event)) => (route, event),
         };
         let info = EventInfo::of(&event, Some(route));
-        if self.is_paused(route) {
-            return Prepared::Done(Processed { disposition: Disposition::Paused { route: route.name.clone() }, info });
-        }
         let (prov, hop) = self.provenance_hop(&event, Some(&route.name));
         let effects = self
             .router
@@ -412,10 +416,15 @@ impl Processor {
         let room = if held.is_some() { self.reserve(item.unkeyed_intents()) } else { None };
         let mut sp = conn.begin().await?;
         let outcome = match self.write_checked(&mut sp, &item, room.as_ref().map(|(h, _)| *h)).await {
-            Ok(Ok(batch)) if !batch.written[0].undo() => {
-                sp.commit().await?;
-                Ok(batch)
-            }
+            Ok(Ok(batch)) if !batch.written[0].undo() => match sp.commit().await {
+                Ok(()) => Ok(batch),
+                // The savepoint cannot be released: a code handler swallowed
+                // an error (25P02). Dropped, the savepoint is rolled back.
+                Err(e) if classify_error(&e) == DbErrorKind::Permanent => {
+                    Err(Disposition::DeadLetter(rejected(&e, &item)))
+                }
+                Err(e) => return Err(e),
+            },
             Ok(Ok(mut batch)) => {
                 sp.rollback().await?;
                 Err(batch.written.pop().unwrap_or(Disposition::Duplicate))
@@ -426,7 +435,7 @@ impl Processor {
             }
             Err(e) if classify_error(&e) == DbErrorKind::Permanent => {
                 sp.rollback().await?;
-                Err(Disposition::DeadLetter(rejected(&e, &item.event)))
+                Err(Disposition::DeadLetter(rejected(&e, &item)))
             }
             Err(e) => return Err(e),
         };
@@ -488,7 +497,13 @@ impl Processor {
                 Err(HandlerError::Reject(why)) => {
                     return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
                 }
-                Err(HandlerError::Db(e)) => return Err(e),
+                // An outage is retried; any other database error is the
+                // handler's own (its SQL, a constraint): its record's (D5).
+                Err(HandlerError::Db(e)) if relay_store::is_outage(&e) => return Err(e),
+                Err(HandlerError::Db(e)) => {
+                    let why = format!("handler {name:?} failed with a database error: {}", relay_store::rejection(&e));
+                    return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
+                }
             };
             if !more.sagas.is_empty() {
                 let why = format!(
@@ -499,9 +514,28 @@ impl Processor {
             let prov = item.prov.clone().unwrap_or_default();
             let extra = match self.router.effects(route, &item.event, more, &prov, Utc::now()) {
                 Ok(extra) => extra,
-                Err(p) => return Ok(Err(Disposition::DeadLetter(p))),
+                Err(p) => {
+                    let why = format!("handler {name:?} returned effects that cannot be made: {}", p.reason);
+                    return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
+                }
             };
             let mut all = item.effects.clone().unwrap_or_default();
+            // The same action name gets the same derived id, and the second
+            // row would be dropped on insert without a word (D9).
+            let taken: std::collections::HashSet<uuid::Uuid> =
+                all.intents.iter().map(|i| i.id).chain(all.events.iter().map(|e| e.id)).collect();
+            let clash =
+                extra.intents.iter().map(|i| (i.id, &i.action)).chain(extra.events.iter().map(|e| (e.id, &e.action)));
+            let mut seen = std::collections::HashSet::new();
+            for (id, action) in clash {
+                if taken.contains(&id) || !seen.insert(id) {
+                    let why = format!(
+                        "handler {name:?} returned an action named {action:?}, a name the route or the handler already \
+                         uses: both would get one derived id and one would be lost; give each action its own name"
+                    );
+                    return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
+                }
+            }
             all.intents.extend(extra.intents);
             all.events.extend(extra.events);
             merged = Some(all);
@@ -559,18 +593,32 @@ fn identified(p: Poison, event: &InputEvent) -> Poison {
     p.with_identity(Some(&event.id), Some(&event.event_type))
 }
 
-fn rejected(e: &sqlx::Error, event: &InputEvent) -> Poison {
-    identified(Poison::new(PoisonClass::Rejected, format!("the database rejected the event: {e}")), event)
+/// The dead letter of a record the database rejected. The reason names the
+/// SQLSTATE and the constraint, never the message (it quotes values); a
+/// handler that left its savepoint aborted is named as the cause.
+fn rejected(e: &sqlx::Error, item: &Item<'_, '_>) -> Poison {
+    let swallowed = matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("25P02"));
+    let why = match item.route.and_then(|r| r.handler.as_deref()) {
+        Some(handler) if swallowed => format!(
+            "handler {handler:?} swallowed a database error: the transaction was left aborted ({}); \
+             a handler must return the errors of its statements",
+            relay_store::rejection(e)
+        ),
+        _ => format!("the database rejected the event: {}", relay_store::rejection(e)),
+    };
+    identified(Poison::new(PoisonClass::Rejected, why), &item.event)
 }
 
-/// PostgreSQL text cannot hold U+0000; a dead letter must always be storable.
+/// PostgreSQL text cannot hold U+0000, and an index entry no more than
+/// ~2.7 kB: a dead letter must always be storable, whoever built the poison.
 fn sanitized(p: &Poison) -> Poison {
-    let clean = |s: &str| s.replace('\0', "\u{fffd}");
+    use relay_core::limits::{MAX_KEY_BYTES, MAX_REASON_BYTES, bounded};
+    let clean = |s: &str, max: usize| bounded(&s.replace('\0', "\u{fffd}"), max).into_owned();
     Poison {
         class: p.class,
-        reason: clean(&p.reason),
-        event_id: p.event_id.as_deref().map(clean),
-        event_type: p.event_type.as_deref().map(clean),
+        reason: clean(&p.reason, MAX_REASON_BYTES),
+        event_id: p.event_id.as_deref().map(|s| clean(s, MAX_KEY_BYTES)),
+        event_type: p.event_type.as_deref().map(|s| clean(s, MAX_KEY_BYTES)),
     }
 }
 

@@ -86,6 +86,13 @@ pub fn lag(consumer: &str, topic: &str, partition: i32, lag: i64) {
         .set(lag as f64);
 }
 
+/// Bytes of records the consumer received and has not finished (waiting for
+/// their partition's task, or handed to it and not committed): at most
+/// `consumer.max_buffered_bytes` plus one record.
+pub fn buffered(consumer: &str, bytes: usize) {
+    gauge!("relay_consumer_buffered_bytes", "consumer" => consumer.to_owned()).set(bytes as f64);
+}
+
 /// One finished call attempt. `result` is succeeded, retrying, dead, uncertain or lease_lost.
 pub fn call(endpoint: &str, result: &'static str, outcome: &str, seconds: f64) {
     let e = endpoint.to_owned();

@@ -1,0 +1,240 @@
+//! Bytes other clients legally produce, against a real broker and database:
+//! each bad record is a clear dead letter (or, where the data only lacks a
+//! key, processed as keyless), never a crash of the consumer nor a partition
+//! retried forever; the record after it is always applied. One test per
+//! finding of the ingest review (`D1`…`D10`), each with the record that
+//! stopped the relay before.
+
+pub mod support;
+
+use async_trait::async_trait;
+use relay::{Components, Handler, HandlerError, Handlers};
+use relay_core::{InputEvent, Plan};
+use relay_testkit::{TestEvent, read_topic};
+use serde_json::json;
+use support::*;
+
+const CONSUMER_ONLY: Components = Components { consumer: true, dispatcher: false, publisher: false };
+
+/// (offset, error class, reason) of every dead letter, in offset order.
+async fn dead_letters(h: &Harness) -> Vec<(i64, String, String)> {
+    sqlx::query_as(r#"SELECT "offset", error_class, reason FROM relay.dead_letters ORDER BY "offset""#)
+        .fetch_all(&h.db.pool)
+        .await
+        .unwrap()
+}
+
+/// Binary-mode CloudEvents headers of an `order.placed` event `id`.
+fn ce_headers(id: &str) -> Vec<(Vec<u8>, Vec<u8>)> {
+    [("ce_specversion", "1.0"), ("ce_id", id), ("ce_type", "order.placed"), ("ce_source", "/shop")]
+        .into_iter()
+        .map(|(k, v)| (k.as_bytes().to_vec(), v.as_bytes().to_vec()))
+        .collect()
+}
+
+// D1 / security H1: rdkafka's header accessor unwrapped the name's UTF-8
+// check, so this record panicked the consumer, and every restart with it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_header_name_that_is_not_utf8_is_dead_lettered_with_its_bytes_and_the_next_record_applied() {
+    let h = Harness::new(1).await;
+    let mut headers = ce_headers("evt-bad");
+    headers.push((vec![0xff, 0xfe], b"v".to_vec()));
+    let refs: Vec<(&[u8], &[u8])> = headers.iter().map(|(k, v)| (k.as_slice(), v.as_slice())).collect();
+    relay_testkit::produce_with_raw_header_names(&h.bootstrap, &h.topic, 0, &refs, br#"{"order_id":"o-bad"}"#).unwrap();
+    let (_, last) = h.send(&order("evt-1", "o-1")).await;
+    let run = h.start(h.config(CAPTURE_ROUTE), Components { publisher: true, ..CONSUMER_ONLY }, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    h.await_published(1).await;
+    run.stop().await.unwrap();
+
+    assert_eq!(h.outcome("evt-1").await.as_deref(), Some("applied"));
+    let dead = dead_letters(&h).await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!((dead[0].0, dead[0].1.as_str()), (0, "bad_header"));
+    let mut conn = h.db.conn().await.unwrap();
+    let id: i64 = sqlx::query_scalar("SELECT id FROM relay.dead_letters").fetch_one(&h.db.pool).await.unwrap();
+    let kept = relay_store::dead_letters::get(&mut conn, &h.consumer, id).await.unwrap().unwrap().record;
+    assert!(kept.headers.iter().any(|hd| hd.name_bytes() == [0xff, 0xfe]), "the name's bytes are kept for replay");
+    let copy = read_topic(&h.bootstrap, &h.dlq, 1).await.unwrap();
+    assert_eq!(copy[0].header("relay_dlq_error_class"), Some("bad_header"));
+}
+
+// D2 / security H2: an id longer than an index entry holds failed its insert
+// with SQLSTATE 54000 on every retry, taken for a database outage.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_id_or_key_longer_than_an_index_entry_holds_is_dead_lettered_naming_the_field_and_the_limit() {
+    let h = Harness::new(1).await;
+    // Random text does not compress below the index's limit.
+    let long: String = (0..3000).map(|i| char::from(b'A' + ((i * 7919 + i / 3) % 26) as u8)).collect();
+    h.send(&order(&long, "o-long")).await;
+    h.send(&order("evt-key", "o-key").ext("idempotencykey", &long)).await;
+    let (_, last) = h.send(&order("evt-1", "o-1")).await;
+    let run = h.start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.outcome("evt-1").await.as_deref(), Some("applied"));
+    let dead = dead_letters(&h).await;
+    let classes: Vec<&str> = dead.iter().map(|d| d.1.as_str()).collect();
+    assert_eq!(classes, ["bad_field", "bad_field"], "{dead:?}");
+    assert!(dead[0].2.contains("event id") && dead[0].2.contains("1024"), "{}", dead[0].2);
+    assert!(dead[1].2.contains("idempotency key") && !dead[1].2.contains(&long), "{}", dead[1].2);
+}
+
+// D2, the other half: whatever is still too large for an index (here a
+// handler's own table) is the record's, not an outage.
+#[tokio::test(flavor = "multi_thread")]
+async fn sqlstate_54000_is_classified_as_the_records_error_not_an_outage() {
+    let h = Harness::new(1).await;
+    let mut conn = h.db.conn().await.unwrap();
+    sqlx::query("CREATE TABLE big (k text PRIMARY KEY)").execute(&mut *conn).await.unwrap();
+    // Random text: PostgreSQL compresses an index entry before it measures it.
+    let long: String = (0..6000).map(|_| char::from(b'!' + rand::random::<u8>() % 90)).collect();
+    let err = sqlx::query("INSERT INTO big VALUES ($1)").bind(&long).execute(&mut *conn).await.unwrap_err();
+    let code = match &err {
+        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+        _ => None,
+    };
+    assert_eq!(code.as_deref(), Some("54000"), "{err}");
+    assert_eq!(relay_store::classify_error(&err), relay_store::DbErrorKind::Permanent);
+    assert!(!relay_store::is_outage(&err));
+}
+
+// D3: an empty idempotency key was a real key: every later event with one
+// became a `duplicate_key` no-op and its call was never made.
+#[tokio::test(flavor = "multi_thread")]
+async fn events_with_an_empty_idempotency_key_are_each_applied_as_if_they_had_none() {
+    let h = Harness::new(1).await;
+    for (i, key) in ["", "", " ", " "].into_iter().enumerate() {
+        h.send(&order(&format!("evt-{i}"), &format!("o-{i}")).ext("idempotencykey", key)).await;
+    }
+    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    h.await_committed(0, 4).await;
+    h.await_intents_finished(4).await;
+    run.stop().await.unwrap();
+    let stats = h.provider.stats();
+    for i in 0..4 {
+        assert_eq!(h.outcome(&format!("evt-{i}")).await.as_deref(), Some("applied"), "evt-{i}");
+        assert_eq!(stats.applied_for(&format!("capture:o-{i}")), 1, "o-{i}");
+    }
+}
+
+const NOTE_ROUTE: &str = r#"
+[[routes]]
+name = "order-placed"
+topic = "{topic}"
+type = "order.placed"
+
+[[routes.actions]]
+kind = "call"
+name = "capture"
+endpoint = "psp"
+path = "/captures/{{ data.order_id }}"
+idempotency_key = "capture:{{ data.order_id }}"
+headers = { x-note = "{{ data.note }}" }
+
+[[routes.actions.on_dead.emit]]
+name = "failed"
+type = "payment.failed"
+topic = "{out}"
+data = { order_id = "{{ data.order_id }}" }
+"#;
+
+// D4 / security M2: a control character reached an HTTP header; the request
+// could not be built, a fake 400 killed the intent and `payment.failed` went out.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_control_character_bound_for_a_header_is_a_template_error_at_ingest_and_no_failure_is_announced() {
+    let h = Harness::new(1).await;
+    let note = |id: &str, o: &str, text: &str| {
+        TestEvent::new(id, "order.placed", json!({"order_id": o, "note": text, "amount": 1}))
+    };
+    h.send(&note("evt-bad", "o-bad", "line one\nline two")).await;
+    h.send(&note("evt-key", "o-k\r\n", "fine")).await;
+    let (_, last) = h.send(&note("evt-1", "o-1", "fine")).await;
+    let run = h.start(h.config(NOTE_ROUTE), Components::ALL, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    h.await_intents_finished(1).await;
+    run.stop().await.unwrap();
+    let dead = dead_letters(&h).await;
+    let classes: Vec<&str> = dead.iter().map(|d| d.1.as_str()).collect();
+    assert_eq!(classes, ["template_error", "template_error"], "{dead:?}");
+    assert!(dead[0].2.contains("x-note") && dead[0].2.contains("data.note"), "{}", dead[0].2);
+    assert!(dead[1].2.contains("idempotency_key") && dead[1].2.contains("data.order_id"), "{}", dead[1].2);
+    assert_eq!(h.intents_in("dead").await, 0, "no intent died for a request it could not build");
+    assert_eq!(h.db.count("outbox", "event_type = 'payment.failed'").await, 0, "no failure announced");
+    assert_eq!(h.provider.stats().applied_for("capture:o-1"), 1);
+}
+
+/// A handler that inserts a row twice and ignores the second insert's error,
+/// as "ignore duplicates" code does: the savepoint is then aborted.
+struct SwallowsAnError;
+
+#[async_trait]
+impl Handler for SwallowsAnError {
+    async fn handle(&self, tx: &mut sqlx::PgConnection, event: &InputEvent) -> Result<Plan, HandlerError> {
+        if event.data["order_id"] == "o-bad" {
+            for _ in 0..2 {
+                let _ = sqlx::query("INSERT INTO seen VALUES ($1)").bind(&event.id).execute(&mut *tx).await;
+            }
+        }
+        if event.data["order_id"] == "o-sql" {
+            sqlx::query("INSERT INTO no_such_table VALUES (1)").execute(&mut *tx).await?;
+        }
+        Ok(Plan::default())
+    }
+}
+
+// D5: the aborted savepoint failed the next statement with 25P02, and a
+// handler's own SQL error was returned as an outage: both retried forever.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_handler_that_swallows_a_database_error_or_fails_its_own_sql_is_dead_lettered_naming_the_handler() {
+    let h = Harness::new(1).await;
+    let mut conn = h.db.conn().await.unwrap();
+    sqlx::query("CREATE TABLE seen (id text PRIMARY KEY)").execute(&mut *conn).await.unwrap();
+    let route = "[[routes]]\ntopic = \"{topic}\"\ntype = \"order.placed\"\nhandler = \"swallows\"\n";
+    let handlers = Handlers::default().register("swallows", SwallowsAnError);
+    h.send(&order("evt-bad", "o-bad")).await;
+    h.send(&order("evt-sql", "o-sql")).await;
+    let (_, last) = h.send(&order("evt-1", "o-1")).await;
+    let run = h.start_with(h.config(route), CONSUMER_ONLY, handlers, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.outcome("evt-1").await.as_deref(), Some("applied"));
+    let dead = dead_letters(&h).await;
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert!(dead.iter().all(|d| d.1 == "rejected" && d.2.contains("\"swallows\"")), "{dead:?}");
+    assert!(dead[0].2.contains("25P02") && dead[1].2.contains("42P01"), "{dead:?}");
+}
+
+const SCHEMA_ROUTE: &str = r#"
+[[routes]]
+name = "order-placed"
+topic = "{topic}"
+type = "order.placed"
+schema = "SCHEMA"
+counter = "orders"
+"#;
+
+// D10: the schema was checked before the pause, so a paused route still
+// dead-lettered its schema-invalid events.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_paused_route_holds_its_schema_invalid_events_too() {
+    use relay_store::ops::{self, PauseKind};
+    let h = Harness::new(1).await;
+    let schema = std::env::temp_dir().join(format!("{}.schema.json", relay_testkit::unique("order")));
+    std::fs::write(&schema, r#"{"type":"object","required":["order_id"]}"#).unwrap();
+    let cfg = h.config(&SCHEMA_ROUTE.replace("SCHEMA", &schema.display().to_string()));
+    let mut conn = h.db.conn().await.unwrap();
+    ops::pause(&mut conn, PauseKind::Route, "order-placed", None).await.unwrap();
+    h.send(&TestEvent::new("first", "something.else", json!({}))).await;
+    h.send(&TestEvent::new("evt-invalid", "order.placed", json!({"amount": 1}))).await;
+    let (_, last) = h.send(&order("evt-1", "o-1")).await;
+    let run = h.start(cfg, CONSUMER_ONLY, no_faults()).await;
+    // Offset 0 is processed; its batch stopped at offset 1, held at the pause.
+    h.await_committed(0, 1).await;
+    assert_eq!(dead_letters(&h).await.len(), 0, "nothing dead-lettered through a paused route");
+    ops::resume(&mut conn, PauseKind::Route, "order-placed").await.unwrap();
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+    let dead = dead_letters(&h).await;
+    assert_eq!(dead.iter().map(|d| d.1.as_str()).collect::<Vec<_>>(), ["schema_invalid"]);
+}
