@@ -1085,3 +1085,58 @@ async fn records_compressed_with_zstd_snappy_lz4_and_gzip_are_all_consumed() {
         assert_eq!(n, 10, "every {codec}-compressed record was consumed");
     }
 }
+
+// Ingest review D8: a revoke left the task of a partition waiting out a
+// retry asleep; given back to this member, the partition's refetched
+// backlog filled the shared buffer and no partition received anything until
+// that task woke (up to the retry's max delay, here 45 s).
+#[tokio::test]
+async fn a_rebalance_while_a_partition_waits_out_a_long_retry_does_not_stop_the_other_partitions() {
+    use rdkafka::consumer::{Consumer, StreamConsumer};
+    let h = Harness::new(2).await;
+    let (_ready, refusals, handlers, mut cfg) = waiting_for_customer(&h);
+    cfg.consumer.reference_retry.backoff.min_delay = std::time::Duration::from_secs(45);
+    cfg.consumer.reference_retry.backoff.max_delay = std::time::Duration::from_secs(45);
+    cfg.consumer.max_record_bytes = 8 * 1024;
+    cfg.consumer.max_buffered_bytes = 16 * 1024;
+    let (stuck_partition, _) = h.send(&order("evt-stuck", "o-stuck")).await;
+    // More behind the stuck record than the whole buffer holds.
+    for i in 0..150 {
+        let e = TestEvent::new(
+            &format!("behind-{i}"),
+            "order.placed",
+            json!({"order_id": format!("b-{i}"), "pad": "p".repeat(300)}),
+        );
+        h.send(&e.partition(stuck_partition)).await;
+    }
+    let other = 1 - stuck_partition;
+    let run = h.start_with(cfg, CONSUMER_ONLY, handlers, no_faults()).await;
+    eventually("the stuck record refused", DEADLINE, || async { (refusals.load(Ordering::SeqCst) >= 1).then_some(()) })
+        .await;
+    // Another member joins the group (for a topic of its own): every member
+    // gives its partitions back and ours gets both again.
+    let other_topic = unique("other");
+    relay_testkit::create_topics(&h.bootstrap, &[&other_topic], 1).await.unwrap();
+    let member: StreamConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &h.bootstrap)
+        .set("group.id", &h.group)
+        .set("session.timeout.ms", "6000")
+        .create()
+        .unwrap();
+    member.subscribe(&[&other_topic]).unwrap();
+    eventually("the other member's assignment", DEADLINE, || async {
+        let _ = tokio::time::timeout(std::time::Duration::from_millis(200), member.recv()).await;
+        member.assignment().ok().filter(|a| a.count() > 0).map(|_| ())
+    })
+    .await;
+    // The other partition keeps flowing, long before the 45 s retry is due.
+    let mut last = 0;
+    for i in 0..5 {
+        last = h.send(&order(&format!("evt-{i}"), &format!("o-{i}")).partition(other)).await.1;
+    }
+    eventually("the other partition's records committed", std::time::Duration::from_secs(15), || async {
+        h.committed().await.get(&other).copied().flatten().is_some_and(|c| c > last).then_some(())
+    })
+    .await;
+    run.stop().await.unwrap();
+}

@@ -238,3 +238,32 @@ async fn a_paused_route_holds_its_schema_invalid_events_too() {
     let dead = dead_letters(&h).await;
     assert_eq!(dead.iter().map(|d| d.1.as_str()).collect::<Vec<_>>(), ["schema_invalid"]);
 }
+
+/// A handler that panics on one order.
+struct Panics;
+
+#[async_trait]
+impl Handler for Panics {
+    async fn handle(&self, _: &mut sqlx::PgConnection, event: &InputEvent) -> Result<Plan, HandlerError> {
+        assert_ne!(event.data["order_id"], "o-bad", "a bug in the handler");
+        Ok(Plan::default())
+    }
+}
+
+// Ingest review "to check": a panicking handler unwound out of the consumer
+// and ended the process, on every restart and every member.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_handler_that_panics_dead_letters_its_record_naming_the_handler_and_the_partition_moves_on() {
+    let h = Harness::new(1).await;
+    let route = "[[routes]]\ntopic = \"{topic}\"\ntype = \"order.placed\"\nhandler = \"panics\"\n";
+    let handlers = Handlers::default().register("panics", Panics);
+    h.send(&order("evt-bad", "o-bad")).await;
+    let (_, last) = h.send(&order("evt-1", "o-1")).await;
+    let run = h.start_with(h.config(route), CONSUMER_ONLY, handlers, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.expect("the consumer survived the panic");
+    assert_eq!(h.outcome("evt-1").await.as_deref(), Some("applied"));
+    let dead = dead_letters(&h).await;
+    assert_eq!(dead.len(), 1);
+    assert!(dead[0].1 == "rejected" && dead[0].2.contains("\"panics\" panicked"), "{dead:?}");
+}

@@ -433,6 +433,32 @@ async fn the_unique_keys_that_stop_a_second_effect_compare_text_byte_by_byte() {
     assert!(linguistic.is_empty(), "unique keys compared through a collation: {linguistic:?}");
 }
 
+#[tokio::test]
+async fn the_ordering_keys_a_claim_looks_up_compare_text_byte_by_byte() {
+    // Ingest review "to check": the per-key ordering lookups (R13) went
+    // through indexes in the default collation, which a C library upgrade
+    // can put out of order; then a claim misses an earlier unfinished row of
+    // its key (migration 0011).
+    let db = TestDb::new().await.unwrap();
+    let columns: Vec<(String, String, Option<String>)> = sqlx::query_as(
+        "SELECT table_name::text, column_name::text, collation_name::text FROM information_schema.columns
+          WHERE table_schema = 'relay' AND column_name IN ('ordering_key', 'topic')
+            AND table_name IN ('intents', 'outbox') ORDER BY 1, 2",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let c = Some("C".to_string());
+    assert_eq!(
+        columns,
+        vec![
+            ("intents".into(), "ordering_key".into(), c.clone()),
+            ("outbox".into(), "ordering_key".into(), c.clone()),
+            ("outbox".into(), "topic".into(), c),
+        ]
+    );
+}
+
 /// Assert the plan finds its rows through `key` and reads no table whole nor
 /// the partial index `leases` (every running row, once per row finished).
 fn assert_probes_the_key(what: &str, plan: &[String], key: &str, leases: &str) {

@@ -167,9 +167,12 @@ pub struct ConsumerConfig {
     /// Most records processed in one database transaction (per partition).
     pub batch_size: usize,
     /// Most bytes (keys, values, headers) of records received and not yet
-    /// processed, over all partitions: receiving pauses above it, and a
-    /// partition holding its share (or a batch) while its task waits out a
-    /// retry is paused at the broker. At least `max_record_bytes`.
+    /// done — waiting for their partition's task, or handed to it and not
+    /// committed —, over all partitions: receiving stops at it (the bound
+    /// holds up to one record over). A task takes at most a batch and its
+    /// partition's share of this; a partition whose task waits out a retry
+    /// drops the rest and is paused at the broker until it is done. At least
+    /// `max_record_bytes`.
     pub max_buffered_bytes: usize,
     /// Topic that receives a copy of every dead-lettered record.
     pub dead_letter_topic: Option<String>,

@@ -20,11 +20,15 @@
 //!
 //! Rebalance (R13): the revoke callback commits what was processed for the
 //! revoked partitions (synchronously) and drops their records fetched but not
-//! started. A task still running for one stops before its next transaction,
-//! and what it commits from then on moves no offset (`advance` checks the
-//! revoke generation): the new owner starts at the committed offset, and the
-//! inbox makes the records it meets again duplicates — their insert waits for
-//! the old owner's transaction and then finds the rows.
+//! started. A task still running for one stops before its next transaction
+//! (a retry wait is cut short), and what it commits from then on moves no
+//! offset (`advance` checks the revoke generation): the new owner starts at
+//! the committed offset, and the inbox makes the records it meets again
+//! duplicates — their insert waits for the old owner's transaction and then
+//! finds the rows.
+//!
+//! What is buffered, and which partition is paused at the broker and why, is
+//! [`crate::ingest::partitions`]'s to decide; this file does the I/O.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -49,15 +53,27 @@ use tracing::{Level, debug, error, info, warn};
 
 use relay_core::Disposition;
 
-use crate::ingest::partitions::{PartitionResult, PartitionRun, PartitionState, Tp, Work};
+use crate::ingest::partitions::{Done, Filed, Limits, PartitionResult, PartitionRun, Partitions, Resume, Start, Tp};
 use crate::ingest::processor::{Processed, Processor};
 use crate::runtime::faults::{FaultInjected, Faults, point};
 use crate::runtime::kafka::{Role, client_config, forward_error, forward_log};
 
 /// Consumer context: commits on revoke, forwards librdkafka logs to tracing.
 pub struct RelayContext {
-    state: Arc<Mutex<PartitionState>>,
+    state: Arc<Mutex<Partitions>>,
     name: String,
+}
+
+fn tps(tpl: &TopicPartitionList) -> Vec<Tp> {
+    tpl.elements().iter().map(|e| (e.topic().to_owned(), e.partition())).collect()
+}
+
+fn tpl_of<'a>(tps: impl IntoIterator<Item = &'a Tp>) -> TopicPartitionList {
+    let mut tpl = TopicPartitionList::new();
+    for (topic, partition) in tps {
+        let _ = tpl.add_partition(topic, *partition);
+    }
+    tpl
 }
 
 impl ClientContext for RelayContext {
@@ -86,25 +102,11 @@ impl ConsumerContext for RelayContext {
     fn pre_rebalance(&self, base: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         match rebalance {
             Rebalance::Revoke(tpl) => {
+                let revoked = tps(tpl);
+                let offsets = self.state.lock().expect("partition state lock").revoke(&revoked);
                 let mut commit = TopicPartitionList::new();
-                let revoked: Vec<String>;
-                {
-                    let mut s = self.state.lock().expect("partition state lock");
-                    s.generation += 1;
-                    let generation = s.generation;
-                    revoked = tpl.elements().iter().map(|e| format!("{}[{}]", e.topic(), e.partition())).collect();
-                    for e in tpl.elements() {
-                        let tp = (e.topic().to_owned(), e.partition());
-                        s.revoked_at.insert(tp.clone(), generation);
-                        // Held records were never processed: the new owner gets them again.
-                        s.held.remove(&tp);
-                        s.paused_at_broker.remove(&tp);
-                        s.paused_full.remove(&tp);
-                        s.waiting_out.remove(&tp);
-                        if let Some(next) = s.next_offsets.remove(&tp) {
-                            let _ = commit.add_partition_offset(&tp.0, tp.1, Offset::Offset(next));
-                        }
-                    }
+                for ((topic, partition), next) in &offsets {
+                    let _ = commit.add_partition_offset(topic, *partition, Offset::Offset(*next));
                 }
                 if commit.count() > 0
                     && let Err(e) = base.commit(&commit, CommitMode::Sync)
@@ -112,39 +114,30 @@ impl ConsumerContext for RelayContext {
                     warn!(consumer = %self.name, error = %e, "committing offsets of revoked partitions failed; \
                               their records will be redelivered and deduplicated by the inbox");
                 }
-                info!(consumer = %self.name, partitions = ?revoked, "partitions revoked; processed offsets committed");
+                let names: Vec<String> = revoked.iter().map(|(t, p)| format!("{t}[{p}]")).collect();
+                info!(consumer = %self.name, partitions = ?names, "partitions revoked; processed offsets committed");
             }
             Rebalance::Assign(_) => {}
             Rebalance::Error(e) => warn!(consumer = %self.name, error = %e, "rebalance error"),
         }
     }
 
-    /// A partition we paused at the broker (held at a paused route) stays
-    /// paused in librdkafka across a revoke and a new assignment, while the
-    /// revoke forgot that we held it: nothing would ever resume it, and a
-    /// partition handed back to this member would never be fetched again.
-    /// So every partition assigned that we do not hold is resumed here; the
-    /// held records were dropped at the revoke and are fetched again from the
-    /// committed offset (and held again if the route is still paused).
+    /// A partition paused at the broker stays paused in librdkafka across a
+    /// revoke and a new assignment, while the revoke forgot why it was
+    /// paused: nothing would ever resume it. So every partition assigned
+    /// that is not paused by the relay is resumed here; what was waiting or
+    /// held for it is fetched again from the committed offset.
     fn post_rebalance(&self, base: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(tpl) = rebalance {
-            let assigned: Vec<String> =
-                tpl.elements().iter().map(|e| format!("{}[{}]", e.topic(), e.partition())).collect();
-            let mut resume = TopicPartitionList::new();
-            {
-                let s = self.state.lock().expect("partition state lock");
-                for e in tpl.elements() {
-                    if !s.held.contains_key(&(e.topic().to_owned(), e.partition())) {
-                        let _ = resume.add_partition(e.topic(), e.partition());
-                    }
-                }
-            }
-            if resume.count() > 0
-                && let Err(e) = base.resume(&resume)
+            let assigned = tps(tpl);
+            let resume = self.state.lock().expect("partition state lock").assigned(&assigned);
+            if !resume.is_empty()
+                && let Err(e) = base.resume(&tpl_of(&resume))
             {
                 warn!(consumer = %self.name, error = %e, "resuming assigned partitions failed; a partition paused before the rebalance may stay paused");
             }
-            info!(consumer = %self.name, partitions = ?assigned, "partitions assigned");
+            let names: Vec<String> = assigned.iter().map(|(t, p)| format!("{t}[{p}]")).collect();
+            info!(consumer = %self.name, partitions = ?names, "partitions assigned");
         }
     }
 }
@@ -170,13 +163,11 @@ pub struct ConsumerSettings {
 
 /// The inbox consumer.
 pub struct InboxConsumer {
-    /// When held partitions were last tried.
-    held_tried: Mutex<Option<Instant>>,
     /// Wakes the receive loop when a partition starts waiting out a retry:
-    /// its records then leave the shared bound, which may free receiving.
+    /// its waiting records are dropped, which may free receiving.
     waits_changed: tokio::sync::Notify,
     consumer: StreamConsumer<RelayContext>,
-    state: Arc<Mutex<PartitionState>>,
+    state: Arc<Mutex<Partitions>>,
     processor: Processor,
     pool: PgPool,
     settings: ConsumerSettings,
@@ -215,7 +206,8 @@ impl InboxConsumer {
         pool: PgPool,
         faults: Faults,
     ) -> anyhow::Result<InboxConsumer> {
-        let state = Arc::new(Mutex::new(PartitionState::default()));
+        let limits = Limits { batch_size: settings.batch_size, max_buffered_bytes: settings.max_buffered_bytes };
+        let state = Arc::new(Mutex::new(Partitions::new(limits)));
         let mut cfg = client_config(kafka, Role::Consumer)?;
         cfg.set("group.id", &settings.group);
         if cfg.get("statistics.interval.ms").is_none() {
@@ -228,7 +220,6 @@ impl InboxConsumer {
         consumer.subscribe(&topics)?;
         info!(consumer = %settings.name, group = %settings.group, topics = ?settings.topics, "inbox consumer subscribed");
         Ok(InboxConsumer {
-            held_tried: Mutex::new(None),
             waits_changed: tokio::sync::Notify::new(),
             consumer,
             state,
@@ -257,58 +248,52 @@ impl InboxConsumer {
     /// tasks run: records of a busy partition wait for its task to end and
     /// then go as its next batch. No partition waits for another: not for a
     /// slower transaction (every partition once waited for the slowest, see
-    /// BENCHMARKS.md), and
-    /// not for a record that is not processable yet (R19: its partition
-    /// retries it with backoff for up to its budget while the others flow).
+    /// BENCHMARKS.md), and not for a record that is not processable yet (R19:
+    /// its partition retries it with backoff for up to its budget while the
+    /// others flow, holding no more than its share of the buffer).
     async fn run_loop(self: &Arc<Self>, shutdown: &CancellationToken) -> anyhow::Result<()> {
-        let mut work = Work::default();
         let mut tasks: JoinSet<(Tp, PartitionResult)> = JoinSet::new();
         let outcome = loop {
-            self.start_ready(&mut work, &mut tasks, shutdown).await;
-            // At most a batch per assigned partition waits unstarted, not
-            // counting partitions whose task waits out a retry: those are
-            // paused at the broker once a batch of theirs waits (`receive`),
-            // so one partition waiting out its R19 retries stops only its
-            // own fetching. (Pausing every busy partition instead cost 85 %
-            // of the ingest benchmark: a pause drops librdkafka's prefetched
-            // records, and each batch then waited for a fetch.)
+            self.start_ready(&mut tasks, shutdown);
             let partitions = self.consumer.assignment().map_or(1, |a| a.count().max(1));
-            let limit = self.settings.batch_size * partitions;
-            let (holding, waiting, bytes) = {
-                let s = self.state.lock().expect("partition state lock");
-                let fetching = |tp: &&Tp| !s.paused_full.contains(*tp) && !s.waiting_out.contains(*tp);
-                let waiting: usize = work.waiting.iter().filter(|(tp, _)| fetching(tp)).map(|(_, q)| q.len()).sum();
-                let bytes: usize = work.waiting_bytes.iter().filter(|(tp, _)| fetching(tp)).map(|(_, b)| b).sum();
-                (!s.held.is_empty(), waiting, bytes)
+            let (room, holding, buffered) = {
+                let mut s = self.state.lock().expect("partition state lock");
+                s.set_assigned(partitions);
+                (s.room(), s.holding(), s.buffered_bytes())
             };
-            // Records are copied out of librdkafka (the dead-letter table
-            // keeps even an oversized one whole), so bytes are bounded too.
-            let room = waiting < limit && bytes < self.settings.max_buffered_bytes;
+            crate::runtime::metrics::buffered(&self.settings.name, buffered);
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break Ok(()),
                 Some(done) = tasks.join_next(), if !tasks.is_empty() => {
-                    let (tp, run) = match done {
+                    let (_, run) = match done {
                         Ok(done) => done,
                         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
                         Err(e) => anyhow::bail!("a partition's task was cancelled: {e}"),
                     };
-                    work.busy.remove(&tp);
                     match run {
                         Ok(run) if run.interrupted => break Ok(()),
-                        Ok(run) => self.hold(run, &mut work),
+                        Ok(run) => self.task_done(run),
                         Err(f) => break Err(f),
                     }
                 }
                 m = self.consumer.recv(), if room => match m {
                     Ok(m) => {
                         let mut received = vec![self.take(&m)];
-                        let mut got = received[0].0.size();
-                        while waiting + received.len() < limit && bytes + got < self.settings.max_buffered_bytes {
+                        // Whatever else librdkafka has fetched already, while the bound allows.
+                        let (mut records, mut bytes) = {
+                            let s = self.state.lock().expect("partition state lock");
+                            (s.waiting_records(), s.buffered_bytes())
+                        };
+                        records += 1;
+                        bytes += received[0].0.size();
+                        let limit = self.settings.batch_size * partitions;
+                        while records < limit && bytes < self.settings.max_buffered_bytes {
                             match self.consumer.recv().now_or_never() {
                                 Some(Ok(m)) => {
                                     let r = self.take(&m);
-                                    got += r.0.size();
+                                    records += 1;
+                                    bytes += r.0.size();
                                     received.push(r);
                                 }
                                 Some(Err(e)) => {
@@ -318,16 +303,16 @@ impl InboxConsumer {
                                 None => break,
                             }
                         }
-                        self.receive(received, &mut work, partitions);
+                        self.receive(received);
                     }
                     Err(e) => {
                         warn!(consumer = %self.settings.name, error = %e, "Kafka receive error; the client reconnects by itself");
                     }
                 },
-                // A partition started waiting out a retry: its records leave the bound.
+                // A partition started waiting out a retry: its records left the bound.
                 _ = self.waits_changed.notified() => {}
-                // While partitions are held, wake up to see whether their route was resumed.
-                _ = tokio::time::sleep(Duration::from_secs(1)), if holding => {}
+                // While partitions are held, see every second whether their route was resumed.
+                _ = tokio::time::sleep(Duration::from_secs(1)), if holding => self.release_held().await,
             }
         };
         // Stopping (or a fault: "crash" only once every partition's
@@ -347,10 +332,9 @@ impl InboxConsumer {
         }
     }
 
-    /// File received records: dropped when their partition was revoked since
-    /// they were fetched, behind the held ones when it is held, else waiting
-    /// for their partition's next task.
-    fn receive(&self, received: Vec<(RawRecord, u64)>, work: &mut Work, partitions: usize) {
+    /// File received records with their partitions (dropped when their
+    /// partition was revoked since they were fetched, or is paused).
+    fn receive(&self, received: Vec<(RawRecord, u64)>) {
         // Counted per receive and topic, not per record: a metric update
         // hashes its labels.
         let mut by_topic: BTreeMap<&str, u64> = BTreeMap::new();
@@ -360,91 +344,79 @@ impl InboxConsumer {
         for (topic, n) in by_topic {
             crate::runtime::metrics::records_received(&self.settings.name, topic, n);
         }
-        // Partitions whose next batch is full while their task runs: paused
-        // at the broker until that batch starts.
-        let mut to_pause = TopicPartitionList::new();
-        // A partition's share of the byte bound (never below one record).
-        let share = (self.settings.max_buffered_bytes / partitions).max(1);
         let mut s = self.state.lock().expect("partition state lock");
         for (record, generation) in received {
-            let tp = (record.topic.clone(), record.partition);
-            if s.revoked_since(&tp, generation) {
-                debug!(topic = %tp.0, partition = tp.1, offset = record.offset, "dropping a fetched record of a revoked partition");
-                continue;
+            let (tp, offset) = ((record.topic.clone(), record.partition), record.offset);
+            if s.receive(record, generation) == Filed::Dropped {
+                debug!(topic = %tp.0, partition = tp.1, offset, "a fetched record dropped: its partition is revoked or paused, it is fetched again");
             }
-            if let Some(held) = s.held.get_mut(&tp) {
-                // Fetched before the pause reached the broker: it queues behind the held ones.
-                held.push(record);
-                continue;
-            }
-            let size = record.size();
-            let queue = work.waiting.entry(tp.clone()).or_default();
-            queue.push((record, generation));
-            let queued_bytes = work.waiting_bytes.entry(tp.clone()).or_default();
-            *queued_bytes += size;
-            let full = queue.len() >= self.settings.batch_size || *queued_bytes >= share;
-            if full && s.waiting_out.contains(&tp) && s.paused_full.insert(tp.clone()) {
-                let _ = to_pause.add_partition(&tp.0, tp.1);
-            }
-        }
-        drop(s);
-        if to_pause.count() > 0
-            && let Err(e) = self.consumer.pause(&to_pause)
-        {
-            warn!(consumer = %self.settings.name, error = %e, "pausing fetches of a partition with a full batch waiting failed");
         }
     }
 
     /// Start a task for every partition with waiting records and none running.
-    async fn start_ready(
-        self: &Arc<Self>,
-        work: &mut Work,
-        tasks: &mut JoinSet<(Tp, PartitionResult)>,
-        shutdown: &CancellationToken,
-    ) {
-        // Held partitions are tried again (their route may have been resumed).
-        if !self.state.lock().expect("partition state lock").held.is_empty() && self.held_retry_due() {
-            let mut s = self.state.lock().expect("partition state lock");
-            let generation = s.generation;
-            for (tp, records) in s.held.drain() {
-                *work.waiting_bytes.entry(tp.clone()).or_default() +=
-                    records.iter().map(RawRecord::size).sum::<usize>();
-                let queued = work.waiting.entry(tp).or_default();
-                queued.splice(0..0, records.into_iter().map(|r| (r, generation)));
-            }
-        }
-        if !work.waiting.keys().any(|tp| !work.busy.contains(tp)) {
-            return;
-        }
-        // A pause applies to every batch that starts after it was recorded.
-        self.refresh_pauses().await;
-        let ready: Vec<Tp> = work.waiting.keys().filter(|tp| !work.busy.contains(*tp)).cloned().collect();
-        let mut resume = TopicPartitionList::new();
-        let mut s = self.state.lock().expect("partition state lock");
-        for tp in ready {
-            let queued = work.waiting.remove(&tp).unwrap_or_default();
-            work.waiting_bytes.remove(&tp);
-            // Its waiting batch starts now: fetch again (unless it is held).
-            if s.paused_full.remove(&tp) && !s.paused_at_broker.contains(&tp) {
-                let _ = resume.add_partition(&tp.0, tp.1);
-            }
-            let records: Vec<RawRecord> =
-                queued.into_iter().filter(|(_, g)| !s.revoked_since(&tp, *g)).map(|(r, _)| r).collect();
-            if records.is_empty() {
-                continue;
-            }
-            work.busy.insert(tp.clone());
-            let (me, shutdown, generation) = (self.clone(), shutdown.clone(), s.generation);
+    fn start_ready(self: &Arc<Self>, tasks: &mut JoinSet<(Tp, PartitionResult)>, shutdown: &CancellationToken) {
+        let starts = self.state.lock().expect("partition state lock").start_ready();
+        for start in starts {
+            let (me, shutdown) = (self.clone(), shutdown.clone());
             tasks.spawn(async move {
-                let run = me.process_partition(tp.clone(), records, generation, &shutdown).await;
+                let tp = start.tp.clone();
+                let run = me.process_partition(start, &shutdown).await;
                 (tp, run)
             });
         }
-        drop(s);
-        if resume.count() > 0
-            && let Err(e) = self.consumer.resume(&resume)
+    }
+
+    /// A partition's task ended: pause it at the broker if it is held at a
+    /// paused route, resume it (from where its records were dropped) if it
+    /// was paused while its task waited out a retry.
+    fn task_done(&self, run: PartitionRun) {
+        let done = self.state.lock().expect("partition state lock").task_done(&run.tp, run.generation, run.held);
+        match done {
+            Done::Nothing => {}
+            Done::Pause => {
+                if let Err(e) = self.consumer.pause(&tpl_of([&run.tp])) {
+                    warn!(error = %e, "pausing fetches of a held partition failed; its records are fetched and dropped meanwhile");
+                }
+            }
+            Done::Resume(r) => self.resume(r),
+        }
+    }
+
+    /// Fetch `r.tp` again, from `r.seek` if records of it were dropped.
+    fn resume(&self, r: Resume) {
+        let (topic, partition) = &r.tp;
+        if let Some(offset) = r.seek
+            && let Err(e) = self.consumer.seek(topic, *partition, Offset::Offset(offset), Duration::from_secs(5))
         {
-            warn!(consumer = %self.settings.name, error = %e, "resuming fetches of a partition whose batch started failed");
+            // Without the seek, fetching would go on past the dropped records:
+            // stop rather than commit past them (R1). A restart fetches them
+            // again from the committed offset.
+            error!(consumer = %self.settings.name, topic = %topic, partition, offset, error = %e,
+                   "seeking back to records dropped while the partition waited failed; the partition stays paused until a rebalance or restart");
+            return;
+        }
+        if let Err(e) = self.consumer.resume(&tpl_of([&r.tp])) {
+            warn!(consumer = %self.settings.name, error = %e, "resuming fetches failed");
+        }
+    }
+
+    /// Held partitions whose route was resumed fetch again from where they were held.
+    async fn release_held(&self) {
+        // Bounded, so a database that is down never holds up the loop.
+        let read = async {
+            let mut conn = self.pool.acquire().await?;
+            relay_store::ops::paused_routes(&mut conn).await
+        };
+        let routes: Vec<String> = match tokio::time::timeout(Duration::from_millis(500), read).await {
+            Ok(Ok(routes)) => routes.into_iter().collect(),
+            _ => return,
+        };
+        let released = self.state.lock().expect("partition state lock").release(&routes);
+        if !released.is_empty() {
+            info!(consumer = %self.settings.name, partitions = released.len(), "held partitions resumed");
+        }
+        for r in released {
+            self.resume(r);
         }
     }
 
@@ -461,77 +433,19 @@ impl InboxConsumer {
             payload: m.payload().map(<[u8]>::to_vec),
             headers,
         };
-        (record, self.state.lock().expect("partition state lock").generation)
+        (record, self.state.lock().expect("partition state lock").generation())
     }
 
-    fn is_held(&self, tp: &Tp) -> bool {
-        self.state.lock().expect("partition state lock").held.contains_key(tp)
-    }
-
-    /// Hold what a paused route left over (with what was received for the
-    /// partition meanwhile), pausing the partition at the broker; resume it
-    /// when it is no longer held. Nothing is held for a partition revoked
-    /// since its task started: the new owner gets those records.
-    fn hold(&self, mut run: PartitionRun, work: &mut Work) {
-        let (mut pause, mut resume) = (TopicPartitionList::new(), TopicPartitionList::new());
-        {
-            let mut s = self.state.lock().expect("partition state lock");
-            if s.revoked_since(&run.tp, run.generation) {
-                return;
-            }
-            if run.held.is_empty() {
-                if s.paused_at_broker.remove(&run.tp) {
-                    let _ = resume.add_partition(&run.tp.0, run.tp.1);
-                }
-            } else {
-                work.waiting_bytes.remove(&run.tp);
-                if let Some(later) = work.waiting.remove(&run.tp) {
-                    run.held.extend(later.into_iter().map(|(r, _)| r));
-                }
-                // Paused at the broker from here on because it is held.
-                s.paused_full.remove(&run.tp);
-                s.held.insert(run.tp.clone(), run.held);
-                if s.paused_at_broker.insert(run.tp.clone()) {
-                    let _ = pause.add_partition(&run.tp.0, run.tp.1);
-                }
-            }
-        }
-        if pause.count() > 0
-            && let Err(e) = self.consumer.pause(&pause)
-        {
-            warn!(error = %e, "pausing fetches of held partitions failed; their records queue in memory instead");
-        }
-        if resume.count() > 0 {
-            if let Err(e) = self.consumer.resume(&resume) {
-                warn!(error = %e, "resuming fetches failed");
-            }
-            info!(consumer = %self.settings.name, partitions = resume.count(), "held partitions resumed");
-        }
-    }
-
-    /// Whether held partitions should be tried again now (at most once a second).
-    fn held_retry_due(&self) -> bool {
-        let mut last = self.held_tried.lock().expect("held lock");
-        if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
-            return false;
-        }
-        *last = Some(Instant::now());
-        true
-    }
-
-    /// Store and commit `next` as the end of `tp`'s processed prefix. Called
-    /// after every database commit, so progress before a stuck record is
-    /// committed while the record waits. Not for a partition revoked since
-    /// `generation` (when its task started): the revoke committed what was
-    /// done before it, the new owner starts there, and what this task
-    /// recorded since is a duplicate to the inbox when the new owner meets it.
-    fn advance(&self, tp: &Tp, generation: u64, next: i64, mode: CommitMode) {
-        {
-            let mut s = self.state.lock().expect("partition state lock");
-            if s.revoked_since(tp, generation) {
-                return;
-            }
-            s.next_offsets.insert(tp.clone(), next);
+    /// Store and commit `next` as the end of `tp`'s processed prefix, which
+    /// finished records of `bytes`. Called after every database commit, so
+    /// progress before a stuck record is committed while the record waits.
+    /// Not for a partition revoked since `generation` (when its task
+    /// started): the revoke committed what was done before it, the new owner
+    /// starts there, and what this task recorded since is a duplicate to the
+    /// inbox when the new owner meets it.
+    fn advance(&self, tp: &Tp, generation: u64, next: i64, bytes: usize, mode: CommitMode) {
+        if !self.state.lock().expect("partition state lock").advance(tp, generation, next, bytes) {
+            return;
         }
         let mut tpl = TopicPartitionList::new();
         if tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(next)).is_err() {
@@ -547,8 +461,8 @@ impl InboxConsumer {
 
     fn commit_all(&self, mode: CommitMode) {
         let mut tpl = TopicPartitionList::new();
-        for ((topic, partition), next) in &self.state.lock().expect("partition state lock").next_offsets {
-            let _ = tpl.add_partition_offset(topic, *partition, Offset::Offset(*next));
+        for ((topic, partition), next) in self.state.lock().expect("partition state lock").next_offsets() {
+            let _ = tpl.add_partition_offset(&topic, partition, Offset::Offset(next));
         }
         if tpl.count() > 0
             && let Err(e) = self.consumer.commit(&tpl, mode)
@@ -559,17 +473,11 @@ impl InboxConsumer {
 
     /// Everything logged while a partition's records are worked through
     /// (a database error, a record waiting, …) names the partition.
-    #[tracing::instrument(name = "partition", skip_all, fields(consumer = %self.settings.name, topic = %tp.0, partition = tp.1))]
-    async fn process_partition(
-        &self,
-        tp: Tp,
-        records: Vec<RawRecord>,
-        generation: u64,
-        shutdown: &CancellationToken,
-    ) -> PartitionResult {
-        let mut run = PartitionRun { tp: tp.clone(), generation, interrupted: false, held: Vec::new() };
+    #[tracing::instrument(name = "partition", skip_all, fields(consumer = %self.settings.name, topic = %start.tp.0, partition = start.tp.1))]
+    async fn process_partition(&self, start: Start, shutdown: &CancellationToken) -> PartitionResult {
+        let Start { tp, records, generation, revoke, mut not_yet } = start;
+        let mut run = PartitionRun { tp: tp.clone(), generation, interrupted: false, held: None };
         let mut i = 0;
-        let mut not_yet = 0u32;
         let mut db_failures = 0u32;
         let mut rng = StdRng::from_os_rng();
         while i < records.len() {
@@ -583,24 +491,26 @@ impl InboxConsumer {
                 Ok(BatchRun { done, stopped, paused }) => {
                     db_failures = 0;
                     if done > 0 {
+                        let bytes = records[i..i + done].iter().map(RawRecord::size).sum();
                         i += done;
-                        self.advance(&tp, generation, records[i - 1].offset + 1, CommitMode::Async);
+                        self.advance(&tp, generation, records[i - 1].offset + 1, bytes, CommitMode::Async);
                         not_yet = 0;
                     }
                     if let Some(route) = paused {
-                        // Hold the rest of this partition (no retry budget is spent);
-                        // the other partitions keep flowing.
-                        if !self.is_held(&tp) {
-                            warn!(consumer = %self.settings.name, topic = %tp.0, partition = tp.1, offset = records[i].offset,
-                                  route = %route, "route is paused: this partition is held at its next event of the route until it is resumed");
-                        }
-                        run.held = records[i..].to_vec();
+                        // Hold this partition from here (no retry budget is
+                        // spent); the other partitions keep flowing.
+                        warn!(consumer = %self.settings.name, topic = %tp.0, partition = tp.1, offset = records[i].offset,
+                              route = %route, "route is paused: this partition is held at its next event of the route until it is resumed");
+                        run.held = Some((route, records[i].offset));
                         return Ok(run);
                     }
                     let Some(poison) = stopped else { continue };
                     crate::runtime::metrics::not_yet(&self.settings.name, poison.class.as_str());
                     not_yet += 1;
                     let record = &records[i];
+                    // Kept beside the partition, so a new task (after a
+                    // rebalance that gives it back) goes on counting.
+                    self.state.lock().expect("partition state lock").not_yet(&tp, record.offset, not_yet);
                     let budget = self.settings.reference_retry;
                     if not_yet >= budget.max_attempts {
                         match self.park_alone(record, &poison, not_yet).await {
@@ -617,7 +527,7 @@ impl InboxConsumer {
                                     "record parked after its retry budget: {}", poison.reason
                                 );
                                 i += 1;
-                                self.advance(&tp, generation, record.offset + 1, CommitMode::Async);
+                                self.advance(&tp, generation, record.offset + 1, record.size(), CommitMode::Async);
                                 not_yet = 0;
                                 continue;
                             }
@@ -644,29 +554,27 @@ impl InboxConsumer {
                     self.db_unavailable(&e, db_failures, &mut rng)
                 }
             };
-            self.state.lock().expect("partition state lock").waiting_out.insert(tp.clone());
+            // Waiting: what else is buffered for this partition is dropped
+            // and it is paused at the broker until this task is done, so it
+            // holds no more than its batch meanwhile.
+            if self.state.lock().expect("partition state lock").wait_out(&tp, generation)
+                && let Err(e) = self.consumer.pause(&tpl_of([&tp]))
+            {
+                warn!(error = %e, "pausing fetches of a waiting partition failed; its records are fetched and dropped meanwhile");
+            }
             self.waits_changed.notify_one();
             let interrupted = tokio::select! {
                 _ = shutdown.cancelled() => true,
+                // Revoked: the loop's next turn sees it and leaves the records to the new owner.
+                _ = revoke.cancelled() => false,
                 _ = tokio::time::sleep(wait) => false,
             };
-            self.state.lock().expect("partition state lock").waiting_out.remove(&tp);
             if interrupted {
                 run.interrupted = true;
                 return Ok(run);
             }
         }
         Ok(run)
-    }
-
-    /// Reload the paused routes from the database, before every batch: a
-    /// pause applies to every batch that starts after it was recorded.
-    async fn refresh_pauses(&self) {
-        let Ok(mut conn) = self.pool.acquire().await else { return };
-        match relay_store::ops::paused_routes(&mut conn).await {
-            Ok(routes) => self.processor.set_paused(routes),
-            Err(e) => debug!(error = %e, "reading paused routes failed; keeping the last known set"),
-        }
     }
 
     fn db_unavailable(&self, e: &sqlx::Error, failures: u32, rng: &mut impl rand::Rng) -> Duration {
@@ -691,6 +599,10 @@ impl InboxConsumer {
     /// One transaction over `records` (one partition, in order).
     async fn run_batch(&self, tp: &Tp, generation: u64, records: &[RawRecord]) -> Result<BatchRun, BatchError> {
         let mut conn = self.pool.acquire().await?;
+        // A pause applies to every batch that starts after it was recorded:
+        // read on the batch's own connection, in its task (never in the
+        // receive loop, which a slow pool would hold up).
+        self.processor.set_paused(relay_store::ops::paused_routes(&mut conn).await?);
         let mut tx = conn.begin().await?;
         let started = Instant::now();
         // Intents written already claimed by this process's dispatcher: handed
@@ -722,7 +634,7 @@ impl InboxConsumer {
         let took = started.elapsed() / u32::try_from(processed.len().max(1)).unwrap_or(1);
         if self.faults.sabotage().offset_before_commit && done > 0 {
             // Deliberately wrong (R1): the offset goes out before the data is safe.
-            self.advance(tp, generation, records[done - 1].offset + 1, CommitMode::Sync);
+            self.advance(tp, generation, records[done - 1].offset + 1, 0, CommitMode::Sync);
         }
         self.faults.hit(point::CONSUMER_BEFORE_DB_COMMIT).await?;
         tx.commit().await?;

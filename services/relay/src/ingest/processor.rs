@@ -21,6 +21,7 @@
 use std::sync::Arc;
 
 use chrono::Utc;
+use futures::FutureExt;
 use relay_core::effects::encode_dead_letter;
 use relay_core::{
     CompiledRoute, Disposition, Effects, InputEvent, Poison, PoisonClass, Provenance, RawRecord, Routed, Router,
@@ -489,7 +490,14 @@ impl Processor {
                 partition = item.record.partition,
                 offset = item.record.offset,
             );
-            let more = match handler.handle(tx, &item.event).instrument(span).await {
+            // A panic is this record's, like an error: unwinding out of the
+            // consumer would crash-loop every member given the partition.
+            let handled = std::panic::AssertUnwindSafe(handler.handle(tx, &item.event)).catch_unwind();
+            let Ok(handled) = handled.instrument(span).await else {
+                let why = format!("handler {name:?} panicked; its message is in the process log");
+                return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
+            };
+            let more = match handled {
                 Ok(more) => more,
                 Err(HandlerError::NotYet(why)) => {
                     return Ok(Err(Disposition::RetryLater(poison(PoisonClass::MissingReference, why))));
