@@ -264,3 +264,36 @@ counter = "cards_checked"
     assert!(stdout.contains("deleted 1"), "{stdout}");
     assert_eq!(db.count("dead_letters", "true").await, 0);
 }
+
+// Security review L3: ids, reasons, keys, headers and values a record or a
+// provider wrote were printed raw: an escape sequence in them could rewrite
+// the operator's terminal or set its clipboard.
+#[tokio::test]
+async fn the_cli_prints_no_control_character_a_record_carried() {
+    let db = TestDb::new().await.unwrap();
+    let evil = "\u{1b}]52;c;ZXZpbA==\u{7}\u{1b}[2K\r";
+    let record = relay_core::RawRecord {
+        topic: "orders".into(),
+        partition: 0,
+        offset: 7,
+        key: Some(evil.as_bytes().to_vec()),
+        payload: Some(format!("{{\"note\": \"{evil}\"}}").into_bytes()),
+        headers: vec![relay_core::Header::text(format!("x-{evil}"), evil)],
+    };
+    let poison = relay_core::Poison::new(relay_core::PoisonClass::BadField, format!("reason {evil}"))
+        .with_identity(Some(&format!("evt{evil}")), Some("order.placed"));
+    let mut conn = db.conn().await.unwrap();
+    let id = relay_store::dead_letters::insert(&mut conn, "shop", &record, &poison, 1).await.unwrap().unwrap();
+    let config = write_config("[consumer]\nname = \"shop\"\n[kafka]\nbootstrap_servers = \"127.0.0.1:1\"\n");
+    let cli = |args: &[&str]| output(relay().env("DATABASE_URL", &db.url).arg("--config").arg(&config).args(args));
+    for args in [vec!["dead-letters", "list"], vec!["dead-letters", "show", &id.to_string()]] {
+        let (ok, stdout, stderr) = cli(&args);
+        assert!(ok, "{stderr}");
+        assert!(stdout.contains("evt"), "{stdout}");
+        assert!(
+            !stdout.contains('\u{1b}') && !stdout.contains('\u{7}') && !stdout.contains('\r'),
+            "{args:?}: {stdout:?}"
+        );
+        assert!(stdout.contains("\\u{1b}"), "escaped, still readable: {stdout}");
+    }
+}

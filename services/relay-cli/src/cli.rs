@@ -440,6 +440,17 @@ async fn operator(cfg: &RelayConfig) -> anyhow::Result<Operator> {
     Ok(Operator::new(connect(cfg).await?, cfg))
 }
 
+/// `text` with its control characters escaped (`\u{1b}` for ESC): what a
+/// record or a provider put in an id, a reason or a value must not move the
+/// cursor, rewrite lines or set the clipboard of the operator's terminal
+/// (security review L3). JSON output (`--json`) is escaped by serde.
+fn safe(text: &str) -> String {
+    if !text.chars().any(char::is_control) {
+        return text.to_owned();
+    }
+    text.chars().map(|c| if c.is_control() { c.escape_unicode().to_string() } else { c.to_string() }).collect()
+}
+
 async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow::Result<()> {
     let ops = operator(&cfg).await?;
     match cmd {
@@ -463,8 +474,8 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
                         r.created_at.format("%Y-%m-%d %H:%M:%S"),
                         source,
                         r.error_class,
-                        r.event_id.as_deref().unwrap_or("-"),
-                        r.reason
+                        safe(r.event_id.as_deref().unwrap_or("-")),
+                        safe(&r.reason)
                     );
                 }
             }
@@ -477,31 +488,27 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
             println!("  source     {}[{}] offset {}", m.topic, m.partition, m.offset);
             println!(
                 "  event      id {} type {}",
-                m.event_id.as_deref().unwrap_or("-"),
-                m.event_type.as_deref().unwrap_or("-")
+                safe(m.event_id.as_deref().unwrap_or("-")),
+                safe(m.event_type.as_deref().unwrap_or("-"))
             );
             println!("  class      {}", m.error_class);
-            println!("  reason     {}", m.reason);
+            println!("  reason     {}", safe(&m.reason));
             println!("  attempts   {}", m.attempts);
             println!("  parked at  {}", m.created_at);
             if let Some(at) = m.replayed_at {
-                println!("  replayed   {at}: {}", m.replay_outcome.as_deref().unwrap_or(""));
+                println!("  replayed   {at}: {}", safe(m.replay_outcome.as_deref().unwrap_or("")));
             }
             println!(
                 "  key        {}",
-                dl.record.key.as_deref().map(|k| String::from_utf8_lossy(k).into_owned()).unwrap_or_else(|| "-".into())
+                dl.record.key.as_deref().map(|k| safe(&String::from_utf8_lossy(k))).unwrap_or_else(|| "-".into())
             );
             println!("  headers");
             for h in &dl.record.headers {
-                let v = h
-                    .value
-                    .as_deref()
-                    .map(|v| String::from_utf8_lossy(v).into_owned())
-                    .unwrap_or_else(|| "(null)".into());
-                println!("    {}: {v}", h.name);
+                let v =
+                    h.value.as_deref().map(|v| safe(&String::from_utf8_lossy(v))).unwrap_or_else(|| "(null)".into());
+                println!("    {}: {v}", safe(&h.name));
             }
-            let value =
-                dl.record.payload.as_deref().map(|v| String::from_utf8_lossy(&v[..v.len().min(4096)]).into_owned());
+            let value = dl.record.payload.as_deref().map(|v| safe(&String::from_utf8_lossy(&v[..v.len().min(4096)])));
             println!("  value ({} bytes)", dl.record.payload.as_ref().map_or(0, Vec::len));
             println!("    {}", value.unwrap_or_else(|| "(null)".into()));
             Ok(())
@@ -518,7 +525,7 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
             let relay = Relay::new(cfg, Handlers::default(), Faults::none()).await?;
             let done = ops
                 .replay_all(&relay.processor(), which, |n, of, id, outcome| match outcome {
-                    ReplayOutcome::StillFailing(why) => println!("[{n}/{of}] {id}: still failing: {why}"),
+                    ReplayOutcome::StillFailing(why) => println!("[{n}/{of}] {id}: still failing: {}", safe(why)),
                     ReplayOutcome::NotFound => println!("[{n}/{of}] {id}: no such dead letter"),
                     other => println!("[{n}/{of}] {id}: {other:?}"),
                 })
@@ -575,8 +582,8 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
                         r.endpoint,
                         format!("{}/{}", r.attempts, r.max_attempts),
                         r.last_status.map_or("-".into(), |s| s.to_string()),
-                        r.idempotency_key,
-                        r.last_error.as_deref().unwrap_or("")
+                        safe(&r.idempotency_key),
+                        safe(r.last_error.as_deref().unwrap_or(""))
                     );
                 }
             }
@@ -584,12 +591,12 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
         IntentCommand::Show { id } => {
             let (i, attempts) = ops.intent(id).await?;
             println!("intent {}", i.id);
-            println!("  call       {} {} on endpoint {}", i.method, i.path, i.endpoint);
-            println!("  key        {}", i.idempotency_key);
-            println!("  source     event {} (consumer {}), action {}", i.source_event_id, i.consumer, i.action);
+            println!("  call       {} {} on endpoint {}", i.method, safe(&i.path), i.endpoint);
+            println!("  key        {}", safe(&i.idempotency_key));
+            println!("  source     event {} (consumer {}), action {}", safe(&i.source_event_id), i.consumer, i.action);
             println!("  state      {} after {}/{} attempts", i.state, i.attempts, i.max_attempts);
             if let Some(e) = &i.last_error {
-                println!("  last error {e}");
+                println!("  last error {}", safe(e));
             }
             println!("  attempts");
             for a in attempts {
@@ -600,7 +607,7 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
                     a.status.map_or("-".into(), |s| s.to_string()),
                     a.started_at.unwrap_or(a.claimed_at),
                     a.worker,
-                    a.error.map(|e| format!(": {e}")).unwrap_or_default()
+                    a.error.map(|e| format!(": {}", safe(&e))).unwrap_or_default()
                 );
             }
         }

@@ -21,7 +21,7 @@ use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 use url::Url;
 
-use crate::envelope::{FieldOverrides, TopicFormat};
+use crate::envelope::{FieldOverrides, FieldSource, TopicFormat};
 use crate::retry::BackoffPolicy;
 
 /// The whole configuration of a relay process.
@@ -722,7 +722,34 @@ impl RelayConfig {
                 self.publisher.lease, self.publisher.delivery_timeout
             ));
         }
+        let subscribed = self.subscribed_topics();
+        for topic in &subscribed {
+            check_topic_name(&format!("the input topic {topic:?}"), topic, &mut p);
+        }
+        if let Some(dlq) = &c.dead_letter_topic {
+            check_topic_name("consumer.dead_letter_topic", dlq, &mut p);
+            if subscribed.contains(dlq) {
+                p.push(format!(
+                    "consumer.dead_letter_topic: {dlq:?} is also an input topic: every dead-lettered \
+                     record would come back, be dead-lettered again, and so on for ever; use a topic of its own"
+                ));
+            }
+        }
         for (topic, t) in &self.topics {
+            check_fields(&format!("topics.{topic:?}.fields"), &t.fields, &mut p);
+            if let Some(FieldSource::Value(_)) = &t.fields.id {
+                p.push(format!(
+                    "topics.{topic:?}.fields.id: a constant gives every event the same id, and all but \
+                     the first would be dropped as duplicates; take the id from a header, the data or an extension"
+                ));
+            }
+            if let Some(FieldSource::Key) = &t.fields.id {
+                p.push(format!(
+                    "topics.{topic:?}.fields.id: the record key is shared by every event of one key \
+                     (an aggregate, an order), and all but the first would be dropped as duplicates; \
+                     take the event's own id from a header, the data or an extension"
+                ));
+            }
             if t.format == TopicFormat::Json && (t.fields.id.is_none() || t.fields.event_type.is_none()) {
                 p.push(format!(
                     "topics.{topic:?}: format = \"json\" needs fields.id and fields.type \
@@ -771,6 +798,7 @@ impl RelayConfig {
                     r.topic, r.event_type
                 ));
             }
+            check_fields(&format!("{at}.fields"), &r.fields, &mut p);
             if r.fields.id.is_some() || r.fields.event_type.is_some() {
                 p.push(format!(
                     "{at}.fields: id and type are read before routing; set them under [topics.{:?}.fields]",
@@ -813,6 +841,19 @@ impl RelayConfig {
                     if e.name.trim().is_empty() {
                         p.push(format!("{at}: outcome emit #{k} has an empty name"));
                     }
+                    check_topic_name(&format!("{at}: outcome emit {:?} topic", e.name), &e.topic, p);
+                }
+                // Each outcome's events and moves get ids derived from their
+                // names: a second of one name would be dropped without a word.
+                for (label, o) in [("on_success", &c.on_success), ("on_dead", &c.on_dead)] {
+                    let mut seen = std::collections::BTreeSet::new();
+                    let names = o.emit.iter().map(|e| &e.name).chain(o.saga.iter().map(|s| &s.name));
+                    for n in names.filter(|n| !seen.insert(*n)) {
+                        p.push(format!(
+                            "{at}.{label}: the name {n:?} is used twice; each emit and saga move of an \
+                             outcome needs its own name (its id is derived from it)"
+                        ));
+                    }
                 }
                 if !c.on_success.is_empty() || !c.on_dead.is_empty() {
                     for s in c.on_success.saga.iter().chain(&c.on_dead.saga) {
@@ -822,11 +863,7 @@ impl RelayConfig {
                     }
                 }
             }
-            ActionConfig::Emit(e) => {
-                if e.topic.trim().is_empty() {
-                    p.push(format!("{at}.topic: must not be empty"));
-                }
-            }
+            ActionConfig::Emit(e) => check_topic_name(&format!("{at}.topic"), &e.topic, p),
             ActionConfig::Saga(s) => {
                 if s.start && !s.from.is_empty() {
                     p.push(format!("{at}: start = true creates the saga; it cannot also have from"));
@@ -835,6 +872,62 @@ impl RelayConfig {
                     p.push(format!("{at}.from: list the states the saga may move from (or set start = true)"));
                 }
             }
+        }
+    }
+}
+
+/// Kafka's rule for topic names: 1 to 249 of `[a-zA-Z0-9._-]`, not `.` or
+/// `..`. librdkafka subscribes by regex to a name that starts with `^`, so
+/// a name like `^orders-.*` would consume topics the routes never match.
+fn check_topic_name(what: &str, name: &str, p: &mut Vec<String>) {
+    let valid_chars = name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if name.is_empty() {
+        p.push(format!("{what}: must not be empty"));
+    } else if name.starts_with('^') {
+        p.push(format!(
+            "{what}: {name:?} is a regular expression; the relay routes by exact topic names, so list each topic"
+        ));
+    } else if !valid_chars || name.len() > 249 || name == "." || name == ".." {
+        p.push(format!("{what}: {name:?} is not a Kafka topic name (1 to 249 of letters, digits, '.', '_' and '-')"));
+    }
+}
+
+/// Field sources that can never find their field: a JSON pointer without
+/// its leading `/` (it matches nothing), an extension name with capitals or
+/// other characters (CloudEvents extension names are lowercase letters and
+/// digits, and binary mode reads them lowercased). For an idempotency key
+/// that would switch R4 off without a word; a constant key makes every
+/// event but the first a duplicate.
+fn check_fields(at: &str, f: &FieldOverrides, p: &mut Vec<String>) {
+    let sources = [
+        ("id", &f.id),
+        ("type", &f.event_type),
+        ("aggregate_id", &f.aggregate_id),
+        ("aggregate_version", &f.aggregate_version),
+        ("sequence", &f.sequence),
+        ("idempotency_key", &f.idempotency_key),
+        ("correlation_id", &f.correlation_id),
+        ("causation_id", &f.causation_id),
+        ("traceparent", &f.traceparent),
+    ];
+    for (name, src) in sources {
+        match src {
+            Some(FieldSource::Pointer(ptr)) if !ptr.is_empty() && !ptr.starts_with('/') => p.push(format!(
+                "{at}.{name}: pointer {ptr:?} is not a JSON pointer, which starts with '/' (e.g. \"/{ptr}\")"
+            )),
+            Some(FieldSource::Extension(ext))
+                if ext.is_empty() || !ext.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()) =>
+            {
+                p.push(format!(
+                    "{at}.{name}: extension {ext:?} cannot match: CloudEvents extension names are lowercase \
+                     letters and digits (e.g. {:?})",
+                    ext.to_ascii_lowercase()
+                ))
+            }
+            Some(FieldSource::Value(_)) if name == "idempotency_key" => p.push(format!(
+                "{at}.idempotency_key: a constant key makes every event but the first a duplicate_key no-op"
+            )),
+            _ => {}
         }
     }
 }
@@ -956,5 +1049,54 @@ mod tests {
     fn the_database_url_is_never_printed() {
         let cfg = DatabaseConfig { url: Some(SecretString::from("postgres://u:hunter2@h/db")), ..Default::default() };
         assert!(!format!("{cfg:?}").contains("hunter2"));
+    }
+
+    /// The problems `extra` (TOML appended to [`VALID`]) adds.
+    fn problems_with(extra: &str) -> String {
+        match RelayConfig::from_toml(&format!("{VALID}\n{extra}")) {
+            Ok(_) => String::new(),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    // Ingest review D9: each of these validated, then broke a guarantee.
+    #[test]
+    fn configurations_that_would_break_a_guarantee_are_refused_each_naming_its_key() {
+        let cases: &[(&str, &[&str])] = &[
+            ("[topics.orders]\nfields.id = { value = \"x\" }", &["topics.\"orders\".fields.id", "same id"]),
+            ("[topics.orders]\nfields.id = \"key\"", &["topics.\"orders\".fields.id", "record key"]),
+            ("[topics.orders]\nfields.idempotency_key = { value = \"k\" }", &["idempotency_key", "duplicate_key"]),
+            ("[topics.orders]\nfields.idempotency_key = { pointer = \"request_id\" }", &["\"/request_id\""]),
+            ("[topics.orders]\nfields.idempotency_key = { extension = \"idempotencyKey\" }", &["\"idempotencykey\""]),
+            ("[[routes]]\ntopic = \"^orders-.*\"\ntype = \"x\"\ncounter = \"c\"", &["regular expression"]),
+            ("[[routes]]\ntopic = \"orders events\"\ntype = \"x\"\ncounter = \"c\"", &["not a Kafka topic name"]),
+            ("[consumer]\ndead_letter_topic = \"orders\"", &["consumer.dead_letter_topic", "input topic"]),
+            (
+                "[[routes]]\ntopic = \"refunds\"\ntype = \"r\"\n[[routes.actions]]\nkind = \"call\"\nname = \"c\"\n\
+                 endpoint = \"psp\"\npath = \"/\"\n[[routes.actions.on_dead.emit]]\nname = \"failed\"\ntype = \"a\"\n\
+                 topic = \"out\"\n[[routes.actions.on_dead.emit]]\nname = \"failed\"\ntype = \"b\"\ntopic = \"out\"",
+                &["on_dead", "\"failed\" is used twice"],
+            ),
+        ];
+        for (extra, wanted) in cases {
+            // A `[consumer]` table of its own replaces VALID's one.
+            let text = if extra.starts_with("[consumer]") {
+                format!(
+                    "{}\n{}",
+                    VALID.replace("[consumer]\n        name = \"payments\"", ""),
+                    extra.replace("[consumer]", "[consumer]\nname = \"payments\"")
+                )
+            } else {
+                format!("{VALID}\n{extra}")
+            };
+            let err = match RelayConfig::from_toml(&text) {
+                Ok(_) => panic!("accepted:\n{extra}"),
+                Err(e) => e.to_string(),
+            };
+            for w in *wanted {
+                assert!(err.contains(w), "{extra}\n wanted {w:?} in: {err}");
+            }
+        }
+        assert_eq!(problems_with("[topics.orders]\nfields.idempotency_key = { pointer = \"/request/id\" }"), "");
     }
 }

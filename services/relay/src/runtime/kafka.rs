@@ -28,8 +28,13 @@ pub enum Role {
 /// Settings the relay's guarantees depend on; a user property may not change them.
 fn required(role: Role) -> &'static [(&'static str, &'static str)] {
     match role {
-        // Offsets are stored and committed by the relay only after the DB commit (R1).
-        Role::Consumer => &[("enable.auto.commit", "false"), ("enable.auto.offset.store", "false")],
+        // Offsets are stored and committed by the relay only after the DB
+        // commit (R1); records of aborted producer transactions are never applied.
+        Role::Consumer => &[
+            ("enable.auto.commit", "false"),
+            ("enable.auto.offset.store", "false"),
+            ("isolation.level", "read_committed"),
+        ],
         // Idempotent producer, acks from all in-sync replicas (R10).
         Role::Producer => &[("enable.idempotence", "true"), ("acks", "all")],
     }
@@ -287,6 +292,17 @@ mod tests {
         let mut cfg = KafkaConfig::default();
         cfg.properties.insert("auto.offset.reset".into(), "error".into());
         assert_eq!(client_config(&cfg, Role::Consumer).unwrap().get("auto.offset.reset"), Some("error"));
+    }
+
+    // Ingest review D9: read_uncommitted would apply records of aborted transactions.
+    #[test]
+    fn records_of_aborted_transactions_cannot_be_read() {
+        let mut cfg = KafkaConfig::default();
+        cfg.consumer_properties.insert("isolation.level".into(), "read_uncommitted".into());
+        let err = client_config(&cfg, Role::Consumer).unwrap_err().to_string();
+        assert!(err.contains("isolation.level") && err.contains("read_committed"), "{err}");
+        let c = client_config(&KafkaConfig::default(), Role::Consumer).unwrap();
+        assert_eq!(c.get("isolation.level"), Some("read_committed"));
     }
 
     #[test]
