@@ -2,9 +2,14 @@
 //! and each defect the review found lived in a shape none of them used. This
 //! draws, from a seed, a route configuration (ordering keys over several
 //! partitions or none, a rate limit, the shortest lease allowed, strict on or
-//! off), an input (valid orders, duplicates, nulls and empty strings where a
-//! key needs a value, ids with path characters, NUL bytes, records over the
-//! size limit, CloudEvents 0.3, unknown types, stale versions) and what
+//! off, key and path templates that print, concatenate or filter the order
+//! id, the batch size, a buffer bound at its least) and the producer's
+//! compression (none, zstd, snappy, lz4, gzip), an input (valid orders,
+//! duplicates, nulls and empty strings where a key needs a value, empty
+//! idempotency keys, ids with path characters, NUL bytes and other control
+//! characters, ids and keys longer than an index entry, header names that
+//! are not UTF-8, records over the size limit, CloudEvents 0.3, unknown
+//! types, stale versions) and what
 //! happens meanwhile (a route paused and resumed, a second consumer joining
 //! and leaving: a rebalance; the relay aborted mid-run and started again),
 //! runs it against real PostgreSQL and Kafka, and
@@ -16,10 +21,16 @@
 //! seeds from `RELAY_GENERATIVE_FIRST` (default 1); a long run and its result
 //! are in EVIDENCE.md.
 //!
-//! Items 3, 4 and 5 put back on purpose are caught
-//! ([`reintroducing_null_as_text_is_caught`],
+//! Issue 22's items 3, 4 and 5 and issue 27's D3, D4 and D6 put back on
+//! purpose are caught ([`reintroducing_null_as_text_is_caught`],
 //! [`reintroducing_the_lease_check_before_the_wait_is_caught`],
-//! [`reintroducing_insert_order_for_ordering_keys_is_caught`]). What it does
+//! [`reintroducing_insert_order_for_ordering_keys_is_caught`],
+//! [`reintroducing_empty_idempotency_keys_as_keys_is_caught`],
+//! [`reintroducing_control_characters_in_keys_is_caught`],
+//! [`reintroducing_key_checks_of_printed_values_only_is_caught`]). D1 and D2
+//! put back crash or stall the consumer rather than leave a wrong state to
+//! check: `tests/hostile.rs` proves those (each test there fails with its
+//! fix taken out). What it does
 //! not do yet: kill OS processes (the abort drops the relay's task in this
 //! process; the chaos soak and the crash matrix SIGKILL real processes, with
 //! one configuration shape).
@@ -59,8 +70,9 @@ enum Fate {
 #[derive(Debug, Clone)]
 struct Input {
     event: TestEvent,
-    /// `Some`: produced raw with these headers (odd spec versions).
-    raw_headers: Option<Vec<(String, Vec<u8>)>>,
+    /// `Some`: produced raw with these headers, names as bytes (odd spec
+    /// versions, header names that are not UTF-8).
+    raw_headers: Option<Vec<(Vec<u8>, Vec<u8>)>>,
     fate: Fate,
 }
 
@@ -78,7 +90,35 @@ struct Scenario {
     stagger: bool,
     /// Abort the relay mid-run (a crash of its task) and start another.
     abort: bool,
+    /// How the path and key templates read the order id: printed directly,
+    /// concatenated (`~`) or through `| string` (issue 27, D6).
+    templates: Templates,
+    /// The producer's compression (`None`: uncompressed).
+    codec: Option<&'static str>,
+    /// The consumer's batch size.
+    batch_size: usize,
+    /// `max_buffered_bytes` at its least (one record's worth) instead of the default.
+    tight_buffer: bool,
     inputs: Vec<Input>,
+}
+
+/// The path and key templates of a scenario: the same result for any valid
+/// order id, and each must refuse a null or blank one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Templates {
+    Printed,
+    Concatenated,
+    Filtered,
+}
+
+impl Templates {
+    fn path_and_key(self) -> (&'static str, &'static str) {
+        match self {
+            Templates::Printed => ("/captures/{{ data.order_id }}", "capture:{{ data.order_id }}"),
+            Templates::Concatenated => ("/captures/{{ '' ~ data.order_id }}", "{{ 'capture:' ~ data.order_id }}"),
+            Templates::Filtered => ("/captures/{{ data.order_id | string }}", "capture:{{ data.order_id | string }}"),
+        }
+    }
 }
 
 const ROUTES: &str = r#"
@@ -92,8 +132,8 @@ counter = "orders"
 kind = "call"
 name = "capture"
 endpoint = "psp"
-path = "/captures/{{ data.order_id }}"
-idempotency_key = "capture:{{ data.order_id }}"
+path = "PATH"
+idempotency_key = "KEY"
 ORDERING
 body = { order_id = "{{ data.order_id }}", amount = "{{ data.amount }}" }
 
@@ -157,6 +197,39 @@ fn draw(seed: u64) -> Scenario {
                 let data = json!({"order_id": "", "customer_id": customer, "amount": 5});
                 (TestEvent::new(&id, "order.placed", data), None, Fate::Dead("template_error"))
             }
+            45..=46 => {
+                // A header name that is not UTF-8 (D1).
+                let mut headers = ce_headers(&id);
+                headers.push((vec![0xff, 0xfe], b"v".to_vec()));
+                let data = json!({"order_id": format!("o-{i}"), "customer_id": customer, "amount": 5});
+                (TestEvent::new(&id, "order.placed", data), Some(headers), Fate::Dead("bad_header"))
+            }
+            47 => {
+                // An id longer than an index entry holds (D2).
+                let data = json!({"order_id": format!("o-{i}"), "customer_id": customer, "amount": 5});
+                (
+                    TestEvent::new(&format!("{id}-{}", "x".repeat(1100)), "order.placed", data),
+                    None,
+                    Fate::Dead("bad_field"),
+                )
+            }
+            48 => {
+                // A key longer than an index entry holds (D2).
+                let data =
+                    json!({"order_id": format!("o-{i}-{}", "k".repeat(1100)), "customer_id": customer, "amount": 5});
+                (TestEvent::new(&id, "order.placed", data), None, Fate::Dead("template_error"))
+            }
+            49 => {
+                // A control character bound for the idempotency key header (D4).
+                let data = json!({"order_id": format!("o-{i}\r\n"), "customer_id": customer, "amount": 5});
+                (TestEvent::new(&id, "order.placed", data), None, Fate::Dead("template_error"))
+            }
+            50 => {
+                // A control character in the correlation id (D4).
+                let data = json!({"order_id": format!("o-{i}"), "customer_id": customer, "amount": 5});
+                let e = TestEvent::new(&id, "order.placed", data).ext("correlationid", "c\n1");
+                (e, None, Fate::Dead("bad_field"))
+            }
             19..=21 => {
                 let data = json!({"order_id": "o", "customer_id": customer});
                 // A control character in an id is poison before any write (issue 27).
@@ -167,13 +240,8 @@ fn draw(seed: u64) -> Scenario {
                 (TestEvent::new(&id, "order.placed", data), None, Fate::Dead("oversized"))
             }
             25..=27 => {
-                let headers = vec![
-                    ("ce_specversion".to_string(), b"0.3".to_vec()),
-                    ("ce_id".to_string(), id.clone().into_bytes()),
-                    ("ce_type".to_string(), b"order.placed".to_vec()),
-                    ("ce_source".to_string(), b"/gen".to_vec()),
-                    ("content-type".to_string(), b"application/json".to_vec()),
-                ];
+                let mut headers = ce_headers(&id);
+                headers[0].1 = b"0.3".to_vec();
                 let data = json!({"order_id": format!("o-{i}"), "customer_id": customer, "amount": 5});
                 (TestEvent::new(&id, "order.placed", data), Some(headers), Fate::Dead("not_cloudevent"))
             }
@@ -209,6 +277,8 @@ fn draw(seed: u64) -> Scenario {
                 };
                 let key = format!("capture:{order}");
                 let data = json!({"order_id": order, "customer_id": customer, "amount": rng.random_range(1..1000)});
+                // Some producers always send the key header, empty when they have none (D3).
+                let blank = [None, None, None, Some(""), Some(" ")][rng.random_range(0..5)];
                 let fate = if order == ".." {
                     Fate::Dead("template_error")
                 } else if taken_keys.insert(key.clone()) {
@@ -218,7 +288,12 @@ fn draw(seed: u64) -> Scenario {
                     Fate::NoOp
                 };
                 seen_orders.push((id.clone(), data.clone(), fate.clone()));
-                (TestEvent::new(&id, "order.placed", data), None, fate)
+                let e = TestEvent::new(&id, "order.placed", data);
+                let e = match blank {
+                    Some(b) => e.ext("idempotencykey", b),
+                    None => e,
+                };
+                (e, None, fate)
             }
         };
         inputs.push(Input { event: place(&mut rng, event), raw_headers, fate });
@@ -233,15 +308,37 @@ fn draw(seed: u64) -> Scenario {
         rebalance: rng.random_bool(0.4),
         stagger: false,
         abort: rng.random_bool(0.3),
+        templates: [Templates::Printed, Templates::Concatenated, Templates::Filtered][rng.random_range(0..3)],
+        codec: [None, Some("zstd"), Some("snappy"), Some("lz4"), Some("gzip")][rng.random_range(0..5)],
+        batch_size: [1, 3, 10, 20][rng.random_range(0..4)],
+        tight_buffer: rng.random_bool(0.3),
         inputs,
     }
 }
 
+/// Binary-mode CloudEvents headers of an `order.placed` event `id`, names as bytes.
+fn ce_headers(id: &str) -> Vec<(Vec<u8>, Vec<u8>)> {
+    [
+        ("ce_specversion", "1.0".to_owned()),
+        ("ce_id", id.to_owned()),
+        ("ce_type", "order.placed".to_owned()),
+        ("ce_source", "/gen".to_owned()),
+        ("content-type", "application/json".to_owned()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.as_bytes().to_vec(), v.into_bytes()))
+    .collect()
+}
+
 fn config(h: &Harness, s: &Scenario) -> RelayConfig {
     let ordering = if s.ordered { r#"ordering_key = "{{ data.customer_id }}""# } else { "" };
-    let mut cfg = h.config(&ROUTES.replace("ORDERING", ordering));
+    let (path, key) = s.templates.path_and_key();
+    let mut cfg = h.config(&ROUTES.replace("ORDERING", ordering).replace("PATH", path).replace("KEY", key));
     cfg.consumer.strict = s.strict;
-    cfg.consumer.batch_size = 10;
+    cfg.consumer.batch_size = s.batch_size;
+    if s.tight_buffer {
+        cfg.consumer.max_buffered_bytes = cfg.consumer.max_record_bytes;
+    }
     let psp = cfg.endpoints.get_mut("psp").expect("psp endpoint");
     psp.rate_limit_per_second = s.rate_limit;
     // The shortest lease the configuration accepts.
@@ -250,15 +347,20 @@ fn config(h: &Harness, s: &Scenario) -> RelayConfig {
     cfg
 }
 
-async fn produce(h: &Harness, inputs: &[Input]) {
+async fn produce(h: &Harness, s: &Scenario, inputs: &[Input]) {
+    let compression = [("compression.type", s.codec.unwrap_or("none"))];
+    let producer = relay_testkit::TestProducer::with_properties(&h.bootstrap, &compression).unwrap();
     for i in inputs {
         match &i.raw_headers {
             None => {
-                h.send(&i.event).await;
+                producer.event(&h.topic, &i.event).await.unwrap();
             }
             Some(headers) => {
                 let payload = serde_json::to_vec(&i.event.data).unwrap();
-                h.producer.raw(&h.topic, i.event.partition, None, headers, Some(&payload)).await.unwrap();
+                let refs: Vec<(&[u8], &[u8])> = headers.iter().map(|(k, v)| (k.as_slice(), v.as_slice())).collect();
+                let partition = i.event.partition.unwrap_or(0);
+                relay_testkit::produce_with_raw_header_names(&h.bootstrap, &h.topic, partition, &refs, &payload)
+                    .unwrap();
             }
         }
     }
@@ -274,7 +376,7 @@ async fn run(s: &Scenario, faults: Faults) -> Vec<String> {
         ops::pause(&mut conn, PauseKind::Route, "order-placed", Some("generative")).await.unwrap();
     }
     let half = s.inputs.len() / 2;
-    produce(&h, &s.inputs[..half]).await;
+    produce(&h, s, &s.inputs[..half]).await;
     let mut relay = h.start(cfg.clone(), Components::ALL, faults.clone()).await;
     let second = if s.rebalance { Some(h.start(cfg.clone(), CONSUMER_ONLY, faults.clone()).await) } else { None };
     if s.stagger {
@@ -283,7 +385,7 @@ async fn run(s: &Scenario, faults: Faults) -> Vec<String> {
         })
         .await;
     }
-    produce(&h, &s.inputs[half..]).await;
+    produce(&h, s, &s.inputs[half..]).await;
     if s.pause_first {
         ops::resume(&mut conn, PauseKind::Route, "order-placed").await.unwrap();
     }
@@ -441,7 +543,8 @@ async fn drawn_configurations_inputs_and_rebalances_keep_every_invariant() {
     for seed in seeds() {
         let s = draw(seed);
         let shape = format!(
-            "seed {}: {} partitions, strict {}, ordered {}, rate limit {:?}, pause {}, rebalance {}, abort {}, {} records",
+            "seed {}: {} partitions, strict {}, ordered {}, rate limit {:?}, pause {}, rebalance {}, abort {}, \
+             templates {:?}, compression {:?}, batch {}, tight buffer {}, {} records",
             s.seed,
             s.partitions,
             s.strict,
@@ -450,6 +553,10 @@ async fn drawn_configurations_inputs_and_rebalances_keep_every_invariant() {
             s.pause_first,
             s.rebalance,
             s.abort,
+            s.templates,
+            s.codec,
+            s.batch_size,
+            s.tight_buffer,
             s.inputs.len()
         );
         println!("{shape}");
@@ -536,6 +643,10 @@ async fn reintroducing_insert_order_for_ordering_keys_is_caught() {
         rebalance: false,
         stagger: true,
         abort: false,
+        templates: Templates::Printed,
+        codec: None,
+        batch_size: 10,
+        tight_buffer: false,
         inputs,
     };
     let slow_first =
@@ -545,4 +656,88 @@ async fn reintroducing_insert_order_for_ordering_keys_is_caught() {
     let sabotage = Sabotage { ordering_by_insert: true, ..Sabotage::default() };
     let wrong = run(&s, slow_first().with_sabotage(sabotage)).await;
     assert!(wrong.iter().any(|w| w.contains("applied after a later intent")), "the checks missed it: {wrong:?}");
+}
+
+/// A scenario of valid orders only, from seed 1, with `extra` inputs added:
+/// what a sabotage test needs and nothing that could hide it.
+fn with_inputs(templates: Templates, extra: Vec<Input>) -> Scenario {
+    let mut s = draw(1);
+    s.rate_limit = None;
+    s.pause_first = false;
+    s.rebalance = false;
+    s.abort = false;
+    s.templates = templates;
+    s.inputs.retain(|i| matches!(i.fate, Fate::Call { .. }) && i.raw_headers.is_none());
+    s.inputs.truncate(8);
+    s.inputs.extend(extra);
+    s
+}
+
+fn placed(id: &str, data: Value, fate: Fate) -> Input {
+    Input { event: TestEvent::new(id, "order.placed", data).partition(0), raw_headers: None, fate }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn reintroducing_key_checks_of_printed_values_only_is_caught() {
+    // Issue 27 D6 put back: a concatenated null renders "capture:none".
+    let nulls = (0..2)
+        .map(|i| {
+            placed(
+                &format!("evt-null-{i}"),
+                json!({"order_id": null, "customer_id": "c-0"}),
+                Fate::Dead("template_error"),
+            )
+        })
+        .collect();
+    let s = with_inputs(Templates::Concatenated, nulls);
+    let sound = run(&s, no_faults()).await;
+    assert!(sound.is_empty(), "{sound:?}");
+    let sabotage = Sabotage { printed_values_only: true, ..Sabotage::default() };
+    let wrong = run(&s, Faults::none().with_sabotage(sabotage)).await;
+    let shared = |w: &String| w.to_lowercase().contains("capture:none") && w.contains("the model wants");
+    assert!(wrong.iter().any(shared), "the checks missed it: {wrong:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn reintroducing_control_characters_in_keys_is_caught() {
+    // Issue 27 D4 put back: the key header cannot be built, the intent dies unsent.
+    let data = json!({"order_id": "o-cr\r\n", "customer_id": "c-0", "amount": 1});
+    let s = with_inputs(Templates::Printed, vec![placed("evt-cr", data, Fate::Dead("template_error"))]);
+    let sound = run(&s, no_faults()).await;
+    assert!(sound.is_empty(), "{sound:?}");
+    let sabotage = Sabotage { controls_unchecked: true, ..Sabotage::default() };
+    let wrong = run(&s, Faults::none().with_sabotage(sabotage)).await;
+    assert!(
+        wrong.iter().any(|w| w.contains("dead letters") && w.contains("the model wants")),
+        "the checks missed it: {wrong:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn reintroducing_empty_idempotency_keys_as_keys_is_caught() {
+    // Issue 27 D3 put back: every event with an empty key shares it, and all
+    // but the first are dropped as duplicate_key.
+    let blank = (0..3)
+        .map(|i| {
+            let order = format!("o-blank-{i}");
+            let data = json!({"order_id": order, "customer_id": "c-0", "amount": 1});
+            let mut input = placed(
+                &format!("evt-blank-{i}"),
+                data,
+                Fate::Call {
+                    key: format!("capture:{order}"),
+                    path: format!("/captures/{order}"),
+                    customer: "c-0".into(),
+                },
+            );
+            input.event = input.event.ext("idempotencykey", "");
+            input
+        })
+        .collect();
+    let s = with_inputs(Templates::Printed, blank);
+    let sound = run(&s, no_faults()).await;
+    assert!(sound.is_empty(), "{sound:?}");
+    let sabotage = Sabotage { blank_keys_as_keys: true, ..Sabotage::default() };
+    let wrong = run(&s, Faults::none().with_sabotage(sabotage)).await;
+    assert!(wrong.iter().any(|w| w.contains("intents (key → path)")), "the checks missed it: {wrong:?}");
 }

@@ -48,8 +48,10 @@ impl Relay {
     pub async fn new(mut cfg: RelayConfig, handlers: Handlers, faults: Faults) -> anyhow::Result<Relay> {
         crate::config::read_schemas(&mut cfg)?;
         #[cfg(feature = "faults")]
-        let router =
-            Arc::new(if faults.sabotage().null_as_text { Router::sabotaged(&cfg)? } else { Router::new(&cfg)? });
+        let router = Arc::new(match faults.sabotage().core() {
+            core if core.any() => Router::sabotaged(&cfg, core)?,
+            _ => Router::new(&cfg)?,
+        });
         #[cfg(not(feature = "faults"))]
         let router = Arc::new(Router::new(&cfg)?);
         #[cfg(feature = "faults")]

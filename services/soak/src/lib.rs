@@ -87,6 +87,10 @@ pub struct Summary {
     pub dead_intents: i64,
     /// SIGKILLs delivered (each process restarted after it).
     pub kills: u64,
+    /// Of them, those delivered while work was in flight (records not yet
+    /// recorded, intents or outbox rows not finished): the ones that test
+    /// a crash mid-work. The others hit an idle relay.
+    pub kills_under_load: u64,
     /// Processes that died by themselves (a fault point) and were restarted.
     pub crashes: u64,
     /// Wall time.
@@ -120,6 +124,7 @@ impl Summary {
             ("dead letters", self.dead_letters.to_string()),
             ("dead intents", self.dead_intents.to_string()),
             ("kills survived (SIGKILL + restart)", self.kills.to_string()),
+            ("  of them with work in flight", self.kills_under_load.to_string()),
             ("self-inflicted crashes restarted", self.crashes.to_string()),
             ("lost", lost.to_string()),
             ("double effects", doubled.to_string()),
@@ -381,16 +386,28 @@ pub async fn run(opts: &SoakOptions) -> anyhow::Result<(Summary, Report)> {
         })
     };
     // When progress stalls (or everything is recorded) kills go on by time.
+    // A kill is counted "under load" when, as it lands, records are still
+    // to be recorded or intents and outbox rows are unfinished; kills owed
+    // for progress already made go at once (not skipped), so they land
+    // while there is work rather than after it.
     let mut last_kill = Instant::now();
+    let mut under_load = 0u64;
     while (kills.load(Ordering::Relaxed) as usize) < opts.kills {
         let rows = db.count("inbox", "true").await;
-        if rows >= next || last_kill.elapsed() >= Duration::from_secs(3) {
+        // At least 300 ms between kills: a process killed again at once
+        // would not have started any work to be killed in.
+        let due = rows >= next && last_kill.elapsed() >= Duration::from_millis(300);
+        if due || last_kill.elapsed() >= Duration::from_secs(3) {
+            let open = db.count("intents", "state IN ('pending', 'running')").await
+                + db.count("outbox", "state IN ('pending', 'running')").await;
             kill_one(&mut *fleet.lock().await, &mut rng, &kills)?;
-            next = next.max(rows) + step;
+            under_load += u64::from(rows < expected_rows || open > 0);
+            next += step;
             last_kill = Instant::now();
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    summary.kills_under_load = under_load;
     production.await??;
     summary.kills = kills.load(Ordering::Relaxed);
 

@@ -24,6 +24,7 @@ pub mod ids;
 pub mod limits;
 pub mod retry;
 pub mod router;
+pub mod sabotage;
 pub mod template;
 
 pub use config::RelayConfig;

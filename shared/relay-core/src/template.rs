@@ -41,6 +41,7 @@ use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
 use serde_json::{Map, Value};
 
 use crate::limits::{MAX_KEY_BYTES, control_char, is_blank};
+use crate::sabotage::Sabotage;
 
 /// An error while compiling a template from configuration.
 #[derive(Debug, thiserror::Error)]
@@ -120,10 +121,9 @@ pub struct TemplateBuilder {
     env: Environment<'static>,
     kinds: HashMap<String, Kind>,
     errors: Vec<CompileError>,
-    /// Deliberately wrong: render `null` as `none` and let empty values
-    /// through (issue 22 item 3 put back), for tests that prove the checks
-    /// catch it. Never set outside them.
-    sabotaged: bool,
+    /// Deliberately wrong behaviour put back, for tests that prove the
+    /// checks catch it. Never set outside them.
+    sabotage: Sabotage,
 }
 
 impl Default for TemplateBuilder {
@@ -132,7 +132,7 @@ impl Default for TemplateBuilder {
         env.set_undefined_behavior(UndefinedBehavior::Strict);
         // Templates build keys and URLs, not HTML: never escape.
         env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
-        TemplateBuilder { env, kinds: HashMap::new(), errors: Vec::new(), sabotaged: false }
+        TemplateBuilder { env, kinds: HashMap::new(), errors: Vec::new(), sabotage: Sabotage::default() }
     }
 }
 
@@ -141,8 +141,8 @@ impl TemplateBuilder {
     /// issue 22 item 3 (only for tests that prove the checks catch it; only
     /// with the `sabotage` feature).
     #[cfg(feature = "sabotage")]
-    pub fn sabotaged(mut self) -> Self {
-        self.sabotaged = true;
+    pub fn sabotaged(mut self, sabotage: Sabotage) -> Self {
+        self.sabotage = sabotage;
         self
     }
 
@@ -198,14 +198,19 @@ impl TemplateBuilder {
         if !self.errors.is_empty() {
             return Err(self.errors);
         }
-        let sabotaged = cfg!(feature = "sabotage") && self.sabotaged;
+        let sabotage = if cfg!(feature = "sabotage") { self.sabotage } else { Sabotage::default() };
+        let sabotaged = sabotage.null_as_text;
         let mut reads = HashMap::new();
         for (name, kind) in &self.kinds {
             let fields = match (kind, self.env.get_template(name)) {
-                (Kind::Key | Kind::Path, Ok(t)) if !sabotaged => t.undeclared_variables(true).into_iter().collect(),
+                (Kind::Key | Kind::Path, Ok(t)) if !sabotaged && !sabotage.printed_values_only => {
+                    t.undeclared_variables(true).into_iter().collect()
+                }
                 _ => Vec::new(),
             };
-            reads.insert(name.clone(), (*kind, fields));
+            // Sabotaged, every template is checked as free text.
+            let kind = if sabotaged || sabotage.controls_unchecked { Kind::Text } else { *kind };
+            reads.insert(name.clone(), (kind, fields));
         }
         // minijinja marks `tojson` and `escape` output safe, which would skip
         // a path's encoding (security review L1): here they give plain text.

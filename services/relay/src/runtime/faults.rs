@@ -78,7 +78,7 @@ pub struct FaultInjected(pub String);
 /// Deliberately broken behaviour, to prove that `relay verify` and the soak
 /// catch the bugs the relay's design exists to prevent. Never set in
 /// production: every process that has one logs it at ERROR when it starts.
-/// `RELAY_SABOTAGE=offset-before-commit,no-inbox-dedup,fresh-idempotency-key,lease-checked-before-wait,null-as-text,ordering-by-insert`.
+/// `RELAY_SABOTAGE=offset-before-commit,no-inbox-dedup,fresh-idempotency-key,lease-checked-before-wait,null-as-text,ordering-by-insert,printed-values-only,controls-unchecked,blank-keys-as-keys`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Sabotage {
     /// Commit the Kafka offset *before* the database transaction (breaks R1).
@@ -96,6 +96,15 @@ pub struct Sabotage {
     /// Draw ordering keys' `seq` in insert order, not commit order (breaks
     /// R13 across partitions: issue 22 item 5).
     pub ordering_by_insert: bool,
+    /// Key and path templates check only what they print, not every field
+    /// they read (breaks R8's one key per operation: issue 27, D6).
+    pub printed_values_only: bool,
+    /// Let control characters into keys, paths and headers: such a call
+    /// dies unsent and fires `on_dead` (issue 27, D4).
+    pub controls_unchecked: bool,
+    /// Take an empty idempotency key as a key shared by every event that has
+    /// one (breaks R4: issue 27, D3).
+    pub blank_keys_as_keys: bool,
 }
 
 impl Sabotage {
@@ -110,10 +119,14 @@ impl Sabotage {
                 "lease-checked-before-wait" => s.lease_checked_before_wait = true,
                 "null-as-text" => s.null_as_text = true,
                 "ordering-by-insert" => s.ordering_by_insert = true,
+                "printed-values-only" => s.printed_values_only = true,
+                "controls-unchecked" => s.controls_unchecked = true,
+                "blank-keys-as-keys" => s.blank_keys_as_keys = true,
                 other => {
                     return Err(format!(
                         "RELAY_SABOTAGE: unknown item {other:?} (offset-before-commit, no-inbox-dedup, \
-                         fresh-idempotency-key, lease-checked-before-wait, null-as-text, ordering-by-insert)"
+                         fresh-idempotency-key, lease-checked-before-wait, null-as-text, ordering-by-insert, \
+                         printed-values-only, controls-unchecked, blank-keys-as-keys)"
                     ));
                 }
             }
@@ -124,6 +137,16 @@ impl Sabotage {
     /// Any sabotage on.
     pub fn any(&self) -> bool {
         *self != Sabotage::default()
+    }
+
+    /// The part of it that relay-core's router and templates put back.
+    pub fn core(&self) -> relay_core::sabotage::Sabotage {
+        relay_core::sabotage::Sabotage {
+            null_as_text: self.null_as_text,
+            printed_values_only: self.printed_values_only,
+            controls_unchecked: self.controls_unchecked,
+            blank_keys_as_keys: self.blank_keys_as_keys,
+        }
     }
 }
 
