@@ -267,3 +267,50 @@ async fn a_handler_that_panics_dead_letters_its_record_naming_the_handler_and_th
     assert_eq!(dead.len(), 1);
     assert!(dead[0].1 == "rejected" && dead[0].2.contains("\"panics\" panicked"), "{dead:?}");
 }
+
+// Issue 27: "nothing may ever be skipped silently". A batch the client
+// cannot decode (here: its compressed bytes corrupted on the broker's disk)
+// must never be passed over by a later offset commit.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_the_client_cannot_decode_stops_its_partition_and_nothing_after_it_is_committed() {
+    use relay_testkit::process::PrivateKafka;
+    let mut kafka = PrivateKafka::start().unwrap();
+    let mut h = Harness::new(1).await;
+    h.bootstrap = kafka.bootstrap();
+    relay_testkit::create_topics(&h.bootstrap, &[&h.topic, &h.out, &h.dlq], 1).await.unwrap();
+    // Five records in one zstd batch (sent at once, with a linger), then one more.
+    let zstd = relay_testkit::TestProducer::with_properties(
+        &h.bootstrap,
+        &[("compression.type", "zstd"), ("linger.ms", "200")],
+    )
+    .unwrap();
+    let batch: Vec<TestEvent> = (0..5).map(|i| order(&format!("evt-{i}"), &format!("o-{i}")).partition(0)).collect();
+    futures::future::join_all(batch.iter().map(|e| zstd.event(&h.topic, e))).await;
+    relay_testkit::TestProducer::new(&h.bootstrap)
+        .unwrap()
+        .event(&h.topic, &order("evt-after", "o-after"))
+        .await
+        .unwrap();
+    kafka.terminate().unwrap();
+    // The first batch: a 61-byte v2 header, then the compressed records.
+    let segment = kafka.data_dir().join(format!("{}-0", h.topic)).join("00000000000000000000.log");
+    let mut bytes = std::fs::read(&segment).unwrap();
+    let first_len = u32::from_be_bytes(bytes[8..12].try_into().unwrap()) as usize;
+    assert_eq!(i32::from_be_bytes(bytes[57..61].try_into().unwrap()), 5, "the five records are one batch");
+    for b in &mut bytes[61 + 4..12 + first_len - 4] {
+        *b ^= 0x5a;
+    }
+    std::fs::write(&segment, bytes).unwrap();
+    kafka.start_again().unwrap();
+
+    let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
+    let mut run = h.process(&config, &["consume"], &[]);
+    // librdkafka fetches the batch again and again, and says so each time.
+    eventually("the unreadable batch reported three times", DEADLINE, || async {
+        (run.log().matches("could not be read from Kafka").count() >= 3).then_some(())
+    })
+    .await;
+    assert_eq!(h.committed().await.get(&0).copied().flatten().unwrap_or(0), 0, "nothing committed past it");
+    assert_eq!(h.outcome("evt-after").await, None, "the record after it waits");
+    assert!(run.terminate(std::time::Duration::from_secs(30)).unwrap().success(), "{}", run.log());
+}

@@ -423,6 +423,21 @@ impl PrivateKafka {
         }
     }
 
+    /// Stop the broker cleanly (SIGTERM, then wait): its log is flushed and
+    /// needs no recovery at the next start.
+    pub fn terminate(&mut self) -> anyhow::Result<()> {
+        if let Some(mut c) = self.child.take() {
+            signal(c.id(), "TERM")?;
+            c.wait()?;
+        }
+        Ok(())
+    }
+
+    /// The broker's data directory (its log segments live under `topic-partition/`).
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.join("data")
+    }
+
     /// SIGKILL the broker.
     pub fn kill9(&mut self) -> anyhow::Result<()> {
         if let Some(mut c) = self.child.take() {

@@ -297,7 +297,7 @@ impl InboxConsumer {
                                     received.push(r);
                                 }
                                 Some(Err(e)) => {
-                                    warn!(consumer = %self.settings.name, error = %e, "Kafka receive error");
+                                    self.receive_error(&e);
                                     break;
                                 }
                                 None => break,
@@ -305,9 +305,7 @@ impl InboxConsumer {
                         }
                         self.receive(received);
                     }
-                    Err(e) => {
-                        warn!(consumer = %self.settings.name, error = %e, "Kafka receive error; the client reconnects by itself");
-                    }
+                    Err(e) => self.receive_error(&e),
                 },
                 // A partition started waiting out a retry: its records left the bound.
                 _ = self.waits_changed.notified() => {}
@@ -329,6 +327,27 @@ impl InboxConsumer {
         match fault {
             Some(f) => Err(f.into()),
             None => Ok(()),
+        }
+    }
+
+    /// A receive error. A record librdkafka could not read (a batch that
+    /// does not decompress, a corrupt message) is never skipped: librdkafka
+    /// fetches it again and reports it again, so its partition stops there
+    /// and no later offset of it is committed (`check.crcs`, which would
+    /// skip a batch failing its checksum, is refused). It is logged at
+    /// ERROR every time, with the code, and counted: the record cannot be
+    /// dead-lettered, because the client library does not say which
+    /// partition and offset it was.
+    fn receive_error(&self, e: &KafkaError) {
+        match e {
+            KafkaError::MessageConsumption(code) | KafkaError::MessageConsumptionFatal(code) => {
+                crate::runtime::metrics::receive_error(&self.settings.name, &format!("{code:?}"));
+                error!(consumer = %self.settings.name, error = %e,
+                       "a record could not be read from Kafka; its partition stops there, nothing after it is committed, until it can be read");
+            }
+            _ => {
+                warn!(consumer = %self.settings.name, error = %e, "Kafka receive error; the client reconnects by itself")
+            }
         }
     }
 

@@ -34,6 +34,11 @@ fn required(role: Role) -> &'static [(&'static str, &'static str)] {
             ("enable.auto.commit", "false"),
             ("enable.auto.offset.store", "false"),
             ("isolation.level", "read_committed"),
+            // With CRC checks on, librdkafka skips a batch failing its
+            // checksum and goes on: its records would be passed over by the
+            // next offset commit. Off, a batch it cannot read is fetched and
+            // reported again, and its partition stops there.
+            ("check.crcs", "false"),
         ],
         // Idempotent producer, acks from all in-sync replicas (R10).
         Role::Producer => &[("enable.idempotence", "true"), ("acks", "all")],
@@ -301,6 +306,11 @@ mod tests {
         cfg.consumer_properties.insert("isolation.level".into(), "read_uncommitted".into());
         let err = client_config(&cfg, Role::Consumer).unwrap_err().to_string();
         assert!(err.contains("isolation.level") && err.contains("read_committed"), "{err}");
+        // Issue 27: CRC checks make librdkafka skip a corrupt batch.
+        let mut cfg = KafkaConfig::default();
+        cfg.properties.insert("check.crcs".into(), "true".into());
+        let err = client_config(&cfg, Role::Consumer).unwrap_err().to_string();
+        assert!(err.contains("check.crcs"), "{err}");
         let c = client_config(&KafkaConfig::default(), Role::Consumer).unwrap();
         assert_eq!(c.get("isolation.level"), Some("read_committed"));
     }

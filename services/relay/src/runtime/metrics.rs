@@ -86,6 +86,11 @@ pub fn lag(consumer: &str, topic: &str, partition: i32, lag: i64) {
         .set(lag as f64);
 }
 
+/// A record the consumer could not read from Kafka, by librdkafka's code.
+pub fn receive_error(consumer: &str, code: &str) {
+    counter!("relay_receive_errors_total", "consumer" => consumer.to_owned(), "code" => code.to_owned()).increment(1);
+}
+
 /// Bytes of records the consumer received and has not finished (waiting for
 /// their partition's task, or handed to it and not committed): at most
 /// `consumer.max_buffered_bytes` plus one record.
