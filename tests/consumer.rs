@@ -1140,3 +1140,26 @@ async fn a_rebalance_while_a_partition_waits_out_a_long_retry_does_not_stop_the_
     .await;
     run.stop().await.unwrap();
 }
+
+// Ingest review "to check": with more partitions than connections, tasks
+// waiting for a connection timed out and were logged as a database outage.
+#[tokio::test]
+async fn partitions_waiting_for_a_busy_pool_are_told_apart_from_an_outage_and_all_go_through() {
+    let partitions = 8;
+    let h = Harness::new(partitions).await;
+    let text = h
+        .config_text(CAPTURE_ROUTE)
+        .replace("[database]\nmax_connections = 8\n", "[database]\nmax_connections = 1\nacquire_timeout = \"25ms\"\n");
+    assert!(text.contains("max_connections = 1"), "{text}");
+    let config = h.write_config(&text);
+    for i in 0..800 {
+        h.send(&order(&format!("evt-{i}"), &format!("o-{i}")).partition(i % partitions)).await;
+    }
+    let mut run = h.process(&config, &["consume"], &[]);
+    eventually("every record committed", DEADLINE, || async { (h.committed_total().await == 800).then_some(()) }).await;
+    assert!(run.terminate(std::time::Duration::from_secs(30)).unwrap().success(), "{}", run.log());
+    let log = run.log();
+    assert!(log.contains("database connections was busy"), "the waits were seen: {log}");
+    assert!(!log.contains("database error"), "a busy pool is not an outage: {log}");
+    assert_eq!(h.inbox().await, 800);
+}

@@ -179,6 +179,10 @@ impl Handler for SwallowsAnError {
         if event.data["order_id"] == "o-sql" {
             sqlx::query("INSERT INTO no_such_table VALUES (1)").execute(&mut *tx).await?;
         }
+        if event.data["order_id"] == "o-cast" {
+            // PostgreSQL's message quotes the value: "invalid input syntax for type numeric: \"4111…\"".
+            sqlx::query("SELECT $1::numeric").bind("4111-1111-card").execute(&mut *tx).await?;
+        }
         Ok(Plan::default())
     }
 }
@@ -194,15 +198,18 @@ async fn a_handler_that_swallows_a_database_error_or_fails_its_own_sql_is_dead_l
     let handlers = Handlers::default().register("swallows", SwallowsAnError);
     h.send(&order("evt-bad", "o-bad")).await;
     h.send(&order("evt-sql", "o-sql")).await;
+    h.send(&order("evt-cast", "o-cast")).await;
     let (_, last) = h.send(&order("evt-1", "o-1")).await;
     let run = h.start_with(h.config(route), CONSUMER_ONLY, handlers, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
     assert_eq!(h.outcome("evt-1").await.as_deref(), Some("applied"));
     let dead = dead_letters(&h).await;
-    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert_eq!(dead.len(), 3, "{dead:?}");
     assert!(dead.iter().all(|d| d.1 == "rejected" && d.2.contains("\"swallows\"")), "{dead:?}");
     assert!(dead[0].2.contains("25P02") && dead[1].2.contains("42P01"), "{dead:?}");
+    // Ingest review "to check": a reason names the SQLSTATE, never the value (R16).
+    assert!(dead[2].2.contains("22P02") && !dead[2].2.contains("4111"), "{dead:?}");
 }
 
 const SCHEMA_ROUTE: &str = r#"

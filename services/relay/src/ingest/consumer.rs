@@ -608,6 +608,18 @@ impl InboxConsumer {
             );
             return delay;
         }
+        let max = self.pool.options().get_max_connections();
+        if matches!(e, sqlx::Error::PoolTimedOut) && self.pool.size() >= max {
+            // Not an outage: more partitions (and dispatcher work) than
+            // connections, each waiting its turn (ingest review, pool starvation).
+            warn!(
+                consumer = %self.settings.name, attempt = failures, retry_in_ms = delay.as_millis() as u64,
+                "every one of the {max} database connections was busy for database.acquire_timeout; this partition \
+                 waits its turn (raise database.max_connections to at least the partitions this process may own \
+                 plus the dispatcher's work)"
+            );
+            return delay;
+        }
         error!(
             consumer = %self.settings.name, error = %e, attempt = failures, retry_in_ms = delay.as_millis() as u64,
             "database error; nothing was committed for this batch and its offsets stay where they were; retrying"
