@@ -1163,3 +1163,64 @@ async fn partitions_waiting_for_a_busy_pool_are_told_apart_from_an_outage_and_al
     assert!(!log.contains("database error"), "a busy pool is not an outage: {log}");
     assert_eq!(h.inbox().await, 800);
 }
+
+/// A handler that updates one row of the application's, which a test may
+/// hold locked: its transaction then waits on the lock.
+struct LocksARow;
+
+#[async_trait]
+impl Handler for LocksARow {
+    async fn handle(&self, tx: &mut sqlx::PgConnection, event: &InputEvent) -> Result<Plan, HandlerError> {
+        if event.data["order_id"] == "o-locked" {
+            sqlx::query("UPDATE public.stock SET n = n - 1 WHERE sku = 'a'").execute(&mut *tx).await?;
+        }
+        Ok(Plan::default())
+    }
+}
+
+// Review of issue 27: a task stuck in its transaction (here on a row lock)
+// was neither waiting out a retry nor paused, so its partition's records
+// filled the buffer every partition shares and the others stopped too.
+#[tokio::test]
+async fn a_partition_whose_transaction_hangs_on_a_lock_does_not_stop_the_others() {
+    let h = Harness::new(2).await;
+    let mut conn = h.db.conn().await.unwrap();
+    sqlx::query("CREATE TABLE public.stock (sku text PRIMARY KEY, n int)").execute(&mut *conn).await.unwrap();
+    sqlx::query("INSERT INTO public.stock VALUES ('a', 10)").execute(&mut *conn).await.unwrap();
+    let route = "[[routes]]\ntopic = \"{topic}\"\ntype = \"order.placed\"\nhandler = \"locks\"\n";
+    let handlers = Handlers::default().register("locks", LocksARow);
+    let mut cfg = h.config(route);
+    cfg.consumer.batch_size = 10;
+    // The test holds the row until the end.
+    let mut holder = h.db.conn().await.unwrap();
+    let mut lock = sqlx::Connection::begin(&mut *holder).await.unwrap();
+    sqlx::query("SELECT n FROM public.stock WHERE sku = 'a' FOR UPDATE").execute(&mut *lock).await.unwrap();
+    h.send(&order("evt-locked", "o-locked").partition(0)).await;
+    for i in 0..100 {
+        h.send(&order(&format!("behind-{i}"), &format!("b-{i}")).partition(0)).await;
+    }
+    let run = h.start_with(cfg, CONSUMER_ONLY, handlers, no_faults()).await;
+    eventually("the first record's transaction waiting on the lock", DEADLINE, || async {
+        let waiting: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_locks WHERE NOT granted").fetch_one(&h.db.pool).await.unwrap();
+        (waiting > 0).then_some(())
+    })
+    .await;
+    // Records of the other partition, behind the stuck one's backlog in the client's queue.
+    let mut last = 0;
+    for i in 0..5 {
+        last = h.send(&order(&format!("evt-{i}"), &format!("o-{i}")).partition(1)).await.1;
+    }
+    // Well before the lock goes: within a few seconds of the slow-task check.
+    eventually("the other partition's records committed", std::time::Duration::from_secs(15), || async {
+        h.committed().await.get(&1).copied().flatten().is_some_and(|c| c > last).then_some(())
+    })
+    .await;
+    lock.rollback().await.unwrap();
+    eventually("the locked partition's records committed once the lock goes", DEADLINE, || async {
+        h.committed().await.get(&0).copied().flatten().is_some_and(|c| c >= 101).then_some(())
+    })
+    .await;
+    run.stop().await.unwrap();
+    assert_eq!(h.db.count("inbox", "partition = 0").await, 101, "nothing of the slow partition lost");
+}

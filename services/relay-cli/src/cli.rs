@@ -15,6 +15,7 @@ use relay_store::stats::Stats;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::printable as safe;
 use crate::telemetry::{self, LogFormat};
 use relay::app::{Components, Relay, connect};
 use relay::ingest::handler::Handlers;
@@ -438,17 +439,6 @@ fn print_stats(s: &Stats) {
 /// The operator actions over the configured database.
 async fn operator(cfg: &RelayConfig) -> anyhow::Result<Operator> {
     Ok(Operator::new(connect(cfg).await?, cfg))
-}
-
-/// `text` with its control characters escaped (`\u{1b}` for ESC): what a
-/// record or a provider put in an id, a reason or a value must not move the
-/// cursor, rewrite lines or set the clipboard of the operator's terminal
-/// (security review L3). JSON output (`--json`) is escaped by serde.
-fn safe(text: &str) -> String {
-    if !text.chars().any(char::is_control) {
-        return text.to_owned();
-    }
-    text.chars().map(|c| if c.is_control() { c.escape_unicode().to_string() } else { c.to_string() }).collect()
 }
 
 async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow::Result<()> {

@@ -18,3 +18,14 @@ pub mod cli;
 pub mod demo;
 mod telemetry;
 pub mod verify;
+
+/// `text` with its control characters escaped (`\u{1b}` for ESC): what a
+/// record or a provider put in an id, a reason or a value must not move the
+/// cursor, rewrite lines or set the clipboard of the operator's terminal
+/// (security review L3). JSON output (`--json`) is escaped by serde.
+pub fn printable(text: &str) -> String {
+    if !text.chars().any(char::is_control) {
+        return text.to_owned();
+    }
+    text.chars().map(|c| if c.is_control() { c.escape_unicode().to_string() } else { c.to_string() }).collect()
+}

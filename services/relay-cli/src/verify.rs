@@ -166,16 +166,16 @@ impl Report {
         line("outbox records on the output topics", self.output_records.to_string());
         line("  rows published more than once", self.republished_rows.to_string());
         for w in &self.warnings {
-            s.push_str(&format!("  note: {w}\n"));
+            s.push_str(&format!("  note: {}\n", crate::printable(w)));
         }
         if self.violations.is_empty() {
             s.push_str("OK: no invariant is violated\n");
         } else {
             s.push_str(&format!("{} VIOLATION(S):\n", self.violations.len()));
             for v in &self.violations {
-                s.push_str(&format!("  [{}] {}\n", v.check, v.message));
+                s.push_str(&format!("  [{}] {}\n", v.check, crate::printable(&v.message)));
                 if !v.ids.is_empty() {
-                    s.push_str(&format!("      {}\n", v.ids.join(", ")));
+                    s.push_str(&format!("      {}\n", crate::printable(&v.ids.join(", "))));
                 }
             }
         }

@@ -213,12 +213,18 @@ impl TemplateBuilder {
             reads.insert(name.clone(), (kind, fields));
         }
         // minijinja marks `tojson` and `escape` output safe, which would skip
-        // a path's encoding (security review L1): here they give plain text.
-        self.env.add_filter("tojson", |v: minijinja::Value| {
-            serde_json::to_string(&v).map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))
-        });
+        // a path's encoding (security review L1): the same filters here give
+        // the same text, not marked safe.
+        self.env.add_filter(
+            "tojson",
+            |v: &minijinja::Value, indent: Option<minijinja::Value>, kwargs: minijinja::value::Kwargs| {
+                minijinja::filters::tojson(v, indent, kwargs).map(|out| out.to_string())
+            },
+        );
         for name in ["e", "escape"] {
-            self.env.add_filter(name, |v: minijinja::Value| v.to_string());
+            self.env.add_filter(name, |state: &State, v: &minijinja::Value| {
+                minijinja::filters::escape(state, v).map(|out| out.to_string())
+            });
         }
         let kinds = self.kinds;
         self.env.set_formatter(move |out, state, value| {
@@ -306,6 +312,27 @@ impl Templates {
         let rendered = self.render_unchecked(t, ctx)?;
         if kind == Kind::Text {
             return Ok(rendered);
+        }
+        // What the reads above cannot see: a field reached by subscript
+        // (`data['order-id']`, `data.items[0].id`) counts as its parent. So
+        // the template is rendered once more with every null or blank value
+        // of the event replaced by a marker; if the marker shows, such a
+        // value made the key or path (D6).
+        if let (Some(marked), false) = (&ctx.marked, reads.is_empty()) {
+            let tmpl = self.env.get_template(&t.name).map_err(|e| RenderError(format!("{}: {e}", t.name)))?;
+            if tmpl.render(marked).is_ok_and(|out| out.contains(MARKER)) {
+                let under = |p: &str, r: &str| {
+                    p == r || p.strip_prefix(r).is_some_and(|rest| rest.starts_with('.') || rest.starts_with('['))
+                };
+                let mut fields: Vec<String> =
+                    blank_paths(&ctx.json, "").into_iter().filter(|p| reads.iter().any(|r| under(p, r))).collect();
+                fields.sort();
+                return Err(RenderError(format!(
+                    "template {} reads {}, which is null or empty in this event; a key, id or path needs a value",
+                    t.name,
+                    fields.join(", ")
+                )));
+            }
         }
         let what = match kind {
             Kind::Header => "an HTTP header",
@@ -431,6 +458,49 @@ fn lookup<'a>(ctx: &'a Value, path: &str) -> Option<&'a Value> {
 pub struct Context {
     json: Value,
     engine: minijinja::Value,
+    /// The context with every null and blank string replaced by [`MARKER`],
+    /// when it has any (most events have none).
+    marked: Option<minijinja::Value>,
+}
+
+/// Stands for a null or blank value in a second rendering of a key or
+/// path: letters and digits only, so a path's encoding leaves it as it is.
+const MARKER: &str = "RELAYBLANKc0ffee5d1e7a";
+
+/// Dotted paths of the null and blank-string values in `v`.
+fn blank_paths(v: &Value, at: &str) -> Vec<String> {
+    match v {
+        Value::Null => vec![at.to_owned()],
+        Value::String(s) if is_blank(s) => vec![at.to_owned()],
+        Value::Object(m) => m
+            .iter()
+            .flat_map(|(k, v)| blank_paths(v, &if at.is_empty() { k.clone() } else { format!("{at}.{k}") }))
+            .collect(),
+        Value::Array(a) => a.iter().enumerate().flat_map(|(i, v)| blank_paths(v, &format!("{at}[{i}]"))).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// `v` with every null and blank string replaced by [`MARKER`], if it has any.
+fn marked(v: &Value) -> Option<Value> {
+    fn walk(v: &Value, changed: &mut bool) -> Value {
+        match v {
+            Value::Null => {
+                *changed = true;
+                Value::String(MARKER.into())
+            }
+            Value::String(s) if is_blank(s) => {
+                *changed = true;
+                Value::String(MARKER.into())
+            }
+            Value::Object(m) => Value::Object(m.iter().map(|(k, v)| (k.clone(), walk(v, changed))).collect()),
+            Value::Array(a) => Value::Array(a.iter().map(|v| walk(v, changed)).collect()),
+            other => other.clone(),
+        }
+    }
+    let mut changed = false;
+    let out = walk(v, &mut changed);
+    changed.then_some(out)
 }
 
 impl Context {
@@ -443,7 +513,8 @@ impl Context {
 impl From<Value> for Context {
     fn from(json: Value) -> Context {
         let engine = minijinja::Value::from_serialize(&json);
-        Context { json, engine }
+        let marked = marked(&json).map(|m| minijinja::Value::from_serialize(&m));
+        Context { json, engine, marked }
     }
 }
 
@@ -588,6 +659,8 @@ mod tests {
             "capture:{{ data.order_id | string }}",
             "capture:{{ [data.order_id, 'x'] | join('-') }}",
             "{{ data.order_id if data.order_id else 'none' }}",
+            // Subscripts: the reads name only `data`, the marker finds them.
+            "{{ 'capture:' ~ data['order_id'] }}",
         ];
         let keys: Vec<TextTemplate> = sources.iter().enumerate().map(|(i, src)| b.key(&format!("k{i}"), src)).collect();
         let path = b.path("p", "/captures/{{ 'c-' ~ data.order_id }}");
@@ -609,7 +682,10 @@ mod tests {
         let mut b = TemplateBuilder::default();
         let e = b.path("e", "/o/{{ data.id | e }}");
         let j = b.path("j", "/o/{{ data.id | tojson }}");
+        let pretty = b.text("t", "{{ data | tojson(indent=2) }} {{ data.id | e }}");
         let ts = b.finish().unwrap();
+        let shown = ts.render(&pretty, &json!({"data": {"id": "<a>"}}).into()).unwrap();
+        assert_eq!(shown, "{\n  \"id\": \"\\u003ca\\u003e\"\n} &lt;a&gt;", "the filters work as minijinja's own");
         let c: Context = json!({"data": {"id": "../../admin"}}).into();
         for t in [&e, &j] {
             let p = ts.render(t, &c).unwrap();
@@ -663,5 +739,19 @@ mod tests {
         for bad in ["", ".", ".."] {
             assert_eq!(path_segment(bad), None, "{bad:?}");
         }
+    }
+
+    // Review of issue 27: `undeclared_variables` names a subscripted
+    // field's parent only, so `data.items[0].id` slipped past the reads.
+    #[test]
+    fn a_null_reached_by_subscript_or_index_is_an_error_naming_the_field_but_unrelated_nulls_are_not() {
+        let mut b = TemplateBuilder::default();
+        let key = b.key("k", "{{ 'c:' ~ data.items[0].id }}");
+        let plain = b.key("p", "capture:{{ data.order_id }}");
+        let ts = b.finish().unwrap();
+        let c: Context = json!({"data": {"order_id": "o-1", "note": null, "items": [{"id": null}]}}).into();
+        let err = ts.render(&key, &c).unwrap_err();
+        assert!(err.0.contains("data.items[0].id") && !err.0.contains("data.note"), "{err}");
+        assert_eq!(ts.render(&plain, &c).unwrap(), "capture:o-1", "a null elsewhere in the event is not read");
     }
 }

@@ -166,18 +166,29 @@ pub fn classify_error(e: &sqlx::Error) -> DbErrorKind {
     }
 }
 
-/// Whether `e` says the database is unavailable or overloaded, rather than
-/// that a statement was wrong: no connection (or class 08), a transaction
-/// rolled back by a conflict (40), insufficient resources (53), operator
-/// intervention such as a shutdown (57) or a system error (58). A code
-/// handler's error that is none of these is its record's (its own SQL bug,
-/// a constraint), never retried as an outage (ingest review D5).
+/// Whether `e` says the database is unavailable, overloaded or in a state
+/// that passes, rather than that a statement or its use was wrong: no
+/// connection (I/O, TLS, the pool, class 08), a transaction rolled back by
+/// a conflict (40), insufficient resources (53), operator intervention such
+/// as a shutdown (57), a system error (58), a read-only server during a
+/// failover (25006), a lock not available now (55P03, 55006), or missing
+/// privileges (42501: an operator's grant mends it). A code handler's error
+/// that is none of these is its record's — its own SQL, a constraint, a row
+/// it expected and did not find, a value it could not decode —, never
+/// retried as an outage (ingest review D5).
 pub fn is_outage(e: &sqlx::Error) -> bool {
     match e {
-        sqlx::Error::Database(db) => {
-            db.code().as_deref().is_some_and(|c| ["08", "40", "53", "57", "58"].contains(&&c[..2.min(c.len())]))
-        }
-        _ => true,
+        sqlx::Error::Database(db) => db.code().as_deref().is_some_and(|c| {
+            ["08", "40", "53", "57", "58"].contains(&&c[..2.min(c.len())])
+                || ["25006", "55P03", "55006", "42501"].contains(&c)
+        }),
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        _ => false,
     }
 }
 

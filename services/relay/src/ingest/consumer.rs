@@ -28,7 +28,7 @@
 //! finds the rows.
 //!
 //! What is buffered, and which partition is paused at the broker and why, is
-//! [`crate::ingest::partitions`]'s to decide; this file does the I/O.
+//! `ingest/partitions.rs`'s to decide; this file does the I/O.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -42,6 +42,7 @@ use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, Message};
+use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Offset, TopicPartitionList};
 use relay_core::config::{KafkaConfig, RetryBudget};
 use relay_core::retry::BackoffPolicy;
@@ -141,6 +142,10 @@ impl ConsumerContext for RelayContext {
         }
     }
 }
+
+/// How long one batch may run before its partition is treated as waiting:
+/// a batch takes milliseconds, so this is a lock or a handler stuck.
+const SLOW_TASK: Duration = Duration::from_secs(5);
 
 /// Settings of the consumer loop.
 #[derive(Debug, Clone)]
@@ -248,18 +253,23 @@ impl InboxConsumer {
     /// tasks run: records of a busy partition wait for its task to end and
     /// then go as its next batch. No partition waits for another: not for a
     /// slower transaction (every partition once waited for the slowest, see
-    /// BENCHMARKS.md), and not for a record that is not processable yet (R19:
+    /// BENCHMARKS.md; one whose batch runs over 5 s gives its waiting
+    /// records back and pauses), and not for a record that is not processable yet (R19:
     /// its partition retries it with backoff for up to its budget while the
     /// others flow, holding no more than its share of the buffer).
     async fn run_loop(self: &Arc<Self>, shutdown: &CancellationToken) -> anyhow::Result<()> {
         let mut tasks: JoinSet<(Tp, PartitionResult)> = JoinSet::new();
+        // One schedule for the checks of held and slow partitions: a sleep
+        // made anew on every turn would never end while records keep coming.
+        let mut every_second = tokio::time::interval(Duration::from_secs(1));
+        every_second.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let outcome = loop {
             self.start_ready(&mut tasks, shutdown);
             let partitions = self.consumer.assignment().map_or(1, |a| a.count().max(1));
-            let (room, holding, buffered) = {
+            let (room, checks, buffered) = {
                 let mut s = self.state.lock().expect("partition state lock");
                 s.set_assigned(partitions);
-                (s.room(), s.holding(), s.buffered_bytes())
+                (s.room(), s.holding() || s.running() || s.seeking(), s.buffered_bytes())
             };
             crate::runtime::metrics::buffered(&self.settings.name, buffered);
             tokio::select! {
@@ -274,7 +284,7 @@ impl InboxConsumer {
                     match run {
                         Ok(run) if run.interrupted => break Ok(()),
                         Ok(run) => self.task_done(run),
-                        Err(f) => break Err(f),
+                        Err(f) => break Err(f.into()),
                     }
                 }
                 m = self.consumer.recv(), if room => match m {
@@ -288,6 +298,7 @@ impl InboxConsumer {
                         records += 1;
                         bytes += received[0].0.size();
                         let limit = self.settings.batch_size * partitions;
+                        let mut unreadable = None;
                         while records < limit && bytes < self.settings.max_buffered_bytes {
                             match self.consumer.recv().now_or_never() {
                                 Some(Ok(m)) => {
@@ -297,20 +308,37 @@ impl InboxConsumer {
                                     received.push(r);
                                 }
                                 Some(Err(e)) => {
-                                    self.receive_error(&e);
+                                    unreadable = self.receive_error(&e);
                                     break;
                                 }
                                 None => break,
                             }
                         }
                         self.receive(received);
+                        if let Some(stop) = unreadable {
+                            break Err(stop);
+                        }
                     }
-                    Err(e) => self.receive_error(&e),
+                    Err(e) => {
+                        if let Some(stop) = self.receive_error(&e) {
+                            break Err(stop);
+                        }
+                    }
                 },
                 // A partition started waiting out a retry: its records left the bound.
                 _ = self.waits_changed.notified() => {}
-                // While partitions are held, see every second whether their route was resumed.
-                _ = tokio::time::sleep(Duration::from_secs(1)), if holding => self.release_held().await,
+                // Every second: held partitions whose route was resumed move
+                // on, and slow ones stop filling the shared buffer.
+                _ = every_second.tick(), if checks => {
+                    self.pause_slow();
+                    let seeks = self.state.lock().expect("partition state lock").seeks_due();
+                    for r in seeks {
+                        self.resume(r);
+                    }
+                    if self.state.lock().expect("partition state lock").holding() {
+                        self.release_held().await;
+                    }
+                }
             }
         };
         // Stopping (or a fault: "crash" only once every partition's
@@ -318,35 +346,54 @@ impl InboxConsumer {
         let mut fault = outcome.err();
         while let Some(done) = tasks.join_next().await {
             match done {
-                Ok((_, Err(f))) => fault = fault.or(Some(f)),
+                Ok((_, Err(f))) => fault = fault.or(Some(f.into())),
                 Ok((_, Ok(_))) => {}
                 Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
                 Err(e) => anyhow::bail!("a partition's task was cancelled: {e}"),
             }
         }
         match fault {
-            Some(f) => Err(f.into()),
+            Some(f) => Err(f),
             None => Ok(()),
         }
     }
 
-    /// A receive error. A record librdkafka could not read (a batch that
-    /// does not decompress, a corrupt message) is never skipped: librdkafka
-    /// fetches it again and reports it again, so its partition stops there
-    /// and no later offset of it is committed (`check.crcs`, which would
-    /// skip a batch failing its checksum, is refused). It is logged at
-    /// ERROR every time, with the code, and counted: the record cannot be
-    /// dead-lettered, because the client library does not say which
-    /// partition and offset it was.
-    fn receive_error(&self, e: &KafkaError) {
-        match e {
-            KafkaError::MessageConsumption(code) | KafkaError::MessageConsumptionFatal(code) => {
-                crate::runtime::metrics::receive_error(&self.settings.name, &format!("{code:?}"));
+    /// A receive error, and whether the consumer must stop for it.
+    ///
+    /// A record librdkafka cannot read must never be passed over by a later
+    /// commit, and how librdkafka goes on depends on why (its msgset
+    /// reader): a batch that does not decompress is fetched and reported
+    /// again, so its partition stops there and nothing after it is
+    /// committed — logged at ERROR each time and counted; a batch it cannot
+    /// parse at all (a bad message, a message format it does not know) is
+    /// skipped, and the fetch goes on past it. For those the consumer stops
+    /// (the process exits with the error) before it receives anything after
+    /// it: a restart meets the same record again, an operator must look at
+    /// the partition. `check.crcs`, which would skip a batch failing its
+    /// checksum, is refused. Such a record cannot be dead-lettered: rdkafka's
+    /// error does not carry the partition and offset librdkafka reported.
+    fn receive_error(&self, e: &KafkaError) -> Option<anyhow::Error> {
+        let code = match e {
+            KafkaError::MessageConsumption(code) | KafkaError::MessageConsumptionFatal(code) => *code,
+            _ => {
+                warn!(consumer = %self.settings.name, error = %e, "Kafka receive error; the client reconnects by itself");
+                return None;
+            }
+        };
+        crate::runtime::metrics::receive_error(&self.settings.name, &format!("{code:?}"));
+        match code {
+            RDKafkaErrorCode::BadCompression => {
                 error!(consumer = %self.settings.name, error = %e,
                        "a record could not be read from Kafka; its partition stops there, nothing after it is committed, until it can be read");
+                None
             }
+            RDKafkaErrorCode::BadMessage | RDKafkaErrorCode::NotImplemented => Some(anyhow::anyhow!(
+                "a record could not be read from Kafka ({e}) and the client would skip it: the consumer stops \
+                 rather than commit past it; inspect the partition (kafka-dump-log) before starting again"
+            )),
             _ => {
-                warn!(consumer = %self.settings.name, error = %e, "Kafka receive error; the client reconnects by itself")
+                warn!(consumer = %self.settings.name, error = %e, "Kafka receive error");
+                None
             }
         }
     }
@@ -393,11 +440,26 @@ impl InboxConsumer {
         match done {
             Done::Nothing => {}
             Done::Pause => {
-                if let Err(e) = self.consumer.pause(&tpl_of([&run.tp])) {
-                    warn!(error = %e, "pausing fetches of a held partition failed; its records are fetched and dropped meanwhile");
-                }
+                self.pause(&[run.tp]);
             }
             Done::Resume(r) => self.resume(r),
+        }
+    }
+
+    /// Pause fetching `tps` at the broker, as the partition state decided.
+    /// A revoke and a new assignment may have come between that decision
+    /// and this call (the assignment resumed the partition, this would
+    /// pause it for good): what the state no longer has paused is resumed.
+    fn pause(&self, tps: &[Tp]) {
+        if let Err(e) = self.consumer.pause(&tpl_of(tps)) {
+            warn!(error = %e, "pausing fetches failed; the partition's records are fetched and dropped meanwhile");
+        }
+        let undone: Vec<Tp> = {
+            let s = self.state.lock().expect("partition state lock");
+            tps.iter().filter(|tp| !s.is_paused(tp)).cloned().collect()
+        };
+        if !undone.is_empty() {
+            let _ = self.consumer.resume(&tpl_of(&undone));
         }
     }
 
@@ -405,18 +467,32 @@ impl InboxConsumer {
     fn resume(&self, r: Resume) {
         let (topic, partition) = &r.tp;
         if let Some(offset) = r.seek
-            && let Err(e) = self.consumer.seek(topic, *partition, Offset::Offset(offset), Duration::from_secs(5))
+            && let Err(e) = self.consumer.seek(topic, *partition, Offset::Offset(offset), Duration::from_secs(1))
         {
-            // Without the seek, fetching would go on past the dropped records:
-            // stop rather than commit past them (R1). A restart fetches them
-            // again from the committed offset.
-            error!(consumer = %self.settings.name, topic = %topic, partition, offset, error = %e,
-                   "seeking back to records dropped while the partition waited failed; the partition stays paused until a rebalance or restart");
+            // Without the seek, fetching would go on past the dropped
+            // records: the partition stays paused and the seek is tried
+            // again every second (R1).
+            warn!(consumer = %self.settings.name, topic = %topic, partition, offset, error = %e,
+                  "seeking back to records dropped while the partition waited failed; it stays paused and the seek is tried again");
+            self.state.lock().expect("partition state lock").seek_failed(r);
             return;
         }
         if let Err(e) = self.consumer.resume(&tpl_of([&r.tp])) {
             warn!(consumer = %self.settings.name, error = %e, "resuming fetches failed");
         }
+    }
+
+    /// Partitions whose task has run one batch for over [`SLOW_TASK`] give
+    /// their waiting records back and pause, as if waiting out a retry.
+    fn pause_slow(&self) {
+        let slow = self.state.lock().expect("partition state lock").slow(Instant::now(), SLOW_TASK);
+        if slow.is_empty() {
+            return;
+        }
+        warn!(consumer = %self.settings.name, partitions = slow.len(),
+              "a partition's transaction has run for over {}s; its partition is paused until it ends, so the others keep the buffer", SLOW_TASK.as_secs());
+        self.pause(&slow);
+        self.waits_changed.notify_one();
     }
 
     /// Held partitions whose route was resumed fetch again from where they were held.
@@ -576,10 +652,8 @@ impl InboxConsumer {
             // Waiting: what else is buffered for this partition is dropped
             // and it is paused at the broker until this task is done, so it
             // holds no more than its batch meanwhile.
-            if self.state.lock().expect("partition state lock").wait_out(&tp, generation)
-                && let Err(e) = self.consumer.pause(&tpl_of([&tp]))
-            {
-                warn!(error = %e, "pausing fetches of a waiting partition failed; its records are fetched and dropped meanwhile");
+            if self.state.lock().expect("partition state lock").wait_out(&tp, generation) {
+                self.pause(std::slice::from_ref(&tp));
             }
             self.waits_changed.notify_one();
             let interrupted = tokio::select! {
@@ -633,7 +707,8 @@ impl InboxConsumer {
         // A pause applies to every batch that starts after it was recorded:
         // read on the batch's own connection, in its task (never in the
         // receive loop, which a slow pool would hold up).
-        self.processor.set_paused(relay_store::ops::paused_routes(&mut conn).await?);
+        let read_at = Instant::now();
+        self.processor.set_paused_as_of(relay_store::ops::paused_routes(&mut conn).await?, read_at);
         let mut tx = conn.begin().await?;
         let started = Instant::now();
         // Intents written already claimed by this process's dispatcher: handed

@@ -25,6 +25,7 @@
 //! that is not done (R1): the broker hands the records back.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use relay_core::RawRecord;
 use tokio_util::sync::CancellationToken;
@@ -50,6 +51,9 @@ pub(super) enum Paused {
     Waiting,
     /// Held at a paused route from `offset`: it resumes there when `route` is resumed.
     Held { route: String, offset: i64 },
+    /// Its seek back to `offset` failed: tried again until it succeeds,
+    /// since fetching on without it would pass over the dropped records.
+    Seeking(i64),
 }
 
 /// One partition of this member.
@@ -64,9 +68,9 @@ struct Partition {
     waiting: Vec<(RawRecord, u64)>,
     /// Bytes of `waiting`.
     waiting_bytes: usize,
-    /// Bytes handed to its running task and not yet done; `None` when no
-    /// task runs.
-    running: Option<usize>,
+    /// Bytes handed to its running task and not yet done, and when the task
+    /// started; `None` when no task runs.
+    running: Option<(usize, Instant)>,
     /// Paused at the broker, and why.
     paused: Option<Paused>,
     /// The first offset dropped while paused: fetching resumes here.
@@ -80,7 +84,7 @@ struct Partition {
 
 impl Partition {
     fn buffered(&self) -> usize {
-        self.waiting_bytes + self.running.unwrap_or(0)
+        self.waiting_bytes + self.running.map_or(0, |(bytes, _)| bytes)
     }
 
     /// Drop the waiting records, to fetch them again from their first offset.
@@ -243,7 +247,7 @@ impl Partitions {
             if records.is_empty() {
                 continue;
             }
-            p.running = Some(records.iter().map(RawRecord::size).sum());
+            p.running = Some((records.iter().map(RawRecord::size).sum(), Instant::now()));
             let not_yet = match p.not_yet {
                 Some((offset, attempts)) if offset == records[0].offset => attempts,
                 _ => 0,
@@ -262,7 +266,7 @@ impl Partitions {
         }
         let p = self.parts.entry(tp.clone()).or_default();
         p.next_offset = Some(next);
-        if let Some(running) = &mut p.running {
+        if let Some((running, _)) = &mut p.running {
             *running = running.saturating_sub(bytes);
         }
         if p.not_yet.is_some_and(|(offset, _)| offset < next) {
@@ -319,6 +323,59 @@ impl Partitions {
             }
             None => Done::Nothing,
         }
+    }
+
+    /// Partitions whose task has run one batch for longer than `after` (a
+    /// row lock, a slow handler) while records of theirs wait: treated as
+    /// waiting out a retry — their waiting records dropped, paused at the
+    /// broker until the task is done —, so a slow partition cannot fill the
+    /// buffer every partition shares. The ones to pause now.
+    pub(super) fn slow(&mut self, now: Instant, after: Duration) -> Vec<Tp> {
+        let mut out = Vec::new();
+        for (tp, p) in &mut self.parts {
+            let slow = p.running.is_some_and(|(_, since)| now.duration_since(since) > after);
+            if slow && !p.waiting.is_empty() && p.paused.is_none() {
+                p.drop_waiting();
+                p.paused = Some(Paused::Waiting);
+                out.push(tp.clone());
+            }
+        }
+        out
+    }
+
+    /// A resume whose seek failed: the partition stays paused and the seek
+    /// is tried again ([`Partitions::seeks_due`]).
+    pub(super) fn seek_failed(&mut self, r: Resume) {
+        if let (Some(p), Some(offset)) = (self.parts.get_mut(&r.tp), r.seek) {
+            p.paused = Some(Paused::Seeking(offset));
+        }
+    }
+
+    /// The seeks to try again.
+    pub(super) fn seeks_due(&mut self) -> Vec<Resume> {
+        let mut out = Vec::new();
+        for (tp, p) in &mut self.parts {
+            if let Some(Paused::Seeking(offset)) = p.paused {
+                p.paused = None;
+                out.push(Resume { tp: tp.clone(), seek: Some(offset) });
+            }
+        }
+        out
+    }
+
+    /// Whether a seek waits to be tried again.
+    pub(super) fn seeking(&self) -> bool {
+        self.parts.values().any(|p| matches!(p.paused, Some(Paused::Seeking(_))))
+    }
+
+    /// Whether `tp` is paused at the broker by the relay.
+    pub(super) fn is_paused(&self, tp: &Tp) -> bool {
+        self.parts.get(tp).is_some_and(|p| p.paused.is_some())
+    }
+
+    /// Whether any task runs.
+    pub(super) fn running(&self) -> bool {
+        self.parts.values().any(|p| p.running.is_some())
     }
 
     /// Whether any partition is held at a paused route.
@@ -530,5 +587,42 @@ mod tests {
         // The R19 budget is not reset by a revoke: the same member goes on counting.
         s.receive(record(0, 1, 10), 1);
         assert_eq!(s.start_ready().pop().unwrap().not_yet, 3);
+    }
+
+    // Review of issue 27: a task stuck in a transaction (a row lock) was
+    // neither waiting out a retry nor paused, and its partition's queue
+    // filled the buffer every partition shares.
+    #[test]
+    fn a_task_running_one_batch_too_long_gives_its_waiting_records_back_and_its_partition_pauses() {
+        let mut s = partitions(2, 1000, 2);
+        for o in 0..5 {
+            s.receive(record(0, o, 10), 0);
+        }
+        s.start_ready();
+        let later = Instant::now() + Duration::from_secs(10);
+        assert!(s.slow(Instant::now(), Duration::from_secs(5)).is_empty(), "not slow yet");
+        assert_eq!(s.slow(later, Duration::from_secs(5)), vec![tp(0)]);
+        assert_eq!(s.waiting_records(), 0);
+        assert!(s.slow(later, Duration::from_secs(5)).is_empty(), "paused once");
+        assert!(s.advance(&tp(0), 0, 2, 20));
+        assert_eq!(s.task_done(&tp(0), 0, None), Done::Resume(Resume { tp: tp(0), seek: Some(2) }));
+    }
+
+    // Review of issue 27: a failed seek left the partition paused for good.
+    #[test]
+    fn a_failed_seek_keeps_the_partition_paused_and_is_tried_again() {
+        let mut s = partitions(10, 1000, 1);
+        s.receive(record(0, 0, 10), 0);
+        s.receive(record(0, 1, 10), 0);
+        let start = s.start_ready().pop().unwrap();
+        s.receive(record(0, 2, 10), 0);
+        s.wait_out(&start.tp, 0);
+        let Done::Resume(r) = s.task_done(&tp(0), 0, None) else { panic!("a resume") };
+        assert_eq!(r.seek, Some(2));
+        s.seek_failed(r);
+        assert!(s.seeking() && s.is_paused(&tp(0)));
+        assert_eq!(s.receive(record(0, 2, 10), 0), Filed::Dropped, "nothing taken while it is not fetched from 2");
+        assert_eq!(s.seeks_due(), vec![Resume { tp: tp(0), seek: Some(2) }]);
+        assert!(!s.seeking() && !s.is_paused(&tp(0)));
     }
 }

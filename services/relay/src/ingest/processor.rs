@@ -128,13 +128,20 @@ enum Prepared<'a, 'r> {
     Done(Processed),
 }
 
+/// The paused routes as last read, and when that read started.
+#[derive(Debug, Default)]
+struct PausedRoutes {
+    routes: std::collections::HashSet<String>,
+    read_at: Option<std::time::Instant>,
+}
+
 /// Turns records into database writes. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Processor {
     router: Arc<Router>,
     handlers: Handlers,
     /// Names of paused routes, refreshed by the consumer from `relay.pauses`.
-    paused: Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
+    paused: Arc<std::sync::RwLock<PausedRoutes>>,
     /// The dispatcher of this process, when intents are claimed at ingest.
     handoff: Option<Handoff>,
 }
@@ -160,13 +167,25 @@ impl Processor {
 
     /// Replace the set of paused routes.
     pub fn set_paused(&self, routes: impl IntoIterator<Item = String>) {
+        self.set_paused_as_of(routes, std::time::Instant::now());
+    }
+
+    /// Replace the set of paused routes with one whose read started at
+    /// `read_at`, unless a read that started later was stored already:
+    /// partition tasks read the set at once, and a slow read from before a
+    /// pause must not undo a newer one that has it.
+    pub fn set_paused_as_of(&self, routes: impl IntoIterator<Item = String>, read_at: std::time::Instant) {
         let mut p = self.paused.write().unwrap_or_else(std::sync::PoisonError::into_inner);
-        p.clear();
-        p.extend(routes);
+        if p.read_at.is_some_and(|at| at > read_at) {
+            return;
+        }
+        p.read_at = Some(read_at);
+        p.routes.clear();
+        p.routes.extend(routes);
     }
 
     fn is_paused(&self, route: &CompiledRoute) -> bool {
-        self.paused.read().unwrap_or_else(std::sync::PoisonError::into_inner).contains(&route.name)
+        self.paused.read().unwrap_or_else(std::sync::PoisonError::into_inner).routes.contains(&route.name)
     }
 
     /// The consumer (inbox namespace) this processor writes for.
@@ -750,5 +769,18 @@ mod tests {
         };
         assert_eq!((named.event_id.as_deref(), named.event_type.as_deref()), (Some("evt-1"), Some("order.placed")));
         assert_eq!(sanitized(&named).reason, "bad\u{fffd}byte");
+    }
+
+    // Review of issue 27: every partition task stores the pause set it read
+    // into one shared set; a slow read from before a pause could undo it.
+    #[test]
+    fn a_pause_set_read_before_a_newer_one_does_not_replace_it() {
+        let p = processor();
+        let (older, newer) =
+            (std::time::Instant::now(), std::time::Instant::now() + std::time::Duration::from_millis(5));
+        p.set_paused_as_of(["placed".to_string()], newer);
+        p.set_paused_as_of(Vec::new(), older);
+        let paused = done(p.prepare(&record("order.placed", "evt-1", &[])));
+        assert_eq!(paused, Disposition::Paused { route: "placed".into() }, "the newer read stands");
     }
 }
