@@ -287,6 +287,20 @@ impl InboxConsumer {
                         Err(f) => break Err(f.into()),
                     }
                 }
+                // Every second: held partitions whose route was resumed move
+                // on, and slow ones stop filling the shared buffer. Before
+                // receiving in this biased select, or a steady stream of
+                // records would never let it run.
+                _ = every_second.tick(), if checks => {
+                    self.pause_slow();
+                    let seeks = self.state.lock().expect("partition state lock").seeks_due();
+                    for r in seeks {
+                        self.resume(r);
+                    }
+                    if self.state.lock().expect("partition state lock").holding() {
+                        self.release_held().await;
+                    }
+                }
                 m = self.consumer.recv(), if room => match m {
                     Ok(m) => {
                         let mut received = vec![self.take(&m)];
@@ -327,18 +341,6 @@ impl InboxConsumer {
                 },
                 // A partition started waiting out a retry: its records left the bound.
                 _ = self.waits_changed.notified() => {}
-                // Every second: held partitions whose route was resumed move
-                // on, and slow ones stop filling the shared buffer.
-                _ = every_second.tick(), if checks => {
-                    self.pause_slow();
-                    let seeks = self.state.lock().expect("partition state lock").seeks_due();
-                    for r in seeks {
-                        self.resume(r);
-                    }
-                    if self.state.lock().expect("partition state lock").holding() {
-                        self.release_held().await;
-                    }
-                }
             }
         };
         // Stopping (or a fault: "crash" only once every partition's
