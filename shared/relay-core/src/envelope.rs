@@ -144,6 +144,10 @@ pub enum PoisonClass {
     MissingReference,
     /// A sequence gap never closed within the retry budget (R6).
     SequenceGap,
+    /// The Kafka client could not read the batch holding it (its bytes do
+    /// not decompress): its offsets are parked as one dead letter, without
+    /// bytes, and the partition goes on after them.
+    Unreadable,
 }
 
 impl PoisonClass {
@@ -163,6 +167,7 @@ impl PoisonClass {
             PoisonClass::Rejected => "rejected",
             PoisonClass::MissingReference => "missing_reference",
             PoisonClass::SequenceGap => "sequence_gap",
+            PoisonClass::Unreadable => "unreadable",
         }
     }
 }

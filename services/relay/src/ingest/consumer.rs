@@ -46,7 +46,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Offset, TopicPartitionList};
 use relay_core::config::{KafkaConfig, RetryBudget};
 use relay_core::retry::BackoffPolicy;
-use relay_core::{Poison, RawRecord};
+use relay_core::{Poison, PoisonClass, RawRecord};
 use sqlx::{Connection, PgPool};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -56,6 +56,7 @@ use relay_core::Disposition;
 
 use crate::ingest::partitions::{Done, Filed, Limits, PartitionResult, PartitionRun, Partitions, Resume, Start, Tp};
 use crate::ingest::processor::{Processed, Processor};
+use crate::ingest::unreadable::{self, Unreadable};
 use crate::runtime::faults::{FaultInjected, Faults, point};
 use crate::runtime::kafka::{Role, client_config, forward_error, forward_log};
 
@@ -143,6 +144,10 @@ impl ConsumerContext for RelayContext {
     }
 }
 
+/// What a search for unreadable batches found, with the revoke generation
+/// it started in.
+type Found = (u64, Vec<Unreadable>);
+
 /// How long one batch may run before its partition is treated as waiting:
 /// a batch takes milliseconds, so this is a lock or a handler stuck.
 const SLOW_TASK: Duration = Duration::from_secs(5);
@@ -171,6 +176,15 @@ pub struct InboxConsumer {
     /// Wakes the receive loop when a partition starts waiting out a retry:
     /// its waiting records are dropped, which may free receiving.
     waits_changed: tokio::sync::Notify,
+    /// Whether a search for an unreadable batch is running, and where its
+    /// finds go (with the revoke generation it started in); the loop holds
+    /// the receiving end.
+    probing: std::sync::atomic::AtomicBool,
+    /// When the last search started: one at most every few seconds.
+    probed_at: Mutex<Option<Instant>>,
+    found: tokio::sync::mpsc::UnboundedSender<Found>,
+    found_rx: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<Found>>>,
+    kafka: KafkaConfig,
     consumer: StreamConsumer<RelayContext>,
     state: Arc<Mutex<Partitions>>,
     processor: Processor,
@@ -224,7 +238,13 @@ impl InboxConsumer {
         let topics: Vec<&str> = settings.topics.iter().map(String::as_str).collect();
         consumer.subscribe(&topics)?;
         info!(consumer = %settings.name, group = %settings.group, topics = ?settings.topics, "inbox consumer subscribed");
+        let (found, found_rx) = tokio::sync::mpsc::unbounded_channel();
         Ok(InboxConsumer {
+            probing: std::sync::atomic::AtomicBool::new(false),
+            probed_at: Mutex::new(None),
+            found,
+            found_rx: Mutex::new(Some(found_rx)),
+            kafka: kafka.clone(),
             waits_changed: tokio::sync::Notify::new(),
             consumer,
             state,
@@ -261,6 +281,7 @@ impl InboxConsumer {
         let mut tasks: JoinSet<(Tp, PartitionResult)> = JoinSet::new();
         // One schedule for the checks of held and slow partitions: a sleep
         // made anew on every turn would never end while records keep coming.
+        let mut found = self.found_rx.lock().expect("probe lock").take().expect("the loop runs once");
         let mut every_second = tokio::time::interval(Duration::from_secs(1));
         every_second.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let outcome = loop {
@@ -341,6 +362,8 @@ impl InboxConsumer {
                 },
                 // A partition started waiting out a retry: its records left the bound.
                 _ = self.waits_changed.notified() => {}
+                // A batch the client cannot read was found: park it, go on after it.
+                Some((generation, runs)) = found.recv() => self.park_unreadable(generation, runs),
             }
         };
         // Stopping (or a fault: "crash" only once every partition's
@@ -374,7 +397,7 @@ impl InboxConsumer {
     /// the partition. `check.crcs`, which would skip a batch failing its
     /// checksum, is refused. Such a record cannot be dead-lettered: rdkafka's
     /// error does not carry the partition and offset librdkafka reported.
-    fn receive_error(&self, e: &KafkaError) -> Option<anyhow::Error> {
+    fn receive_error(self: &Arc<Self>, e: &KafkaError) -> Option<anyhow::Error> {
         let code = match e {
             KafkaError::MessageConsumption(code) | KafkaError::MessageConsumptionFatal(code) => *code,
             _ => {
@@ -386,7 +409,8 @@ impl InboxConsumer {
         match code {
             RDKafkaErrorCode::BadCompression => {
                 error!(consumer = %self.settings.name, error = %e,
-                       "a record could not be read from Kafka; its partition stops there, nothing after it is committed, until it can be read");
+                       "a batch could not be read from Kafka; its partition stops there, nothing after it is committed, until it is found and parked");
+                self.find_unreadable();
                 None
             }
             RDKafkaErrorCode::BadMessage | RDKafkaErrorCode::NotImplemented => Some(anyhow::anyhow!(
@@ -396,6 +420,73 @@ impl InboxConsumer {
             _ => {
                 warn!(consumer = %self.settings.name, error = %e, "Kafka receive error");
                 None
+            }
+        }
+    }
+
+    /// Look, off the runtime, for the partition whose batch cannot be read
+    /// (one search at a time; its finds come back to the loop).
+    fn find_unreadable(self: &Arc<Self>) {
+        {
+            let mut at = self.probed_at.lock().expect("probe lock");
+            if at.is_some_and(|t| t.elapsed() < Duration::from_secs(5)) {
+                return;
+            }
+            if self.probing.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                return;
+            }
+            *at = Some(Instant::now());
+        }
+        let generation = self.state.lock().expect("partition state lock").generation();
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let positions = me.positions();
+            let _ = me.found.send((generation, unreadable::probe(&me.kafka, &positions)));
+        });
+    }
+
+    /// Where fetching stands for each assigned partition: the position
+    /// (next offset to hand over), else — nothing handed over yet — the
+    /// committed offset, else none (the probe starts at the earliest).
+    /// Blocking: asks the broker.
+    fn positions(&self) -> Vec<(Tp, Option<i64>)> {
+        let Ok(tpl) = self.consumer.position() else { return Vec::new() };
+        let committed = self.consumer.committed(Duration::from_secs(10)).ok();
+        let at = |tpl: &TopicPartitionList, tp: &Tp| match tpl.find_partition(&tp.0, tp.1).map(|e| e.offset()) {
+            Some(Offset::Offset(o)) => Some(o),
+            _ => None,
+        };
+        tpl.elements()
+            .iter()
+            .map(|e| {
+                let tp = (e.topic().to_owned(), e.partition());
+                let from = at(&tpl, &tp).or_else(|| committed.as_ref().and_then(|c| at(c, &tp)));
+                (tp, from)
+            })
+            .collect()
+    }
+
+    /// Park each run of unreadable offsets (a stand-in record at its first
+    /// offset, which its partition's task dead-letters in order) and fetch
+    /// the partition on from the first readable offset after it.
+    fn park_unreadable(&self, generation: u64, runs: Vec<Unreadable>) {
+        self.probing.store(false, std::sync::atomic::Ordering::SeqCst);
+        for u in runs {
+            let why = format!(
+                "the Kafka client could not read the batch at offsets {}..{} ({}); its records are not recoverable \
+                 from the topic: inspect the broker's log segment",
+                u.from,
+                u.until - 1,
+                u.error
+            );
+            if !self.state.lock().expect("partition state lock").unreadable(&u.tp, generation, u.from, why) {
+                continue;
+            }
+            error!(consumer = %self.settings.name, topic = %u.tp.0, partition = u.tp.1, from = u.from, until = u.until,
+                   "a batch the Kafka client cannot read is parked as a dead letter; the partition goes on after it");
+            if let Err(e) = self.consumer.seek(&u.tp.0, u.tp.1, Offset::Offset(u.until), Duration::from_secs(1)) {
+                // librdkafka reports the batch again, and the search runs again.
+                warn!(consumer = %self.settings.name, error = %e, "seeking past an unreadable batch failed");
             }
         }
     }
@@ -583,7 +674,38 @@ impl InboxConsumer {
                 debug!(topic = %tp.0, partition = tp.1, left = records.len() - i, "partition revoked; its remaining records are left to the new owner");
                 return Ok(run);
             }
-            let end = records.len().min(i + self.settings.batch_size);
+            // A stand-in for a batch the client could not read: parked alone.
+            let unreadable_at =
+                |r: &RawRecord| self.state.lock().expect("partition state lock").unreadable_at(&tp, r.offset);
+            if let Some(why) = unreadable_at(&records[i]) {
+                let record = &records[i];
+                match self.park_alone(record, &Poison::new(PoisonClass::Unreadable, why), 1).await {
+                    Ok(()) => {
+                        crate::runtime::metrics::dead_lettered(
+                            &self.settings.name,
+                            &record.topic,
+                            PoisonClass::Unreadable.as_str(),
+                        );
+                        i += 1;
+                        self.advance(&tp, generation, record.offset + 1, 0, CommitMode::Async);
+                        continue;
+                    }
+                    Err(BatchError::Fault(f)) => return Err(f),
+                    Err(BatchError::Db(e)) => {
+                        db_failures += 1;
+                        let wait = self.db_unavailable(&e, db_failures, &mut rng);
+                        tokio::select! {
+                            _ = shutdown.cancelled() => { run.interrupted = true; return Ok(run); }
+                            _ = revoke.cancelled() => {}
+                            _ = tokio::time::sleep(wait) => {}
+                        }
+                        continue;
+                    }
+                }
+            }
+            let end = (i + 1..records.len().min(i + self.settings.batch_size))
+                .find(|&j| unreadable_at(&records[j]).is_some())
+                .unwrap_or(records.len().min(i + self.settings.batch_size));
             let wait = match self.run_batch(&tp, generation, &records[i..end]).await {
                 Ok(BatchRun { done, stopped, paused }) => {
                     db_failures = 0;

@@ -7,6 +7,7 @@
 //! * [`processor`] — one batch of records inside the caller's transaction:
 //!   route, guard, write (where a record becomes rows).
 //! * `partitions` — what the consumer knows of each partition it owns.
+//! * `unreadable` — finds a batch the Kafka client cannot read, to park it.
 //! * [`handler`] — the code handler trait: a database connection in, more
 //!   effects out, never an external client.
 
@@ -14,3 +15,4 @@ pub mod consumer;
 pub mod handler;
 mod partitions;
 pub mod processor;
+mod unreadable;

@@ -80,6 +80,9 @@ struct Partition {
     /// A record not processable yet (R19): its offset and the attempts made,
     /// kept across tasks (and a revoke, should this member get it back).
     not_yet: Option<(i64, u32)>,
+    /// Batches the client could not read: the first offset of each, with
+    /// why. Its task parks a stand-in record at that offset.
+    unreadable: HashMap<i64, String>,
 }
 
 impl Partition {
@@ -176,6 +179,7 @@ impl Partitions {
             p.resume_at = None;
             p.revoke.cancel();
             p.revoke = CancellationToken::new();
+            p.unreadable.clear();
             if let Some(next) = p.next_offset.take() {
                 commit.push((tp.clone(), next));
             }
@@ -272,6 +276,7 @@ impl Partitions {
         if p.not_yet.is_some_and(|(offset, _)| offset < next) {
             p.not_yet = None;
         }
+        p.unreadable.retain(|offset, _| *offset >= next);
         true
     }
 
@@ -357,6 +362,8 @@ impl Partitions {
         for (tp, p) in &mut self.parts {
             if let Some(Paused::Seeking(offset)) = p.paused {
                 p.paused = None;
+                // Records dropped meanwhile come after `offset`: fetched again from it.
+                p.resume_at = None;
                 out.push(Resume { tp: tp.clone(), seek: Some(offset) });
             }
         }
@@ -366,6 +373,30 @@ impl Partitions {
     /// Whether a seek waits to be tried again.
     pub(super) fn seeking(&self) -> bool {
         self.parts.values().any(|p| matches!(p.paused, Some(Paused::Seeking(_))))
+    }
+
+    /// The batch of `tp` from `offset` could not be read (`why`): a stand-in
+    /// record at `offset` is queued for its task, which parks it. `false`
+    /// if the partition was revoked since `generation`.
+    pub(super) fn unreadable(&mut self, tp: &Tp, generation: u64, offset: i64, why: String) -> bool {
+        if self.revoked_since(tp, generation) {
+            return false;
+        }
+        let stand_in =
+            RawRecord { topic: tp.0.clone(), partition: tp.1, offset, key: None, payload: None, headers: Vec::new() };
+        let p = self.parts.entry(tp.clone()).or_default();
+        p.unreadable.insert(offset, why);
+        // Again after its first stand-in was dropped (the partition waited):
+        // parking twice finds the dead letter there and moves on.
+        if !p.waiting.iter().any(|(r, _)| r.offset == offset) {
+            p.waiting.push((stand_in, generation));
+        }
+        true
+    }
+
+    /// Why the record of `tp` at `offset` could not be read, if it is a stand-in.
+    pub(super) fn unreadable_at(&self, tp: &Tp, offset: i64) -> Option<String> {
+        self.parts.get(tp).and_then(|p| p.unreadable.get(&offset).cloned())
     }
 
     /// Whether `tp` is paused at the broker by the relay.
