@@ -388,15 +388,14 @@ impl InboxConsumer {
     /// A record librdkafka cannot read must never be passed over by a later
     /// commit, and how librdkafka goes on depends on why (its msgset
     /// reader): a batch that does not decompress is fetched and reported
-    /// again, so its partition stops there and nothing after it is
-    /// committed — logged at ERROR each time and counted; a batch it cannot
-    /// parse at all (a bad message, a message format it does not know) is
-    /// skipped, and the fetch goes on past it. For those the consumer stops
-    /// (the process exits with the error) before it receives anything after
-    /// it: a restart meets the same record again, an operator must look at
-    /// the partition. `check.crcs`, which would skip a batch failing its
-    /// checksum, is refused. Such a record cannot be dead-lettered: rdkafka's
-    /// error does not carry the partition and offset librdkafka reported.
+    /// again, without its partition or offset, so nothing after it is
+    /// committed while a search finds it and it is parked as one dead
+    /// letter (`ingest/unreadable.rs`); a batch it cannot parse at all (a bad
+    /// message, a message format it does not know) is skipped, and the fetch
+    /// goes on past it. For those the consumer stops (the process exits with
+    /// the error) before it receives anything after it: a restart meets the
+    /// same record again, an operator must look at the partition.
+    /// `check.crcs`, which would skip a batch failing its checksum, is refused.
     fn receive_error(self: &Arc<Self>, e: &KafkaError) -> Option<anyhow::Error> {
         let code = match e {
             KafkaError::MessageConsumption(code) | KafkaError::MessageConsumptionFatal(code) => *code,
