@@ -19,6 +19,28 @@ use support::*;
 
 const CONSUMER_ONLY: Components = Components { consumer: true, dispatcher: false, publisher: false };
 
+/// Another member joins `h`'s group, for a topic of its own: every member
+/// gives its partitions back (an eager rebalance) and the relay gets its own
+/// again. The member stays in the group while the returned consumer lives.
+async fn another_member_joins(h: &Harness) -> rdkafka::consumer::StreamConsumer {
+    use rdkafka::consumer::Consumer;
+    let other_topic = unique("other");
+    relay_testkit::create_topics(&h.bootstrap, &[&other_topic], 1).await.unwrap();
+    let member: rdkafka::consumer::StreamConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &h.bootstrap)
+        .set("group.id", &h.group)
+        .set("session.timeout.ms", "6000")
+        .create()
+        .unwrap();
+    member.subscribe(&[&other_topic]).unwrap();
+    eventually("the other member's assignment", DEADLINE, || async {
+        let _ = tokio::time::timeout(std::time::Duration::from_millis(200), member.recv()).await;
+        member.assignment().ok().filter(|a| a.count() > 0).map(|_| ())
+    })
+    .await;
+    member
+}
+
 #[tokio::test]
 async fn a_duplicate_event_id_at_another_offset_causes_one_effect() {
     let h = Harness::new(1).await;
@@ -881,7 +903,6 @@ async fn a_partition_held_at_a_paused_route_flows_again_after_a_rebalance_and_a_
     // Issue 22 item 2: a held partition is paused at the broker; a rebalance
     // that hands it back to the same member must not leave it paused there
     // for good, or it never fetches again, even after the route is resumed.
-    use rdkafka::consumer::{Consumer, StreamConsumer};
     use relay_store::ops::{self, PauseKind};
     let h = Harness::new(1).await;
     let mut conn = h.db.conn().await.unwrap();
@@ -891,22 +912,8 @@ async fn a_partition_held_at_a_paused_route_flows_again_after_a_rebalance_and_a_
     let run = h.start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, no_faults()).await;
     // Offset 0 is processed; the batch holds at offset 1 (the paused route).
     h.await_committed(0, 1).await;
-    // Another member joins the group (for a topic of its own): every member
-    // gives its partitions back, and ours gets its partition again.
-    let other_topic = unique("other");
-    relay_testkit::create_topics(&h.bootstrap, &[&other_topic], 1).await.unwrap();
-    let other: StreamConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", &h.bootstrap)
-        .set("group.id", &h.group)
-        .set("session.timeout.ms", "6000")
-        .create()
-        .unwrap();
-    other.subscribe(&[&other_topic]).unwrap();
-    eventually("the other member's assignment", DEADLINE, || async {
-        let _ = tokio::time::timeout(std::time::Duration::from_millis(200), other.recv()).await;
-        other.assignment().ok().filter(|a| a.count() > 0).map(|_| ())
-    })
-    .await;
+    // Another member joins the group: ours gets its partition again.
+    let _other = another_member_joins(&h).await;
     ops::resume(&mut conn, PauseKind::Route, "order-placed").await.unwrap();
     let (_, last) = h.send(&order("evt-2", "o-2")).await;
     h.await_committed(0, last + 1).await;
@@ -1092,7 +1099,6 @@ async fn records_compressed_with_zstd_snappy_lz4_and_gzip_are_all_consumed() {
 // that task woke (up to the retry's max delay, here 45 s).
 #[tokio::test]
 async fn a_rebalance_while_a_partition_waits_out_a_long_retry_does_not_stop_the_other_partitions() {
-    use rdkafka::consumer::{Consumer, StreamConsumer};
     let h = Harness::new(2).await;
     let (_ready, refusals, handlers, mut cfg) = waiting_for_customer(&h);
     cfg.consumer.reference_retry.backoff.min_delay = std::time::Duration::from_secs(45);
@@ -1113,22 +1119,8 @@ async fn a_rebalance_while_a_partition_waits_out_a_long_retry_does_not_stop_the_
     let run = h.start_with(cfg, CONSUMER_ONLY, handlers, no_faults()).await;
     eventually("the stuck record refused", DEADLINE, || async { (refusals.load(Ordering::SeqCst) >= 1).then_some(()) })
         .await;
-    // Another member joins the group (for a topic of its own): every member
-    // gives its partitions back and ours gets both again.
-    let other_topic = unique("other");
-    relay_testkit::create_topics(&h.bootstrap, &[&other_topic], 1).await.unwrap();
-    let member: StreamConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", &h.bootstrap)
-        .set("group.id", &h.group)
-        .set("session.timeout.ms", "6000")
-        .create()
-        .unwrap();
-    member.subscribe(&[&other_topic]).unwrap();
-    eventually("the other member's assignment", DEADLINE, || async {
-        let _ = tokio::time::timeout(std::time::Duration::from_millis(200), member.recv()).await;
-        member.assignment().ok().filter(|a| a.count() > 0).map(|_| ())
-    })
-    .await;
+    // Another member joins the group: ours gets both partitions again.
+    let _member = another_member_joins(&h).await;
     // The other partition keeps flowing, long before the 45 s retry is due.
     let mut last = 0;
     for i in 0..5 {
