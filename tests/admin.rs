@@ -234,6 +234,9 @@ async fn the_admin_api_needs_its_token_and_pauses_hold_work_without_skipping_it(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_console_shows_a_dead_intent_and_replaying_it_makes_it_succeed() {
+    // A route without on_dead effects: a dead intent whose failure was
+    // announced is not replayed (issue 28, D4; the dispatcher tests).
+    let route = CAPTURE_ROUTE.split("[[routes.actions.on_dead.emit]]").next().unwrap();
     let h = Harness::new(1).await;
     h.provider.set_faults(vec![FaultRule {
         path_prefix: None,
@@ -242,7 +245,7 @@ async fn the_console_shows_a_dead_intent_and_replaying_it_makes_it_succeed() {
         kind: FaultKind::Status { status: 422, retry_after_secs: None },
     }]);
     h.send(&order("evt-1", "o-1")).await;
-    let (mut p, admin) = run_with_admin(&h, CAPTURE_ROUTE).await;
+    let (mut p, admin) = run_with_admin(&h, route).await;
     let intent: String = eventually("the intent to die", DEADLINE, || async {
         sqlx::query_scalar("SELECT id::text FROM relay.intents WHERE state = 'dead'")
             .fetch_optional(&h.db.pool)
@@ -301,10 +304,16 @@ async fn cleanup_deletes_only_rows_past_their_retention_in_bounded_batches() {
         succeeded_intents: Some(Duration::from_secs(86_400)),
         published_outbox: Some(Duration::from_secs(86_400)),
         batch_size: 7,
+        on_shorter_than_topic: ShorterRetention::Warn,
         ..Default::default()
     };
+    // The topic keeps records longer than a day: cleaning up is only allowed
+    // because this configuration says "warn".
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.retention = retention.clone();
+    let checked = relay::ops::retention::check_topic_retention(&cfg).await.unwrap();
     let mut batches = Vec::new();
-    let deleted = relay::ops::retention::cleanup_once(&h.db.pool, &retention, &h.consumer, |what, total| {
+    let deleted = relay::ops::retention::cleanup_once(&h.db.pool, &retention, &h.consumer, checked, |what, total| {
         batches.push((what, total))
     })
     .await
@@ -320,13 +329,10 @@ async fn cleanup_deletes_only_rows_past_their_retention_in_bounded_batches() {
     assert_eq!(h.db.count("intent_attempts", "true").await, 10, "attempts went with their intents");
 
     // At start, an inbox retention shorter than the topic's is refused (or warned about).
-    let mut cfg = h.config(CAPTURE_ROUTE);
-    cfg.retention = retention.clone();
+    retention.on_shorter_than_topic = ShorterRetention::Refuse;
+    cfg.retention = retention;
     let err = relay::ops::retention::check_topic_retention(&cfg).await.unwrap_err().to_string();
     assert!(err.contains(&h.topic) && err.contains("retention.inbox"), "{err}");
-    retention.on_shorter_than_topic = ShorterRetention::Warn;
-    cfg.retention = retention;
-    relay::ops::retention::check_topic_retention(&cfg).await.unwrap();
     // Kafka's defaults keep records 7 days, in segments of 7 days: a record
     // may be handed back for up to 14 days (issue 22 item 6).
     cfg.retention.on_shorter_than_topic = ShorterRetention::Refuse;
@@ -373,4 +379,39 @@ async fn spans_are_exported_over_otlp_when_an_endpoint_is_configured() {
     assert!(all.windows(16).any(|w| w == want.as_slice()), "the exported spans belong to the event's trace");
     assert!(all.windows(b"relay.call".len()).any(|w| w == b"relay.call"), "the call span is exported");
     assert!(all.windows(b"relay.inbox".len()).any(|w| w == b"relay.inbox"), "the processing span is exported");
+}
+
+#[tokio::test]
+async fn every_process_that_deletes_inbox_rows_refuses_an_inbox_retention_shorter_than_the_topic_s() {
+    // Issue 28 D6: `relay consume` refused, but `relay dispatch` (beside
+    // which cleanup runs) and `relay cleanup` deleted inbox rows the broker
+    // could still hand back, so a replay would apply those events again.
+    let h = Harness::new(1).await;
+    sqlx::query(
+        "INSERT INTO relay.inbox (consumer, event_id, event_type, topic, partition, \"offset\", outcome, received_at)
+         SELECT $1, 'old-' || g, 't', $2, 0, g, 'applied', now() - interval '2 hours' FROM generate_series(1, 5) g",
+    )
+    .bind(&h.consumer)
+    .bind(&h.topic)
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    // The topic keeps records for Kafka's default week; the inbox only an hour.
+    let text = format!("{}\n[retention]\ninbox = \"1h\"\ninterval = \"100ms\"\n", h.config_text(CAPTURE_ROUTE));
+    let config = h.write_config(&text);
+
+    let mut cleanup = h.process(&config, &["cleanup"], &[]);
+    assert!(!cleanup.wait(DEADLINE).unwrap().success(), "relay cleanup refused");
+    let log = cleanup.log();
+    assert!(log.contains("retention.inbox") && log.contains(&h.topic), "names the setting and the topic: {log}");
+
+    let mut dispatch = h.process(&config, &["dispatch"], &[]);
+    assert!(!dispatch.wait(DEADLINE).unwrap().success(), "relay dispatch refused to start");
+    assert_eq!(h.inbox().await, 5, "no inbox row was deleted");
+
+    // Told to warn instead, the same cleanup deletes them.
+    let config = h.write_config(&format!("{text}on_shorter_than_topic = \"warn\"\n"));
+    let mut cleanup = h.process(&config, &["cleanup"], &[]);
+    assert!(cleanup.wait(DEADLINE).unwrap().success());
+    assert_eq!(h.inbox().await, 0);
 }

@@ -10,14 +10,18 @@ use std::time::Duration;
 use example_provider::{FaultKind, FaultRule};
 use relay::runtime::faults::point;
 use relay::{Components, FaultAction, Faults};
-use relay_store::intents::{self, AttemptRecord, Fenced, Finish, NextState};
-use relay_store::{ClaimPool, outbox};
+use relay_store::intents::{self, AttemptOutcome, AttemptRecord, Fenced, Finish, NextState, Scope};
+use relay_store::{ClaimCommit, ClaimPool, outbox};
 use relay_testkit::read_topic;
 use serde_json::json;
 use support::*;
 
 const INGEST: Components = Components { consumer: true, dispatcher: false, publisher: true };
 const DISPATCH: Components = Components { consumer: false, dispatcher: true, publisher: false };
+
+/// The intents written by hand below: consumer `t` or `c`, endpoint `psp`.
+const T_PSP: Scope<'static> = Scope { consumer: "t", endpoints: &["psp"] };
+const C_PSP: Scope<'static> = Scope { consumer: "c", endpoints: &["psp"] };
 
 fn rule(key_prefix: &str, times: Option<u32>, kind: FaultKind) -> FaultRule {
     FaultRule { path_prefix: None, key_prefix: Some(key_prefix.into()), times, kind }
@@ -111,20 +115,28 @@ async fn a_worker_whose_lease_was_rescued_cannot_finish_the_intent() {
     ingest.stop().await.unwrap();
 
     let mut conn = h.db.conn().await.unwrap();
-    let mut claims = ClaimPool::beside(&h.db.pool, 1).acquire().await.unwrap();
-    let stale = intents::claim(&mut claims, "worker-a", 10, Duration::from_secs(60)).await.unwrap().rows.remove(0);
+    let mut claims = ClaimPool::beside(&h.db.pool, 1, ClaimCommit::Durable).acquire().await.unwrap();
+    let scope = Scope { consumer: &h.consumer, endpoints: &["psp"] };
+    let stale =
+        intents::claim(&mut claims, &scope, "worker-a", 10, Duration::from_secs(60)).await.unwrap().rows.remove(0);
     // Worker A stalls past its lease; the rescuer returns the intent and worker B claims it.
     sqlx::query("UPDATE relay.intents SET locked_until = now() - interval '1 second'")
         .execute(&mut *conn)
         .await
         .unwrap();
     assert_eq!(intents::rescue_expired(&mut conn, 10).await.unwrap(), vec![stale.id]);
-    let fresh = intents::claim(&mut claims, "worker-b", 10, Duration::from_secs(60)).await.unwrap().rows.remove(0);
+    let fresh =
+        intents::claim(&mut claims, &scope, "worker-b", 10, Duration::from_secs(60)).await.unwrap().rows.remove(0);
     assert_eq!(fresh.id, stale.id);
     assert_eq!(fresh.attempts, 2, "the lost attempt still counts");
 
-    let done =
-        AttemptRecord { started_at: None, outcome: "succeeded", status: Some(201), error_class: None, error: None };
+    let done = AttemptRecord {
+        started_at: None,
+        outcome: AttemptOutcome::Succeeded,
+        status: Some(201),
+        error_class: None,
+        error: None,
+    };
     let finish = |i: &intents::ClaimedIntent, next| Finish {
         id: i.id,
         token: i.lease_token,
@@ -158,16 +170,16 @@ async fn a_short_claim_says_when_the_next_intent_or_outbox_row_comes_due_and_a_f
     .execute(&db.pool)
     .await
     .unwrap();
-    let mut conn = ClaimPool::beside(&db.pool, 1).acquire().await.unwrap();
+    let mut conn = ClaimPool::beside(&db.pool, 1, ClaimCommit::Durable).acquire().await.unwrap();
     let lease = Duration::from_secs(60);
-    let full = intents::claim(&mut conn, "w", 2, lease).await.unwrap();
+    let full = intents::claim(&mut conn, &T_PSP, "w", 2, lease).await.unwrap();
     assert_eq!((full.rows.len(), full.next_due), (2, None), "a full claim goes again at once");
-    let short = intents::claim(&mut conn, "w", 10, lease).await.unwrap();
+    let short = intents::claim(&mut conn, &T_PSP, "w", 10, lease).await.unwrap();
     assert_eq!(short.rows.len(), 1);
     let in_an_hour = chrono::Utc::now() + chrono::Duration::hours(1);
     let due = short.next_due.expect("the intent due in an hour");
     assert!((due - in_an_hour).num_seconds().abs() < 60, "{due} is not in an hour");
-    let empty = intents::claim(&mut conn, "w", 10, lease).await.unwrap();
+    let empty = intents::claim(&mut conn, &T_PSP, "w", 10, lease).await.unwrap();
     assert_eq!((empty.rows.len(), empty.next_due), (0, Some(due)));
 
     // The outbox claim says the same, and keeps its rows in write order.
@@ -180,13 +192,13 @@ async fn a_short_claim_says_when_the_next_intent_or_outbox_row_comes_due_and_a_f
     .execute(&db.pool)
     .await
     .unwrap();
-    let full = outbox::claim(&mut conn, 2, lease).await.unwrap();
+    let full = outbox::claim(&mut conn, "t", 2, lease).await.unwrap();
     assert_eq!((full.rows.iter().map(|r| r.seq).collect::<Vec<_>>(), full.next_due), (vec![1, 2], None));
-    let short = outbox::claim(&mut conn, 10, lease).await.unwrap();
+    let short = outbox::claim(&mut conn, "t", 10, lease).await.unwrap();
     assert_eq!(short.rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [3]);
     let due = short.next_due.expect("the row due in an hour");
     assert!((due - in_an_hour).num_seconds().abs() < 60, "{due} is not in an hour");
-    let empty = outbox::claim(&mut conn, 10, lease).await.unwrap();
+    let empty = outbox::claim(&mut conn, "t", 10, lease).await.unwrap();
     assert_eq!((empty.rows.len(), empty.next_due), (0, Some(due)));
 }
 
@@ -594,13 +606,14 @@ async fn the_next_event_of_a_key_passed_over_by_a_full_claim_is_published_next_n
     let others = 40;
     sqlx::query(
         "INSERT INTO relay.outbox (id, consumer, source_id, action, topic, key, payload, ordering_key)
-         SELECT gen_random_uuid(), 't', 'e-' || g, 'accepted', $1, convert_to(k, 'UTF8'), convert_to(n.name, 'UTF8'), k
+         SELECT gen_random_uuid(), $3, 'e-' || g, 'accepted', $1, convert_to(k, 'UTF8'), convert_to(n.name, 'UTF8'), k
            FROM generate_series(1, $2) g,
                 LATERAL (SELECT CASE g WHEN 1 THEN 'A1' WHEN 2 THEN 'A2' ELSE 'B' || (g - 2) END AS name) n,
                 LATERAL (SELECT CASE WHEN n.name LIKE 'A%' THEN 'A' ELSE n.name END AS k) key",
     )
     .bind(&h.out)
     .bind(others + 2)
+    .bind(&h.consumer)
     .execute(&h.db.pool)
     .await
     .unwrap();
@@ -787,20 +800,20 @@ async fn calls_go_on_while_the_finalizers_are_busy_recording_outcomes() {
 #[tokio::test]
 async fn a_claimer_keeps_its_connection_between_claims_and_replaces_one_that_was_killed() {
     let db = relay_testkit::TestDb::new().await.unwrap();
-    let mut claimer = ClaimPool::beside(&db.pool, 1).claimer();
+    let mut claimer = ClaimPool::beside(&db.pool, 1, ClaimCommit::Durable).claimer();
     let lease = Duration::from_secs(60);
     let pid = async |claimer: &mut relay_store::Claimer| -> i32 {
         let conn = claimer.connection().await.unwrap();
         sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(conn.as_conn()).await.unwrap()
     };
     let first = pid(&mut claimer).await;
-    claimer.claim(async |conn| intents::claim(conn, "w", 10, lease).await).await.unwrap();
+    claimer.claim(async |conn| intents::claim(conn, &C_PSP, "w", 10, lease).await).await.unwrap();
     assert_eq!(pid(&mut claimer).await, first, "the same session claims again");
 
     sqlx::query("SELECT pg_terminate_backend($1, 5000)").bind(first).execute(&db.pool).await.unwrap();
-    let failed = claimer.claim(async |conn| intents::claim(conn, "w", 10, lease).await).await;
+    let failed = claimer.claim(async |conn| intents::claim(conn, &C_PSP, "w", 10, lease).await).await;
     assert!(failed.is_err(), "a claim on the killed session fails");
-    let claim = claimer.claim(async |conn| intents::claim(conn, "w", 10, lease).await).await.unwrap();
+    let claim = claimer.claim(async |conn| intents::claim(conn, &C_PSP, "w", 10, lease).await).await.unwrap();
     assert!(claim.rows.is_empty());
     assert_ne!(pid(&mut claimer).await, first, "claims go on on a new session");
 }
@@ -1048,7 +1061,7 @@ async fn intents_of_one_ordering_key_run_one_at_a_time_in_commit_order() {
     // last. The claim must never have both running at once, and runs them in
     // the order they committed.
     let db = relay_testkit::TestDb::new().await.unwrap();
-    let mut claimer = ClaimPool::beside(&db.pool, 1).claimer();
+    let mut claimer = ClaimPool::beside(&db.pool, 1, ClaimCommit::Durable).claimer();
     let lease = Duration::from_secs(60);
     let first = new_intent(1, "psp", Some("customer-1"));
     let second = new_intent(2, "psp", Some("customer-1"));
@@ -1072,7 +1085,7 @@ async fn intents_of_one_ordering_key_run_one_at_a_time_in_commit_order() {
     })
     .await;
     let mut claim = async || -> Vec<uuid::Uuid> {
-        let c = claimer.claim(async |conn| intents::claim(conn, "w", 10, lease).await).await.unwrap();
+        let c = claimer.claim(async |conn| intents::claim(conn, &C_PSP, "w", 10, lease).await).await.unwrap();
         c.rows.iter().map(|r| r.id).collect()
     };
     let mut order = claim().await;
@@ -1123,7 +1136,7 @@ async fn an_intent_out_of_budget_after_an_uncertain_attempt_is_left_uncertain_wi
     let mut conn = h.db.conn().await.unwrap();
     let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents").fetch_one(&mut *conn).await.unwrap();
     assert_eq!(
-        intents::requeue(&mut conn, id).await.unwrap(),
+        intents::requeue(&mut conn, &h.consumer, id).await.unwrap(),
         intents::Requeue::Queued,
         "an uncertain intent can be replayed"
     );
@@ -1221,7 +1234,8 @@ async fn attempts_span(h: &Harness, filter: &str) -> f64 {
 async fn the_operator_queues_every_dead_intent_of_an_endpoint_again_and_leaves_the_others() {
     use relay::ops::admin::{Intents, Operator, OpsError};
     let db = relay_testkit::TestDb::new().await.unwrap();
-    // 2 500 dead intents of `psp`, 3 of `other`, 2 succeeded.
+    // 2 500 dead intents of `psp`, 3 of `other`, 2 succeeded; and dead ones
+    // of another consumer sharing the database (issue 28, D11).
     sqlx::query(
         "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path,
                                     idempotency_key, max_attempts, attempts, expires_at, emit_source, state)
@@ -1233,7 +1247,19 @@ async fn the_operator_queues_every_dead_intent_of_an_endpoint_again_and_leaves_t
     .execute(&db.pool)
     .await
     .unwrap();
-    let ops = Operator::new(db.pool.clone(), &relay_core::RelayConfig::default());
+    sqlx::query(
+        "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path,
+                                    idempotency_key, max_attempts, attempts, expires_at, emit_source, state)
+         SELECT gen_random_uuid(), 'u', 'e-' || g, 'capture', 'psp', 'POST', '/c', 'u-capture:' || g, 3, 3,
+                now() + interval '1 day', 'u', 'dead'
+           FROM generate_series(1, 4) g",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut cfg = relay_core::RelayConfig::default();
+    cfg.consumer.name = "t".into();
+    let ops = Operator::new(db.pool.clone(), &cfg);
     let mut progress = Vec::new();
     let done = ops.requeue_all(Intents::Dead { endpoint: Some("psp".into()) }, |n| progress.push(n)).await.unwrap();
     assert_eq!((done.asked, done.queued, done.left.len()), (2500, 2500, 0));
@@ -1251,6 +1277,14 @@ async fn the_operator_queues_every_dead_intent_of_an_endpoint_again_and_leaves_t
     };
     assert_eq!(count("pending", "psp").await, 2500);
     assert_eq!(count("dead", "other").await, 3, "another endpoint's dead intents stay dead");
+    let theirs = db.count("intents", "consumer = 'u' AND state = 'dead'").await;
+    assert_eq!(theirs, 4, "another consumer's dead intents stay dead");
+    let u1: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents WHERE idempotency_key = 'u-capture:1'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(matches!(ops.requeue(u1).await, Err(OpsError::Conflict(_))), "nor is one queued by id");
+    assert!(ops.intent(u1).await.is_err(), "nor shown");
 
     // By id: a dead one is queued, a succeeded one (and an unknown id) left, named.
     let id_of = |key: &'static str| {
@@ -1268,4 +1302,238 @@ async fn the_operator_queues_every_dead_intent_of_an_endpoint_again_and_leaves_t
     assert_eq!((done.asked, done.queued, done.left), (3, 1, vec![succeeded, unknown]));
     let refused = ops.requeue(succeeded).await.unwrap_err();
     assert!(matches!(&refused, OpsError::Conflict(why) if why.contains("neither dead nor uncertain")), "{refused:?}");
+}
+
+/// State and last status of the only intent with key `key`, and whether an
+/// attempt of it may have been applied.
+async fn ending(h: &Harness, key: &str) -> (String, Option<i32>, bool) {
+    sqlx::query_as("SELECT state, last_status, ever_uncertain FROM relay.intents WHERE idempotency_key = $1")
+        .bind(key)
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn once_an_attempt_may_have_been_applied_the_intent_never_ends_dead_whatever_later_attempts_say() {
+    // Issue 28 D1: attempt 1 times out after sending (the provider may be
+    // applying it), later attempts get 503 until the budget ends. The
+    // capture may have gone through: no payment.failed, state uncertain —
+    // before the fix the last attempt alone decided, and it ended dead.
+    let h = Harness::new(1).await;
+    h.provider.set_faults(vec![
+        rule("capture:o-1", Some(1), FaultKind::TimeoutBeforeApply { delay_ms: 1_500 }),
+        rule("capture:o-1", None, FaultKind::Status { status: 503, retry_after_secs: None }),
+    ]);
+    h.send(&order("evt-1", "o-1")).await;
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.endpoints.get_mut("psp").unwrap().max_attempts = 3;
+    let run = h.start(cfg.clone(), Components::ALL, no_faults()).await;
+    h.await_intents_finished(1).await;
+    assert_eq!(ending(&h, "capture:o-1").await, ("uncertain".into(), Some(503), true));
+    assert_eq!(
+        attempts(&h, "capture:o-1").await,
+        vec![("uncertain".into(), None), ("retryable".into(), Some(503)), ("retryable".into(), Some(503))]
+    );
+    // A replay that meets only 503s again ends uncertain again: the timeout
+    // stays as possible as it was.
+    let mut conn = h.db.conn().await.unwrap();
+    let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents").fetch_one(&mut *conn).await.unwrap();
+    assert_eq!(intents::requeue(&mut conn, &h.consumer, id).await.unwrap(), intents::Requeue::Queued);
+    h.await_intents_finished(1).await;
+    run.stop().await.unwrap();
+    assert_eq!(ending(&h, "capture:o-1").await, ("uncertain".into(), Some(503), true));
+    assert_eq!(h.db.count("outbox", "event_type = 'payment.failed'").await, 0, "on_dead was recorded");
+}
+
+#[tokio::test]
+async fn a_claim_that_comes_back_late_has_the_lease_it_was_given_not_a_new_one() {
+    // Issue 28 D2: the lease clock started when the claim came back, so a
+    // claim that took 2.5 s (a loaded database, a starved runtime) still
+    // sent its call as if it had the whole lease: the call ran past the
+    // database's lease, the rescuer re-queued the intent and a second call
+    // with the same key was in flight beside the first.
+    let h = Harness::new(1).await;
+    // Lease 3 s, timeout 1 s (the harness); the provider takes 900 ms.
+    h.provider.set_faults(vec![rule("capture:o-1", None, FaultKind::TimeoutAfterApply { delay_ms: 900 })]);
+    h.send(&order("evt-1", "o-1")).await;
+    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    h.await_inbox(1).await;
+    let slow_claim =
+        Faults::new(&[(point::DISPATCHER_AFTER_CLAIM, FaultAction::Pause(Duration::from_millis(2_500)), 1)])
+            .with_sabotage(no_faults().sabotage());
+    let dispatch = h.start(h.config(CAPTURE_ROUTE), DISPATCH, slow_claim).await;
+    h.await_intents_finished(1).await;
+    h.await_published(1).await;
+    dispatch.stop().await.unwrap();
+    ingest.stop().await.unwrap();
+    let stats = h.provider.stats();
+    assert_eq!(stats.by_key["capture:o-1"].concurrent, 0, "two calls of one key in flight at once: {stats:?}");
+    assert_eq!(stats.applied_for("capture:o-1"), 1);
+    assert_eq!(intent_state(&h, "capture:o-1").await.0, "succeeded");
+}
+
+#[tokio::test]
+async fn dispatchers_and_publishers_take_only_their_consumer_s_rows_of_endpoints_they_have() {
+    // Issue 28 D3: two deployments share a database. Deployment B's
+    // dispatcher (its own consumer, endpoint `other` only) claimed A's
+    // intents too, spent their attempts on an endpoint it does not have and
+    // recorded payment.failed; B's publisher published A's outbox rows.
+    let h = Harness::new(1).await;
+    h.send_orders(5).await;
+    let ingest = h.start(h.config(CAPTURE_ROUTE), Components { publisher: false, ..INGEST }, no_faults()).await;
+    h.await_inbox(5).await;
+    ingest.stop().await.unwrap();
+    let mut b = h.config(CAPTURE_ROUTE);
+    b.consumer.name = format!("{}-b", h.consumer);
+    let psp = b.endpoints.remove("psp").unwrap();
+    b.endpoints.insert("other".into(), relay_core::config::EndpointConfig { max_attempts: 2, ..psp });
+    b.routes.clear();
+    // B's own work, written after A's: an intent and an outbox row.
+    relay_testkit::seed::pending_intents(&h.db.pool, &b.consumer.name, "other", "b-", 1).await.unwrap();
+    relay_testkit::seed::pending_outbox(&h.db.pool, &b.consumer.name, &h.out, 1).await.unwrap();
+    let run_b = h.start(b, Components { consumer: false, ..Components::ALL }, no_faults()).await;
+    // Claims go oldest first: once B's own rows are done, A's would have
+    // been claimed before them.
+    eventually("B's own intent and outbox row", DEADLINE, || async {
+        let intent = h.db.count("intents", "idempotency_key = 'capture:b-o-1' AND state = 'succeeded'").await;
+        let row = h.db.count("outbox", &format!("consumer = '{}-b' AND state = 'published'", h.consumer)).await;
+        (intent == 1 && row == 1).then_some(())
+    })
+    .await;
+    run_b.stop().await.unwrap();
+    let a = format!("consumer = '{}'", h.consumer);
+    assert_eq!(h.db.count("intents", &format!("{a} AND state = 'pending' AND attempts = 0")).await, 5);
+    assert_eq!(h.db.count("outbox", &format!("{a} AND state <> 'pending'")).await, 0, "A's rows untouched");
+    assert_eq!(h.provider.stats().requests, 1, "only B's call was made");
+
+    // A's own dispatcher and publisher call and publish them, first attempt each.
+    let run_a = h.start(h.config(CAPTURE_ROUTE), Components { consumer: false, ..Components::ALL }, no_faults()).await;
+    h.await_intents_finished(6).await;
+    run_a.stop().await.unwrap();
+    assert_eq!(h.db.count("intents", &format!("{a} AND state = 'succeeded' AND attempts = 1")).await, 5);
+    assert_eq!(h.db.count("outbox", "event_type = 'payment.failed'").await, 0);
+}
+
+#[tokio::test]
+async fn a_redirect_is_an_answer_not_followed_and_the_call_is_dead_with_its_status() {
+    // Issue 28 D7: reqwest followed a 302 to a login page, whose 200 counted
+    // as the capture's success; a 307 would have re-sent the body and the
+    // idempotency key to another host.
+    let h = Harness::new(1).await;
+    let to_login = FaultKind::Redirect { status: 302, location: "/login".into() };
+    h.provider.set_faults(vec![FaultRule {
+        path_prefix: Some("/captures".into()),
+        key_prefix: None,
+        times: None,
+        kind: to_login,
+    }]);
+    h.send(&order("evt-1", "o-1")).await;
+    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    h.await_intents_finished(1).await;
+    run.stop().await.unwrap();
+    let (state, _, status, error) = intent_state(&h, "capture:o-1").await;
+    assert_eq!((state.as_str(), status), ("dead", Some(302)), "{error:?}");
+    assert!(error.unwrap_or_default().contains("redirect to \"/login\" not followed"));
+    let stats = h.provider.stats();
+    assert_eq!((stats.requests, stats.applied), (1, 0), "the login page was never asked: {stats:?}");
+}
+
+#[tokio::test]
+async fn a_stale_completion_beside_a_fresh_one_of_the_same_intent_records_nothing() {
+    // Issue 28 D9: outcome effects were fenced by intent id, so a stale
+    // completion (its lease rescued and re-claimed) that said "dead" in the
+    // same batch as the current claim's "retry" recorded payment.failed.
+    let h = Harness::new(1).await;
+    h.send(&order("evt-1", "o-1")).await;
+    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    h.await_inbox(1).await;
+    ingest.stop().await.unwrap();
+    let mut claims = ClaimPool::beside(&h.db.pool, 1, ClaimCommit::Durable).acquire().await.unwrap();
+    let scope = Scope { consumer: &h.consumer, endpoints: &["psp"] };
+    let lease = Duration::from_secs(60);
+    let stale = intents::claim(&mut claims, &scope, "worker-a", 1, lease).await.unwrap().rows.remove(0);
+    sqlx::query("UPDATE relay.intents SET locked_until = now() - interval '1 second'")
+        .execute(&h.db.pool)
+        .await
+        .unwrap();
+    intents::rescue_expired(&mut h.db.conn().await.unwrap(), 10).await.unwrap();
+    let fresh = intents::claim(&mut claims, &scope, "worker-b", 1, lease).await.unwrap().rows.remove(0);
+    assert_ne!(stale.lease_token, fresh.lease_token);
+
+    let relay = h.relay(h.config(CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
+    let dispatcher = relay.dispatcher().unwrap();
+    let record = |outcome, status| AttemptRecord {
+        started_at: Some(chrono::Utc::now()),
+        outcome,
+        status: Some(status),
+        error_class: Some(intents::ErrorClass::HttpStatus),
+        error: Some(format!("HTTP {status}")),
+    };
+    use relay::deliver::dispatcher::Finished;
+    use relay::deliver::executor::Completion;
+    let batch = [
+        Completion::decided(stale, NextState::Dead, record(AttemptOutcome::Permanent, 422)),
+        Completion::decided(fresh, NextState::Retry(Duration::from_secs(1)), record(AttemptOutcome::Retryable, 503)),
+    ];
+    assert_eq!(dispatcher.finalize(&batch).await, vec![Finished::LeaseLost, Finished::Retrying]);
+    assert_eq!(h.db.count("outbox", "event_type = 'payment.failed'").await, 0, "the stale outcome was recorded");
+    assert_eq!(intent_state(&h, "capture:o-1").await.0, "pending");
+}
+
+#[tokio::test]
+async fn a_dead_intent_whose_failure_was_announced_is_not_replayed_into_a_success() {
+    // Issue 28 D4: replaying a dead intent whose payment.failed was emitted
+    // (and saga moved to failed) could succeed and emit payment.captured
+    // beside it. Now refused; an uncertain one (nothing announced) is
+    // replayed, and its success is the only story.
+    let h = Harness::new(1).await;
+    h.provider.set_faults(vec![rule("capture:o-1", None, FaultKind::Status { status: 422, retry_after_secs: None })]);
+    h.send(&order("evt-1", "o-1")).await;
+    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    h.await_intents_finished(1).await;
+    h.await_published(1).await;
+    h.provider.set_faults(vec![]);
+    let relay = h.relay(h.config(CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
+    let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents").fetch_one(&h.db.pool).await.unwrap();
+    let refused = relay.operator().requeue(id).await.unwrap_err();
+    assert!(refused.to_string().contains("on_dead effects were recorded"), "{refused}");
+    let all = relay.operator().requeue_all(relay::ops::admin::Intents::Dead { endpoint: None }, |_| {}).await.unwrap();
+    assert_eq!((all.queued, all.refused.clone()), (0, vec![id]));
+    run.stop().await.unwrap();
+    assert_eq!(intent_state(&h, "capture:o-1").await.0, "dead");
+    assert_eq!(h.db.count("outbox", "event_type = 'payment.failed'").await, 1);
+    assert_eq!(h.db.count("outbox", "event_type = 'payment.captured'").await, 0);
+    assert_eq!(h.provider.stats().applied, 0);
+}
+
+#[tokio::test]
+async fn a_throttled_endpoint_does_not_hold_up_the_calls_of_a_fast_one() {
+    // Issue 28 D10: every call slot was taken before the endpoint's limits
+    // and held while waiting at them, and claims filled up with whatever was
+    // due first: a backlog at an endpoint limited to 1 call/s held the calls
+    // of every other endpoint for up to the lease.
+    let h = Harness::new(1).await;
+    let consumer = h.consumer.clone();
+    relay_testkit::seed::pending_intents(&h.db.pool, &consumer, "throttled", "a-", 30).await.unwrap();
+    relay_testkit::seed::pending_intents(&h.db.pool, &consumer, "psp", "b-", 5).await.unwrap();
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.dispatcher.lease = Duration::from_secs(30);
+    cfg.dispatcher.concurrency = 8;
+    cfg.dispatcher.claim_batch = 8;
+    let psp = cfg.endpoints["psp"].clone();
+    cfg.endpoints
+        .insert("throttled".into(), relay_core::config::EndpointConfig { rate_limit_per_second: Some(1), ..psp });
+    let started = std::time::Instant::now();
+    let run = h.start(cfg, DISPATCH, no_faults()).await;
+    eventually("the fast endpoint's 5 calls", DEADLINE, || async {
+        let done = h.db.count("intents", "endpoint = 'psp' AND state = 'succeeded'").await;
+        (done == 5).then_some(())
+    })
+    .await;
+    let took = started.elapsed();
+    let throttled = h.db.count("intents", "endpoint = 'throttled' AND state = 'succeeded'").await;
+    run.stop().await.unwrap();
+    assert!(took < Duration::from_secs(5), "the fast endpoint waited {took:?} behind the throttled one");
+    assert!(throttled < 10, "the throttled endpoint kept to about 1 call/s: {throttled} in {took:?}");
 }

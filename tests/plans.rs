@@ -8,12 +8,16 @@
 
 use std::time::Duration;
 
+use relay_store::intents::Scope;
 use relay_store::ops::{self, Cleanup};
 use relay_store::stats;
-use relay_store::{ClaimPool, FinishPool, begin_by_key, intents, outbox};
+use relay_store::{ClaimCommit, ClaimPool, FinishPool, begin_by_key, intents, outbox};
 use relay_testkit::{TestDb, seed};
 use serde_json::Value;
 use sqlx::{Connection, PgConnection};
+
+/// What the seeded intents' dispatcher claims: consumer `plans`, endpoint `psp`.
+const PLANS: Scope<'static> = Scope { consumer: "plans", endpoints: &["psp"] };
 
 const ROWS: i64 = 20_000;
 /// Rows per table for the cleanup plans, and the batch size. The batch must
@@ -69,13 +73,15 @@ async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_
     // all and sorts them on every claim.
     insert_backlog(&db.pool, ROWS).await;
 
-    let mut claims = ClaimPool::beside(&db.pool, 1).acquire().await.unwrap();
+    let mut claims = ClaimPool::beside(&db.pool, 1, ClaimCommit::Async).acquire().await.unwrap();
     let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {}", intents::CLAIM))
         .bind(50_i64)
         .bind("worker")
         .bind(30.0_f64)
         .bind(None::<chrono::DateTime<chrono::Utc>>)
         .bind(0_i64)
+        .bind(vec!["psp"])
+        .bind("plans")
         .fetch_one(claims.as_conn())
         .await
         .unwrap();
@@ -84,17 +90,18 @@ async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_
         .bind(50_i64)
         .bind(30.0_f64)
         .bind(i64::MIN)
+        .bind("plans")
         .fetch_one(claims.as_conn())
         .await
         .unwrap();
     assert_index_order("the outbox claim", &nodes(&plan), "outbox_pending_by_seq");
 
     // And the claims do take the oldest rows first.
-    let claimed = intents::claim(&mut claims, "worker", 3, Duration::from_secs(30)).await.unwrap().rows;
+    let claimed = intents::claim(&mut claims, &PLANS, "worker", 3, Duration::from_secs(30)).await.unwrap().rows;
     let mut ids: Vec<&str> = claimed.iter().map(|c| c.source_event_id.as_str()).collect();
     ids.sort();
     assert_eq!(ids, ["e-1", "e-2", "e-3"]);
-    let rows = outbox::claim(&mut claims, 3, Duration::from_secs(30)).await.unwrap().rows;
+    let rows = outbox::claim(&mut claims, "plans", 3, Duration::from_secs(30)).await.unwrap().rows;
     assert_eq!(rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [1, 2, 3]);
 }
 
@@ -102,9 +109,9 @@ async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_
 async fn claims_after_a_position_start_reading_the_index_there_and_one_from_the_start_finds_what_they_passed() {
     let db = TestDb::new().await.unwrap();
     insert_backlog(&db.pool, ROWS).await;
-    let mut claims = ClaimPool::beside(&db.pool, 1).acquire().await.unwrap();
+    let mut claims = ClaimPool::beside(&db.pool, 1, ClaimCommit::Async).acquire().await.unwrap();
     let lease = Duration::from_secs(30);
-    let first = intents::claim_after(&mut claims, "worker", 3, lease, None).await.unwrap();
+    let first = intents::claim_after(&mut claims, &PLANS, "worker", 3, lease, None).await.unwrap();
     let mut ids: Vec<&str> = first.rows.iter().map(|c| c.source_event_id.as_str()).collect();
     ids.sort();
     assert_eq!(ids, ["e-1", "e-2", "e-3"]);
@@ -123,6 +130,8 @@ async fn claims_after_a_position_start_reading_the_index_there_and_one_from_the_
         .bind(30.0_f64)
         .bind(Some(last.due))
         .bind(last.seq)
+        .bind(vec!["psp"])
+        .bind("plans")
         .fetch_one(claims.as_conn())
         .await
         .unwrap();
@@ -140,20 +149,21 @@ async fn claims_after_a_position_start_reading_the_index_there_and_one_from_the_
     let e2 = first.rows.iter().find(|c| c.source_event_id == "e-2").unwrap();
     let mut conn = db.conn().await.unwrap();
     intents::release(&mut conn, e2.id, e2.lease_token).await.unwrap();
-    let after = intents::claim_after(&mut claims, "worker", 2, lease, Some(last)).await.unwrap();
+    let after = intents::claim_after(&mut claims, &PLANS, "worker", 2, lease, Some(last)).await.unwrap();
     let mut ids: Vec<&str> = after.rows.iter().map(|c| c.source_event_id.as_str()).collect();
     ids.sort();
     assert_eq!(ids, ["e-4", "e-5"]);
-    let again = intents::claim_after(&mut claims, "worker", 1, lease, None).await.unwrap();
+    let again = intents::claim_after(&mut claims, &PLANS, "worker", 1, lease, None).await.unwrap();
     assert_eq!(again.rows.iter().map(|c| c.source_event_id.as_str()).collect::<Vec<_>>(), ["e-2"]);
 
     // The outbox claim the same way, its position a seq.
-    let first = outbox::claim_after(&mut claims, 3, lease, None).await.unwrap();
+    let first = outbox::claim_after(&mut claims, "plans", 3, lease, None).await.unwrap();
     assert_eq!(first.rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [1, 2, 3]);
     let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {}", outbox::CLAIM))
         .bind(50_i64)
         .bind(30.0_f64)
         .bind(3_i64)
+        .bind("plans")
         .fetch_one(claims.as_conn())
         .await
         .unwrap();
@@ -162,9 +172,9 @@ async fn claims_after_a_position_start_reading_the_index_there_and_one_from_the_
     let two = &first.rows[1];
     let mut finishes = FinishPool::beside(&db.pool, 1).acquire().await.unwrap();
     assert!(outbox::schedule_retry(&mut finishes, two.id, two.lease_token, Duration::ZERO, "again").await.unwrap());
-    let after = outbox::claim_after(&mut claims, 2, lease, Some(3)).await.unwrap();
+    let after = outbox::claim_after(&mut claims, "plans", 2, lease, Some(3)).await.unwrap();
     assert_eq!(after.rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [4, 5]);
-    let again = outbox::claim_after(&mut claims, 1, lease, None).await.unwrap();
+    let again = outbox::claim_after(&mut claims, "plans", 1, lease, None).await.unwrap();
     assert_eq!(again.rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [2]);
 }
 
@@ -241,9 +251,9 @@ async fn finishing_a_claim_probes_the_primary_key_when_the_statistics_say_nothin
     sqlx::query("ANALYZE").execute(&db.pool).await.unwrap();
     insert_backlog(&db.pool, 1000).await;
     let mut conn = db.conn().await.unwrap();
-    let mut claims = ClaimPool::beside(&db.pool, 1).acquire().await.unwrap();
-    let claimed = intents::claim(&mut claims, "worker", 1000, Duration::from_secs(30)).await.unwrap().rows;
-    let rows = outbox::claim(&mut claims, 1000, Duration::from_secs(30)).await.unwrap().rows;
+    let mut claims = ClaimPool::beside(&db.pool, 1, ClaimCommit::Async).acquire().await.unwrap();
+    let claimed = intents::claim(&mut claims, &PLANS, "worker", 1000, Duration::from_secs(30)).await.unwrap().rows;
+    let rows = outbox::claim(&mut claims, "plans", 1000, Duration::from_secs(30)).await.unwrap().rows;
     assert_eq!((claimed.len(), rows.len()), (1000, 1000));
 
     // One batch of finishes, as the dispatcher's finalizer writes it.
@@ -262,6 +272,7 @@ async fn finishing_a_claim_probes_the_primary_key_when_the_statistics_say_nothin
         .bind(vec![1_i32; n])
         .bind(vec!["worker"; n])
         .bind(vec![true; n])
+        .bind(vec![false; n])
         .fetch_one(&mut *conn)
         .await
         .unwrap();
@@ -325,7 +336,7 @@ async fn a_plan_cached_while_the_table_was_small_still_probes_keys_once_it_has_g
     // intents' finishes and outbox rows marked published on a finish
     // connection.
     let mut conns = Conns {
-        claims: ClaimPool::beside(&db.pool, 1).acquire().await.unwrap(),
+        claims: ClaimPool::beside(&db.pool, 1, ClaimCommit::Async).acquire().await.unwrap(),
         finishes: FinishPool::beside(&db.pool, 1).acquire().await.unwrap(),
     };
     for (which, sql) in [
@@ -342,9 +353,9 @@ async fn a_plan_cached_while_the_table_was_small_still_probes_keys_once_it_has_g
     // its plan is made and cached now.
     let execute = |name: &str, which: On| {
         let args = match name {
-            "claim_intents" => "(2, 'worker', 30, NULL, 0)",
-            "claim_outbox" => "(2, 30, -9223372036854775808)",
-            "finish_intents" => "('{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}')",
+            "claim_intents" => "(2, 'worker', 30, NULL, 0, '{psp}', 'plans')",
+            "claim_outbox" => "(2, 30, -9223372036854775808, 'plans')",
+            "finish_intents" => "('{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}')",
             _ => "('{}', '{}')",
         };
         (format!("EXECUTE {name}{args}"), which)
@@ -383,14 +394,19 @@ async fn a_plan_cached_while_the_table_was_small_still_probes_keys_once_it_has_g
 }
 
 #[tokio::test]
-async fn only_claims_commit_without_waiting_for_the_disk() {
-    // A lost claim is a lease that expired early (relay_store::ClaimPool);
-    // a lost finish would be an outcome recorded and then forgotten.
+async fn only_outbox_claims_commit_without_waiting_for_the_disk() {
+    // A lost outbox claim is a lease that expired early (relay_store::ClaimPool);
+    // a lost intent claim would let a second call start while the first is
+    // in flight (issue 28, D5), and a lost finish would be an outcome
+    // recorded and then forgotten.
     let db = TestDb::new().await.unwrap();
-    let mut claims = ClaimPool::beside(&db.pool, 1).acquire().await.unwrap();
+    let mut claims = ClaimPool::beside(&db.pool, 1, ClaimCommit::Async).acquire().await.unwrap();
     let mut conn = db.conn().await.unwrap();
     let setting = "SELECT current_setting('synchronous_commit')";
     let claim: String = sqlx::query_scalar(setting).fetch_one(claims.as_conn()).await.unwrap();
+    let mut durable = ClaimPool::beside(&db.pool, 1, ClaimCommit::Durable).acquire().await.unwrap();
+    let intent_claim: String = sqlx::query_scalar(setting).fetch_one(durable.as_conn()).await.unwrap();
+    assert_eq!(intent_claim, "on", "intent claims wait for the disk");
     let mut finishes = FinishPool::beside(&db.pool, 1).acquire().await.unwrap();
     let finish: String = sqlx::query_scalar(setting).fetch_one(&mut *finishes).await.unwrap();
     let mut tx = begin_by_key(&mut conn).await.unwrap();

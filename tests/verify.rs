@@ -199,3 +199,28 @@ async fn damaged_state_is_reported_check_by_check() {
     r.violations.retain(|v| v.check == "missing_intent");
     assert_eq!(r.violations[0].ids, vec!["evt-1/capture".to_string()]);
 }
+
+#[tokio::test]
+async fn an_intent_that_ended_dead_after_an_attempt_that_may_have_been_applied_is_reported() {
+    // Issue 28 D1: a timeout after sending, then 503s until the budget ends.
+    // Planted bug: only the last attempt decides, so the intent ends dead and
+    // payment.failed is emitted for a capture that may have gone through.
+    let h = Harness::new(1).await;
+    let key_rule = |times, kind| FaultRule { path_prefix: None, key_prefix: Some("capture:o-1".into()), times, kind };
+    h.provider.set_faults(vec![
+        key_rule(Some(1), FaultKind::TimeoutBeforeApply { delay_ms: 1500 }),
+        key_rule(None, FaultKind::Status { status: 503, retry_after_secs: None }),
+    ]);
+    h.send(&order("evt-1", "o-1")).await;
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.endpoints.get_mut("psp").unwrap().max_attempts = 2;
+    let broken = no_faults().with_sabotage(Sabotage { uncertainty_forgotten: true, ..Sabotage::default() });
+    let run = h.start(cfg.clone(), Components::ALL, broken).await;
+    h.await_intents_finished(1).await;
+    h.await_published(1).await;
+    run.stop().await.unwrap();
+
+    let r = check(&h, &cfg).await;
+    assert_eq!(checks(&r), vec!["dead_after_uncertain"], "{}", r.render());
+    assert!(r.violations[0].ids[0].contains("(capture:o-1): attempt 1 was uncertain"), "{:?}", r.violations[0].ids);
+}

@@ -330,6 +330,16 @@ pub fn order(id: &str, order: &str) -> TestEvent {
 }
 
 /// No fault points armed.
+///
+/// With `RELAY_SABOTAGE` set in the test's environment, the named fixed
+/// defects are put back (`relay::runtime::faults::Sabotage`): the way to see
+/// that a test fails without its fix, e.g. `RELAY_SABOTAGE=fenced-by-id
+/// cargo test -p relay-cli --test dispatcher a_stale_completion`.
 pub fn no_faults() -> Faults {
-    Faults::none()
+    match std::env::var("RELAY_SABOTAGE") {
+        Ok(spec) => {
+            Faults::none().with_sabotage(relay::runtime::faults::Sabotage::parse(&spec).expect("RELAY_SABOTAGE"))
+        }
+        Err(_) => Faults::none(),
+    }
 }

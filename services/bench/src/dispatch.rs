@@ -2,6 +2,10 @@
 
 use super::*;
 
+/// What the seeded intents' dispatcher claims: consumer `bench`, endpoint `sink`.
+const BENCH: relay_store::intents::Scope<'static> =
+    relay_store::intents::Scope { consumer: "bench", endpoints: &["sink"] };
+
 /// `m` intents due now, apart from any the relay writes for events.
 pub(super) async fn insert_intents(pool: &PgPool, m: usize) -> anyhow::Result<()> {
     Ok(seed::pending_intents(pool, "bench", "sink", "direct-", m).await?)
@@ -89,14 +93,16 @@ pub(super) async fn dispatch_database_only(
         async move {
             let worker = format!("bench-db-{w}");
             let mut conn = relay_store::FinishPool::beside(&pool, 1).acquire().await?;
-            let mut claims = relay_store::ClaimPool::beside(&pool, 1).acquire().await?;
+            let mut claims =
+                relay_store::ClaimPool::beside(&pool, 1, relay_store::ClaimCommit::Durable).acquire().await?;
             // As the dispatcher's claim loop (`relay::runtime::claim_loop`): after the
             // last row of a full claim, from the start once a claim after it
             // comes back short; no poll interval, as nothing else writes.
             let mut resume: Resume<relay_store::Position> = Resume::default();
             loop {
                 let (after, back) = resume.next(Duration::MAX);
-                let claim = intents::claim_after(&mut claims, &worker, 256, Duration::from_secs(30), after).await?;
+                let claim =
+                    intents::claim_after(&mut claims, &BENCH, &worker, 256, Duration::from_secs(30), after).await?;
                 if claim.rows.is_empty() && after.is_none() {
                     return anyhow::Ok(());
                 }
@@ -117,7 +123,7 @@ pub(super) async fn dispatch_database_only(
                         next: NextState::Succeeded,
                         attempt: AttemptRecord {
                             started_at: Some(now),
-                            outcome: "succeeded",
+                            outcome: intents::AttemptOutcome::Succeeded,
                             status: Some(200),
                             error_class: None,
                             error: None,

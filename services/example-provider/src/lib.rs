@@ -54,6 +54,14 @@ pub enum FaultKind {
         /// HTTP status.
         status: u16,
     },
+    /// Answer `status` (a 3xx) with `Location: location`, without applying:
+    /// a misrouted base URL, or a gateway sending a login page.
+    Redirect {
+        /// HTTP status.
+        status: u16,
+        /// Where to.
+        location: String,
+    },
     /// Misbehave at random (deterministically per key and request number):
     /// out of every 1000 requests, about `per_mille_503` get 503, `per_mille_429`
     /// get 429 with `Retry-After: 1`, `per_mille_timeout` are applied and then
@@ -262,6 +270,7 @@ enum Plan {
     Conflict,
     Applied { response: serde_json::Value, delay_after: Option<u64>, html: bool },
     HtmlFail(u16),
+    Redirect(u16, String),
     Fail(u16, Option<u64>),
     SlowFail(u64),
 }
@@ -321,6 +330,7 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
                     html = true;
                     None
                 }
+                Some(FaultKind::Redirect { status, location }) => break 'plan Plan::Redirect(status, location),
                 Some(FaultKind::Chaos { .. }) => None,
                 Some(FaultKind::TimeoutBeforeApply { delay_ms }) => {
                     break 'plan Plan::SlowFail(delay_ms);
@@ -369,6 +379,10 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
         Plan::Fail(status, retry_after) => fail(status, retry_after),
         Plan::SlowFail(ms) => delay_then_fail(ms).await,
         Plan::HtmlFail(status) => html_page(status),
+        Plan::Redirect(status, location) => {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::FOUND);
+            (status, [("location", location)], "").into_response()
+        }
         Plan::Applied { response, delay_after, html } => {
             // Ends "in progress" even when the client hangs up first and the
             // server drops this future mid-sleep (a timeout after applying).

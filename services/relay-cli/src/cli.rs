@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use relay_core::RelayConfig;
 use relay_store::dead_letters::Resolution;
-use relay_store::intents::{IntentFilter, IntentState};
+use relay_store::intents::IntentState;
 use relay_store::ops::{PauseKind, Paused, Resumed};
 use relay_store::outbox::OutboxState;
 use relay_store::stats::Stats;
@@ -335,11 +335,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Cleanup => {
             let pool = connect(&cfg).await?;
-            let result =
-                relay::ops::retention::cleanup_once(&pool, &cfg.retention, &cfg.consumer.name, |what, total| {
+            let checked = relay::ops::retention::check_topic_retention(&cfg).await?;
+            let result = relay::ops::retention::cleanup_once(
+                &pool,
+                &cfg.retention,
+                &cfg.consumer.name,
+                checked,
+                |what, total| {
                     eprintln!("  {}: {total} deleted so far", what.label());
-                })
-                .await?;
+                },
+            )
+            .await?;
             match result {
                 None => anyhow::bail!("another relay process is cleaning up right now; try again in a moment"),
                 Some(deleted) if deleted.is_empty() => {
@@ -552,7 +558,7 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
     let ops = operator(&cfg).await?;
     match cmd {
         IntentCommand::List { state, endpoint, limit, json } => {
-            let rows = ops.intents(&IntentFilter { state, endpoint }, None, limit).await?;
+            let rows = ops.intents(state, endpoint, None, limit).await?;
             if json {
                 for r in &rows {
                     println!("{}", serde_json::to_string(r)?);
@@ -585,6 +591,9 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
             println!("  key        {}", safe(&i.idempotency_key));
             println!("  source     event {} (consumer {}), action {}", safe(&i.source_event_id), i.consumer, i.action);
             println!("  state      {} after {}/{} attempts", i.state, i.attempts, i.max_attempts);
+            if i.ever_uncertain {
+                println!("  uncertain  an attempt may have been applied: it ends succeeded or uncertain, never dead");
+            }
             if let Some(e) = &i.last_error {
                 println!("  last error {}", safe(e));
             }
@@ -609,6 +618,9 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
             let done = ops.requeue_all(which, |n| eprintln!("  {n} done")).await?;
             for id in &done.left {
                 println!("{id}: neither dead nor uncertain, left as it is");
+            }
+            for id in &done.refused {
+                println!("{}", relay::ops::admin::on_dead_recorded(*id));
             }
             println!("queued again: {} of {} (same ids, same idempotency keys)", done.queued, done.asked);
         }

@@ -515,8 +515,22 @@ async fn check_stuck(pool: &PgPool, consumer: &str, grace: Duration, report: &mu
     Ok(())
 }
 
-/// No row keeps failing unnoticed, and no outbox row is dead (`failing`, `dead_outbox`).
+/// No row keeps failing unnoticed, no outbox row is dead, and no intent
+/// ended dead after an attempt that may have been applied (`failing`,
+/// `dead_outbox`, `dead_after_uncertain`).
 async fn check_failing(pool: &PgPool, consumer: &str, report: &mut Report) -> anyhow::Result<()> {
+    let lied = audit::dead_after_uncertain(pool, consumer).await?;
+    if !lied.is_empty() {
+        report.violate(
+            "dead_after_uncertain",
+            format!(
+                "{} intent(s) ended dead after an attempt that may have been applied: their on_dead effects \
+                 announced a failure for a call that may have gone through",
+                lied.len()
+            ),
+            lied,
+        );
+    }
     let failing = audit::failing(pool, consumer, FAILING_AFTER).await?;
     if !failing.is_empty() {
         report.violate(

@@ -123,12 +123,14 @@ impl Relay {
 
     /// The intent dispatcher.
     pub fn dispatcher(&self) -> anyhow::Result<Dispatcher> {
-        Dispatcher::new(self.pool.clone(), self.cfg.dispatcher.clone(), &self.cfg.endpoints, self.faults.clone())
+        let (settings, consumer) = (self.cfg.dispatcher.clone(), &self.cfg.consumer.name);
+        Dispatcher::new(self.pool.clone(), settings, consumer, &self.cfg.endpoints, self.faults.clone())
     }
 
     /// The outbox publisher.
     pub fn publisher(&self) -> anyhow::Result<Publisher> {
-        Publisher::new(self.pool.clone(), &self.cfg.kafka, self.cfg.publisher.clone(), self.faults.clone())
+        let (settings, consumer) = (self.cfg.publisher.clone(), &self.cfg.consumer.name);
+        Publisher::new(self.pool.clone(), &self.cfg.kafka, settings, consumer, self.faults.clone())
     }
 
     /// Run `which` until `shutdown` is cancelled or one of them fails (then
@@ -140,9 +142,13 @@ impl Relay {
         if which.consumer || which.publisher {
             crate::runtime::kafka::preflight(&self.cfg.kafka).await?;
         }
-        if which.consumer {
-            crate::ops::retention::check_topic_retention(&self.cfg).await?;
-        }
+        // Every process that deletes inbox rows checks first (R15): the
+        // consumer, and the dispatcher, beside which cleanup runs.
+        let checked = if which.consumer || which.dispatcher {
+            Some(crate::ops::retention::check_topic_retention(&self.cfg).await?)
+        } else {
+            None
+        };
         let mut set = tokio::task::JoinSet::new();
         if self.cfg.admin.listen.is_some() {
             let (cfg, pool, processor, t) = (self.cfg.clone(), self.pool.clone(), self.processor(), inner.clone());
@@ -150,11 +156,11 @@ impl Relay {
                 async move { ("admin server", crate::ops::server::serve(cfg, pool, processor, metrics, t).await) },
             );
         }
-        if which.dispatcher {
+        if let Some(checked) = checked.filter(|_| which.dispatcher) {
             // Retention cleanup runs beside dispatchers; an advisory lock keeps it to one at a time.
             let (pool, retention, consumer, t) =
                 (self.pool.clone(), self.cfg.retention.clone(), self.cfg.consumer.name.clone(), inner.clone());
-            tokio::spawn(crate::ops::retention::run(pool, retention, consumer, t));
+            tokio::spawn(crate::ops::retention::run(pool, retention, consumer, checked, t));
         }
         let dispatcher = which.dispatcher.then(|| self.dispatcher()).transpose()?;
         // Consumer and dispatcher side by side: claim at ingest (crate::deliver::handoff).

@@ -65,12 +65,12 @@ pub enum Verdict {
 /// | result | verdict |
 /// |---|---|
 /// | 2xx | success |
-/// | 408, 425, 429, 5xx except 501 | retry (honouring `Retry-After`) |
+/// | 408, 425, 429, 5xx | retry (honouring `Retry-After`) |
 /// | a status in the endpoint's `also_retry` (default: 409) | retry (honouring `Retry-After`) |
 /// | timeout before/after sending | retry (uncertain when after) |
 /// | connection refused / DNS / connect timeout | retry |
 /// | other transport error | retry, uncertain |
-/// | 501 and every other status | permanent |
+/// | every other status (3xx included: redirects are not followed) | permanent |
 ///
 /// Why 409 is retried by default: providers that implement idempotency keys
 /// (the IETF `Idempotency-Key` header draft, Stripe) answer `409 Conflict`
@@ -79,13 +79,16 @@ pub enum Verdict {
 /// attempt). Treating that 409 as permanent would declare the call dead, and
 /// record its `on_dead` effects, while the provider is applying it. An
 /// endpoint whose API uses 409 for business conflicts sets `retryable_statuses = []`.
+///
+/// 501 is retried like every 5xx, as R8 says: a gateway in front of the
+/// provider answers 501 for a method it has not been told about yet during a
+/// deploy, and a spent budget ends it anyway.
 pub fn classify(result: &AttemptResult, also_retry: &[u16]) -> Verdict {
     match *result {
         AttemptResult::Response { status, retry_after } => match status {
             200..=299 => Verdict::Success,
             s if also_retry.contains(&s) => Verdict::Retry { retry_after, uncertain: false },
             408 | 425 | 429 => Verdict::Retry { retry_after, uncertain: false },
-            501 => Verdict::Permanent,
             500..=599 => Verdict::Retry { retry_after, uncertain: false },
             _ => Verdict::Permanent,
         },
@@ -95,15 +98,136 @@ pub fn classify(result: &AttemptResult, also_retry: &[u16]) -> Verdict {
     }
 }
 
-/// Parse a `Retry-After` value: delay-seconds or an HTTP date (relative to `now`).
+/// Parse a `Retry-After` value: delay-seconds or an HTTP date (relative to
+/// `now`) in any of the three forms RFC 9110 says a recipient must accept
+/// (IMF-fixdate, RFC 850, asctime), which `httpdate` parses.
 pub fn parse_retry_after(value: &str, now: chrono::DateTime<chrono::Utc>) -> Option<Duration> {
     let value = value.trim();
     if let Ok(secs) = value.parse::<u64>() {
         return Some(Duration::from_secs(secs));
     }
-    let at = chrono::DateTime::parse_from_rfc2822(value).ok()?;
-    let delta = at.with_timezone(&chrono::Utc) - now;
-    Some(delta.to_std().unwrap_or(Duration::ZERO))
+    let at: chrono::DateTime<chrono::Utc> = httpdate::parse_http_date(value).ok()?.into();
+    Some((at - now).to_std().unwrap_or(Duration::ZERO))
+}
+
+/// How one attempt ended, as `intent_attempts.outcome` stores it (a CHECK
+/// constraint holds the same names, and `tests/plans.rs` checks that they
+/// match). Whether the provider may have applied it is decided here and
+/// nowhere else ([`AttemptOutcome::may_have_applied`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttemptOutcome {
+    /// The call took effect.
+    Succeeded,
+    /// Failed, known not to have taken effect, and worth another attempt.
+    Retryable,
+    /// Failed for good (a client error), or no attempt left.
+    Permanent,
+    /// No answer after the request may have reached the provider.
+    Uncertain,
+    /// The worker lost its lease (crashed or stalled) with the call maybe sent.
+    LeaseExpired,
+}
+
+impl AttemptOutcome {
+    /// Every outcome.
+    pub const ALL: [AttemptOutcome; 5] = [
+        AttemptOutcome::Succeeded,
+        AttemptOutcome::Retryable,
+        AttemptOutcome::Permanent,
+        AttemptOutcome::Uncertain,
+        AttemptOutcome::LeaseExpired,
+    ];
+
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttemptOutcome::Succeeded => "succeeded",
+            AttemptOutcome::Retryable => "retryable",
+            AttemptOutcome::Permanent => "permanent",
+            AttemptOutcome::Uncertain => "uncertain",
+            AttemptOutcome::LeaseExpired => "lease_expired",
+        }
+    }
+
+    /// Whether the provider may have applied the call in this attempt: once
+    /// one attempt of an intent may have, the intent can end succeeded or
+    /// uncertain, never dead (no `on_dead` effect for money that may have moved).
+    pub fn may_have_applied(self) -> bool {
+        matches!(self, AttemptOutcome::Uncertain | AttemptOutcome::LeaseExpired)
+    }
+}
+
+impl std::str::FromStr for AttemptOutcome {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        AttemptOutcome::ALL
+            .into_iter()
+            .find(|o| o.as_str() == s)
+            .ok_or_else(|| format!("unknown attempt outcome {s:?}"))
+    }
+}
+
+/// What went wrong in an attempt, as `intent_attempts.error_class` and
+/// `intents.last_error_class` store it (CHECK constraints hold the same names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorClass {
+    /// The provider answered with a status that is not 2xx.
+    HttpStatus,
+    /// No answer within the endpoint's timeout.
+    Timeout,
+    /// The connection could not be made.
+    Connect,
+    /// Another transport error (reset mid-exchange, TLS).
+    Transport,
+    /// The request could not be expressed (a bad header, method or body).
+    Request,
+    /// No attempt: the budget (attempts or max age) was spent at the claim.
+    Budget,
+    /// The worker holding the lease was lost.
+    LeaseExpired,
+}
+
+impl ErrorClass {
+    /// Every class.
+    pub const ALL: [ErrorClass; 7] = [
+        ErrorClass::HttpStatus,
+        ErrorClass::Timeout,
+        ErrorClass::Connect,
+        ErrorClass::Transport,
+        ErrorClass::Request,
+        ErrorClass::Budget,
+        ErrorClass::LeaseExpired,
+    ];
+
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorClass::HttpStatus => "http_status",
+            ErrorClass::Timeout => "timeout",
+            ErrorClass::Connect => "connect",
+            ErrorClass::Transport => "transport",
+            ErrorClass::Request => "request",
+            ErrorClass::Budget => "budget",
+            ErrorClass::LeaseExpired => "lease_expired",
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorClass {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for ErrorClass {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        ErrorClass::ALL.into_iter().find(|c| c.as_str() == s).ok_or_else(|| format!("unknown error class {s:?}"))
+    }
 }
 
 /// Where an intent goes after an attempt (or after a claim that found its
@@ -130,9 +254,12 @@ pub struct Budget {
     pub max_attempts: u32,
     /// No attempt starts after this.
     pub expires_at: chrono::DateTime<chrono::Utc>,
-    /// The attempt before this claim may have taken effect (it timed out
-    /// after sending, broke mid-exchange, or its worker lost the lease).
-    pub last_uncertain: bool,
+    /// Some attempt before this claim may have taken effect
+    /// ([`AttemptOutcome::may_have_applied`]): the intent can no longer end
+    /// dead, whatever later attempts say. Sticky (`intents.ever_uncertain`):
+    /// a 409 "still in progress" or a 503 after a timeout does not make the
+    /// timeout's effect any less possible, and neither does a replay.
+    pub uncertain_before: bool,
 }
 
 impl Budget {
@@ -163,15 +290,15 @@ pub enum Tried {
 pub struct Decision {
     /// Where the intent goes.
     pub next: NextState,
-    /// The attempt's outcome class: `succeeded`, `permanent`, `retryable`, `uncertain`.
-    pub outcome: &'static str,
+    /// The attempt's outcome.
+    pub outcome: AttemptOutcome,
     /// Why the intent ends here, when the attempt's own error does not say
     /// it (the budget or the max age ended it).
     pub why: Option<String>,
 }
 
 /// Why an intent ends `uncertain` rather than dead.
-pub const UNCERTAIN: &str = "the last attempt's outcome is unknown (the provider may have applied it): left \
+pub const UNCERTAIN: &str = "an attempt's outcome is unknown (the provider may have applied it): left \
                              uncertain, on_dead not recorded; replay it to ask again with the same idempotency key";
 
 /// Decide an intent's next state after `tried`, at `now`, drawing a retry's
@@ -180,10 +307,15 @@ pub const UNCERTAIN: &str = "the last attempt's outcome is unknown (the provider
 /// | tried | budget left | next |
 /// |---|---|---|
 /// | success | – | succeeded |
-/// | permanent | – | dead |
+/// | permanent | – | dead; uncertain if an earlier attempt's outcome is unknown |
 /// | retry | attempts and time left for the delay | retry after max(backoff, `Retry-After`) |
-/// | retry | attempts spent, or the delay passes the max age | dead; uncertain if this attempt's outcome is unknown |
-/// | spent at the claim | – | dead; uncertain if the previous attempt's outcome is unknown |
+/// | retry | attempts spent, or the delay passes the max age | dead; uncertain if this or an earlier attempt's outcome is unknown |
+/// | spent at the claim | – | dead; uncertain if an earlier attempt's outcome is unknown |
+///
+/// "Unknown" is sticky ([`Budget::uncertain_before`]): once one attempt may
+/// have been applied, the intent ends succeeded or uncertain, never dead, so
+/// no `on_dead` effect (`payment.failed`, a saga moved to failed) is ever
+/// recorded for a call the provider may have made.
 ///
 /// A `Retry-After` is the provider's word, so it is bounded before any
 /// arithmetic: one past the intent's max age can only end it, and the delay
@@ -197,7 +329,7 @@ pub fn decide(
     rng: &mut impl Rng,
 ) -> Decision {
     let end = |uncertain: bool, outcome, why: String| {
-        if uncertain {
+        if uncertain || budget.uncertain_before {
             Decision { next: NextState::Uncertain, outcome, why: Some(format!("{why}; {UNCERTAIN}")) }
         } else {
             Decision { next: NextState::Dead, outcome, why: Some(why) }
@@ -206,16 +338,21 @@ pub fn decide(
     let verdict = match tried {
         Tried::Spent => {
             let why = budget.spent(now).unwrap_or_else(|| "retry budget exhausted".into());
-            return end(budget.last_uncertain, "permanent", why);
+            return end(false, AttemptOutcome::Permanent, why);
         }
         Tried::Attempt(v) => v,
     };
     let (retry_after, uncertain) = match verdict {
-        Verdict::Success => return Decision { next: NextState::Succeeded, outcome: "succeeded", why: None },
-        Verdict::Permanent => return Decision { next: NextState::Dead, outcome: "permanent", why: None },
+        Verdict::Success => {
+            return Decision { next: NextState::Succeeded, outcome: AttemptOutcome::Succeeded, why: None };
+        }
+        Verdict::Permanent if budget.uncertain_before => {
+            return end(true, AttemptOutcome::Permanent, "the provider refused the call for good".into());
+        }
+        Verdict::Permanent => return Decision { next: NextState::Dead, outcome: AttemptOutcome::Permanent, why: None },
         Verdict::Retry { retry_after, uncertain } => (retry_after, uncertain),
     };
-    let outcome = if uncertain { "uncertain" } else { "retryable" };
+    let outcome = if uncertain { AttemptOutcome::Uncertain } else { AttemptOutcome::Retryable };
     // Past the intent's end any delay is as good as another.
     let left = (budget.expires_at - now).to_std().unwrap_or_default();
     let delay = policy.delay(budget.attempts.max(1), rng).max(retry_after.unwrap_or_default());
@@ -304,14 +441,14 @@ mod tests {
 
     #[test]
     fn throttling_timeouts_and_server_errors_are_retried() {
-        for s in [408, 425, 429, 500, 502, 503, 504, 599] {
+        for s in [408, 425, 429, 500, 501, 502, 503, 504, 599] {
             assert!(matches!(status(s), Verdict::Retry { uncertain: false, .. }), "{s}");
         }
     }
 
     #[test]
-    fn not_implemented_and_other_client_errors_are_permanent() {
-        for s in [400, 401, 403, 404, 409, 422, 501] {
+    fn client_errors_and_redirects_are_permanent() {
+        for s in [301, 302, 303, 307, 308, 400, 401, 403, 404, 409, 422] {
             assert_eq!(status(s), Verdict::Permanent, "{s}");
         }
     }
@@ -351,6 +488,9 @@ mod tests {
         assert_eq!(parse_retry_after("7", now), Some(Duration::from_secs(7)));
         assert_eq!(parse_retry_after("Mon, 30 Nov 2026 12:00:30 GMT", now), Some(Duration::from_secs(30)));
         assert_eq!(parse_retry_after("Mon, 30 Nov 2026 11:00:00 GMT", now), Some(Duration::ZERO));
+        // RFC 9110 §5.6.7: the obsolete RFC 850 and asctime forms too.
+        assert_eq!(parse_retry_after("Monday, 30-Nov-26 12:00:30 GMT", now), Some(Duration::from_secs(30)));
+        assert_eq!(parse_retry_after("Mon Nov 30 12:00:30 2026", now), Some(Duration::from_secs(30)));
         assert_eq!(parse_retry_after("soon", now), None);
     }
 
@@ -358,8 +498,8 @@ mod tests {
         chrono::DateTime::parse_from_rfc3339("2026-12-03T12:00:00Z").unwrap().to_utc()
     }
 
-    fn budget(attempts: u32, max_attempts: u32, hours_left: i64, last_uncertain: bool) -> Budget {
-        Budget { attempts, max_attempts, expires_at: at() + chrono::Duration::hours(hours_left), last_uncertain }
+    fn budget(attempts: u32, max_attempts: u32, hours_left: i64, uncertain_before: bool) -> Budget {
+        Budget { attempts, max_attempts, expires_at: at() + chrono::Duration::hours(hours_left), uncertain_before }
     }
 
     fn decided(b: &Budget, tried: Tried) -> Decision {
@@ -372,10 +512,11 @@ mod tests {
 
     #[test]
     fn decide_a_success_succeeds_and_a_permanent_error_is_dead() {
-        let b = budget(1, 5, 24, true);
+        let b = budget(1, 5, 24, false);
         assert_eq!(decided(&b, Tried::Attempt(Verdict::Success)).next, NextState::Succeeded);
+        assert_eq!(decided(&budget(1, 5, 24, true), Tried::Attempt(Verdict::Success)).next, NextState::Succeeded);
         let d = decided(&b, Tried::Attempt(Verdict::Permanent));
-        assert_eq!((d.next, d.outcome, d.why), (NextState::Dead, "permanent", None));
+        assert_eq!((d.next, d.outcome, d.why), (NextState::Dead, AttemptOutcome::Permanent, None));
     }
 
     #[test]
@@ -383,8 +524,8 @@ mod tests {
         let b = budget(2, 5, 24, false);
         let d = decided(&b, retry(None, false));
         let expected = BackoffPolicy::default().delay(2, &mut StdRng::seed_from_u64(3));
-        assert_eq!((d.next, d.outcome), (NextState::Retry(expected), "retryable"));
-        assert_eq!(decided(&b, retry(None, true)).outcome, "uncertain");
+        assert_eq!((d.next, d.outcome), (NextState::Retry(expected), AttemptOutcome::Retryable));
+        assert_eq!(decided(&b, retry(None, true)).outcome, AttemptOutcome::Uncertain);
     }
 
     #[test]
@@ -424,16 +565,47 @@ mod tests {
     }
 
     #[test]
-    fn decide_a_claim_with_its_budget_spent_is_dead_unless_the_last_attempt_is_unknown() {
+    fn decide_a_claim_with_its_budget_spent_is_dead_unless_an_attempt_was_unknown() {
         let b = budget(4, 3, 24, false);
         assert_eq!(b.spent(at()).as_deref(), Some("retry budget exhausted: 3 attempts made"));
         let d = decided(&b, Tried::Spent);
-        assert_eq!((d.next, d.outcome), (NextState::Dead, "permanent"));
-        let d = decided(&Budget { last_uncertain: true, ..b }, Tried::Spent);
+        assert_eq!((d.next, d.outcome), (NextState::Dead, AttemptOutcome::Permanent));
+        let d = decided(&Budget { uncertain_before: true, ..b }, Tried::Spent);
         assert_eq!(d.next, NextState::Uncertain);
         let aged = budget(1, 3, 0, false);
         assert!(aged.spent(at()).unwrap().starts_with("max age passed"));
         assert_eq!(budget(1, 3, 1, false).spent(at()), None);
+    }
+
+    // Issue 28 D1: a timeout after sending, then "409 still in progress" or
+    // 503 until the budget or the max age ends: the capture may have gone
+    // through, so the intent is uncertain and on_dead is never recorded.
+    #[test]
+    fn decide_once_an_attempt_may_have_applied_the_intent_never_ends_dead() {
+        let after_timeout = |attempts, max, hours| budget(attempts, max, hours, true);
+        for tried in [retry(None, false), retry(Some(1), false), Tried::Attempt(Verdict::Permanent), Tried::Spent] {
+            let d = decided(&after_timeout(3, 3, 24), tried);
+            assert_eq!(d.next, NextState::Uncertain, "{tried:?}");
+            assert!(d.why.unwrap().contains(UNCERTAIN), "{tried:?}");
+        }
+        // The max age ends it the same way.
+        let aged = Budget { expires_at: at() + chrono::Duration::seconds(1), ..after_timeout(8, 10, 0) };
+        assert_eq!(decided(&aged, retry(None, false)).next, NextState::Uncertain);
+        // With budget left it is retried, and a success is a success.
+        assert!(matches!(decided(&after_timeout(1, 3, 24), retry(None, false)).next, NextState::Retry(_)));
+        assert_eq!(decided(&after_timeout(3, 3, 24), Tried::Attempt(Verdict::Success)).next, NextState::Succeeded);
+    }
+
+    #[test]
+    fn only_an_unknown_outcome_or_a_lost_lease_may_have_applied_the_call() {
+        let may: Vec<_> = AttemptOutcome::ALL.into_iter().filter(|o| o.may_have_applied()).collect();
+        assert_eq!(may, [AttemptOutcome::Uncertain, AttemptOutcome::LeaseExpired]);
+        for o in AttemptOutcome::ALL {
+            assert_eq!(o.as_str().parse::<AttemptOutcome>(), Ok(o));
+        }
+        for c in ErrorClass::ALL {
+            assert_eq!(c.as_str().parse::<ErrorClass>(), Ok(c));
+        }
     }
 
     #[test]

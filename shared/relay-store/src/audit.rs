@@ -76,6 +76,30 @@ pub async fn published_rows(pool: &PgPool, consumer: &str) -> Result<Vec<(Uuid, 
         .await
 }
 
+/// Intents that ended dead although an attempt of theirs may have been
+/// applied (its outcome [`relay_core::retry::AttemptOutcome::may_have_applied`]):
+/// their `on_dead` effects announced a failure for a call that may have gone
+/// through. Read from the attempts, not from `ever_uncertain`, so that a
+/// flag that was not set is caught too. Each as `id (key): attempt n was <outcome>`.
+pub async fn dead_after_uncertain(pool: &PgPool, consumer: &str) -> Result<Vec<String>, sqlx::Error> {
+    let may: Vec<&str> = relay_core::retry::AttemptOutcome::ALL
+        .into_iter()
+        .filter(|o| o.may_have_applied())
+        .map(|o| o.as_str())
+        .collect();
+    sqlx::query_scalar(
+        "SELECT i.id::text || ' (' || i.idempotency_key || '): attempt ' || min(a.attempt) || ' was '
+                || min(a.outcome)
+           FROM relay.intents i JOIN relay.intent_attempts a ON a.intent_id = i.id
+          WHERE i.consumer = $1 AND i.state = 'dead' AND a.outcome = ANY($2)
+          GROUP BY i.id, i.idempotency_key",
+    )
+    .bind(consumer)
+    .bind(may)
+    .fetch_all(pool)
+    .await
+}
+
 /// Outbox rows that ended dead, each as `id: last error`.
 pub async fn dead_outbox(pool: &PgPool, consumer: &str) -> Result<Vec<String>, sqlx::Error> {
     sqlx::query_scalar(

@@ -118,9 +118,8 @@ pub struct ClaimedIntent {
     pub traceparent: Option<String>,
     /// Last error before this attempt.
     pub last_error: Option<String>,
-    /// Its class (`timeout`, `lease_expired`, …): whether that attempt's
-    /// outcome is unknown.
-    pub last_error_class: Option<String>,
+    /// Some attempt before this claim may have been applied (`ever_uncertain`).
+    pub ever_uncertain: bool,
     /// Written at.
     pub created_at: DateTime<Utc>,
 }
@@ -132,9 +131,7 @@ impl ClaimedIntent {
             attempts: u32::try_from(self.attempts).unwrap_or(0),
             max_attempts: u32::try_from(self.max_attempts).unwrap_or(0),
             expires_at: self.expires_at,
-            // The attempt before this claim may have taken effect: it timed
-            // out after sending, broke mid-exchange, or lost its lease.
-            last_uncertain: matches!(self.last_error_class.as_deref(), Some("timeout" | "transport" | "lease_expired")),
+            uncertain_before: self.ever_uncertain,
         }
     }
 }
@@ -151,11 +148,25 @@ impl ClaimedIntent {
 /// short claim also says when the next intent comes due ([`Claim::next_due`]).
 pub async fn claim(
     conn: &mut ClaimConnection,
+    scope: &Scope<'_>,
     worker: &str,
     limit: i64,
     lease: Duration,
 ) -> Result<Claim<ClaimedIntent>, sqlx::Error> {
-    claim_after(conn, worker, limit, lease, None).await
+    claim_after(conn, scope, worker, limit, lease, None).await
+}
+
+/// Which intents a dispatcher may claim: those its consumer wrote, for
+/// endpoints it has a client for. Two deployments sharing a database, or a
+/// rolling deploy that adds an endpoint, must not call each other's intents
+/// with the wrong base URL and credentials, nor spend their attempts on an
+/// endpoint they cannot reach.
+#[derive(Debug, Clone, Copy)]
+pub struct Scope<'a> {
+    /// The consumer whose intents these are.
+    pub consumer: &'a str,
+    /// The endpoints this dispatcher can call.
+    pub endpoints: &'a [&'a str],
 }
 
 /// [`claim`], taking only rows that come after `after` in the claim order
@@ -174,6 +185,7 @@ pub async fn claim(
 /// once per poll interval).
 pub async fn claim_after(
     conn: &mut ClaimConnection,
+    scope: &Scope<'_>,
     worker: &str,
     limit: i64,
     lease: Duration,
@@ -184,13 +196,16 @@ pub async fn claim_after(
         .bind(worker)
         .bind(lease.as_secs_f64())
         .bind(after.map(|p| p.due))
-        .bind(after.map_or(0, |p| p.seq));
+        .bind(after.map_or(0, |p| p.seq))
+        .bind(scope.endpoints)
+        .bind(scope.consumer);
     crate::fetch_claim(conn.as_conn(), claim, true).await
 }
 
 /// The claim statement ([`claim`]); public so a test can check its plan.
 /// `$1` limit, `$2` worker, `$3` lease in seconds, `$4` and `$5` the
-/// position to claim after (`$4` null: from the start). Its rows are the
+/// position to claim after (`$4` null: from the start), `$6` the endpoints
+/// and `$7` the consumer of the [`Scope`]. Its rows are the
 /// claimed intents, each with `next_due`; when it claims fewer than `$1`,
 /// `next_due` is when the earliest pending intent not due yet comes due,
 /// and at least one row comes back (all columns but `next_due` null when
@@ -199,10 +214,12 @@ pub const CLAIM: &str = "WITH due AS (
              SELECT i.id FROM relay.intents i
               WHERE i.state = 'pending' AND i.next_attempt_at <= now()
                 AND (i.next_attempt_at, i.seq) > (COALESCE($4::timestamptz, '-infinity'), $5::int8)
+                AND i.consumer = $7::text AND i.endpoint = ANY($6::text[])
                 AND NOT EXISTS (SELECT 1 FROM relay.pauses p WHERE p.kind = 'endpoint' AND p.name = i.endpoint)
                 AND (i.ordering_key IS NULL OR NOT EXISTS (
                         SELECT 1 FROM relay.intents e
-                         WHERE e.ordering_key = i.ordering_key AND e.state IN ('pending', 'running')
+                         WHERE e.ordering_key = i.ordering_key AND e.consumer = i.consumer
+                           AND e.state IN ('pending', 'running')
                            AND (e.seq < i.seq OR e.state = 'running')))
               ORDER BY i.next_attempt_at, i.seq
               LIMIT $1
@@ -216,12 +233,13 @@ pub const CLAIM: &str = "WITH due AS (
          ), next AS (
              SELECT CASE WHEN (SELECT count(*) FROM claimed) < $1 THEN (
                         SELECT min(next_attempt_at) FROM relay.intents
-                         WHERE state = 'pending' AND next_attempt_at > now()) END AS next_due
+                         WHERE state = 'pending' AND next_attempt_at > now()
+                           AND consumer = $7::text AND endpoint = ANY($6::text[])) END AS next_due
          )
          SELECT c.id, c.lease_token, c.consumer, c.source_event_id, c.action, c.endpoint, c.method, c.path, c.body,
                 c.request_headers, c.idempotency_key, c.ordering_key, c.attempts, c.max_attempts, c.expires_at,
                 c.on_success, c.on_dead, c.emit_source, c.aggregate_id, c.correlation_id, c.causation_id,
-                c.traceparent, c.last_error, c.last_error_class, c.created_at, c.next_attempt_at AS due_at, c.seq, next.next_due
+                c.traceparent, c.last_error, c.ever_uncertain, c.created_at, c.next_attempt_at AS due_at, c.seq, next.next_due
            FROM next LEFT JOIN claimed c ON true";
 
 /// How one attempt ended, for the audit row and the intent's last_* columns.
@@ -229,12 +247,12 @@ pub const CLAIM: &str = "WITH due AS (
 pub struct AttemptRecord {
     /// When the request was sent (`None` if no request was made).
     pub started_at: Option<DateTime<Utc>>,
-    /// `succeeded`, `retryable`, `permanent` or `uncertain`.
-    pub outcome: &'static str,
+    /// How it ended; whether it may have been applied follows from it.
+    pub outcome: AttemptOutcome,
     /// HTTP status, if the provider answered.
     pub status: Option<i32>,
-    /// Error class (`http_status`, `timeout`, `connect`, `transport`, `budget`, …).
-    pub error_class: Option<String>,
+    /// What went wrong, if anything did.
+    pub error_class: Option<ErrorClass>,
     /// Error text (never the response body in full).
     pub error: Option<String>,
 }
@@ -248,7 +266,7 @@ pub enum Fenced {
     LeaseLost,
 }
 
-pub use relay_core::retry::NextState;
+pub use relay_core::retry::{AttemptOutcome, ErrorClass, NextState};
 
 /// The outcome of one claimed intent's attempt, to record.
 #[derive(Debug, Clone)]
@@ -279,8 +297,10 @@ pub struct Finish {
 /// running row once per row finished instead of probing the primary key.
 pub const FINISH: &str = "WITH u AS (
              SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::float8[], $5::int4[], $6::text[],
-                                  $7::text[], $8::text[], $9::timestamptz[], $10::int4[], $11::text[], $12::bool[])
-                 AS u(id, token, state, delay, status, error, error_class, outcome, started_at, attempt, worker, attempted)
+                                  $7::text[], $8::text[], $9::timestamptz[], $10::int4[], $11::text[], $12::bool[],
+                                  $13::bool[])
+                 AS u(id, token, state, delay, status, error, error_class, outcome, started_at, attempt, worker, attempted,
+                      uncertain)
          ), done AS (
              UPDATE relay.intents i
                 SET state = u.state,
@@ -291,6 +311,7 @@ pub const FINISH: &str = "WITH u AS (
                                        ELSE u.status END,
                     last_error = CASE WHEN u.state = 'succeeded' THEN NULL ELSE u.error END,
                     last_error_class = CASE WHEN u.state = 'succeeded' THEN NULL ELSE u.error_class END,
+                    ever_uncertain = i.ever_uncertain OR u.uncertain,
                     lease_token = NULL, locked_until = NULL, locked_by = NULL
                FROM u
               WHERE i.id = u.id AND i.lease_token = u.token
@@ -303,16 +324,19 @@ pub const FINISH: &str = "WITH u AS (
                FROM done
               WHERE attempted
          )
-         SELECT id FROM done";
+         SELECT id, token FROM done";
 
 /// Record many attempts in one statement, each fenced by its lease token:
 /// the intent row moves (succeeded / pending again / dead) and the attempt's
-/// audit row is written. Returns the ids whose lease was still held; the
-/// others were rescued meanwhile and nothing was written for them. Run it
+/// audit row is written. Returns the (id, lease token) pairs whose lease was
+/// still held: an outcome counts only for the claim it was made under, so a
+/// stale completion of an intent beside a fresh one of the same intent
+/// matches nothing. The others were rescued meanwhile and nothing was
+/// written for them. Run it
 /// where rows are found by key: alone (its own transaction) or in a
 /// transaction on a [`crate::FinishPool`] connection, as the dispatcher does,
 /// or in a transaction begun with [`crate::begin_by_key`].
-pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Vec<Uuid>, sqlx::Error> {
+pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Vec<(Uuid, Uuid)>, sqlx::Error> {
     if items.is_empty() {
         return Ok(Vec::new());
     }
@@ -326,19 +350,20 @@ pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Ve
         NextState::Retry(d) => d.as_secs_f64(),
         _ => 0.0,
     };
-    sqlx::query_scalar(FINISH)
+    sqlx::query_as(FINISH)
         .bind(items.iter().map(|f| f.id).collect::<Vec<_>>())
         .bind(items.iter().map(|f| f.token).collect::<Vec<_>>())
         .bind(items.iter().map(state).collect::<Vec<_>>())
         .bind(items.iter().map(delay).collect::<Vec<_>>())
         .bind(items.iter().map(|f| f.attempt.status).collect::<Vec<_>>())
         .bind(items.iter().map(|f| f.attempt.error.clone()).collect::<Vec<_>>())
-        .bind(items.iter().map(|f| f.attempt.error_class.clone()).collect::<Vec<_>>())
-        .bind(items.iter().map(|f| f.attempt.outcome).collect::<Vec<_>>())
+        .bind(items.iter().map(|f| f.attempt.error_class.map(ErrorClass::as_str)).collect::<Vec<_>>())
+        .bind(items.iter().map(|f| f.attempt.outcome.as_str()).collect::<Vec<_>>())
         .bind(items.iter().map(|f| f.attempt.started_at).collect::<Vec<_>>())
         .bind(items.iter().map(|f| f.attempt_no).collect::<Vec<_>>())
         .bind(items.iter().map(|f| f.worker.as_str()).collect::<Vec<_>>())
         .bind(items.iter().map(|f| f.attempted).collect::<Vec<_>>())
+        .bind(items.iter().map(|f| f.attempt.outcome.may_have_applied()).collect::<Vec<_>>())
         .fetch_all(conn)
         .await
 }
@@ -368,6 +393,7 @@ pub async fn finish(conn: &mut PgConnection, item: Finish) -> Result<Fenced, sql
 /// pending, recording the lost attempt as `lease_expired`. The attempt stays
 /// counted, so an intent that kills every worker still runs out of budget.
 pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<Vec<Uuid>, sqlx::Error> {
+    let lost = AttemptOutcome::LeaseExpired;
     sqlx::query_scalar(
         "WITH expired AS (
              SELECT id, lease_token, attempts, locked_by FROM relay.intents
@@ -376,19 +402,22 @@ pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<Vec<U
               FOR UPDATE SKIP LOCKED
          ), audited AS (
              INSERT INTO relay.intent_attempts (intent_id, attempt, worker, lease_token, finished_at, outcome, error_class, error)
-             SELECT id, attempts, coalesce(locked_by, ''), lease_token, now(), 'lease_expired', 'lease_expired',
+             SELECT id, attempts, coalesce(locked_by, ''), lease_token, now(), $2, $3,
                     'the worker lost its lease (crashed, stalled or shut down mid-call)'
                FROM expired
              ON CONFLICT (intent_id, attempt) DO NOTHING
          )
          UPDATE relay.intents i
             SET state = 'pending', next_attempt_at = now(), lease_token = NULL, locked_until = NULL,
-                locked_by = NULL, last_error_class = 'lease_expired',
+                locked_by = NULL, last_error_class = $3, ever_uncertain = i.ever_uncertain OR $4,
                 last_error = 'lease expired: the worker holding it was lost'
            FROM expired WHERE i.id = expired.id
          RETURNING i.id",
     )
     .bind(limit)
+    .bind(lost.as_str())
+    .bind(ErrorClass::LeaseExpired.as_str())
+    .bind(lost.may_have_applied())
     .fetch_all(conn)
     .await
 }
@@ -424,6 +453,8 @@ pub struct IntentView {
     pub last_error: Option<String>,
     /// Last error class.
     pub last_error_class: Option<String>,
+    /// Some attempt may have been applied: it can no longer end dead.
+    pub ever_uncertain: bool,
     /// Next attempt.
     pub next_attempt_at: DateTime<Utc>,
     /// Written at.
@@ -432,9 +463,13 @@ pub struct IntentView {
     pub finished_at: Option<DateTime<Utc>>,
 }
 
-/// One intent by id.
-pub async fn get(conn: &mut PgConnection, id: Uuid) -> Result<Option<IntentView>, sqlx::Error> {
-    sqlx::query_as(&format!("SELECT {VIEW} FROM relay.intents WHERE id = $1")).bind(id).fetch_optional(conn).await
+/// One intent of `consumer` by id.
+pub async fn get(conn: &mut PgConnection, consumer: &str, id: Uuid) -> Result<Option<IntentView>, sqlx::Error> {
+    sqlx::query_as(&format!("SELECT {VIEW} FROM relay.intents WHERE id = $1 AND consumer = $2"))
+        .bind(id)
+        .bind(consumer)
+        .fetch_optional(conn)
+        .await
 }
 
 /// One attempt, for audit.
@@ -557,7 +592,7 @@ impl ClaimedIntent {
             causation_id: new.causation_id,
             traceparent: new.traceparent,
             last_error: None,
-            last_error_class: None,
+            ever_uncertain: false,
             created_at: held.created_at,
         }
     }
@@ -601,9 +636,11 @@ pub(crate) fn bind_many<'q, R: Borrow<NewIntent>>(
         .bind(hold.map(|h| h.lease.as_secs_f64()))
 }
 
-/// Filters for listing intents.
+/// Filters for listing intents (of one consumer: operators act on their own).
 #[derive(Debug, Clone, Default)]
 pub struct IntentFilter {
+    /// Only this consumer's.
+    pub consumer: String,
     /// Only this state.
     pub state: Option<IntentState>,
     /// Only this endpoint.
@@ -611,7 +648,8 @@ pub struct IntentFilter {
 }
 
 const VIEW: &str = "id, consumer, source_event_id, action, endpoint, method, path, idempotency_key, state,
-    attempts, max_attempts, last_status, last_error, last_error_class, next_attempt_at, created_at, finished_at";
+    attempts, max_attempts, last_status, last_error, last_error_class, ever_uncertain, next_attempt_at, created_at,
+    finished_at";
 
 /// Intents matching `f`, newest first, created before `before` (for paging).
 pub async fn list(
@@ -623,13 +661,14 @@ pub async fn list(
     sqlx::query_as(&format!(
         "SELECT {VIEW} FROM relay.intents
           WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR endpoint = $2)
-            AND ($3::timestamptz IS NULL OR created_at < $3)
+            AND ($3::timestamptz IS NULL OR created_at < $3) AND consumer = $5
           ORDER BY created_at DESC LIMIT $4"
     ))
     .bind(f.state.map(IntentState::as_str))
     .bind(&f.endpoint)
     .bind(before)
     .bind(limit)
+    .bind(&f.consumer)
     .fetch_all(conn)
     .await
 }
@@ -639,11 +678,12 @@ pub async fn list(
 pub async fn ids(conn: &mut PgConnection, f: &IntentFilter) -> Result<Vec<Uuid>, sqlx::Error> {
     sqlx::query_scalar(
         "SELECT id FROM relay.intents
-          WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR endpoint = $2)
+          WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR endpoint = $2) AND consumer = $3
           ORDER BY created_at, id",
     )
     .bind(f.state.map(IntentState::as_str))
     .bind(&f.endpoint)
+    .bind(&f.consumer)
     .fetch_all(conn)
     .await
 }
@@ -653,24 +693,49 @@ pub async fn ids(conn: &mut PgConnection, f: &IntentFilter) -> Result<Vec<Uuid>,
 pub enum Requeue {
     /// Queued again.
     Queued,
-    /// Left as it is: neither dead nor uncertain, or no such intent.
+    /// Left as it is: neither dead nor uncertain, or no such intent of the consumer.
     NotDeadOrUncertain,
+    /// Left dead: its `on_dead` effects (a failure event, a saga moved to
+    /// failed) were recorded when it died, and a replay that succeeded
+    /// would record `on_success` beside them — two stories for one call.
+    OnDeadRecorded,
 }
 
-/// Give a dead (or uncertain) intent a new budget and queue it again, keeping its id and
-/// idempotency key (the provider still sees one operation).
-pub async fn requeue(conn: &mut PgConnection, id: Uuid) -> Result<Requeue, sqlx::Error> {
-    let done = sqlx::query(
-        "UPDATE relay.intents
-            SET state = 'pending', next_attempt_at = now(), finished_at = NULL,
-                max_attempts = attempts + max_attempts,
-                expires_at = now() + (expires_at - created_at)
-          WHERE id = $1 AND state IN ('dead', 'uncertain')",
+/// Give a dead (or uncertain) intent of `consumer` a new budget and queue it
+/// again, keeping its id and idempotency key (the provider still sees one
+/// operation). An uncertain intent recorded no outcome effects, so its
+/// replay ends in one story whatever the provider answers; so does a dead
+/// intent whose route declared no `on_dead` effects. A dead intent whose
+/// `on_dead` effects were recorded is refused ([`Requeue::OnDeadRecorded`]):
+/// the world was told it failed. Its uncertainty (`ever_uncertain`) is kept.
+pub async fn requeue(conn: &mut PgConnection, consumer: &str, id: Uuid) -> Result<Requeue, sqlx::Error> {
+    let row: Option<(bool, bool)> = sqlx::query_as(
+        "WITH target AS (
+             SELECT id, state = 'dead'
+                        AND (jsonb_array_length(COALESCE(on_dead->'emit', '[]')) > 0
+                             OR jsonb_array_length(COALESCE(on_dead->'saga', '[]')) > 0) AS told
+               FROM relay.intents
+              WHERE id = $1 AND consumer = $2 AND state IN ('dead', 'uncertain')
+              FOR UPDATE
+         ), queued AS (
+             UPDATE relay.intents i
+                SET state = 'pending', next_attempt_at = now(), finished_at = NULL,
+                    max_attempts = i.attempts + i.max_attempts,
+                    expires_at = now() + (i.expires_at - i.created_at)
+               FROM target WHERE i.id = target.id AND NOT target.told
+             RETURNING i.id
+         )
+         SELECT told, EXISTS (SELECT 1 FROM queued) FROM target",
     )
     .bind(id)
-    .execute(conn)
+    .bind(consumer)
+    .fetch_optional(conn)
     .await?;
-    Ok(if done.rows_affected() == 1 { Requeue::Queued } else { Requeue::NotDeadOrUncertain })
+    Ok(match row {
+        None => Requeue::NotDeadOrUncertain,
+        Some((true, _)) => Requeue::OnDeadRecorded,
+        Some((false, _)) => Requeue::Queued,
+    })
 }
 
 #[cfg(test)]

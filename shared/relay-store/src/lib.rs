@@ -48,7 +48,9 @@ mod session;
 
 pub(crate) use compose::{PgQuery, param_count, shift_params};
 pub(crate) use session::execute_by_key;
-pub use session::{CHECK_IDLE_AFTER, ClaimConnection, ClaimPool, Claimer, FinishConnection, FinishPool, begin_by_key};
+pub use session::{
+    CHECK_IDLE_AFTER, ClaimCommit, ClaimConnection, ClaimPool, Claimer, FinishConnection, FinishPool, begin_by_key,
+};
 
 pub use sqlx::{PgConnection, Postgres, Transaction};
 

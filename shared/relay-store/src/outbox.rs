@@ -106,8 +106,13 @@ impl ClaimedRow {
 /// key reach the partition in the order they were written. Commits by itself,
 /// on a claim connection ([`crate::ClaimPool`]): one round trip. A short
 /// claim also says when the next row comes due ([`Claim::next_due`]).
-pub async fn claim(conn: &mut ClaimConnection, limit: i64, lease: Duration) -> Result<Claim<ClaimedRow>, sqlx::Error> {
-    claim_after(conn, limit, lease, None).await
+pub async fn claim(
+    conn: &mut ClaimConnection,
+    consumer: &str,
+    limit: i64,
+    lease: Duration,
+) -> Result<Claim<ClaimedRow>, sqlx::Error> {
+    claim_after(conn, consumer, limit, lease, None).await
 }
 
 /// [`claim`], taking only rows whose `seq` is above `after` (`None`: from
@@ -121,11 +126,12 @@ pub async fn claim(conn: &mut ClaimConnection, limit: i64, lease: Duration) -> R
 /// back to it when they publish it).
 pub async fn claim_after(
     conn: &mut ClaimConnection,
+    consumer: &str,
     limit: i64,
     lease: Duration,
     after: Option<i64>,
 ) -> Result<Claim<ClaimedRow>, sqlx::Error> {
-    let query = sqlx::query(CLAIM).bind(limit).bind(lease.as_secs_f64()).bind(after.unwrap_or(i64::MIN));
+    let query = sqlx::query(CLAIM).bind(limit).bind(lease.as_secs_f64()).bind(after.unwrap_or(i64::MIN)).bind(consumer);
     let mut claim: Claim<ClaimedRow> = crate::fetch_claim(conn.as_conn(), query, false).await?;
     claim.rows.sort_by_key(|r| r.seq);
     Ok(claim)
@@ -134,15 +140,20 @@ pub async fn claim_after(
 /// The claim statement ([`claim`]); public so a test can check its plan.
 /// `$1` limit, `$2` lease in seconds, `$3` the `seq` to claim after (the
 /// lowest `int8` for the start; an Index Cond of `outbox_pending_by_seq`,
-/// where the scan starts). Rows and `next_due` as for
-/// [`crate::intents::CLAIM`].
+/// where the scan starts), `$4` the consumer whose rows these are. Rows and
+/// `next_due` as for [`crate::intents::CLAIM`].
+///
+/// A `dead` row holds its key like an unpublished one (D8): the rows after
+/// it wait until an operator replays or skips it (`relay outbox`), so a
+/// replayed row is never published after rows written after it.
 pub const CLAIM: &str = "WITH due AS (
              SELECT o.id FROM relay.outbox o
               WHERE o.state = 'pending' AND o.next_attempt_at <= now() AND o.seq > $3::int8
+                AND o.consumer = $4::text
                 AND (o.ordering_key IS NULL OR NOT EXISTS (
                         SELECT 1 FROM relay.outbox e
-                         WHERE e.topic = o.topic AND e.ordering_key = o.ordering_key
-                           AND e.seq < o.seq AND e.state IN ('pending', 'running')))
+                         WHERE e.topic = o.topic AND e.ordering_key = o.ordering_key AND e.consumer = o.consumer
+                           AND e.seq < o.seq AND e.state IN ('pending', 'running', 'dead')))
               ORDER BY o.seq
               LIMIT $1
               FOR UPDATE SKIP LOCKED
@@ -156,7 +167,7 @@ pub const CLAIM: &str = "WITH due AS (
          ), next AS (
              SELECT CASE WHEN (SELECT count(*) FROM claimed) < $1 THEN (
                         SELECT min(next_attempt_at) FROM relay.outbox
-                         WHERE state = 'pending' AND next_attempt_at > now()) END AS next_due
+                         WHERE state = 'pending' AND next_attempt_at > now() AND consumer = $4::text) END AS next_due
          )
          SELECT c.*, next.next_due FROM next LEFT JOIN claimed c ON true";
 

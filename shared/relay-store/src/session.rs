@@ -17,14 +17,30 @@ macro_rules! by_key_settings {
     };
 }
 
-/// What a claim connection's session is set to ([`ClaimPool`]).
-const CLAIM_SETTINGS: &str = concat!("SET synchronous_commit = off; SET enable_sort = off; ", by_key_settings!("SET"));
+/// What a claim connection's session is set to ([`ClaimPool`]), by whether
+/// its commits wait for the disk.
+const CLAIM_SETTINGS: &str = concat!("SET enable_sort = off; ", by_key_settings!("SET"));
+const ASYNC_CLAIM_SETTINGS: &str =
+    concat!("SET synchronous_commit = off; SET enable_sort = off; ", by_key_settings!("SET"));
+
+/// Whether a claim's commit waits for the disk ([`ClaimPool`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimCommit {
+    /// Waits, as every other commit: a claim survives a database crash.
+    /// Intent claims: a lost claim would leave the row pending while its
+    /// call is in flight, and another dispatcher would call again at once.
+    Durable,
+    /// Does not wait (`synchronous_commit = off`): outbox claims, whose
+    /// loss in a crash costs at most a duplicate publish under the same
+    /// record id, which consumers deduplicate anyway (R10).
+    Async,
+}
 
 /// The connections claims run on ([`crate::intents::claim`], [`crate::outbox::claim`]): a
 /// small pool beside the main one, to the same database, whose sessions
 /// start with the planner told not to sort (`enable_sort = off`) and to find
-/// rows by key (the settings of [`begin_by_key`]), and with commits that do
-/// not wait for the disk (`synchronous_commit = off`). A claim is then one
+/// rows by key (the settings of [`begin_by_key`]), and for outbox claims
+/// with commits that do not wait for the disk ([`ClaimCommit`]). A claim is then one
 /// statement in one round trip, committed as it ends: no `BEGIN` with `SET
 /// LOCAL` before it and no `COMMIT` after it, which were two of the three
 /// round trips of every claim — each a wait for a core on a loaded machine,
@@ -36,18 +52,17 @@ const CLAIM_SETTINGS: &str = concat!("SET synchronous_commit = off; SET enable_s
 /// the relay's `LISTEN` or its prepared statements: the relay needs session
 /// pooling or none.)
 ///
-/// A claim is the one write of the relay that may be lost in a database
-/// crash: losing it is what a lease expiring already does. The row is
-/// pending again as it was, another claim takes it, the call is made again
-/// with the same idempotency key (R8), and a worker still holding the lost
-/// claim finds its token gone and records nothing (C17). Every later
-/// committed write (the finish of this very call, say) makes the claim
-/// durable with it, since the log is flushed in order; what a crash can lose
-/// is only claims from the last fraction of a second, and with them the
-/// count of the attempts they started (R9 counts attempts so that a worker
-/// that dies on an intent cannot retry it forever; a worker dying does not
-/// lose its claim). Not waiting for the flush matters because a dispatcher
-/// claims one batch after another (BENCHMARKS.md has the measurement).
+/// An outbox claim is the one write of the relay that may be lost in a
+/// database crash: the row is pending again as it was, another claim takes
+/// it, and a publisher still holding the lost claim finds its token gone when
+/// it marks the row (the record may then be published twice under one id,
+/// R10). Every later committed write makes the claim durable with it, since
+/// the log is flushed in order. Intent claims are not allowed that loss
+/// (issue 28, D5): the call is made right after the claim, and a claim lost
+/// while it is in flight makes the row due again at once — a second call with
+/// the same key, concurrent with the first, long before the lease would have
+/// expired. Waiting for the flush costs intent claims what BENCHMARKS.md
+/// ("Issue 28") measures.
 ///
 /// A claim takes the first due rows of its partial index in the index's
 /// order, reading only the rows it takes. The other plan — read every due row
@@ -63,10 +78,14 @@ pub struct ClaimPool(PgPool);
 
 impl ClaimPool {
     /// A pool of at most `max_connections` claim connections to `pool`'s
-    /// database, with `pool`'s options otherwise; connections are opened when
-    /// first needed.
-    pub fn beside(pool: &PgPool, max_connections: u32) -> ClaimPool {
-        ClaimPool(pool_beside(pool, max_connections, CLAIM_SETTINGS))
+    /// database, with `pool`'s options otherwise, whose commits are `commit`;
+    /// connections are opened when first needed.
+    pub fn beside(pool: &PgPool, max_connections: u32, commit: ClaimCommit) -> ClaimPool {
+        let settings = match commit {
+            ClaimCommit::Durable => CLAIM_SETTINGS,
+            ClaimCommit::Async => ASYNC_CLAIM_SETTINGS,
+        };
+        ClaimPool(pool_beside(pool, max_connections, settings))
     }
 
     /// A claim connection.

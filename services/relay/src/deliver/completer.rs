@@ -68,8 +68,9 @@ impl Dispatcher {
     /// Record a batch, retrying database errors until the leases would
     /// expire. An outcome the database rejects (a permanent error) must not
     /// cost the others theirs: the batch is then recorded one by one, and
-    /// only the rejected one is left to the rescuer.
-    pub(super) async fn finalize(&self, batch: &[Completion]) -> Vec<Finished> {
+    /// only the rejected one is left to the rescuer. (What the finalizers
+    /// run; public for tests that hand it a batch.)
+    pub async fn finalize(&self, batch: &[Completion]) -> Vec<Finished> {
         if self.inner.faults.hit(point::DISPATCHER_BEFORE_FINISH).await.is_err() {
             return vec![Finished::LeaseLost; batch.len()];
         }
@@ -131,7 +132,7 @@ impl Dispatcher {
                 attempt: c.attempt.clone(),
                 attempt_no: c.intent.attempts,
                 worker: self.inner.worker.clone(),
-                attempted: c.attempt.error_class.as_deref() != Some("budget"),
+                attempted: c.attempted,
             })
             .collect();
         // What each outcome records besides the intent's state, if its lease still holds.
@@ -144,8 +145,16 @@ impl Dispatcher {
                 NextState::Retry(_) | NextState::Uncertain => None,
             })
             .collect();
-        let finished = |c: &Completion, ours: &HashSet<uuid::Uuid>| match c.next {
-            _ if !ours.contains(&c.intent.id) => Finished::LeaseLost,
+        // An outcome counts only under the claim it was made under: fenced by
+        // (intent id, lease token), so a stale completion beside a fresh one
+        // of the same intent matches nothing (D9).
+        type Ours = HashSet<(uuid::Uuid, uuid::Uuid)>;
+        let by_id = self.inner.faults.sabotage().fenced_by_id; // Deliberately wrong (D9) when set.
+        let mine = |c: &Completion, ours: &Ours| {
+            ours.contains(&(c.intent.id, c.intent.lease_token)) || (by_id && ours.iter().any(|o| o.0 == c.intent.id))
+        };
+        let finished = |c: &Completion, ours: &Ours| match c.next {
+            _ if !mine(c, ours) => Finished::LeaseLost,
             NextState::Succeeded => Finished::Succeeded,
             NextState::Dead => Finished::Dead,
             NextState::Uncertain => Finished::Uncertain,
@@ -158,11 +167,11 @@ impl Dispatcher {
             return Ok(batch.iter().map(|c| finished(c, &ours)).collect());
         }
         let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-        let ours: HashSet<uuid::Uuid> = intents::finish_many(&mut tx, &items).await?.into_iter().collect();
+        let ours: Ours = intents::finish_many(&mut tx, &items).await?.into_iter().collect();
         let now = Utc::now();
         let mut records = Vec::new();
         for (c, outcome) in batch.iter().zip(&outcomes) {
-            let Some((outcome, label)) = outcome.as_ref().filter(|_| ours.contains(&c.intent.id)) else { continue };
+            let Some((outcome, label)) = outcome.as_ref().filter(|_| mine(c, &ours)) else { continue };
             let source_id = format!("{}:{label}", c.intent.id);
             let prov = Provenance {
                 source: c.intent.emit_source.clone(),

@@ -30,8 +30,8 @@ use std::time::Duration;
 
 use relay_core::config::{DispatcherConfig, EndpointConfig, LEASE_SPARE};
 use relay_core::retry::BackoffPolicy;
-use relay_store::intents::{self, ClaimedIntent};
-use relay_store::{Claim, ClaimPool, Claimer, FinishPool, Position};
+use relay_store::intents::{self, ClaimedIntent, Scope};
+use relay_store::{Claim, ClaimCommit, ClaimPool, Claimer, FinishPool, Position};
 use sqlx::PgPool;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
@@ -63,7 +63,12 @@ pub(super) struct Inner {
     pub(super) finishes: FinishPool,
     pub(super) settings: DispatcherConfig,
     pub(super) worker: String,
+    /// The consumer whose intents this dispatcher calls ([`Scope`]).
+    pub(super) consumer: String,
     pub(super) endpoints: HashMap<String, EndpointClient>,
+    /// Per endpoint, its calls started and not ended, and how many there
+    /// may be before its intents are left out of claims ([`Busy`]).
+    pub(super) busy: HashMap<String, Busy>,
     pub(super) faults: Faults,
     /// Signalled when this worker made intents claimable that no NOTIFY
     /// announces: an outcome recorded for an intent with an ordering key (its
@@ -91,23 +96,34 @@ pub enum Finished {
 }
 
 impl Dispatcher {
-    /// A dispatcher over `endpoints`. Must be called inside a tokio runtime.
+    /// A dispatcher of `consumer`'s intents over `endpoints`. Must be called
+    /// inside a tokio runtime.
     pub fn new(
         pool: PgPool,
         settings: DispatcherConfig,
+        consumer: &str,
         endpoints: &std::collections::BTreeMap<String, EndpointConfig>,
         faults: Faults,
     ) -> anyhow::Result<Dispatcher> {
         let worker = settings.worker_id.clone().unwrap_or_else(default_worker_id);
+        let batch = settings.claim_batch as usize;
+        let busy = endpoints.iter().map(|(name, cfg)| (name.clone(), Busy::new(cfg, batch))).collect();
         let endpoints = endpoints
             .iter()
-            .map(|(name, cfg)| Ok((name.clone(), EndpointClient::new(name, cfg)?)))
+            .map(|(name, cfg)| {
+                // Deliberately wrong (D7) when sabotaged: redirects followed.
+                let follow = faults.sabotage().redirects_followed;
+                Ok((name.clone(), EndpointClient::new(name, cfg)?.following_redirects(follow)?))
+            })
             .collect::<anyhow::Result<_>>()?;
         let progress = tokio::sync::Notify::new();
-        let claims = ClaimPool::beside(&pool, 1);
+        // Intent claims wait for the disk (D5): see ClaimCommit.
+        let claims = ClaimPool::beside(&pool, 1, ClaimCommit::Durable);
         let finishes = FinishPool::beside(&pool, FINALIZERS as u32);
         let desk = std::sync::Mutex::default();
-        let inner = Inner { pool, claims, finishes, settings, worker, endpoints, faults, progress, desk };
+        let consumer = consumer.to_owned();
+        let inner =
+            Inner { pool, claims, finishes, settings, worker, consumer, endpoints, busy, faults, progress, desk };
         Ok(Dispatcher { inner: Arc::new(inner) })
     }
 
@@ -192,6 +208,10 @@ impl Dispatcher {
                 resume.back_to(None);
             }
             let (after, back) = resume.next(s.poll_interval);
+            // The lease clock starts before the claim is sent (D2): the
+            // database's lease starts at the statement, and every moment the
+            // claim takes to come back is a moment less of it.
+            let claimed_at = std::time::Instant::now();
             let Claim { rows: claimed, next_due, last } = match self.claim(&mut claimer, want, after).await {
                 Ok(c) => {
                     failures = 0;
@@ -213,7 +233,12 @@ impl Dispatcher {
                     break Err(f.into());
                 }
             }
-            let claimed_at = std::time::Instant::now();
+            // Deliberately wrong (D2): the lease clock starts after the claim.
+            let claimed_at = if self.inner.faults.sabotage().lease_clock_after_claim {
+                std::time::Instant::now()
+            } else {
+                claimed_at
+            };
             for intent in claimed {
                 self.start(&mut tasks, intent, claimed_at, None, &done_tx, &permits);
             }
@@ -283,21 +308,18 @@ impl Dispatcher {
         permits: &Arc<Semaphore>,
     ) {
         let (me, done_tx, permits) = (self.clone(), done_tx.clone(), permits.clone());
+        let busy = self.inner.busy.get(&intent.endpoint).map(|b| b.enter(self));
         tasks.spawn(async move {
             let _room = room;
             let completion = {
-                let _slot = permits.acquire_owned().await.expect("semaphore never closed");
+                let _busy = busy;
                 let send_by = me.send_by(&intent, claimed_at);
-                if tokio::time::Instant::now() > send_by {
-                    // Waited for a slot so long that the call might outlive the
-                    // lease and overlap a rescued copy: give the claim back.
-                    me.release(&intent).await;
-                    return Ok(());
-                }
-                match me.execute(intent, send_by).await? {
+                match me.execute(intent, send_by, &permits).await? {
                     Ok(completion) => completion,
                     Err(intent) => {
-                        // The same, after waiting at the endpoint's rate limit or concurrency limit.
+                        // Waited so long at the endpoint's limits or for a
+                        // call slot that the call might outlive the lease and
+                        // overlap a rescued copy: give the claim back.
                         me.release(&intent).await;
                         return Ok(());
                     }
@@ -329,8 +351,8 @@ impl Dispatcher {
     /// be sent: the lease's end less the whole attempt
     /// ([`EndpointConfig::call_bound`]) and [`LEASE_SPARE`] — the check that
     /// configuration validation makes too ([`EndpointConfig::min_lease`]).
-    /// `claimed_at` is taken after the claim's commit, so this end comes
-    /// before the database's.
+    /// `claimed_at` is taken before the claim is sent (or, at ingest, before
+    /// the insert that claims), so this end comes before the database's.
     pub(super) fn send_by(&self, intent: &ClaimedIntent, claimed_at: std::time::Instant) -> tokio::time::Instant {
         let call = self.inner.endpoints.get(&intent.endpoint).map_or(Duration::ZERO, |e| e.config().call_bound());
         let lease_end = tokio::time::Instant::from_std(claimed_at) + self.inner.settings.lease;
@@ -365,7 +387,15 @@ impl Dispatcher {
         after: Option<Position>,
     ) -> Result<Claim<ClaimedIntent>, sqlx::Error> {
         let (worker, lease) = (&self.inner.worker, self.inner.settings.lease);
-        claimer.claim(async |conn| intents::claim_after(conn, worker, limit as i64, lease, after).await).await
+        let endpoints = self.claimable_endpoints();
+        let scope = Scope { consumer: &self.inner.consumer, endpoints: &endpoints };
+        claimer.claim(async |conn| intents::claim_after(conn, &scope, worker, limit as i64, lease, after).await).await
+    }
+
+    /// The endpoints whose intents the next claim may take: ours, less those
+    /// with as many calls started and not ended as they may have (D10).
+    fn claimable_endpoints(&self) -> Vec<&str> {
+        self.inner.busy.iter().filter(|(_, b)| b.has_room()).map(|(name, _)| name.as_str()).collect()
     }
 
     pub(super) async fn rescue_loop(self, shutdown: CancellationToken) {
@@ -391,6 +421,55 @@ impl Dispatcher {
     pub async fn rescue_once(&self) -> Result<Vec<uuid::Uuid>, sqlx::Error> {
         let mut conn = self.inner.pool.acquire().await?;
         intents::rescue_expired(&mut conn, 500).await
+    }
+}
+
+/// An endpoint's calls started and not ended in this dispatcher. Once there
+/// are as many as it can make at once and a claim batch more — or, rate
+/// limited, as many as it may start in two seconds — claims leave its
+/// intents out: more of them would only wait at its limits while other
+/// endpoints' intents stay unclaimed behind them (D10). A call ending at the
+/// bound wakes the claim loop.
+#[derive(Debug)]
+pub(super) struct Busy {
+    now: Arc<std::sync::atomic::AtomicUsize>,
+    most: usize,
+}
+
+impl Busy {
+    fn new(cfg: &EndpointConfig, claim_batch: usize) -> Busy {
+        let at_once = cfg.concurrency.max(1);
+        let most = match cfg.rate_limit_per_second {
+            Some(r) => usize::try_from(r).unwrap_or(usize::MAX).clamp(1, at_once).saturating_mul(2),
+            None => at_once.saturating_add(claim_batch),
+        };
+        Busy { now: Arc::default(), most }
+    }
+
+    fn has_room(&self) -> bool {
+        self.now.load(std::sync::atomic::Ordering::Relaxed) < self.most
+    }
+
+    /// Count one call of this endpoint in until the returned guard is dropped.
+    fn enter(&self, dispatcher: &Dispatcher) -> BusyGuard {
+        self.now.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        BusyGuard { now: self.now.clone(), most: self.most, dispatcher: dispatcher.clone() }
+    }
+}
+
+/// One call counted in [`Busy`]; dropped, it counts the call out and wakes
+/// the claim loop if the endpoint was full until then.
+pub(super) struct BusyGuard {
+    now: Arc<std::sync::atomic::AtomicUsize>,
+    most: usize,
+    dispatcher: Dispatcher,
+}
+
+impl Drop for BusyGuard {
+    fn drop(&mut self) {
+        if self.now.fetch_sub(1, std::sync::atomic::Ordering::Relaxed) == self.most {
+            self.dispatcher.inner.progress.notify_one();
+        }
     }
 }
 

@@ -6,9 +6,9 @@
 use std::time::Duration;
 
 use chrono::Utc;
-use relay_core::retry::{self, Decision, Tried, classify};
+use relay_core::retry::{self, Decision, ErrorClass, Tried, classify};
 use relay_store::intents::{AttemptRecord, ClaimedIntent, NextState};
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 
 use super::dispatcher::{Dispatcher, Finished};
 use super::http::{CallResult, Request};
@@ -16,24 +16,40 @@ use crate::runtime::faults::{FaultInjected, point};
 
 impl Dispatcher {
     /// Make one attempt of a claimed intent, if its request can be sent by
-    /// `send_by`, and decide where the intent goes next (`Err(intent)`: not
-    /// sent, to give back). The caller holds a call slot only for this; the
-    /// outcome then goes to the finalizer (`hand_over`), which records it
-    /// batched with other calls' outcomes and logs it.
+    /// `send_by` once its endpoint lets it and a call slot of `slots` is
+    /// free, and decide where the intent goes next (`Err(intent)`: not sent,
+    /// to give back). The slot is held only for the call; the outcome then
+    /// goes to the finalizer (`hand_over`), which records it batched with
+    /// other calls' outcomes and logs it.
     pub async fn execute(
         &self,
         intent: ClaimedIntent,
         send_by: tokio::time::Instant,
+        slots: &Semaphore,
     ) -> Result<Result<Completion, ClaimedIntent>, FaultInjected> {
         let started = std::time::Instant::now();
-        let endpoint = self.inner.endpoints.get(&intent.endpoint);
+        let Some(client) = self.inner.endpoints.get(&intent.endpoint) else {
+            // Claims take only our endpoints' intents; this one came another
+            // way (a hand-over from a consumer with another configuration).
+            // Not ours to spend an attempt on: give it back.
+            tracing::error!(intent_id = %intent.id, endpoint = %intent.endpoint,
+                            "intent of an endpoint this dispatcher does not have; given back uncounted");
+            return Ok(Err(intent));
+        };
         let now = Utc::now();
-        let budget = intent.budget();
+        let mut budget = intent.budget();
+        if self.inner.faults.sabotage().uncertainty_forgotten {
+            // Deliberately wrong (D1): only this attempt's outcome counts.
+            budget.uncertain_before = false;
+        }
         let (tried, result) = if budget.spent(now).is_some() {
-            let r =
-                CallResult { error_class: Some("budget"), error: intent.last_error.clone(), ..CallResult::not_sent() };
+            let r = CallResult {
+                error_class: Some(ErrorClass::Budget),
+                error: intent.last_error.clone(),
+                ..CallResult::not_sent()
+            };
             (Tried::Spent, r)
-        } else if let Some(client) = endpoint {
+        } else {
             let attrs = || {
                 vec![
                     opentelemetry::KeyValue::new("relay.intent_id", intent.id.to_string()),
@@ -72,22 +88,22 @@ impl Dispatcher {
             } else {
                 send_by
             };
-            let Ok(r) = client.call(request, send_by).await else {
+            let Ok(r) = client.call(request, send_by, slots).await else {
                 hop.end("not_sent");
                 return Ok(Err(intent));
             };
-            hop.end(r.status.map_or_else(|| r.error_class.unwrap_or("error").to_owned(), |s| s.to_string()).as_str());
+            hop.end(
+                r.status
+                    .map_or_else(|| r.error_class.map_or("error", ErrorClass::as_str).to_owned(), |s| s.to_string())
+                    .as_str(),
+            );
             self.inner.faults.hit(point::DISPATCHER_AFTER_CALL).await?;
             (Tried::Attempt(classify(&r.attempt, &client.config().retryable_statuses)), r)
-        } else {
-            let why = format!("endpoint {:?} is not configured in this dispatcher", intent.endpoint);
-            let r = CallResult { error_class: Some("endpoint_unknown"), error: Some(why), ..CallResult::not_sent() };
-            (Tried::Attempt(classify(&r.attempt, &[])), r)
         };
-        let policy = endpoint.map(|e| e.config().backoff).unwrap_or_default();
-        let decision = retry::decide(&budget, tried, &policy, Utc::now(), &mut rand::rng());
+        let decision = retry::decide(&budget, tried, &client.config().backoff, Utc::now(), &mut rand::rng());
         let attempt = attempt_record(&decision, &result);
-        Ok(Ok(Completion { intent, next: decision.next, attempt, result, started }))
+        let attempted = matches!(tried, Tried::Attempt(_));
+        Ok(Ok(Completion { intent, next: decision.next, attempt, attempted, result, started }))
     }
 
     /// Hand an attempt's outcome to the finalizer, waiting while its queue
@@ -109,10 +125,10 @@ impl Dispatcher {
         };
         // The attempt's outcome as classified when it ended (`uncertain` for a
         // timeout after sending, even when it left the intent dead).
-        let outcome = if finished == Finished::LeaseLost { "" } else { c.attempt.outcome };
+        let outcome = if finished == Finished::LeaseLost { "" } else { c.attempt.outcome.as_str() };
         crate::runtime::metrics::call(&intent.endpoint, label, outcome, took.as_secs_f64());
         let status = result.status.map(i64::from).unwrap_or(-1);
-        let class = result.error_class.unwrap_or("");
+        let class = result.error_class.map_or("", ErrorClass::as_str);
         let error = result.error.as_deref().unwrap_or("");
         let (agg, corr) =
             (intent.aggregate_id.as_deref().unwrap_or(""), intent.correlation_id.as_deref().unwrap_or(""));
@@ -151,11 +167,30 @@ impl Dispatcher {
 
 /// An attempt's outcome on its way to the finalizer.
 pub struct Completion {
+    // (Fields are the executor's and the completer's; `Completion::decided`
+    // builds one from outside, for tests of the completer.)
     pub(super) intent: ClaimedIntent,
     pub(super) next: NextState,
     pub(super) attempt: AttemptRecord,
+    /// Whether a request was made (not when the claim found the budget spent).
+    pub(super) attempted: bool,
     pub(super) result: CallResult,
     pub(super) started: std::time::Instant,
+}
+
+impl Completion {
+    /// The outcome `next` of an attempt of `intent` that made a request and
+    /// ended as `attempt` says, as the executor hands it to the completer.
+    pub fn decided(intent: ClaimedIntent, next: NextState, attempt: AttemptRecord) -> Completion {
+        let result = CallResult {
+            status: attempt.status.and_then(|s| u16::try_from(s).ok()),
+            error_class: attempt.error_class,
+            error: attempt.error.clone(),
+            started_at: attempt.started_at,
+            ..CallResult::not_sent()
+        };
+        Completion { intent, next, attempt, attempted: true, result, started: std::time::Instant::now() }
+    }
 }
 
 /// What to record about an attempt: its outcome class, status and error,
@@ -169,7 +204,7 @@ pub(super) fn attempt_record(d: &Decision, r: &CallResult) -> AttemptRecord {
         started_at: r.started_at,
         outcome: d.outcome,
         status: r.status.map(i32::from),
-        error_class: r.error_class.map(str::to_owned),
+        error_class: r.error_class,
         error,
     }
 }

@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use relay_core::config::EndpointConfig;
-use relay_core::retry::{AttemptResult, parse_retry_after};
+use relay_core::retry::{AttemptResult, ErrorClass, parse_retry_after};
 use reqwest::header::{HeaderName, HeaderValue, RETRY_AFTER};
 use secrecy::{ExposeSecret, SecretString};
 use std::sync::Arc;
@@ -28,8 +28,8 @@ pub struct CallResult {
     pub attempt: AttemptResult,
     /// HTTP status, if the provider answered.
     pub status: Option<u16>,
-    /// Error class for the audit row (`http_status`, `timeout`, `connect`, `transport`, `request`).
-    pub error_class: Option<&'static str>,
+    /// What went wrong, for the audit row.
+    pub error_class: Option<ErrorClass>,
     /// Short error text (a status line and at most 256 bytes of the response body).
     pub error: Option<String>,
     /// When the request was handed to the HTTP client (`None`: never sent).
@@ -92,6 +92,11 @@ impl EndpointClient {
     pub fn new(name: &str, cfg: &EndpointConfig) -> anyhow::Result<EndpointClient> {
         let token = crate::config::endpoint_token(cfg).map_err(|e| anyhow::anyhow!("endpoints.{name}: {e}"))?;
         let http = reqwest::Client::builder()
+            // A redirect is an answer, classified like any other 3xx
+            // (permanent): followed, a 302 to a login page would count as
+            // the call's success, and a 307 would re-send the body and the
+            // idempotency key to another host.
+            .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(cfg.connect_timeout)
             .pool_max_idle_per_host(cfg.concurrency)
             .user_agent(concat!("relay/", env!("CARGO_PKG_VERSION")))
@@ -100,9 +105,26 @@ impl EndpointClient {
         let limiter = cfg
             .rate_limit_per_second
             .and_then(|n| std::num::NonZeroU32::new(u32::try_from(n).unwrap_or(u32::MAX)))
-            // Evenly spaced (no burst): a provider's "n per second" is never exceeded in any window.
+            // Evenly spaced (no burst), and taken after the concurrency permit
+            // (so tokens are not spent by calls queued behind a stalled
+            // provider, all sent at once when it recovers): a provider's "n
+            // per second" is never exceeded in any window.
             .map(|n| Arc::new(RateLimiter::direct(Quota::per_second(n).allow_burst(std::num::NonZeroU32::MIN))));
         Ok(EndpointClient { name: name.to_owned(), cfg: cfg.clone(), token, http, svc, limiter })
+    }
+
+    /// The same client, following redirects if `follow` (only ever for the
+    /// sabotage that puts issue 28's D7 back).
+    pub fn following_redirects(self, follow: bool) -> anyhow::Result<EndpointClient> {
+        if !follow {
+            return Ok(self);
+        }
+        let http = reqwest::Client::builder().connect_timeout(self.cfg.connect_timeout).build()?;
+        let svc = ServiceBuilder::new()
+            .concurrency_limit(self.cfg.concurrency)
+            .timeout(self.cfg.timeout)
+            .service(http.clone());
+        Ok(EndpointClient { http, svc, ..self })
     }
 
     /// The endpoint's configuration.
@@ -148,15 +170,26 @@ impl EndpointClient {
         req.build().map_err(|e| format!("cannot build the request: {e}"))
     }
 
-    /// Make one attempt of `request`, if it can be sent by `send_by`.
+    /// Make one attempt of `request`, if it can be sent by `send_by`, once
+    /// the endpoint lets it and then a call slot of `slots` is free.
     ///
     /// C17: the caller's lease must outlive the whole exchange, so the
     /// request is sent only if it starts by `send_by` (the lease's end less
-    /// [`EndpointConfig::call_bound`] and a spare): the waits for the rate
-    /// limit and for a concurrency permit end there, and `Err(NotSent)` says
-    /// the request never left. From the send on, `timeout` bounds connect,
-    /// response and body together.
-    pub async fn call(&self, request: Request<'_>, send_by: tokio::time::Instant) -> Result<CallResult, NotSent> {
+    /// [`EndpointConfig::call_bound`] and a spare): every wait ends there,
+    /// and `Err(NotSent)` says the request never left. From the send on,
+    /// `timeout` bounds connect, response and body together.
+    ///
+    /// The waits come in this order: the endpoint's concurrency permit, its
+    /// rate limit, then the dispatcher's call slot. A call waiting at its own
+    /// endpoint's limits holds no slot that another endpoint's calls need
+    /// (issue 28, D10), and a rate token is only taken by a call that may go
+    /// (D12).
+    pub async fn call(
+        &self,
+        request: Request<'_>,
+        send_by: tokio::time::Instant,
+        slots: &tokio::sync::Semaphore,
+    ) -> Result<CallResult, NotSent> {
         let req = match self.request(request) {
             Ok(r) => r,
             Err(e) => {
@@ -164,21 +197,21 @@ impl EndpointClient {
                 return Ok(CallResult {
                     attempt: AttemptResult::Response { status: 400, retry_after: None },
                     status: None,
-                    error_class: Some("request"),
+                    error_class: Some(ErrorClass::Request),
                     error: Some(e),
                     started_at: None,
                 });
             }
         };
-        if let Some(limiter) = &self.limiter {
-            tokio::time::timeout_at(send_by, limiter.until_ready()).await.map_err(|_| NotSent)?;
-        }
-        // Wait for a concurrency permit first, so the recorded start is the send.
         let mut svc = match tokio::time::timeout_at(send_by, self.svc.clone().ready_oneshot()).await {
             Err(_) => return Err(NotSent),
             Ok(Ok(svc)) => svc,
             Ok(Err(e)) => return Ok(classify_transport(e, self.cfg.timeout, None)),
         };
+        if let Some(limiter) = &self.limiter {
+            tokio::time::timeout_at(send_by, limiter.until_ready()).await.map_err(|_| NotSent)?;
+        }
+        let _slot = tokio::time::timeout_at(send_by, slots.acquire()).await.map_err(|_| NotSent)?;
         if tokio::time::Instant::now() > send_by {
             return Err(NotSent);
         }
@@ -196,19 +229,22 @@ impl EndpointClient {
                     None
                 } else {
                     let reason = resp.status().canonical_reason().unwrap_or("").to_owned();
+                    let redirect = resp
+                        .status()
+                        .is_redirection()
+                        .then(|| resp.headers().get(reqwest::header::LOCATION))
+                        .flatten()
+                        .map(|l| format!(" (redirect to {:?} not followed)", String::from_utf8_lossy(l.as_bytes())));
                     // Within the same timeout as the response, not a second one.
-                    let body = tokio::time::timeout_at(sent_at + self.cfg.timeout, resp.bytes())
-                        .await
-                        .ok()
-                        .and_then(Result::ok);
                     let snippet =
-                        body.map(|b| String::from_utf8_lossy(&b[..b.len().min(256)]).into_owned()).unwrap_or_default();
+                        tokio::time::timeout_at(sent_at + self.cfg.timeout, body_start(resp)).await.unwrap_or_default();
+                    let snippet = format!("{}{snippet}", redirect.unwrap_or_default());
                     Some(format!("HTTP {status} {reason}: {snippet}").trim_end_matches([' ', ':']).to_owned())
                 };
                 CallResult {
                     attempt: AttemptResult::Response { status, retry_after },
                     status: Some(status),
-                    error_class: error.as_ref().map(|_| "http_status"),
+                    error_class: error.as_ref().map(|_| ErrorClass::HttpStatus),
                     error,
                     started_at,
                 }
@@ -218,6 +254,23 @@ impl EndpointClient {
     }
 }
 
+/// The first [`ERROR_BODY_BYTES`] bytes of an error response's body, as
+/// text; the rest is never read (a provider streaming gigabytes of error
+/// page costs one chunk, not the whole stream).
+async fn body_start(mut resp: reqwest::Response) -> String {
+    let mut kept = Vec::with_capacity(ERROR_BODY_BYTES);
+    while kept.len() < ERROR_BODY_BYTES {
+        match resp.chunk().await {
+            Ok(Some(chunk)) => kept.extend_from_slice(&chunk[..chunk.len().min(ERROR_BODY_BYTES - kept.len())]),
+            Ok(None) | Err(_) => break,
+        }
+    }
+    String::from_utf8_lossy(&kept).into_owned()
+}
+
+/// How much of an error response's body is kept for the attempt's error.
+pub const ERROR_BODY_BYTES: usize = 256;
+
 /// The request was not sent: it could not start in time to end within the lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NotSent;
@@ -226,19 +279,19 @@ fn classify_transport(e: BoxError, timeout: Duration, started_at: Option<chrono:
     let (attempt, class, text) = if e.is::<tower::timeout::error::Elapsed>() {
         (
             AttemptResult::Timeout { sent: true },
-            "timeout",
+            ErrorClass::Timeout,
             format!("no response within {timeout:?}; the request may have been applied (uncertain)"),
         )
     } else if let Some(re) = e.downcast_ref::<reqwest::Error>() {
         if re.is_connect() {
-            (AttemptResult::Connect, "connect", format!("could not connect: {}", error_chain(re)))
+            (AttemptResult::Connect, ErrorClass::Connect, format!("could not connect: {}", error_chain(re)))
         } else if re.is_timeout() {
-            (AttemptResult::Timeout { sent: true }, "timeout", format!("timed out: {}", error_chain(re)))
+            (AttemptResult::Timeout { sent: true }, ErrorClass::Timeout, format!("timed out: {}", error_chain(re)))
         } else {
-            (AttemptResult::Transport, "transport", format!("transport error: {}", error_chain(re)))
+            (AttemptResult::Transport, ErrorClass::Transport, format!("transport error: {}", error_chain(re)))
         }
     } else {
-        (AttemptResult::Transport, "transport", format!("transport error: {e}"))
+        (AttemptResult::Transport, ErrorClass::Transport, format!("transport error: {e}"))
     };
     CallResult { attempt, status: None, error_class: Some(class), error: Some(text), started_at }
 }

@@ -104,6 +104,9 @@ pub struct Requeued {
     pub queued: usize,
     /// Those neither dead nor uncertain (or unknown), left as they are.
     pub left: Vec<Uuid>,
+    /// Dead ones whose `on_dead` effects were recorded, left dead
+    /// ([`Requeue::OnDeadRecorded`]).
+    pub refused: Vec<Uuid>,
 }
 
 /// The counts the console shows.
@@ -268,33 +271,39 @@ impl Operator {
         Ok(deleted)
     }
 
-    /// Intents matching `f` created before `before`, newest first.
+    /// This consumer's intents in `state` (any, if `None`) of `endpoint`
+    /// (any) created before `before`, newest first.
     pub async fn intents(
         &self,
-        f: &IntentFilter,
+        state: Option<IntentState>,
+        endpoint: Option<String>,
         before: Option<chrono::DateTime<chrono::Utc>>,
         limit: i64,
     ) -> Result<Vec<IntentView>, OpsError> {
-        Ok(intents::list(&mut *self.pool.acquire().await?, f, before, limit).await?)
+        let f = IntentFilter { consumer: self.consumer.clone(), state, endpoint };
+        Ok(intents::list(&mut *self.pool.acquire().await?, &f, before, limit).await?)
     }
 
     /// Intent `id` and its attempts.
     pub async fn intent(&self, id: Uuid) -> Result<(IntentView, Vec<AttemptView>), OpsError> {
         let mut conn = self.pool.acquire().await?;
-        let Some(intent) = intents::get(&mut conn, id).await? else {
+        let Some(intent) = intents::get(&mut conn, &self.consumer, id).await? else {
             return Err(OpsError::NotFound(format!("no intent {id} (list them with `relay intents list`)")));
         };
         Ok((intent, intents::attempts(&mut conn, id).await?))
     }
 
     /// Queue intent `id` again (same id, same idempotency key); only a dead
-    /// or uncertain intent is.
+    /// or uncertain intent of this consumer is, and a dead one only if it
+    /// recorded no `on_dead` effects ([`intents::requeue`]).
     pub async fn requeue(&self, id: Uuid) -> Result<(), OpsError> {
-        match intents::requeue(&mut *self.pool.acquire().await?, id).await? {
+        match intents::requeue(&mut *self.pool.acquire().await?, &self.consumer, id).await? {
             Requeue::Queued => Ok(()),
             Requeue::NotDeadOrUncertain => Err(OpsError::Conflict(format!(
-                "intent {id} is neither dead nor uncertain (or does not exist): only those are replayed"
+                "intent {id} is neither dead nor uncertain (or is not one of consumer {:?}'s): only those are replayed",
+                self.consumer
             ))),
+            Requeue::OnDeadRecorded => Err(OpsError::Conflict(on_dead_recorded(id))),
         }
     }
 
@@ -306,14 +315,16 @@ impl Operator {
         let ids = match which {
             Intents::Ids(ids) => ids,
             Intents::Dead { endpoint } => {
-                intents::ids(&mut conn, &IntentFilter { state: Some(IntentState::Dead), endpoint }).await?
+                let f = IntentFilter { consumer: self.consumer.clone(), state: Some(IntentState::Dead), endpoint };
+                intents::ids(&mut conn, &f).await?
             }
         };
         let mut done = Requeued { asked: ids.len(), ..Requeued::default() };
         for (n, id) in ids.iter().enumerate() {
-            match intents::requeue(&mut conn, *id).await? {
+            match intents::requeue(&mut conn, &self.consumer, *id).await? {
                 Requeue::Queued => done.queued += 1,
                 Requeue::NotDeadOrUncertain => done.left.push(*id),
+                Requeue::OnDeadRecorded => done.refused.push(*id),
             }
             if (n + 1) % PAGE as usize == 0 {
                 progress(n + 1);
@@ -347,4 +358,13 @@ impl Operator {
     pub async fn resume(&self, kind: PauseKind, name: &str) -> Result<Resumed, OpsError> {
         Ok(ops::resume(&mut *self.pool.acquire().await?, kind, name).await?)
     }
+}
+
+/// Why a dead intent whose `on_dead` effects were recorded is not replayed.
+pub fn on_dead_recorded(id: Uuid) -> String {
+    format!(
+        "intent {id} is dead and its on_dead effects were recorded (its failure events were emitted, its saga moved): \
+         a replay that succeeded would tell the opposite story beside them, so it is refused. Handle it as the \
+         failure it was announced as (a new event starts a new call), or see docs/CONTRACT.md, \"Replaying intents\""
+    )
 }

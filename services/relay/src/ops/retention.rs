@@ -26,6 +26,13 @@ const CLEANUP_LOCK: i64 = 0x72_65_6c_61_79;
 /// What one cleanup pass deleted, per kind of row.
 pub type Deleted = Vec<(Cleanup, u64)>;
 
+/// Proof that [`check_topic_retention`] passed (or warned, as configured)
+/// for this process: [`cleanup_once`] and [`run`] take it, so no process
+/// deletes inbox rows without the R15 check — `relay consume`, `relay
+/// dispatch` and `relay cleanup` alike (issue 28, D6).
+#[derive(Debug, Clone, Copy)]
+pub struct RetentionChecked(());
+
 fn plan(cfg: &RetentionConfig) -> Vec<(Cleanup, Duration)> {
     [
         (Cleanup::Inbox, cfg.inbox),
@@ -47,6 +54,7 @@ pub async fn cleanup_once(
     pool: &PgPool,
     cfg: &RetentionConfig,
     consumer: &str,
+    _checked: RetentionChecked,
     mut progress: impl FnMut(Cleanup, u64),
 ) -> Result<Option<Deleted>, sqlx::Error> {
     let mut out = Vec::new();
@@ -75,12 +83,18 @@ pub async fn cleanup_once(
 }
 
 /// Clean up every `retention.interval` until `shutdown`.
-pub async fn run(pool: PgPool, cfg: RetentionConfig, consumer: String, shutdown: CancellationToken) {
+pub async fn run(
+    pool: PgPool,
+    cfg: RetentionConfig,
+    consumer: String,
+    checked: RetentionChecked,
+    shutdown: CancellationToken,
+) {
     if plan(&cfg).is_empty() {
         return;
     }
     loop {
-        match cleanup_once(&pool, &cfg, &consumer, |_, _| {}).await {
+        match cleanup_once(&pool, &cfg, &consumer, checked, |_, _| {}).await {
             Ok(Some(deleted)) => {
                 let total: u64 = deleted.iter().map(|d| d.1).sum();
                 if total > 0 {
@@ -132,8 +146,8 @@ pub fn broker_keeps(retention_ms: Option<i64>, segment_ms: Option<i64>, cleanup_
 /// still be handed back ([`broker_keeps`]): an inbox that forgets events
 /// sooner than the broker would let a replay apply them again (R15, R17).
 /// Refuses (an error) or warns per configuration.
-pub async fn check_topic_retention(cfg: &RelayConfig) -> anyhow::Result<()> {
-    let Some(inbox) = cfg.retention.inbox else { return Ok(()) };
+pub async fn check_topic_retention(cfg: &RelayConfig) -> anyhow::Result<RetentionChecked> {
+    let Some(inbox) = cfg.retention.inbox else { return Ok(RetentionChecked(())) };
     let topics = cfg.subscribed_topics();
     let admin: AdminClient<DefaultClientContext> = client_config(&cfg.kafka, Role::Consumer)?.create()?;
     let specs: Vec<ResourceSpecifier<'_>> = topics.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
@@ -168,7 +182,7 @@ pub async fn check_topic_retention(cfg: &RelayConfig) -> anyhow::Result<()> {
         }
     }
     if problems.is_empty() {
-        return Ok(());
+        return Ok(RetentionChecked(()));
     }
     let msg = format!(
         "the inbox would forget events the broker still keeps, so replaying them would apply them again: {}. \
@@ -181,7 +195,7 @@ pub async fn check_topic_retention(cfg: &RelayConfig) -> anyhow::Result<()> {
         }
         ShorterRetention::Warn => {
             warn!("{msg}");
-            Ok(())
+            Ok(RetentionChecked(()))
         }
     }
 }

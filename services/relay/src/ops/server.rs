@@ -21,7 +21,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use relay_core::RelayConfig;
 use relay_store::dead_letters::Resolution;
-use relay_store::intents::{IntentFilter, IntentState};
+use relay_store::intents::IntentState;
 use relay_store::ops::{PauseKind, Paused, Resumed};
 use secrecy::{ExposeSecret, SecretString};
 use serde::Deserialize;
@@ -310,8 +310,7 @@ struct IntentQuery {
 async fn list_intents(State(s): State<Shared>, Query(q): Query<IntentQuery>) -> ApiResult {
     let state =
         q.state.map(|st| st.parse::<IntentState>()).transpose().map_err(|e| ApiError(StatusCode::BAD_REQUEST, e))?;
-    let f = IntentFilter { state, endpoint: q.endpoint };
-    let items = s.operator.intents(&f, q.before, q.limit.unwrap_or(100).clamp(1, 1000)).await?;
+    let items = s.operator.intents(state, q.endpoint, q.before, q.limit.unwrap_or(100).clamp(1, 1000)).await?;
     Ok(Json(json!({"items": items})))
 }
 
@@ -342,7 +341,7 @@ struct IntentBulk {
 async fn replay_intents(State(s): State<Shared>, Json(b): Json<IntentBulk>) -> ApiResult {
     let which = if b.all { Intents::Dead { endpoint: b.endpoint } } else { Intents::Ids(b.ids) };
     let done = s.operator.requeue_all(which, |_| {}).await?;
-    Ok(Json(json!({"requeued": done.queued, "asked": done.asked})))
+    Ok(Json(json!({"requeued": done.queued, "asked": done.asked, "refused": done.refused})))
 }
 
 async fn list_pauses(State(s): State<Shared>) -> ApiResult {

@@ -16,7 +16,7 @@ use rdkafka::util::Timeout;
 use relay_core::config::{KafkaConfig, PublisherConfig};
 use relay_core::retry::BackoffPolicy;
 use relay_store::outbox::{self, ClaimedRow};
-use relay_store::{Claim, ClaimPool, Claimer, FinishPool};
+use relay_store::{Claim, ClaimCommit, ClaimPool, Claimer, FinishPool};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
@@ -61,6 +61,10 @@ pub struct Publisher {
     marks: FinishPool,
     producer: FutureProducer<LogContext>,
     settings: PublisherConfig,
+    /// The consumer whose outbox rows these are: publishers of other
+    /// consumers sharing the database publish theirs with their own Kafka
+    /// configuration (D3).
+    consumer: String,
     faults: Faults,
     /// Where the lanes' next claim may start, shared by the lanes: after
     /// the last row of the latest full claim ([`outbox::claim_after`]); back
@@ -76,16 +80,18 @@ impl Publisher {
         pool: PgPool,
         kafka: &KafkaConfig,
         settings: PublisherConfig,
+        consumer: &str,
         faults: Faults,
     ) -> anyhow::Result<Publisher> {
         let mut cfg = client_config(kafka, Role::Producer)?;
         cfg.set("message.timeout.ms", settings.delivery_timeout.as_millis().to_string());
         cfg.set_log_level(RDKafkaLogLevel::Warning);
         let producer = cfg.create_with_context(LogContext)?;
-        let claims = ClaimPool::beside(&pool, LANES as u32);
+        let claims = ClaimPool::beside(&pool, LANES as u32, ClaimCommit::Async);
         let marks = FinishPool::beside(&pool, LANES as u32);
         let resume = std::sync::Mutex::new(Resume::default());
-        Ok(Publisher { pool, claims, marks, producer, settings, faults, resume })
+        let consumer = consumer.to_owned();
+        Ok(Publisher { pool, claims, marks, producer, settings, consumer, faults, resume })
     }
 
     /// Run until `shutdown`: finish the batch in flight, flush, return.
@@ -184,7 +190,7 @@ impl Publisher {
         let (limit, lease) = (i64::from(self.settings.batch_size), self.settings.lease);
         let (after, back) = self.resume().next(self.settings.poll_interval);
         let Claim { rows, next_due, .. } =
-            claimer.claim(async |conn| outbox::claim_after(conn, limit, lease, after).await).await?;
+            claimer.claim(async |conn| outbox::claim_after(conn, &self.consumer, limit, lease, after).await).await?;
         match rows.last() {
             Some(last) if rows.len() == self.settings.batch_size as usize => self.resume().claimed(back, last.seq),
             _ => self.resume().back_to(None),

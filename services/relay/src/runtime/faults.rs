@@ -105,6 +105,19 @@ pub struct Sabotage {
     /// Take an empty idempotency key as a key shared by every event that has
     /// one (breaks R4: issue 27, D3).
     pub blank_keys_as_keys: bool,
+    /// Decide an intent's end from the last attempt alone, forgetting that an
+    /// earlier one may have been applied (fires on_dead for money that may
+    /// have moved: issue 28, D1).
+    pub uncertainty_forgotten: bool,
+    /// Start the lease clock when the claim returns, not before it is sent
+    /// (two calls of one intent in flight: issue 28, D2).
+    pub lease_clock_after_claim: bool,
+    /// Follow the provider's redirects (a 302 to a login page counts as
+    /// success: issue 28, D7).
+    pub redirects_followed: bool,
+    /// Fence outcome effects by intent id alone, not by (id, lease token)
+    /// (issue 28, D9).
+    pub fenced_by_id: bool,
 }
 
 impl Sabotage {
@@ -122,11 +135,16 @@ impl Sabotage {
                 "printed-values-only" => s.printed_values_only = true,
                 "controls-unchecked" => s.controls_unchecked = true,
                 "blank-keys-as-keys" => s.blank_keys_as_keys = true,
+                "uncertainty-forgotten" => s.uncertainty_forgotten = true,
+                "lease-clock-after-claim" => s.lease_clock_after_claim = true,
+                "redirects-followed" => s.redirects_followed = true,
+                "fenced-by-id" => s.fenced_by_id = true,
                 other => {
                     return Err(format!(
                         "RELAY_SABOTAGE: unknown item {other:?} (offset-before-commit, no-inbox-dedup, \
                          fresh-idempotency-key, lease-checked-before-wait, null-as-text, ordering-by-insert, \
-                         printed-values-only, controls-unchecked, blank-keys-as-keys)"
+                         printed-values-only, controls-unchecked, blank-keys-as-keys, uncertainty-forgotten, \
+                         lease-clock-after-claim, redirects-followed, fenced-by-id)"
                     ));
                 }
             }
