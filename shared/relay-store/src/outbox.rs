@@ -142,10 +142,6 @@ pub async fn claim_after(
 /// lowest `int8` for the start; an Index Cond of `outbox_pending_by_seq`,
 /// where the scan starts), `$4` the consumer whose rows these are. Rows and
 /// `next_due` as for [`crate::intents::CLAIM`].
-///
-/// A `dead` row holds its key like an unpublished one (D8): the rows after
-/// it wait until an operator replays or skips it (`relay outbox`), so a
-/// replayed row is never published after rows written after it.
 pub const CLAIM: &str = "WITH due AS (
              SELECT o.id FROM relay.outbox o
               WHERE o.state = 'pending' AND o.next_attempt_at <= now() AND o.seq > $3::int8
@@ -153,7 +149,7 @@ pub const CLAIM: &str = "WITH due AS (
                 AND (o.ordering_key IS NULL OR NOT EXISTS (
                         SELECT 1 FROM relay.outbox e
                          WHERE e.topic = o.topic AND e.ordering_key = o.ordering_key AND e.consumer = o.consumer
-                           AND e.seq < o.seq AND e.state IN ('pending', 'running', 'dead')))
+                           AND e.seq < o.seq AND e.state IN ('pending', 'running')))
               ORDER BY o.seq
               LIMIT $1
               FOR UPDATE SKIP LOCKED
