@@ -132,6 +132,18 @@ async fn the_admin_server_serves_metrics_health_and_readiness() {
     let ready: Value = serde_json::from_str(&ready).unwrap();
     assert_eq!(ready["ready"], true);
     assert!(ready["checks"]["broker"].as_str().unwrap().starts_with("ok"), "{ready}");
+
+    // Security review L4: the console runs only its own script, is never
+    // framed, and nothing of it is cached or sniffed.
+    for path in ["/", "/app.js", "/api/counts"] {
+        let res = admin.http.get(format!("{}{path}", admin.url)).bearer_auth(TOKEN).send().await.unwrap();
+        let h = |name: &str| res.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+        let csp = h("content-security-policy");
+        assert!(csp.contains("frame-ancestors 'none'") && csp.contains("script-src 'self'"), "{path}: {csp:?}");
+        assert_eq!(h("x-frame-options"), "DENY", "{path}");
+        assert_eq!(h("x-content-type-options"), "nosniff", "{path}");
+        assert_eq!(h("cache-control"), "no-store", "{path}");
+    }
     assert!(p.terminate(Duration::from_secs(30)).unwrap().success());
 }
 

@@ -1537,3 +1537,153 @@ async fn a_throttled_endpoint_does_not_hold_up_the_calls_of_a_fast_one() {
     assert!(took < Duration::from_secs(5), "the fast endpoint waited {took:?} behind the throttled one");
     assert!(throttled < 10, "the throttled endpoint kept to about 1 call/s: {throttled} in {took:?}");
 }
+
+#[tokio::test]
+async fn a_dead_outbox_row_holds_its_key_until_an_operator_replays_or_skips_it() {
+    // Issue 28 D8: a dead row let the later rows of its key go, and the
+    // advised fix (set it back to pending by hand) published it after them:
+    // downstream order for the key was B, C, A.
+    let h = Harness::new(1).await;
+    let record = |name: &str, key: &str, bytes: usize| relay_core::OutboxRecord {
+        id: uuid::Uuid::new_v4(),
+        action: name.into(),
+        topic: h.out.clone(),
+        key: Some(key.as_bytes().to_vec()),
+        headers: Vec::new(),
+        // Not compressible below the producer's limit.
+        payload: Some((0..bytes as u32).map(|i| b'a' + (i.wrapping_mul(2_654_435_761) % 26) as u8).collect()),
+        event_type: None,
+        ordering_key: Some(key.into()),
+    };
+    let (a, b, c) = (record("A", "k", 40_000), record("B", "k", 10), record("C", "k", 10));
+    let other = record("D", "other", 10);
+    let mut conn = h.db.conn().await.unwrap();
+    for r in [&a, &b, &c, &other] {
+        outbox::insert(&mut conn, &h.consumer, "src", r).await.unwrap();
+    }
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.kafka.producer_properties.insert("message.max.bytes".into(), "20000".into());
+    let publish = Components { consumer: false, dispatcher: false, publisher: true };
+    let run = h.start(cfg.clone(), publish, no_faults()).await;
+    eventually("A dead and the other key's row published", DEADLINE, || async {
+        let dead = h.db.count("outbox", "state = 'dead'").await;
+        let d = h.db.count("outbox", "action = 'D' AND state = 'published'").await;
+        (dead == 1 && d == 1).then_some(())
+    })
+    .await;
+    let relay = h.relay(cfg.clone(), relay::Handlers::default(), no_faults()).await;
+    let ops = relay.operator();
+    let shown = ops.outbox_row(a.id).await.unwrap();
+    assert_eq!((shown.state.as_str(), shown.waiting_behind), ("dead", 2), "B and C wait behind A");
+    assert_eq!(h.db.count("outbox", "action IN ('B', 'C') AND state = 'pending'").await, 2);
+    run.stop().await.unwrap();
+
+    // The operator raises the limit and replays A: A, B, C in that order.
+    cfg.kafka.producer_properties.insert("message.max.bytes".into(), "1000000".into());
+    ops.outbox_replay(a.id).await.unwrap();
+    assert!(matches!(ops.outbox_replay(a.id).await, Err(relay::ops::admin::OpsError::Conflict(_))), "not dead now");
+    let run = h.start(cfg.clone(), publish, no_faults()).await;
+    h.await_published(4).await;
+    run.stop().await.unwrap();
+    let records = read_topic(&h.bootstrap, &h.out, 4).await.unwrap();
+    let sizes: Vec<usize> = records
+        .iter()
+        .filter(|r| r.key.as_deref() == Some(b"k".as_slice()))
+        .map(|r| r.payload.as_ref().map_or(0, Vec::len))
+        .collect();
+    assert_eq!(sizes, [40_000, 10, 10], "A first, then B and C");
+
+    // Skipped instead, a dead row lets the later rows of its key go without it.
+    let (e, f) = (record("E", "k2", 40_000), record("F", "k2", 10));
+    for r in [&e, &f] {
+        outbox::insert(&mut conn, &h.consumer, "src", r).await.unwrap();
+    }
+    cfg.kafka.producer_properties.insert("message.max.bytes".into(), "20000".into());
+    let run = h.start(cfg.clone(), publish, no_faults()).await;
+    eventually("E dead", DEADLINE, || async {
+        (h.db.count("outbox", "action = 'E' AND state = 'dead'").await == 1).then_some(())
+    })
+    .await;
+    assert_eq!(h.db.count("outbox", "action = 'F' AND state = 'pending'").await, 1, "F waits behind E");
+    ops.outbox_skip(e.id).await.unwrap();
+    eventually("F published", DEADLINE, || async {
+        (h.db.count("outbox", "action = 'F' AND state = 'published'").await == 1).then_some(())
+    })
+    .await;
+    run.stop().await.unwrap();
+    assert_eq!(ops.outbox_row(e.id).await.unwrap().state, "skipped");
+}
+
+#[tokio::test]
+async fn an_outcome_whose_effects_the_database_rejects_is_recorded_without_them_not_called_again() {
+    // Issue 28, "to check": the intent was left running, rescued and called
+    // again up to its budget, ending uncertain although the provider had
+    // answered 201, with on_success never recorded.
+    let h = Harness::new(1).await;
+    h.send(&order("evt-1", "o-1")).await;
+    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    h.await_inbox(1).await;
+    ingest.stop().await.unwrap();
+    let mut claims = ClaimPool::beside(&h.db.pool, 1, ClaimCommit::Durable).acquire().await.unwrap();
+    let scope = Scope { consumer: &h.consumer, endpoints: &["psp"] };
+    let mut claimed =
+        intents::claim(&mut claims, &scope, "worker", 1, Duration::from_secs(60)).await.unwrap().rows.remove(0);
+    // A saga id PostgreSQL cannot store (a NUL byte): the database rejects the effects.
+    let bad =
+        json!({"action": "m", "saga_type": "order", "saga_id": "o\u{0}1", "from": [], "to": "paid", "start": true});
+    claimed.on_success["saga"] = json!([bad]);
+    let relay = h.relay(h.config(CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
+    let done = AttemptRecord {
+        started_at: Some(chrono::Utc::now()),
+        outcome: AttemptOutcome::Succeeded,
+        status: Some(201),
+        error_class: None,
+        error: None,
+    };
+    let completion = relay::deliver::executor::Completion::decided(claimed, NextState::Succeeded, done);
+    let finished = relay.dispatcher().unwrap().finalize(&[completion]).await;
+    assert_eq!(finished, vec![relay::deliver::dispatcher::Finished::Succeeded]);
+    assert_eq!(intent_state(&h, "capture:o-1").await.0, "succeeded");
+    assert_eq!(h.db.count("outbox", "true").await, 0, "no effect of the rejected outcome was written");
+}
+
+#[tokio::test]
+async fn an_uncertain_intent_holds_its_ordering_key_and_a_replayed_dead_one_goes_behind_it() {
+    // Issue 28, "to check": dead and uncertain intents let the later intents
+    // of their key run while the earlier call's effect was unknown, and a
+    // replay then ran the earlier one after them.
+    let db = relay_testkit::TestDb::new().await.unwrap();
+    let mut claimer = ClaimPool::beside(&db.pool, 1, ClaimCommit::Durable).claimer();
+    let lease = Duration::from_secs(60);
+    let rows: Vec<_> = (1..=3).map(|n| new_intent(n, "psp", Some("customer-1"))).collect();
+    let mut conn = db.conn().await.unwrap();
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    relay_store::effects::insert(&mut tx, "c", &rows, None, &[], &[]).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut claim = async || -> Vec<uuid::Uuid> {
+        let c = claimer.claim(async |conn| intents::claim(conn, &C_PSP, "w", 10, lease).await).await.unwrap();
+        c.rows.iter().map(|r| r.id).collect()
+    };
+    let end = async |id: uuid::Uuid, state: &str| {
+        sqlx::query("UPDATE relay.intents SET state = $2, lease_token = NULL, finished_at = now() WHERE id = $1")
+            .bind(id)
+            .bind(state)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    };
+    assert_eq!(claim().await, vec![rows[0].id]);
+    end(rows[0].id, "uncertain").await;
+    assert!(claim().await.is_empty(), "the key waits while its earlier call's effect is unknown");
+    // Replayed, it goes first: it is still the earliest of its key.
+    assert_eq!(intents::requeue(&mut conn, "c", rows[0].id).await.unwrap(), intents::Requeue::Queued);
+    assert_eq!(claim().await, vec![rows[0].id]);
+    end(rows[0].id, "succeeded").await;
+    // A dead intent releases its key; replayed, it goes behind the rest.
+    assert_eq!(claim().await, vec![rows[1].id]);
+    end(rows[1].id, "dead").await;
+    assert_eq!(intents::requeue(&mut conn, "c", rows[1].id).await.unwrap(), intents::Requeue::QueuedBehindItsKey);
+    assert_eq!(claim().await, vec![rows[2].id], "the key's later intent first");
+    end(rows[2].id, "succeeded").await;
+    assert_eq!(claim().await, vec![rows[1].id]);
+}

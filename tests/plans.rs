@@ -550,3 +550,58 @@ async fn console_counts_estimate_big_history_tables_and_count_small_ones_exactly
     assert_eq!(stats::Stats::count(&all_big.outbox, "published"), 0);
     assert_eq!(stats::Stats::count(&all_big.outbox, "pending"), 10);
 }
+
+#[tokio::test]
+async fn intents_an_earlier_version_left_are_claimed_and_replayed_after_the_upgrade() {
+    // Review of issue 28's first increment, F1: the error-class constraints
+    // were added NOT VALID, which PostgreSQL still checks on every UPDATE of
+    // an old row, so a pending intent an earlier version had tried as
+    // `endpoint_unknown` made every claim statement fail.
+    let db = TestDb::migrated_up_to(20261203000011).await.unwrap();
+    sqlx::query(
+        "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path, idempotency_key,
+                                    max_attempts, attempts, expires_at, emit_source, state, last_error_class)
+         VALUES (gen_random_uuid(), 'plans', 'e-1', 'capture', 'psp', 'POST', '/c', 'capture:1', 5, 1,
+                 now() + interval '1 day', 'plans', 'pending', 'endpoint_unknown'),
+                (gen_random_uuid(), 'plans', 'e-2', 'capture', 'psp', 'POST', '/c', 'capture:2', 5, 5,
+                 now() + interval '1 day', 'plans', 'dead', 'endpoint_unknown')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    relay_store::migrate(&db.pool).await.unwrap();
+    let mut claims = ClaimPool::beside(&db.pool, 1, ClaimCommit::Durable).acquire().await.unwrap();
+    let claimed = intents::claim(&mut claims, &PLANS, "worker", 10, Duration::from_secs(30)).await.unwrap().rows;
+    assert_eq!(claimed.iter().map(|c| c.source_event_id.as_str()).collect::<Vec<_>>(), ["e-1"]);
+    let dead: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents WHERE source_event_id = 'e-2'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let mut conn = db.conn().await.unwrap();
+    assert_eq!(intents::requeue(&mut conn, "plans", dead).await.unwrap(), intents::Requeue::Queued);
+}
+
+#[tokio::test]
+async fn the_stored_names_of_outcomes_and_error_classes_are_the_types_names() {
+    // AttemptOutcome and ErrorClass decide what a stored name means; the
+    // CHECK constraints must accept exactly those names.
+    let db = TestDb::new().await.unwrap();
+    let allowed = async |constraint: &str| -> Vec<String> {
+        let def: String = sqlx::query_scalar("SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conname = $1")
+            .bind(constraint)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        let mut names: Vec<String> = def.split('\'').skip(1).step_by(2).map(str::to_owned).collect();
+        names.sort();
+        names
+    };
+    let mut classes: Vec<String> = intents::ErrorClass::ALL.iter().map(|c| c.as_str().to_owned()).collect();
+    classes.sort();
+    assert_eq!(allowed("intent_attempts_error_class_known").await, classes);
+    assert_eq!(allowed("intents_last_error_class_known").await, classes);
+    let mut outcomes: Vec<String> = intents::AttemptOutcome::ALL.iter().map(|o| o.as_str().to_owned()).collect();
+    outcomes.push("running".into()); // the default of a row being written, never an outcome
+    outcomes.sort();
+    assert_eq!(allowed("intent_attempts_outcome_known").await, outcomes);
+}

@@ -63,6 +63,10 @@ pub enum Command {
     /// List, inspect and replay intents (external calls).
     #[command(subcommand)]
     Intents(IntentCommand),
+    /// List and inspect outbox rows (Kafka records to publish); replay or
+    /// skip a dead one, which the later rows of its key wait for.
+    #[command(subcommand)]
+    Outbox(OutboxCommand),
     /// Pause a route (its partitions wait at its next event) or an endpoint
     /// (its intents are not claimed), for every relay process.
     Pause {
@@ -164,6 +168,48 @@ pub enum IntentCommand {
         /// With --all: only this endpoint.
         #[arg(long, requires = "all")]
         endpoint: Option<String>,
+    },
+}
+
+/// Outbox commands.
+#[derive(Debug, Subcommand)]
+pub enum OutboxCommand {
+    /// List outbox rows, newest first.
+    List {
+        /// Only this state: pending, running, published, dead or skipped.
+        #[arg(long)]
+        state: Option<OutboxState>,
+        /// Only this topic.
+        #[arg(long)]
+        topic: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        /// Print JSON lines.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one outbox row.
+    Show {
+        /// Outbox row id.
+        id: uuid::Uuid,
+    },
+    /// Queue dead rows again (same ids): each is published before the rows
+    /// of its key written after it, which waited for it.
+    Replay {
+        /// Outbox row ids.
+        #[arg(required = true)]
+        ids: Vec<uuid::Uuid>,
+    },
+    /// Never publish these dead rows: the rows of their keys written after
+    /// them go on without them.
+    Skip {
+        /// Outbox row ids.
+        #[arg(required = true)]
+        ids: Vec<uuid::Uuid>,
+        /// Confirm: skipped rows are never published.
+        #[arg(long)]
+        yes: bool,
     },
 }
 
@@ -303,6 +349,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::DeadLetters(cmd) => dead_letter_command(cfg, cmd).await,
         Command::Intents(cmd) => intent_command(cfg, cmd).await,
+        Command::Outbox(cmd) => outbox_command(cfg, cmd).await,
         Command::Pause { kind, name, reason } => {
             let kind = PauseKind::from(kind);
             let done = operator(&cfg).await?.pause(kind, &name, reason.as_deref()).await?;
@@ -554,6 +601,70 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
     }
 }
 
+async fn outbox_command(cfg: RelayConfig, cmd: OutboxCommand) -> anyhow::Result<()> {
+    let ops = operator(&cfg).await?;
+    match cmd {
+        OutboxCommand::List { state, topic, limit, json } => {
+            let rows = ops.outbox_rows(state, topic.as_deref(), None, limit).await?;
+            if json {
+                for r in &rows {
+                    println!("{}", serde_json::to_string(r)?);
+                }
+            } else if rows.is_empty() {
+                println!("no outbox rows");
+            } else {
+                println!("{:<36}  {:<9} {:<24} {:>8} {:>7}  last error", "id", "state", "topic", "attempts", "waiting");
+                for r in &rows {
+                    println!(
+                        "{}  {:<9} {:<24} {:>8} {:>7}  {}",
+                        r.id,
+                        r.state,
+                        safe(&r.topic),
+                        r.attempts,
+                        r.waiting_behind,
+                        safe(r.last_error.as_deref().unwrap_or(""))
+                    );
+                }
+            }
+        }
+        OutboxCommand::Show { id } => {
+            let r = ops.outbox_row(id).await?;
+            println!("outbox row {}", r.id);
+            println!("  record     {} to topic {}", r.event_type.as_deref().map_or("-".into(), safe), safe(&r.topic));
+            println!("  source     {} ({}), consumer {}", safe(&r.source_id), safe(&r.action), r.consumer);
+            println!("  state      {} after {} attempts", r.state, r.attempts);
+            if let Some(k) = &r.ordering_key {
+                println!("  key        {} ({} later row(s) of it wait for this one)", safe(k), r.waiting_behind);
+            }
+            println!("  payload    {} bytes", r.payload_bytes.unwrap_or(0));
+            if let Some(e) = &r.last_error {
+                println!("  last error {}", safe(e));
+            }
+        }
+        OutboxCommand::Replay { ids } => {
+            for id in ids {
+                match ops.outbox_replay(id).await {
+                    Ok(()) => println!("{id}: queued again (same id)"),
+                    Err(e) => println!("{id}: {e}"),
+                }
+            }
+        }
+        OutboxCommand::Skip { ids, yes } => {
+            if !yes {
+                println!("would skip {} dead outbox row(s) for good; add --yes to skip them", ids.len());
+                return Ok(());
+            }
+            for id in ids {
+                match ops.outbox_skip(id).await {
+                    Ok(()) => println!("{id}: skipped; the later rows of its key go on"),
+                    Err(e) => println!("{id}: {e}"),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<()> {
     let ops = operator(&cfg).await?;
     match cmd {
@@ -621,6 +732,9 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
             }
             for id in &done.refused {
                 println!("{}", relay::ops::admin::on_dead_recorded(*id));
+            }
+            for id in &done.behind_their_key {
+                println!("{id}: queued behind the later intents of its ordering key (they ran while it was dead)");
             }
             println!("queued again: {} of {} (same ids, same idempotency keys)", done.queued, done.asked);
         }

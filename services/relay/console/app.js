@@ -60,12 +60,13 @@ async function refresh() {
     fill($("#outbox-counts"), [
       ["pending", count(stats.outbox, "pending")], ["running", count(stats.outbox, "running")],
       ["published", est("outbox.published", count(stats.outbox, "published"))], ["dead", count(stats.outbox, "dead")],
+      ["skipped", count(stats.outbox, "skipped")],
       ["oldest unpublished (s)", stats.oldest_unpublished_outbox_secs === null ? "–" : stats.oldest_unpublished_outbox_secs.toFixed(1)],
     ]);
     fill($("#inbox-counts"), stats.inbox.length ? stats.inbox.map(([k, v]) => [k, est("inbox", v)]) : [["(empty)", ""]]);
     fill($("#dl-counts"), [["unresolved", stats.dead_letters_unresolved], ["all", stats.dead_letters_total]]);
     renderPauses(pauses);
-    await Promise.all([renderDeadIntents(), renderDeadLetters()]);
+    await Promise.all([renderDeadIntents(), renderDeadOutbox(), renderDeadLetters()]);
     $("#updated").textContent = "updated " + new Date().toLocaleTimeString();
     showError(null);
   } catch (e) {
@@ -103,6 +104,31 @@ async function renderDeadIntents() {
     );
     tr.append(id, cell(i.endpoint), cell(i.idempotency_key), cell(`${i.attempts}/${i.max_attempts}`),
       cell(i.last_status), cell(i.last_error, "error-text"), actions);
+    return tr;
+  }));
+}
+
+async function renderDeadOutbox() {
+  const { items } = await api("/api/outbox?state=dead&limit=200");
+  $("#dead-outbox-count").textContent = items.length;
+  $("#dead-outbox tbody").replaceChildren(...items.map((o) => {
+    const tr = document.createElement("tr"); tr.dataset.id = o.id;
+    const id = cell(o.id.slice(0, 8) + "…"); id.title = o.id;
+    const actions = document.createElement("td");
+    actions.append(
+      button("Replay", async () => {
+        if (!confirm(`Publish outbox row ${o.id} again (same id)?\nIt goes out before the ${o.waiting_behind} later row(s) of its key.`)) return;
+        await api(`/api/outbox/${o.id}/replay`, { method: "POST" }).catch(showError);
+        refresh();
+      }, "replay"),
+      button("Skip", async () => {
+        if (!confirm(`Never publish outbox row ${o.id}?\nThe ${o.waiting_behind} later row(s) of its key go on without it.`)) return;
+        await api(`/api/outbox/${o.id}/skip`, { method: "POST" }).catch(showError);
+        refresh();
+      }, "skip"),
+    );
+    tr.append(id, cell(o.topic), cell(o.event_type), cell(o.ordering_key), cell(o.waiting_behind),
+      cell(o.last_error, "error-text"), actions);
     return tr;
   }));
 }

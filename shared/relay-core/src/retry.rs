@@ -188,11 +188,15 @@ pub enum ErrorClass {
     Budget,
     /// The worker holding the lease was lost.
     LeaseExpired,
+    /// The dispatcher had no client for the intent's endpoint. No longer
+    /// written (claims take only the dispatcher's own endpoints since issue
+    /// 28, D3); rows written before keep it.
+    EndpointUnknown,
 }
 
 impl ErrorClass {
     /// Every class.
-    pub const ALL: [ErrorClass; 7] = [
+    pub const ALL: [ErrorClass; 8] = [
         ErrorClass::HttpStatus,
         ErrorClass::Timeout,
         ErrorClass::Connect,
@@ -200,6 +204,7 @@ impl ErrorClass {
         ErrorClass::Request,
         ErrorClass::Budget,
         ErrorClass::LeaseExpired,
+        ErrorClass::EndpointUnknown,
     ];
 
     /// The stored name.
@@ -212,6 +217,7 @@ impl ErrorClass {
             ErrorClass::Request => "request",
             ErrorClass::Budget => "budget",
             ErrorClass::LeaseExpired => "lease_expired",
+            ErrorClass::EndpointUnknown => "endpoint_unknown",
         }
     }
 }

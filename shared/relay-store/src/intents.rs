@@ -139,9 +139,10 @@ impl ClaimedIntent {
 /// Claim up to `limit` due intents for `worker` with a lease of `lease`, in one
 /// statement: `FOR UPDATE SKIP LOCKED` picks rows no other dispatcher holds and
 /// the `UPDATE` sets the lease and counts the attempt (R9). Intents whose
-/// ordering key has an earlier unfinished intent, or any running one (a
-/// replayed intent is earlier than the rows after it, which may be running),
-/// are not due (R13; "earlier" is commit order, [`crate::ordering`]). The
+/// ordering key has an earlier unfinished or uncertain intent, or any running
+/// one, are not due (R13; "earlier" is commit order, [`crate::ordering`]):
+/// an uncertain intent holds its key until an operator replays it, since
+/// the provider may have applied it. The
 /// attempt's audit row is written when it finishes ([`finish_many`]) or, if
 /// its worker is lost, by the rescuer ([`rescue_expired`]). Commits by
 /// itself, on a claim connection ([`crate::ClaimPool`]): one round trip. A
@@ -219,7 +220,7 @@ pub const CLAIM: &str = "WITH due AS (
                 AND (i.ordering_key IS NULL OR NOT EXISTS (
                         SELECT 1 FROM relay.intents e
                          WHERE e.ordering_key = i.ordering_key AND e.consumer = i.consumer
-                           AND e.state IN ('pending', 'running')
+                           AND e.state IN ('pending', 'running', 'uncertain')
                            AND (e.seq < i.seq OR e.state = 'running')))
               ORDER BY i.next_attempt_at, i.seq
               LIMIT $1
@@ -691,8 +692,13 @@ pub async fn ids(conn: &mut PgConnection, f: &IntentFilter) -> Result<Vec<Uuid>,
 /// What [`requeue`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Requeue {
-    /// Queued again.
+    /// Queued again in its place: an uncertain intent, or a dead one
+    /// without an ordering key.
     Queued,
+    /// Queued again behind the intents of its ordering key written after it:
+    /// a dead intent let them run, so running it now in its old place is no
+    /// longer possible; it runs after them (its order is lost, and said so).
+    QueuedBehindItsKey,
     /// Left as it is: neither dead nor uncertain, or no such intent of the consumer.
     NotDeadOrUncertain,
     /// Left dead: its `on_dead` effects (a failure event, a saga moved to
@@ -708,34 +714,50 @@ pub enum Requeue {
 /// intent whose route declared no `on_dead` effects. A dead intent whose
 /// `on_dead` effects were recorded is refused ([`Requeue::OnDeadRecorded`]):
 /// the world was told it failed. Its uncertainty (`ever_uncertain`) is kept.
+///
+/// Ordering keys: an uncertain intent held its key, so it is queued in its
+/// place, ahead of the intents that waited for it. A dead one did not; it
+/// gets a new place behind the key's later intents
+/// ([`Requeue::QueuedBehindItsKey`]), drawn under the key's lock as an insert
+/// would ([`crate::ordering`]). Runs in its own transaction: `conn` must not
+/// be in one.
 pub async fn requeue(conn: &mut PgConnection, consumer: &str, id: Uuid) -> Result<Requeue, sqlx::Error> {
-    let row: Option<(bool, bool)> = sqlx::query_as(
-        "WITH target AS (
-             SELECT id, state = 'dead'
-                        AND (jsonb_array_length(COALESCE(on_dead->'emit', '[]')) > 0
-                             OR jsonb_array_length(COALESCE(on_dead->'saga', '[]')) > 0) AS told
-               FROM relay.intents
-              WHERE id = $1 AND consumer = $2 AND state IN ('dead', 'uncertain')
-              FOR UPDATE
-         ), queued AS (
-             UPDATE relay.intents i
-                SET state = 'pending', next_attempt_at = now(), finished_at = NULL,
-                    max_attempts = i.attempts + i.max_attempts,
-                    expires_at = now() + (i.expires_at - i.created_at)
-               FROM target WHERE i.id = target.id AND NOT target.told
-             RETURNING i.id
-         )
-         SELECT told, EXISTS (SELECT 1 FROM queued) FROM target",
+    use sqlx::Connection;
+    let mut tx = conn.begin().await?;
+    let row: Option<(String, Option<String>, bool)> = sqlx::query_as(
+        "SELECT state, ordering_key,
+                state = 'dead' AND (jsonb_array_length(COALESCE(on_dead->'emit', '[]')) > 0
+                                    OR jsonb_array_length(COALESCE(on_dead->'saga', '[]')) > 0)
+           FROM relay.intents
+          WHERE id = $1 AND consumer = $2 AND state IN ('dead', 'uncertain')
+          FOR UPDATE",
     )
     .bind(id)
     .bind(consumer)
-    .fetch_optional(conn)
+    .fetch_optional(&mut *tx)
     .await?;
-    Ok(match row {
-        None => Requeue::NotDeadOrUncertain,
-        Some((true, _)) => Requeue::OnDeadRecorded,
-        Some((false, _)) => Requeue::Queued,
-    })
+    let Some((state, key, told)) = row else { return Ok(Requeue::NotDeadOrUncertain) };
+    if told {
+        return Ok(Requeue::OnDeadRecorded);
+    }
+    let behind = state == IntentState::Dead.as_str() && key.is_some();
+    if let Some(k) = key.as_deref().filter(|_| behind) {
+        crate::ordering::lock(&mut tx, consumer, [crate::ordering::Key::Intent(k)]).await?;
+    }
+    let requeue = if behind {
+        "UPDATE relay.intents
+            SET state = 'pending', next_attempt_at = now(), finished_at = NULL, seq = DEFAULT,
+                max_attempts = attempts + max_attempts, expires_at = now() + (expires_at - created_at)
+          WHERE id = $1"
+    } else {
+        "UPDATE relay.intents
+            SET state = 'pending', next_attempt_at = now(), finished_at = NULL,
+                max_attempts = attempts + max_attempts, expires_at = now() + (expires_at - created_at)
+          WHERE id = $1"
+    };
+    sqlx::query(requeue).bind(id).execute(&mut *tx).await?;
+    tx.commit().await?;
+    Ok(if behind { Requeue::QueuedBehindItsKey } else { Requeue::Queued })
 }
 
 #[cfg(test)]

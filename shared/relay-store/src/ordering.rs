@@ -60,14 +60,16 @@ pub async fn lock<'a>(
     let (mut spaces, mut names) = (Vec::new(), Vec::new());
     for key in keys {
         match key {
+            // Namespaced by consumer, as the claims compare keys: two
+            // deployments sharing a database do not wait on each other's keys.
             Key::Intent(k) => {
                 spaces.push(INTENTS);
-                names.push(k.to_owned());
+                names.push(format!("{consumer}\u{2}{k}"));
             }
             Key::Outbox { topic, key } => {
                 spaces.push(OUTBOX);
                 // Kafka topic names hold only [a-zA-Z0-9._-], so the first U+0001 ends the topic.
-                names.push(format!("{topic}\u{1}{key}"));
+                names.push(format!("{consumer}\u{2}{topic}\u{1}{key}"));
             }
         }
     }

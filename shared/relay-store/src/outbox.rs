@@ -19,14 +19,18 @@ pub enum OutboxState {
     Running,
     /// Acknowledged by the broker.
     Published,
-    /// The broker refuses it for good (too large, …): never retried as it is.
+    /// The broker refuses it for good (too large, …): never retried as it
+    /// is, and the later rows of its key wait until an operator replays
+    /// ([`replay`]) or skips ([`skip`]) it.
     Dead,
+    /// A dead row an operator chose not to publish: the rows after it go on.
+    Skipped,
 }
 
 impl OutboxState {
     /// Every state, in lifecycle order.
-    pub const ALL: [OutboxState; 4] =
-        [OutboxState::Pending, OutboxState::Running, OutboxState::Published, OutboxState::Dead];
+    pub const ALL: [OutboxState; 5] =
+        [OutboxState::Pending, OutboxState::Running, OutboxState::Published, OutboxState::Dead, OutboxState::Skipped];
 
     /// The stored name.
     pub fn as_str(self) -> &'static str {
@@ -35,8 +39,135 @@ impl OutboxState {
             OutboxState::Running => "running",
             OutboxState::Published => "published",
             OutboxState::Dead => "dead",
+            OutboxState::Skipped => "skipped",
         }
     }
+}
+
+impl std::str::FromStr for OutboxState {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        OutboxState::ALL.into_iter().find(|st| st.as_str() == s).ok_or_else(|| {
+            let names: Vec<&str> = OutboxState::ALL.iter().map(|st| st.as_str()).collect();
+            format!("unknown outbox state {s:?} (one of: {})", names.join(", "))
+        })
+    }
+}
+
+/// An outbox row as shown to operators (its payload's size, not its bytes).
+#[derive(Debug, Clone, FromRow, serde::Serialize)]
+pub struct OutboxView {
+    /// Id (the CloudEvents id of events).
+    pub id: Uuid,
+    /// Write order.
+    pub seq: i64,
+    /// Consumer.
+    pub consumer: String,
+    /// What wrote it: an event id, or `intent id:outcome`.
+    pub source_id: String,
+    /// The route's emit or dead-letter action.
+    pub action: String,
+    /// Topic.
+    pub topic: String,
+    /// Event type, for events.
+    pub event_type: Option<String>,
+    /// Ordering key.
+    pub ordering_key: Option<String>,
+    /// State.
+    pub state: String,
+    /// Attempts so far.
+    pub attempts: i32,
+    /// Last error.
+    pub last_error: Option<String>,
+    /// Payload size in bytes.
+    pub payload_bytes: Option<i32>,
+    /// Rows of the same topic and ordering key written after it and not published yet.
+    pub waiting_behind: i64,
+    /// Written at.
+    pub created_at: chrono::DateTime<chrono::Utc>,
+    /// Published at.
+    pub published_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+const VIEW: &str = "o.id, o.seq, o.consumer, o.source_id, o.action, o.topic, o.event_type, o.ordering_key, o.state,
+    o.attempts, o.last_error, octet_length(o.payload) AS payload_bytes,
+    CASE WHEN o.ordering_key IS NULL OR o.state IN ('published', 'skipped') THEN 0 ELSE (
+        SELECT count(*) FROM relay.outbox l
+         WHERE l.topic = o.topic AND l.ordering_key = o.ordering_key AND l.consumer = o.consumer
+           AND l.seq > o.seq AND l.state IN ('pending', 'running', 'dead')) END AS waiting_behind,
+    o.created_at, o.published_at";
+
+/// Outbox rows of `consumer` in `state` (any, if `None`) to `topic` (any),
+/// written before `before`, newest first.
+pub async fn list(
+    conn: &mut PgConnection,
+    consumer: &str,
+    state: Option<OutboxState>,
+    topic: Option<&str>,
+    before: Option<chrono::DateTime<chrono::Utc>>,
+    limit: i64,
+) -> Result<Vec<OutboxView>, sqlx::Error> {
+    sqlx::query_as(&format!(
+        "SELECT {VIEW} FROM relay.outbox o
+          WHERE o.consumer = $1 AND ($2::text IS NULL OR o.state = $2) AND ($3::text IS NULL OR o.topic = $3)
+            AND ($4::timestamptz IS NULL OR o.created_at < $4)
+          ORDER BY o.created_at DESC, o.seq DESC LIMIT $5"
+    ))
+    .bind(consumer)
+    .bind(state.map(OutboxState::as_str))
+    .bind(topic)
+    .bind(before)
+    .bind(limit)
+    .fetch_all(conn)
+    .await
+}
+
+/// One outbox row of `consumer`.
+pub async fn get(conn: &mut PgConnection, consumer: &str, id: Uuid) -> Result<Option<OutboxView>, sqlx::Error> {
+    sqlx::query_as(&format!("SELECT {VIEW} FROM relay.outbox o WHERE o.id = $1 AND o.consumer = $2"))
+        .bind(id)
+        .bind(consumer)
+        .fetch_optional(conn)
+        .await
+}
+
+/// What an operator's action on a dead outbox row did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Acted {
+    /// Done.
+    Done,
+    /// Left as it is: not dead, or no such row of the consumer.
+    NotDead,
+}
+
+/// Queue a dead row of `consumer` again (a fresh attempt count; same id, so
+/// downstream deduplication still sees one event). It holds its key, so it
+/// is published before the rows of its key written after it.
+pub async fn replay(conn: &mut PgConnection, consumer: &str, id: Uuid) -> Result<Acted, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE relay.outbox SET state = 'pending', attempts = 0, next_attempt_at = now()
+          WHERE id = $1 AND consumer = $2 AND state = 'dead'",
+    )
+    .bind(id)
+    .bind(consumer)
+    .execute(conn)
+    .await?;
+    Ok(if done.rows_affected() == 1 { Acted::Done } else { Acted::NotDead })
+}
+
+/// Give up on a dead row of `consumer`: `skipped`, never published, and the
+/// rows of its key written after it go on. Its error is kept.
+pub async fn skip(conn: &mut PgConnection, consumer: &str, id: Uuid) -> Result<Acted, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE relay.outbox SET state = 'skipped', last_error = concat_ws('; ', last_error, 'skipped by an operator')
+          WHERE id = $1 AND consumer = $2 AND state = 'dead'",
+    )
+    .bind(id)
+    .bind(consumer)
+    .execute(conn)
+    .await?;
+    Ok(if done.rows_affected() == 1 { Acted::Done } else { Acted::NotDead })
 }
 
 /// Insert an outbox record; `false` when it already exists (same derived id).
@@ -142,6 +273,10 @@ pub async fn claim_after(
 /// lowest `int8` for the start; an Index Cond of `outbox_pending_by_seq`,
 /// where the scan starts), `$4` the consumer whose rows these are. Rows and
 /// `next_due` as for [`crate::intents::CLAIM`].
+///
+/// A `dead` row holds its key like an unpublished one (issue 28, D8): the
+/// rows after it wait until an operator replays or skips it (`relay
+/// outbox`), so a replayed row is never published after rows written after it.
 pub const CLAIM: &str = "WITH due AS (
              SELECT o.id FROM relay.outbox o
               WHERE o.state = 'pending' AND o.next_attempt_at <= now() AND o.seq > $3::int8
@@ -149,7 +284,7 @@ pub const CLAIM: &str = "WITH due AS (
                 AND (o.ordering_key IS NULL OR NOT EXISTS (
                         SELECT 1 FROM relay.outbox e
                          WHERE e.topic = o.topic AND e.ordering_key = o.ordering_key AND e.consumer = o.consumer
-                           AND e.seq < o.seq AND e.state IN ('pending', 'running')))
+                           AND e.seq < o.seq AND e.state IN ('pending', 'running', 'dead')))
               ORDER BY o.seq
               LIMIT $1
               FOR UPDATE SKIP LOCKED

@@ -91,6 +91,36 @@ impl TestDb {
         Ok(TestDb { pool, url, name, admin_url })
     }
 
+    /// A new database migrated only up to `version` (a migration's number,
+    /// e.g. `20261203000011`), as a relay of that version left it: a test
+    /// writes rows of that version, then runs the rest
+    /// ([`relay_store::migrate`]) as an upgrade would.
+    pub async fn migrated_up_to(version: i64) -> anyhow::Result<TestDb> {
+        let admin_url = env("RELAY_TEST_DATABASE_URL");
+        let name = format!("relay_test_{}", Uuid::new_v4().simple());
+        let mut admin = PgConnection::connect(&admin_url).await.context("connect as the test role")?;
+        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut admin).await?;
+        admin.close().await?;
+        let url = replace_db(&admin_url, &name);
+        let pool = PgPoolOptions::new().max_connections(10).connect(&url).await?;
+        // The same files in a directory of their own: the same checksums, so
+        // the full migrator later takes them as applied.
+        let all = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../migrations");
+        let dir = std::env::temp_dir().join(format!("{name}-migrations"));
+        std::fs::create_dir_all(&dir)?;
+        for entry in std::fs::read_dir(&all)? {
+            let path = entry?.path();
+            let file = path.file_name().and_then(|f| f.to_str()).unwrap_or_default().to_owned();
+            let number = file.split('_').next().and_then(|n| n.parse::<i64>().ok());
+            if number.is_some_and(|n| n <= version) {
+                std::fs::copy(&path, dir.join(&file))?;
+            }
+        }
+        sqlx::migrate::Migrator::new(dir.as_path()).await?.run(&pool).await?;
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(TestDb { pool, url, name, admin_url })
+    }
+
     /// A connection from the pool.
     pub async fn conn(&self) -> anyhow::Result<sqlx::pool::PoolConnection<sqlx::Postgres>> {
         Ok(self.pool.acquire().await?)

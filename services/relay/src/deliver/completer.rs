@@ -67,27 +67,39 @@ impl Dispatcher {
 
     /// Record a batch, retrying database errors until the leases would
     /// expire. An outcome the database rejects (a permanent error) must not
-    /// cost the others theirs: the batch is then recorded one by one, and
-    /// only the rejected one is left to the rescuer. (What the finalizers
+    /// cost the others theirs: the batch is then recorded one by one. One
+    /// whose outcome effects the database rejects is recorded without them,
+    /// its state and attempt as they are, and the rejection logged: left to
+    /// the rescuer instead, the call would be made again up to the budget and
+    /// end uncertain although the provider answered. (What the finalizers
     /// run; public for tests that hand it a batch.)
     pub async fn finalize(&self, batch: &[Completion]) -> Vec<Finished> {
         if self.inner.faults.hit(point::DISPATCHER_BEFORE_FINISH).await.is_err() {
             return vec![Finished::LeaseLost; batch.len()];
         }
         let deadline = std::time::Instant::now() + self.inner.settings.lease;
-        let rejected = |c: &Completion, e: sqlx::Error| {
-            error!(intent_id = %c.intent.id, error = %e, "the database rejected this outcome; the intent is rescued when its lease expires");
-            Finished::LeaseLost
-        };
-        match self.finalize_until(batch, deadline).await {
+        match self.finalize_until(batch, Effects::Record, deadline).await {
             Ok(f) => f,
-            Err(e) if batch.len() == 1 => vec![rejected(&batch[0], e)],
             Err(_) => {
                 let mut out = Vec::with_capacity(batch.len());
                 for c in batch {
-                    match self.finalize_until(std::slice::from_ref(c), deadline).await {
+                    let one = std::slice::from_ref(c);
+                    match self.finalize_until(one, Effects::Record, deadline).await {
                         Ok(f) => out.extend(f),
-                        Err(e) => out.push(rejected(c, e)),
+                        Err(e) => {
+                            error!(intent_id = %c.intent.id, error = %e, rejection = %relay_store::rejection(&e),
+                                   "the database rejected this outcome's effects; the intent is recorded without them \
+                                    (its events are not emitted, its sagas not moved): fix the route's effects, then \
+                                    move the saga or emit the event by hand");
+                            match self.finalize_until(one, Effects::Drop, deadline).await {
+                                Ok(f) => out.extend(f),
+                                Err(e) => {
+                                    error!(intent_id = %c.intent.id, error = %e,
+                                           "the database rejected this outcome; the intent is rescued when its lease expires");
+                                    out.push(Finished::LeaseLost);
+                                }
+                            }
+                        }
                     }
                 }
                 out
@@ -100,11 +112,12 @@ impl Dispatcher {
     pub(super) async fn finalize_until(
         &self,
         batch: &[Completion],
+        effects: Effects,
         deadline: std::time::Instant,
     ) -> Result<Vec<Finished>, sqlx::Error> {
         let mut attempt = 0u32;
         loop {
-            match self.finalize_once(batch).await {
+            match self.finalize_once(batch, effects).await {
                 Ok(f) => return Ok(f),
                 Err(e) if relay_store::classify_error(&e) == relay_store::DbErrorKind::Permanent => return Err(e),
                 Err(e) => {
@@ -122,7 +135,11 @@ impl Dispatcher {
         }
     }
 
-    pub(super) async fn finalize_once(&self, batch: &[Completion]) -> Result<Vec<Finished>, sqlx::Error> {
+    pub(super) async fn finalize_once(
+        &self,
+        batch: &[Completion],
+        effects: Effects,
+    ) -> Result<Vec<Finished>, sqlx::Error> {
         let items: Vec<Finish> = batch
             .iter()
             .map(|c| Finish {
@@ -139,6 +156,7 @@ impl Dispatcher {
         let outcomes: Vec<Option<(Outcome, &str)>> = batch
             .iter()
             .map(|c| match c.next {
+                _ if effects == Effects::Drop => None,
                 NextState::Succeeded => outcome_effects(&c.intent, &c.intent.on_success).map(|o| (o, "succeeded")),
                 NextState::Dead => outcome_effects(&c.intent, &c.intent.on_dead).map(|o| (o, "dead")),
                 // Nothing is known, so nothing is told: no on_dead, no on_success.
@@ -220,6 +238,15 @@ impl Dispatcher {
         }
         Ok(())
     }
+}
+
+/// Whether a batch's outcome effects are recorded with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Effects {
+    /// As the intent's route declared them.
+    Record,
+    /// Not at all: the database rejected them.
+    Drop,
 }
 
 /// The stored outcome effects of an intent, if any.

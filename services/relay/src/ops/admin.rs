@@ -1,7 +1,8 @@
 //! Operator actions: the one service behind both the `relay` command line
 //! and the HTTP admin API ([`crate::ops::server`]). Dead letters (list, show,
 //! replay through the same guards with the original event id, purge), intents
-//! (list, show, queue again), pauses and counts. Each action decides here —
+//! (list, show, queue again), outbox rows (list, show, replay or skip a dead
+//! one), pauses and counts. Each action decides here —
 //! which names are known, what "all" selects, what counts as resolved — and
 //! its callers only render the answer (text, JSON, an HTTP status).
 
@@ -9,6 +10,7 @@ use relay_core::{Disposition, RelayConfig};
 use relay_store::dead_letters::{self, DeadLetter, DeadLetterRecord, Filter, Resolution};
 use relay_store::intents::{self, AttemptView, IntentFilter, IntentState, IntentView, Requeue};
 use relay_store::ops::{self, Pause, PauseKind, Paused, Resumed};
+use relay_store::outbox::{self, Acted, OutboxState, OutboxView};
 use relay_store::stats::{self, Stats};
 use sqlx::{Connection, PgPool};
 use uuid::Uuid;
@@ -107,6 +109,9 @@ pub struct Requeued {
     /// Dead ones whose `on_dead` effects were recorded, left dead
     /// ([`Requeue::OnDeadRecorded`]).
     pub refused: Vec<Uuid>,
+    /// Of those queued, dead ones with an ordering key, queued behind the
+    /// intents of their key written after them ([`Requeue::QueuedBehindItsKey`]).
+    pub behind_their_key: Vec<Uuid>,
 }
 
 /// The counts the console shows.
@@ -298,7 +303,7 @@ impl Operator {
     /// recorded no `on_dead` effects ([`intents::requeue`]).
     pub async fn requeue(&self, id: Uuid) -> Result<(), OpsError> {
         match intents::requeue(&mut *self.pool.acquire().await?, &self.consumer, id).await? {
-            Requeue::Queued => Ok(()),
+            Requeue::Queued | Requeue::QueuedBehindItsKey => Ok(()),
             Requeue::NotDeadOrUncertain => Err(OpsError::Conflict(format!(
                 "intent {id} is neither dead nor uncertain (or is not one of consumer {:?}'s): only those are replayed",
                 self.consumer
@@ -323,6 +328,10 @@ impl Operator {
         for (n, id) in ids.iter().enumerate() {
             match intents::requeue(&mut conn, &self.consumer, *id).await? {
                 Requeue::Queued => done.queued += 1,
+                Requeue::QueuedBehindItsKey => {
+                    done.queued += 1;
+                    done.behind_their_key.push(*id);
+                }
                 Requeue::NotDeadOrUncertain => done.left.push(*id),
                 Requeue::OnDeadRecorded => done.refused.push(*id),
             }
@@ -331,6 +340,44 @@ impl Operator {
             }
         }
         Ok(done)
+    }
+
+    /// This consumer's outbox rows in `state` (any, if `None`) to `topic`
+    /// (any) written before `before`, newest first.
+    pub async fn outbox_rows(
+        &self,
+        state: Option<OutboxState>,
+        topic: Option<&str>,
+        before: Option<chrono::DateTime<chrono::Utc>>,
+        limit: i64,
+    ) -> Result<Vec<OutboxView>, OpsError> {
+        let mut conn = self.pool.acquire().await?;
+        Ok(outbox::list(&mut conn, &self.consumer, state, topic, before, limit).await?)
+    }
+
+    /// Outbox row `id` of this consumer.
+    pub async fn outbox_row(&self, id: Uuid) -> Result<OutboxView, OpsError> {
+        outbox::get(&mut *self.pool.acquire().await?, &self.consumer, id)
+            .await?
+            .ok_or_else(|| OpsError::NotFound(format!("no outbox row {id} (list them with `relay outbox list`)")))
+    }
+
+    /// Queue dead outbox row `id` again: it is published before the rows of
+    /// its key written after it, which waited for it.
+    pub async fn outbox_replay(&self, id: Uuid) -> Result<(), OpsError> {
+        match outbox::replay(&mut *self.pool.acquire().await?, &self.consumer, id).await? {
+            Acted::Done => Ok(()),
+            Acted::NotDead => Err(not_dead(id)),
+        }
+    }
+
+    /// Skip dead outbox row `id` for good: it is never published, and the
+    /// rows of its key written after it go on.
+    pub async fn outbox_skip(&self, id: Uuid) -> Result<(), OpsError> {
+        match outbox::skip(&mut *self.pool.acquire().await?, &self.consumer, id).await? {
+            Acted::Done => Ok(()),
+            Acted::NotDead => Err(not_dead(id)),
+        }
     }
 
     /// Every pause.
@@ -367,4 +414,10 @@ pub fn on_dead_recorded(id: Uuid) -> String {
          a replay that succeeded would tell the opposite story beside them, so it is refused. Handle it as the \
          failure it was announced as (a new event starts a new call), or see docs/CONTRACT.md, \"Replaying intents\""
     )
+}
+
+fn not_dead(id: Uuid) -> OpsError {
+    OpsError::Conflict(format!(
+        "outbox row {id} is not dead (or is not this consumer's): only dead rows are replayed or skipped"
+    ))
 }

@@ -28,7 +28,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::ingest::processor::Processor;
 use crate::ops::admin::{DeadLetters, Intents, Operator, OpsError, ReplayOutcome};
@@ -39,14 +39,43 @@ const APP_JS: &str = include_str!("../../console/app.js");
 const STYLE_CSS: &str = include_str!("../../console/style.css");
 
 struct AppState {
-    pool: PgPool,
-    cfg: RelayConfig,
     operator: Operator,
     processor: Processor,
     token: Option<SecretString>,
+    /// Where the token comes from, for the error when it is not set.
+    token_env: String,
     metrics: PrometheusHandle,
-    probe: Arc<std::sync::Mutex<Option<BaseConsumer>>>,
+    /// The latest readiness check ([`check_readiness`]), refreshed in the
+    /// background: `/readyz` answers from it and never touches the database
+    /// or the broker itself, so a flood of probes costs nothing.
+    readiness: tokio::sync::watch::Receiver<Option<Readiness>>,
 }
+
+/// One readiness check's result.
+#[derive(Debug, Clone)]
+struct Readiness {
+    at: std::time::Instant,
+    ready: bool,
+    checks: Value,
+}
+
+/// Connections the admin server's own pool may open: its API, gauges and
+/// readiness checks share them, never the pool ingestion and dispatch use
+/// (security review M5).
+const ADMIN_CONNECTIONS: u32 = 2;
+/// The shortest admin token accepted (security review L4).
+const MIN_TOKEN_BYTES: usize = 16;
+/// Connections served at once; more wait in the kernel's accept queue.
+const MAX_CONNECTIONS: usize = 256;
+/// A client must send its request's headers within this.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// A request must be answered within this (a bulk replay of many dead
+/// letters is paged by its caller).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often readiness is checked, and how old a check may be before
+/// `/readyz` says it is stale.
+const READINESS_EVERY: Duration = Duration::from_secs(2);
+const READINESS_STALE: Duration = Duration::from_secs(15);
 
 type Shared = Arc<AppState>;
 
@@ -82,7 +111,24 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let Some(addr) = cfg.admin.listen else { return Ok(()) };
-    let token = std::env::var(&cfg.admin.token_env).ok().filter(|t| !t.is_empty()).map(SecretString::from);
+    // The admin server's own few connections (M5): its callers cannot take
+    // those ingestion and dispatch wait for.
+    let pool = pool
+        .options()
+        .clone()
+        .min_connections(0)
+        .max_connections(ADMIN_CONNECTIONS)
+        .connect_lazy_with(pool.connect_options().as_ref().clone());
+    let token = std::env::var(&cfg.admin.token_env).ok().filter(|t| !t.is_empty());
+    let token = match token {
+        Some(t) if t.len() < MIN_TOKEN_BYTES => {
+            error!(variable = %cfg.admin.token_env, length = t.len(),
+                   "the admin token is too short to resist guessing (at least {MIN_TOKEN_BYTES} bytes, e.g. \
+                    `openssl rand -hex 32`): the admin API stays disabled");
+            None
+        }
+        t => t.map(SecretString::from),
+    };
     if token.is_none() {
         warn!(variable = %cfg.admin.token_env, "no admin token in the environment: the admin API answers 503 (metrics and health still work)");
     }
@@ -97,16 +143,97 @@ pub async fn serve(
             }
         })
     };
-    let operator = Operator::new(pool.clone(), &cfg);
-    let state = Arc::new(AppState { pool, cfg, operator, processor, token, metrics, probe: Arc::default() });
+    let (ready_tx, readiness) = tokio::sync::watch::channel(None);
+    let checker = tokio::spawn(check_readiness(pool.clone(), cfg.kafka.clone(), ready_tx, shutdown.clone()));
+    let operator = Operator::new(pool, &cfg);
+    let token_env = cfg.admin.token_env.clone();
+    let state = Arc::new(AppState { operator, processor, token, token_env, metrics, readiness });
     let app = router(state);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| anyhow::anyhow!("admin.listen = {addr}: cannot listen: {e}"))?;
     info!(%addr, "admin server listening (console at /, API under /api, /metrics, /healthz, /readyz)");
-    let served = axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.cancelled().await }).await;
+    accept_loop(listener, app, shutdown).await;
     gauges.abort();
-    served.map_err(Into::into)
+    checker.abort();
+    Ok(())
+}
+
+/// Serve `app` on `listener` until `shutdown`, then let the requests in
+/// flight finish (up to [`REQUEST_TIMEOUT`]). Written out instead of
+/// `axum::serve`, which sets no timer, so hyper would apply no header-read
+/// timeout, and which limits neither connections nor request time: a few
+/// thousand connections that never finish their headers would hold file
+/// descriptors and tasks for ever (security review M5).
+async fn accept_loop(listener: tokio::net::TcpListener, app: Router, shutdown: CancellationToken) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use tower::ServiceExt;
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
+    loop {
+        let slot = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            slot = slots.clone().acquire_owned() => slot.expect("never closed"),
+        };
+        let stream = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors, say: wait a little rather than spin.
+                    warn!(error = %e, "admin server: accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let app = app.clone();
+        let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+            let app = app.clone();
+            async move {
+                let answer = match tokio::time::timeout(REQUEST_TIMEOUT, app.oneshot(req)).await {
+                    Ok(answered) => answered.unwrap_or_else(|never| match never {}),
+                    Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "the request took too long\n").into_response(),
+                };
+                Ok::<_, std::convert::Infallible>(answer)
+            }
+        });
+        let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        tokio::spawn(async move {
+            let _ = conn.await;
+            drop(slot);
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(REQUEST_TIMEOUT, graceful.shutdown()).await.is_err() {
+        warn!("admin server: connections still open at shutdown were dropped");
+    }
+}
+
+/// Check the database and the broker every [`READINESS_EVERY`] until
+/// `shutdown`, publishing each result for `/readyz`.
+async fn check_readiness(
+    pool: PgPool,
+    kafka: relay_core::config::KafkaConfig,
+    out: tokio::sync::watch::Sender<Option<Readiness>>,
+    shutdown: CancellationToken,
+) {
+    let probe: Arc<std::sync::Mutex<Option<BaseConsumer>>> = Arc::default();
+    loop {
+        let db = match tokio::time::timeout(Duration::from_secs(2), relay_store::migrations_current(&pool)).await {
+            Ok(Ok(true)) => Ok("ok".to_string()),
+            Ok(Ok(false)) => Err("migrations are not current: run `relay migrate`".to_string()),
+            Ok(Err(e)) => Err(format!("unreachable: {e}")),
+            Err(_) => Err("no answer within 2 s".to_string()),
+        };
+        let broker = broker_reachable(&probe, &kafka).await;
+        let ready = db.is_ok() && broker.is_ok();
+        let checks = json!({"database": db.unwrap_or_else(|e| e), "broker": broker.unwrap_or_else(|e| e)});
+        out.send_replace(Some(Readiness { at: std::time::Instant::now(), ready, checks }));
+        tokio::select! { _ = shutdown.cancelled() => return, _ = tokio::time::sleep(READINESS_EVERY) => {} }
+    }
 }
 
 fn router(state: Shared) -> Router {
@@ -119,6 +246,27 @@ fn router(state: Shared) -> Router {
         .route("/readyz", get(readyz))
         .merge(api(state.clone()))
         .with_state(state)
+        .layer(axum::middleware::map_response(hardened))
+}
+
+/// Headers every admin answer carries (security review L4): the console runs
+/// only its own script and style, is never framed (clickjacking the Replay
+/// and Purge buttons), and nothing of it is cached or sniffed.
+async fn hardened(mut resp: axum::response::Response) -> axum::response::Response {
+    use axum::http::HeaderValue;
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; \
+             frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
+        ),
+    );
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    h.entry(header::CACHE_CONTROL).or_insert(HeaderValue::from_static("no-store"));
+    resp
 }
 
 /// The operator API: every route behind one bearer-token check.
@@ -134,6 +282,10 @@ fn api(state: Shared) -> Router<Shared> {
         .route("/api/intents/replay", post(replay_intents))
         .route("/api/intents/{id}", get(show_intent))
         .route("/api/intents/{id}/replay", post(replay_intent))
+        .route("/api/outbox", get(list_outbox))
+        .route("/api/outbox/{id}", get(show_outbox))
+        .route("/api/outbox/{id}/replay", post(replay_outbox))
+        .route("/api/outbox/{id}/skip", post(skip_outbox))
         .route("/api/pauses", get(list_pauses).post(pause))
         .route("/api/pauses/{kind}/{name}", axum::routing::delete(resume))
         .route_layer(axum::middleware::from_fn_with_state(state, require_token))
@@ -153,16 +305,20 @@ fn authorize(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(token) = &s.token else {
         return Err(ApiError(
             StatusCode::SERVICE_UNAVAILABLE,
-            format!("the admin API is disabled: set {} in the relay's environment", s.cfg.admin.token_env),
+            format!("the admin API is disabled: set {} in the relay's environment", s.token_env),
         ));
     };
     let given =
         headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
     // Compared without an early exit, so the time taken does not tell how
     // much of a guess was right.
+    // Nor how long the token is: every byte of the token is compared,
+    // whatever the guess's length (security review L4).
     let ok = given.is_some_and(|g| {
         let (a, b) = (g.as_bytes(), token.expose_secret().as_bytes());
-        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+        let diff =
+            b.iter().enumerate().fold(a.len() ^ b.len(), |acc, (i, y)| acc | usize::from(a.get(i).unwrap_or(&0) ^ y));
+        diff == 0
     });
     if ok { Ok(()) } else { Err(ApiError(StatusCode::UNAUTHORIZED, "missing or wrong bearer token".into())) }
 }
@@ -172,24 +328,24 @@ async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
 }
 
 async fn readyz(State(s): State<Shared>) -> Response {
-    let mut checks = serde_json::Map::new();
-    let db = match tokio::time::timeout(Duration::from_secs(2), relay_store::migrations_current(&s.pool)).await {
-        Ok(Ok(true)) => Ok("ok".to_string()),
-        Ok(Ok(false)) => Err("migrations are not current: run `relay migrate`".to_string()),
-        Ok(Err(e)) => Err(format!("unreachable: {e}")),
-        Err(_) => Err("no answer within 2 s".to_string()),
+    let latest = s.readiness.borrow().clone();
+    let (ready, checks) = match latest {
+        None => (false, json!({"checks": "not checked yet: the first check is under way"})),
+        Some(r) if r.at.elapsed() > READINESS_STALE => {
+            let why = format!("the last check is {} s old: the checker is stuck", r.at.elapsed().as_secs());
+            (false, json!({"stale": why, "last": r.checks}))
+        }
+        Some(r) => (r.ready, r.checks),
     };
-    let broker = broker_reachable(&s).await;
-    let ready = db.is_ok() && broker.is_ok();
-    checks.insert("database".into(), json!(db.unwrap_or_else(|e| e)));
-    checks.insert("broker".into(), json!(broker.unwrap_or_else(|e| e)));
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (status, Json(json!({"ready": ready, "checks": checks}))).into_response()
 }
 
-async fn broker_reachable(s: &AppState) -> Result<String, String> {
-    let probe = s.probe.clone();
-    let kafka = s.cfg.kafka.clone();
+async fn broker_reachable(
+    probe: &Arc<std::sync::Mutex<Option<BaseConsumer>>>,
+    kafka: &relay_core::config::KafkaConfig,
+) -> Result<String, String> {
+    let (probe, kafka) = (probe.clone(), kafka.clone());
     tokio::task::spawn_blocking(move || {
         let mut guard = probe.lock().map_err(|_| "probe lock poisoned".to_string())?;
         if guard.is_none() {
@@ -342,6 +498,47 @@ async fn replay_intents(State(s): State<Shared>, Json(b): Json<IntentBulk>) -> A
     let which = if b.all { Intents::Dead { endpoint: b.endpoint } } else { Intents::Ids(b.ids) };
     let done = s.operator.requeue_all(which, |_| {}).await?;
     Ok(Json(json!({"requeued": done.queued, "asked": done.asked, "refused": done.refused})))
+}
+
+#[derive(Deserialize)]
+struct OutboxQuery {
+    state: Option<String>,
+    topic: Option<String>,
+    before: Option<chrono::DateTime<chrono::Utc>>,
+    limit: Option<i64>,
+}
+
+async fn list_outbox(State(s): State<Shared>, Query(q): Query<OutboxQuery>) -> ApiResult {
+    let state = q
+        .state
+        .map(|st| st.parse::<relay_store::outbox::OutboxState>())
+        .transpose()
+        .map_err(|e| ApiError(StatusCode::BAD_REQUEST, e))?;
+    let limit = q.limit.unwrap_or(100).clamp(1, 1000);
+    let items = s.operator.outbox_rows(state, q.topic.as_deref(), q.before, limit).await?;
+    Ok(Json(json!({"items": items})))
+}
+
+fn parse_outbox_id(id: &str) -> Result<uuid::Uuid, ApiError> {
+    id.parse().map_err(|_| ApiError(StatusCode::BAD_REQUEST, format!("{id:?} is not an outbox row id (a UUID)")))
+}
+
+async fn show_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
+    Ok(Json(json!({"row": s.operator.outbox_row(parse_outbox_id(&id)?).await?})))
+}
+
+async fn replay_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
+    let id = parse_outbox_id(&id)?;
+    s.operator.outbox_replay(id).await?;
+    info!(outbox_id = %id, "dead outbox row queued again through the admin API");
+    Ok(Json(json!({"id": id, "requeued": true})))
+}
+
+async fn skip_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
+    let id = parse_outbox_id(&id)?;
+    s.operator.outbox_skip(id).await?;
+    info!(outbox_id = %id, "dead outbox row skipped through the admin API");
+    Ok(Json(json!({"id": id, "skipped": true})))
 }
 
 async fn list_pauses(State(s): State<Shared>) -> ApiResult {

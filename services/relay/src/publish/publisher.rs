@@ -158,6 +158,10 @@ impl Publisher {
                     until_due(b.next_due.into_iter().chain(b.retry_at).min(), self.settings.poll_interval)
                 }
                 Err(PublishError::Fault(f)) => return Err(anyhow::Error::from(f)),
+                Err(e @ PublishError::Fatal(_)) => {
+                    error!(error = %e, "outbox publisher stopping");
+                    return Err(e.into());
+                }
                 Err(PublishError::Db(e)) => {
                     self.resume().back_to(None);
                     failures += 1;
@@ -201,6 +205,13 @@ impl Publisher {
         }
         // Enqueue in seq order (the idempotent producer keeps per-partition order), then await all.
         let deliveries = join_all(rows.iter().map(|row| self.produce(row))).await;
+        if deliveries.iter().any(Result::is_err)
+            && let Some((code, reason)) = self.producer.client().fatal_error()
+        {
+            // Nothing was marked: the rows' leases expire and another
+            // process publishes them under the same ids.
+            return Err(PublishError::Fatal(format!("{code:?}: {reason}")));
+        }
         self.faults.hit(point::PUBLISHER_AFTER_ACK).await.map_err(PublishError::Fault)?;
         let mut ok_ids = Vec::new();
         let mut ok_tokens = Vec::new();
@@ -220,13 +231,12 @@ impl Publisher {
                     crate::runtime::metrics::published(&row.topic, false);
                     crate::runtime::metrics::publish_dead(&row.topic);
                     error!(outbox_id = %row.id, topic = %row.topic, attempt = row.attempts, error = %e,
-                           "the broker can never take this record (size limit, invalid topic, policy): the row is dead; \
-                            fix the cause (e.g. raise the topic's max.message.bytes and the producer's message.max.bytes), \
-                            then set the row back to state 'pending' (no relay command does this yet)");
+                           ordering_key = row.ordering_key.as_deref().unwrap_or(""),
+                           "the broker can never take this record (size limit, invalid topic, policy): the row is dead, \
+                            and the later rows of its key wait for it; fix the cause (e.g. raise the topic's \
+                            max.message.bytes and the producer's message.max.bytes), then `relay outbox replay ID`, \
+                            or `relay outbox skip ID` to let the later rows go without it");
                     outbox::mark_dead(&mut conn, row.id, row.lease_token, &format!("permanent: {e}")).await?;
-                    if row.ordering_key.is_some() {
-                        batch.unblocked = Some(batch.unblocked.map_or(row.seq, |s| s.min(row.seq)));
-                    }
                 }
                 Err(e) => {
                     crate::runtime::metrics::published(&row.topic, false);
@@ -281,15 +291,31 @@ impl Publisher {
     }
 }
 
-/// Whether a produce error will come back on every attempt: the record is
-/// larger than the producer or the topic allows, or the topic or the record
-/// is invalid for the broker. Anything else (timeouts, brokers down, leaders
-/// moving, authorization an operator may fix) is retried.
+/// Whether a produce error will come back on every attempt until an
+/// operator acts: the record is larger than the producer or the topic
+/// allows, the topic or the record is invalid for the broker, the topic does
+/// not exist (librdkafka reports that only after waiting
+/// `topic.metadata.propagation.max.ms` for it), or the principal may not
+/// write to it. Such a row ends dead, holding its key, until an operator
+/// fixes the cause and replays it (`relay outbox replay`), instead of being
+/// retried forever with the rows of its key stuck behind it. Anything else
+/// (timeouts, brokers down, leaders moving) is retried.
 fn is_permanent(e: &KafkaError) -> bool {
     use rdkafka::types::RDKafkaErrorCode as C;
     matches!(
         e.rdkafka_error_code(),
-        Some(C::MessageSizeTooLarge | C::InvalidMessageSize | C::InvalidRecord | C::InvalidTopic | C::PolicyViolation)
+        Some(
+            C::MessageSizeTooLarge
+                | C::InvalidMessageSize
+                | C::InvalidRecord
+                | C::InvalidTopic
+                | C::PolicyViolation
+                | C::UnknownTopic
+                | C::UnknownPartition
+                | C::UnknownTopicOrPartition
+                | C::TopicAuthorizationFailed
+                | C::ClusterAuthorizationFailed
+        )
     )
 }
 
@@ -316,4 +342,38 @@ pub enum PublishError {
     /// A fault point fired.
     #[error(transparent)]
     Fault(crate::runtime::faults::FaultInjected),
+    /// The producer hit a fatal error: it will never deliver again, so the
+    /// publisher stops (and the process with it) instead of retrying forever
+    /// while looking alive.
+    #[error(
+        "the Kafka producer failed for good ({0}): librdkafka raises this when the idempotent producer \
+         can no longer guarantee order or exactly-once delivery (e.g. the cluster refused its producer id: \
+         check the principal's IdempotentWrite / ClusterAction ACLs); restart the relay once the cause is fixed"
+    )]
+    Fatal(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::types::RDKafkaErrorCode as C;
+
+    #[test]
+    fn errors_that_never_go_away_by_themselves_end_the_row_and_the_others_are_retried() {
+        let permanent = [
+            C::MessageSizeTooLarge,
+            C::InvalidTopic,
+            C::PolicyViolation,
+            C::UnknownTopic,
+            C::UnknownTopicOrPartition,
+            C::TopicAuthorizationFailed,
+            C::ClusterAuthorizationFailed,
+        ];
+        for code in permanent {
+            assert!(is_permanent(&KafkaError::MessageProduction(code)), "{code:?}");
+        }
+        for code in [C::MessageTimedOut, C::BrokerTransportFailure, C::NotLeaderForPartition, C::RequestTimedOut] {
+            assert!(!is_permanent(&KafkaError::MessageProduction(code)), "{code:?}");
+        }
+    }
 }
