@@ -106,3 +106,23 @@ fn the_relay_environment_in_compose_names_real_configuration_keys() {
         assert!(stdout.contains("endpoint payments: http://provider:8081/"), "{service}: {stdout}");
     }
 }
+
+#[test]
+fn the_relay_s_containers_run_read_only_with_no_capability_and_no_privilege_gain() {
+    // Security review L10.
+    let c = compose();
+    for service in ["provider", "migrate", "relay"] {
+        let s = &c["services"][service];
+        assert_eq!(s["read_only"].as_bool(), Some(true), "{service}: read_only");
+        let dropped: Vec<&str> =
+            s["cap_drop"].as_vec().map(|v| v.iter().filter_map(Yaml::as_str).collect()).unwrap_or_default();
+        assert_eq!(dropped, ["ALL"], "{service}: cap_drop");
+        let opts: Vec<&str> =
+            s["security_opt"].as_vec().map(|v| v.iter().filter_map(Yaml::as_str).collect()).unwrap_or_default();
+        assert!(opts.contains(&"no-new-privileges:true"), "{service}: security_opt");
+    }
+    let ignored = std::fs::read_to_string(root().join(".dockerignore")).expect(".dockerignore exists");
+    for entry in [".git", "target", ".env"] {
+        assert!(ignored.lines().any(|l| l.trim() == entry), ".dockerignore leaves out {entry}");
+    }
+}
