@@ -920,7 +920,8 @@ async fn an_intent_claimed_at_ingest_is_written_running_unless_it_is_keyed_or_it
 #[tokio::test]
 async fn intents_handed_over_but_not_started_go_back_to_pending_uncounted_when_the_dispatcher_stops() {
     let db = relay_testkit::TestDb::new().await.unwrap();
-    let (handoff, desk) = relay::deliver::handoff::channel("w-1", Duration::from_secs(30), 3);
+    let any_endpoint: relay::deliver::handoff::EndpointRoom = std::sync::Arc::new(|_: &str| usize::MAX);
+    let (handoff, desk) = relay::deliver::handoff::channel("w-1", Duration::from_secs(30), 3, any_endpoint);
     let mut reserved = handoff.reserve(10).expect("room");
     assert_eq!(reserved.len(), 3, "as much room as there is");
     assert!(handoff.reserve(1).is_none(), "no room left");
@@ -1686,4 +1687,112 @@ async fn an_uncertain_intent_holds_its_ordering_key_and_a_replayed_dead_one_goes
     assert_eq!(claim().await, vec![rows[2].id], "the key's later intent first");
     end(rows[2].id, "succeeded").await;
     assert_eq!(claim().await, vec![rows[1].id]);
+}
+
+const THROTTLED_AND_FAST: &str = r#"
+[[routes]]
+name = "placed"
+topic = "{topic}"
+type = "order.placed"
+[[routes.actions]]
+kind = "call"
+name = "capture"
+endpoint = "throttled"
+path = "/captures/{{ data.order_id }}"
+idempotency_key = "capture:{{ data.order_id }}"
+
+[[routes]]
+name = "refund"
+topic = "{topic}"
+type = "refund.requested"
+[[routes.actions]]
+kind = "call"
+name = "refund"
+endpoint = "psp"
+path = "/refunds/{{ data.order_id }}"
+idempotency_key = "refund:{{ data.order_id }}"
+"#;
+
+#[tokio::test]
+async fn a_throttled_endpoint_does_not_hold_up_a_fast_one_when_intents_are_claimed_at_ingest() {
+    // Review of issue 28's first increment, F2: with consumer and dispatcher
+    // in one process, the consumer held a whole batch of the throttled
+    // endpoint's intents at ingest, taking the dispatcher's room, and the
+    // fast endpoint's intents waited behind them.
+    let h = Harness::new(1).await;
+    h.send_orders(100).await;
+    for i in 0..5 {
+        h.send(&TestEvent::new(&format!("refund-{i}"), "refund.requested", json!({"order_id": format!("r-{i}")})))
+            .await;
+    }
+    let text = format!(
+        "{}\n[endpoints.throttled]\nbase_url = \"{}\"\ntimeout = \"1s\"\nrate_limit_per_second = 1\n",
+        h.config_text(THROTTLED_AND_FAST),
+        h.provider.url()
+    );
+    let mut cfg = relay_core::RelayConfig::from_toml(&text).unwrap();
+    cfg.database.url = Some(h.db.url.clone().into());
+    cfg.dispatcher.lease = Duration::from_secs(30);
+    let started = std::time::Instant::now();
+    let run = h.start(cfg, Components::ALL, no_faults()).await;
+    eventually("the fast endpoint's 5 calls", DEADLINE, || async {
+        let done = h.db.count("intents", "endpoint = 'psp' AND state = 'succeeded'").await;
+        (done == 5).then_some(())
+    })
+    .await;
+    let took = started.elapsed();
+    let throttled = h.db.count("intents", "endpoint = 'throttled' AND state = 'succeeded'").await;
+    run.stop().await.unwrap();
+    assert!(took < Duration::from_secs(8), "the fast endpoint waited {took:?} behind the throttled one");
+    assert!(throttled < 15, "the throttled endpoint kept to about 1 call/s: {throttled} in {took:?}");
+}
+
+#[tokio::test]
+async fn an_operator_resolves_an_uncertain_intent_as_the_provider_says_it_ended() {
+    // Review of issue 28's first increment, F3: an uncertain intent could
+    // only end by succeeding; one the provider never applied (a claim lost
+    // before its request went out, then 422s) stayed uncertain for ever.
+    let h = Harness::new(1).await;
+    h.provider.set_faults(vec![
+        rule("capture:o-", Some(1), FaultKind::TimeoutBeforeApply { delay_ms: 1_500 }),
+        rule("capture:o-", None, FaultKind::Status { status: 503, retry_after_secs: None }),
+    ]);
+    h.send_orders(2).await;
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.endpoints.get_mut("psp").unwrap().max_attempts = 2;
+    let run = h.start(cfg.clone(), Components::ALL, no_faults()).await;
+    h.await_intents_finished(2).await;
+    assert_eq!(h.intents_in("uncertain").await, 2);
+    let relay = h.relay(cfg.clone(), relay::Handlers::default(), no_faults()).await;
+    let ops = relay.operator();
+    let id_of = async |key: &str| -> uuid::Uuid {
+        sqlx::query_scalar("SELECT id FROM relay.intents WHERE idempotency_key = $1")
+            .bind(key)
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap()
+    };
+    use relay::ops::admin::IntentResolution;
+    let (failed, applied) = (id_of("capture:o-0").await, id_of("capture:o-1").await);
+    ops.resolve(failed, IntentResolution::Failed, Some("the provider has no capture for this key")).await.unwrap();
+    ops.resolve(applied, IntentResolution::Succeeded, None).await.unwrap();
+    let again = ops.resolve(failed, IntentResolution::Succeeded, None).await.unwrap_err();
+    assert!(again.to_string().contains("not uncertain"), "{again}");
+    h.await_published(2).await;
+    run.stop().await.unwrap();
+    assert_eq!(ending(&h, "capture:o-0").await.0, "dead");
+    assert_eq!(ending(&h, "capture:o-1").await.0, "succeeded");
+    assert_eq!(h.db.count("outbox", "event_type = 'payment.failed'").await, 1);
+    assert_eq!(h.db.count("outbox", "event_type = 'payment.captured'").await, 1);
+    let (_, _, _, error) = intent_state(&h, "capture:o-0").await;
+    assert!(error.unwrap_or_default().contains("resolved as failed by an operator: the provider has no capture"));
+    // relay verify takes an operator's resolution as the provider's word.
+    let report = relay_cli::verify::verify(
+        &cfg,
+        &h.db.pool,
+        &relay_cli::verify::VerifyOptions { effects: None, grace: Duration::from_secs(30) },
+    )
+    .await
+    .unwrap();
+    assert!(!report.violations.iter().any(|v| v.check == "dead_after_uncertain"), "{}", report.render());
 }

@@ -19,7 +19,7 @@ use crate::printable as safe;
 use crate::telemetry::{self, LogFormat};
 use relay::app::{Components, Relay, connect};
 use relay::ingest::handler::Handlers;
-use relay::ops::admin::{DeadLetters, Intents, Operator, ReplayOutcome};
+use relay::ops::admin::{DeadLetters, IntentResolution, Intents, Operator, ReplayOutcome};
 use relay::runtime::faults::Faults;
 
 /// relay — exactly-once effects from Kafka's at-least-once delivery.
@@ -156,6 +156,22 @@ pub enum IntentCommand {
     Show {
         /// Intent id.
         id: uuid::Uuid,
+    },
+    /// Resolve an uncertain intent as the provider says it ended, once
+    /// someone asked it: succeeded (its on_success effects are recorded) or
+    /// failed (its on_dead effects).
+    Resolve {
+        /// Intent id.
+        id: uuid::Uuid,
+        /// The provider applied it.
+        #[arg(long, conflicts_with = "failed", required_unless_present = "failed")]
+        succeeded: bool,
+        /// The provider did not apply it.
+        #[arg(long)]
+        failed: bool,
+        /// Who resolved it and what the provider said (kept as its last error).
+        #[arg(long)]
+        note: Option<String>,
     },
     /// Queue dead intents again with a fresh budget, keeping their ids and
     /// idempotency keys (the provider sees the same operation).
@@ -720,6 +736,12 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
                     a.error.map(|e| format!(": {}", safe(&e))).unwrap_or_default()
                 );
             }
+        }
+        IntentCommand::Resolve { id, succeeded, failed: _, note } => {
+            let resolution = if succeeded { IntentResolution::Succeeded } else { IntentResolution::Failed };
+            ops.resolve(id, resolution, note.as_deref()).await?;
+            let effects = if succeeded { "on_success" } else { "on_dead" };
+            println!("{id}: resolved as {resolution:?}; its {effects} effects are recorded");
         }
         IntentCommand::Replay { ids, all, endpoint } => {
             if ids.is_empty() && !all {

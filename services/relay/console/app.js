@@ -87,22 +87,49 @@ function renderPauses(pauses) {
   }));
 }
 
+// An action's refusal stays until the next action: the 3-s refresh clears
+// only the connection error.
+async function act(path, options) {
+  try {
+    const r = await api(path, options);
+    $("#action-error").hidden = true;
+    return r;
+  } catch (e) {
+    $("#action-error").textContent = String(e.message || e);
+    $("#action-error").hidden = false;
+    return null;
+  }
+}
+
 async function renderDeadIntents() {
-  const { items } = await api("/api/intents?state=dead&limit=200");
+  const [dead, uncertain] = await Promise.all([
+    api("/api/intents?state=dead&limit=200"), api("/api/intents?state=uncertain&limit=200"),
+  ]);
+  const items = dead.items.concat(uncertain.items);
   $("#dead-intent-count").textContent = items.length;
   $("#dead-intents tbody").replaceChildren(...items.map((i) => {
     const tr = document.createElement("tr"); tr.dataset.id = i.id;
     const id = cell(i.id.slice(0, 8) + "…"); id.title = i.id;
     const actions = document.createElement("td");
+    if (i.state === "uncertain") {
+      // Only once someone asked the provider how the call ended.
+      const resolve = (how, effects) => button(`Resolve ${how}`, async () => {
+        const note = prompt(`Resolve intent ${i.id} as ${how}: its ${effects} effects are recorded.\nWhat did the provider say? (kept with the intent)`);
+        if (note === null) return;
+        await act(`/api/intents/${i.id}/resolve`, { method: "POST", body: JSON.stringify({ resolution: how, note: note || null }) });
+        refresh();
+      }, "resolve");
+      actions.append(resolve("succeeded", "on_success"), resolve("failed", "on_dead"));
+    }
     actions.append(
       button("Attempts", () => showTimeline(i.id)),
       button("Replay", async () => {
         if (!confirm(`Replay intent ${i.id}?\nIt is sent again with the same idempotency key ${i.idempotency_key}.`)) return;
-        await api(`/api/intents/${i.id}/replay`, { method: "POST" }).catch(showError);
+        await act(`/api/intents/${i.id}/replay`, { method: "POST" });
         refresh();
       }, "replay"),
     );
-    tr.append(id, cell(i.endpoint), cell(i.idempotency_key), cell(`${i.attempts}/${i.max_attempts}`),
+    tr.append(id, cell(i.state), cell(i.endpoint), cell(i.idempotency_key), cell(`${i.attempts}/${i.max_attempts}`),
       cell(i.last_status), cell(i.last_error, "error-text"), actions);
     return tr;
   }));
@@ -118,12 +145,12 @@ async function renderDeadOutbox() {
     actions.append(
       button("Replay", async () => {
         if (!confirm(`Publish outbox row ${o.id} again (same id)?\nIt goes out before the ${o.waiting_behind} later row(s) of its key.`)) return;
-        await api(`/api/outbox/${o.id}/replay`, { method: "POST" }).catch(showError);
+        await act(`/api/outbox/${o.id}/replay`, { method: "POST" });
         refresh();
       }, "replay"),
       button("Skip", async () => {
         if (!confirm(`Never publish outbox row ${o.id}?\nThe ${o.waiting_behind} later row(s) of its key go on without it.`)) return;
-        await api(`/api/outbox/${o.id}/skip`, { method: "POST" }).catch(showError);
+        await act(`/api/outbox/${o.id}/skip`, { method: "POST" });
         refresh();
       }, "skip"),
     );

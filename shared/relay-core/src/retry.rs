@@ -192,11 +192,14 @@ pub enum ErrorClass {
     /// written (claims take only the dispatcher's own endpoints since issue
     /// 28, D3); rows written before keep it.
     EndpointUnknown,
+    /// An operator resolved an uncertain intent as failed, having asked the
+    /// provider: its `on_dead` effects are the operator's word, not a guess.
+    Resolved,
 }
 
 impl ErrorClass {
     /// Every class.
-    pub const ALL: [ErrorClass; 8] = [
+    pub const ALL: [ErrorClass; 9] = [
         ErrorClass::HttpStatus,
         ErrorClass::Timeout,
         ErrorClass::Connect,
@@ -205,6 +208,7 @@ impl ErrorClass {
         ErrorClass::Budget,
         ErrorClass::LeaseExpired,
         ErrorClass::EndpointUnknown,
+        ErrorClass::Resolved,
     ];
 
     /// The stored name.
@@ -218,6 +222,7 @@ impl ErrorClass {
             ErrorClass::Budget => "budget",
             ErrorClass::LeaseExpired => "lease_expired",
             ErrorClass::EndpointUnknown => "endpoint_unknown",
+            ErrorClass::Resolved => "resolved",
         }
     }
 }

@@ -80,22 +80,25 @@ pub async fn published_rows(pool: &PgPool, consumer: &str) -> Result<Vec<(Uuid, 
 /// applied (its outcome [`relay_core::retry::AttemptOutcome::may_have_applied`]):
 /// their `on_dead` effects announced a failure for a call that may have gone
 /// through. Read from the attempts, not from `ever_uncertain`, so that a
-/// flag that was not set is caught too. Each as `id (key): attempt n was <outcome>`.
+/// flag that was not set is caught too. An intent an operator resolved as
+/// failed ([`relay_core::retry::ErrorClass::Resolved`]) is not one: the
+/// provider was asked. Each as `id (key): attempt n was <outcome>`, the
+/// first such attempt.
 pub async fn dead_after_uncertain(pool: &PgPool, consumer: &str) -> Result<Vec<String>, sqlx::Error> {
-    let may: Vec<&str> = relay_core::retry::AttemptOutcome::ALL
-        .into_iter()
-        .filter(|o| o.may_have_applied())
-        .map(|o| o.as_str())
-        .collect();
+    use relay_core::retry::{AttemptOutcome, ErrorClass};
+    let may: Vec<&str> =
+        AttemptOutcome::ALL.into_iter().filter(|o| o.may_have_applied()).map(AttemptOutcome::as_str).collect();
     sqlx::query_scalar(
-        "SELECT i.id::text || ' (' || i.idempotency_key || '): attempt ' || min(a.attempt) || ' was '
-                || min(a.outcome)
+        "SELECT i.id::text || ' (' || i.idempotency_key || '): attempt '
+                || (array_agg(a.attempt::text || ' was ' || a.outcome ORDER BY a.attempt))[1]
            FROM relay.intents i JOIN relay.intent_attempts a ON a.intent_id = i.id
           WHERE i.consumer = $1 AND i.state = 'dead' AND a.outcome = ANY($2)
+            AND i.last_error_class IS DISTINCT FROM $3
           GROUP BY i.id, i.idempotency_key",
     )
     .bind(consumer)
     .bind(may)
+    .bind(ErrorClass::Resolved.as_str())
     .fetch_all(pool)
     .await
 }

@@ -689,6 +689,56 @@ pub async fn ids(conn: &mut PgConnection, f: &IntentFilter) -> Result<Vec<Uuid>,
     .await
 }
 
+/// Endpoints outside `endpoints` with pending intents of `consumer`, and
+/// how many each has: no dispatcher of this configuration claims them (an
+/// endpoint renamed or removed while they waited), so they wait, and hold
+/// their ordering keys, until one does.
+pub async fn pending_elsewhere(
+    conn: &mut PgConnection,
+    consumer: &str,
+    endpoints: &[&str],
+) -> Result<Vec<(String, i64)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT endpoint, count(*) FROM relay.intents
+          WHERE state = 'pending' AND consumer = $1 AND NOT (endpoint = ANY($2))
+          GROUP BY endpoint ORDER BY endpoint",
+    )
+    .bind(consumer)
+    .bind(endpoints)
+    .fetch_all(conn)
+    .await
+}
+
+/// Take uncertain intent `id` of `consumer` for an operator's resolution
+/// (succeeded or failed, once the provider was asked): running under a
+/// fresh lease of `lease` for `worker`, as a claim leaves it, so that its
+/// outcome is recorded by the same fenced path as a call's, effects and all.
+/// `None` if it is not one of the consumer's uncertain intents.
+pub async fn take_uncertain(
+    conn: &mut PgConnection,
+    consumer: &str,
+    id: Uuid,
+    worker: &str,
+    lease: Duration,
+) -> Result<Option<ClaimedIntent>, sqlx::Error> {
+    sqlx::query_as(
+        "UPDATE relay.intents
+            SET state = 'running', lease_token = gen_random_uuid(), locked_by = $3,
+                locked_until = now() + make_interval(secs => $4)
+          WHERE id = $1 AND consumer = $2 AND state = 'uncertain'
+         RETURNING id, lease_token, consumer, source_event_id, action, endpoint, method, path, body, request_headers,
+                   idempotency_key, ordering_key, attempts, max_attempts, expires_at, on_success, on_dead,
+                   emit_source, aggregate_id, correlation_id, causation_id, traceparent, last_error,
+                   ever_uncertain, created_at",
+    )
+    .bind(id)
+    .bind(consumer)
+    .bind(worker)
+    .bind(lease.as_secs_f64())
+    .fetch_optional(conn)
+    .await
+}
+
 /// What [`requeue`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Requeue {

@@ -57,8 +57,11 @@ impl Planned<'_> {
 }
 
 /// Intents to write already claimed for a dispatcher of this process (its
-/// hand-over): up to `room` of the batch's intents without an ordering key.
-#[derive(Debug, Clone, Copy)]
+/// hand-over): up to `room` of the batch's intents without an ordering key,
+/// and of each endpoint at most as many as `endpoint_room` says it has room
+/// for (a throttled endpoint's intents are written pending rather than
+/// held to wait at its limits while other endpoints' wait for room).
+#[derive(Clone, Copy)]
 pub struct HoldRoom<'a> {
     /// The dispatcher's worker id.
     pub worker: &'a str,
@@ -66,6 +69,18 @@ pub struct HoldRoom<'a> {
     pub lease: Duration,
     /// How many intents it has room for.
     pub room: usize,
+    /// How many more intents of an endpoint it has room for.
+    pub endpoint_room: &'a (dyn Fn(&str) -> usize + Send + Sync),
+}
+
+impl std::fmt::Debug for HoldRoom<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HoldRoom")
+            .field("worker", &self.worker)
+            .field("lease", &self.lease)
+            .field("room", &self.room)
+            .finish()
+    }
 }
 
 /// What [`write()`] did: one [`Disposition`] per record, and the intents written
@@ -257,15 +272,20 @@ pub async fn finish(
         }
     }
     let adds: Vec<(&str, i32, i64)> = counters.into_iter().map(|((name, shard), n)| (name, shard, n)).collect();
-    // Claim at ingest: the first `room` intents without an ordering key.
+    // Claim at ingest: the first `room` intents without an ordering key,
+    // each endpoint's up to its own room.
     let take: Vec<bool> = match hold {
         Some(h) => {
             let mut left = h.room;
+            let mut per_endpoint: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
             intents
                 .iter()
                 .map(|i| {
-                    let take = i.ordering_key.is_none() && left > 0;
+                    let endpoint_left =
+                        per_endpoint.entry(i.endpoint.as_str()).or_insert_with(|| (h.endpoint_room)(&i.endpoint));
+                    let take = i.ordering_key.is_none() && left > 0 && *endpoint_left > 0;
                     left -= usize::from(take);
+                    *endpoint_left -= usize::from(take);
                     take
                 })
                 .collect()

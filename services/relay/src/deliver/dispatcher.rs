@@ -67,8 +67,9 @@ pub(super) struct Inner {
     pub(super) consumer: String,
     pub(super) endpoints: HashMap<String, EndpointClient>,
     /// Per endpoint, its calls started and not ended, and how many there
-    /// may be before its intents are left out of claims ([`Busy`]).
-    pub(super) busy: HashMap<String, Busy>,
+    /// may be before its intents are left out of claims and of holds at
+    /// ingest ([`Busy`]).
+    pub(super) busy: Arc<HashMap<String, Busy>>,
     pub(super) faults: Faults,
     /// Signalled when this worker made intents claimable that no NOTIFY
     /// announces: an outcome recorded for an intent with an ordering key (its
@@ -78,6 +79,9 @@ pub(super) struct Inner {
     /// Where a consumer of this process hands over what it claimed at
     /// ingest, once [`Dispatcher::handoff`] opened it; taken by the claim loop.
     pub(super) desk: std::sync::Mutex<Option<Desk>>,
+    /// Cancelled when the dispatcher stops: calls still waiting to be sent
+    /// give their claims back instead of waiting out their endpoint's limits.
+    pub(super) stopping: CancellationToken,
 }
 
 /// How an intent's claim ended, for the log and the tests.
@@ -107,7 +111,7 @@ impl Dispatcher {
     ) -> anyhow::Result<Dispatcher> {
         let worker = settings.worker_id.clone().unwrap_or_else(default_worker_id);
         let batch = settings.claim_batch as usize;
-        let busy = endpoints.iter().map(|(name, cfg)| (name.clone(), Busy::new(cfg, batch))).collect();
+        let busy = Arc::new(endpoints.iter().map(|(name, cfg)| (name.clone(), Busy::new(cfg, batch))).collect());
         let endpoints = endpoints
             .iter()
             .map(|(name, cfg)| {
@@ -122,8 +126,21 @@ impl Dispatcher {
         let finishes = FinishPool::beside(&pool, FINALIZERS as u32);
         let desk = std::sync::Mutex::default();
         let consumer = consumer.to_owned();
-        let inner =
-            Inner { pool, claims, finishes, settings, worker, consumer, endpoints, busy, faults, progress, desk };
+        let stopping = CancellationToken::new();
+        let inner = Inner {
+            pool,
+            claims,
+            finishes,
+            settings,
+            worker,
+            consumer,
+            endpoints,
+            busy,
+            faults,
+            progress,
+            desk,
+            stopping,
+        };
         Ok(Dispatcher { inner: Arc::new(inner) })
     }
 
@@ -139,7 +156,15 @@ impl Dispatcher {
     pub fn handoff(&self, consumer_batch: usize) -> Handoff {
         let s = &self.inner.settings;
         let room = handoff::room(s.claim_batch as usize, consumer_batch);
-        let (sender, desk) = handoff::channel(&self.inner.worker, s.lease, room);
+        // An endpoint without a rate limit may also have a consumer batch
+        // held beyond its bound, as the room above allows: holding is what
+        // keeps calls at peak load off the claim path (BENCHMARKS.md), and
+        // only a throttled endpoint's intents would wait at its limits.
+        let busy = self.inner.busy.clone();
+        let endpoint_room: handoff::EndpointRoom = Arc::new(move |e: &str| {
+            busy.get(e).map_or(0, |b| if b.rate_limited { b.room() } else { b.room() + consumer_batch })
+        });
+        let (sender, desk) = handoff::channel(&self.inner.worker, s.lease, room, endpoint_room);
         *self.inner.desk.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(desk);
         sender
     }
@@ -154,6 +179,7 @@ impl Dispatcher {
         let mut desk = self.inner.desk.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
         let s = &self.inner.settings;
         info!(worker = %self.inner.worker, concurrency = s.concurrency, lease = ?s.lease, "dispatcher started");
+        self.warn_of_intents_it_cannot_call().await;
         let mut listener = listen(&self.inner.pool, CHANNEL).await;
         let rescuer = tokio::spawn(self.clone().rescue_loop(shutdown.clone()));
         let (done_tx, done_rx) = mpsc::channel::<Completion>(s.concurrency * 2);
@@ -279,7 +305,9 @@ impl Dispatcher {
             if let Some(desk) = desk {
                 desk.close(&self.inner.pool).await;
             }
-            info!(worker = %self.inner.worker, in_flight = tasks.len(), "dispatcher stopping; finishing calls in flight");
+            info!(worker = %self.inner.worker, in_flight = tasks.len(),
+                  "dispatcher stopping; finishing calls in flight, giving back those not sent yet");
+            self.inner.stopping.cancel();
             while let Some(done) = tasks.join_next().await {
                 if let Ok(Err(f)) = done {
                     warn!(error = %f, "fault during shutdown");
@@ -359,6 +387,28 @@ impl Dispatcher {
         lease_end.checked_sub(call + LEASE_SPARE).unwrap_or_else(|| tokio::time::Instant::from_std(claimed_at))
     }
 
+    /// Say so when this consumer has pending intents of endpoints this
+    /// dispatcher does not have: it never claims them (D3), so they would
+    /// wait unnoticed but for `relay verify`'s stuck check.
+    async fn warn_of_intents_it_cannot_call(&self) {
+        let ours: Vec<&str> = self.inner.endpoints.keys().map(String::as_str).collect();
+        let found = match self.inner.pool.acquire().await {
+            Ok(mut conn) => intents::pending_elsewhere(&mut conn, &self.inner.consumer, &ours).await,
+            Err(e) => Err(e),
+        };
+        match found {
+            Ok(elsewhere) => {
+                for (endpoint, n) in elsewhere {
+                    warn!(consumer = %self.inner.consumer, %endpoint, pending = n,
+                          "pending intents of an endpoint this dispatcher does not have: they wait (and hold their \
+                           ordering keys) until a dispatcher with that endpoint runs; add it to [endpoints] if it \
+                           was renamed or removed by mistake");
+                }
+            }
+            Err(e) => debug!(error = %e, "could not look for intents of endpoints this dispatcher does not have"),
+        }
+    }
+
     /// Return an unstarted claim to pending (its attempt is not counted).
     pub(super) async fn release(&self, intent: &ClaimedIntent) {
         let released = match self.inner.pool.acquire().await {
@@ -388,6 +438,12 @@ impl Dispatcher {
     ) -> Result<Claim<ClaimedIntent>, sqlx::Error> {
         let (worker, lease) = (&self.inner.worker, self.inner.settings.lease);
         let endpoints = self.claimable_endpoints();
+        if endpoints.is_empty() {
+            // Every endpoint is full: a claim could take nothing, and would
+            // read every due row to find that out. A call ending wakes the
+            // loop (Busy).
+            return Ok(Claim { rows: Vec::new(), next_due: None, last: None });
+        }
         let scope = Scope { consumer: &self.inner.consumer, endpoints: &endpoints };
         claimer.claim(async |conn| intents::claim_after(conn, &scope, worker, limit as i64, lease, after).await).await
     }
@@ -434,6 +490,7 @@ impl Dispatcher {
 pub(super) struct Busy {
     now: Arc<std::sync::atomic::AtomicUsize>,
     most: usize,
+    rate_limited: bool,
 }
 
 impl Busy {
@@ -443,11 +500,16 @@ impl Busy {
             Some(r) => usize::try_from(r).unwrap_or(usize::MAX).clamp(1, at_once).saturating_mul(2),
             None => at_once.saturating_add(claim_batch),
         };
-        Busy { now: Arc::default(), most }
+        Busy { now: Arc::default(), most, rate_limited: cfg.rate_limit_per_second.is_some() }
     }
 
     fn has_room(&self) -> bool {
-        self.now.load(std::sync::atomic::Ordering::Relaxed) < self.most
+        self.room() > 0
+    }
+
+    /// How many more calls may start before the endpoint is full.
+    fn room(&self) -> usize {
+        self.most.saturating_sub(self.now.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Count one call of this endpoint in until the returned guard is dropped.

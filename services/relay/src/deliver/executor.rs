@@ -88,7 +88,7 @@ impl Dispatcher {
             } else {
                 send_by
             };
-            let Ok(r) = client.call(request, send_by, slots).await else {
+            let Ok(r) = client.call(request, send_by, slots, &self.inner.stopping).await else {
                 hop.end("not_sent");
                 return Ok(Err(intent));
             };
@@ -190,6 +190,18 @@ impl Completion {
             ..CallResult::not_sent()
         };
         Completion { intent, next, attempt, attempted: true, result, started: std::time::Instant::now() }
+    }
+
+    /// An operator's resolution `next` of uncertain intent `intent`, taken
+    /// for it ([`relay_store::intents::take_uncertain`]): no attempt was
+    /// made, so no audit row is written; `why` becomes its last error.
+    pub fn resolved(intent: ClaimedIntent, next: NextState, why: String) -> Completion {
+        let (outcome, error_class) = match next {
+            NextState::Succeeded => (relay_core::retry::AttemptOutcome::Succeeded, None),
+            _ => (relay_core::retry::AttemptOutcome::Permanent, Some(ErrorClass::Resolved)),
+        };
+        let attempt = AttemptRecord { started_at: None, outcome, status: None, error_class, error: Some(why) };
+        Completion { attempted: false, ..Completion::decided(intent, next, attempt) }
     }
 }
 

@@ -32,13 +32,23 @@ use sqlx::PgPool;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tracing::{debug, warn};
 
+/// How many more intents of an endpoint the dispatcher has room for.
+pub type EndpointRoom = Arc<dyn Fn(&str) -> usize + Send + Sync>;
+
 /// The consumer's side: reserves room and hands claimed intents over.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Handoff {
     room: Arc<Semaphore>,
     tx: mpsc::UnboundedSender<Vec<Handed>>,
     worker: Arc<str>,
     lease: Duration,
+    endpoint_room: EndpointRoom,
+}
+
+impl std::fmt::Debug for Handoff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handoff").field("worker", &self.worker).field("lease", &self.lease).finish()
+    }
 }
 
 /// The dispatcher's side: receives what the consumer handed over.
@@ -103,11 +113,12 @@ pub fn room(claim_batch: usize, consumer_batch: usize) -> usize {
     claim_batch + consumer_batch
 }
 
-/// A connected pair: `room` intents at most on their way at a time.
-pub fn channel(worker: &str, lease: Duration, room: usize) -> (Handoff, Desk) {
+/// A connected pair: `room` intents at most on their way at a time, and of
+/// each endpoint at most `endpoint_room` says (issue 28, D10).
+pub fn channel(worker: &str, lease: Duration, room: usize, endpoint_room: EndpointRoom) -> (Handoff, Desk) {
     let (tx, rx) = mpsc::unbounded_channel();
     let room = Arc::new(Semaphore::new(room));
-    (Handoff { room, tx, worker: worker.into(), lease }, Desk { rx })
+    (Handoff { room, tx, worker: worker.into(), lease, endpoint_room }, Desk { rx })
 }
 
 impl Handoff {
@@ -119,6 +130,11 @@ impl Handoff {
     /// The dispatcher's lease.
     pub fn lease(&self) -> Duration {
         self.lease
+    }
+
+    /// How many more intents of an endpoint the dispatcher has room for.
+    pub fn endpoint_room(&self) -> &(dyn Fn(&str) -> usize + Send + Sync) {
+        &*self.endpoint_room
     }
 
     /// Room for up to `wanted` intents, as much as is free now (`None` if
@@ -207,7 +223,7 @@ mod tests {
 
     #[test]
     fn room_is_held_per_intent_handed_over_and_comes_back_when_it_is_done() {
-        let (handoff, _desk) = channel("w-1", Duration::from_secs(30), 3);
+        let (handoff, _desk) = channel("w-1", Duration::from_secs(30), 3, Arc::new(|_: &str| usize::MAX));
         let mut reserved = handoff.reserve(10).expect("room");
         assert_eq!(reserved.len(), 3, "as much as is free, never more");
         assert!(handoff.reserve(1).is_none(), "none left, and reserving never waits");
@@ -220,7 +236,7 @@ mod tests {
 
     #[test]
     fn a_reservation_hands_over_no_more_intents_than_it_has_room_for() {
-        let (handoff, _desk) = channel("w-1", Duration::from_secs(30), 1);
+        let (handoff, _desk) = channel("w-1", Duration::from_secs(30), 1, Arc::new(|_: &str| usize::MAX));
         let mut reserved = handoff.reserve(5).expect("room");
         let first = reserved.hand(claimed());
         assert!(first.is_some());

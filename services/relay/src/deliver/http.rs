@@ -182,14 +182,31 @@ impl EndpointClient {
     /// The waits come in this order: the endpoint's concurrency permit, its
     /// rate limit, then the dispatcher's call slot. A call waiting at its own
     /// endpoint's limits holds no slot that another endpoint's calls need
-    /// (issue 28, D10), and a rate token is only taken by a call that may go
-    /// (D12).
+    /// (issue 28, D10), and a rate token is only taken by a call that holds
+    /// its endpoint's permit (D12) — and taken again after a wait for a slot,
+    /// so calls that queued for slots do not all go at once.
+    ///
+    /// `stop` ends the waits too: a dispatcher stopping gives back what has
+    /// not been sent rather than wait at a throttled endpoint until the
+    /// lease runs out.
     pub async fn call(
         &self,
         request: Request<'_>,
         send_by: tokio::time::Instant,
         slots: &tokio::sync::Semaphore,
+        stop: &tokio_util::sync::CancellationToken,
     ) -> Result<CallResult, NotSent> {
+        // Every wait before the send ends by `send_by`, or when told to stop.
+        async fn bounded<T>(
+            send_by: tokio::time::Instant,
+            stop: &tokio_util::sync::CancellationToken,
+            wait: impl std::future::Future<Output = T>,
+        ) -> Result<T, NotSent> {
+            tokio::select! {
+                done = tokio::time::timeout_at(send_by, wait) => done.map_err(|_| NotSent),
+                _ = stop.cancelled() => Err(NotSent),
+            }
+        }
         let req = match self.request(request) {
             Ok(r) => r,
             Err(e) => {
@@ -203,15 +220,22 @@ impl EndpointClient {
                 });
             }
         };
-        let mut svc = match tokio::time::timeout_at(send_by, self.svc.clone().ready_oneshot()).await {
-            Err(_) => return Err(NotSent),
+        let mut svc = match bounded(send_by, stop, self.svc.clone().ready_oneshot()).await {
+            Err(NotSent) => return Err(NotSent),
             Ok(Ok(svc)) => svc,
             Ok(Err(e)) => return Ok(classify_transport(e, self.cfg.timeout, None)),
         };
         if let Some(limiter) = &self.limiter {
-            tokio::time::timeout_at(send_by, limiter.until_ready()).await.map_err(|_| NotSent)?;
+            bounded(send_by, stop, limiter.until_ready()).await?;
         }
-        let _slot = tokio::time::timeout_at(send_by, slots.acquire()).await.map_err(|_| NotSent)?;
+        let waited_from = tokio::time::Instant::now();
+        let _slot = bounded(send_by, stop, slots.acquire()).await?;
+        if let Some(limiter) = self.limiter.as_ref().filter(|_| waited_from.elapsed() > SLOT_WAIT_KEEPS_TOKEN) {
+            // The token was taken before a wait for a call slot; calls that
+            // queued there with theirs would all go at once when slots free
+            // up. A fresh token spaces them at the rate again.
+            bounded(send_by, stop, limiter.until_ready()).await?;
+        }
         if tokio::time::Instant::now() > send_by {
             return Err(NotSent);
         }
@@ -267,6 +291,9 @@ async fn body_start(mut resp: reqwest::Response) -> String {
     }
     String::from_utf8_lossy(&kept).into_owned()
 }
+
+/// A wait for a call slot longer than this takes a fresh rate token.
+const SLOT_WAIT_KEEPS_TOKEN: Duration = Duration::from_millis(5);
 
 /// How much of an error response's body is kept for the attempt's error.
 pub const ERROR_BODY_BYTES: usize = 256;

@@ -372,7 +372,8 @@ impl Processor {
     fn reserve(&self, intents: usize) -> Option<(HoldRoom<'_>, Reserved)> {
         let h = self.handoff.as_ref()?;
         let reserved = h.reserve(intents)?;
-        Some((HoldRoom { worker: h.worker(), lease: h.lease(), room: reserved.len() }, reserved))
+        let endpoint_room = h.endpoint_room();
+        Some((HoldRoom { worker: h.worker(), lease: h.lease(), room: reserved.len(), endpoint_room }, reserved))
     }
 
     /// Hand the intents `batch` wrote claimed over to `reserved` room (to

@@ -132,6 +132,17 @@ pub struct Operator {
     consumer: String,
     routes: Vec<String>,
     endpoints: Vec<String>,
+    dispatcher: relay_core::config::DispatcherConfig,
+}
+
+/// What an operator found out about an uncertain intent from the provider.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IntentResolution {
+    /// The provider applied it: record its `on_success` effects.
+    Succeeded,
+    /// The provider did not apply it: record its `on_dead` effects.
+    Failed,
 }
 
 /// Bulk actions work through ids in pages of this many.
@@ -145,6 +156,7 @@ impl Operator {
             consumer: cfg.consumer.name.clone(),
             routes: cfg.routes.iter().map(|r| r.display_name()).collect(),
             endpoints: cfg.endpoints.keys().cloned().collect(),
+            dispatcher: cfg.dispatcher.clone(),
         }
     }
 
@@ -340,6 +352,48 @@ impl Operator {
             }
         }
         Ok(done)
+    }
+
+    /// Resolve uncertain intent `id` as the provider says it ended: it
+    /// becomes succeeded or dead with the matching outcome effects, recorded
+    /// as a call's outcome is (fenced, in one transaction). For an intent
+    /// whose attempts ran out after an unknown outcome, once someone asked
+    /// the provider; `note` (who, what the provider said) goes into its last
+    /// error.
+    pub async fn resolve(&self, id: Uuid, resolution: IntentResolution, note: Option<&str>) -> Result<(), OpsError> {
+        use crate::deliver::dispatcher::{Dispatcher, Finished};
+        use crate::deliver::executor::Completion;
+        let worker = format!("operator@{}", crate::runtime::claim_loop::default_worker_id());
+        let lease = std::time::Duration::from_secs(60);
+        let mut conn = self.pool.acquire().await?;
+        let Some(intent) = intents::take_uncertain(&mut conn, &self.consumer, id, &worker, lease).await? else {
+            return Err(OpsError::Conflict(format!(
+                "intent {id} is not uncertain (or is not consumer {:?}'s): only uncertain intents are resolved",
+                self.consumer
+            )));
+        };
+        drop(conn);
+        let (next, said) = match resolution {
+            IntentResolution::Succeeded => (intents::NextState::Succeeded, "succeeded"),
+            IntentResolution::Failed => (intents::NextState::Dead, "failed"),
+        };
+        let why = format!("resolved as {said} by an operator{}", note.map(|n| format!(": {n}")).unwrap_or_default());
+        // A dispatcher with no endpoint: only its completer is used.
+        let settings = relay_core::config::DispatcherConfig { worker_id: Some(worker), ..self.dispatcher.clone() };
+        let completer = Dispatcher::new(
+            self.pool.clone(),
+            settings,
+            &self.consumer,
+            &std::collections::BTreeMap::new(),
+            crate::Faults::none(),
+        )?;
+        match completer.finalize(&[Completion::resolved(intent, next, why)]).await.as_slice() {
+            [Finished::Succeeded | Finished::Dead] => Ok(()),
+            other => Err(OpsError::Other(anyhow::anyhow!(
+                "intent {id}: the resolution could not be recorded ({other:?}); it is uncertain again once its \
+                 operator lease expires (60 s), try again then"
+            ))),
+        }
     }
 
     /// This consumer's outbox rows in `state` (any, if `None`) to `topic`

@@ -282,6 +282,7 @@ fn api(state: Shared) -> Router<Shared> {
         .route("/api/intents/replay", post(replay_intents))
         .route("/api/intents/{id}", get(show_intent))
         .route("/api/intents/{id}/replay", post(replay_intent))
+        .route("/api/intents/{id}/resolve", post(resolve_intent))
         .route("/api/outbox", get(list_outbox))
         .route("/api/outbox/{id}", get(show_outbox))
         .route("/api/outbox/{id}/replay", post(replay_outbox))
@@ -483,6 +484,19 @@ async fn replay_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiRe
     let id = parse_id(&id)?;
     s.operator.requeue(id).await?;
     Ok(Json(json!({"id": id, "requeued": true})))
+}
+
+#[derive(Deserialize)]
+struct Resolve {
+    resolution: crate::ops::admin::IntentResolution,
+    note: Option<String>,
+}
+
+async fn resolve_intent(State(s): State<Shared>, Path(id): Path<String>, Json(r): Json<Resolve>) -> ApiResult {
+    let id = parse_id(&id)?;
+    s.operator.resolve(id, r.resolution, r.note.as_deref()).await?;
+    info!(intent_id = %id, resolution = ?r.resolution, "uncertain intent resolved through the admin API");
+    Ok(Json(json!({"id": id, "resolved": r.resolution})))
 }
 
 #[derive(Deserialize)]
