@@ -427,3 +427,44 @@ async fn every_process_that_deletes_inbox_rows_refuses_an_inbox_retention_shorte
     assert!(cleanup.wait(DEADLINE).unwrap().success());
     assert_eq!(h.inbox().await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn connections_that_never_finish_their_headers_are_closed_and_health_still_answers() {
+    // Security review M5: axum::serve set no hyper timer, so no header-read
+    // timeout applied and nothing limited connections: thousands of
+    // connections that sent half a request held descriptors and tasks for
+    // ever. Now each is closed after 10 s, and at most 256 are served at once.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let h = Harness::new(1).await;
+    let (mut p, admin) = run_with_admin(&h, CAPTURE_ROUTE).await;
+    let addr = admin.url.trim_start_matches("http://").to_owned();
+    let mut slow = Vec::new();
+    for _ in 0..300 {
+        let mut c = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        c.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+        slow.push(c);
+    }
+    let started = std::time::Instant::now();
+    // Each is closed by the server (EOF), within the header timeout and a margin.
+    for mut c in slow {
+        let mut buf = [0u8; 256];
+        let left = Duration::from_secs(35).saturating_sub(started.elapsed());
+        let closed = tokio::time::timeout(left, async {
+            loop {
+                match c.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
+        assert!(
+            closed.is_ok(),
+            "a connection that never finished its headers was still open after {:?}",
+            started.elapsed()
+        );
+    }
+    let (status, _) = admin.get("/healthz", None).await;
+    assert_eq!(status, 200, "health answers once they are gone");
+    assert!(p.terminate(Duration::from_secs(30)).unwrap().success());
+}
