@@ -1733,6 +1733,9 @@ async fn a_throttled_endpoint_does_not_hold_up_a_fast_one_when_intents_are_claim
     let mut cfg = relay_core::RelayConfig::from_toml(&text).unwrap();
     cfg.database.url = Some(h.db.url.clone().into());
     cfg.dispatcher.lease = Duration::from_secs(30);
+    // A hand-over room (claim batch + consumer batch = 58) smaller than the
+    // throttled backlog, as in production (64 + 500 against any backlog).
+    cfg.dispatcher.claim_batch = 8;
     let started = std::time::Instant::now();
     let run = h.start(cfg, Components::ALL, no_faults()).await;
     eventually("the fast endpoint's 5 calls", DEADLINE, || async {
@@ -1795,4 +1798,45 @@ async fn an_operator_resolves_an_uncertain_intent_as_the_provider_says_it_ended(
     .await
     .unwrap();
     assert!(!report.violations.iter().any(|v| v.check == "dead_after_uncertain"), "{}", report.render());
+}
+
+#[tokio::test]
+async fn a_resolution_cut_off_leaves_the_intent_uncertain_never_pending_to_be_called_again() {
+    // Second review of issue 28, N1: a resolution taken and then cut off
+    // (the CLI killed, the request timed out) left the intent running under
+    // the operator's lease; the rescuer made it pending and a dispatcher with
+    // budget left called the provider again.
+    let db = relay_testkit::TestDb::new().await.unwrap();
+    let row = new_intent(1, "psp", None);
+    let mut conn = db.conn().await.unwrap();
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    relay_store::effects::insert(&mut tx, "c", std::slice::from_ref(&row), None, &[], &[]).await.unwrap();
+    tx.commit().await.unwrap();
+    sqlx::query("UPDATE relay.intents SET state = 'uncertain', attempts = 2, finished_at = now() WHERE id = $1")
+        .bind(row.id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let lease = Duration::from_secs(60);
+    let taken = intents::take_uncertain(&mut conn, "c", row.id, "operator@test", lease).await.unwrap().unwrap();
+    assert!(intents::take_uncertain(&mut conn, "c", row.id, "operator@test", lease).await.unwrap().is_none());
+    // Cut off: the operator lease runs out.
+    sqlx::query("UPDATE relay.intents SET locked_until = now() - interval '1 second' WHERE id = $1")
+        .bind(row.id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(intents::rescue_expired(&mut conn, 10).await.unwrap(), vec![row.id]);
+    assert_eq!(row_of(&db, row.id).await.0, "uncertain", "back to uncertain, not pending");
+    let mut claimer = ClaimPool::beside(&db.pool, 1, ClaimCommit::Durable).claimer();
+    let claimed = claimer.claim(async |conn| intents::claim(conn, &C_PSP, "w", 10, lease).await).await.unwrap();
+    assert!(claimed.rows.is_empty(), "nothing for a dispatcher to call");
+    // And a resolution that fails gives it back at once.
+    let taken_again = intents::take_uncertain(&mut conn, "c", row.id, "operator@test", lease).await.unwrap().unwrap();
+    assert_ne!(taken_again.lease_token, taken.lease_token);
+    assert_eq!(
+        intents::give_back_uncertain(&mut conn, row.id, taken_again.lease_token).await.unwrap(),
+        intents::Fenced::Done
+    );
+    assert_eq!(row_of(&db, row.id).await.0, "uncertain");
 }

@@ -393,6 +393,9 @@ pub async fn finish(conn: &mut PgConnection, item: Finish) -> Result<Fenced, sql
 /// Return intents whose lease expired (their worker crashed or stalled) to
 /// pending, recording the lost attempt as `lease_expired`. The attempt stays
 /// counted, so an intent that kills every worker still runs out of budget.
+/// An uncertain intent an operator's resolution took ([`take_uncertain`]:
+/// the only running rows that keep their `finished_at`) goes back to
+/// uncertain, never to pending: a resolution cut off must not become a call.
 pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<Vec<Uuid>, sqlx::Error> {
     let lost = AttemptOutcome::LeaseExpired;
     sqlx::query_scalar(
@@ -409,7 +412,8 @@ pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<Vec<U
              ON CONFLICT (intent_id, attempt) DO NOTHING
          )
          UPDATE relay.intents i
-            SET state = 'pending', next_attempt_at = now(), lease_token = NULL, locked_until = NULL,
+            SET state = CASE WHEN i.finished_at IS NULL THEN 'pending' ELSE 'uncertain' END,
+                next_attempt_at = now(), lease_token = NULL, locked_until = NULL,
                 locked_by = NULL, last_error_class = $3, ever_uncertain = i.ever_uncertain OR $4,
                 last_error = 'lease expired: the worker holding it was lost'
            FROM expired WHERE i.id = expired.id
@@ -713,7 +717,9 @@ pub async fn pending_elsewhere(
 /// (succeeded or failed, once the provider was asked): running under a
 /// fresh lease of `lease` for `worker`, as a claim leaves it, so that its
 /// outcome is recorded by the same fenced path as a call's, effects and all.
-/// `None` if it is not one of the consumer's uncertain intents.
+/// `None` if it is not one of the consumer's uncertain intents. Its
+/// `finished_at` is kept: that is how the rescuer knows to return it to
+/// uncertain ([`rescue_expired`]), and [`give_back_uncertain`] does at once.
 pub async fn take_uncertain(
     conn: &mut PgConnection,
     consumer: &str,
@@ -737,6 +743,20 @@ pub async fn take_uncertain(
     .bind(lease.as_secs_f64())
     .fetch_optional(conn)
     .await
+}
+
+/// Return an uncertain intent taken for a resolution that could not be
+/// recorded to uncertain (fenced by its token).
+pub async fn give_back_uncertain(conn: &mut PgConnection, id: Uuid, token: Uuid) -> Result<Fenced, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE relay.intents SET state = 'uncertain', lease_token = NULL, locked_until = NULL, locked_by = NULL
+          WHERE id = $1 AND lease_token = $2",
+    )
+    .bind(id)
+    .bind(token)
+    .execute(conn)
+    .await?;
+    Ok(if done.rows_affected() == 1 { Fenced::Done } else { Fenced::LeaseLost })
 }
 
 /// What [`requeue`] did.

@@ -92,7 +92,10 @@ impl Dispatcher {
                                     (its events are not emitted, its sagas not moved): fix the route's effects, then \
                                     move the saga or emit the event by hand");
                             match self.finalize_until(one, Effects::Drop, deadline).await {
-                                Ok(f) => out.extend(f),
+                                Ok(f) => {
+                                    crate::runtime::metrics::effects_dropped(&c.intent.endpoint);
+                                    out.extend(f)
+                                }
                                 Err(e) => {
                                     error!(intent_id = %c.intent.id, error = %e,
                                            "the database rejected this outcome; the intent is rescued when its lease expires");

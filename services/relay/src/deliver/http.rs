@@ -184,7 +184,7 @@ impl EndpointClient {
     /// endpoint's limits holds no slot that another endpoint's calls need
     /// (issue 28, D10), and a rate token is only taken by a call that holds
     /// its endpoint's permit (D12) — and taken again after a wait for a slot,
-    /// so calls that queued for slots do not all go at once.
+    /// without holding it, so calls that queued for slots do not all go at once.
     ///
     /// `stop` ends the waits too: a dispatcher stopping gives back what has
     /// not been sent rather than wait at a throttled endpoint until the
@@ -228,14 +228,20 @@ impl EndpointClient {
         if let Some(limiter) = &self.limiter {
             bounded(send_by, stop, limiter.until_ready()).await?;
         }
-        let waited_from = tokio::time::Instant::now();
-        let _slot = bounded(send_by, stop, slots.acquire()).await?;
-        if let Some(limiter) = self.limiter.as_ref().filter(|_| waited_from.elapsed() > SLOT_WAIT_KEEPS_TOKEN) {
-            // The token was taken before a wait for a call slot; calls that
-            // queued there with theirs would all go at once when slots free
-            // up. A fresh token spaces them at the rate again.
+        // The slot: at once if one is free. Otherwise, for a rate-limited
+        // endpoint, wait for one without holding it, then take a fresh token
+        // (calls that queued for slots with their tokens would all go at once
+        // when slots free up) and try again: a call never waits for a token
+        // while holding a slot another endpoint needs.
+        let _slot = loop {
+            if let Ok(slot) = slots.try_acquire() {
+                break slot;
+            }
+            let free = bounded(send_by, stop, slots.acquire()).await?.expect("the call slots are never closed");
+            let Some(limiter) = &self.limiter else { break free };
+            drop(free);
             bounded(send_by, stop, limiter.until_ready()).await?;
-        }
+        };
         if tokio::time::Instant::now() > send_by {
             return Err(NotSent);
         }
@@ -289,11 +295,10 @@ async fn body_start(mut resp: reqwest::Response) -> String {
             Ok(None) | Err(_) => break,
         }
     }
-    String::from_utf8_lossy(&kept).into_owned()
+    // PostgreSQL text cannot hold NUL: an error body with one would make the
+    // attempt's outcome unrecordable (rescued, called again, uncertain).
+    String::from_utf8_lossy(&kept).replace('\0', "\u{FFFD}")
 }
-
-/// A wait for a call slot longer than this takes a fresh rate token.
-const SLOT_WAIT_KEEPS_TOKEN: Duration = Duration::from_millis(5);
 
 /// How much of an error response's body is kept for the attempt's error.
 pub const ERROR_BODY_BYTES: usize = 256;

@@ -372,12 +372,16 @@ impl Operator {
                 self.consumer
             )));
         };
-        drop(conn);
+        let (intent_id, token) = (intent.id, intent.lease_token);
         let (next, said) = match resolution {
             IntentResolution::Succeeded => (intents::NextState::Succeeded, "succeeded"),
             IntentResolution::Failed => (intents::NextState::Dead, "failed"),
         };
+        // PostgreSQL text cannot hold NUL; a note with one must not make the
+        // resolution unrecordable.
+        let note = note.map(|n| n.replace('\0', "\u{FFFD}"));
         let why = format!("resolved as {said} by an operator{}", note.map(|n| format!(": {n}")).unwrap_or_default());
+        let why_logged = why.clone();
         // A dispatcher with no endpoint: only its completer is used.
         let settings = relay_core::config::DispatcherConfig { worker_id: Some(worker), ..self.dispatcher.clone() };
         let completer = Dispatcher::new(
@@ -388,11 +392,20 @@ impl Operator {
             crate::Faults::none(),
         )?;
         match completer.finalize(&[Completion::resolved(intent, next, why)]).await.as_slice() {
-            [Finished::Succeeded | Finished::Dead] => Ok(()),
-            other => Err(OpsError::Other(anyhow::anyhow!(
-                "intent {id}: the resolution could not be recorded ({other:?}); it is uncertain again once its \
-                 operator lease expires (60 s), try again then"
-            ))),
+            [Finished::Succeeded | Finished::Dead] => {
+                tracing::info!(intent_id = %id, consumer = %self.consumer, resolution = ?resolution, why = %why_logged,
+                               "uncertain intent resolved by an operator");
+                Ok(())
+            }
+            other => {
+                // Back to uncertain at once (the rescuer would do it too when
+                // the operator lease expires: never to pending, never a call).
+                let back = intents::give_back_uncertain(&mut conn, intent_id, token).await;
+                Err(OpsError::Other(anyhow::anyhow!(
+                    "intent {id}: the resolution could not be recorded ({other:?}; given back: {back:?}); it is \
+                     uncertain as before, try again"
+                )))
+            }
         }
     }
 

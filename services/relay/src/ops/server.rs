@@ -72,6 +72,9 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// A request must be answered within this (a bulk replay of many dead
 /// letters is paged by its caller).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// The longest a connection is served (a keep-alive one is closed when
+/// idle for [`HEADER_READ_TIMEOUT`] anyway).
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(300);
 /// How often readiness is checked, and how old a check may be before
 /// `/readyz` says it is stale.
 const READINESS_EVERY: Duration = Duration::from_secs(2);
@@ -202,7 +205,9 @@ async fn accept_loop(listener: tokio::net::TcpListener, app: Router, shutdown: C
         });
         let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
         tokio::spawn(async move {
-            let _ = conn.await;
+            // A client that never reads its answers would otherwise keep its
+            // slot for ever: the header timeout only covers reading requests.
+            let _ = tokio::time::timeout(CONNECTION_LIFETIME, conn).await;
             drop(slot);
         });
     }

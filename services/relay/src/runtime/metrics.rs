@@ -130,6 +130,12 @@ pub fn rescued(kind: &'static str, n: u64) {
     counter!("relay_leases_rescued_total", "kind" => kind).increment(n);
 }
 
+/// Outcomes recorded without their effects, which the database rejected:
+/// each is an event not emitted or a saga not moved, to be done by hand.
+pub fn effects_dropped(endpoint: &str) {
+    counter!("relay_outcome_effects_dropped_total", "endpoint" => endpoint.to_owned()).increment(1);
+}
+
 /// Outbox records acknowledged by the broker, or failed.
 pub fn published(topic: &str, ok: bool) {
     let name = if ok { "relay_outbox_published_total" } else { "relay_outbox_publish_failures_total" };
