@@ -545,9 +545,15 @@ fn steady_orders(h: &Harness, partitions: i32, per_second: u64) -> tokio::sync::
 /// was when this was called.
 async fn every_partition_moves(h: &Harness, partitions: i32, within: Duration, what: &str) -> Duration {
     let started = std::time::Instant::now();
-    let before = h.committed().await;
+    let before = eventually("committed offsets readable", within, || async { h.try_committed().await.ok() }).await;
     eventually(what, within, || async {
-        let now = h.committed().await;
+        let now = match h.try_committed().await {
+            Ok(now) => now,
+            Err(e) => {
+                eprintln!("committed offsets not readable yet: {e:#}");
+                return None;
+            }
+        };
         (0..partitions)
             .all(|p| now.get(&p).copied().flatten().unwrap_or(0) > before.get(&p).copied().flatten().unwrap_or(0))
             .then_some(())

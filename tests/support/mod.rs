@@ -306,7 +306,14 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
 
     /// Committed offset of our group on the input topic, per partition.
     pub async fn committed(&self) -> std::collections::HashMap<i32, Option<i64>> {
-        relay_testkit::committed_offsets(&self.bootstrap, &self.group, &self.topic).await.expect("committed offsets")
+        self.try_committed().await.expect("committed offsets")
+    }
+
+    /// Committed offsets, or the broker's error: right after a broker
+    /// restart the group coordinator answers `NotCoordinator` for a while,
+    /// which a loop polling for progress must read as "not yet".
+    pub async fn try_committed(&self) -> anyhow::Result<std::collections::HashMap<i32, Option<i64>>> {
+        relay_testkit::committed_offsets(&self.bootstrap, &self.group, &self.topic).await
     }
 
     /// The committed offsets of every partition added up: how many records
