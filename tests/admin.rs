@@ -46,9 +46,14 @@ impl Admin {
 
 /// `relay run` with the admin server on a free port; waits until it answers.
 async fn run_with_admin(h: &Harness, routes: &str) -> (RelayProcess, Admin) {
+    run_with_admin_config(h, &h.config_text(routes)).await.0
+}
+
+/// `relay run` on configuration `text` with the admin server added; also
+/// returns the configuration file (for CLI commands beside it).
+async fn run_with_admin_config(h: &Harness, text: &str) -> ((RelayProcess, Admin), std::path::PathBuf) {
     let port = free_port();
-    let text =
-        format!("{}\n[admin]\nlisten = \"127.0.0.1:{port}\"\ngauge_interval = \"200ms\"\n", h.config_text(routes));
+    let text = format!("{text}\n[admin]\nlisten = \"127.0.0.1:{port}\"\ngauge_interval = \"200ms\"\n");
     let config = h.write_config(&text);
     let p = h.process(&config, &["run"], &[("RELAY_ADMIN_TOKEN", TOKEN)]);
     let admin = Admin { url: format!("http://127.0.0.1:{port}"), http: reqwest::Client::new() };
@@ -63,7 +68,24 @@ async fn run_with_admin(h: &Harness, routes: &str) -> (RelayProcess, Admin) {
             .map(|_| ())
     })
     .await;
-    (p, admin)
+    ((p, admin), config)
+}
+
+/// `relay ARGS` on `config`, run to its end: whether it succeeded, and what
+/// it printed (stdout, then stderr).
+async fn cli(h: &Harness, config: &std::path::Path, args: &[&str]) -> (bool, String) {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_relay"))
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .env("DATABASE_URL", &h.db.url)
+        .env("NO_COLOR", "1")
+        .env_remove("RELAY_FAULTS")
+        .env_remove("RELAY_SABOTAGE")
+        .output();
+    let out = tokio::time::timeout(DEADLINE, out).await.expect("the command ends").expect("relay runs");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
 }
 
 fn metric(body: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
@@ -467,4 +489,115 @@ async fn connections_that_never_finish_their_headers_are_closed_and_health_still
     let (status, _) = admin.get("/healthz", None).await;
     assert_eq!(status, 200, "health answers once they are gone");
     assert!(p.terminate(Duration::from_secs(30)).unwrap().success());
+}
+
+// Issue 28, D4 and D8: dead outbox rows hold their key and uncertain intents
+// wait for an operator, so both need commands that do not mean editing
+// `state` by hand — in the admin API and in the CLI, beside a running relay.
+#[tokio::test(flavor = "multi_thread")]
+async fn operators_replay_and_skip_dead_outbox_rows_and_resolve_uncertain_intents_by_api_and_cli() {
+    let h = Harness::new(1).await;
+    // Four dead outbox rows (keys o-1 … o-4), as a publisher left them.
+    relay_testkit::seed::pending_outbox(&h.db.pool, &h.consumer, &h.out, 4).await.unwrap();
+    sqlx::query("UPDATE relay.outbox SET state = 'dead', attempts = 1, last_error = 'unknown topic (seeded)'")
+        .execute(&h.db.pool)
+        .await
+        .unwrap();
+    let rows: Vec<String> =
+        sqlx::query_scalar("SELECT id::text FROM relay.outbox ORDER BY seq").fetch_all(&h.db.pool).await.unwrap();
+    // Two captures whose only attempt timed out after the provider applied them: uncertain.
+    h.provider.set_faults(vec![FaultRule {
+        path_prefix: None,
+        key_prefix: Some("capture:o-unc".into()),
+        times: None,
+        kind: FaultKind::TimeoutAfterApply { delay_ms: 1_500 },
+    }]);
+    let text = h.config_text(CAPTURE_ROUTE).replace("max_attempts = 5", "max_attempts = 1");
+    let ((mut p, admin), config) = run_with_admin_config(&h, &text).await;
+    h.send(&order("evt-u1", "o-unc1")).await;
+    h.send(&order("evt-u2", "o-unc2")).await;
+    let uncertain: Vec<String> = eventually("two uncertain intents", DEADLINE, || async {
+        let ids: Vec<String> =
+            sqlx::query_scalar("SELECT id::text FROM relay.intents WHERE state = 'uncertain' ORDER BY idempotency_key")
+                .fetch_all(&h.db.pool)
+                .await
+                .unwrap();
+        (ids.len() == 2).then_some(ids)
+    })
+    .await;
+    let state = async |id: &str| -> String {
+        sqlx::query_scalar("SELECT state FROM relay.outbox WHERE id = $1::uuid")
+            .bind(id)
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap()
+    };
+    let post = async |path: &str, body: Value| -> (u16, Value) {
+        let res = admin.http.post(format!("{}{path}", admin.url)).bearer_auth(TOKEN).json(&body).send().await.unwrap();
+        (res.status().as_u16(), res.json().await.unwrap_or(Value::Null))
+    };
+
+    // The API: list, show, refuse a bad filter, replay one, skip one.
+    let dead = admin.api(reqwest::Method::GET, "/api/outbox?state=dead", None).await;
+    assert_eq!(dead["items"].as_array().unwrap().len(), 4, "{dead}");
+    let (status, body) = admin.get("/api/outbox?state=deadd", Some(TOKEN)).await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(admin.get("/api/outbox", None).await.0, 401);
+    let row = admin.api(reqwest::Method::GET, &format!("/api/outbox/{}", rows[0]), None).await;
+    assert_eq!((row["row"]["state"].as_str(), row["row"]["ordering_key"].as_str()), (Some("dead"), Some("o-1")));
+    admin.api(reqwest::Method::POST, &format!("/api/outbox/{}/replay", rows[0]), None).await;
+    admin.api(reqwest::Method::POST, &format!("/api/outbox/{}/skip", rows[1]), None).await;
+    assert_eq!(post(&format!("/api/outbox/{}/skip", rows[1]), json!({})).await.0, 409, "only dead rows are skipped");
+    eventually("the replayed row published", DEADLINE, || async {
+        (state(&rows[0]).await == "published").then_some(())
+    })
+    .await;
+    assert_eq!(state(&rows[1]).await, "skipped");
+
+    // The CLI: the same on the other two.
+    let (ok, out) = cli(&h, &config, &["outbox", "list", "--state", "dead"]).await;
+    assert!(ok && out.contains(&rows[2]) && out.contains(&rows[3]) && !out.contains(&rows[0]), "{out}");
+    let (ok, out) = cli(&h, &config, &["outbox", "show", &rows[2]]).await;
+    assert!(ok && out.contains("dead after 1 attempts") && out.contains("unknown topic (seeded)"), "{out}");
+    let (ok, out) = cli(&h, &config, &["outbox", "skip", &rows[3]]).await;
+    assert!(ok && out.contains("add --yes"), "{out}");
+    assert_eq!(state(&rows[3]).await, "dead", "not skipped without --yes");
+    let (ok, out) = cli(&h, &config, &["outbox", "skip", "--yes", &rows[3]]).await;
+    assert!(ok, "{out}");
+    let (ok, out) = cli(&h, &config, &["outbox", "replay", &rows[2], &rows[3]]).await;
+    assert!(!ok && out.contains("1 of 2 outbox row(s) were not queued again"), "a skipped row is not replayed: {out}");
+    eventually("the row replayed from the CLI published", DEADLINE, || async {
+        (state(&rows[2]).await == "published").then_some(())
+    })
+    .await;
+    assert_eq!(state(&rows[3]).await, "skipped");
+
+    // Resolving: the API as succeeded, the CLI as failed; each records its
+    // route's effects, and only once.
+    let note = "PSP dashboard: captured";
+    let (status, body) =
+        post(&format!("/api/intents/{}/resolve", uncertain[0]), json!({"resolution": "succeeded", "note": note})).await;
+    assert_eq!(status, 200, "{body}");
+    let again = post(&format!("/api/intents/{}/resolve", uncertain[0]), json!({"resolution": "failed"})).await;
+    assert_eq!(again.0, 409, "a resolved intent is not resolved again: {}", again.1);
+    let args = ["intents", "resolve", &uncertain[1], "--failed", "--note", "PSP support: never arrived"];
+    let (ok, out) = cli(&h, &config, &args).await;
+    assert!(ok && out.contains("on_dead effects are recorded"), "{out}");
+    let ended: Vec<(String, Option<String>)> = sqlx::query_as(
+        "SELECT state, last_error FROM relay.intents WHERE id = ANY($1::uuid[]) ORDER BY idempotency_key",
+    )
+    .bind(&uncertain)
+    .fetch_all(&h.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(ended[0].0, "succeeded");
+    assert!(ended[0].1.as_deref().unwrap_or("").contains(note), "the note is kept: {ended:?}");
+    assert_eq!(ended[1].0, "dead");
+    assert!(ended[1].1.as_deref().unwrap_or("").contains("never arrived"), "{ended:?}");
+    let events = relay_testkit::read_topic(&h.bootstrap, &h.out, 4).await.unwrap();
+    let mut types: Vec<&str> = events.iter().filter_map(|r| r.header("ce_type")).collect();
+    types.sort();
+    assert_eq!(types, ["order.accepted", "order.accepted", "payment.captured", "payment.failed"]);
+    assert_eq!(h.provider.stats().requests_for("capture:o-unc1"), 1, "resolving makes no call");
+    assert!(p.terminate(Duration::from_secs(30)).unwrap().success(), "{}", p.log());
 }

@@ -417,6 +417,63 @@ async fn c15_postgresql_crashed_and_restarted_mid_run_commits_no_offset_for_unre
     assert_eq!(h.provider.stats().applied, 300);
 }
 
+// Issue 28, D5: a claim committed without waiting for the disk can be lost
+// in a database crash while its call is in flight; the row is then due again
+// and a second call with the same key overlaps the first. The WAL writer is
+// slowed so that an unflushed claim would surely be lost
+// (`RELAY_SABOTAGE=claims-async` makes this fail).
+#[tokio::test(flavor = "multi_thread")]
+async fn c17_a_claim_survives_a_postgresql_crash_while_its_call_is_in_flight() {
+    let h = Harness::new(1).await;
+    let (pg, pool) = private_postgres().await;
+    sqlx::query("ALTER SYSTEM SET wal_writer_delay = '10s'").execute(&pool).await.unwrap();
+    sqlx::query("SELECT pg_reload_conf()").execute(&pool).await.unwrap();
+    // The provider applies the call and holds its answer for 8 s: the crash
+    // and the restart happen while it is in flight.
+    h.provider.set_faults(vec![FaultRule {
+        path_prefix: None,
+        key_prefix: None,
+        times: None,
+        kind: FaultKind::TimeoutAfterApply { delay_ms: 8_000 },
+    }]);
+    let text = h
+        .config_text(CAPTURE_ROUTE)
+        .replacen("lease = \"3s\"", "lease = \"60s\"", 1)
+        .replace("timeout = \"1s\"\nconnect_timeout", "timeout = \"30s\"\nconnect_timeout");
+    let config = h.write_config(&text);
+    let url = pg.url();
+    h.send(&order("evt-d5", "o-d5")).await;
+    let mut ingest = h.process(&config, &["consume"], &[("DATABASE_URL", url.as_str())]);
+    eventually("the intent written", DEADLINE, || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM relay.intents").fetch_one(&pool).await.unwrap_or(0);
+        (n == 1).then_some(())
+    })
+    .await;
+    assert!(ingest.terminate(Duration::from_secs(30)).unwrap().success(), "{}", ingest.log());
+    let mut d = h.process(&config, &["dispatch", "--intents-only"], &[("DATABASE_URL", url.as_str())]);
+    let key = "capture:o-d5";
+    eventually("the call in flight", DEADLINE, || async { (h.provider.stats().requests_for(key) == 1).then_some(()) })
+        .await;
+    pg.stop_immediately().unwrap();
+    pg.start_again().unwrap();
+    let state = eventually("the intent finished", DEADLINE, || async {
+        let state: Option<String> =
+            sqlx::query_scalar("SELECT state::text FROM relay.intents").fetch_optional(&pool).await.ok().flatten();
+        state.filter(|s| !["pending", "running"].contains(&s.as_str()))
+    })
+    .await;
+    let stats = h.provider.stats();
+    let s = &stats.by_key[key];
+    assert_eq!(
+        (s.requests, s.applied, s.concurrent),
+        (1, 1, 0),
+        "one call, applied once, none while it was in flight\n{}",
+        d.log()
+    );
+    assert_eq!(state, "succeeded", "{}", d.log());
+    assert!(d.terminate(Duration::from_secs(30)).unwrap().success(), "{}", d.log());
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn c15_sabotaged_offsets_committed_before_the_data_are_caught_by_the_crash_check() {
     // The check of c15 can fail: the same crash, with the offset committed

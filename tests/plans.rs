@@ -582,6 +582,53 @@ async fn intents_an_earlier_version_left_are_claimed_and_replayed_after_the_upgr
 }
 
 #[tokio::test]
+async fn dead_outbox_rows_an_earlier_version_left_behind_published_ones_are_skipped_at_the_upgrade() {
+    // Second review of issue 28, N7: once dead rows hold their key (0013), a
+    // row that died before the upgrade, whose key's later rows were already
+    // published, would hold up every row written after it — and a replay
+    // would publish it after the rows it was meant to precede.
+    let db = TestDb::migrated_up_to(20261204000016).await.unwrap();
+    let row = |source: &str, key: &str, state: &str| {
+        format!(
+            "('{}'::uuid, 'plans', '{source}', 'accepted', 't', 'k', '{key}', '{state}', {})",
+            uuid::Uuid::new_v4(),
+            if state == "published" { "now()" } else { "NULL" }
+        )
+    };
+    let rows = [
+        row("overtaken", "A", "dead"),
+        row("after", "A", "published"),
+        row("alone", "B", "dead"),
+        row("earlier", "C", "published"),
+        row("last", "C", "dead"),
+        row("unkeyed", "NULL", "dead"),
+    ]
+    .join(", ")
+    .replace("'NULL'", "NULL");
+    sqlx::query(&format!(
+        "INSERT INTO relay.outbox (id, consumer, source_id, action, topic, key, ordering_key, state, published_at)
+         VALUES {}",
+        rows.replace(", 'k',", ", convert_to('k', 'UTF8'),")
+    ))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    relay_store::migrate(&db.pool).await.unwrap();
+    let states: Vec<(String, String)> =
+        sqlx::query_as("SELECT source_id, state FROM relay.outbox WHERE state <> 'published' ORDER BY seq")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let states: Vec<(&str, &str)> = states.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
+    assert_eq!(states, [("overtaken", "skipped"), ("alone", "dead"), ("last", "dead"), ("unkeyed", "dead")]);
+    let why: String = sqlx::query_scalar("SELECT last_error FROM relay.outbox WHERE source_id = 'overtaken'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(why.contains("later rows of its key were already published"), "{why}");
+}
+
+#[tokio::test]
 async fn the_stored_names_of_outcomes_and_error_classes_are_the_types_names() {
     // AttemptOutcome and ErrorClass decide what a stored name means; the
     // CHECK constraints must accept exactly those names.

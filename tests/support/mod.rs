@@ -219,6 +219,10 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
         let bin = env!("CARGO_BIN_EXE_relay");
         let mut all =
             vec![("DATABASE_URL".to_string(), self.db.url.clone()), ("RUST_LOG".to_string(), "info".to_string())];
+        // A sabotaged test run breaks the processes too, as `no_faults` does in-process.
+        if let Ok(sabotage) = std::env::var("RELAY_SABOTAGE") {
+            all.push(("RELAY_SABOTAGE".to_string(), sabotage));
+        }
         all.extend(env.iter().map(|(k, v)| ((*k).to_string(), (*v).to_string())));
         let log = std::env::temp_dir().join(format!("{}.log", unique(&format!("relay-{}", args[0]))));
         RelayProcess::start(RelaySpec {

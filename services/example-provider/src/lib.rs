@@ -62,6 +62,17 @@ pub enum FaultKind {
         /// Where to.
         location: String,
     },
+    /// Apply the effect, then answer only once the test calls
+    /// [`Provider::release_held`]: stalled requests that all answer at once.
+    HoldUntilReleased,
+    /// Answer `status` with `body` as it is (`text/plain`), without applying:
+    /// error texts a client must store safely (control bytes, NUL).
+    Body {
+        /// HTTP status.
+        status: u16,
+        /// The body, byte for byte.
+        body: String,
+    },
     /// Misbehave at random (deterministically per key and request number):
     /// out of every 1000 requests, about `per_mille_503` get 503, `per_mille_429`
     /// get 429 with `Retry-After: 1`, `per_mille_timeout` are applied and then
@@ -196,6 +207,8 @@ impl Default for Settings {
 struct AppState {
     inner: Arc<Mutex<Inner>>,
     settings: Arc<Settings>,
+    /// `true` once held requests ([`FaultKind::HoldUntilReleased`]) may answer.
+    released: tokio::sync::watch::Sender<bool>,
 }
 
 /// A running provider.
@@ -208,7 +221,11 @@ pub struct Provider {
 impl Provider {
     /// Start on `bind` (use port 0 for a free port) in the current runtime.
     pub async fn start(bind: SocketAddr, settings: Settings) -> anyhow::Result<Provider> {
-        let state = AppState { inner: Arc::default(), settings: Arc::new(settings) };
+        let state = AppState {
+            inner: Arc::default(),
+            settings: Arc::new(settings),
+            released: tokio::sync::watch::channel(false).0,
+        };
         let app = router(state.clone());
         let listener = tokio::net::TcpListener::bind(bind).await?;
         let addr = listener.local_addr()?;
@@ -233,6 +250,12 @@ impl Provider {
     /// Applied effects, in order.
     pub fn applied(&self) -> Vec<Applied> {
         self.state.inner.lock().expect("provider lock").log.clone()
+    }
+
+    /// Let every request held by [`FaultKind::HoldUntilReleased`] answer,
+    /// all at once (and later ones answer at once too).
+    pub fn release_held(&self) {
+        self.state.released.send_replace(true);
     }
 
     /// Replace the fault rules.
@@ -268,9 +291,10 @@ async fn set_faults(State(s): State<AppState>, axum::Json(rules): axum::Json<Vec
 enum Plan {
     Replay(u16, serde_json::Value),
     Conflict,
-    Applied { response: serde_json::Value, delay_after: Option<u64>, html: bool },
+    Applied { response: serde_json::Value, delay_after: Option<u64>, html: bool, hold: bool },
     HtmlFail(u16),
     Redirect(u16, String),
+    Body(u16, String),
     Fail(u16, Option<u64>),
     SlowFail(u64),
 }
@@ -319,6 +343,7 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
                 other => other,
             };
             let mut html = false;
+            let hold = kind == Some(FaultKind::HoldUntilReleased);
             let delay_after = match kind {
                 Some(FaultKind::Status { status, retry_after_secs }) => {
                     break 'plan Plan::Fail(status, retry_after_secs);
@@ -331,12 +356,13 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
                     None
                 }
                 Some(FaultKind::Redirect { status, location }) => break 'plan Plan::Redirect(status, location),
+                Some(FaultKind::Body { status, body }) => break 'plan Plan::Body(status, body),
                 Some(FaultKind::Chaos { .. }) => None,
                 Some(FaultKind::TimeoutBeforeApply { delay_ms }) => {
                     break 'plan Plan::SlowFail(delay_ms);
                 }
                 Some(FaultKind::TimeoutAfterApply { delay_ms }) => Some(delay_ms),
-                None => None,
+                Some(FaultKind::HoldUntilReleased) | None => None,
             };
             // The effect is applied and its response stored in the same
             // critical section that checked the key: a concurrent request with
@@ -360,7 +386,7 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
                 intent_id,
                 traceparent,
             });
-            Plan::Applied { response: resource, delay_after, html }
+            Plan::Applied { response: resource, delay_after, html, hold }
         }
     };
     match plan {
@@ -377,18 +403,26 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
             r
         }
         Plan::Fail(status, retry_after) => fail(status, retry_after),
+        Plan::Body(status, body) => {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
+            (status, [("content-type", "text/plain")], body).into_response()
+        }
         Plan::SlowFail(ms) => delay_then_fail(ms).await,
         Plan::HtmlFail(status) => html_page(status),
         Plan::Redirect(status, location) => {
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::FOUND);
             (status, [("location", location)], "").into_response()
         }
-        Plan::Applied { response, delay_after, html } => {
+        Plan::Applied { response, delay_after, html, hold } => {
             // Ends "in progress" even when the client hangs up first and the
             // server drops this future mid-sleep (a timeout after applying).
             let _in_progress = InProgress { inner: s.inner.clone(), key };
             if let Some(ms) = delay_after {
                 tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+            if hold {
+                // Err only if the provider is gone: answer then.
+                let _ = s.released.subscribe().wait_for(|released| *released).await;
             }
             if html {
                 return html_page(200);

@@ -658,24 +658,35 @@ async fn outbox_command(cfg: RelayConfig, cmd: OutboxCommand) -> anyhow::Result<
             }
         }
         OutboxCommand::Replay { ids } => {
-            for id in ids {
-                match ops.outbox_replay(id).await {
+            let mut refused = 0;
+            for id in &ids {
+                match ops.outbox_replay(*id).await {
                     Ok(()) => println!("{id}: queued again (same id)"),
-                    Err(e) => println!("{id}: {e}"),
+                    Err(e) => {
+                        refused += 1;
+                        println!("{id}: {e}");
+                    }
                 }
             }
+            // A script replaying rows must see that some were not.
+            anyhow::ensure!(refused == 0, "{refused} of {} outbox row(s) were not queued again (see above)", ids.len());
         }
         OutboxCommand::Skip { ids, yes } => {
             if !yes {
                 println!("would skip {} dead outbox row(s) for good; add --yes to skip them", ids.len());
                 return Ok(());
             }
-            for id in ids {
-                match ops.outbox_skip(id).await {
+            let mut refused = 0;
+            for id in &ids {
+                match ops.outbox_skip(*id).await {
                     Ok(()) => println!("{id}: skipped; the later rows of its key go on"),
-                    Err(e) => println!("{id}: {e}"),
+                    Err(e) => {
+                        refused += 1;
+                        println!("{id}: {e}");
+                    }
                 }
             }
+            anyhow::ensure!(refused == 0, "{refused} of {} outbox row(s) were not skipped (see above)", ids.len());
         }
     }
     Ok(())

@@ -296,6 +296,10 @@ pub struct Finish {
 /// planner pick the `intents_leases` partial index, which the statistics
 /// think is near empty when most of the table is finished, and read every
 /// running row once per row finished instead of probing the primary key.
+///
+/// `last_error` is the attempt's error whatever the state: a call that
+/// succeeded has none, and an operator's resolution as succeeded keeps who
+/// resolved it and what the provider said there.
 pub const FINISH: &str = "WITH u AS (
              SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::float8[], $5::int4[], $6::text[],
                                   $7::text[], $8::text[], $9::timestamptz[], $10::int4[], $11::text[], $12::bool[],
@@ -310,8 +314,8 @@ pub const FINISH: &str = "WITH u AS (
                     finished_at = CASE WHEN u.state = 'pending' THEN NULL ELSE now() END,
                     last_status = CASE WHEN u.state IN ('dead', 'uncertain') THEN COALESCE(u.status, i.last_status)
                                        ELSE u.status END,
-                    last_error = CASE WHEN u.state = 'succeeded' THEN NULL ELSE u.error END,
-                    last_error_class = CASE WHEN u.state = 'succeeded' THEN NULL ELSE u.error_class END,
+                    last_error = u.error,
+                    last_error_class = u.error_class,
                     ever_uncertain = i.ever_uncertain OR u.uncertain,
                     lease_token = NULL, locked_until = NULL, locked_by = NULL
                FROM u

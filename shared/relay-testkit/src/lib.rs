@@ -620,6 +620,22 @@ fn read_topic_blocking(bootstrap: &str, topic: &str, min: usize) -> anyhow::Resu
     }
 }
 
+/// Raise a librdkafka fatal error on `client`, as an idempotent producer
+/// gets when it can no longer keep order (librdkafka's own test hook: real
+/// ones cannot be provoked from outside).
+pub fn raise_fatal_error<C: rdkafka::client::ClientContext>(
+    client: &rdkafka::client::Client<C>,
+    reason: &str,
+) -> anyhow::Result<()> {
+    use rdkafka::bindings as rd;
+    let reason = std::ffi::CString::new(reason)?;
+    let code = rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_OUT_OF_ORDER_SEQUENCE_NUMBER;
+    // SAFETY: the client's live handle and a NUL-terminated string librdkafka copies.
+    let err = unsafe { rd::rd_kafka_test_fatal_error(client.native_ptr(), code, reason.as_ptr()) };
+    anyhow::ensure!(err == rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR, "rd_kafka_test_fatal_error: {err:?}");
+    Ok(())
+}
+
 /// Committed offsets of `group` on `topic`, by partition (`None` = nothing committed).
 pub async fn committed_offsets(bootstrap: &str, group: &str, topic: &str) -> anyhow::Result<HashMap<i32, Option<i64>>> {
     OffsetWatch::new(bootstrap, group, topic).await?.committed().await

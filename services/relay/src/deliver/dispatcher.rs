@@ -115,14 +115,22 @@ impl Dispatcher {
         let endpoints = endpoints
             .iter()
             .map(|(name, cfg)| {
-                // Deliberately wrong (D7) when sabotaged: redirects followed.
-                let follow = faults.sabotage().redirects_followed;
-                Ok((name.clone(), EndpointClient::new(name, cfg)?.following_redirects(follow)?))
+                // Deliberately wrong (D7, D12, N4) when sabotaged: redirects
+                // followed, rate tokens taken before permits, a slot kept
+                // while waiting for a token.
+                let sabotage = faults.sabotage();
+                let client = EndpointClient::new(name, cfg)?
+                    .following_redirects(sabotage.redirects_followed)?
+                    .tokens_first(sabotage.token_before_permit)
+                    .slots_kept(sabotage.slot_kept_for_token);
+                Ok((name.clone(), client))
             })
             .collect::<anyhow::Result<_>>()?;
         let progress = tokio::sync::Notify::new();
-        // Intent claims wait for the disk (D5): see ClaimCommit.
-        let claims = ClaimPool::beside(&pool, 1, ClaimCommit::Durable);
+        // Intent claims wait for the disk (D5): see ClaimCommit. Deliberately
+        // wrong when sabotaged.
+        let commit = if faults.sabotage().claims_async { ClaimCommit::Async } else { ClaimCommit::Durable };
+        let claims = ClaimPool::beside(&pool, 1, commit);
         let finishes = FinishPool::beside(&pool, FINALIZERS as u32);
         let desk = std::sync::Mutex::default();
         let consumer = consumer.to_owned();

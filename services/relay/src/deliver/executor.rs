@@ -194,12 +194,15 @@ impl Completion {
 
     /// An operator's resolution `next` of uncertain intent `intent`, taken
     /// for it ([`relay_store::intents::take_uncertain`]): no attempt was
-    /// made, so no audit row is written; `why` becomes its last error.
+    /// made, so no audit row is written; `why` (who resolved it, what the
+    /// provider said) is kept as its last error, class `resolved`, whichever
+    /// way it ended.
     pub fn resolved(intent: ClaimedIntent, next: NextState, why: String) -> Completion {
-        let (outcome, error_class) = match next {
-            NextState::Succeeded => (relay_core::retry::AttemptOutcome::Succeeded, None),
-            _ => (relay_core::retry::AttemptOutcome::Permanent, Some(ErrorClass::Resolved)),
+        let outcome = match next {
+            NextState::Succeeded => relay_core::retry::AttemptOutcome::Succeeded,
+            _ => relay_core::retry::AttemptOutcome::Permanent,
         };
+        let error_class = Some(ErrorClass::Resolved);
         let attempt = AttemptRecord { started_at: None, outcome, status: None, error_class, error: Some(why) };
         Completion { attempted: false, ..Completion::decided(intent, next, attempt) }
     }

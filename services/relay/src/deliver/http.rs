@@ -76,6 +76,12 @@ pub struct EndpointClient {
     http: reqwest::Client,
     svc: HttpService,
     limiter: Option<Arc<DefaultDirectRateLimiter>>,
+    /// Take the rate token before the concurrency permit (only ever for the
+    /// sabotage that puts issue 28's D12 back).
+    token_first: bool,
+    /// Keep a call slot while waiting for the fresh token after a slot wait
+    /// (only ever for the sabotage that puts the second review's N4 back).
+    slot_kept: bool,
 }
 
 impl std::fmt::Debug for EndpointClient {
@@ -110,7 +116,16 @@ impl EndpointClient {
             // provider, all sent at once when it recovers): a provider's "n
             // per second" is never exceeded in any window.
             .map(|n| Arc::new(RateLimiter::direct(Quota::per_second(n).allow_burst(std::num::NonZeroU32::MIN))));
-        Ok(EndpointClient { name: name.to_owned(), cfg: cfg.clone(), token, http, svc, limiter })
+        Ok(EndpointClient {
+            name: name.to_owned(),
+            cfg: cfg.clone(),
+            token,
+            http,
+            svc,
+            limiter,
+            token_first: false,
+            slot_kept: false,
+        })
     }
 
     /// The same client, following redirects if `follow` (only ever for the
@@ -125,6 +140,19 @@ impl EndpointClient {
             .timeout(self.cfg.timeout)
             .service(http.clone());
         Ok(EndpointClient { http, svc, ..self })
+    }
+
+    /// The same client, taking rate tokens before concurrency permits if
+    /// `first` (only ever for the sabotage that puts issue 28's D12 back).
+    pub fn tokens_first(self, first: bool) -> EndpointClient {
+        EndpointClient { token_first: first, ..self }
+    }
+
+    /// The same client, keeping a call slot while it waits for a rate token
+    /// if `kept` (only ever for the sabotage that puts the second review's
+    /// N4 back).
+    pub fn slots_kept(self, kept: bool) -> EndpointClient {
+        EndpointClient { slot_kept: kept, ..self }
     }
 
     /// The endpoint's configuration.
@@ -220,12 +248,16 @@ impl EndpointClient {
                 });
             }
         };
+        let limiter = self.limiter.as_deref();
+        if let Some(limiter) = limiter.filter(|_| self.token_first) {
+            bounded(send_by, stop, limiter.until_ready()).await?;
+        }
         let mut svc = match bounded(send_by, stop, self.svc.clone().ready_oneshot()).await {
             Err(NotSent) => return Err(NotSent),
             Ok(Ok(svc)) => svc,
             Ok(Err(e)) => return Ok(classify_transport(e, self.cfg.timeout, None)),
         };
-        if let Some(limiter) = &self.limiter {
+        if let Some(limiter) = limiter.filter(|_| !self.token_first) {
             bounded(send_by, stop, limiter.until_ready()).await?;
         }
         // The slot: at once if one is free. Otherwise, for a rate-limited
@@ -239,6 +271,10 @@ impl EndpointClient {
             }
             let free = bounded(send_by, stop, slots.acquire()).await?.expect("the call slots are never closed");
             let Some(limiter) = &self.limiter else { break free };
+            if self.slot_kept {
+                bounded(send_by, stop, limiter.until_ready()).await?;
+                break free;
+            }
             drop(free);
             bounded(send_by, stop, limiter.until_ready()).await?;
         };

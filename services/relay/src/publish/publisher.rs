@@ -94,6 +94,13 @@ impl Publisher {
         Ok(Publisher { pool, claims, marks, producer, settings, consumer, faults, resume })
     }
 
+    /// The producer, for tests that raise librdkafka's fatal errors on it
+    /// (only in builds with the `faults` feature).
+    #[cfg(feature = "faults")]
+    pub fn producer(&self) -> &FutureProducer<LogContext> {
+        &self.producer
+    }
+
     /// Run until `shutdown`: finish the batch in flight, flush, return.
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         info!(batch = self.settings.batch_size, lanes = LANES, "outbox publisher started");

@@ -78,7 +78,8 @@ pub struct FaultInjected(pub String);
 /// Deliberately broken behaviour, to prove that `relay verify` and the soak
 /// catch the bugs the relay's design exists to prevent. Never set in
 /// production: every process that has one logs it at ERROR when it starts.
-/// `RELAY_SABOTAGE=offset-before-commit,no-inbox-dedup,fresh-idempotency-key,lease-checked-before-wait,null-as-text,ordering-by-insert,printed-values-only,controls-unchecked,blank-keys-as-keys`.
+/// `RELAY_SABOTAGE=offset-before-commit,no-inbox-dedup,…` (the items are
+/// this struct's fields, in kebab case).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Sabotage {
     /// Commit the Kafka offset *before* the database transaction (breaks R1).
@@ -118,6 +119,18 @@ pub struct Sabotage {
     /// Fence outcome effects by intent id alone, not by (id, lease token)
     /// (issue 28, D9).
     pub fenced_by_id: bool,
+    /// Commit intent claims without waiting for the disk, as outbox claims
+    /// do: a claim lost in a database crash lets a second call of the intent
+    /// start while the first is in flight (issue 28, D5).
+    pub claims_async: bool,
+    /// Take an endpoint's rate token before its concurrency permit: calls
+    /// queued behind a stalled provider spend tokens, then all go at once
+    /// when it answers again (issue 28, D12).
+    pub token_before_permit: bool,
+    /// Keep a call slot while waiting for a rate token after a wait for the
+    /// slot: a throttled endpoint's calls hold the slots the others need
+    /// (second review of issue 28, N4).
+    pub slot_kept_for_token: bool,
 }
 
 impl Sabotage {
@@ -139,12 +152,16 @@ impl Sabotage {
                 "lease-clock-after-claim" => s.lease_clock_after_claim = true,
                 "redirects-followed" => s.redirects_followed = true,
                 "fenced-by-id" => s.fenced_by_id = true,
+                "claims-async" => s.claims_async = true,
+                "token-before-permit" => s.token_before_permit = true,
+                "slot-kept-for-token" => s.slot_kept_for_token = true,
                 other => {
                     return Err(format!(
                         "RELAY_SABOTAGE: unknown item {other:?} (offset-before-commit, no-inbox-dedup, \
                          fresh-idempotency-key, lease-checked-before-wait, null-as-text, ordering-by-insert, \
                          printed-values-only, controls-unchecked, blank-keys-as-keys, uncertainty-forgotten, \
-                         lease-clock-after-claim, redirects-followed, fenced-by-id)"
+                         lease-clock-after-claim, redirects-followed, fenced-by-id, claims-async, \
+                         token-before-permit, slot-kept-for-token)"
                     ));
                 }
             }
