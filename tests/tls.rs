@@ -235,3 +235,95 @@ async fn a_wrong_ca_for_kafka_or_postgresql_fails_the_start_naming_the_ca_file_a
         "the error names the CA file and the server:\n{log}"
     );
 }
+
+// Issue 28, L7: an endpoint on a private PKI with mutual TLS. The endpoint
+// trusts only its `ca_file` and presents its client certificate; without
+// the certificate, or trusting another CA, no request reaches a route.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_endpoint_with_its_own_ca_and_client_certificate_is_called_and_a_wrong_one_reaches_nothing() {
+    use example_provider::{Provider, Settings, TlsFiles};
+    let h = Harness::new(1).await;
+    let pki = TestPki::generate(&std::env::temp_dir().join(unique("relay-endpoint-pki"))).unwrap();
+    let tls = TlsFiles { cert: pki.server_cert(), key: pki.server_key(), client_ca: Some(pki.ca()) };
+    let provider = Provider::start_tls("127.0.0.1:0".parse().unwrap(), Settings::default(), &tls).await.unwrap();
+    assert!(provider.url().starts_with("https://"));
+    let consumer = h.consumer.clone();
+    for (endpoint, prefix) in [("mtls", "a-"), ("no-client-cert", "b-"), ("wrong-ca", "c-")] {
+        relay_testkit::seed::pending_intents(&h.db.pool, &consumer, endpoint, prefix, 3).await.unwrap();
+    }
+    sqlx::query("UPDATE relay.intents SET max_attempts = 2").execute(&h.db.pool).await.unwrap();
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    let endpoint = |ca: &Path, client: bool| {
+        let mut e = cfg.endpoints["psp"].clone();
+        e.base_url = provider.url().parse().unwrap();
+        e.tls.ca_file = Some(ca.to_owned());
+        if client {
+            (e.tls.client_cert_file, e.tls.client_key_file) = (Some(pki.client_cert()), Some(pki.client_key()));
+        }
+        e
+    };
+    let endpoints = [
+        ("mtls", endpoint(&pki.ca(), true)),
+        ("no-client-cert", endpoint(&pki.ca(), false)),
+        ("wrong-ca", endpoint(&pki.wrong_ca(), true)),
+    ];
+    cfg.endpoints.extend(endpoints.map(|(n, e)| (n.to_string(), e)));
+    let run =
+        h.start(cfg, relay::Components { consumer: false, dispatcher: true, publisher: false }, no_faults()).await;
+    h.await_intents_finished(9).await;
+    run.stop().await.unwrap();
+
+    let ended: Vec<(String, String, Option<String>)> =
+        sqlx::query_as("SELECT endpoint, state, last_error FROM relay.intents ORDER BY endpoint, idempotency_key")
+            .fetch_all(&h.db.pool)
+            .await
+            .unwrap();
+    for (endpoint, state, error) in &ended {
+        let error = error.as_deref().unwrap_or("");
+        match endpoint.as_str() {
+            "mtls" => assert_eq!(state, "succeeded", "{error}"),
+            // A handshake refused is a call never made: dead when the budget
+            // ends, not uncertain (TLS 1.3 sends the request before the
+            // server has refused the certificate).
+            "no-client-cert" => {
+                assert_eq!(state, "dead", "{error}");
+                assert!(
+                    error.contains("refused the TLS handshake") && error.contains("CertificateRequired"),
+                    "{error}"
+                );
+            }
+            _ => {
+                assert_eq!(state, "dead", "{error}");
+                assert!(error.contains("UnknownIssuer"), "{error}");
+            }
+        }
+    }
+    let stats = provider.stats();
+    assert_eq!(stats.requests, 3, "only the endpoint with the right CA and certificate reached the provider");
+    assert_eq!(stats.by_key.keys().filter(|k| k.starts_with("capture:a-")).count(), 3);
+}
+
+#[test]
+fn endpoint_tls_files_are_checked_when_the_configuration_is_loaded() {
+    let dir = std::env::temp_dir().join(unique("relay-endpoint-tls"));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("ca.pem"), "").unwrap();
+    let text = |tls: &str| {
+        format!(
+            "[consumer]\nname = \"c\"\n[endpoints.psp]\nbase_url = \"https://psp.example/\"\n[endpoints.psp.tls]\n{tls}\n"
+        )
+    };
+    let load = |tls: &str| {
+        let file = dir.join(format!("{}.toml", unique("relay")));
+        std::fs::write(&file, text(tls)).unwrap();
+        relay::config::load(Some(&file)).map(|_| ()).map_err(|e| e.to_string())
+    };
+    // Relative to the configuration file.
+    assert_eq!(load("ca_file = \"ca.pem\""), Ok(()));
+    let err = load("ca_file = \"missing.pem\"").unwrap_err();
+    assert!(err.contains("endpoints.psp.tls.ca_file: cannot read") && err.contains("missing.pem"), "{err}");
+    let err = load("ca_file = \"ca.pem\"\nclient_cert_file = \"ca.pem\"").unwrap_err();
+    assert!(err.contains("client_cert_file and client_key_file go together"), "{err}");
+    let err = load("ca_file = \"ca.pem\"\ncertificate = \"x\"").unwrap_err();
+    assert!(err.contains("certificate"), "unknown keys are refused: {err}");
+}

@@ -216,6 +216,41 @@ struct AppState {
 pub struct Provider {
     state: AppState,
     addr: SocketAddr,
+    /// `https` when started with [`Provider::start_tls`].
+    scheme: &'static str,
+}
+
+/// The PEM files of [`Provider::start_tls`].
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    /// Server certificate (and chain).
+    pub cert: std::path::PathBuf,
+    /// Its private key.
+    pub key: std::path::PathBuf,
+    /// With a CA here, clients must present a certificate it signed (mutual TLS).
+    pub client_ca: Option<std::path::PathBuf>,
+}
+
+impl TlsFiles {
+    fn server_config(&self) -> anyhow::Result<tokio_rustls::rustls::ServerConfig> {
+        use tokio_rustls::rustls::pki_types::pem::PemObject;
+        use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        use tokio_rustls::rustls::{RootCertStore, ServerConfig, server::WebPkiClientVerifier};
+        let certs = CertificateDer::pem_file_iter(&self.cert)?.collect::<Result<Vec<_>, _>>()?;
+        let key = PrivateKeyDer::from_pem_file(&self.key)?;
+        let builder = ServerConfig::builder();
+        Ok(match &self.client_ca {
+            Some(ca) => {
+                let mut roots = RootCertStore::empty();
+                for c in CertificateDer::pem_file_iter(ca)? {
+                    roots.add(c?)?;
+                }
+                let verifier = WebPkiClientVerifier::builder(Arc::new(roots)).build()?;
+                builder.with_client_cert_verifier(verifier).with_single_cert(certs, key)?
+            }
+            None => builder.with_no_client_auth().with_single_cert(certs, key)?,
+        })
+    }
 }
 
 impl Provider {
@@ -234,12 +269,52 @@ impl Provider {
                 tracing::error!(error = %e, "provider server stopped");
             }
         });
-        Ok(Provider { state, addr })
+        Ok(Provider { state, addr, scheme: "http" })
     }
 
-    /// Base URL, e.g. `http://127.0.0.1:41234`.
+    /// Start on `bind` serving HTTPS (HTTP/1.1) with `tls`: a handshake the
+    /// provider refuses (no client certificate, one of another CA) never
+    /// reaches a route, so it counts no request.
+    pub async fn start_tls(bind: SocketAddr, settings: Settings, tls: &TlsFiles) -> anyhow::Result<Provider> {
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls.server_config()?));
+        let state = AppState {
+            inner: Arc::default(),
+            settings: Arc::new(settings),
+            released: tokio::sync::watch::channel(false).0,
+        };
+        let app = router(state.clone());
+        let listener = tokio::net::TcpListener::bind(bind).await?;
+        let addr = listener.local_addr()?;
+        tokio::spawn(async move {
+            loop {
+                let tcp = match listener.accept().await {
+                    Ok((tcp, _)) => tcp,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "provider accept failed");
+                        continue;
+                    }
+                };
+                let (acceptor, app) = (acceptor.clone(), app.clone());
+                tokio::spawn(async move {
+                    let tls = match acceptor.accept(tcp).await {
+                        Ok(tls) => tls,
+                        Err(e) => return tracing::info!(error = %e, "provider refused a TLS handshake"),
+                    };
+                    let svc = hyper_util::service::TowerToHyperService::new(app);
+                    let conn = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(tls), svc);
+                    if let Err(e) = conn.await {
+                        tracing::debug!(error = %e, "provider connection ended");
+                    }
+                });
+            }
+        });
+        Ok(Provider { state, addr, scheme: "https" })
+    }
+
+    /// Base URL, e.g. `http://127.0.0.1:41234` (`https://` with TLS).
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("{}://{}", self.scheme, self.addr)
     }
 
     /// A snapshot of the counts.

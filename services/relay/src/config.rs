@@ -47,9 +47,14 @@ pub fn load(path: Option<&Path>) -> Result<RelayConfig, ConfigError> {
                 *s = dir.join(&*s);
             }
         }
+        for e in cfg.endpoints.values_mut() {
+            for f in e.tls.files_mut().filter(|f| f.is_relative()) {
+                *f = dir.join(&*f);
+            }
+        }
     }
     let mut problems = Vec::new();
-    for checked in [cfg.validate(), read_schemas(&mut cfg)] {
+    for checked in [cfg.validate(), read_schemas(&mut cfg), check_tls_files(&cfg)] {
         match checked {
             Ok(()) => {}
             Err(ConfigError::Invalid { problems: p }) => problems.extend(p),
@@ -77,6 +82,21 @@ pub fn read_schemas(cfg: &mut RelayConfig) -> Result<(), ConfigError> {
         match read {
             Ok(doc) => r.schema_document = Some(doc),
             Err(why) => problems.push(format!("routes[{i}].schema: {why}")),
+        }
+    }
+    if problems.is_empty() { Ok(()) } else { Err(ConfigError::Invalid { problems }) }
+}
+
+/// Every endpoint TLS file exists and is readable, so `check-config` finds
+/// a wrong path before a deploy does (the files are parsed when the
+/// endpoint's client is built).
+fn check_tls_files(cfg: &RelayConfig) -> Result<(), ConfigError> {
+    let mut problems = Vec::new();
+    for (name, e) in &cfg.endpoints {
+        for (key, path) in e.tls.files() {
+            if let Err(err) = std::fs::metadata(path).and_then(|_| std::fs::File::open(path)) {
+                problems.push(format!("endpoints.{name}.tls.{key}: cannot read {}: {err}", path.display()));
+            }
         }
     }
     if problems.is_empty() { Ok(()) } else { Err(ConfigError::Invalid { problems }) }

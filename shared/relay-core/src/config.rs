@@ -609,6 +609,43 @@ pub struct EndpointConfig {
     /// Static request headers.
     #[serde(default)]
     pub headers: BTreeMap<String, String>,
+    /// TLS towards this endpoint: a private CA, a client certificate.
+    #[serde(default)]
+    pub tls: EndpointTls,
+}
+
+/// TLS settings of one endpoint (`[endpoints.NAME.tls]`). Paths are relative
+/// to the configuration file.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointTls {
+    /// PEM file of the CA certificates this endpoint's server certificate
+    /// must chain to. When set, only these are trusted, not the built-in
+    /// public roots: a provider on a private PKI is not impersonated by any
+    /// public CA.
+    pub ca_file: Option<std::path::PathBuf>,
+    /// PEM file of the client certificate (and its chain) for mutual TLS.
+    pub client_cert_file: Option<std::path::PathBuf>,
+    /// PEM file of the client certificate's private key.
+    pub client_key_file: Option<std::path::PathBuf>,
+}
+
+impl EndpointTls {
+    /// Every path it names, with its key (`ca_file`, …).
+    pub fn files(&self) -> impl Iterator<Item = (&'static str, &std::path::PathBuf)> {
+        [
+            ("ca_file", &self.ca_file),
+            ("client_cert_file", &self.client_cert_file),
+            ("client_key_file", &self.client_key_file),
+        ]
+        .into_iter()
+        .filter_map(|(k, p)| p.as_ref().map(|p| (k, p)))
+    }
+
+    /// Every path it names, for rewriting (relative → absolute).
+    pub fn files_mut(&mut self) -> impl Iterator<Item = &mut std::path::PathBuf> {
+        [&mut self.ca_file, &mut self.client_cert_file, &mut self.client_key_file].into_iter().flatten()
+    }
 }
 
 /// What a dispatcher lease keeps in hand beyond one call: a request is sent
@@ -770,6 +807,15 @@ impl RelayConfig {
             }
             if e.idempotency_header.trim().is_empty() {
                 p.push(format!("{at}.idempotency_header: must not be empty"));
+            }
+            if e.tls.client_cert_file.is_some() != e.tls.client_key_file.is_some() {
+                p.push(format!(
+                    "{at}.tls: client_cert_file and client_key_file go together (mutual TLS needs the certificate \
+                     and its private key)"
+                ));
+            }
+            if (e.tls.ca_file.is_some() || e.tls.client_cert_file.is_some()) && e.base_url.scheme() != "https" {
+                p.push(format!("{at}.tls: set, but base_url {:?} is not https", e.base_url.as_str()));
             }
             if self.dispatcher.lease < e.min_lease() {
                 p.push(format!(

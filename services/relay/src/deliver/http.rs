@@ -97,15 +97,12 @@ impl EndpointClient {
     /// Build the client for endpoint `name`. Must be called inside a tokio runtime.
     pub fn new(name: &str, cfg: &EndpointConfig) -> anyhow::Result<EndpointClient> {
         let token = crate::config::endpoint_token(cfg).map_err(|e| anyhow::anyhow!("endpoints.{name}: {e}"))?;
-        let http = reqwest::Client::builder()
+        let http = client_builder(name, cfg)?
             // A redirect is an answer, classified like any other 3xx
             // (permanent): followed, a 302 to a login page would count as
             // the call's success, and a 307 would re-send the body and the
             // idempotency key to another host.
             .redirect(reqwest::redirect::Policy::none())
-            .connect_timeout(cfg.connect_timeout)
-            .pool_max_idle_per_host(cfg.concurrency)
-            .user_agent(concat!("relay/", env!("CARGO_PKG_VERSION")))
             .build()?;
         let svc = ServiceBuilder::new().concurrency_limit(cfg.concurrency).timeout(cfg.timeout).service(http.clone());
         let limiter = cfg
@@ -134,7 +131,7 @@ impl EndpointClient {
         if !follow {
             return Ok(self);
         }
-        let http = reqwest::Client::builder().connect_timeout(self.cfg.connect_timeout).build()?;
+        let http = client_builder(&self.name, &self.cfg)?.build()?;
         let svc = ServiceBuilder::new()
             .concurrency_limit(self.cfg.concurrency)
             .timeout(self.cfg.timeout)
@@ -320,6 +317,48 @@ impl EndpointClient {
     }
 }
 
+/// The HTTP client settings of endpoint `name` but for redirects: timeouts,
+/// pool, user agent, and its TLS (`[endpoints.NAME.tls]`).
+fn client_builder(name: &str, cfg: &EndpointConfig) -> anyhow::Result<reqwest::ClientBuilder> {
+    let mut b = reqwest::Client::builder()
+        .connect_timeout(cfg.connect_timeout)
+        .pool_max_idle_per_host(cfg.concurrency)
+        .user_agent(concat!("relay/", env!("CARGO_PKG_VERSION")));
+    let read = |key: &str, path: &std::path::Path| {
+        std::fs::read(path)
+            .map_err(|e| anyhow::anyhow!("endpoints.{name}.tls.{key}: cannot read {}: {e}", path.display()))
+    };
+    if let Some(path) = &cfg.tls.ca_file {
+        let certs = reqwest::Certificate::from_pem_bundle(&read("ca_file", path)?).map_err(|e| {
+            anyhow::anyhow!("endpoints.{name}.tls.ca_file: {} is not a PEM certificate bundle: {e}", path.display())
+        })?;
+        anyhow::ensure!(
+            !certs.is_empty(),
+            "endpoints.{name}.tls.ca_file: {} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+            path.display()
+        );
+        // Only these CAs: a provider on a private PKI is not impersonated by any public one.
+        b = b.tls_built_in_root_certs(false);
+        for c in certs {
+            b = b.add_root_certificate(c);
+        }
+    }
+    if let (Some(cert), Some(key)) = (&cfg.tls.client_cert_file, &cfg.tls.client_key_file) {
+        let mut pem = read("client_cert_file", cert)?;
+        pem.push(b'\n');
+        pem.extend(read("client_key_file", key)?);
+        let identity = reqwest::Identity::from_pem(&pem).map_err(|e| {
+            anyhow::anyhow!(
+                "endpoints.{name}.tls: {} and {} are not a PEM certificate and its private key: {e}",
+                cert.display(),
+                key.display()
+            )
+        })?;
+        b = b.identity(identity);
+    }
+    Ok(b)
+}
+
 /// The first [`ERROR_BODY_BYTES`] bytes of an error response's body, as
 /// text; the rest is never read (a provider streaming gigabytes of error
 /// page costs one chunk, not the whole stream).
@@ -351,7 +390,13 @@ fn classify_transport(e: BoxError, timeout: Duration, started_at: Option<chrono:
             format!("no response within {timeout:?}; the request may have been applied (uncertain)"),
         )
     } else if let Some(re) = e.downcast_ref::<reqwest::Error>() {
-        if re.is_connect() {
+        if refused_handshake(re) {
+            // TLS 1.3 clients send the request before the server has checked
+            // their certificate, so this is not a connect error to reqwest;
+            // but a server that refuses the handshake processes nothing.
+            let why = format!("the server refused the TLS handshake (client certificate?): {}", error_chain(re));
+            (AttemptResult::Connect, ErrorClass::Connect, format!("could not connect: {why}"))
+        } else if re.is_connect() {
             (AttemptResult::Connect, ErrorClass::Connect, format!("could not connect: {}", error_chain(re)))
         } else if re.is_timeout() {
             (AttemptResult::Timeout { sent: true }, ErrorClass::Timeout, format!("timed out: {}", error_chain(re)))
@@ -362,6 +407,37 @@ fn classify_transport(e: BoxError, timeout: Duration, started_at: Option<chrono:
         (AttemptResult::Transport, ErrorClass::Transport, format!("transport error: {e}"))
     };
     CallResult { attempt, status: None, error_class: Some(class), error: Some(text), started_at }
+}
+
+/// Whether `e` carries a TLS alert only a handshake sends (the server
+/// refused our certificate, or the handshake itself): the request was never
+/// processed, whatever reached the socket. rustls errors travel inside
+/// `io::Error`s, whose `source` skips them, so those are opened too.
+fn refused_handshake(e: &(dyn std::error::Error + 'static)) -> bool {
+    use rustls::AlertDescription as A;
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        let tls = err.downcast_ref::<rustls::Error>().or_else(|| {
+            err.downcast_ref::<std::io::Error>().and_then(std::io::Error::get_ref).and_then(|i| i.downcast_ref())
+        });
+        if let Some(rustls::Error::AlertReceived(alert)) = tls
+            && matches!(
+                alert,
+                A::CertificateRequired
+                    | A::BadCertificate
+                    | A::UnsupportedCertificate
+                    | A::CertificateRevoked
+                    | A::CertificateExpired
+                    | A::CertificateUnknown
+                    | A::UnknownCA
+                    | A::HandshakeFailure
+            )
+        {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {
@@ -378,6 +454,20 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn an_endpoint_ca_file_without_a_certificate_is_refused_naming_the_key_and_the_file() {
+        let path = std::env::temp_dir().join(format!("relay-empty-ca-{}.pem", std::process::id()));
+        std::fs::write(&path, "not a certificate\n").unwrap();
+        let cfg: EndpointConfig = serde_json::from_value(serde_json::json!({
+            "base_url": "https://provider.test/api/",
+            "tls": {"ca_file": path},
+        }))
+        .unwrap();
+        let err = EndpointClient::new("psp", &cfg).unwrap_err().to_string();
+        assert!(err.contains("endpoints.psp.tls.ca_file") && err.contains("holds no PEM certificate"), "{err}");
+        std::fs::remove_file(&path).unwrap();
+    }
 
     fn client() -> EndpointClient {
         let cfg: EndpointConfig = serde_json::from_value(serde_json::json!({"base_url": "http://provider.test/api/"}))
