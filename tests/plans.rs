@@ -98,7 +98,7 @@ async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_
 
     // And the claims do take the oldest rows first.
     let claimed = intents::claim(&mut claims, &PLANS, "worker", 3, Duration::from_secs(30)).await.unwrap().rows;
-    let mut ids: Vec<&str> = claimed.iter().map(|c| c.source_event_id.as_str()).collect();
+    let mut ids: Vec<&str> = claimed.iter().map(|c| c.intent.source_event_id.as_str()).collect();
     ids.sort();
     assert_eq!(ids, ["e-1", "e-2", "e-3"]);
     let rows = outbox::claim(&mut claims, "plans", 3, Duration::from_secs(30)).await.unwrap().rows;
@@ -112,7 +112,7 @@ async fn claims_after_a_position_start_reading_the_index_there_and_one_from_the_
     let mut claims = ClaimPool::beside(&db.pool, 1, ClaimCommit::Async).acquire().await.unwrap();
     let lease = Duration::from_secs(30);
     let first = intents::claim_after(&mut claims, &PLANS, "worker", 3, lease, None).await.unwrap();
-    let mut ids: Vec<&str> = first.rows.iter().map(|c| c.source_event_id.as_str()).collect();
+    let mut ids: Vec<&str> = first.rows.iter().map(|c| c.intent.source_event_id.as_str()).collect();
     ids.sort();
     assert_eq!(ids, ["e-1", "e-2", "e-3"]);
     let last = first.last.expect("a claim that took rows says where it stopped");
@@ -146,15 +146,15 @@ async fn claims_after_a_position_start_reading_the_index_there_and_one_from_the_
 
     // A row given back lies behind the position: a claim after it passes
     // it over, a claim from the start takes it first.
-    let e2 = first.rows.iter().find(|c| c.source_event_id == "e-2").unwrap();
+    let e2 = first.rows.iter().find(|c| c.intent.source_event_id == "e-2").unwrap();
     let mut conn = db.conn().await.unwrap();
     intents::release(&mut conn, e2.id, e2.lease_token).await.unwrap();
     let after = intents::claim_after(&mut claims, &PLANS, "worker", 2, lease, Some(last)).await.unwrap();
-    let mut ids: Vec<&str> = after.rows.iter().map(|c| c.source_event_id.as_str()).collect();
+    let mut ids: Vec<&str> = after.rows.iter().map(|c| c.intent.source_event_id.as_str()).collect();
     ids.sort();
     assert_eq!(ids, ["e-4", "e-5"]);
     let again = intents::claim_after(&mut claims, &PLANS, "worker", 1, lease, None).await.unwrap();
-    assert_eq!(again.rows.iter().map(|c| c.source_event_id.as_str()).collect::<Vec<_>>(), ["e-2"]);
+    assert_eq!(again.rows.iter().map(|c| c.intent.source_event_id.as_str()).collect::<Vec<_>>(), ["e-2"]);
 
     // The outbox claim the same way, its position a seq.
     let first = outbox::claim_after(&mut claims, "plans", 3, lease, None).await.unwrap();
@@ -572,7 +572,7 @@ async fn intents_an_earlier_version_left_are_claimed_and_replayed_after_the_upgr
     relay_store::migrate(&db.pool).await.unwrap();
     let mut claims = ClaimPool::beside(&db.pool, 1, ClaimCommit::Durable).acquire().await.unwrap();
     let claimed = intents::claim(&mut claims, &PLANS, "worker", 10, Duration::from_secs(30)).await.unwrap().rows;
-    assert_eq!(claimed.iter().map(|c| c.source_event_id.as_str()).collect::<Vec<_>>(), ["e-1"]);
+    assert_eq!(claimed.iter().map(|c| c.intent.source_event_id.as_str()).collect::<Vec<_>>(), ["e-1"]);
     let dead: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents WHERE source_event_id = 'e-2'")
         .fetch_one(&db.pool)
         .await

@@ -304,26 +304,41 @@ async fn an_endpoint_with_its_own_ca_and_client_certificate_is_called_and_a_wron
 }
 
 #[test]
-fn endpoint_tls_files_are_checked_when_the_configuration_is_loaded() {
+fn check_config_reads_every_endpoint_tls_file_and_commands_that_make_no_calls_need_none() {
     let dir = std::env::temp_dir().join(unique("relay-endpoint-tls"));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("ca.pem"), "").unwrap();
-    let text = |tls: &str| {
-        format!(
-            "[consumer]\nname = \"c\"\n[endpoints.psp]\nbase_url = \"https://psp.example/\"\n[endpoints.psp.tls]\n{tls}\n"
-        )
-    };
-    let load = |tls: &str| {
+    let pki = TestPki::generate(&dir.join("pki")).unwrap();
+    std::fs::copy(pki.ca(), dir.join("ca.pem")).unwrap();
+    std::fs::write(dir.join("empty.pem"), "").unwrap();
+    let write = |tls: &str| {
         let file = dir.join(format!("{}.toml", unique("relay")));
-        std::fs::write(&file, text(tls)).unwrap();
-        relay::config::load(Some(&file)).map(|_| ()).map_err(|e| e.to_string())
+        let text = format!(
+            "[consumer]\nname = \"c\"\n[endpoints.psp]\nbase_url = \"https://psp.example/\"\n[endpoints.psp.tls]\n{tls}\n"
+        );
+        std::fs::write(&file, text).unwrap();
+        file
     };
-    // Relative to the configuration file.
-    assert_eq!(load("ca_file = \"ca.pem\""), Ok(()));
-    let err = load("ca_file = \"missing.pem\"").unwrap_err();
-    assert!(err.contains("endpoints.psp.tls.ca_file: cannot read") && err.contains("missing.pem"), "{err}");
-    let err = load("ca_file = \"ca.pem\"\nclient_cert_file = \"ca.pem\"").unwrap_err();
-    assert!(err.contains("client_cert_file and client_key_file go together"), "{err}");
-    let err = load("ca_file = \"ca.pem\"\ncertificate = \"x\"").unwrap_err();
-    assert!(err.contains("certificate"), "unknown keys are refused: {err}");
+    let check = |tls: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_relay"))
+            .arg("--config")
+            .arg(write(tls))
+            .arg("check-config")
+            .env_remove("DATABASE_URL")
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        (out.status.success(), text)
+    };
+    // Relative to the configuration file, and named in the summary.
+    let (ok, out) = check("ca_file = \"ca.pem\"");
+    assert!(ok && out.contains("tls.ca_file") && out.contains("ca.pem"), "{out}");
+    let (ok, out) = check("ca_file = \"missing.pem\"");
+    assert!(!ok && out.contains("endpoints.psp.tls.ca_file: cannot read") && out.contains("missing.pem"), "{out}");
+    let (ok, out) = check("ca_file = \"empty.pem\"");
+    assert!(!ok && out.contains("holds no PEM certificate"), "{out}");
+    let (ok, out) = check("client_cert_file = \"ca.pem\"");
+    assert!(!ok && out.contains("client_cert_file and client_key_file go together"), "{out}");
+    let (ok, out) = check("ca_file = \"ca.pem\"\ncertificate = \"x\"");
+    assert!(!ok && out.contains("certificate"), "unknown keys are refused: {out}");
+    // Loading alone (what `relay consume`, `verify`, `outbox` … do) reads no TLS file.
+    assert!(relay::config::load(Some(&write("ca_file = \"missing.pem\""))).is_ok());
 }

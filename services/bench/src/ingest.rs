@@ -51,7 +51,7 @@ pub(super) async fn ingest_limit(
 ) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
     use relay_core::effects::{EmitSpec, Provenance, encode_event};
     use relay_store::inbox::{InboxOutcome, NewInboxRow};
-    use relay_store::intents::NewIntent;
+    use relay_store::intents::{Intent, NewIntent};
     let s = setup(env, 1).await?;
     let ids: Vec<String> = (0..n).map(|i| format!("e-{i}")).collect();
     let topic = s.topic.clone();
@@ -80,25 +80,27 @@ pub(super) async fn ingest_limit(
             let iid = relay_core::ids::derived_id(CONSUMER, id, "capture");
             NewIntent {
                 id: iid,
-                consumer: CONSUMER.into(),
-                source_event_id: id.clone(),
-                action: "capture".into(),
-                endpoint: "sink".into(),
-                method: "POST".into(),
-                path: "/captures".into(),
-                body: Some(serde_json::json!({"order_id": order, "amount": i, "produced_at_us": now_us()})),
-                headers: serde_json::json!({}),
-                idempotency_key: format!("capture:{order}"),
-                ordering_key: None,
-                max_attempts: 10,
                 max_age: Duration::from_secs(86_400),
-                on_success: empty_outcome.clone(),
-                on_dead: empty_outcome.clone(),
-                emit_source: format!("relay/{CONSUMER}"),
-                aggregate_id: None,
-                correlation_id: Some(id.clone()),
-                causation_id: Some(id.clone()),
-                traceparent: None,
+                intent: Intent {
+                    consumer: CONSUMER.into(),
+                    source_event_id: id.clone(),
+                    action: "capture".into(),
+                    endpoint: "sink".into(),
+                    method: "POST".into(),
+                    path: "/captures".into(),
+                    body: Some(serde_json::json!({"order_id": order, "amount": i, "produced_at_us": now_us()})),
+                    headers: serde_json::json!({}),
+                    idempotency_key: format!("capture:{order}"),
+                    ordering_key: None,
+                    max_attempts: 10,
+                    on_success: empty_outcome.clone(),
+                    on_dead: empty_outcome.clone(),
+                    emit_source: format!("relay/{CONSUMER}"),
+                    aggregate_id: None,
+                    correlation_id: Some(id.clone()),
+                    causation_id: Some(id.clone()),
+                    traceparent: None,
+                },
             }
         })
         .collect();

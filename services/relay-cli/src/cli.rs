@@ -337,12 +337,26 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             for r in &cfg.routes {
                 println!("  route {} -> {} action(s)", r.display_name(), r.actions.len());
             }
+            let mut problems = Vec::new();
             for (name, e) in &cfg.endpoints {
                 println!(
                     "  endpoint {name}: {} (timeout {:?}, {} attempts, max age {:?})",
                     e.base_url, e.timeout, e.max_attempts, e.max_age
                 );
+                for (key, path) in e.tls.files() {
+                    println!("    tls.{key} {}", path.display());
+                }
+                // Build its client as a dispatcher would: TLS files parsed,
+                // the token's variable read.
+                if let Err(err) = relay::deliver::http::EndpointClient::new(name, e) {
+                    problems.push(format!("{err:#}"));
+                }
             }
+            anyhow::ensure!(
+                problems.is_empty(),
+                "a dispatcher could not call every endpoint:\n  {}",
+                problems.join("\n  ")
+            );
             return Ok(());
         }
         _ => {}

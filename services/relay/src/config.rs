@@ -9,6 +9,9 @@
 //!   file is read here ([`read_schemas`]) and compiled by the router.
 //! * Secrets are read from the environment here too, when a client is
 //!   built: Kafka's `secret_properties` and an endpoint's `token_env`.
+//! * An endpoint's TLS files are made absolute here and read when its client
+//!   is built (a dispatcher, `relay check-config`): commands that make no
+//!   calls run without them.
 //! * Every problem is reported at once, each naming its key.
 
 use std::path::Path;
@@ -54,7 +57,7 @@ pub fn load(path: Option<&Path>) -> Result<RelayConfig, ConfigError> {
         }
     }
     let mut problems = Vec::new();
-    for checked in [cfg.validate(), read_schemas(&mut cfg), check_tls_files(&cfg)] {
+    for checked in [cfg.validate(), read_schemas(&mut cfg)] {
         match checked {
             Ok(()) => {}
             Err(ConfigError::Invalid { problems: p }) => problems.extend(p),
@@ -82,21 +85,6 @@ pub fn read_schemas(cfg: &mut RelayConfig) -> Result<(), ConfigError> {
         match read {
             Ok(doc) => r.schema_document = Some(doc),
             Err(why) => problems.push(format!("routes[{i}].schema: {why}")),
-        }
-    }
-    if problems.is_empty() { Ok(()) } else { Err(ConfigError::Invalid { problems }) }
-}
-
-/// Every endpoint TLS file exists and is readable, so `check-config` finds
-/// a wrong path before a deploy does (the files are parsed when the
-/// endpoint's client is built).
-fn check_tls_files(cfg: &RelayConfig) -> Result<(), ConfigError> {
-    let mut problems = Vec::new();
-    for (name, e) in &cfg.endpoints {
-        for (key, path) in e.tls.files() {
-            if let Err(err) = std::fs::metadata(path).and_then(|_| std::fs::File::open(path)) {
-                problems.push(format!("endpoints.{name}.tls.{key}: cannot read {}: {err}", path.display()));
-            }
         }
     }
     if problems.is_empty() { Ok(()) } else { Err(ConfigError::Invalid { problems }) }

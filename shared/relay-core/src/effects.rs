@@ -115,12 +115,12 @@ impl Plan {
     }
 }
 
-/// An intent to insert: a call with its derived id (R7) and the
-/// idempotency key every attempt sends (R8).
+/// An intent: the call to make and what its outcome leads to, as the
+/// consumer writes it once and every attempt reads it back. A row adds its
+/// id and age budget to it ([`NewIntent`]), a claim its lease and attempt
+/// count (`relay_store::intents::ClaimedIntent`).
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct NewIntent {
-    /// Derived id (R7).
-    pub id: Uuid,
+pub struct Intent {
     /// Consumer that produced it.
     pub consumer: String,
     /// Input event id.
@@ -135,7 +135,7 @@ pub struct NewIntent {
     pub path: String,
     /// JSON body.
     pub body: Option<Value>,
-    /// Extra headers, as a JSON object.
+    /// Extra headers, as a JSON object (column `request_headers`).
     pub headers: Value,
     /// Idempotency key sent on every attempt (R8).
     pub idempotency_key: String,
@@ -143,8 +143,6 @@ pub struct NewIntent {
     pub ordering_key: Option<String>,
     /// Attempt budget.
     pub max_attempts: i32,
-    /// Age budget.
-    pub max_age: Duration,
     /// Effects on success (a serialized [`Outcome`]).
     pub on_success: Value,
     /// Effects on death.
@@ -159,6 +157,18 @@ pub struct NewIntent {
     pub causation_id: Option<String>,
     /// W3C trace context.
     pub traceparent: Option<String>,
+}
+
+/// An intent to insert: its derived id (R7) and its age budget, which the
+/// row stores as a deadline.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NewIntent {
+    /// Derived id (R7).
+    pub id: Uuid,
+    /// The call and its effects.
+    pub intent: Intent,
+    /// Age budget.
+    pub max_age: Duration,
 }
 
 /// Everything one event writes besides its inbox row, every id derived

@@ -29,7 +29,7 @@ pub mod template;
 
 pub use config::RelayConfig;
 pub use disposition::{Disposition, InboxOutcome};
-pub use effects::{CallSpec, Effects, EmitSpec, NewIntent, OutboxRecord, Outcome, Plan, Provenance, SagaMove};
+pub use effects::{CallSpec, Effects, EmitSpec, Intent, NewIntent, OutboxRecord, Outcome, Plan, Provenance, SagaMove};
 pub use envelope::{Header, InputEvent, Poison, PoisonClass, RawRecord};
 pub use router::{CompiledRoute, Routed, Router};
 pub use template::path_segment;

@@ -66,7 +66,7 @@ pub enum Verdict {
 /// |---|---|
 /// | 2xx | success |
 /// | 408, 425, 429, 5xx | retry (honouring `Retry-After`) |
-/// | a status in the endpoint's `also_retry` (default: 409) | retry (honouring `Retry-After`; uncertain when 409) |
+/// | a status in the endpoint's `also_retry` (default: 409) | retry (honouring `Retry-After`) |
 /// | timeout before/after sending | retry (uncertain when after) |
 /// | connection refused / DNS / connect timeout | retry |
 /// | other transport error | retry, uncertain |
@@ -77,12 +77,13 @@ pub enum Verdict {
 /// while a request with the same key is *still being processed*, which is
 /// exactly what the relay meets when it retries after a timeout (an uncertain
 /// attempt). Treating that 409 as permanent would declare the call dead, and
-/// record its `on_dead` effects, while the provider is applying it. For the
-/// same reason a retried 409 is uncertain: the key is the intent's alone, so
-/// "in progress" says an earlier request of this intent reached the provider,
-/// even one whose attempt was never recorded (a claim or a worker lost in a
-/// crash). An endpoint whose API uses 409 for business conflicts sets
-/// `retryable_statuses = []`.
+/// record its `on_dead` effects, while the provider is applying it. The 409
+/// itself is not uncertain: every earlier request of the intent that may
+/// have reached the provider already made it so (an unknown outcome, a lost
+/// lease — claims are durable, so no attempt goes unrecorded), and a 409 on
+/// a first attempt is more likely a business conflict ("already refunded")
+/// than our own request. An endpoint whose API uses 409 for business
+/// conflicts sets `retryable_statuses = []`.
 ///
 /// 501 is retried like every 5xx, as R8 says: a gateway in front of the
 /// provider answers 501 for a method it has not been told about yet during a
@@ -91,7 +92,7 @@ pub fn classify(result: &AttemptResult, also_retry: &[u16]) -> Verdict {
     match *result {
         AttemptResult::Response { status, retry_after } => match status {
             200..=299 => Verdict::Success,
-            s if also_retry.contains(&s) => Verdict::Retry { retry_after, uncertain: s == 409 },
+            s if also_retry.contains(&s) => Verdict::Retry { retry_after, uncertain: false },
             408 | 425 | 429 => Verdict::Retry { retry_after, uncertain: false },
             500..=599 => Verdict::Retry { retry_after, uncertain: false },
             _ => Verdict::Permanent,
@@ -196,8 +197,10 @@ pub enum ErrorClass {
     /// written (claims take only the dispatcher's own endpoints since issue
     /// 28, D3); rows written before keep it.
     EndpointUnknown,
-    /// An operator resolved an uncertain intent as failed, having asked the
-    /// provider: its `on_dead` effects are the operator's word, not a guess.
+    /// An operator resolved an uncertain intent, having asked the provider
+    /// (as failed: its `on_dead` effects are the operator's word, not a
+    /// guess; as succeeded: the class marks the note kept as its last error).
+    /// Migration 0016's comment predates the second use.
     Resolved,
 }
 
@@ -485,10 +488,11 @@ mod tests {
     fn an_endpoint_may_retry_more_statuses() {
         let r = AttemptResult::Response { status: 409, retry_after: Some(Duration::from_secs(1)) };
         assert_eq!(classify(&r, &[]), Verdict::Permanent);
-        // "In progress": an earlier request with the key reached the provider.
-        assert_eq!(classify(&r, &[409]), Verdict::Retry { retry_after: Some(Duration::from_secs(1)), uncertain: true });
-        let r = AttemptResult::Response { status: 423, retry_after: None };
-        assert_eq!(classify(&r, &[409, 423]), Verdict::Retry { retry_after: None, uncertain: false });
+        // A 409 on its own is not an unknown outcome ("already refunded").
+        assert_eq!(
+            classify(&r, &[409]),
+            Verdict::Retry { retry_after: Some(Duration::from_secs(1)), uncertain: false }
+        );
     }
 
     #[test]

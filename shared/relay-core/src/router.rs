@@ -11,7 +11,9 @@ use std::sync::Arc;
 use serde_json::{Value, json};
 
 use crate::config::{ActionConfig, EmitAction, EndpointConfig, OutcomeConfig, RelayConfig, SagaAction};
-use crate::effects::{CallSpec, Effects, EmitSpec, NewIntent, Outcome, Plan, Provenance, SagaMove, encode_event};
+use crate::effects::{
+    CallSpec, Effects, EmitSpec, Intent, NewIntent, Outcome, Plan, Provenance, SagaMove, encode_event,
+};
 use crate::envelope::{
     DecodeOptions, FieldOverrides, InputEvent, Poison, PoisonClass, RawRecord, TopicFormat, decode, resolve,
 };
@@ -360,8 +362,7 @@ impl Router {
         })?;
         let id = derived_id(consumer, &event.id, &call.action);
         let to_json = |v: &Outcome| serde_json::to_value(v).unwrap_or_default();
-        Ok(NewIntent {
-            id,
+        let intent = Intent {
             consumer: consumer.to_owned(),
             source_event_id: event.id.clone(),
             action: call.action.clone(),
@@ -373,7 +374,6 @@ impl Router {
             idempotency_key: call.idempotency_key.clone().unwrap_or_else(|| id.to_string()),
             ordering_key: call.ordering_key.clone(),
             max_attempts: i32::try_from(endpoint.max_attempts).unwrap_or(i32::MAX),
-            max_age: endpoint.max_age,
             on_success: to_json(&call.on_success),
             on_dead: to_json(&call.on_dead),
             emit_source: prov.source.clone(),
@@ -381,7 +381,8 @@ impl Router {
             correlation_id: prov.correlation_id.clone(),
             causation_id: prov.causation_id.clone(),
             traceparent: prov.traceparent.clone(),
-        })
+        };
+        Ok(NewIntent { id, intent, max_age: endpoint.max_age })
     }
 
     /// Render the route's actions for `event`. A template that cannot be

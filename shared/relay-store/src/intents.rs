@@ -18,13 +18,13 @@ use std::borrow::Borrow;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use serde_json::Value;
-use sqlx::{FromRow, PgConnection};
+use sqlx::postgres::PgRow;
+use sqlx::{FromRow, PgConnection, Row};
 use uuid::Uuid;
 
 use crate::{Claim, ClaimConnection, Position};
 
-pub use relay_core::effects::NewIntent;
+pub use relay_core::effects::{Intent, NewIntent};
 
 /// Where an intent is, as `intents.state` stores it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,53 +69,20 @@ impl std::str::FromStr for IntentState {
     }
 }
 
-/// A claimed intent: everything a worker needs to make the call.
-#[derive(Debug, Clone, FromRow)]
+/// A claimed intent: the intent and what the claim adds — everything a
+/// worker needs to make the call and record its outcome.
+#[derive(Debug, Clone)]
 pub struct ClaimedIntent {
     /// Intent id.
     pub id: Uuid,
     /// Fencing token of this claim.
     pub lease_token: Uuid,
-    /// Consumer that produced it.
-    pub consumer: String,
-    /// Input event id.
-    pub source_event_id: String,
-    /// Action name.
-    pub action: String,
-    /// Endpoint name.
-    pub endpoint: String,
-    /// HTTP method.
-    pub method: String,
-    /// Path.
-    pub path: String,
-    /// JSON body.
-    pub body: Option<Value>,
-    /// Extra headers (JSON object).
-    pub request_headers: Value,
-    /// Idempotency key.
-    pub idempotency_key: String,
-    /// Ordering key.
-    pub ordering_key: Option<String>,
+    /// The call and its effects, as written.
+    pub intent: Intent,
     /// This attempt's number (counted at claim).
     pub attempts: i32,
-    /// Attempt budget.
-    pub max_attempts: i32,
     /// Age budget deadline.
     pub expires_at: DateTime<Utc>,
-    /// Effects on success.
-    pub on_success: Value,
-    /// Effects on death.
-    pub on_dead: Value,
-    /// CloudEvents source for outcome events.
-    pub emit_source: String,
-    /// Aggregate id.
-    pub aggregate_id: Option<String>,
-    /// Correlation id.
-    pub correlation_id: Option<String>,
-    /// Causation id.
-    pub causation_id: Option<String>,
-    /// W3C trace context.
-    pub traceparent: Option<String>,
     /// Last error before this attempt.
     pub last_error: Option<String>,
     /// Some attempt before this claim may have been applied (`ever_uncertain`).
@@ -124,12 +91,56 @@ pub struct ClaimedIntent {
     pub created_at: DateTime<Utc>,
 }
 
+/// The columns a [`ClaimedIntent`] is read from: a claim ([`CLAIM`]) and an
+/// operator's take of an uncertain intent ([`take_uncertain`]) return these.
+macro_rules! claimed_columns {
+    () => {
+        "id, lease_token, consumer, source_event_id, action, endpoint, method, path, body, request_headers, \
+         idempotency_key, ordering_key, attempts, max_attempts, expires_at, on_success, on_dead, emit_source, \
+         aggregate_id, correlation_id, causation_id, traceparent, last_error, ever_uncertain, created_at"
+    };
+}
+
+impl<'r> FromRow<'r, PgRow> for ClaimedIntent {
+    fn from_row(row: &'r PgRow) -> Result<Self, sqlx::Error> {
+        Ok(ClaimedIntent {
+            id: row.try_get("id")?,
+            lease_token: row.try_get("lease_token")?,
+            intent: Intent {
+                consumer: row.try_get("consumer")?,
+                source_event_id: row.try_get("source_event_id")?,
+                action: row.try_get("action")?,
+                endpoint: row.try_get("endpoint")?,
+                method: row.try_get("method")?,
+                path: row.try_get("path")?,
+                body: row.try_get("body")?,
+                headers: row.try_get("request_headers")?,
+                idempotency_key: row.try_get("idempotency_key")?,
+                ordering_key: row.try_get("ordering_key")?,
+                max_attempts: row.try_get("max_attempts")?,
+                on_success: row.try_get("on_success")?,
+                on_dead: row.try_get("on_dead")?,
+                emit_source: row.try_get("emit_source")?,
+                aggregate_id: row.try_get("aggregate_id")?,
+                correlation_id: row.try_get("correlation_id")?,
+                causation_id: row.try_get("causation_id")?,
+                traceparent: row.try_get("traceparent")?,
+            },
+            attempts: row.try_get("attempts")?,
+            expires_at: row.try_get("expires_at")?,
+            last_error: row.try_get("last_error")?,
+            ever_uncertain: row.try_get("ever_uncertain")?,
+            created_at: row.try_get("created_at")?,
+        })
+    }
+}
+
 impl ClaimedIntent {
     /// Its retry budget, for [`relay_core::retry::decide`].
     pub fn budget(&self) -> relay_core::retry::Budget {
         relay_core::retry::Budget {
             attempts: u32::try_from(self.attempts).unwrap_or(0),
-            max_attempts: u32::try_from(self.max_attempts).unwrap_or(0),
+            max_attempts: u32::try_from(self.intent.max_attempts).unwrap_or(0),
             expires_at: self.expires_at,
             uncertain_before: self.ever_uncertain,
         }
@@ -211,7 +222,8 @@ pub async fn claim_after(
 /// `next_due` is when the earliest pending intent not due yet comes due,
 /// and at least one row comes back (all columns but `next_due` null when
 /// none was claimed), which [`claim`] sorts out.
-pub const CLAIM: &str = "WITH due AS (
+pub const CLAIM: &str = concat!(
+    "WITH due AS (
              SELECT i.id FROM relay.intents i
               WHERE i.state = 'pending' AND i.next_attempt_at <= now()
                 AND (i.next_attempt_at, i.seq) > (COALESCE($4::timestamptz, '-infinity'), $5::int8)
@@ -237,11 +249,11 @@ pub const CLAIM: &str = "WITH due AS (
                          WHERE state = 'pending' AND next_attempt_at > now()
                            AND consumer = $7::text AND endpoint = ANY($6::text[])) END AS next_due
          )
-         SELECT c.id, c.lease_token, c.consumer, c.source_event_id, c.action, c.endpoint, c.method, c.path, c.body,
-                c.request_headers, c.idempotency_key, c.ordering_key, c.attempts, c.max_attempts, c.expires_at,
-                c.on_success, c.on_dead, c.emit_source, c.aggregate_id, c.correlation_id, c.causation_id,
-                c.traceparent, c.last_error, c.ever_uncertain, c.created_at, c.next_attempt_at AS due_at, c.seq, next.next_due
-           FROM next LEFT JOIN claimed c ON true";
+         SELECT ",
+    claimed_columns!(),
+    ", next_attempt_at AS due_at, seq, next.next_due
+           FROM next LEFT JOIN claimed c ON true"
+);
 
 /// How one attempt ended, for the audit row and the intent's last_* columns.
 #[derive(Debug, Clone)]
@@ -580,26 +592,9 @@ impl ClaimedIntent {
         ClaimedIntent {
             id: new.id,
             lease_token: held.lease_token,
-            consumer: new.consumer,
-            source_event_id: new.source_event_id,
-            action: new.action,
-            endpoint: new.endpoint,
-            method: new.method,
-            path: new.path,
-            body: new.body,
-            request_headers: new.headers,
-            idempotency_key: new.idempotency_key,
-            ordering_key: new.ordering_key,
+            intent: new.intent,
             attempts: 1,
-            max_attempts: new.max_attempts,
             expires_at: held.expires_at,
-            on_success: new.on_success,
-            on_dead: new.on_dead,
-            emit_source: new.emit_source,
-            aggregate_id: new.aggregate_id,
-            correlation_id: new.correlation_id,
-            causation_id: new.causation_id,
-            traceparent: new.traceparent,
             last_error: None,
             ever_uncertain: false,
             created_at: held.created_at,
@@ -621,25 +616,25 @@ pub(crate) fn bind_many<'q, R: Borrow<NewIntent>>(
         None => vec![false; rows.len()],
     };
     q.bind(col(rows, |r| r.id))
-        .bind(col(rows, |r| r.consumer.as_str()))
-        .bind(col(rows, |r| r.source_event_id.as_str()))
-        .bind(col(rows, |r| r.action.as_str()))
-        .bind(col(rows, |r| r.endpoint.as_str()))
-        .bind(col(rows, |r| r.method.as_str()))
-        .bind(col(rows, |r| r.path.as_str()))
-        .bind(col(rows, |r| r.body.clone()))
-        .bind(col(rows, |r| r.headers.clone()))
-        .bind(col(rows, |r| r.idempotency_key.as_str()))
-        .bind(col(rows, |r| r.ordering_key.as_deref()))
-        .bind(col(rows, |r| r.max_attempts))
+        .bind(col(rows, |r| r.intent.consumer.as_str()))
+        .bind(col(rows, |r| r.intent.source_event_id.as_str()))
+        .bind(col(rows, |r| r.intent.action.as_str()))
+        .bind(col(rows, |r| r.intent.endpoint.as_str()))
+        .bind(col(rows, |r| r.intent.method.as_str()))
+        .bind(col(rows, |r| r.intent.path.as_str()))
+        .bind(col(rows, |r| r.intent.body.clone()))
+        .bind(col(rows, |r| r.intent.headers.clone()))
+        .bind(col(rows, |r| r.intent.idempotency_key.as_str()))
+        .bind(col(rows, |r| r.intent.ordering_key.as_deref()))
+        .bind(col(rows, |r| r.intent.max_attempts))
         .bind(col(rows, |r| r.max_age.as_secs_f64()))
-        .bind(col(rows, |r| r.on_success.clone()))
-        .bind(col(rows, |r| r.on_dead.clone()))
-        .bind(col(rows, |r| r.emit_source.as_str()))
-        .bind(col(rows, |r| r.aggregate_id.as_deref()))
-        .bind(col(rows, |r| r.correlation_id.as_deref()))
-        .bind(col(rows, |r| r.causation_id.as_deref()))
-        .bind(col(rows, |r| r.traceparent.as_deref()))
+        .bind(col(rows, |r| r.intent.on_success.clone()))
+        .bind(col(rows, |r| r.intent.on_dead.clone()))
+        .bind(col(rows, |r| r.intent.emit_source.as_str()))
+        .bind(col(rows, |r| r.intent.aggregate_id.as_deref()))
+        .bind(col(rows, |r| r.intent.correlation_id.as_deref()))
+        .bind(col(rows, |r| r.intent.causation_id.as_deref()))
+        .bind(col(rows, |r| r.intent.traceparent.as_deref()))
         .bind(take)
         .bind(hold.map(|h| h.worker))
         .bind(hold.map(|h| h.lease.as_secs_f64()))
@@ -731,16 +726,14 @@ pub async fn take_uncertain(
     worker: &str,
     lease: Duration,
 ) -> Result<Option<ClaimedIntent>, sqlx::Error> {
-    sqlx::query_as(
+    sqlx::query_as(concat!(
         "UPDATE relay.intents
             SET state = 'running', lease_token = gen_random_uuid(), locked_by = $3,
                 locked_until = now() + make_interval(secs => $4)
           WHERE id = $1 AND consumer = $2 AND state = 'uncertain'
-         RETURNING id, lease_token, consumer, source_event_id, action, endpoint, method, path, body, request_headers,
-                   idempotency_key, ordering_key, attempts, max_attempts, expires_at, on_success, on_dead,
-                   emit_source, aggregate_id, correlation_id, causation_id, traceparent, last_error,
-                   ever_uncertain, created_at",
-    )
+         RETURNING ",
+        claimed_columns!()
+    ))
     .bind(id)
     .bind(consumer)
     .bind(worker)

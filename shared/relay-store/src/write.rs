@@ -281,9 +281,10 @@ pub async fn finish(
             intents
                 .iter()
                 .map(|i| {
-                    let endpoint_left =
-                        per_endpoint.entry(i.endpoint.as_str()).or_insert_with(|| (h.endpoint_room)(&i.endpoint));
-                    let take = i.ordering_key.is_none() && left > 0 && *endpoint_left > 0;
+                    let endpoint_left = per_endpoint
+                        .entry(i.intent.endpoint.as_str())
+                        .or_insert_with(|| (h.endpoint_room)(&i.intent.endpoint));
+                    let take = i.intent.ordering_key.is_none() && left > 0 && *endpoint_left > 0;
                     left -= usize::from(take);
                     *endpoint_left -= usize::from(take);
                     take

@@ -50,7 +50,7 @@ impl Dispatcher {
             writers.spawn(async move {
                 let results = me.finalize(&batch).await;
                 let unblocks = |(c, r): (&Completion, &Finished)| {
-                    *r == Finished::Retrying || (*r != Finished::LeaseLost && c.intent.ordering_key.is_some())
+                    *r == Finished::Retrying || (*r != Finished::LeaseLost && c.intent.intent.ordering_key.is_some())
                 };
                 if batch.iter().zip(&results).any(unblocks) {
                     me.inner.progress.notify_one();
@@ -93,7 +93,7 @@ impl Dispatcher {
                                     move the saga or emit the event by hand");
                             match self.finalize_until(one, Effects::Drop, deadline).await {
                                 Ok(f) => {
-                                    crate::runtime::metrics::effects_dropped(&c.intent.endpoint);
+                                    crate::runtime::metrics::effects_dropped(&c.intent.intent.endpoint);
                                     out.extend(f)
                                 }
                                 Err(e) => {
@@ -160,8 +160,10 @@ impl Dispatcher {
             .iter()
             .map(|c| match c.next {
                 _ if effects == Effects::Drop => None,
-                NextState::Succeeded => outcome_effects(&c.intent, &c.intent.on_success).map(|o| (o, "succeeded")),
-                NextState::Dead => outcome_effects(&c.intent, &c.intent.on_dead).map(|o| (o, "dead")),
+                NextState::Succeeded => {
+                    outcome_effects(&c.intent, &c.intent.intent.on_success).map(|o| (o, "succeeded"))
+                }
+                NextState::Dead => outcome_effects(&c.intent, &c.intent.intent.on_dead).map(|o| (o, "dead")),
                 // Nothing is known, so nothing is told: no on_dead, no on_success.
                 NextState::Retry(_) | NextState::Uncertain => None,
             })
@@ -195,15 +197,15 @@ impl Dispatcher {
             let Some((outcome, label)) = outcome.as_ref().filter(|_| mine(c, &ours)) else { continue };
             let source_id = format!("{}:{label}", c.intent.id);
             let prov = Provenance {
-                source: c.intent.emit_source.clone(),
-                correlation_id: c.intent.correlation_id.clone(),
-                causation_id: c.intent.causation_id.clone(),
-                traceparent: c.intent.traceparent.clone(),
-                aggregate_id: c.intent.aggregate_id.clone(),
+                source: c.intent.intent.emit_source.clone(),
+                correlation_id: c.intent.intent.correlation_id.clone(),
+                causation_id: c.intent.intent.causation_id.clone(),
+                traceparent: c.intent.intent.traceparent.clone(),
+                aggregate_id: c.intent.intent.aggregate_id.clone(),
             };
             for emit in &outcome.emit {
                 records.push((
-                    c.intent.consumer.as_str(),
+                    c.intent.intent.consumer.as_str(),
                     source_id.clone(),
                     encode_event(outcome_id(c.intent.id, label, &emit.action), emit, &prov, now),
                 ));
@@ -234,7 +236,7 @@ impl Dispatcher {
         label: &str,
     ) -> Result<(), sqlx::Error> {
         let detail = serde_json::json!({"from": m.from, "to": m.to, "intent": intent.id, "outcome": label});
-        let t = sagas::apply(tx, &intent.consumer, m, source_id, "outcome", &detail).await?;
+        let t = sagas::apply(tx, &intent.intent.consumer, m, source_id, "outcome", &detail).await?;
         if t != Transition::Applied {
             let saga = format!("{}/{}", m.saga_type, m.saga_id);
             warn!(intent_id = %intent.id, %saga, action = %m.action, result = ?t, "outcome saga move was a no-op");

@@ -344,7 +344,7 @@ impl Dispatcher {
         permits: &Arc<Semaphore>,
     ) {
         let (me, done_tx, permits) = (self.clone(), done_tx.clone(), permits.clone());
-        let busy = self.inner.busy.get(&intent.endpoint).map(|b| b.enter(self));
+        let busy = self.inner.busy.get(&intent.intent.endpoint).map(|b| b.enter(self));
         tasks.spawn(async move {
             let _room = room;
             let completion = {
@@ -390,7 +390,8 @@ impl Dispatcher {
     /// `claimed_at` is taken before the claim is sent (or, at ingest, before
     /// the insert that claims), so this end comes before the database's.
     pub(super) fn send_by(&self, intent: &ClaimedIntent, claimed_at: std::time::Instant) -> tokio::time::Instant {
-        let call = self.inner.endpoints.get(&intent.endpoint).map_or(Duration::ZERO, |e| e.config().call_bound());
+        let call =
+            self.inner.endpoints.get(&intent.intent.endpoint).map_or(Duration::ZERO, |e| e.config().call_bound());
         let lease_end = tokio::time::Instant::from_std(claimed_at) + self.inner.settings.lease;
         lease_end.checked_sub(call + LEASE_SPARE).unwrap_or_else(|| tokio::time::Instant::from_std(claimed_at))
     }

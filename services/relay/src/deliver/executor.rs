@@ -28,11 +28,11 @@ impl Dispatcher {
         slots: &Semaphore,
     ) -> Result<Result<Completion, ClaimedIntent>, FaultInjected> {
         let started = std::time::Instant::now();
-        let Some(client) = self.inner.endpoints.get(&intent.endpoint) else {
+        let Some(client) = self.inner.endpoints.get(&intent.intent.endpoint) else {
             // Claims take only our endpoints' intents; this one came another
             // way (a hand-over from a consumer with another configuration).
             // Not ours to spend an attempt on: give it back.
-            tracing::error!(intent_id = %intent.id, endpoint = %intent.endpoint,
+            tracing::error!(intent_id = %intent.id, endpoint = %intent.intent.endpoint,
                             "intent of an endpoint this dispatcher does not have; given back uncounted");
             return Ok(Err(intent));
         };
@@ -53,15 +53,15 @@ impl Dispatcher {
             let attrs = || {
                 vec![
                     opentelemetry::KeyValue::new("relay.intent_id", intent.id.to_string()),
-                    opentelemetry::KeyValue::new("relay.endpoint", intent.endpoint.clone()),
+                    opentelemetry::KeyValue::new("relay.endpoint", intent.intent.endpoint.clone()),
                     opentelemetry::KeyValue::new("relay.attempt", i64::from(intent.attempts)),
-                    opentelemetry::KeyValue::new("relay.idempotency_key", intent.idempotency_key.clone()),
+                    opentelemetry::KeyValue::new("relay.idempotency_key", intent.intent.idempotency_key.clone()),
                 ]
             };
             let hop = crate::runtime::trace::Hop::start(
                 "relay.call",
                 opentelemetry::trace::SpanKind::Client,
-                intent.traceparent.as_deref(),
+                intent.intent.traceparent.as_deref(),
                 attrs,
             );
             let fresh_key = self
@@ -70,15 +70,15 @@ impl Dispatcher {
                 .sabotage()
                 .fresh_idempotency_key
                 // Deliberately wrong (R8): a new key per attempt.
-                .then(|| format!("{}:{}", intent.idempotency_key, uuid::Uuid::new_v4()));
+                .then(|| format!("{}:{}", intent.intent.idempotency_key, uuid::Uuid::new_v4()));
             let request = Request {
-                method: &intent.method,
-                path: &intent.path,
-                body: intent.body.as_ref(),
-                headers: &intent.request_headers,
-                idempotency_key: fresh_key.as_deref().unwrap_or(&intent.idempotency_key),
-                traceparent: hop.traceparent.as_deref().or(intent.traceparent.as_deref()),
-                correlation_id: intent.correlation_id.as_deref(),
+                method: &intent.intent.method,
+                path: &intent.intent.path,
+                body: intent.intent.body.as_ref(),
+                headers: &intent.intent.headers,
+                idempotency_key: fresh_key.as_deref().unwrap_or(&intent.intent.idempotency_key),
+                traceparent: hop.traceparent.as_deref().or(intent.intent.traceparent.as_deref()),
+                correlation_id: intent.intent.correlation_id.as_deref(),
                 intent_id: intent.id,
                 attempt: intent.attempts,
             };
@@ -126,18 +126,18 @@ impl Dispatcher {
         // The attempt's outcome as classified when it ended (`uncertain` for a
         // timeout after sending, even when it left the intent dead).
         let outcome = if finished == Finished::LeaseLost { "" } else { c.attempt.outcome.as_str() };
-        crate::runtime::metrics::call(&intent.endpoint, label, outcome, took.as_secs_f64());
+        crate::runtime::metrics::call(&intent.intent.endpoint, label, outcome, took.as_secs_f64());
         let status = result.status.map(i64::from).unwrap_or(-1);
         let class = result.error_class.map_or("", ErrorClass::as_str);
         let error = result.error.as_deref().unwrap_or("");
-        let (agg, corr) =
-            (intent.aggregate_id.as_deref().unwrap_or(""), intent.correlation_id.as_deref().unwrap_or(""));
+        let call = &intent.intent;
+        let (agg, corr) = (call.aggregate_id.as_deref().unwrap_or(""), call.correlation_id.as_deref().unwrap_or(""));
         let ms = took.as_millis() as u64;
         macro_rules! emit {
             ($lvl:expr, $($msg:tt)+) => {
                 tracing::event!(
-                    $lvl, worker = %self.inner.worker, intent_id = %intent.id, endpoint = %intent.endpoint,
-                    action = %intent.action, event_id = %intent.source_event_id, idempotency_key = %intent.idempotency_key,
+                    $lvl, worker = %self.inner.worker, intent_id = %intent.id, endpoint = %call.endpoint,
+                    action = %call.action, event_id = %call.source_event_id, idempotency_key = %call.idempotency_key,
                     aggregate_id = agg, correlation_id = corr, attempt = intent.attempts, status, error_class = class,
                     result = label, duration_ms = ms, $($msg)+
                 )

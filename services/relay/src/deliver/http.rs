@@ -411,7 +411,9 @@ fn classify_transport(e: BoxError, timeout: Duration, started_at: Option<chrono:
 
 /// Whether `e` carries a TLS alert only a handshake sends (the server
 /// refused our certificate, or the handshake itself): the request was never
-/// processed, whatever reached the socket. rustls errors travel inside
+/// processed, whatever reached the socket. rustls clients support neither
+/// renegotiation nor post-handshake authentication, so such an alert can
+/// only answer the connection's handshake. rustls errors travel inside
 /// `io::Error`s, whose `source` skips them, so those are opened too.
 fn refused_handshake(e: &(dyn std::error::Error + 'static)) -> bool {
     use rustls::AlertDescription as A;

@@ -100,7 +100,7 @@ struct Item<'a, 'r> {
 impl Item<'_, '_> {
     /// How many of its intents could be claimed at ingest (no ordering key).
     fn unkeyed_intents(&self) -> usize {
-        self.effects.iter().flat_map(|e| &e.intents).filter(|i| i.ordering_key.is_none()).count()
+        self.effects.iter().flat_map(|e| &e.intents).filter(|i| i.intent.ordering_key.is_none()).count()
     }
 
     /// The record processed, with what writing it decided.
@@ -552,8 +552,11 @@ impl Processor {
             // row would be dropped on insert without a word (D9).
             let taken: std::collections::HashSet<uuid::Uuid> =
                 all.intents.iter().map(|i| i.id).chain(all.events.iter().map(|e| e.id)).collect();
-            let clash =
-                extra.intents.iter().map(|i| (i.id, &i.action)).chain(extra.events.iter().map(|e| (e.id, &e.action)));
+            let clash = extra
+                .intents
+                .iter()
+                .map(|i| (i.id, &i.intent.action))
+                .chain(extra.events.iter().map(|e| (e.id, &e.action)));
             let mut seen = std::collections::HashSet::new();
             for (id, action) in clash {
                 if taken.contains(&id) || !seen.insert(id) {
@@ -710,7 +713,10 @@ mod tests {
         let rec = record("order.placed", "evt-1", &[]);
         let (first, again) = (ready(p.prepare(&rec)), ready(p.prepare(&rec)));
         let intent = &first.effects.as_ref().unwrap().intents[0];
-        assert_eq!((intent.idempotency_key.as_str(), intent.path.as_str()), ("capture:o-1", "/captures/o-1"));
+        assert_eq!(
+            (intent.intent.idempotency_key.as_str(), intent.intent.path.as_str()),
+            ("capture:o-1", "/captures/o-1")
+        );
         assert_eq!(intent.id, again.effects.as_ref().unwrap().intents[0].id, "the same record, the same intent id");
         let rec2 = record("order.placed", "evt-2", &[]);
         let other = ready(p.prepare(&rec2));
