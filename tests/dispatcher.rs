@@ -1558,8 +1558,8 @@ async fn a_stale_completion_beside_a_fresh_one_of_the_same_intent_records_nothin
         error_class: Some(intents::ErrorClass::HttpStatus),
         error: Some(format!("HTTP {status}")),
     };
-    use relay::deliver::dispatcher::Finished;
-    use relay::deliver::executor::Completion;
+    use relay::deliver::outcome::Completion;
+    use relay::deliver::outcome::Finished;
     let batch = [
         Completion::decided(stale, NextState::Dead, record(AttemptOutcome::Permanent, 422)),
         Completion::decided(fresh, NextState::Retry(Duration::from_secs(1)), record(AttemptOutcome::Retryable, 503)),
@@ -1795,9 +1795,9 @@ async fn an_outcome_whose_effects_the_database_rejects_is_recorded_without_them_
         error_class: None,
         error: None,
     };
-    let completion = relay::deliver::executor::Completion::decided(claimed, NextState::Succeeded, done);
+    let completion = relay::deliver::outcome::Completion::decided(claimed, NextState::Succeeded, done);
     let finished = relay.dispatcher().unwrap().finalize(&[completion]).await;
-    assert_eq!(finished, vec![relay::deliver::dispatcher::Finished::Succeeded]);
+    assert_eq!(finished, vec![relay::deliver::outcome::Finished::Succeeded]);
     assert_eq!(intent_state(&h, "capture:o-1").await.0, "succeeded");
     assert_eq!(h.db.count("outbox", "true").await, 0, "no effect of the rejected outcome was written");
 }

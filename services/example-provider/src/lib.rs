@@ -211,6 +211,24 @@ struct AppState {
     released: tokio::sync::watch::Sender<bool>,
 }
 
+impl AppState {
+    /// A fresh state, its routes, and a listener bound to `bind`.
+    async fn bound(
+        bind: SocketAddr,
+        settings: Settings,
+    ) -> anyhow::Result<(AppState, Router, tokio::net::TcpListener, SocketAddr)> {
+        let state = AppState {
+            inner: Arc::default(),
+            settings: Arc::new(settings),
+            released: tokio::sync::watch::channel(false).0,
+        };
+        let app = router(state.clone());
+        let listener = tokio::net::TcpListener::bind(bind).await?;
+        let addr = listener.local_addr()?;
+        Ok((state, app, listener, addr))
+    }
+}
+
 /// A running provider.
 #[derive(Clone)]
 pub struct Provider {
@@ -256,14 +274,7 @@ impl TlsFiles {
 impl Provider {
     /// Start on `bind` (use port 0 for a free port) in the current runtime.
     pub async fn start(bind: SocketAddr, settings: Settings) -> anyhow::Result<Provider> {
-        let state = AppState {
-            inner: Arc::default(),
-            settings: Arc::new(settings),
-            released: tokio::sync::watch::channel(false).0,
-        };
-        let app = router(state.clone());
-        let listener = tokio::net::TcpListener::bind(bind).await?;
-        let addr = listener.local_addr()?;
+        let (state, app, listener, addr) = AppState::bound(bind, settings).await?;
         tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!(error = %e, "provider server stopped");
@@ -277,14 +288,7 @@ impl Provider {
     /// reaches a route, so it counts no request.
     pub async fn start_tls(bind: SocketAddr, settings: Settings, tls: &TlsFiles) -> anyhow::Result<Provider> {
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls.server_config()?));
-        let state = AppState {
-            inner: Arc::default(),
-            settings: Arc::new(settings),
-            released: tokio::sync::watch::channel(false).0,
-        };
-        let app = router(state.clone());
-        let listener = tokio::net::TcpListener::bind(bind).await?;
-        let addr = listener.local_addr()?;
+        let (state, app, listener, addr) = AppState::bound(bind, settings).await?;
         tokio::spawn(async move {
             loop {
                 let tcp = match listener.accept().await {

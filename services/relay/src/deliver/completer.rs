@@ -10,22 +10,52 @@ use relay_core::effects::encode_event;
 use relay_core::ids::outcome_id;
 use relay_core::retry::BackoffPolicy;
 use relay_core::{Outcome, Provenance};
+use relay_store::FinishPool;
 use relay_store::intents::{self, ClaimedIntent, Finish, NextState};
 use relay_store::outbox;
 use relay_store::sagas::{self, Transition};
 use sqlx::PgConnection;
-use tokio::sync::{Semaphore, mpsc};
+use sqlx::PgPool;
+use tokio::sync::{Notify, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tracing::{error, warn};
 
-use super::dispatcher::{Dispatcher, Finished};
-use super::executor::Completion;
-use crate::runtime::faults::point;
+use super::outcome::{Completion, Finished};
+use crate::runtime::faults::{Faults, point};
 
-/// How many batches of outcomes are written at once ([`Dispatcher::finalize_loop`]).
+/// How many batches of outcomes are written at once ([`Completer::run`]).
 pub(super) const FINALIZERS: usize = 2;
 
-impl Dispatcher {
+/// Records the outcomes the executor hands over, for one worker: its own
+/// connections, and a signal to the claim loop when an outcome made other
+/// intents due.
+pub struct Completer {
+    /// The finalizers' connections ([`FinishPool`]: one round trip a batch
+    /// of outcomes that records nothing but states).
+    finishes: FinishPool,
+    worker: String,
+    /// How long outcomes may take to be recorded before their leases count
+    /// as lost.
+    lease: std::time::Duration,
+    faults: Faults,
+    /// Notified when a recorded outcome made intents claimable that no
+    /// NOTIFY announces (a retry scheduled, a key's earlier intent finished).
+    progress: Arc<Notify>,
+}
+
+impl Completer {
+    /// A completer for `worker`'s claims of `lease`, on connections beside `pool`.
+    pub fn new(
+        pool: &PgPool,
+        worker: &str,
+        lease: std::time::Duration,
+        faults: Faults,
+        progress: Arc<Notify>,
+    ) -> Completer {
+        let finishes = FinishPool::beside(pool, FINALIZERS as u32);
+        Completer { finishes, worker: worker.to_owned(), lease, faults, progress }
+    }
+
     /// Record completions in batches: whatever has arrived while earlier
     /// batches were written goes into the next one (up to 256), with one
     /// fenced statement for all of them (one round trip when that is all
@@ -34,7 +64,7 @@ impl Dispatcher {
     /// batch; more writers would each take what had arrived the moment they
     /// were free, so batches shrink and per-statement costs dominate
     /// (measured: BENCHMARKS.md, "What was done to make it fast").
-    pub(super) async fn finalize_loop(self, mut rx: mpsc::Receiver<Completion>) {
+    pub(super) async fn run(self: Arc<Self>, mut rx: mpsc::Receiver<Completion>) {
         let slots = Arc::new(Semaphore::new(FINALIZERS));
         let mut writers = JoinSet::new();
         while let Some(first) = rx.recv().await {
@@ -53,10 +83,10 @@ impl Dispatcher {
                     *r == Finished::Retrying || (*r != Finished::LeaseLost && c.intent.intent.ordering_key.is_some())
                 };
                 if batch.iter().zip(&results).any(unblocks) {
-                    me.inner.progress.notify_one();
+                    me.progress.notify_one();
                 }
                 for (c, r) in batch.iter().zip(results) {
-                    me.log_attempt(c, r);
+                    c.log(&me.worker, r);
                 }
                 drop(slot);
             });
@@ -74,10 +104,10 @@ impl Dispatcher {
     /// end uncertain although the provider answered. (What the finalizers
     /// run; public for tests that hand it a batch.)
     pub async fn finalize(&self, batch: &[Completion]) -> Vec<Finished> {
-        if self.inner.faults.hit(point::DISPATCHER_BEFORE_FINISH).await.is_err() {
+        if self.faults.hit(point::DISPATCHER_BEFORE_FINISH).await.is_err() {
             return vec![Finished::LeaseLost; batch.len()];
         }
-        let deadline = std::time::Instant::now() + self.inner.settings.lease;
+        let deadline = std::time::Instant::now() + self.lease;
         match self.finalize_until(batch, Effects::Record, deadline).await {
             Ok(f) => f,
             Err(_) => {
@@ -110,7 +140,7 @@ impl Dispatcher {
         }
     }
 
-    /// [`Dispatcher::finalize_once`], retrying transient errors until
+    /// [`Completer::finalize_once`], retrying transient errors until
     /// `deadline` (then every intent counts as lost); `Err` for a permanent one.
     pub(super) async fn finalize_until(
         &self,
@@ -151,7 +181,7 @@ impl Dispatcher {
                 next: c.next,
                 attempt: c.attempt.clone(),
                 attempt_no: c.intent.attempts,
-                worker: self.inner.worker.clone(),
+                worker: self.worker.clone(),
                 attempted: c.attempted,
             })
             .collect();
@@ -172,7 +202,7 @@ impl Dispatcher {
         // (intent id, lease token), so a stale completion beside a fresh one
         // of the same intent matches nothing (D9).
         type Ours = HashSet<(uuid::Uuid, uuid::Uuid)>;
-        let by_id = self.inner.faults.sabotage().fenced_by_id; // Deliberately wrong (D9) when set.
+        let by_id = self.faults.sabotage().fenced_by_id; // Deliberately wrong (D9) when set.
         let mine = |c: &Completion, ours: &Ours| {
             ours.contains(&(c.intent.id, c.intent.lease_token)) || (by_id && ours.iter().any(|o| o.0 == c.intent.id))
         };
@@ -183,7 +213,7 @@ impl Dispatcher {
             NextState::Uncertain => Finished::Uncertain,
             NextState::Retry(_) => Finished::Retrying,
         };
-        let mut conn = self.inner.finishes.acquire().await?;
+        let mut conn = self.finishes.acquire().await?;
         if outcomes.iter().all(Option::is_none) {
             // Only states and audit rows: one statement, its own transaction (FinishPool).
             let ours = intents::finish_many(&mut conn, &items).await?.into_iter().collect();

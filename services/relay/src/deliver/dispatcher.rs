@@ -26,22 +26,21 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 
-use relay_core::config::{DispatcherConfig, EndpointConfig, LEASE_SPARE};
+use relay_core::config::{DispatcherConfig, EndpointConfig};
 use relay_core::retry::BackoffPolicy;
 use relay_store::intents::{self, ClaimedIntent, Scope};
-use relay_store::{Claim, ClaimCommit, ClaimPool, Claimer, FinishPool, Position};
+use relay_store::{Claim, ClaimCommit, ClaimPool, Claimer, Position};
 use sqlx::PgPool;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use super::completer::FINALIZERS;
-use super::executor::Completion;
+use super::completer::Completer;
+use super::executor::Executor;
+use super::outcome::{Completion, Finished};
 use crate::deliver::handoff::{self, Desk, Handed, Handoff};
-use crate::deliver::http::EndpointClient;
 use crate::runtime::claim_loop::{Resume, default_worker_id, listen, notified, until_due};
 use crate::runtime::faults::{FaultInjected, Faults, point};
 
@@ -58,14 +57,14 @@ pub(super) struct Inner {
     pub(super) pool: PgPool,
     /// The claim loop's connection ([`ClaimPool`]: one round trip a claim).
     pub(super) claims: ClaimPool,
-    /// The finalizers' connections ([`FinishPool`]: one round trip a batch
-    /// of outcomes that records nothing but states).
-    pub(super) finishes: FinishPool,
     pub(super) settings: DispatcherConfig,
     pub(super) worker: String,
     /// The consumer whose intents this dispatcher calls ([`Scope`]).
     pub(super) consumer: String,
-    pub(super) endpoints: HashMap<String, EndpointClient>,
+    /// Makes the calls.
+    pub(super) executor: Executor,
+    /// Records their outcomes.
+    pub(super) completer: Arc<Completer>,
     /// Per endpoint, its calls started and not ended, and how many there
     /// may be before its intents are left out of claims and of holds at
     /// ingest ([`Busy`]).
@@ -74,29 +73,11 @@ pub(super) struct Inner {
     /// Signalled when this worker made intents claimable that no NOTIFY
     /// announces: an outcome recorded for an intent with an ordering key (its
     /// successor may be due now), a retry scheduled, a claim given back,
-    /// expired leases rescued.
-    pub(super) progress: tokio::sync::Notify,
+    /// expired leases rescued, a full endpoint's call ended.
+    pub(super) progress: Arc<tokio::sync::Notify>,
     /// Where a consumer of this process hands over what it claimed at
     /// ingest, once [`Dispatcher::handoff`] opened it; taken by the claim loop.
     pub(super) desk: std::sync::Mutex<Option<Desk>>,
-    /// Cancelled when the dispatcher stops: calls still waiting to be sent
-    /// give their claims back instead of waiting out their endpoint's limits.
-    pub(super) stopping: CancellationToken,
-}
-
-/// How an intent's claim ended, for the log and the tests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Finished {
-    /// Succeeded.
-    Succeeded,
-    /// Scheduled for another attempt.
-    Retrying,
-    /// Dead.
-    Dead,
-    /// Out of budget after an attempt whose outcome is unknown.
-    Uncertain,
-    /// The lease was lost before the outcome was recorded.
-    LeaseLost,
 }
 
 impl Dispatcher {
@@ -112,43 +93,17 @@ impl Dispatcher {
         let worker = settings.worker_id.clone().unwrap_or_else(default_worker_id);
         let batch = settings.claim_batch as usize;
         let busy = Arc::new(endpoints.iter().map(|(name, cfg)| (name.clone(), Busy::new(cfg, batch))).collect());
-        let endpoints = endpoints
-            .iter()
-            .map(|(name, cfg)| {
-                // Deliberately wrong (D7, D12, N4) when sabotaged: redirects
-                // followed, rate tokens taken before permits, a slot kept
-                // while waiting for a token.
-                let sabotage = faults.sabotage();
-                let client = EndpointClient::new(name, cfg)?
-                    .following_redirects(sabotage.redirects_followed)?
-                    .tokens_first(sabotage.token_before_permit)
-                    .slots_kept(sabotage.slot_kept_for_token);
-                Ok((name.clone(), client))
-            })
-            .collect::<anyhow::Result<_>>()?;
-        let progress = tokio::sync::Notify::new();
+        let executor = Executor::new(endpoints, settings.lease, faults.clone())?;
+        let progress = Arc::new(tokio::sync::Notify::new());
+        let completer = Arc::new(Completer::new(&pool, &worker, settings.lease, faults.clone(), progress.clone()));
         // Intent claims wait for the disk (D5): see ClaimCommit. Deliberately
         // wrong when sabotaged.
         let commit = if faults.sabotage().claims_async { ClaimCommit::Async } else { ClaimCommit::Durable };
         let claims = ClaimPool::beside(&pool, 1, commit);
-        let finishes = FinishPool::beside(&pool, FINALIZERS as u32);
         let desk = std::sync::Mutex::default();
         let consumer = consumer.to_owned();
-        let stopping = CancellationToken::new();
-        let inner = Inner {
-            pool,
-            claims,
-            finishes,
-            settings,
-            worker,
-            consumer,
-            endpoints,
-            busy,
-            faults,
-            progress,
-            desk,
-            stopping,
-        };
+        let inner =
+            Inner { pool, claims, settings, worker, consumer, executor, completer, busy, faults, progress, desk };
         Ok(Dispatcher { inner: Arc::new(inner) })
     }
 
@@ -191,7 +146,7 @@ impl Dispatcher {
         let mut listener = listen(&self.inner.pool, CHANNEL).await;
         let rescuer = tokio::spawn(self.clone().rescue_loop(shutdown.clone()));
         let (done_tx, done_rx) = mpsc::channel::<Completion>(s.concurrency * 2);
-        let finalizer = tokio::spawn(self.clone().finalize_loop(done_rx));
+        let finalizer = tokio::spawn(self.inner.completer.clone().run(done_rx));
         let permits = Arc::new(Semaphore::new(s.concurrency));
         let mut tasks: JoinSet<Result<(), FaultInjected>> = JoinSet::new();
         let mut failures = 0u32;
@@ -315,7 +270,7 @@ impl Dispatcher {
             }
             info!(worker = %self.inner.worker, in_flight = tasks.len(),
                   "dispatcher stopping; finishing calls in flight, giving back those not sent yet");
-            self.inner.stopping.cancel();
+            self.inner.executor.stop();
             while let Some(done) = tasks.join_next().await {
                 if let Ok(Err(f)) = done {
                     warn!(error = %f, "fault during shutdown");
@@ -344,13 +299,13 @@ impl Dispatcher {
         permits: &Arc<Semaphore>,
     ) {
         let (me, done_tx, permits) = (self.clone(), done_tx.clone(), permits.clone());
-        let busy = self.inner.busy.get(&intent.intent.endpoint).map(|b| b.enter(self));
+        let busy = self.inner.busy.get(&intent.intent.endpoint).map(|b| b.enter(&self.inner.progress));
         tasks.spawn(async move {
             let _room = room;
             let completion = {
                 let _busy = busy;
-                let send_by = me.send_by(&intent, claimed_at);
-                match me.execute(intent, send_by, &permits).await? {
+                let send_by = me.inner.executor.send_by(&intent, claimed_at);
+                match me.inner.executor.execute(intent, send_by, &permits).await? {
                     Ok(completion) => completion,
                     Err(intent) => {
                         // Waited so long at the endpoint's limits or for a
@@ -383,24 +338,25 @@ impl Dispatcher {
         }
     }
 
-    /// The latest moment a request for `intent`, claimed at `claimed_at`, may
-    /// be sent: the lease's end less the whole attempt
-    /// ([`EndpointConfig::call_bound`]) and [`LEASE_SPARE`] — the check that
-    /// configuration validation makes too ([`EndpointConfig::min_lease`]).
-    /// `claimed_at` is taken before the claim is sent (or, at ingest, before
-    /// the insert that claims), so this end comes before the database's.
-    pub(super) fn send_by(&self, intent: &ClaimedIntent, claimed_at: std::time::Instant) -> tokio::time::Instant {
-        let call =
-            self.inner.endpoints.get(&intent.intent.endpoint).map_or(Duration::ZERO, |e| e.config().call_bound());
-        let lease_end = tokio::time::Instant::from_std(claimed_at) + self.inner.settings.lease;
-        lease_end.checked_sub(call + LEASE_SPARE).unwrap_or_else(|| tokio::time::Instant::from_std(claimed_at))
+    /// Hand an attempt's outcome to the completer, waiting while its queue
+    /// is full.
+    async fn hand_over(&self, completion: Completion, done: &mpsc::Sender<Completion>) {
+        if let Err(lost) = done.send(completion).await {
+            lost.0.log(&self.inner.worker, Finished::LeaseLost);
+        }
+    }
+
+    /// Record a batch of outcomes as the completer does (public for tests,
+    /// and for an operator's resolution through its own completer).
+    pub async fn finalize(&self, batch: &[Completion]) -> Vec<Finished> {
+        self.inner.completer.finalize(batch).await
     }
 
     /// Say so when this consumer has pending intents of endpoints this
     /// dispatcher does not have: it never claims them (D3), so they would
     /// wait unnoticed but for `relay verify`'s stuck check.
     async fn warn_of_intents_it_cannot_call(&self) {
-        let ours: Vec<&str> = self.inner.endpoints.keys().map(String::as_str).collect();
+        let ours: Vec<&str> = self.inner.executor.endpoints().collect();
         let found = match self.inner.pool.acquire().await {
             Ok(mut conn) => intents::pending_elsewhere(&mut conn, &self.inner.consumer, &ours).await,
             Err(e) => Err(e),
@@ -521,10 +477,11 @@ impl Busy {
         self.most.saturating_sub(self.now.load(std::sync::atomic::Ordering::Relaxed))
     }
 
-    /// Count one call of this endpoint in until the returned guard is dropped.
-    fn enter(&self, dispatcher: &Dispatcher) -> BusyGuard {
+    /// Count one call of this endpoint in until the returned guard is
+    /// dropped, which notifies `progress` if the endpoint was full.
+    fn enter(&self, progress: &Arc<tokio::sync::Notify>) -> BusyGuard {
         self.now.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        BusyGuard { now: self.now.clone(), most: self.most, dispatcher: dispatcher.clone() }
+        BusyGuard { now: self.now.clone(), most: self.most, progress: progress.clone() }
     }
 }
 
@@ -533,13 +490,13 @@ impl Busy {
 pub(super) struct BusyGuard {
     now: Arc<std::sync::atomic::AtomicUsize>,
     most: usize,
-    dispatcher: Dispatcher,
+    progress: Arc<tokio::sync::Notify>,
 }
 
 impl Drop for BusyGuard {
     fn drop(&mut self) {
         if self.now.fetch_sub(1, std::sync::atomic::Ordering::Relaxed) == self.most {
-            self.dispatcher.inner.progress.notify_one();
+            self.progress.notify_one();
         }
     }
 }

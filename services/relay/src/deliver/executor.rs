@@ -1,20 +1,81 @@
 //! One attempt of a claimed intent: send it by the lease's deadline, classify
 //! the answer, and decide the intent's next state
-//! ([`relay_core::retry::decide`]); the outcome then goes to the
-//! [`completer`](super::completer).
+//! ([`relay_core::retry::decide`]); the outcome, a [`Completion`], then goes
+//! to the [`completer`](super::completer). The executor owns the endpoints'
+//! clients and knows nothing of claims or of how outcomes are recorded.
 
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use chrono::Utc;
+use relay_core::config::{EndpointConfig, LEASE_SPARE};
 use relay_core::retry::{self, Decision, ErrorClass, Tried, classify};
-use relay_store::intents::{AttemptRecord, ClaimedIntent, NextState};
-use tokio::sync::{Semaphore, mpsc};
+use relay_store::intents::{AttemptRecord, ClaimedIntent};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
 
-use super::dispatcher::{Dispatcher, Finished};
-use super::http::{CallResult, Request};
-use crate::runtime::faults::{FaultInjected, point};
+use super::http::{CallResult, EndpointClient, Request};
+use super::outcome::Completion;
+use crate::runtime::faults::{FaultInjected, Faults, point};
 
-impl Dispatcher {
+/// Makes the calls of one dispatcher: its endpoints' clients, the lease
+/// they must be sent within, and the signal to stop waiting.
+pub struct Executor {
+    endpoints: HashMap<String, EndpointClient>,
+    lease: Duration,
+    faults: Faults,
+    /// Cancelled when the dispatcher stops: calls still waiting to be sent
+    /// give their claims back instead of waiting out their endpoint's limits.
+    stopping: CancellationToken,
+}
+
+impl Executor {
+    /// The clients of `endpoints`, for calls under leases of `lease`. Must be
+    /// called inside a tokio runtime.
+    pub fn new(
+        endpoints: &BTreeMap<String, EndpointConfig>,
+        lease: Duration,
+        faults: Faults,
+    ) -> anyhow::Result<Executor> {
+        let sabotage = faults.sabotage();
+        let endpoints = endpoints
+            .iter()
+            .map(|(name, cfg)| {
+                // Deliberately wrong (D7, D12, N4) when sabotaged: redirects
+                // followed, rate tokens taken before permits, a slot kept
+                // while waiting for a token.
+                let client = EndpointClient::new(name, cfg)?
+                    .following_redirects(sabotage.redirects_followed)?
+                    .tokens_first(sabotage.token_before_permit)
+                    .slots_kept(sabotage.slot_kept_for_token);
+                Ok((name.clone(), client))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        Ok(Executor { endpoints, lease, faults, stopping: CancellationToken::new() })
+    }
+
+    /// The endpoints it can call.
+    pub fn endpoints(&self) -> impl Iterator<Item = &str> {
+        self.endpoints.keys().map(String::as_str)
+    }
+
+    /// Stop waiting: calls not sent yet come back unsent.
+    pub fn stop(&self) {
+        self.stopping.cancel();
+    }
+
+    /// The latest moment a request for `intent`, claimed at `claimed_at`, may
+    /// be sent: the lease's end less the whole attempt
+    /// ([`EndpointConfig::call_bound`]) and [`LEASE_SPARE`] — the check that
+    /// configuration validation makes too ([`EndpointConfig::min_lease`]).
+    /// `claimed_at` is taken before the claim is sent (or, at ingest, before
+    /// the insert that claims), so this end comes before the database's.
+    pub fn send_by(&self, intent: &ClaimedIntent, claimed_at: std::time::Instant) -> tokio::time::Instant {
+        let call = self.endpoints.get(&intent.intent.endpoint).map_or(Duration::ZERO, |e| e.config().call_bound());
+        let lease_end = tokio::time::Instant::from_std(claimed_at) + self.lease;
+        lease_end.checked_sub(call + LEASE_SPARE).unwrap_or_else(|| tokio::time::Instant::from_std(claimed_at))
+    }
+
     /// Make one attempt of a claimed intent, if its request can be sent by
     /// `send_by` once its endpoint lets it and a call slot of `slots` is
     /// free, and decide where the intent goes next (`Err(intent)`: not sent,
@@ -28,7 +89,7 @@ impl Dispatcher {
         slots: &Semaphore,
     ) -> Result<Result<Completion, ClaimedIntent>, FaultInjected> {
         let started = std::time::Instant::now();
-        let Some(client) = self.inner.endpoints.get(&intent.intent.endpoint) else {
+        let Some(client) = self.endpoints.get(&intent.intent.endpoint) else {
             // Claims take only our endpoints' intents; this one came another
             // way (a hand-over from a consumer with another configuration).
             // Not ours to spend an attempt on: give it back.
@@ -38,7 +99,7 @@ impl Dispatcher {
         };
         let now = Utc::now();
         let mut budget = intent.budget();
-        if self.inner.faults.sabotage().uncertainty_forgotten {
+        if self.faults.sabotage().uncertainty_forgotten {
             // Deliberately wrong (D1): only this attempt's outcome counts.
             budget.uncertain_before = false;
         }
@@ -65,7 +126,6 @@ impl Dispatcher {
                 attrs,
             );
             let fresh_key = self
-                .inner
                 .faults
                 .sabotage()
                 .fresh_idempotency_key
@@ -83,12 +143,12 @@ impl Dispatcher {
                 attempt: intent.attempts,
             };
             // Deliberately wrong (C17): the waits at the endpoint's limits are not bounded by the lease.
-            let send_by = if self.inner.faults.sabotage().lease_checked_before_wait {
+            let send_by = if self.faults.sabotage().lease_checked_before_wait {
                 tokio::time::Instant::now() + Duration::from_secs(86_400)
             } else {
                 send_by
             };
-            let Ok(r) = client.call(request, send_by, slots, &self.inner.stopping).await else {
+            let Ok(r) = client.call(request, send_by, slots, &self.stopping).await else {
                 hop.end("not_sent");
                 return Ok(Err(intent));
             };
@@ -97,114 +157,13 @@ impl Dispatcher {
                     .map_or_else(|| r.error_class.map_or("error", ErrorClass::as_str).to_owned(), |s| s.to_string())
                     .as_str(),
             );
-            self.inner.faults.hit(point::DISPATCHER_AFTER_CALL).await?;
+            self.faults.hit(point::DISPATCHER_AFTER_CALL).await?;
             (Tried::Attempt(classify(&r.attempt, &client.config().retryable_statuses)), r)
         };
         let decision = retry::decide(&budget, tried, &client.config().backoff, Utc::now(), &mut rand::rng());
         let attempt = attempt_record(&decision, &result);
         let attempted = matches!(tried, Tried::Attempt(_));
         Ok(Ok(Completion { intent, next: decision.next, attempt, attempted, result, started }))
-    }
-
-    /// Hand an attempt's outcome to the finalizer, waiting while its queue
-    /// is full.
-    pub(super) async fn hand_over(&self, completion: Completion, done: &mpsc::Sender<Completion>) {
-        if let Err(lost) = done.send(completion).await {
-            self.log_attempt(&lost.0, Finished::LeaseLost);
-        }
-    }
-
-    pub(super) fn log_attempt(&self, c: &Completion, finished: Finished) {
-        let (intent, result, took) = (&c.intent, &c.result, c.started.elapsed());
-        let label = match finished {
-            Finished::Succeeded => "succeeded",
-            Finished::Retrying => "retrying",
-            Finished::Dead => "dead",
-            Finished::Uncertain => "uncertain",
-            Finished::LeaseLost => "lease_lost",
-        };
-        // The attempt's outcome as classified when it ended (`uncertain` for a
-        // timeout after sending, even when it left the intent dead).
-        let outcome = if finished == Finished::LeaseLost { "" } else { c.attempt.outcome.as_str() };
-        crate::runtime::metrics::call(&intent.intent.endpoint, label, outcome, took.as_secs_f64());
-        let status = result.status.map(i64::from).unwrap_or(-1);
-        let class = result.error_class.map_or("", ErrorClass::as_str);
-        let error = result.error.as_deref().unwrap_or("");
-        let call = &intent.intent;
-        let (agg, corr) = (call.aggregate_id.as_deref().unwrap_or(""), call.correlation_id.as_deref().unwrap_or(""));
-        let ms = took.as_millis() as u64;
-        macro_rules! emit {
-            ($lvl:expr, $($msg:tt)+) => {
-                tracing::event!(
-                    $lvl, worker = %self.inner.worker, intent_id = %intent.id, endpoint = %call.endpoint,
-                    action = %call.action, event_id = %call.source_event_id, idempotency_key = %call.idempotency_key,
-                    aggregate_id = agg, correlation_id = corr, attempt = intent.attempts, status, error_class = class,
-                    result = label, duration_ms = ms, $($msg)+
-                )
-            };
-        }
-        match finished {
-            Finished::Succeeded => emit!(tracing::Level::DEBUG, "call succeeded"),
-            Finished::Retrying => {
-                emit!(tracing::Level::WARN, "call failed; retrying with the same idempotency key: {error}")
-            }
-            Finished::Dead => emit!(
-                tracing::Level::ERROR,
-                "intent is dead and will not be retried (replay it once the cause is fixed): {error}"
-            ),
-            Finished::Uncertain => emit!(
-                tracing::Level::ERROR,
-                "intent is out of budget and its last attempt may have been applied: left uncertain for an \
-                 operator to decide (replay asks again with the same idempotency key): {error}"
-            ),
-            Finished::LeaseLost => emit!(
-                tracing::Level::WARN,
-                "lease lost before the outcome was recorded; another worker owns this intent now, nothing recorded"
-            ),
-        }
-    }
-}
-
-/// An attempt's outcome on its way to the finalizer.
-pub struct Completion {
-    // (Fields are the executor's and the completer's; `Completion::decided`
-    // builds one from outside, for tests of the completer.)
-    pub(super) intent: ClaimedIntent,
-    pub(super) next: NextState,
-    pub(super) attempt: AttemptRecord,
-    /// Whether a request was made (not when the claim found the budget spent).
-    pub(super) attempted: bool,
-    pub(super) result: CallResult,
-    pub(super) started: std::time::Instant,
-}
-
-impl Completion {
-    /// The outcome `next` of an attempt of `intent` that made a request and
-    /// ended as `attempt` says, as the executor hands it to the completer.
-    pub fn decided(intent: ClaimedIntent, next: NextState, attempt: AttemptRecord) -> Completion {
-        let result = CallResult {
-            status: attempt.status.and_then(|s| u16::try_from(s).ok()),
-            error_class: attempt.error_class,
-            error: attempt.error.clone(),
-            started_at: attempt.started_at,
-            ..CallResult::not_sent()
-        };
-        Completion { intent, next, attempt, attempted: true, result, started: std::time::Instant::now() }
-    }
-
-    /// An operator's resolution `next` of uncertain intent `intent`, taken
-    /// for it ([`relay_store::intents::take_uncertain`]): no attempt was
-    /// made, so no audit row is written; `why` (who resolved it, what the
-    /// provider said) is kept as its last error, class `resolved`, whichever
-    /// way it ended.
-    pub fn resolved(intent: ClaimedIntent, next: NextState, why: String) -> Completion {
-        let outcome = match next {
-            NextState::Succeeded => relay_core::retry::AttemptOutcome::Succeeded,
-            _ => relay_core::retry::AttemptOutcome::Permanent,
-        };
-        let error_class = Some(ErrorClass::Resolved);
-        let attempt = AttemptRecord { started_at: None, outcome, status: None, error_class, error: Some(why) };
-        Completion { attempted: false, ..Completion::decided(intent, next, attempt) }
     }
 }
 

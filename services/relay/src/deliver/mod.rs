@@ -2,9 +2,12 @@
 //! (R8, R9, R11; C9–C13, C17).
 //!
 //! * [`dispatcher`] — the claim loop (`FOR UPDATE SKIP LOCKED` and a lease),
-//!   with [`executor`] making one attempt and [`completer`] recording
-//!   outcomes fenced by the lease. An intent's next state is decided in
-//!   [`relay_core::retry::decide`].
+//!   which starts each claimed intent on the [`executor`] (one attempt) and
+//!   sends its [`outcome::Completion`] to the [`completer`] (outcomes
+//!   recorded in batches, fenced by the lease). The executor and the
+//!   completer own their state and know nothing of each other or of the
+//!   dispatcher; [`outcome`] holds the messages between them. An intent's
+//!   next state is decided in [`relay_core::retry::decide`].
 //! * [`http`] — one endpoint's client: limits, timeout, the stable
 //!   idempotency key.
 //! * [`handoff`] — intents claimed at ingest: the dispatcher owns the
@@ -15,3 +18,4 @@ pub mod dispatcher;
 pub mod executor;
 pub mod handoff;
 pub mod http;
+pub mod outcome;

@@ -132,7 +132,6 @@ pub struct Operator {
     consumer: String,
     routes: Vec<String>,
     endpoints: Vec<String>,
-    dispatcher: relay_core::config::DispatcherConfig,
 }
 
 /// What an operator found out about an uncertain intent from the provider.
@@ -156,7 +155,6 @@ impl Operator {
             consumer: cfg.consumer.name.clone(),
             routes: cfg.routes.iter().map(|r| r.display_name()).collect(),
             endpoints: cfg.endpoints.keys().cloned().collect(),
-            dispatcher: cfg.dispatcher.clone(),
         }
     }
 
@@ -361,8 +359,8 @@ impl Operator {
     /// the provider; `note` (who, what the provider said) goes into its last
     /// error.
     pub async fn resolve(&self, id: Uuid, resolution: IntentResolution, note: Option<&str>) -> Result<(), OpsError> {
-        use crate::deliver::dispatcher::{Dispatcher, Finished};
-        use crate::deliver::executor::Completion;
+        use crate::deliver::completer::Completer;
+        use crate::deliver::outcome::{Completion, Finished};
         let worker = format!("operator@{}", crate::runtime::claim_loop::default_worker_id());
         let lease = std::time::Duration::from_secs(60);
         let mut conn = self.pool.acquire().await?;
@@ -382,15 +380,10 @@ impl Operator {
         let note = note.map(|n| n.replace('\0', "\u{FFFD}"));
         let why = format!("resolved as {said} by an operator{}", note.map(|n| format!(": {n}")).unwrap_or_default());
         let why_logged = why.clone();
-        // A dispatcher with no endpoint: only its completer is used.
-        let settings = relay_core::config::DispatcherConfig { worker_id: Some(worker), ..self.dispatcher.clone() };
-        let completer = Dispatcher::new(
-            self.pool.clone(),
-            settings,
-            &self.consumer,
-            &std::collections::BTreeMap::new(),
-            crate::Faults::none(),
-        )?;
+        // The outcome goes the way a call's does: fenced by the operator's
+        // lease, its effects recorded in the same transaction.
+        let progress = std::sync::Arc::new(tokio::sync::Notify::new());
+        let completer = Completer::new(&self.pool, &worker, lease, crate::Faults::none(), progress);
         match completer.finalize(&[Completion::resolved(intent, next, why)]).await.as_slice() {
             [Finished::Succeeded | Finished::Dead] => {
                 tracing::info!(intent_id = %id, consumer = %self.consumer, resolution = ?resolution, why = %why_logged,

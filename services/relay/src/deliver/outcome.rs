@@ -1,0 +1,118 @@
+//! The messages between the executor and the completer: an attempt's
+//! [`Completion`] on its way to be recorded, and how its claim
+//! [`Finished`] once it was.
+
+use relay_core::retry::ErrorClass;
+use relay_store::intents::{AttemptRecord, ClaimedIntent, NextState};
+
+use super::http::CallResult;
+
+/// How an intent's claim ended, for the log and the tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finished {
+    /// Succeeded.
+    Succeeded,
+    /// Scheduled for another attempt.
+    Retrying,
+    /// Dead.
+    Dead,
+    /// Out of budget after an attempt whose outcome is unknown.
+    Uncertain,
+    /// The lease was lost before the outcome was recorded.
+    LeaseLost,
+}
+
+/// An attempt's outcome on its way to the finalizer.
+pub struct Completion {
+    // (Fields are the executor's and the completer's; `Completion::decided`
+    // builds one from outside, for tests of the completer.)
+    pub(super) intent: ClaimedIntent,
+    pub(super) next: NextState,
+    pub(super) attempt: AttemptRecord,
+    /// Whether a request was made (not when the claim found the budget spent).
+    pub(super) attempted: bool,
+    pub(super) result: CallResult,
+    pub(super) started: std::time::Instant,
+}
+
+impl Completion {
+    /// Log this attempt as `finished` says it ended, for worker `worker`
+    /// (and count it in the metrics).
+    pub(super) fn log(&self, worker: &str, finished: Finished) {
+        let (intent, result, took) = (&self.intent, &self.result, self.started.elapsed());
+        let label = match finished {
+            Finished::Succeeded => "succeeded",
+            Finished::Retrying => "retrying",
+            Finished::Dead => "dead",
+            Finished::Uncertain => "uncertain",
+            Finished::LeaseLost => "lease_lost",
+        };
+        // The attempt's outcome as classified when it ended (`uncertain` for a
+        // timeout after sending, even when it left the intent dead).
+        let outcome = if finished == Finished::LeaseLost { "" } else { self.attempt.outcome.as_str() };
+        crate::runtime::metrics::call(&intent.intent.endpoint, label, outcome, took.as_secs_f64());
+        let status = result.status.map(i64::from).unwrap_or(-1);
+        let class = result.error_class.map_or("", ErrorClass::as_str);
+        let error = result.error.as_deref().unwrap_or("");
+        let call = &intent.intent;
+        let (agg, corr) = (call.aggregate_id.as_deref().unwrap_or(""), call.correlation_id.as_deref().unwrap_or(""));
+        let ms = took.as_millis() as u64;
+        macro_rules! emit {
+            ($lvl:expr, $($msg:tt)+) => {
+                tracing::event!(
+                    $lvl, worker = %worker, intent_id = %intent.id, endpoint = %call.endpoint,
+                    action = %call.action, event_id = %call.source_event_id, idempotency_key = %call.idempotency_key,
+                    aggregate_id = agg, correlation_id = corr, attempt = intent.attempts, status, error_class = class,
+                    result = label, duration_ms = ms, $($msg)+
+                )
+            };
+        }
+        match finished {
+            Finished::Succeeded => emit!(tracing::Level::DEBUG, "call succeeded"),
+            Finished::Retrying => {
+                emit!(tracing::Level::WARN, "call failed; retrying with the same idempotency key: {error}")
+            }
+            Finished::Dead => emit!(
+                tracing::Level::ERROR,
+                "intent is dead and will not be retried (replay it once the cause is fixed): {error}"
+            ),
+            Finished::Uncertain => emit!(
+                tracing::Level::ERROR,
+                "intent is out of budget and its last attempt may have been applied: left uncertain for an \
+                 operator to decide (replay asks again with the same idempotency key): {error}"
+            ),
+            Finished::LeaseLost => emit!(
+                tracing::Level::WARN,
+                "lease lost before the outcome was recorded; another worker owns this intent now, nothing recorded"
+            ),
+        }
+    }
+
+    /// The outcome `next` of an attempt of `intent` that made a request and
+    /// ended as `attempt` says, as the executor hands it to the completer.
+    pub fn decided(intent: ClaimedIntent, next: NextState, attempt: AttemptRecord) -> Completion {
+        let result = CallResult {
+            status: attempt.status.and_then(|s| u16::try_from(s).ok()),
+            error_class: attempt.error_class,
+            error: attempt.error.clone(),
+            started_at: attempt.started_at,
+            ..CallResult::not_sent()
+        };
+        Completion { intent, next, attempt, attempted: true, result, started: std::time::Instant::now() }
+    }
+
+    /// An operator's resolution `next` of uncertain intent `intent`, taken
+    /// for it ([`relay_store::intents::take_uncertain`]): no attempt was
+    /// made, so no audit row is written; `why` (who resolved it, what the
+    /// provider said) is kept as its last error, class `resolved`, whichever
+    /// way it ended.
+    pub fn resolved(intent: ClaimedIntent, next: NextState, why: String) -> Completion {
+        let outcome = match next {
+            NextState::Succeeded => relay_core::retry::AttemptOutcome::Succeeded,
+            _ => relay_core::retry::AttemptOutcome::Permanent,
+        };
+        let error_class = Some(ErrorClass::Resolved);
+        let attempt = AttemptRecord { started_at: None, outcome, status: None, error_class, error: Some(why) };
+        Completion { attempted: false, ..Completion::decided(intent, next, attempt) }
+    }
+}
