@@ -279,6 +279,26 @@ async fn the_console_shows_a_dead_intent_and_replaying_it_makes_it_succeed() {
         kind: FaultKind::Status { status: 422, retry_after_secs: None },
     }]);
     h.send(&order("evt-1", "o-1")).await;
+    // An uncertain intent and two dead outbox rows, as a dispatcher and a
+    // publisher would have left them (issue 28: D4, D8 in the console).
+    relay_testkit::seed::pending_intents(&h.db.pool, &h.consumer, "psp", "u-", 1).await.unwrap();
+    sqlx::query(
+        "UPDATE relay.intents SET state = 'uncertain', ever_uncertain = true, attempts = 1, finished_at = now(),
+                last_error = 'no response within 1s; the request may have been applied (uncertain)'
+          WHERE idempotency_key = 'capture:u-o-1'",
+    )
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    relay_testkit::seed::pending_outbox(&h.db.pool, &h.consumer, &h.out, 2).await.unwrap();
+    sqlx::query("UPDATE relay.outbox SET state = 'dead', attempts = 1, last_error = 'unknown topic (seeded)'")
+        .execute(&h.db.pool)
+        .await
+        .unwrap();
+    let uncertain: String =
+        sqlx::query_scalar("SELECT id::text FROM relay.intents").fetch_one(&h.db.pool).await.unwrap();
+    let rows: Vec<String> =
+        sqlx::query_scalar("SELECT id::text FROM relay.outbox ORDER BY seq").fetch_all(&h.db.pool).await.unwrap();
     let (mut p, admin) = run_with_admin(&h, route).await;
     let intent: String = eventually("the intent to die", DEADLINE, || async {
         sqlx::query_scalar("SELECT id::text FROM relay.intents WHERE state = 'dead'")
@@ -299,18 +319,42 @@ async fn the_console_shows_a_dead_intent_and_replaying_it_makes_it_succeed() {
         .env("CONSOLE_URL", &admin.url)
         .env("CONSOLE_TOKEN", TOKEN)
         .env("INTENT_ID", &intent)
+        .env("UNCERTAIN_ID", &uncertain)
+        .env("OUTBOX_REPLAY_ID", &rows[0])
+        .env("OUTBOX_SKIP_ID", &rows[1])
         .output()
         .await
         .expect("node runs (Node.js is on this machine)");
     let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "console test failed:\n{log}");
     assert_eq!(h.provider.stats().applied_for("capture:o-1"), 1);
-    assert_eq!(h.db.count("intents", "state = 'succeeded'").await, 1);
-    let attempts: Vec<String> = sqlx::query_scalar("SELECT outcome FROM relay.intent_attempts ORDER BY attempt")
-        .fetch_all(&h.db.pool)
-        .await
-        .unwrap();
+    assert_eq!(h.provider.stats().requests_for("capture:u-o-1"), 0, "resolving makes no call");
+    assert_eq!(h.db.count("intents", "state = 'succeeded'").await, 2);
+    assert_eq!(h.db.count("intents", "last_error LIKE '%PSP dashboard: captured%'").await, 1, "the note is kept");
+    let attempts: Vec<String> = sqlx::query_scalar(
+        "SELECT outcome FROM relay.intent_attempts a JOIN relay.intents i ON i.id = a.intent_id
+          WHERE i.idempotency_key = 'capture:o-1' ORDER BY attempt",
+    )
+    .fetch_all(&h.db.pool)
+    .await
+    .unwrap();
     assert_eq!(attempts, vec!["permanent", "succeeded"], "the replay is a new attempt of the same intent");
+    let states: Vec<String> =
+        sqlx::query_scalar("SELECT state FROM relay.outbox WHERE id = ANY($1::uuid[]) ORDER BY seq")
+            .bind(&rows)
+            .fetch_all(&h.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(states[1], "skipped");
+    eventually("the replayed outbox row published", DEADLINE, || async {
+        let s: String = sqlx::query_scalar("SELECT state FROM relay.outbox WHERE id = $1::uuid")
+            .bind(&rows[0])
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap();
+        (s == "published").then_some(())
+    })
+    .await;
     assert!(p.terminate(Duration::from_secs(30)).unwrap().success());
 }
 
