@@ -546,6 +546,33 @@ async fn outbox_rows_are_marked_published_only_after_the_ack_and_a_crash_republi
 }
 
 #[tokio::test]
+async fn a_record_the_broker_can_never_take_ends_dead_holding_its_key_and_the_others_go_out() {
+    // Issue 28 ("to check"): a produce error that can never succeed (here the
+    // broker refuses the topic's name) was retried for ever, blocking its key.
+    // Now the row ends dead, naming the cause; other keys go on, and later
+    // rows of its key wait for an operator (D8).
+    let h = Harness::new(1).await;
+    relay_testkit::seed::pending_outbox(&h.db.pool, &h.consumer, "no such topic!", 1).await.unwrap();
+    relay_testkit::seed::pending_outbox(&h.db.pool, &h.consumer, &h.out, 2).await.unwrap();
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.publisher.delivery_timeout = Duration::from_secs(20);
+    let run = h.start(cfg, Components { consumer: false, dispatcher: false, publisher: true }, no_faults()).await;
+    eventually("the bad row dead and the others published", DEADLINE, || async {
+        let dead = h.db.count("outbox", "state = 'dead' AND topic = 'no such topic!'").await;
+        let published = h.db.count("outbox", "state = 'published'").await;
+        (dead == 1 && published == 2).then_some(())
+    })
+    .await;
+    run.stop().await.unwrap();
+    let error: String = sqlx::query_scalar("SELECT last_error FROM relay.outbox WHERE state = 'dead'")
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    eprintln!("dead: {error}");
+    assert!(error.to_lowercase().contains("topic"), "{error}");
+}
+
+#[tokio::test]
 async fn a_fatal_producer_error_stops_the_publisher_naming_the_cause_and_marks_nothing() {
     // Issue 28 ("to check"): after a librdkafka fatal error the producer
     // never delivers again; a publisher that went on claiming would stall
