@@ -1,12 +1,16 @@
 # The relay and the example provider in one image (two binaries).
 # Build: docker build -t relay .   (compose.yaml does this for you)
-FROM rust:1.95-bookworm AS build
+# Base images are pinned to exact releases (the toolchain and the Debian
+# point release these were tested with). Pinning them by digest as well
+# needs a registry lookup, e.g. `docker buildx imagetools inspect
+# rust:1.95.0-bookworm`, which the machines this was written on cannot make.
+FROM rust:1.95.0-bookworm AS build
 RUN apt-get update && apt-get install -y --no-install-recommends cmake && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
 RUN cargo build --release --locked -p relay-cli -p example-provider
 
-FROM debian:bookworm-slim
+FROM debian:12.11-slim
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 relay
 COPY --from=build /src/target/release/relay /src/target/release/example-provider /usr/local/bin/

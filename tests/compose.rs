@@ -126,3 +126,33 @@ fn the_relay_s_containers_run_read_only_with_no_capability_and_no_privilege_gain
         assert!(ignored.lines().any(|l| l.trim() == entry), ".dockerignore leaves out {entry}");
     }
 }
+
+// Issue 28, L10: every base image names an exact release, never a moving tag
+// (`rust:1.95-bookworm`, `postgres:15`, `latest`): a rebuild months later must
+// not pick up another toolchain, libc or server. (Digests need a registry
+// lookup these machines cannot make: the Dockerfile says so.)
+#[test]
+fn every_image_is_pinned_to_an_exact_release() {
+    let dockerfile = std::fs::read_to_string(root().join("Dockerfile")).expect("Dockerfile exists");
+    let mut images: Vec<String> = dockerfile
+        .lines()
+        .filter_map(|l| l.strip_prefix("FROM "))
+        .map(|l| l.split_whitespace().next().unwrap_or_default().to_owned())
+        .collect();
+    let c = compose();
+    for (_, service) in c["services"].as_hash().expect("services") {
+        if let Some(image) = service["image"].as_str() {
+            images.push(image.to_owned());
+        }
+    }
+    assert!(images.len() >= 4, "{images:?}");
+    for image in &images {
+        let tag = image.rsplit_once(':').map(|(_, t)| t).unwrap_or("latest");
+        let version = tag.split('-').next().unwrap_or_default();
+        let parts: Vec<&str> = version.split('.').collect();
+        assert!(
+            parts.len() >= 2 && parts.iter().all(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_digit())),
+            "{image}: pin an exact release (e.g. rust:1.95.0-bookworm, postgres:15.18), not {tag:?}"
+        );
+    }
+}
