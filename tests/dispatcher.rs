@@ -778,6 +778,34 @@ async fn an_error_answer_with_a_nul_byte_is_recorded_once_not_rescued_and_called
 }
 
 #[tokio::test]
+async fn an_error_page_that_never_ends_is_read_only_as_far_as_the_error_text_needs() {
+    // Security review L2: the provider's error body was read whole, so an
+    // error page that streams without end held the call until its timeout
+    // (and its memory grew with every chunk).
+    let h = Harness::new(1).await;
+    h.provider.set_faults(vec![rule("capture:o-1", Some(1), FaultKind::EndlessBody { status: 503 })]);
+    h.send(&order("evt-1", "o-1")).await;
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.endpoints.get_mut("psp").unwrap().timeout = Duration::from_secs(10);
+    cfg.dispatcher.lease = Duration::from_secs(30);
+    let run = h.start(cfg, Components::ALL, no_faults()).await;
+    h.await_intents_finished(1).await;
+    run.stop().await.unwrap();
+    assert_eq!(
+        attempts(&h, "capture:o-1").await,
+        vec![("retryable".into(), Some(503)), ("succeeded".into(), Some(201))]
+    );
+    let (error, took): (String, f64) = sqlx::query_as(
+        "SELECT error, extract(epoch FROM finished_at - started_at)::float8 FROM relay.intent_attempts WHERE attempt = 1",
+    )
+    .fetch_one(&h.db.pool)
+    .await
+    .unwrap();
+    assert!(error.contains("xxxx") && error.len() < 400, "a bounded start of the page: {} bytes", error.len());
+    assert!(took < 5.0, "the attempt waited {took:.1} s for the end of an endless page (timeout 10 s)");
+}
+
+#[tokio::test]
 async fn provider_answers_that_are_not_json_are_classified_by_status_alone() {
     let h = Harness::new(1).await;
     h.provider.set_faults(vec![

@@ -65,6 +65,12 @@ pub enum FaultKind {
     /// Apply the effect, then answer only once the test calls
     /// [`Provider::release_held`]: stalled requests that all answer at once.
     HoldUntilReleased,
+    /// Answer `status` with a body that never ends, without applying: a
+    /// client must read a bounded start of an error page, not wait for its end.
+    EndlessBody {
+        /// HTTP status.
+        status: u16,
+    },
     /// Answer `status` with `body` as it is (`text/plain`), without applying:
     /// error texts a client must store safely (control bytes, NUL).
     Body {
@@ -374,6 +380,7 @@ enum Plan {
     HtmlFail(u16),
     Redirect(u16, String),
     Body(u16, String),
+    EndlessBody(u16),
     Fail(u16, Option<u64>),
     SlowFail(u64),
 }
@@ -436,6 +443,7 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
                 }
                 Some(FaultKind::Redirect { status, location }) => break 'plan Plan::Redirect(status, location),
                 Some(FaultKind::Body { status, body }) => break 'plan Plan::Body(status, body),
+                Some(FaultKind::EndlessBody { status }) => break 'plan Plan::EndlessBody(status),
                 Some(FaultKind::Chaos { .. }) => None,
                 Some(FaultKind::TimeoutBeforeApply { delay_ms }) => {
                     break 'plan Plan::SlowFail(delay_ms);
@@ -482,6 +490,12 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
             r
         }
         Plan::Fail(status, retry_after) => fail(status, retry_after),
+        Plan::EndlessBody(status) => {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+            let chunks =
+                futures::stream::repeat_with(|| Ok::<_, std::convert::Infallible>(Bytes::from(vec![b'x'; 8192])));
+            (status, [("content-type", "text/plain")], axum::body::Body::from_stream(chunks)).into_response()
+        }
         Plan::Body(status, body) => {
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
             (status, [("content-type", "text/plain")], body).into_response()
