@@ -1141,14 +1141,14 @@ async fn partitions_waiting_for_a_busy_pool_are_told_apart_from_an_outage_and_al
     let h = Harness::new(partitions).await;
     let text = h
         .config_text(CAPTURE_ROUTE)
-        .replace("[database]\nmax_connections = 8\n", "[database]\nmax_connections = 1\nacquire_timeout = \"100ms\"\n");
+        .replace("[database]\nmax_connections = 8\n", "[database]\nmax_connections = 1\nacquire_timeout = \"250ms\"\n");
     assert!(text.contains("max_connections = 1"), "{text}");
     let config = h.write_config(&text);
     for i in 0..800 {
         h.send(&order(&format!("evt-{i}"), &format!("o-{i}")).partition(i % partitions)).await;
     }
     // Each transaction holds the one connection 150 ms before its commit, so
-    // the other partitions' waits pass the 100 ms acquire timeout however
+    // the other partitions' waits (up to 7 × 150 ms) pass the 250 ms acquire timeout however
     // fast the machine (the timeout also bounds the first connect: 25 ms
     // failed the start on a loaded machine).
     let mut run = h.process(&config, &["consume"], &[("RELAY_FAULTS", "consumer.before_db_commit=pause:150ms")]);

@@ -552,6 +552,8 @@ async fn a_record_the_broker_can_never_take_ends_dead_holding_its_key_and_the_ot
     // Now the row ends dead, naming the cause; other keys go on, and later
     // rows of its key wait for an operator (D8).
     let h = Harness::new(1).await;
+    // Two rows of key o-1 on the refused topic: the second waits behind the dead first.
+    relay_testkit::seed::pending_outbox(&h.db.pool, &h.consumer, "no such topic!", 1).await.unwrap();
     relay_testkit::seed::pending_outbox(&h.db.pool, &h.consumer, "no such topic!", 1).await.unwrap();
     relay_testkit::seed::pending_outbox(&h.db.pool, &h.consumer, &h.out, 2).await.unwrap();
     let mut cfg = h.config(CAPTURE_ROUTE);
@@ -564,6 +566,13 @@ async fn a_record_the_broker_can_never_take_ends_dead_holding_its_key_and_the_ot
     })
     .await;
     run.stop().await.unwrap();
+    let behind: (String, i32) = sqlx::query_as(
+        "SELECT state, attempts FROM relay.outbox WHERE topic = 'no such topic!' ORDER BY seq DESC LIMIT 1",
+    )
+    .fetch_one(&h.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(behind, ("pending".to_string(), 0), "the later row of the dead one's key waits for an operator");
     let error: String = sqlx::query_scalar("SELECT last_error FROM relay.outbox WHERE state = 'dead'")
         .fetch_one(&h.db.pool)
         .await

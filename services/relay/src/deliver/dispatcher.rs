@@ -346,8 +346,7 @@ impl Dispatcher {
         }
     }
 
-    /// Record a batch of outcomes as the completer does (public for tests,
-    /// and for an operator's resolution through its own completer).
+    /// Record a batch of outcomes as the completer does (public for tests).
     pub async fn finalize(&self, batch: &[Completion]) -> Vec<Finished> {
         self.inner.completer.finalize(batch).await
     }
