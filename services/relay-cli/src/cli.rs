@@ -672,37 +672,40 @@ async fn outbox_command(cfg: RelayConfig, cmd: OutboxCommand) -> anyhow::Result<
             }
         }
         OutboxCommand::Replay { ids } => {
-            let mut refused = 0;
-            for id in &ids {
-                match ops.outbox_replay(*id).await {
-                    Ok(()) => println!("{id}: queued again (same id)"),
-                    Err(e) => {
-                        refused += 1;
-                        println!("{id}: {e}");
-                    }
-                }
-            }
-            // A script replaying rows must see that some were not.
-            anyhow::ensure!(refused == 0, "{refused} of {} outbox row(s) were not queued again (see above)", ids.len());
+            each_row(&ids, "queued again", "queued again (same id)", async |id| ops.outbox_replay(id).await).await?;
         }
         OutboxCommand::Skip { ids, yes } => {
             if !yes {
                 println!("would skip {} dead outbox row(s) for good; add --yes to skip them", ids.len());
                 return Ok(());
             }
-            let mut refused = 0;
-            for id in &ids {
-                match ops.outbox_skip(*id).await {
-                    Ok(()) => println!("{id}: skipped; the later rows of its key go on"),
-                    Err(e) => {
-                        refused += 1;
-                        println!("{id}: {e}");
-                    }
-                }
-            }
-            anyhow::ensure!(refused == 0, "{refused} of {} outbox row(s) were not skipped (see above)", ids.len());
+            each_row(&ids, "skipped", "skipped; the later rows of its key go on", async |id| ops.outbox_skip(id).await)
+                .await?;
         }
     }
+    Ok(())
+}
+
+/// Apply `action` to each outbox row of `ids`, printing what became of each
+/// (`done` or the refusal); an error if any was refused, so that a script
+/// acting on rows sees that some were not ("N of M were not {verb}").
+async fn each_row<E: std::fmt::Display>(
+    ids: &[uuid::Uuid],
+    verb: &str,
+    done: &str,
+    action: impl AsyncFn(uuid::Uuid) -> Result<(), E>,
+) -> anyhow::Result<()> {
+    let mut refused = 0;
+    for id in ids {
+        match action(*id).await {
+            Ok(()) => println!("{id}: {done}"),
+            Err(e) => {
+                refused += 1;
+                println!("{id}: {e}");
+            }
+        }
+    }
+    anyhow::ensure!(refused == 0, "{refused} of {} outbox row(s) were not {verb} (see above)", ids.len());
     Ok(())
 }
 
