@@ -8,6 +8,7 @@ pub mod support;
 use std::time::Duration;
 
 use example_provider::{FaultKind, FaultRule};
+use relay::ops::admin::KeyWindow;
 use relay::runtime::faults::point;
 use relay::{Components, FaultAction, Faults};
 use relay_store::intents::{self, AttemptOutcome, AttemptRecord, Fenced, Finish, NextState, Scope};
@@ -1288,7 +1289,7 @@ async fn an_intent_out_of_budget_after_an_uncertain_attempt_is_left_uncertain_wi
     let mut conn = h.db.conn().await.unwrap();
     let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents").fetch_one(&mut *conn).await.unwrap();
     assert_eq!(
-        intents::requeue(&mut conn, &h.consumer, id).await.unwrap(),
+        intents::requeue(&mut conn, &h.consumer, id, |_| None).await.unwrap(),
         intents::Requeue::Queued,
         "an uncertain intent can be replayed"
     );
@@ -1413,7 +1414,10 @@ async fn the_operator_queues_every_dead_intent_of_an_endpoint_again_and_leaves_t
     cfg.consumer.name = "t".into();
     let ops = Operator::new(db.pool.clone(), &cfg);
     let mut progress = Vec::new();
-    let done = ops.requeue_all(Intents::Dead { endpoint: Some("psp".into()) }, |n| progress.push(n)).await.unwrap();
+    let done = ops
+        .requeue_all(Intents::Dead { endpoint: Some("psp".into()) }, KeyWindow::Within, |n| progress.push(n))
+        .await
+        .unwrap();
     assert_eq!((done.asked, done.queued, done.left.len()), (2500, 2500, 0));
     assert_eq!(progress, vec![1000, 2000], "progress every thousand");
     let count = |state: &'static str, endpoint: &'static str| {
@@ -1435,7 +1439,7 @@ async fn the_operator_queues_every_dead_intent_of_an_endpoint_again_and_leaves_t
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert!(matches!(ops.requeue(u1).await, Err(OpsError::Conflict(_))), "nor is one queued by id");
+    assert!(matches!(ops.requeue(u1, KeyWindow::Within).await, Err(OpsError::Conflict(_))), "nor is one queued by id");
     assert!(ops.intent(u1).await.is_err(), "nor shown");
 
     // By id: a dead one is queued, a succeeded one (and an unknown id) left, named.
@@ -1450,9 +1454,9 @@ async fn the_operator_queues_every_dead_intent_of_an_endpoint_again_and_leaves_t
         }
     };
     let (dead, succeeded, unknown) = (id_of("capture:2501").await, id_of("capture:2504").await, uuid::Uuid::nil());
-    let done = ops.requeue_all(Intents::Ids(vec![dead, succeeded, unknown]), |_| {}).await.unwrap();
+    let done = ops.requeue_all(Intents::Ids(vec![dead, succeeded, unknown]), KeyWindow::Within, |_| {}).await.unwrap();
     assert_eq!((done.asked, done.queued, done.left), (3, 1, vec![succeeded, unknown]));
-    let refused = ops.requeue(succeeded).await.unwrap_err();
+    let refused = ops.requeue(succeeded, KeyWindow::Within).await.unwrap_err();
     assert!(matches!(&refused, OpsError::Conflict(why) if why.contains("neither dead nor uncertain")), "{refused:?}");
 }
 
@@ -1491,7 +1495,7 @@ async fn once_an_attempt_may_have_been_applied_the_intent_never_ends_dead_whatev
     // stays as possible as it was.
     let mut conn = h.db.conn().await.unwrap();
     let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents").fetch_one(&mut *conn).await.unwrap();
-    assert_eq!(intents::requeue(&mut conn, &h.consumer, id).await.unwrap(), intents::Requeue::Queued);
+    assert_eq!(intents::requeue(&mut conn, &h.consumer, id, |_| None).await.unwrap(), intents::Requeue::Queued);
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
     assert_eq!(ending(&h, "capture:o-1").await, ("uncertain".into(), Some(503), true));
@@ -1648,9 +1652,13 @@ async fn a_dead_intent_whose_failure_was_announced_is_not_replayed_into_a_succes
     h.provider.set_faults(vec![]);
     let relay = h.relay(h.config(CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
     let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents").fetch_one(&h.db.pool).await.unwrap();
-    let refused = relay.operator().requeue(id).await.unwrap_err();
+    let refused = relay.operator().requeue(id, KeyWindow::Within).await.unwrap_err();
     assert!(refused.to_string().contains("on_dead effects were recorded"), "{refused}");
-    let all = relay.operator().requeue_all(relay::ops::admin::Intents::Dead { endpoint: None }, |_| {}).await.unwrap();
+    let all = relay
+        .operator()
+        .requeue_all(relay::ops::admin::Intents::Dead { endpoint: None }, KeyWindow::Within, |_| {})
+        .await
+        .unwrap();
     assert_eq!((all.queued, all.refused.clone()), (0, vec![id]));
     run.stop().await.unwrap();
     assert_eq!(intent_state(&h, "capture:o-1").await.0, "dead");
@@ -1895,13 +1903,16 @@ async fn an_uncertain_intent_holds_its_ordering_key_and_a_replayed_dead_one_goes
     end(rows[0].id, "uncertain").await;
     assert!(claim().await.is_empty(), "the key waits while its earlier call's effect is unknown");
     // Replayed, it goes first: it is still the earliest of its key.
-    assert_eq!(intents::requeue(&mut conn, "c", rows[0].id).await.unwrap(), intents::Requeue::Queued);
+    assert_eq!(intents::requeue(&mut conn, "c", rows[0].id, |_| None).await.unwrap(), intents::Requeue::Queued);
     assert_eq!(claim().await, vec![rows[0].id]);
     end(rows[0].id, "succeeded").await;
     // A dead intent releases its key; replayed, it goes behind the rest.
     assert_eq!(claim().await, vec![rows[1].id]);
     end(rows[1].id, "dead").await;
-    assert_eq!(intents::requeue(&mut conn, "c", rows[1].id).await.unwrap(), intents::Requeue::QueuedBehindItsKey);
+    assert_eq!(
+        intents::requeue(&mut conn, "c", rows[1].id, |_| None).await.unwrap(),
+        intents::Requeue::QueuedBehindItsKey
+    );
     assert_eq!(claim().await, vec![rows[2].id], "the key's later intent first");
     end(rows[2].id, "succeeded").await;
     assert_eq!(claim().await, vec![rows[1].id]);

@@ -578,7 +578,7 @@ async fn intents_an_earlier_version_left_are_claimed_and_replayed_after_the_upgr
         .await
         .unwrap();
     let mut conn = db.conn().await.unwrap();
-    assert_eq!(intents::requeue(&mut conn, "plans", dead).await.unwrap(), intents::Requeue::Queued);
+    assert_eq!(intents::requeue(&mut conn, "plans", dead, |_| None).await.unwrap(), intents::Requeue::Queued);
 }
 
 #[tokio::test]

@@ -7,6 +7,8 @@
 //! Each test file declares it `pub mod support;`: its public items are then
 //! the test crate's exports, not dead code in the files that use part of it.
 
+pub mod ops;
+
 use std::net::SocketAddr;
 
 use example_provider::{Provider, Settings};
@@ -125,14 +127,18 @@ pub fn init_logs() {
 impl Harness {
     /// A fresh world whose input topic has `partitions` partitions.
     pub async fn new(partitions: i32) -> Harness {
+        Harness::with_provider(partitions, Settings::default()).await
+    }
+
+    /// [`Harness::new`] with a provider of these `settings` (its [`example_provider::Dialect`]).
+    pub async fn with_provider(partitions: i32, settings: Settings) -> Harness {
         init_logs();
         let bootstrap = kafka_bootstrap();
         let topic = unique("orders");
         let out = unique("out");
         let dlq = unique("dlq");
         create_topics(&bootstrap, &[&topic, &out, &dlq], partitions).await.expect("create topics");
-        let provider =
-            Provider::start(SocketAddr::from(([127, 0, 0, 1], 0)), Settings::default()).await.expect("provider");
+        let provider = Provider::start(SocketAddr::from(([127, 0, 0, 1], 0)), settings).await.expect("provider");
         Harness {
             db: TestDb::new().await.expect("test database"),
             producer: TestProducer::new(&bootstrap).expect("producer"),

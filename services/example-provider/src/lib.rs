@@ -5,7 +5,10 @@
 //! * the first request with a key applies the effect once and stores the
 //!   response; later requests with the key get the stored response back
 //!   (`Idempotent-Replayed: true`) and apply nothing;
-//! * a request whose key is still being processed gets `409 Conflict`.
+//! * a request whose key is still being processed gets `409 Conflict`;
+//! * as a [`Dialect`] says: a key reused with another body gets the answer
+//!   the IETF draft (`422`) or Stripe (`400`, `idempotency_error`) gives, or
+//!   the provider has no keys at all and applies every request.
 //!
 //! It counts every request and every applied effect per key, so tests check
 //! "exactly one effect" at the provider instead of inferring it from the
@@ -41,6 +44,13 @@ pub enum FaultKind {
     /// Apply the effect, then answer only after `delay_ms` (the client times out).
     TimeoutAfterApply {
         /// Delay before answering.
+        delay_ms: u64,
+    },
+    /// Apply the effect and keep the request in progress for `delay_ms`
+    /// even after the client hangs up (a provider still processing after
+    /// the caller's timeout: retries meet "in progress"), then answer.
+    StillRunningAfterApply {
+        /// How long the request stays in progress.
         delay_ms: u64,
     },
     /// Wait `delay_ms`, then answer 503 without applying.
@@ -169,6 +179,8 @@ impl Stats {
 struct Inner {
     stats: Stats,
     stored: HashMap<String, (u16, serde_json::Value)>,
+    /// The body first sent with each key (for a [`Dialect`] that compares them).
+    bodies: HashMap<String, Bytes>,
     in_progress: HashMap<String, u32>,
     in_flight: u32,
     rules: Vec<FaultRule>,
@@ -201,12 +213,51 @@ pub struct Applied {
 pub struct Settings {
     /// Header carrying the idempotency key.
     pub idempotency_header: String,
+    /// How it answers about keys.
+    pub dialect: Dialect,
 }
 
 impl Default for Settings {
     fn default() -> Self {
-        Settings { idempotency_header: "Idempotency-Key".into() }
+        Settings { idempotency_header: "Idempotency-Key".into(), dialect: Dialect::Lenient }
     }
+}
+
+/// How a provider answers about idempotency keys, as the named ones do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Dialect {
+    /// 409 while in progress; a reused key gets the stored answer whatever
+    /// the body.
+    #[default]
+    Lenient,
+    /// The IETF `Idempotency-Key` draft: 409 while in progress, 422 for a
+    /// key reused with another body.
+    Ietf,
+    /// Stripe: 409 with `error.type = "idempotency_error"` while in
+    /// progress, 400 with the same type (after a long message) for a key
+    /// reused with other parameters.
+    Stripe,
+    /// No keys (an e-mail or SMS API): every request is applied; counted
+    /// per `X-Relay-Intent-Id` so double effects show.
+    Keyless,
+}
+
+impl Dialect {
+    fn compares_bodies(self) -> bool {
+        matches!(self, Dialect::Ietf | Dialect::Stripe)
+    }
+}
+
+/// Stripe's answer to a key reused with other parameters; its `type` comes
+/// after a message of more than 256 bytes, as in Stripe's own bodies.
+fn stripe_error(status: StatusCode, message: &str) -> Response {
+    let message = format!(
+        "{message} Keys for idempotent requests can only be used with the same parameters they were first used \
+         with. Try using a key other than the one you sent if you meant to execute a different request; see \
+         https://docs.stripe.com/api/idempotent_requests for how keys are compared and how long they are kept."
+    );
+    let body = json!({"error": {"message": message, "request_log_url": "https://dashboard.example/logs/req_1", "type": "idempotency_error"}});
+    (status, axum::Json(body)).into_response()
 }
 
 #[derive(Clone)]
@@ -376,7 +427,8 @@ async fn set_faults(State(s): State<AppState>, axum::Json(rules): axum::Json<Vec
 enum Plan {
     Replay(u16, serde_json::Value),
     Conflict,
-    Applied { response: serde_json::Value, delay_after: Option<u64>, html: bool, hold: bool },
+    Mismatch,
+    Applied { response: serde_json::Value, delay_after: Option<u64>, html: bool, hold: bool, running: bool },
     HtmlFail(u16),
     Redirect(u16, String),
     Body(u16, String),
@@ -387,9 +439,9 @@ enum Plan {
 
 async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
     let path = uri.path().to_owned();
-    let Some(key) =
-        headers.get(s.settings.idempotency_header.as_str()).and_then(|v| v.to_str().ok()).map(str::to_owned)
-    else {
+    let dialect = s.settings.dialect;
+    let header = if dialect == Dialect::Keyless { "x-relay-intent-id" } else { s.settings.idempotency_header.as_str() };
+    let Some(key) = headers.get(header).and_then(|v| v.to_str().ok()).map(str::to_owned) else {
         s.inner.lock().expect("provider lock").stats.missing_key += 1;
         let msg = format!("{} header is required", s.settings.idempotency_header);
         return (StatusCode::BAD_REQUEST, axum::Json(json!({"error": msg}))).into_response();
@@ -401,10 +453,14 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
         let ks = inner.stats.by_key.entry(key.clone()).or_default();
         ks.requests += 1;
         let nth = ks.requests;
-        if inner.in_progress.get(&key).copied().unwrap_or(0) > 0 {
+        let known = inner.in_progress.get(&key).copied().unwrap_or(0) > 0 || inner.stored.contains_key(&key);
+        if dialect.compares_bodies() && known && inner.bodies.get(&key).is_some_and(|b| *b != body) {
+            Plan::Mismatch
+        } else if dialect != Dialect::Keyless && inner.in_progress.get(&key).copied().unwrap_or(0) > 0 {
+            // (A provider without keys remembers nothing: straight to the effect.)
             ks.concurrent += 1;
             Plan::Conflict
-        } else if let Some((status, body)) = inner.stored.get(&key) {
+        } else if let Some((status, body)) = inner.stored.get(&key).filter(|_| dialect != Dialect::Keyless) {
             inner.stats.replayed += 1;
             Plan::Replay(*status, body.clone())
         } else {
@@ -429,6 +485,7 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
                 other => other,
             };
             let mut html = false;
+            let mut running = false;
             let hold = kind == Some(FaultKind::HoldUntilReleased);
             let delay_after = match kind {
                 Some(FaultKind::Status { status, retry_after_secs }) => {
@@ -449,6 +506,10 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
                     break 'plan Plan::SlowFail(delay_ms);
                 }
                 Some(FaultKind::TimeoutAfterApply { delay_ms }) => Some(delay_ms),
+                Some(FaultKind::StillRunningAfterApply { delay_ms }) => {
+                    running = true;
+                    Some(delay_ms)
+                }
                 Some(FaultKind::HoldUntilReleased) | None => None,
             };
             // The effect is applied and its response stored in the same
@@ -463,6 +524,7 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
             inner.stats.applied += 1;
             inner.stats.by_key.entry(key.clone()).or_default().applied += 1;
             inner.stored.insert(key.clone(), (201, resource.clone()));
+            inner.bodies.insert(key.clone(), body.clone());
             let intent_id = headers.get("x-relay-intent-id").and_then(|v| v.to_str().ok()).map(str::to_owned);
             let traceparent = headers.get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_owned);
             inner.log.push(Applied {
@@ -473,10 +535,19 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
                 intent_id,
                 traceparent,
             });
-            Plan::Applied { response: resource, delay_after, html, hold }
+            Plan::Applied { response: resource, delay_after, html, hold, running }
         }
     };
     match plan {
+        Plan::Mismatch if dialect == Dialect::Stripe => stripe_error(StatusCode::BAD_REQUEST, ""),
+        Plan::Mismatch => {
+            let body = axum::Json(json!({"error": "this idempotency key was used with a different request body"}));
+            (StatusCode::UNPROCESSABLE_ENTITY, body).into_response()
+        }
+        Plan::Conflict if dialect == Dialect::Stripe => stripe_error(
+            StatusCode::CONFLICT,
+            "There is currently another in-progress request using this idempotency key; try again later.",
+        ),
         Plan::Conflict => {
             // As the IETF Idempotency-Key draft asks: 409 while the first request is in progress.
             let body = axum::Json(json!({"error": "a request with this key is in progress"}));
@@ -506,10 +577,20 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::FOUND);
             (status, [("location", location)], "").into_response()
         }
-        Plan::Applied { response, delay_after, html, hold } => {
+        Plan::Applied { response, delay_after, html, hold, running } => {
             // Ends "in progress" even when the client hangs up first and the
-            // server drops this future mid-sleep (a timeout after applying).
-            let _in_progress = InProgress { inner: s.inner.clone(), key };
+            // server drops this future mid-sleep (a timeout after applying)…
+            let in_progress = InProgress { inner: s.inner.clone(), key };
+            if let Some(ms) = delay_after.filter(|_| running) {
+                // …unless the work goes on without the client.
+                let work = tokio::spawn(async move {
+                    let _in_progress = in_progress;
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                });
+                let _ = work.await;
+                return (StatusCode::CREATED, axum::Json(response)).into_response();
+            }
+            let _in_progress = in_progress;
             if let Some(ms) = delay_after {
                 tokio::time::sleep(Duration::from_millis(ms)).await;
             }

@@ -12,12 +12,18 @@ struct Args {
     /// Header carrying the idempotency key.
     #[arg(long, default_value = "Idempotency-Key")]
     idempotency_header: String,
+    /// How it answers about keys (as the IETF draft, as Stripe, or without keys).
+    #[arg(long, value_enum, default_value = "lenient")]
+    dialect: example_provider::Dialect,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_writer(std::io::stderr).init();
     let args = Args::parse();
-    example_provider::serve(args.listen, example_provider::Settings { idempotency_header: args.idempotency_header })
-        .await
+    example_provider::serve(
+        args.listen,
+        example_provider::Settings { idempotency_header: args.idempotency_header, dialect: args.dialect },
+    )
+    .await
 }

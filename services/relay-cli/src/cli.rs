@@ -19,7 +19,7 @@ use crate::printable as safe;
 use crate::telemetry::{self, LogFormat};
 use relay::app::{Components, Relay, connect};
 use relay::ingest::handler::Handlers;
-use relay::ops::admin::{DeadLetters, IntentResolution, Intents, Operator, ReplayOutcome};
+use relay::ops::admin::{DeadLetters, IntentResolution, Intents, KeyWindow, Operator, ReplayOutcome};
 use relay::runtime::faults::Faults;
 
 /// relay — exactly-once effects from Kafka's at-least-once delivery.
@@ -184,6 +184,11 @@ pub enum IntentCommand {
         /// With --all: only this endpoint.
         #[arg(long, requires = "all")]
         endpoint: Option<String>,
+        /// Replay even intents whose new attempts could run after the
+        /// provider has forgotten their key (it would take them as new
+        /// requests): only once the provider says the call was not applied.
+        #[arg(long)]
+        past_key_window: bool,
     },
 }
 
@@ -305,6 +310,37 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// What `check-config` says of an endpoint's key: where it goes, and its
+/// provider's window beside relay's retry horizon.
+fn key_window_line(e: &relay_core::config::EndpointConfig) -> String {
+    use relay_core::profile::KeyPlacement;
+    let p = e.profile();
+    let d = |d: std::time::Duration| humantime::format_duration(d).to_string();
+    let key = match &p.key {
+        KeyPlacement::Header(h) => format!("key in header {h}"),
+        KeyPlacement::BodyField(f) => format!("key in body field {f}"),
+        KeyPlacement::Omitted => {
+            return format!("profile {}: no idempotency key; an unknown outcome is never re-sent", p.name.as_str());
+        }
+    };
+    let horizon = format!(
+        "retry horizon {} (max_age {} + replay_window {})",
+        d(e.retry_horizon()),
+        d(e.max_age),
+        d(e.replay_window)
+    );
+    match p.window {
+        Some(w) if w < e.retry_horizon() => {
+            format!("profile {}, {key}; key window {} is SHORTER than the {horizon}", p.name.as_str(), d(w))
+        }
+        Some(w) => format!("profile {}, {key}; key window {} covers the {horizon}", p.name.as_str(), d(w)),
+        None => format!(
+            "profile {}, {key}; key window unknown, so the {horizon} is not checked (set idempotency.window)",
+            p.name.as_str()
+        ),
+    }
+}
+
 fn load(cli: &Cli) -> anyhow::Result<RelayConfig> {
     let path = cli.config.clone().or_else(|| {
         let default = PathBuf::from("relay.toml");
@@ -343,6 +379,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                     "  endpoint {name}: {} (timeout {:?}, {} attempts, max age {:?})",
                     e.base_url, e.timeout, e.max_attempts, e.max_age
                 );
+                println!("    {}", key_window_line(e));
                 for (key, path) in e.tls.files() {
                     println!("    tls.{key} {}", path.display());
                 }
@@ -351,6 +388,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 if let Err(err) = relay::deliver::http::EndpointClient::new(name, e) {
                     problems.push(format!("{err:#}"));
                 }
+            }
+            for warning in cfg.warnings() {
+                println!("warning: {warning}");
             }
             anyhow::ensure!(
                 problems.is_empty(),
@@ -771,12 +811,16 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
             let effects = if succeeded { "on_success" } else { "on_dead" };
             println!("{id}: resolved as {resolution:?}; its {effects} effects are recorded");
         }
-        IntentCommand::Replay { ids, all, endpoint } => {
+        IntentCommand::Replay { ids, all, endpoint, past_key_window } => {
             if ids.is_empty() && !all {
                 anyhow::bail!("nothing to replay: give intent ids, or --all");
             }
             let which = if all { Intents::Dead { endpoint } } else { Intents::Ids(ids) };
-            let done = ops.requeue_all(which, |n| eprintln!("  {n} done")).await?;
+            let window = if past_key_window { KeyWindow::PastAllowed } else { KeyWindow::Within };
+            let done = ops.requeue_all(which, window, |n| eprintln!("  {n} done")).await?;
+            for (id, why) in &done.past_key_window {
+                println!("{id}: not replayed: {why}");
+            }
             for id in &done.left {
                 println!("{id}: neither dead nor uncertain, left as it is");
             }
@@ -787,6 +831,8 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
                 println!("{id}: queued behind the later intents of its ordering key (they ran while it was dead)");
             }
             println!("queued again: {} of {} (same ids, same idempotency keys)", done.queued, done.asked);
+            let refused = done.refused.len() + done.past_key_window.len();
+            anyhow::ensure!(refused == 0, "{refused} of {} intents were refused (see above)", done.asked);
         }
     }
     Ok(())

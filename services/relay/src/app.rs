@@ -47,6 +47,9 @@ impl Relay {
     /// Connect to the database, compile the routes, and check the schema is current.
     pub async fn new(mut cfg: RelayConfig, handlers: Handlers, faults: Faults) -> anyhow::Result<Relay> {
         crate::config::read_schemas(&mut cfg)?;
+        for warning in cfg.warnings() {
+            tracing::warn!("{warning}");
+        }
         #[cfg(feature = "faults")]
         let router = Arc::new(match faults.sabotage().core() {
             core if core.any() => Router::sabotaged(&cfg, core)?,

@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use url::Url;
 
 use crate::envelope::{FieldOverrides, FieldSource, TopicFormat};
+use crate::profile::{KeyOverrides, KeyPlacement, Profile, ProfileName};
 use crate::retry::BackoffPolicy;
 
 /// The whole configuration of a relay process.
@@ -84,10 +85,12 @@ impl Default for AdminConfig {
     }
 }
 
-/// What to do when the inbox would forget events the broker still keeps.
+/// What to do when a window relay relies on is shorter than it must be:
+/// the inbox would forget events the broker still keeps, or a provider
+/// would forget a key before relay's retries and replays end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum ShorterRetention {
+pub enum Shortfall {
     /// Refuse to start.
     #[default]
     Refuse,
@@ -121,7 +124,7 @@ pub struct RetentionConfig {
     #[serde(with = "humantime_serde")]
     pub interval: Duration,
     /// When `inbox` is shorter than an input topic's retention.
-    pub on_shorter_than_topic: ShorterRetention,
+    pub on_shorter_than_topic: Shortfall,
 }
 
 impl Default for RetentionConfig {
@@ -134,7 +137,7 @@ impl Default for RetentionConfig {
             dead_letters: None,
             batch_size: 1000,
             interval: Duration::from_secs(60),
-            on_shorter_than_topic: ShorterRetention::Refuse,
+            on_shorter_than_topic: Shortfall::Refuse,
         }
     }
 }
@@ -597,13 +600,27 @@ pub struct EndpointConfig {
     /// Delay between attempts.
     #[serde(default)]
     pub backoff: BackoffPolicy,
-    /// Statuses retried besides 408, 425, 429 and 5xx (see
-    /// [`crate::retry::classify`] for why 409 is the default).
-    #[serde(default = "default_retryable_statuses")]
-    pub retryable_statuses: Vec<u16>,
-    /// Header carrying the idempotency key.
-    #[serde(default = "default_idempotency_header")]
-    pub idempotency_header: String,
+    /// Statuses retried besides 408, 425, 429, 5xx and the profile's "in
+    /// progress" answers. Default: none with a `profile`; `[409]` without
+    /// one (see [`crate::retry::classify`] for why).
+    pub retryable_statuses: Option<Vec<u16>>,
+    /// The provider's idempotency behaviour ([`crate::profile`]); without
+    /// one, a key in `Idempotency-Key`, 409 retried, no window known.
+    pub profile: Option<ProfileName>,
+    /// Overrides of the profile's parts (`[endpoints.NAME.idempotency]`).
+    #[serde(default)]
+    pub idempotency: KeyOverrides,
+    /// Header carrying the idempotency key (the same as
+    /// `idempotency.header`, kept from before profiles).
+    pub idempotency_header: Option<String>,
+    /// How long after an intent was written an operator may still replay
+    /// it with its key: with `max_age`, the retry horizon checked against
+    /// the profile's key window.
+    #[serde(default = "default_replay_window", with = "humantime_serde")]
+    pub replay_window: Duration,
+    /// When the retry horizon is longer than the provider's key window.
+    #[serde(default)]
+    pub on_short_key_window: Shortfall,
     /// Environment variable holding a bearer token for this endpoint.
     pub token_env: Option<String>,
     /// Static request headers.
@@ -654,6 +671,50 @@ impl EndpointTls {
 pub const LEASE_SPARE: Duration = Duration::from_secs(1);
 
 impl EndpointConfig {
+    /// The endpoint's profile with its overrides applied.
+    pub fn profile(&self) -> Profile {
+        let mut overrides = self.idempotency.clone();
+        if overrides.header.is_none() {
+            overrides.header.clone_from(&self.idempotency_header);
+        }
+        Profile::resolve(self.profile.unwrap_or(ProfileName::Custom), &overrides)
+    }
+
+    /// Statuses retried besides the ones every endpoint retries.
+    pub fn also_retry(&self) -> Vec<u16> {
+        let legacy = if self.profile.is_none() { vec![409] } else { Vec::new() };
+        self.retryable_statuses.clone().unwrap_or(legacy)
+    }
+
+    /// How long relay may still send an intent's key: its attempts for
+    /// `max_age`, then a replay within `replay_window`.
+    pub fn retry_horizon(&self) -> Duration {
+        self.max_age.saturating_add(self.replay_window)
+    }
+
+    /// Why endpoint `name`'s retry horizon is longer than its provider
+    /// remembers keys, if it is: a retry or a replay after the window would
+    /// be taken as a new request and could be applied twice.
+    pub fn key_window_shortfall(&self, name: &str) -> Option<String> {
+        let profile = self.profile();
+        let window = profile.window?;
+        let horizon = self.retry_horizon();
+        let d = |d: Duration| humantime::format_duration(d).to_string();
+        (horizon > window).then(|| {
+            format!(
+                "endpoints.{name}: the provider remembers an idempotency key for {} (profile {}), but relay may \
+                 send one for {} (max_age {} + replay_window {}): an attempt or a replay after the window would \
+                 be taken as a new request and could be applied twice; shorten max_age or replay_window, set \
+                 idempotency.window if this provider keeps keys longer, or set on_short_key_window = \"warn\"",
+                d(window),
+                profile.name.as_str(),
+                d(horizon),
+                d(self.max_age),
+                d(self.replay_window),
+            )
+        })
+    }
+
     /// The longest one attempt runs from the moment its request is sent:
     /// `timeout` bounds connect, response and body together.
     pub fn call_bound(&self) -> Duration {
@@ -685,11 +746,8 @@ fn default_max_attempts() -> u32 {
 fn default_max_age() -> Duration {
     Duration::from_secs(24 * 3600)
 }
-fn default_retryable_statuses() -> Vec<u16> {
-    vec![409]
-}
-fn default_idempotency_header() -> String {
-    "Idempotency-Key".into()
+fn default_replay_window() -> Duration {
+    Duration::from_secs(3600)
 }
 
 /// Configuration could not be loaded or is invalid.
@@ -805,9 +863,7 @@ impl RelayConfig {
             if e.rate_limit_per_second == Some(0) {
                 p.push(format!("{at}.rate_limit_per_second: must be at least 1 (or leave it out)"));
             }
-            if e.idempotency_header.trim().is_empty() {
-                p.push(format!("{at}.idempotency_header: must not be empty"));
-            }
+            check_profile(&at, e, &mut p);
             if e.tls.client_cert_file.is_some() != e.tls.client_key_file.is_some() {
                 p.push(format!(
                     "{at}.tls: client_cert_file and client_key_file go together (mutual TLS needs the certificate \
@@ -861,6 +917,16 @@ impl RelayConfig {
             }
         }
         if p.is_empty() { Ok(()) } else { Err(ConfigError::Invalid { problems: p }) }
+    }
+
+    /// What may start but should be looked at: a key window shorter than
+    /// its endpoint's retry horizon where `on_short_key_window = "warn"`.
+    pub fn warnings(&self) -> Vec<String> {
+        self.endpoints
+            .iter()
+            .filter(|(_, e)| e.on_short_key_window == Shortfall::Warn)
+            .filter_map(|(name, e)| e.key_window_shortfall(name))
+            .collect()
     }
 
     fn validate_action(&self, at: &str, a: &ActionConfig, names: &mut BTreeMap<String, String>, p: &mut Vec<String>) {
@@ -935,6 +1001,51 @@ fn check_topic_name(what: &str, name: &str, p: &mut Vec<String>) {
         ));
     } else if !valid_chars || name.len() > 249 || name == "." || name == ".." {
         p.push(format!("{what}: {name:?} is not a Kafka topic name (1 to 249 of letters, digits, '.', '_' and '-')"));
+    }
+}
+
+/// The problems of endpoint `e`'s idempotency settings.
+fn check_profile(at: &str, e: &EndpointConfig, p: &mut Vec<String>) {
+    let o = &e.idempotency;
+    if e.idempotency_header.is_some() && o.header.is_some() {
+        p.push(format!("{at}: idempotency_header and idempotency.header both name the key's header; keep one"));
+    }
+    if o.header.is_some() && o.body_field.is_some() {
+        p.push(format!("{at}.idempotency: header and body_field both say where the key goes; keep one"));
+    }
+    if e.profile == Some(ProfileName::None)
+        && (o.header.is_some() || o.body_field.is_some() || e.idempotency_header.is_some())
+    {
+        p.push(format!(
+            "{at}: profile = \"none\" sends no idempotency key, but a place for one is set; \
+             remove it or choose a profile with keys"
+        ));
+    }
+    let profile = e.profile();
+    match &profile.key {
+        KeyPlacement::Header(h) if http::HeaderName::from_bytes(h.as_bytes()).is_err() => {
+            p.push(format!("{at}: {h:?} is not a valid header name for the idempotency key"));
+        }
+        KeyPlacement::BodyField(f) if f.split('.').any(|s| s.trim().is_empty()) => {
+            p.push(format!("{at}.idempotency.body_field: {f:?} has an empty segment (write a.b.c)"));
+        }
+        _ => {}
+    }
+    if o.max_length == Some(0) {
+        p.push(format!("{at}.idempotency.max_length: must be at least 1"));
+    }
+    for (i, m) in profile.mismatch.iter().enumerate() {
+        if m.pointer.as_deref().is_some_and(|ptr| !ptr.is_empty() && !ptr.starts_with('/')) {
+            p.push(format!("{at}.idempotency.mismatch[{i}].pointer: a JSON Pointer starts with / (e.g. /error/type)"));
+        }
+        if m.equals.is_some() && m.pointer.is_none() {
+            p.push(format!("{at}.idempotency.mismatch[{i}]: equals needs a pointer (where in the body to look)"));
+        }
+    }
+    if e.on_short_key_window == Shortfall::Refuse
+        && let Some(why) = e.key_window_shortfall(at.trim_start_matches("endpoints."))
+    {
+        p.push(why);
     }
 }
 
@@ -1102,6 +1213,59 @@ mod tests {
         match RelayConfig::from_toml(&format!("{VALID}\n{extra}")) {
             Ok(_) => String::new(),
             Err(e) => e.to_string(),
+        }
+    }
+
+    /// `psp` of [`VALID`] with `lines` added to its table.
+    fn with_psp(lines: &str) -> Result<RelayConfig, String> {
+        RelayConfig::from_toml(&VALID.replace("timeout = \"5s\"", &format!("timeout = \"5s\"\n{lines}")))
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_key_window_shorter_than_the_retry_horizon_is_refused_naming_the_endpoint_and_the_durations() {
+        // Stripe keeps keys 24 h; the default max age is 24 h and replay window 1 h.
+        let err = with_psp("profile = \"stripe\"").unwrap_err();
+        for part in ["endpoints.psp", "1day", "profile stripe", "1day 1h", "max_age 1day", "replay_window 1h"] {
+            assert!(err.contains(part), "{part:?} in {err}");
+        }
+        let fits = with_psp("profile = \"stripe\"\nmax_age = \"20h\"\nreplay_window = \"4h\"").unwrap();
+        assert!(fits.warnings().is_empty());
+        let warned = with_psp("profile = \"stripe\"\non_short_key_window = \"warn\"").unwrap();
+        assert!(warned.warnings()[0].contains("endpoints.psp"), "{:?}", warned.warnings());
+        // A longer window said in the file, and an unknown one, are not refused.
+        with_psp("profile = \"stripe\"\nidempotency = { window = \"7d\" }").unwrap();
+        with_psp("profile = \"ietf\"").unwrap();
+        with_psp("profile = \"adyen\"").unwrap();
+    }
+
+    #[test]
+    fn an_endpoint_without_a_profile_keeps_retrying_409_and_one_with_a_profile_uses_its_answers() {
+        let legacy = with_psp("").unwrap();
+        assert_eq!(legacy.endpoints["psp"].also_retry(), [409]);
+        assert_eq!(legacy.endpoints["psp"].profile().key, KeyPlacement::Header("Idempotency-Key".into()));
+        let ietf = with_psp("profile = \"ietf\"").unwrap();
+        assert!(ietf.endpoints["psp"].also_retry().is_empty(), "409 is the profile's, as in-progress");
+        let old_header = with_psp("idempotency_header = \"X-Key\"").unwrap();
+        assert_eq!(old_header.endpoints["psp"].profile().key, KeyPlacement::Header("X-Key".into()));
+    }
+
+    #[test]
+    fn idempotency_settings_that_cannot_work_are_refused_each_naming_its_key() {
+        let cases: &[(&str, &str)] = &[
+            ("profile = \"none\"\nidempotency = { header = \"X-Key\" }", "profile = \"none\" sends no"),
+            ("idempotency_header = \"A\"\nidempotency = { header = \"B\" }", "both name the key's header"),
+            ("idempotency = { header = \"A\", body_field = \"k\" }", "header and body_field"),
+            ("idempotency = { header = \"bad header\" }", "not a valid header name"),
+            ("idempotency = { body_field = \"a..b\" }", "empty segment"),
+            ("idempotency = { max_length = 0 }", "max_length: must be at least 1"),
+            ("idempotency = { mismatch = [{ status = 400, pointer = \"error.type\" }] }", "starts with /"),
+            ("idempotency = { mismatch = [{ status = 400, equals = \"x\" }] }", "equals needs a pointer"),
+            ("profile = \"stripes\"", "unknown variant"),
+        ];
+        for (lines, want) in cases {
+            let err = with_psp(lines).unwrap_err();
+            assert!(err.contains(want), "{lines}: {want:?} not in {err}");
         }
     }
 

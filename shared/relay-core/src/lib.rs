@@ -22,6 +22,7 @@ pub mod envelope;
 pub mod fuzz;
 pub mod ids;
 pub mod limits;
+pub mod profile;
 pub mod retry;
 pub mod router;
 pub mod sabotage;

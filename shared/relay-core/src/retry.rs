@@ -21,6 +21,8 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
+use crate::profile::KeyAnswer;
+
 /// What one attempt at an external call produced, as far as retrying cares.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AttemptResult {
@@ -30,6 +32,9 @@ pub enum AttemptResult {
         status: u16,
         /// `Retry-After`, when present and parseable.
         retry_after: Option<Duration>,
+        /// What the answer says about the idempotency key, by the
+        /// endpoint's profile ([`crate::profile::Profile::key_answer`]).
+        key: Option<KeyAnswer>,
     },
     /// No answer in time. `sent` is true when the request may have reached the
     /// provider (the connection was up): the outcome is then unknown.
@@ -58,6 +63,9 @@ pub enum Verdict {
     },
     /// Never retried: a client error the provider will keep returning.
     Permanent,
+    /// Never retried: the provider says the key was used with a different
+    /// request — two calls share a key, a bug upstream that needs a person.
+    KeyMismatch,
 }
 
 /// Classify an attempt:
@@ -65,6 +73,8 @@ pub enum Verdict {
 /// | result | verdict |
 /// |---|---|
 /// | 2xx | success |
+/// | the profile's "same key, different request" | key mismatch (never retried) |
+/// | the profile's "same key still in progress" | retry (honouring `Retry-After`), not uncertain |
 /// | 408, 425, 429, 5xx | retry (honouring `Retry-After`) |
 /// | a status in the endpoint's `also_retry` (default: 409) | retry (honouring `Retry-After`) |
 /// | timeout before/after sending | retry (uncertain when after) |
@@ -90,8 +100,10 @@ pub enum Verdict {
 /// deploy, and a spent budget ends it anyway.
 pub fn classify(result: &AttemptResult, also_retry: &[u16]) -> Verdict {
     match *result {
-        AttemptResult::Response { status, retry_after } => match status {
+        AttemptResult::Response { status, retry_after, key } => match status {
             200..=299 => Verdict::Success,
+            _ if key == Some(KeyAnswer::Mismatch) => Verdict::KeyMismatch,
+            _ if key == Some(KeyAnswer::InProgress) => Verdict::Retry { retry_after, uncertain: false },
             s if also_retry.contains(&s) => Verdict::Retry { retry_after, uncertain: false },
             408 | 425 | 429 => Verdict::Retry { retry_after, uncertain: false },
             500..=599 => Verdict::Retry { retry_after, uncertain: false },
@@ -202,11 +214,13 @@ pub enum ErrorClass {
     /// guess; as succeeded: the class marks the note kept as its last error).
     /// Migration 0016's comment predates the second use.
     Resolved,
+    /// The provider said the key was used with a different request.
+    KeyMismatch,
 }
 
 impl ErrorClass {
     /// Every class.
-    pub const ALL: [ErrorClass; 9] = [
+    pub const ALL: [ErrorClass; 10] = [
         ErrorClass::HttpStatus,
         ErrorClass::Timeout,
         ErrorClass::Connect,
@@ -216,6 +230,7 @@ impl ErrorClass {
         ErrorClass::LeaseExpired,
         ErrorClass::EndpointUnknown,
         ErrorClass::Resolved,
+        ErrorClass::KeyMismatch,
     ];
 
     /// The stored name.
@@ -230,6 +245,7 @@ impl ErrorClass {
             ErrorClass::LeaseExpired => "lease_expired",
             ErrorClass::EndpointUnknown => "endpoint_unknown",
             ErrorClass::Resolved => "resolved",
+            ErrorClass::KeyMismatch => "key_mismatch",
         }
     }
 }
@@ -278,13 +294,21 @@ pub struct Budget {
     /// a 409 "still in progress" or a 503 after a timeout does not make the
     /// timeout's effect any less possible, and neither does a replay.
     pub uncertain_before: bool,
+    /// Whether an attempt whose outcome is unknown may be sent again: false
+    /// for a provider without idempotency keys
+    /// ([`crate::profile::Profile::resends_unknown`]), whose intent then
+    /// ends uncertain at once instead.
+    pub resends_unknown: bool,
 }
 
 impl Budget {
     /// Why this claim may not make an attempt at all, if it may not: the
-    /// attempts are spent or the max age has passed.
+    /// attempts are spent, the max age has passed, or an earlier attempt may
+    /// have been applied by a provider that keeps no keys (a lost lease).
     pub fn spent(&self, now: chrono::DateTime<chrono::Utc>) -> Option<String> {
-        if self.attempts > self.max_attempts {
+        if self.uncertain_before && !self.resends_unknown {
+            Some(NOT_RESENT.into())
+        } else if self.attempts > self.max_attempts {
             Some(format!("retry budget exhausted: {} attempts made", self.max_attempts))
         } else if now >= self.expires_at {
             Some(format!("max age passed at {}", self.expires_at))
@@ -368,6 +392,10 @@ pub fn decide(
             return end(true, AttemptOutcome::Permanent, "the provider refused the call for good".into());
         }
         Verdict::Permanent => return Decision { next: NextState::Dead, outcome: AttemptOutcome::Permanent, why: None },
+        Verdict::KeyMismatch => return end(false, AttemptOutcome::Permanent, KEY_MISMATCH.into()),
+        Verdict::Retry { uncertain: true, .. } if !budget.resends_unknown => {
+            return end(true, AttemptOutcome::Uncertain, NOT_RESENT.into());
+        }
         Verdict::Retry { retry_after, uncertain } => (retry_after, uncertain),
     };
     let outcome = if uncertain { AttemptOutcome::Uncertain } else { AttemptOutcome::Retryable };
@@ -392,6 +420,15 @@ pub fn decide(
         Decision { next: NextState::Retry(delay), outcome, why: None }
     }
 }
+
+/// Why an intent whose call the provider says reused a key ends.
+pub const KEY_MISMATCH: &str = "the provider says this idempotency key was already used with a different request: \
+     two calls share a key (a bug in the route's idempotency_key template or in another client of the provider); \
+     never retried";
+
+/// Why an intent of a provider without keys is not sent again.
+pub const NOT_RESENT: &str = "the provider keeps no idempotency keys (profile none) and an attempt may have been \
+     applied: not sent again blindly; ask the provider, then resolve the intent";
 
 /// Exponential backoff with full jitter.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -447,7 +484,7 @@ mod tests {
     use rand::rngs::StdRng;
 
     fn status(s: u16) -> Verdict {
-        classify(&AttemptResult::Response { status: s, retry_after: None }, &[])
+        classify(&AttemptResult::Response { status: s, retry_after: None, key: None }, &[])
     }
 
     #[test]
@@ -486,7 +523,7 @@ mod tests {
 
     #[test]
     fn an_endpoint_may_retry_more_statuses() {
-        let r = AttemptResult::Response { status: 409, retry_after: Some(Duration::from_secs(1)) };
+        let r = AttemptResult::Response { status: 409, retry_after: Some(Duration::from_secs(1)), key: None };
         assert_eq!(classify(&r, &[]), Verdict::Permanent);
         // A 409 on its own is not an unknown outcome ("already refunded").
         assert_eq!(
@@ -496,8 +533,42 @@ mod tests {
     }
 
     #[test]
+    fn a_profile_s_key_answers_decide_before_the_status() {
+        let answer = |status, key| classify(&AttemptResult::Response { status, retry_after: None, key }, &[]);
+        assert_eq!(answer(409, Some(KeyAnswer::InProgress)), Verdict::Retry { retry_after: None, uncertain: false });
+        assert_eq!(answer(422, Some(KeyAnswer::Mismatch)), Verdict::KeyMismatch);
+        assert_eq!(answer(400, Some(KeyAnswer::Mismatch)), Verdict::KeyMismatch);
+        assert_eq!(answer(200, Some(KeyAnswer::Mismatch)), Verdict::Success, "a 2xx is a success whatever it says");
+    }
+
+    #[test]
+    fn decide_a_key_mismatch_is_never_retried_and_dead_unless_an_attempt_was_unknown() {
+        let d = decided(&budget(1, 5, 24, false), Tried::Attempt(Verdict::KeyMismatch));
+        assert_eq!((d.next, d.outcome), (NextState::Dead, AttemptOutcome::Permanent));
+        assert!(d.why.unwrap().contains("already used with a different request"));
+        let d = decided(&budget(2, 5, 24, true), Tried::Attempt(Verdict::KeyMismatch));
+        assert_eq!(d.next, NextState::Uncertain);
+    }
+
+    #[test]
+    fn decide_without_keys_an_unknown_outcome_is_never_sent_again() {
+        let keyless = |uncertain_before| Budget { resends_unknown: false, ..budget(1, 5, 24, uncertain_before) };
+        let d = decided(&keyless(false), retry(None, true));
+        assert_eq!((d.next, d.outcome), (NextState::Uncertain, AttemptOutcome::Uncertain));
+        assert!(d.why.unwrap().contains("profile none"));
+        // Known not applied: retried as usual.
+        assert!(matches!(decided(&keyless(false), retry(None, false)).next, NextState::Retry(_)));
+        // A lease lost mid-call: the claim makes no attempt.
+        assert!(keyless(true).spent(at()).unwrap().contains("not sent again"));
+        assert_eq!(decided(&keyless(true), Tried::Spent).next, NextState::Uncertain);
+    }
+
+    #[test]
     fn retry_after_is_passed_through() {
-        let v = classify(&AttemptResult::Response { status: 429, retry_after: Some(Duration::from_secs(3)) }, &[]);
+        let v = classify(
+            &AttemptResult::Response { status: 429, retry_after: Some(Duration::from_secs(3)), key: None },
+            &[],
+        );
         assert_eq!(v, Verdict::Retry { retry_after: Some(Duration::from_secs(3)), uncertain: false });
     }
 
@@ -518,7 +589,13 @@ mod tests {
     }
 
     fn budget(attempts: u32, max_attempts: u32, hours_left: i64, uncertain_before: bool) -> Budget {
-        Budget { attempts, max_attempts, expires_at: at() + chrono::Duration::hours(hours_left), uncertain_before }
+        Budget {
+            attempts,
+            max_attempts,
+            expires_at: at() + chrono::Duration::hours(hours_left),
+            uncertain_before,
+            resends_unknown: true,
+        }
     }
 
     fn decided(b: &Budget, tried: Tried) -> Decision {

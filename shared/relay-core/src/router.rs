@@ -110,6 +110,8 @@ pub struct Router {
     topics: BTreeMap<String, (TopicFormat, FieldOverrides)>,
     routes: HashMap<(String, String), CompiledRoute>,
     endpoints: BTreeMap<String, EndpointConfig>,
+    /// Each endpoint's profile, resolved once (a key it refuses is refused at ingest).
+    profiles: HashMap<String, crate::profile::Profile>,
     templates: Templates,
     /// Defects put back on purpose (tests only; all off otherwise).
     sabotage: crate::sabotage::Sabotage,
@@ -200,6 +202,7 @@ impl Router {
                 topics,
                 routes,
                 endpoints: cfg.endpoints.clone(),
+                profiles: cfg.endpoints.iter().map(|(n, e)| (n.clone(), e.profile())).collect(),
                 templates,
                 sabotage: Default::default(),
             }),
@@ -361,6 +364,13 @@ impl Router {
             .with_identity(Some(&event.id), Some(&event.event_type))
         })?;
         let id = derived_id(consumer, &event.id, &call.action);
+        let idempotency_key = call.idempotency_key.clone().unwrap_or_else(|| id.to_string());
+        // A key the provider would refuse is refused now, with the event in
+        // hand, rather than as a dead intent after the consumer moved on.
+        if let Some(why) = self.profiles.get(&call.endpoint).and_then(|p| p.key_refused(&idempotency_key)) {
+            let why = format!("call {:?} to endpoint {:?}: {why}", call.action, call.endpoint);
+            return Err(Poison::new(PoisonClass::Rejected, why).with_identity(Some(&event.id), Some(&event.event_type)));
+        }
         let to_json = |v: &Outcome| serde_json::to_value(v).unwrap_or_default();
         let intent = Intent {
             consumer: consumer.to_owned(),
@@ -371,7 +381,7 @@ impl Router {
             path: call.path.clone(),
             body: call.body.clone(),
             headers: json!(call.headers),
-            idempotency_key: call.idempotency_key.clone().unwrap_or_else(|| id.to_string()),
+            idempotency_key,
             ordering_key: call.ordering_key.clone(),
             max_attempts: i32::try_from(endpoint.max_attempts).unwrap_or(i32::MAX),
             on_success: to_json(&call.on_success),

@@ -143,6 +143,8 @@ impl ClaimedIntent {
             max_attempts: u32::try_from(self.intent.max_attempts).unwrap_or(0),
             expires_at: self.expires_at,
             uncertain_before: self.ever_uncertain,
+            // The endpoint's profile may say otherwise (the executor knows it).
+            resends_unknown: true,
         }
     }
 }
@@ -757,7 +759,7 @@ pub async fn give_back_uncertain(conn: &mut PgConnection, id: Uuid, token: Uuid)
 }
 
 /// What [`requeue`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Requeue {
     /// Queued again in its place: an uncertain intent, or a dead one
     /// without an ordering key.
@@ -772,6 +774,10 @@ pub enum Requeue {
     /// failed) were recorded when it died, and a replay that succeeded
     /// would record `on_success` beside them — two stories for one call.
     OnDeadRecorded,
+    /// Left as it is: its replay's attempts could run past the provider's
+    /// key window (why, in words), and the operator did not say
+    /// `--past-key-window`.
+    PastKeyWindow(String),
 }
 
 /// Give a dead (or uncertain) intent of `consumer` a new budget and queue it
@@ -788,13 +794,20 @@ pub enum Requeue {
 /// ([`Requeue::QueuedBehindItsKey`]), drawn under the key's lock as an insert
 /// would ([`crate::ordering`]). Runs in its own transaction: `conn` must not
 /// be in one.
-pub async fn requeue(conn: &mut PgConnection, consumer: &str, id: Uuid) -> Result<Requeue, sqlx::Error> {
+pub async fn requeue(
+    conn: &mut PgConnection,
+    consumer: &str,
+    id: Uuid,
+    key_window: impl Fn(&str) -> Option<std::time::Duration>,
+) -> Result<Requeue, sqlx::Error> {
     use sqlx::Connection;
+    type Row = (String, Option<String>, bool, String, DateTime<Utc>, DateTime<Utc>);
     let mut tx = conn.begin().await?;
-    let row: Option<(String, Option<String>, bool)> = sqlx::query_as(
+    let row: Option<Row> = sqlx::query_as(
         "SELECT state, ordering_key,
                 state = 'dead' AND (jsonb_array_length(COALESCE(on_dead->'emit', '[]')) > 0
-                                    OR jsonb_array_length(COALESCE(on_dead->'saga', '[]')) > 0)
+                                    OR jsonb_array_length(COALESCE(on_dead->'saga', '[]')) > 0),
+                endpoint, created_at, now() + (expires_at - created_at)
            FROM relay.intents
           WHERE id = $1 AND consumer = $2 AND state IN ('dead', 'uncertain')
           FOR UPDATE",
@@ -803,9 +816,16 @@ pub async fn requeue(conn: &mut PgConnection, consumer: &str, id: Uuid) -> Resul
     .bind(consumer)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some((state, key, told)) = row else { return Ok(Requeue::NotDeadOrUncertain) };
+    let Some((state, key, told, endpoint, created_at, runs_until)) = row else {
+        return Ok(Requeue::NotDeadOrUncertain);
+    };
     if told {
         return Ok(Requeue::OnDeadRecorded);
+    }
+    // The replay's attempts run until `runs_until` (the UPDATE below).
+    let past = key_window(&endpoint).and_then(|w| relay_core::profile::replay_past_window(created_at, runs_until, w));
+    if let Some(why) = past {
+        return Ok(Requeue::PastKeyWindow(why));
     }
     let behind = state == IntentState::Dead.as_str() && key.is_some();
     if let Some(k) = key.as_deref().filter(|_| behind) {

@@ -47,7 +47,8 @@ impl Executor {
                 let client = EndpointClient::new(name, cfg)?
                     .following_redirects(sabotage.redirects_followed)?
                     .tokens_first(sabotage.token_before_permit)
-                    .slots_kept(sabotage.slot_kept_for_token);
+                    .slots_kept(sabotage.slot_kept_for_token)
+                    .key_answers_ignored(sabotage.key_answers_ignored);
                 Ok((name.clone(), client))
             })
             .collect::<anyhow::Result<_>>()?;
@@ -99,6 +100,8 @@ impl Executor {
         };
         let now = Utc::now();
         let mut budget = intent.budget();
+        // Deliberately wrong (issue 29) when sabotaged: re-sent without keys.
+        budget.resends_unknown = client.profile().resends_unknown() || self.faults.sabotage().unknown_resent;
         if self.faults.sabotage().uncertainty_forgotten {
             // Deliberately wrong (D1): only this attempt's outcome counts.
             budget.uncertain_before = false;
@@ -158,7 +161,7 @@ impl Executor {
                     .as_str(),
             );
             self.faults.hit(point::DISPATCHER_AFTER_CALL).await?;
-            (Tried::Attempt(classify(&r.attempt, &client.config().retryable_statuses)), r)
+            (Tried::Attempt(classify(&r.attempt, client.also_retry())), r)
         };
         let decision = retry::decide(&budget, tried, &client.config().backoff, Utc::now(), &mut rand::rng());
         let attempt = attempt_record(&decision, &result);

@@ -11,6 +11,7 @@
 use std::time::Duration;
 
 use relay_core::config::EndpointConfig;
+use relay_core::profile::{KeyAnswer, KeyPlacement, Profile};
 use relay_core::retry::{AttemptResult, ErrorClass, parse_retry_after};
 use reqwest::header::{HeaderName, HeaderValue, RETRY_AFTER};
 use secrecy::{ExposeSecret, SecretString};
@@ -55,7 +56,8 @@ pub struct Request<'a> {
     pub body: Option<&'a serde_json::Value>,
     /// Extra headers, a JSON object of strings.
     pub headers: &'a serde_json::Value,
-    /// Sent in the configured idempotency header, the same on every attempt (R8).
+    /// Sent where the endpoint's profile says (a header, a body field), the
+    /// same on every attempt (R8).
     pub idempotency_key: &'a str,
     /// Sent as `traceparent`, when there is one.
     pub traceparent: Option<&'a str>,
@@ -72,6 +74,9 @@ pub struct Request<'a> {
 pub struct EndpointClient {
     name: String,
     cfg: EndpointConfig,
+    profile: Profile,
+    /// [`EndpointConfig::also_retry`], computed once.
+    also_retry: Vec<u16>,
     token: Option<SecretString>,
     http: reqwest::Client,
     svc: HttpService,
@@ -82,6 +87,9 @@ pub struct EndpointClient {
     /// Keep a call slot while waiting for the fresh token after a slot wait
     /// (only ever for the sabotage that puts the second review's N4 back).
     slot_kept: bool,
+    /// Read no answer as the profile says (only ever for the sabotage
+    /// `key-answers-ignored`, issue 29).
+    answers_ignored: bool,
 }
 
 impl std::fmt::Debug for EndpointClient {
@@ -113,15 +121,23 @@ impl EndpointClient {
             // provider, all sent at once when it recovers): a provider's "n
             // per second" is never exceeded in any window.
             .map(|n| Arc::new(RateLimiter::direct(Quota::per_second(n).allow_burst(std::num::NonZeroU32::MIN))));
+        let profile = cfg.profile();
+        if let KeyPlacement::Header(h) = &profile.key {
+            HeaderName::from_bytes(h.as_bytes())
+                .map_err(|e| anyhow::anyhow!("endpoints.{name}: idempotency key header {h:?}: {e}"))?;
+        }
         Ok(EndpointClient {
             name: name.to_owned(),
             cfg: cfg.clone(),
+            profile,
+            also_retry: cfg.also_retry(),
             token,
             http,
             svc,
             limiter,
             token_first: false,
             slot_kept: false,
+            answers_ignored: false,
         })
     }
 
@@ -152,9 +168,25 @@ impl EndpointClient {
         EndpointClient { slot_kept: kept, ..self }
     }
 
+    /// The same client, reading no answer as its profile says if `ignored`
+    /// (only ever for the sabotage `key-answers-ignored`, issue 29).
+    pub fn key_answers_ignored(self, ignored: bool) -> EndpointClient {
+        EndpointClient { answers_ignored: ignored, ..self }
+    }
+
     /// The endpoint's configuration.
     pub fn config(&self) -> &EndpointConfig {
         &self.cfg
+    }
+
+    /// The endpoint's profile, overrides applied.
+    pub fn profile(&self) -> &Profile {
+        &self.profile
+    }
+
+    /// Statuses retried besides the ones every endpoint retries.
+    pub fn also_retry(&self) -> &[u16] {
+        &self.also_retry
     }
 
     fn request(&self, r: Request<'_>) -> Result<reqwest::Request, String> {
@@ -163,10 +195,12 @@ impl EndpointClient {
         let url = format!("{base}/{path}");
         let method =
             reqwest::Method::from_bytes(r.method.as_bytes()).map_err(|e| format!("method {:?}: {e}", r.method))?;
+        if let Some(why) = self.profile.key_refused(r.idempotency_key) {
+            return Err(why);
+        }
         let mut req = self
             .http
             .request(method, &url)
-            .header(self.cfg.idempotency_header.as_str(), r.idempotency_key)
             .header("x-relay-intent-id", r.intent_id.to_string())
             .header("x-relay-attempt", r.attempt.to_string());
         if let Some(t) = r.traceparent {
@@ -188,6 +222,15 @@ impl EndpointClient {
         }
         if let Some(token) = &self.token {
             req = req.bearer_auth(token.expose_secret());
+        }
+        match &self.profile.key {
+            KeyPlacement::Header(h) => req = req.header(h.as_str(), r.idempotency_key),
+            KeyPlacement::BodyField(field) => {
+                let mut body = r.body.cloned().unwrap_or_else(|| serde_json::json!({}));
+                put_field(&mut body, field, r.idempotency_key)?;
+                return req.json(&body).build().map_err(|e| format!("cannot build the request: {e}"));
+            }
+            KeyPlacement::Omitted => {}
         }
         if let Some(body) = r.body {
             req = req.json(body);
@@ -237,7 +280,7 @@ impl EndpointClient {
             Err(e) => {
                 // The request cannot be expressed at all: as permanent as a 400.
                 return Ok(CallResult {
-                    attempt: AttemptResult::Response { status: 400, retry_after: None },
+                    attempt: AttemptResult::Response { status: 400, retry_after: None, key: None },
                     status: None,
                     error_class: Some(ErrorClass::Request),
                     error: Some(e),
@@ -288,6 +331,7 @@ impl EndpointClient {
                     .get(RETRY_AFTER)
                     .and_then(|v| v.to_str().ok())
                     .and_then(|v| parse_retry_after(v, chrono::Utc::now()));
+                let mut key = None;
                 let error = if resp.status().is_success() {
                     None
                 } else {
@@ -298,16 +342,24 @@ impl EndpointClient {
                         .then(|| resp.headers().get(reqwest::header::LOCATION))
                         .flatten()
                         .map(|l| format!(" (redirect to {:?} not followed)", String::from_utf8_lossy(l.as_bytes())));
-                    // Within the same timeout as the response, not a second one.
-                    let snippet =
-                        tokio::time::timeout_at(sent_at + self.cfg.timeout, body_start(resp)).await.unwrap_or_default();
+                    // Within the same timeout as the response, not a second
+                    // one; read further only when the profile looks into it.
+                    let limit = if self.profile.reads_body(status) { KEY_ANSWER_BYTES } else { ERROR_BODY_BYTES };
+                    let body = tokio::time::timeout_at(sent_at + self.cfg.timeout, body_start(resp, limit))
+                        .await
+                        .unwrap_or_default();
+                    let json = self.profile.reads_body(status).then(|| serde_json::from_slice(&body).ok()).flatten();
+                    key = self.profile.key_answer(status, json.as_ref()).filter(|_| !self.answers_ignored);
+                    let snippet = text(&body[..body.len().min(ERROR_BODY_BYTES)]);
                     let snippet = format!("{}{snippet}", redirect.unwrap_or_default());
                     Some(format!("HTTP {status} {reason}: {snippet}").trim_end_matches([' ', ':']).to_owned())
                 };
+                let class =
+                    if key == Some(KeyAnswer::Mismatch) { ErrorClass::KeyMismatch } else { ErrorClass::HttpStatus };
                 CallResult {
-                    attempt: AttemptResult::Response { status, retry_after },
+                    attempt: AttemptResult::Response { status, retry_after, key },
                     status: Some(status),
-                    error_class: error.as_ref().map(|_| ErrorClass::HttpStatus),
+                    error_class: error.as_ref().map(|_| class),
                     error,
                     started_at,
                 }
@@ -359,24 +411,52 @@ fn client_builder(name: &str, cfg: &EndpointConfig) -> anyhow::Result<reqwest::C
     Ok(b)
 }
 
-/// The first [`ERROR_BODY_BYTES`] bytes of an error response's body, as
-/// text; the rest is never read (a provider streaming gigabytes of error
-/// page costs one chunk, not the whole stream).
-async fn body_start(mut resp: reqwest::Response) -> String {
-    let mut kept = Vec::with_capacity(ERROR_BODY_BYTES);
-    while kept.len() < ERROR_BODY_BYTES {
+/// The first `limit` bytes of an error response's body; the rest is never
+/// read (a provider streaming gigabytes of error page costs one chunk, not
+/// the whole stream).
+async fn body_start(mut resp: reqwest::Response, limit: usize) -> Vec<u8> {
+    let mut kept = Vec::with_capacity(limit.min(ERROR_BODY_BYTES));
+    while kept.len() < limit {
         match resp.chunk().await {
-            Ok(Some(chunk)) => kept.extend_from_slice(&chunk[..chunk.len().min(ERROR_BODY_BYTES - kept.len())]),
+            Ok(Some(chunk)) => kept.extend_from_slice(&chunk[..chunk.len().min(limit - kept.len())]),
             Ok(None) | Err(_) => break,
         }
     }
-    // PostgreSQL text cannot hold NUL: an error body with one would make the
-    // attempt's outcome unrecordable (rescued, called again, uncertain).
-    String::from_utf8_lossy(&kept).replace('\0', "\u{FFFD}")
+    kept
+}
+
+/// Bytes as text for an attempt's error. PostgreSQL text cannot hold NUL:
+/// an error body with one would make the attempt's outcome unrecordable
+/// (rescued, called again, uncertain).
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).replace('\0', "\u{FFFD}")
+}
+
+/// Put `key` at the dotted `field` of a JSON object body, making the
+/// objects on the way; a body that is not an object cannot carry it.
+fn put_field(body: &mut serde_json::Value, field: &str, key: &str) -> Result<(), String> {
+    let mut at = body;
+    let mut parts = field.split('.').peekable();
+    while let Some(part) = parts.next() {
+        let obj = at.as_object_mut().ok_or_else(|| {
+            format!("the idempotency key goes in the body field {field:?}, but the body there is not a JSON object")
+        })?;
+        if parts.peek().is_none() {
+            obj.insert(part.to_owned(), serde_json::Value::String(key.to_owned()));
+            return Ok(());
+        }
+        at = obj.entry(part).or_insert_with(|| serde_json::json!({}));
+    }
+    Ok(())
 }
 
 /// How much of an error response's body is kept for the attempt's error.
 pub const ERROR_BODY_BYTES: usize = 256;
+
+/// How much of an error response's body is read when the profile looks
+/// into it for what it says about the key (Stripe's `error.type` comes
+/// after a long message).
+pub const KEY_ANSWER_BYTES: usize = 16 * 1024;
 
 /// The request was not sent: it could not start in time to end within the lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -505,6 +585,40 @@ mod tests {
         assert_eq!(h("x-relay-attempt").as_deref(), Some("3"));
         assert_eq!(h("x-tenant").as_deref(), Some("t-1"));
         assert_eq!(req.body().and_then(|b| b.as_bytes()), Some(&br#"{"amount":5}"#[..]));
+    }
+
+    fn client_with(endpoint: serde_json::Value) -> EndpointClient {
+        let mut e = serde_json::json!({"base_url": "http://provider.test/api/"});
+        e.as_object_mut().unwrap().extend(endpoint.as_object().unwrap().clone());
+        EndpointClient::new("psp", &serde_json::from_value(e).unwrap()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_profile_puts_the_key_in_its_header_in_a_body_field_or_nowhere() {
+        let none = serde_json::json!({});
+        let body = serde_json::json!({"amount": 5, "meta": {"tenant": "t-1"}});
+        let paypal = client_with(serde_json::json!({"profile": "paypal"}));
+        let req = paypal.request(request(&none, Some(&body))).unwrap();
+        assert_eq!(req.headers().get("paypal-request-id").unwrap(), "capture:o-1");
+        assert!(req.headers().get("idempotency-key").is_none());
+
+        let in_body = client_with(serde_json::json!({"idempotency": {"body_field": "meta.idempotency_key"}}));
+        let req = in_body.request(request(&none, Some(&body))).unwrap();
+        let sent: serde_json::Value = serde_json::from_slice(req.body().unwrap().as_bytes().unwrap()).unwrap();
+        assert_eq!(sent, serde_json::json!({"amount": 5, "meta": {"tenant": "t-1", "idempotency_key": "capture:o-1"}}));
+        assert!(req.headers().get("idempotency-key").is_none());
+        let list = serde_json::json!([1, 2]);
+        let err = in_body.request(request(&none, Some(&list))).unwrap_err();
+        assert!(err.contains("not a JSON object"), "{err}");
+
+        let keyless = client_with(serde_json::json!({"profile": "none"}));
+        let req = keyless.request(request(&none, Some(&body))).unwrap();
+        assert!(req.headers().get("idempotency-key").is_none());
+
+        let adyen = client_with(serde_json::json!({"profile": "adyen"}));
+        let long = "k".repeat(65);
+        let err = adyen.request(Request { idempotency_key: &long, ..request(&none, None) }).unwrap_err();
+        assert!(err.contains("at most 64"), "{err}");
     }
 
     #[tokio::test]

@@ -51,6 +51,10 @@ impl Completion {
         // timeout after sending, even when it left the intent dead).
         let outcome = if finished == Finished::LeaseLost { "" } else { self.attempt.outcome.as_str() };
         crate::runtime::metrics::call(&intent.intent.endpoint, label, outcome, took.as_secs_f64());
+        let mismatch = result.error_class == Some(ErrorClass::KeyMismatch) && finished != Finished::LeaseLost;
+        if mismatch {
+            crate::runtime::metrics::key_mismatch(&intent.intent.endpoint);
+        }
         let status = result.status.map(i64::from).unwrap_or(-1);
         let class = result.error_class.map_or("", ErrorClass::as_str);
         let error = result.error.as_deref().unwrap_or("");

@@ -6,6 +6,8 @@
 //! which names are known, what "all" selects, what counts as resolved — and
 //! its callers only render the answer (text, JSON, an HTTP status).
 
+use std::collections::HashMap;
+
 use relay_core::{Disposition, RelayConfig};
 use relay_store::dead_letters::{self, DeadLetter, DeadLetterRecord, Filter, Resolution};
 use relay_store::intents::{self, AttemptView, IntentFilter, IntentState, IntentView, Requeue};
@@ -112,6 +114,19 @@ pub struct Requeued {
     /// Of those queued, dead ones with an ordering key, queued behind the
     /// intents of their key written after them ([`Requeue::QueuedBehindItsKey`]).
     pub behind_their_key: Vec<Uuid>,
+    /// Left as they are: their attempts could outlive the provider's key
+    /// window, and `--past-key-window` was not given ([`Requeue::PastKeyWindow`]).
+    pub past_key_window: Vec<(Uuid, String)>,
+}
+
+/// Whether a replay may run attempts past the provider's key window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeyWindow {
+    /// No: such intents are left as they are, with the reason.
+    #[default]
+    Within,
+    /// Yes: the operator checked with the provider (`--past-key-window`).
+    PastAllowed,
 }
 
 /// The counts the console shows.
@@ -132,6 +147,8 @@ pub struct Operator {
     consumer: String,
     routes: Vec<String>,
     endpoints: Vec<String>,
+    /// How long each endpoint's provider remembers a key, where known.
+    key_windows: HashMap<String, std::time::Duration>,
 }
 
 /// What an operator found out about an uncertain intent from the provider.
@@ -155,6 +172,7 @@ impl Operator {
             consumer: cfg.consumer.name.clone(),
             routes: cfg.routes.iter().map(|r| r.display_name()).collect(),
             endpoints: cfg.endpoints.keys().cloned().collect(),
+            key_windows: cfg.endpoints.iter().filter_map(|(n, e)| Some((n.clone(), e.profile().window?))).collect(),
         }
     }
 
@@ -311,21 +329,32 @@ impl Operator {
     /// Queue intent `id` again (same id, same idempotency key); only a dead
     /// or uncertain intent of this consumer is, and a dead one only if it
     /// recorded no `on_dead` effects ([`intents::requeue`]).
-    pub async fn requeue(&self, id: Uuid) -> Result<(), OpsError> {
-        match intents::requeue(&mut *self.pool.acquire().await?, &self.consumer, id).await? {
+    pub async fn requeue(&self, id: Uuid, window: KeyWindow) -> Result<(), OpsError> {
+        match intents::requeue(&mut *self.pool.acquire().await?, &self.consumer, id, self.window(window)).await? {
             Requeue::Queued | Requeue::QueuedBehindItsKey => Ok(()),
             Requeue::NotDeadOrUncertain => Err(OpsError::Conflict(format!(
                 "intent {id} is neither dead nor uncertain (or is not one of consumer {:?}'s): only those are replayed",
                 self.consumer
             ))),
             Requeue::OnDeadRecorded => Err(OpsError::Conflict(on_dead_recorded(id))),
+            Requeue::PastKeyWindow(why) => Err(OpsError::Conflict(format!("intent {id} not replayed: {why}"))),
         }
+    }
+
+    /// The key window a replay must stay within, per endpoint.
+    fn window(&self, w: KeyWindow) -> impl Fn(&str) -> Option<std::time::Duration> + '_ {
+        move |endpoint| self.key_windows.get(endpoint).copied().filter(|_| w == KeyWindow::Within)
     }
 
     /// Queue every intent `which` selects again (the dead ones as they are
     /// when it starts: one that dies again meanwhile waits for the next
     /// replay); `progress(done so far)` every thousand.
-    pub async fn requeue_all(&self, which: Intents, mut progress: impl FnMut(usize)) -> Result<Requeued, OpsError> {
+    pub async fn requeue_all(
+        &self,
+        which: Intents,
+        window: KeyWindow,
+        mut progress: impl FnMut(usize),
+    ) -> Result<Requeued, OpsError> {
         let mut conn = self.pool.acquire().await?;
         let ids = match which {
             Intents::Ids(ids) => ids,
@@ -336,7 +365,7 @@ impl Operator {
         };
         let mut done = Requeued { asked: ids.len(), ..Requeued::default() };
         for (n, id) in ids.iter().enumerate() {
-            match intents::requeue(&mut conn, &self.consumer, *id).await? {
+            match intents::requeue(&mut conn, &self.consumer, *id, self.window(window)).await? {
                 Requeue::Queued => done.queued += 1,
                 Requeue::QueuedBehindItsKey => {
                     done.queued += 1;
@@ -344,6 +373,7 @@ impl Operator {
                 }
                 Requeue::NotDeadOrUncertain => done.left.push(*id),
                 Requeue::OnDeadRecorded => done.refused.push(*id),
+                Requeue::PastKeyWindow(why) => done.past_key_window.push((*id, why)),
             }
             if (n + 1) % PAGE as usize == 0 {
                 progress(n + 1);

@@ -12,7 +12,7 @@ use std::time::Duration;
 use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
 use rdkafka::client::DefaultClientContext;
 use relay_core::RelayConfig;
-use relay_core::config::{RetentionConfig, ShorterRetention};
+use relay_core::config::{RetentionConfig, Shortfall};
 use relay_store::ops::{self, Cleanup};
 use sqlx::{Connection, PgPool};
 use tokio_util::sync::CancellationToken;
@@ -190,10 +190,10 @@ pub async fn check_topic_retention(cfg: &RelayConfig) -> anyhow::Result<Retentio
         problems.join("; ")
     );
     match cfg.retention.on_shorter_than_topic {
-        ShorterRetention::Refuse => {
+        Shortfall::Refuse => {
             anyhow::bail!("{msg}; or set retention.on_shorter_than_topic = \"warn\" to start anyway")
         }
-        ShorterRetention::Warn => {
+        Shortfall::Warn => {
             warn!("{msg}");
             Ok(RetentionChecked(()))
         }

@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::ingest::processor::Processor;
-use crate::ops::admin::{DeadLetters, Intents, Operator, OpsError, ReplayOutcome};
+use crate::ops::admin::{DeadLetters, Intents, KeyWindow, Operator, OpsError, ReplayOutcome};
 use crate::runtime::kafka::{Role, client_config};
 
 const INDEX_HTML: &str = include_str!("../../console/index.html");
@@ -485,9 +485,20 @@ async fn show_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiResu
     Ok(Json(json!({"intent": intent, "attempts": attempts})))
 }
 
-async fn replay_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
+#[derive(Deserialize, Default)]
+struct ReplayQuery {
+    /// Replay even if the attempts could outlive the provider's key window.
+    #[serde(default)]
+    past_key_window: bool,
+}
+
+fn key_window(past: bool) -> KeyWindow {
+    if past { KeyWindow::PastAllowed } else { KeyWindow::Within }
+}
+
+async fn replay_intent(State(s): State<Shared>, Path(id): Path<String>, Query(q): Query<ReplayQuery>) -> ApiResult {
     let id = parse_id(&id)?;
-    s.operator.requeue(id).await?;
+    s.operator.requeue(id, key_window(q.past_key_window)).await?;
     Ok(Json(json!({"id": id, "requeued": true})))
 }
 
@@ -511,12 +522,15 @@ struct IntentBulk {
     #[serde(default)]
     all: bool,
     endpoint: Option<String>,
+    #[serde(default)]
+    past_key_window: bool,
 }
 
 async fn replay_intents(State(s): State<Shared>, Json(b): Json<IntentBulk>) -> ApiResult {
     let which = if b.all { Intents::Dead { endpoint: b.endpoint } } else { Intents::Ids(b.ids) };
-    let done = s.operator.requeue_all(which, |_| {}).await?;
-    Ok(Json(json!({"requeued": done.queued, "asked": done.asked, "refused": done.refused})))
+    let done = s.operator.requeue_all(which, key_window(b.past_key_window), |_| {}).await?;
+    let past: Vec<_> = done.past_key_window.iter().map(|(id, why)| json!({"id": id, "why": why})).collect();
+    Ok(Json(json!({"requeued": done.queued, "asked": done.asked, "refused": done.refused, "past_key_window": past})))
 }
 
 #[derive(Deserialize)]

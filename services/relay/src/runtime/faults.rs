@@ -131,6 +131,11 @@ pub struct Sabotage {
     /// slot: a throttled endpoint's calls hold the slots the others need
     /// (second review of issue 28, N4).
     pub slot_kept_for_token: bool,
+    /// Provider profiles' answers about keys ignored: "in progress" and "same
+    /// key, other request" are read as plain statuses (issue 29, part 1).
+    pub key_answers_ignored: bool,
+    /// An unknown outcome re-sent to a provider without keys (issue 29, part 1).
+    pub unknown_resent: bool,
 }
 
 impl Sabotage {
@@ -155,13 +160,15 @@ impl Sabotage {
                 "claims-async" => s.claims_async = true,
                 "token-before-permit" => s.token_before_permit = true,
                 "slot-kept-for-token" => s.slot_kept_for_token = true,
+                "key-answers-ignored" => s.key_answers_ignored = true,
+                "unknown-resent" => s.unknown_resent = true,
                 other => {
                     return Err(format!(
                         "RELAY_SABOTAGE: unknown item {other:?} (offset-before-commit, no-inbox-dedup, \
                          fresh-idempotency-key, lease-checked-before-wait, null-as-text, ordering-by-insert, \
                          printed-values-only, controls-unchecked, blank-keys-as-keys, uncertainty-forgotten, \
                          lease-clock-after-claim, redirects-followed, fenced-by-id, claims-async, \
-                         token-before-permit, slot-kept-for-token)"
+                         token-before-permit, slot-kept-for-token, key-answers-ignored, unknown-resent)"
                     ));
                 }
             }

@@ -136,6 +136,12 @@ pub fn effects_dropped(endpoint: &str) {
     counter!("relay_outcome_effects_dropped_total", "endpoint" => endpoint.to_owned()).increment(1);
 }
 
+/// Calls whose provider said their idempotency key was already used with
+/// a different request: alert on any (two calls share a key, a bug upstream).
+pub fn key_mismatch(endpoint: &str) {
+    counter!("relay_call_key_mismatches_total", "endpoint" => endpoint.to_owned()).increment(1);
+}
+
 /// Outbox records acknowledged by the broker, or failed.
 pub fn published(topic: &str, ok: bool) {
     let name = if ok { "relay_outbox_published_total" } else { "relay_outbox_publish_failures_total" };

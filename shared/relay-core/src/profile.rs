@@ -1,0 +1,343 @@
+//! Provider profiles: where a provider wants the idempotency key, how long
+//! it remembers one, and what its answers about a key mean.
+//!
+//! An endpoint names a built-in [`ProfileName`] (`profile = "stripe"`) and
+//! may override any part under `[endpoints.NAME.idempotency]`
+//! ([`KeyOverrides`]); [`Profile::resolve`] makes the one value the
+//! dispatcher, the router and the checks read. The figures are the
+//! providers' public documentation (December 2026); where a provider does not
+//! document something (a key length, a window) the profile leaves it unset
+//! rather than guess, and the checks say so.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// A built-in profile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProfileName {
+    /// Stripe: `Idempotency-Key` (≤ 255 characters), kept at least 24 h;
+    /// `409` while a request with the key is in progress; `400` with
+    /// `error.type = "idempotency_error"` when the key was used with other
+    /// parameters.
+    Stripe,
+    /// Adyen: `Idempotency-Key` (≤ 64 characters), kept at least 31 days.
+    Adyen,
+    /// PayPal: `PayPal-Request-Id` (≤ 108 characters in the Orders v2
+    /// reference). How long it is kept depends on the API (Orders v2: 6 h,
+    /// the shortest documented, is the default here; set
+    /// `idempotency.window` for an API that keeps it longer).
+    Paypal,
+    /// Checkout.com: `Cko-Idempotency-Key`, kept 24 h by default in
+    /// production; concurrent requests with one key get `429` (retried like
+    /// any 429).
+    Checkout,
+    /// The IETF `Idempotency-Key` header draft: `409` while in progress,
+    /// `422` when the key was used with another request body. The draft
+    /// leaves the window to the server: set `idempotency.window`.
+    Ietf,
+    /// A provider without idempotency keys (most e-mail and SMS APIs): no
+    /// key is sent, and an attempt whose outcome is unknown is never sent
+    /// again blindly — the intent waits, uncertain, for an operator.
+    None,
+    /// Nothing built in: a key in `Idempotency-Key`, no window, no answers
+    /// of its own; say the rest under `[endpoints.NAME.idempotency]`.
+    Custom,
+}
+
+impl ProfileName {
+    /// The configured name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProfileName::Stripe => "stripe",
+            ProfileName::Adyen => "adyen",
+            ProfileName::Paypal => "paypal",
+            ProfileName::Checkout => "checkout",
+            ProfileName::Ietf => "ietf",
+            ProfileName::None => "none",
+            ProfileName::Custom => "custom",
+        }
+    }
+}
+
+/// Overrides of a profile (`[endpoints.NAME.idempotency]`): each one set
+/// replaces the profile's value.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeyOverrides {
+    /// The header carrying the key.
+    pub header: Option<String>,
+    /// A field of the JSON body carrying the key instead of a header
+    /// (dotted for nested objects: `meta.idempotency_key`).
+    pub body_field: Option<String>,
+    /// The longest key the provider accepts, in characters.
+    pub max_length: Option<usize>,
+    /// How long the provider remembers a key after its first use.
+    #[serde(default, with = "humantime_serde::option")]
+    pub window: Option<Duration>,
+    /// Statuses meaning "a request with this key is still being processed":
+    /// retried later, and not a new unknown outcome.
+    pub in_progress: Option<Vec<u16>>,
+    /// Answers meaning "this key was used with a different request": never
+    /// retried, the intent dead (a bug upstream: two calls share a key).
+    pub mismatch: Option<Vec<MismatchRule>>,
+}
+
+/// One answer meaning "same key, different request": a status, and
+/// optionally a string at a JSON Pointer of the body.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct MismatchRule {
+    /// HTTP status.
+    pub status: u16,
+    /// A JSON Pointer (RFC 6901) into the response body, e.g. `/error/type`.
+    pub pointer: Option<String>,
+    /// The string that must be there.
+    pub equals: Option<String>,
+}
+
+/// Where the key goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyPlacement {
+    /// In this header.
+    Header(String),
+    /// In this field of the JSON body (dotted for nested objects).
+    BodyField(String),
+    /// Nowhere: the provider has no keys.
+    Omitted,
+}
+
+/// What a provider's answer says about the key, when it says something.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyAnswer {
+    /// A request with the key is still being processed.
+    InProgress,
+    /// The key was used with a different request.
+    Mismatch,
+}
+
+/// An endpoint's profile with its overrides applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Profile {
+    /// The built-in it starts from.
+    pub name: ProfileName,
+    /// Where the key goes.
+    pub key: KeyPlacement,
+    /// The longest key accepted, in characters.
+    pub max_length: Option<usize>,
+    /// How long the provider remembers a key; `None`: not known.
+    pub window: Option<Duration>,
+    /// Statuses meaning "still in progress".
+    pub in_progress: Vec<u16>,
+    /// Answers meaning "same key, different request".
+    pub mismatch: Vec<MismatchRule>,
+}
+
+const HOUR: Duration = Duration::from_secs(3600);
+
+impl Profile {
+    /// A built-in profile as documented.
+    pub fn builtin(name: ProfileName) -> Profile {
+        let header = |h: &str| KeyPlacement::Header(h.to_owned());
+        let base = Profile {
+            name,
+            key: header("Idempotency-Key"),
+            max_length: None,
+            window: None,
+            in_progress: Vec::new(),
+            mismatch: Vec::new(),
+        };
+        match name {
+            ProfileName::Stripe => Profile {
+                max_length: Some(255),
+                window: Some(24 * HOUR),
+                in_progress: vec![409],
+                mismatch: vec![MismatchRule {
+                    status: 400,
+                    pointer: Some("/error/type".into()),
+                    equals: Some("idempotency_error".into()),
+                }],
+                ..base
+            },
+            ProfileName::Adyen => Profile { max_length: Some(64), window: Some(31 * 24 * HOUR), ..base },
+            ProfileName::Paypal => {
+                Profile { key: header("PayPal-Request-Id"), max_length: Some(108), window: Some(6 * HOUR), ..base }
+            }
+            ProfileName::Checkout => Profile { key: header("Cko-Idempotency-Key"), window: Some(24 * HOUR), ..base },
+            ProfileName::Ietf => Profile {
+                in_progress: vec![409],
+                mismatch: vec![MismatchRule { status: 422, pointer: None, equals: None }],
+                ..base
+            },
+            ProfileName::None => Profile { key: KeyPlacement::Omitted, ..base },
+            ProfileName::Custom => base,
+        }
+    }
+
+    /// `name` with `overrides` applied.
+    pub fn resolve(name: ProfileName, overrides: &KeyOverrides) -> Profile {
+        let mut p = Profile::builtin(name);
+        if let Some(h) = &overrides.header {
+            p.key = KeyPlacement::Header(h.clone());
+        }
+        if let Some(f) = &overrides.body_field {
+            p.key = KeyPlacement::BodyField(f.clone());
+        }
+        if let Some(n) = overrides.max_length {
+            p.max_length = Some(n);
+        }
+        if let Some(w) = overrides.window {
+            p.window = Some(w);
+        }
+        if let Some(s) = &overrides.in_progress {
+            p.in_progress = s.clone();
+        }
+        if let Some(m) = &overrides.mismatch {
+            p.mismatch = m.clone();
+        }
+        p
+    }
+
+    /// Whether an attempt whose outcome is unknown may be sent again: only
+    /// with a key the provider deduplicates on.
+    pub fn resends_unknown(&self) -> bool {
+        self.key != KeyPlacement::Omitted
+    }
+
+    /// Whether an answer with `status` is read beyond its first bytes to
+    /// tell what it says about the key.
+    pub fn reads_body(&self, status: u16) -> bool {
+        self.mismatch.iter().any(|m| m.status == status && m.pointer.is_some())
+    }
+
+    /// What an answer with `status` and (for [`Profile::reads_body`]) its
+    /// JSON `body` says about the key.
+    pub fn key_answer(&self, status: u16, body: Option<&serde_json::Value>) -> Option<KeyAnswer> {
+        if self.in_progress.contains(&status) {
+            return Some(KeyAnswer::InProgress);
+        }
+        let matches = |m: &MismatchRule| {
+            m.status == status
+                && match (&m.pointer, &m.equals) {
+                    (None, _) => true,
+                    (Some(ptr), want) => {
+                        let found = body.and_then(|b| b.pointer(ptr));
+                        match want {
+                            Some(w) => found.and_then(serde_json::Value::as_str) == Some(w.as_str()),
+                            None => found.is_some(),
+                        }
+                    }
+                }
+        };
+        self.mismatch.iter().any(matches).then_some(KeyAnswer::Mismatch)
+    }
+
+    /// Why `key` cannot be sent to this provider, if it cannot.
+    pub fn key_refused(&self, key: &str) -> Option<String> {
+        let len = key.chars().count();
+        match self.max_length {
+            Some(max) if len > max => Some(format!(
+                "the idempotency key is {len} characters long; profile {} accepts at most {max} \
+                 (shorten the call's idempotency_key template)",
+                self.name.as_str()
+            )),
+            _ if len == 0 && self.key != KeyPlacement::Omitted => {
+                Some("the idempotency key is empty; the provider could not deduplicate retries".into())
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Why a replay of an intent created at `created_at`, whose attempts would
+/// then run until `runs_until`, needs `--past-key-window`: the provider's
+/// `window` would close before, so a later attempt could be taken for a
+/// new request and applied again.
+pub fn replay_past_window(
+    created_at: chrono::DateTime<chrono::Utc>,
+    runs_until: chrono::DateTime<chrono::Utc>,
+    window: Duration,
+) -> Option<String> {
+    let closes = created_at + chrono::Duration::from_std(window).unwrap_or(chrono::Duration::MAX);
+    (runs_until > closes).then(|| {
+        format!(
+            "the provider remembers a key for {} after its first use (from {created_at}), so its window closes \
+             at {closes}, and the replay's attempts could run until {runs_until}: an attempt after the window \
+             would be taken as a new request and could be applied twice. Check with the provider that the call \
+             was not applied, then replay with --past-key-window",
+            humantime::format_duration(window)
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn stripe_says_in_progress_with_409_and_mismatch_with_an_idempotency_error() {
+        let p = Profile::builtin(ProfileName::Stripe);
+        assert_eq!(p.key_answer(409, None), Some(KeyAnswer::InProgress));
+        assert!(p.reads_body(400) && !p.reads_body(422));
+        let mismatch = json!({"error": {"message": "Keys for idempotent requests …", "type": "idempotency_error"}});
+        assert_eq!(p.key_answer(400, Some(&mismatch)), Some(KeyAnswer::Mismatch));
+        let invalid = json!({"error": {"type": "invalid_request_error"}});
+        assert_eq!(p.key_answer(400, Some(&invalid)), None, "an ordinary 400 is an ordinary 400");
+        assert_eq!(p.key_answer(400, None), None);
+        assert_eq!(p.key_answer(422, None), None);
+    }
+
+    #[test]
+    fn ietf_says_in_progress_with_409_and_mismatch_with_422() {
+        let p = Profile::builtin(ProfileName::Ietf);
+        assert_eq!(p.key_answer(409, None), Some(KeyAnswer::InProgress));
+        assert_eq!(p.key_answer(422, None), Some(KeyAnswer::Mismatch));
+        assert_eq!(p.key_answer(400, None), None);
+        assert_eq!(p.window, None, "the draft leaves the window to the server");
+    }
+
+    #[test]
+    fn overrides_replace_the_profiles_parts() {
+        let o = KeyOverrides {
+            body_field: Some("meta.key".into()),
+            window: Some(Duration::from_secs(7200)),
+            in_progress: Some(vec![423]),
+            ..KeyOverrides::default()
+        };
+        let p = Profile::resolve(ProfileName::Stripe, &o);
+        assert_eq!(p.key, KeyPlacement::BodyField("meta.key".into()));
+        assert_eq!(p.window, Some(Duration::from_secs(7200)));
+        assert_eq!(p.key_answer(423, None), Some(KeyAnswer::InProgress));
+        assert_eq!(p.key_answer(409, None), None);
+        assert_eq!(p.max_length, Some(255), "what is not overridden stays");
+    }
+
+    #[test]
+    fn only_a_profile_without_keys_refuses_to_resend_an_unknown_outcome() {
+        assert!(!Profile::builtin(ProfileName::None).resends_unknown());
+        for n in [ProfileName::Stripe, ProfileName::Adyen, ProfileName::Ietf, ProfileName::Custom] {
+            assert!(Profile::builtin(n).resends_unknown(), "{n:?}");
+        }
+    }
+
+    #[test]
+    fn a_key_longer_than_the_provider_takes_is_refused_naming_both_lengths() {
+        let adyen = Profile::builtin(ProfileName::Adyen);
+        assert_eq!(adyen.key_refused(&"k".repeat(64)), None);
+        let why = adyen.key_refused(&"é".repeat(65)).unwrap();
+        assert!(why.contains("65 characters") && why.contains("at most 64"), "{why}");
+        assert!(adyen.key_refused("").unwrap().contains("empty"));
+        assert_eq!(Profile::builtin(ProfileName::None).key_refused(""), None);
+    }
+
+    #[test]
+    fn a_replay_whose_attempts_would_outlive_the_window_needs_the_flag() {
+        let t = |h: i64| chrono::DateTime::UNIX_EPOCH + chrono::Duration::hours(h);
+        let day = Duration::from_secs(86_400);
+        assert_eq!(replay_past_window(t(0), t(24), day), None);
+        let why = replay_past_window(t(0), t(25), day).unwrap();
+        assert!(why.contains("1day") && why.contains("--past-key-window"), "{why}");
+    }
+}

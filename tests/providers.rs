@@ -1,0 +1,237 @@
+//! Provider profiles (issue 29, part 1) end to end: `relay run` against
+//! providers that answer as the IETF `Idempotency-Key` draft and as Stripe
+//! do, and one without keys; a key the provider would refuse refused at
+//! ingest; the key window checked by `relay check-config`, at start, and at
+//! a replay.
+
+pub mod support;
+
+use example_provider::{Dialect, FaultKind, FaultRule, Settings};
+use relay::Components;
+use serde_json::json;
+use support::ops::*;
+use support::*;
+
+fn settings(dialect: Dialect) -> Settings {
+    Settings { dialect, ..Settings::default() }
+}
+
+/// The base configuration and `routes`, with `lines` added to endpoint psp.
+fn config_with(h: &Harness, routes: &str, lines: &str) -> String {
+    let text = h.config_text(routes).replace("max_attempts = 5\n", "max_attempts = 20\n");
+    text.replace("[endpoints.psp]\n", &format!("[endpoints.psp]\n{lines}\n"))
+}
+
+fn fault(key: &str, times: Option<u32>, kind: FaultKind) -> FaultRule {
+    FaultRule { path_prefix: None, key_prefix: Some(key.into()), times, kind }
+}
+
+/// An order event whose amount differs from [`order`]'s: the same key
+/// (`capture:ORDER`), another body.
+fn order_for(id: &str, order: &str, amount: u32) -> TestEvent {
+    TestEvent::new(id, "order.placed", json!({"order_id": order, "amount": amount})).key(order)
+}
+
+async fn intent_row(h: &Harness, source_event: &str) -> (String, i32, Option<String>, Option<String>) {
+    sqlx::query_as("SELECT state, attempts, last_error_class, last_error FROM relay.intents WHERE source_event_id = $1")
+        .bind(source_event)
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap()
+}
+
+/// What a provider speaking `dialect` does with relay's calls under
+/// `profile`: an answer "in progress" after a timeout is retried to a
+/// success (not an unknown outcome: without the profile, the 409 would end
+/// the intent uncertain), a key reused with another body ends dead at
+/// once with the alert metric, and an ordinary 400 is an ordinary failure.
+async fn a_provider_s_answers_about_keys_are_read_as_its_profile_says(dialect: Dialect, profile: &str) {
+    let h = Harness::with_provider(1, settings(dialect)).await;
+    h.provider.set_faults(vec![
+        // Applied, answered after the 1 s timeout: the retries meet "in progress".
+        fault("capture:o-2", Some(1), FaultKind::StillRunningAfterApply { delay_ms: 1400 }),
+        fault("capture:o-4", None, FaultKind::Status { status: 400, retry_after_secs: None }),
+    ]);
+    h.send(&order("evt-1", "o-1")).await;
+    h.send(&order("evt-2", "o-2")).await;
+    h.send(&order_for("evt-3a", "o-3", 100)).await;
+    h.send(&order_for("evt-3b", "o-3", 999)).await;
+    h.send(&order("evt-4", "o-4")).await;
+    let text = config_with(&h, CAPTURE_ROUTE, &format!("profile = \"{profile}\"\nmax_age = \"1h\""));
+    let ((mut p, admin), _) = run_with_admin_config(&h, &text).await;
+    h.await_intents_finished(5).await;
+
+    assert_eq!(intent_row(&h, "evt-1").await.0, "succeeded");
+    let (state, attempts, ..) = intent_row(&h, "evt-2").await;
+    assert_eq!(state, "succeeded", "{dialect:?}: the 409 'in progress' was retried until the stored answer came");
+    assert!(attempts >= 2, "{attempts}");
+    let seen: Vec<(i32, Option<i32>, String)> = sqlx::query_as(
+        "SELECT a.attempt, a.status, a.outcome FROM relay.intent_attempts a
+           JOIN relay.intents i ON i.id = a.intent_id WHERE i.source_event_id = 'evt-2' ORDER BY a.attempt",
+    )
+    .fetch_all(&h.db.pool)
+    .await
+    .unwrap();
+    let in_progress = seen.iter().filter(|(_, status, outcome)| *status == Some(409) && outcome == "retryable");
+    assert!(
+        in_progress.count() >= 1,
+        "{dialect:?}: a 409 while the first request ran, recorded as retryable: {seen:?}"
+    );
+    assert_eq!(h.provider.stats().applied_for("capture:o-2"), 1);
+
+    // One of the two calls sharing a key was applied; the other is dead
+    // after one attempt, class key_mismatch, and never sent again.
+    let (a, b) = (intent_row(&h, "evt-3a").await, intent_row(&h, "evt-3b").await);
+    let (won, lost) = if a.0 == "succeeded" { (a, b) } else { (b, a) };
+    assert_eq!(won.0, "succeeded");
+    assert_eq!((lost.0.as_str(), lost.1, lost.2.as_deref()), ("dead", 1, Some("key_mismatch")), "{lost:?}");
+    assert!(lost.3.as_deref().unwrap_or("").contains("already used with a different request"), "{lost:?}");
+    assert_eq!(h.provider.stats().applied_for("capture:o-3"), 1);
+    assert_eq!(h.provider.stats().requests_for("capture:o-3"), 2, "the mismatch was not retried");
+
+    let (state, attempts, class, _) = intent_row(&h, "evt-4").await;
+    assert_eq!((state.as_str(), attempts, class.as_deref()), ("dead", 1, Some("http_status")), "an ordinary 400");
+
+    h.await_published(2 + 3).await; // captured ×3, failed ×2
+    let (_, metrics) = admin.get("/metrics", None).await;
+    assert_eq!(metric(&metrics, "relay_call_key_mismatches_total", &[("endpoint", "psp")]), Some(1.0), "{metrics}");
+    p.terminate(DEADLINE).unwrap();
+    assert!(h.provider.stats().double_applied().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_ietf_provider_s_409_is_in_progress_and_its_422_a_key_reused_with_another_body() {
+    a_provider_s_answers_about_keys_are_read_as_its_profile_says(Dialect::Ietf, "ietf").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stripe_provider_s_409_is_in_progress_and_its_idempotency_error_a_key_reused_with_other_parameters() {
+    a_provider_s_answers_about_keys_are_read_as_its_profile_says(Dialect::Stripe, "stripe").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn without_keys_a_call_whose_outcome_is_unknown_is_never_sent_again() {
+    let h = Harness::with_provider(1, settings(Dialect::Keyless)).await;
+    h.provider.set_faults(vec![FaultRule {
+        path_prefix: Some("/captures/o-1".into()),
+        key_prefix: None,
+        times: None,
+        kind: FaultKind::TimeoutAfterApply { delay_ms: 1500 },
+    }]);
+    h.send(&order("evt-1", "o-1")).await;
+    h.send(&order("evt-2", "o-2")).await;
+    let text = config_with(&h, CAPTURE_ROUTE, "profile = \"none\"");
+    let mut p = h.process(&h.write_config(&text), &["run"], &[]);
+    h.await_intents_finished(2).await;
+    let (state, attempts, _, error) = intent_row(&h, "evt-1").await;
+    assert_eq!((state.as_str(), attempts), ("uncertain", 1), "{error:?}");
+    assert!(error.unwrap_or_default().contains("profile none"));
+    assert_eq!(intent_row(&h, "evt-2").await.0, "succeeded");
+    let stats = h.provider.stats();
+    assert_eq!((stats.requests, stats.applied, stats.missing_key), (2, 2, 0), "one request each, none re-sent");
+    // Neither on_success nor on_dead for the unknown one.
+    h.await_published(1).await;
+    assert_eq!(h.db.count("outbox", "event_type = 'payment.failed'").await, 0);
+    p.terminate(DEADLINE).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_key_longer_than_the_provider_accepts_is_dead_lettered_at_ingest_naming_both_lengths() {
+    let h = Harness::new(1).await;
+    let long = "o".repeat(60); // "capture:" + 60 = 68 characters; Adyen takes 64.
+    h.send(&order("evt-1", &long)).await;
+    h.send(&order("evt-2", "o-2")).await;
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.endpoints.get_mut("psp").unwrap().profile = Some(relay_core::profile::ProfileName::Adyen);
+    let run = h.start(cfg, Components::ALL, no_faults()).await;
+    h.await_intents_finished(1).await;
+    let reason = eventually("the event dead-lettered", DEADLINE, || async {
+        sqlx::query_scalar::<_, String>("SELECT reason FROM relay.dead_letters WHERE event_id = 'evt-1'")
+            .fetch_optional(&h.db.pool)
+            .await
+            .unwrap()
+    })
+    .await;
+    assert!(reason.contains("68 characters") && reason.contains("at most 64"), "{reason}");
+    run.stop().await.unwrap();
+    assert_eq!(h.provider.stats().requests, 1, "only o-2 was called");
+}
+
+/// Capture without on_dead effects (a dead one may be replayed).
+const CAPTURE_ONLY: &str = r#"
+[[routes]]
+name = "order-placed"
+topic = "{topic}"
+type = "order.placed"
+
+[[routes.actions]]
+kind = "call"
+name = "capture"
+endpoint = "psp"
+path = "/captures/{{ data.order_id }}"
+idempotency_key = "capture:{{ data.order_id }}"
+body = { order_id = "{{ data.order_id }}" }
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn check_config_and_the_start_refuse_a_key_window_shorter_than_the_retry_horizon() {
+    let h = Harness::new(1).await;
+    // Stripe keeps keys 24 h; the default max_age (24 h) + replay_window (1 h) is longer.
+    let short = h.write_config(&config_with(&h, CAPTURE_ONLY, "profile = \"stripe\""));
+    let (ok, out) = cli(&h, &short, &["check-config"]).await;
+    assert!(!ok, "{out}");
+    for part in ["endpoints.psp", "for 1day (profile stripe)", "1day 1h (max_age 1day + replay_window 1h)"] {
+        assert!(out.contains(part), "{part:?} in {out}");
+    }
+    let (ok, out) = cli(&h, &short, &["run"]).await;
+    assert!(!ok && out.contains("endpoints.psp: the provider remembers an idempotency key for 1day"), "{out}");
+
+    let warned = h.write_config(&config_with(&h, CAPTURE_ONLY, "profile = \"stripe\"\non_short_key_window = \"warn\""));
+    let (ok, out) = cli(&h, &warned, &["check-config"]).await;
+    assert!(ok, "{out}");
+    assert!(out.contains("key window 1day is SHORTER than the retry horizon 1day 1h"), "{out}");
+    assert!(out.contains("warning: endpoints.psp: the provider remembers"), "{out}");
+
+    let fits = h.write_config(&config_with(&h, CAPTURE_ONLY, "profile = \"stripe\"\nmax_age = \"20h\""));
+    let (ok, out) = cli(&h, &fits, &["check-config"]).await;
+    assert!(ok && out.contains("profile stripe, key in header Idempotency-Key; key window 1day covers"), "{out}");
+    let unknown = h.write_config(&config_with(&h, CAPTURE_ONLY, "profile = \"ietf\""));
+    let (ok, out) = cli(&h, &unknown, &["check-config"]).await;
+    assert!(ok && out.contains("key window unknown"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replay_whose_attempts_could_outlive_the_key_window_asks_for_past_key_window() {
+    let h = Harness::new(1).await;
+    h.provider.set_faults(vec![fault("capture:o-1", None, FaultKind::Status { status: 400, retry_after_secs: None })]);
+    h.send(&order("evt-1", "o-1")).await;
+    let lines = "profile = \"ietf\"\nidempotency = { window = \"3h\" }\nmax_age = \"1h\"\nreplay_window = \"1h\"";
+    let config = h.write_config(&config_with(&h, CAPTURE_ONLY, lines));
+    let mut p = h.process(&config, &["run"], &[]);
+    h.await_intents_finished(1).await;
+    let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents").fetch_one(&h.db.pool).await.unwrap();
+    // Written 150 minutes ago: the provider forgets the key 30 minutes from
+    // now, and a replay's attempts would run for an hour.
+    sqlx::query(
+        "UPDATE relay.intents SET created_at = created_at - interval '150 minutes',
+                                  expires_at = expires_at - interval '150 minutes'",
+    )
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    h.provider.set_faults(vec![]);
+    let (ok, out) = cli(&h, &config, &["intents", "replay", &id.to_string()]).await;
+    assert!(!ok, "{out}");
+    assert!(out.contains("remembers a key for 3h") && out.contains("--past-key-window"), "{out}");
+    assert_eq!(intent_row(&h, "evt-1").await.0, "dead", "left as it was");
+    assert_eq!(h.provider.stats().requests_for("capture:o-1"), 1);
+
+    let (ok, out) = cli(&h, &config, &["intents", "replay", &id.to_string(), "--past-key-window"]).await;
+    assert!(ok, "{out}");
+    eventually("the replayed intent to succeed", DEADLINE, || async {
+        (intent_row(&h, "evt-1").await.0 == "succeeded").then_some(())
+    })
+    .await;
+    assert_eq!(h.provider.stats().applied_for("capture:o-1"), 1);
+    p.terminate(DEADLINE).unwrap();
+}
