@@ -1289,7 +1289,7 @@ async fn an_intent_out_of_budget_after_an_uncertain_attempt_is_left_uncertain_wi
     let mut conn = h.db.conn().await.unwrap();
     let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents").fetch_one(&mut *conn).await.unwrap();
     assert_eq!(
-        intents::requeue(&mut conn, &h.consumer, id, |_| None).await.unwrap(),
+        intents::requeue(&mut conn, &h.consumer, id, |_| intents::ReplayRules::ANY).await.unwrap(),
         intents::Requeue::Queued,
         "an uncertain intent can be replayed"
     );
@@ -1495,7 +1495,10 @@ async fn once_an_attempt_may_have_been_applied_the_intent_never_ends_dead_whatev
     // stays as possible as it was.
     let mut conn = h.db.conn().await.unwrap();
     let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents").fetch_one(&mut *conn).await.unwrap();
-    assert_eq!(intents::requeue(&mut conn, &h.consumer, id, |_| None).await.unwrap(), intents::Requeue::Queued);
+    assert_eq!(
+        intents::requeue(&mut conn, &h.consumer, id, |_| intents::ReplayRules::ANY).await.unwrap(),
+        intents::Requeue::Queued
+    );
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
     assert_eq!(ending(&h, "capture:o-1").await, ("uncertain".into(), Some(503), true));
@@ -1903,14 +1906,17 @@ async fn an_uncertain_intent_holds_its_ordering_key_and_a_replayed_dead_one_goes
     end(rows[0].id, "uncertain").await;
     assert!(claim().await.is_empty(), "the key waits while its earlier call's effect is unknown");
     // Replayed, it goes first: it is still the earliest of its key.
-    assert_eq!(intents::requeue(&mut conn, "c", rows[0].id, |_| None).await.unwrap(), intents::Requeue::Queued);
+    assert_eq!(
+        intents::requeue(&mut conn, "c", rows[0].id, |_| intents::ReplayRules::ANY).await.unwrap(),
+        intents::Requeue::Queued
+    );
     assert_eq!(claim().await, vec![rows[0].id]);
     end(rows[0].id, "succeeded").await;
     // A dead intent releases its key; replayed, it goes behind the rest.
     assert_eq!(claim().await, vec![rows[1].id]);
     end(rows[1].id, "dead").await;
     assert_eq!(
-        intents::requeue(&mut conn, "c", rows[1].id, |_| None).await.unwrap(),
+        intents::requeue(&mut conn, "c", rows[1].id, |_| intents::ReplayRules::ANY).await.unwrap(),
         intents::Requeue::QueuedBehindItsKey
     );
     assert_eq!(claim().await, vec![rows[2].id], "the key's later intent first");

@@ -578,7 +578,10 @@ async fn intents_an_earlier_version_left_are_claimed_and_replayed_after_the_upgr
         .await
         .unwrap();
     let mut conn = db.conn().await.unwrap();
-    assert_eq!(intents::requeue(&mut conn, "plans", dead, |_| None).await.unwrap(), intents::Requeue::Queued);
+    assert_eq!(
+        intents::requeue(&mut conn, "plans", dead, |_| intents::ReplayRules::ANY).await.unwrap(),
+        intents::Requeue::Queued
+    );
 }
 
 #[tokio::test]
@@ -630,7 +633,7 @@ async fn dead_outbox_rows_an_earlier_version_left_behind_published_ones_are_skip
 
 #[tokio::test]
 async fn the_stored_names_of_outcomes_and_error_classes_are_the_types_names() {
-    // AttemptOutcome and ErrorClass decide what a stored name means; the
+    // AttemptOutcome, ErrorClass and Reconciled decide what a stored name means; the
     // CHECK constraints must accept exactly those names.
     let db = TestDb::new().await.unwrap();
     let allowed = async |constraint: &str| -> Vec<String> {
@@ -651,4 +654,8 @@ async fn the_stored_names_of_outcomes_and_error_classes_are_the_types_names() {
     outcomes.push("running".into()); // the default of a row being written, never an outcome
     outcomes.sort();
     assert_eq!(allowed("intent_attempts_outcome_known").await, outcomes);
+    let mut verdicts: Vec<String> =
+        relay_core::profile::Reconciled::ALL.iter().map(|v| v.as_str().to_owned()).collect();
+    verdicts.sort();
+    assert_eq!(allowed("intent_reconciliations_verdict_known").await, verdicts);
 }

@@ -120,8 +120,8 @@ async fn without_keys_a_call_whose_outcome_is_unknown_is_never_sent_again() {
     }]);
     h.send(&order("evt-1", "o-1")).await;
     h.send(&order("evt-2", "o-2")).await;
-    let text = config_with(&h, CAPTURE_ROUTE, "profile = \"none\"");
-    let mut p = h.process(&h.write_config(&text), &["run"], &[]);
+    let config = h.write_config(&config_with(&h, CAPTURE_ROUTE, "profile = \"none\""));
+    let mut p = h.process(&config, &["run"], &[]);
     h.await_intents_finished(2).await;
     let (state, attempts, _, error) = intent_row(&h, "evt-1").await;
     assert_eq!((state.as_str(), attempts), ("uncertain", 1), "{error:?}");
@@ -132,6 +132,14 @@ async fn without_keys_a_call_whose_outcome_is_unknown_is_never_sent_again() {
     // Neither on_success nor on_dead for the unknown one.
     h.await_published(1).await;
     assert_eq!(h.db.count("outbox", "event_type = 'payment.failed'").await, 0);
+    // Nor does an operator's replay send it blindly: it says what to do instead.
+    let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents WHERE state = 'uncertain'")
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    let (ok, out) = cli(&h, &config, &["intents", "replay", &id.to_string()]).await;
+    assert!(!ok && out.contains("keeps no idempotency keys") && out.contains("relay intents resolve"), "{out}");
+    assert_eq!(intent_row(&h, "evt-1").await.0, "uncertain");
     p.terminate(DEADLINE).unwrap();
 }
 
@@ -233,5 +241,137 @@ async fn a_replay_whose_attempts_could_outlive_the_key_window_asks_for_past_key_
     })
     .await;
     assert_eq!(h.provider.stats().applied_for("capture:o-1"), 1);
+    p.terminate(DEADLINE).unwrap();
+}
+
+/// Reconcile with a lookup at the example provider's status API.
+const LOOKUP: &str = r#"[endpoints.psp.reconcile]
+path = "/lookup/{{ intent_id }}"
+after = "200ms"
+interval = "200ms"
+max_attempts = 3
+succeeded = [{ status = 200, pointer = "/state", equals = "applied" }]
+not_applied = [{ status = 404 }]
+"#;
+
+fn path_fault(prefix: &str, times: Option<u32>, kind: FaultKind) -> FaultRule {
+    FaultRule { path_prefix: Some(prefix.into()), key_prefix: None, times, kind }
+}
+
+async fn reconciliations(h: &Harness, source_event: &str) -> Vec<(i32, String, Option<i32>)> {
+    sqlx::query_as(
+        "SELECT r.n, r.verdict, r.status FROM relay.intent_reconciliations r
+           JOIN relay.intents i ON i.id = r.intent_id WHERE i.source_event_id = $1 ORDER BY r.n",
+    )
+    .bind(source_event)
+    .fetch_all(&h.db.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn uncertain_calls_to_a_provider_without_keys_are_reconciled_by_a_lookup_and_settled_once() {
+    let h = Harness::with_provider(1, settings(Dialect::Keyless)).await;
+    h.provider.set_faults(vec![
+        // Applied, answered after relay's 1 s timeout.
+        path_fault("/captures/o-1", None, FaultKind::TimeoutAfterApply { delay_ms: 1500 }),
+        // Not applied, answered (503) after the timeout: relay cannot know.
+        path_fault("/captures/o-2", Some(1), FaultKind::TimeoutBeforeApply { delay_ms: 1500 }),
+    ]);
+    h.send(&order("evt-1", "o-1")).await;
+    h.send(&order("evt-2", "o-2")).await;
+    let text = format!("{}\n{LOOKUP}", config_with(&h, CAPTURE_ROUTE, "profile = \"none\""));
+    let ((mut p, admin), config) = run_with_admin_config(&h, &text).await;
+    eventually("both intents settled", DEADLINE, || async {
+        let done = h.db.count("intents", "state = 'succeeded'").await == 2;
+        done.then_some(())
+    })
+    .await;
+    // o-1: one request, applied; the lookup found it; on_success recorded once.
+    assert_eq!(reconciliations(&h, "evt-1").await, [(1, "succeeded".to_owned(), Some(200))]);
+    let (_, attempts, _, last) = intent_row(&h, "evt-1").await;
+    assert_eq!(attempts, 1);
+    assert!(last.unwrap_or_default().contains("reconciled by a lookup: the provider applied it"));
+    // o-2: not applied, so sent again (once) and applied.
+    assert_eq!(reconciliations(&h, "evt-2").await, [(1, "not_applied".to_owned(), Some(404))]);
+    assert_eq!(intent_row(&h, "evt-2").await.1, 2, "sent again after the provider said it had not applied it");
+    let stats = h.provider.stats();
+    assert_eq!((stats.requests, stats.applied), (3, 2), "{stats:?}");
+    assert!(stats.double_applied().is_empty());
+    h.await_published(2).await;
+    assert_eq!(h.db.count("outbox", "event_type = 'payment.captured'").await, 2);
+    assert_eq!(h.db.count("outbox", "event_type = 'payment.failed'").await, 0);
+    let (_, metrics) = admin.get("/metrics", None).await;
+    for verdict in ["succeeded", "not_applied"] {
+        let m = metric(&metrics, "relay_reconciliations_total", &[("endpoint", "psp"), ("verdict", verdict)]);
+        assert_eq!(m, Some(1.0), "{verdict}: {metrics}");
+    }
+    // The history says so, in `relay intents show`.
+    let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents WHERE source_event_id = 'evt-1'")
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    let (ok, out) = cli(&h, &config, &["intents", "show", &id.to_string()]).await;
+    assert!(ok && out.contains("reconciliations") && out.contains("#1   succeeded      200"), "{out}");
+    p.terminate(DEADLINE).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_intent_whose_provider_cannot_say_stays_uncertain_once_its_reconciliations_are_spent() {
+    let h = Harness::with_provider(1, settings(Dialect::Keyless)).await;
+    h.provider.set_faults(vec![
+        path_fault("/captures/", None, FaultKind::TimeoutAfterApply { delay_ms: 1500 }),
+        path_fault("/lookup/", None, FaultKind::Status { status: 503, retry_after_secs: None }),
+    ]);
+    h.send(&order("evt-1", "o-1")).await;
+    let text = format!("{}\n{LOOKUP}", config_with(&h, CAPTURE_ROUTE, "profile = \"none\""));
+    let mut cfg = relay_core::RelayConfig::from_toml(&text).unwrap();
+    cfg.database.url = Some(h.db.url.clone().into());
+    let run = h.start(cfg, Components::ALL, no_faults()).await;
+    let spent = eventually("three reconciliations", DEADLINE, || async {
+        let r = reconciliations(&h, "evt-1").await;
+        (r.len() == 3 && h.db.count("intents", "state = 'uncertain'").await == 1).then_some(r)
+    })
+    .await;
+    assert!(spent.iter().all(|(_, v, s)| v == "unknown" && *s == Some(503)), "{spent:?}");
+    // Spent: no reconciler takes it again, however long it waits.
+    let mut conn = h.db.pool.acquire().await.unwrap();
+    let again = relay_store::reconciliations::take_due(
+        &mut conn,
+        &h.consumer,
+        "psp",
+        std::time::Duration::ZERO,
+        3,
+        10,
+        "test",
+        std::time::Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert!(again.is_empty());
+    run.stop().await.unwrap();
+    assert_eq!(h.provider.stats().requests, 1, "never sent again");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stripe_call_left_uncertain_is_reconciled_by_sending_it_again_with_its_key() {
+    let h = Harness::with_provider(1, settings(Dialect::Stripe)).await;
+    h.provider.set_faults(vec![fault("capture:o-1", Some(1), FaultKind::TimeoutAfterApply { delay_ms: 1500 })]);
+    h.send(&order("evt-1", "o-1")).await;
+    // One attempt: its timeout leaves the intent uncertain at once.
+    let text = h.config_text(CAPTURE_ROUTE).replace("max_attempts = 5\n", "max_attempts = 1\n").replace(
+        "[endpoints.psp]\n",
+        "[endpoints.psp]\nprofile = \"stripe\"\nmax_age = \"1h\"\nreconcile = { resend = true, after = \"200ms\" }\n",
+    );
+    let mut p = h.process(&h.write_config(&text), &["run"], &[]);
+    eventually("the intent reconciled", DEADLINE, || async {
+        (h.db.count("intents", "state = 'succeeded'").await == 1).then_some(())
+    })
+    .await;
+    assert_eq!(reconciliations(&h, "evt-1").await, [(1, "succeeded".to_owned(), Some(201))]);
+    let stats = h.provider.stats();
+    assert_eq!((stats.applied_for("capture:o-1"), stats.requests_for("capture:o-1"), stats.replayed), (1, 2, 1));
+    h.await_published(1).await;
+    assert_eq!(h.db.count("outbox", "event_type = 'payment.captured'").await, 1);
     p.terminate(DEADLINE).unwrap();
 }

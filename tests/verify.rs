@@ -224,3 +224,35 @@ async fn an_intent_that_ended_dead_after_an_attempt_that_may_have_been_applied_i
     assert_eq!(checks(&r), vec!["dead_after_uncertain"], "{}", r.render());
     assert!(r.violations[0].ids[0].contains("(capture:o-1): attempt 1 was uncertain"), "{:?}", r.violations[0].ids);
 }
+
+#[tokio::test]
+async fn an_intent_a_reconciliation_found_not_applied_may_end_dead_without_a_report() {
+    // Issue 29 part 2: a timeout after sending (uncertain), then the
+    // provider's status API says it was not applied: the doubt is settled,
+    // the call is sent again, refused for good, and ends dead with
+    // payment.failed. That is the provider's word, not a guess.
+    let h = Harness::new(1).await;
+    let rule = |times, kind| FaultRule { path_prefix: Some("/captures/o-1".into()), key_prefix: None, times, kind };
+    h.provider.set_faults(vec![
+        rule(Some(1), FaultKind::TimeoutBeforeApply { delay_ms: 1500 }),
+        rule(None, FaultKind::Status { status: 400, retry_after_secs: None }),
+    ]);
+    h.send(&order("evt-1", "o-1")).await;
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.endpoints.get_mut("psp").unwrap().reconcile = Some(
+        serde_json::from_value(serde_json::json!({
+            "path": "/lookup/{{ intent_id }}", "after": "100ms", "interval": "100ms", "not_applied": [{"status": 404}],
+        }))
+        .unwrap(),
+    );
+    let run = h.start(cfg.clone(), Components::ALL, no_faults()).await;
+    eventually("the intent dead after its reconciliation", DEADLINE, || async {
+        (h.db.count("intents", "state = 'dead'").await == 1).then_some(())
+    })
+    .await;
+    h.await_published(1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.db.count("intent_reconciliations", "verdict = 'not_applied'").await, 1);
+    let r = check(&h, &cfg).await;
+    assert!(!checks(&r).contains(&"dead_after_uncertain"), "{}", r.render());
+}

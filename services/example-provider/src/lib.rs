@@ -439,6 +439,9 @@ enum Plan {
 
 async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
     let path = uri.path().to_owned();
+    if method == Method::GET && path.starts_with("/lookup/") {
+        return lookup(&s, &path);
+    }
     let dialect = s.settings.dialect;
     let header = if dialect == Dialect::Keyless { "x-relay-intent-id" } else { s.settings.idempotency_header.as_str() };
     let Some(key) = headers.get(header).and_then(|v| v.to_str().ok()).map(str::to_owned) else {
@@ -603,6 +606,32 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
             }
             (StatusCode::CREATED, axum::Json(response)).into_response()
         }
+    }
+}
+
+/// `GET /lookup/INTENT_ID`: what became of the call of relay intent
+/// `INTENT_ID` (its `X-Relay-Intent-Id`), as a provider's status API says
+/// it: `200 {"state": "applied", "id": …}` or `404 {"state": "unknown"}`.
+/// A `Status` fault rule whose path prefix matches answers instead (a
+/// status API that is down).
+fn lookup(s: &AppState, path: &str) -> Response {
+    let inner = s.inner.lock().expect("provider lock");
+    let down = inner.rules.iter().find_map(|r| match &r.kind {
+        FaultKind::Status { status, retry_after_secs }
+            if r.path_prefix.as_deref().is_some_and(|p| path.starts_with(p)) =>
+        {
+            Some((*status, *retry_after_secs))
+        }
+        _ => None,
+    });
+    if let Some((status, retry_after)) = down {
+        return fail(status, retry_after);
+    }
+    let intent = path.trim_start_matches("/lookup/");
+    let applied = inner.log.iter().position(|a| a.intent_id.as_deref() == Some(intent));
+    match applied {
+        Some(n) => axum::Json(json!({"state": "applied", "id": format!("res_{}", n + 1)})).into_response(),
+        None => (StatusCode::NOT_FOUND, axum::Json(json!({"state": "unknown"}))).into_response(),
     }
 }
 

@@ -380,6 +380,19 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                     e.base_url, e.timeout, e.max_attempts, e.max_age
                 );
                 println!("    {}", key_window_line(e));
+                if let Some(r) = &e.reconcile {
+                    let how = match &r.path {
+                        Some(p) => format!("by a lookup {} {}", r.method, safe(p)),
+                        None => "by sending the call again with its key".into(),
+                    };
+                    let d = |d: std::time::Duration| humantime::format_duration(d).to_string();
+                    println!(
+                        "    uncertain intents reconciled {how}, {} after, every {}, at most {} times",
+                        d(r.after),
+                        d(r.interval),
+                        r.max_attempts
+                    );
+                }
                 for (key, path) in e.tls.files() {
                     println!("    tls.{key} {}", path.display());
                 }
@@ -780,7 +793,7 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
             }
         }
         IntentCommand::Show { id } => {
-            let (i, attempts) = ops.intent(id).await?;
+            let relay::ops::admin::IntentHistory { intent: i, attempts, reconciliations } = ops.intent(id).await?;
             println!("intent {}", i.id);
             println!("  call       {} {} on endpoint {}", i.method, safe(&i.path), i.endpoint);
             println!("  key        {}", safe(&i.idempotency_key));
@@ -804,6 +817,20 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
                     a.error.map(|e| format!(": {}", safe(&e))).unwrap_or_default()
                 );
             }
+            if !reconciliations.is_empty() {
+                println!("  reconciliations (the provider asked what became of an unknown outcome)");
+            }
+            for r in reconciliations {
+                println!(
+                    "    #{:<3} {:<13} {:>4} {} by {}{}",
+                    r.n,
+                    r.verdict,
+                    r.status.map_or("-".into(), |s| s.to_string()),
+                    r.started_at.unwrap_or(r.finished_at),
+                    r.worker,
+                    r.error.map(|e| format!(": {}", safe(&e))).unwrap_or_default()
+                );
+            }
         }
         IntentCommand::Resolve { id, succeeded, failed: _, note } => {
             let resolution = if succeeded { IntentResolution::Succeeded } else { IntentResolution::Failed };
@@ -818,7 +845,7 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
             let which = if all { Intents::Dead { endpoint } } else { Intents::Ids(ids) };
             let window = if past_key_window { KeyWindow::PastAllowed } else { KeyWindow::Within };
             let done = ops.requeue_all(which, window, |n| eprintln!("  {n} done")).await?;
-            for (id, why) in &done.past_key_window {
+            for (id, why) in &done.not_replayed {
                 println!("{id}: not replayed: {why}");
             }
             for id in &done.left {
@@ -831,7 +858,7 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
                 println!("{id}: queued behind the later intents of its ordering key (they ran while it was dead)");
             }
             println!("queued again: {} of {} (same ids, same idempotency keys)", done.queued, done.asked);
-            let refused = done.refused.len() + done.past_key_window.len();
+            let refused = done.refused.len() + done.not_replayed.len();
             anyhow::ensure!(refused == 0, "{refused} of {} intents were refused (see above)", done.asked);
         }
     }

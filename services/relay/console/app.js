@@ -161,15 +161,24 @@ async function renderDeadOutbox() {
 }
 
 async function showTimeline(id) {
-  const { attempts } = await api(`/api/intents/${id}`);
+  const { attempts, reconciliations } = await api(`/api/intents/${id}`);
   $("#timeline-id").textContent = id;
-  $("#timeline-list").replaceChildren(...attempts.map((a) => {
+  const calls = attempts.map((a) => {
     const li = document.createElement("li");
     li.className = "outcome-" + a.outcome;
     const when = a.started_at || a.claimed_at;
     li.textContent = `#${a.attempt} ${a.outcome}${a.status ? " HTTP " + a.status : ""} at ${new Date(when).toLocaleTimeString()} by ${a.worker}${a.error ? " — " + a.error : ""}`;
     return li;
-  }));
+  });
+  // Questions to the provider about an unknown outcome, after the calls.
+  const asked = (reconciliations || []).map((r) => {
+    const li = document.createElement("li");
+    li.className = "reconciled-" + r.verdict;
+    const when = r.started_at || r.finished_at;
+    li.textContent = `reconciliation #${r.n} ${r.verdict}${r.status ? " HTTP " + r.status : ""} at ${new Date(when).toLocaleTimeString()} by ${r.worker}${r.error ? " — " + r.error : ""}`;
+    return li;
+  });
+  $("#timeline-list").replaceChildren(...calls, ...asked);
   $("#timeline").hidden = false;
 }
 

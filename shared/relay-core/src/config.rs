@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use url::Url;
 
 use crate::envelope::{FieldOverrides, FieldSource, TopicFormat};
-use crate::profile::{KeyOverrides, KeyPlacement, Profile, ProfileName};
+use crate::profile::{KeyOverrides, KeyPlacement, Profile, ProfileName, ReconcileConfig};
 use crate::retry::BackoffPolicy;
 
 /// The whole configuration of a relay process.
@@ -621,6 +621,10 @@ pub struct EndpointConfig {
     /// When the retry horizon is longer than the provider's key window.
     #[serde(default)]
     pub on_short_key_window: Shortfall,
+    /// How to ask the provider what became of a call whose outcome is
+    /// unknown (`[endpoints.NAME.reconcile]`); without it, uncertain intents
+    /// wait for an operator.
+    pub reconcile: Option<ReconcileConfig>,
     /// Environment variable holding a bearer token for this endpoint.
     pub token_env: Option<String>,
     /// Static request headers.
@@ -1035,11 +1039,16 @@ fn check_profile(at: &str, e: &EndpointConfig, p: &mut Vec<String>) {
         p.push(format!("{at}.idempotency.max_length: must be at least 1"));
     }
     for (i, m) in profile.mismatch.iter().enumerate() {
-        if m.pointer.as_deref().is_some_and(|ptr| !ptr.is_empty() && !ptr.starts_with('/')) {
-            p.push(format!("{at}.idempotency.mismatch[{i}].pointer: a JSON Pointer starts with / (e.g. /error/type)"));
-        }
-        if m.equals.is_some() && m.pointer.is_none() {
-            p.push(format!("{at}.idempotency.mismatch[{i}]: equals needs a pointer (where in the body to look)"));
+        p.extend(m.problems(&format!("{at}.idempotency.mismatch[{i}]")));
+    }
+    if let Some(r) = &e.reconcile {
+        p.extend(r.problems(&format!("{at}.reconcile"), &profile));
+        if let Some(path) = &r.path {
+            let mut b = crate::template::TemplateBuilder::default();
+            b.path(&format!("{at}.reconcile.path"), path);
+            if let Err(errors) = b.finish() {
+                p.extend(errors.into_iter().map(|e| e.to_string()));
+            }
         }
     }
     if e.on_short_key_window == Shortfall::Refuse

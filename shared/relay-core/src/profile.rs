@@ -81,20 +81,47 @@ pub struct KeyOverrides {
     pub in_progress: Option<Vec<u16>>,
     /// Answers meaning "this key was used with a different request": never
     /// retried, the intent dead (a bug upstream: two calls share a key).
-    pub mismatch: Option<Vec<MismatchRule>>,
+    pub mismatch: Option<Vec<AnswerRule>>,
 }
 
-/// One answer meaning "same key, different request": a status, and
-/// optionally a string at a JSON Pointer of the body.
+/// An answer of a given meaning: a status, and optionally something at a
+/// JSON Pointer of the body (the string `equals`, or anything).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct MismatchRule {
+pub struct AnswerRule {
     /// HTTP status.
     pub status: u16,
     /// A JSON Pointer (RFC 6901) into the response body, e.g. `/error/type`.
     pub pointer: Option<String>,
     /// The string that must be there.
     pub equals: Option<String>,
+}
+
+impl AnswerRule {
+    /// Whether an answer with `status` and JSON `body` is this one.
+    pub fn matches(&self, status: u16, body: Option<&serde_json::Value>) -> bool {
+        if self.status != status {
+            return false;
+        }
+        let Some(ptr) = &self.pointer else { return true };
+        let found = body.and_then(|b| b.pointer(ptr));
+        match &self.equals {
+            Some(want) => found.and_then(serde_json::Value::as_str) == Some(want.as_str()),
+            None => found.is_some(),
+        }
+    }
+
+    /// The problems of this rule at `at`.
+    pub fn problems(&self, at: &str) -> Vec<String> {
+        let mut p = Vec::new();
+        if self.pointer.as_deref().is_some_and(|ptr| !ptr.is_empty() && !ptr.starts_with('/')) {
+            p.push(format!("{at}.pointer: a JSON Pointer starts with / (e.g. /error/type)"));
+        }
+        if self.equals.is_some() && self.pointer.is_none() {
+            p.push(format!("{at}: equals needs a pointer (where in the body to look)"));
+        }
+        p
+    }
 }
 
 /// Where the key goes.
@@ -131,7 +158,7 @@ pub struct Profile {
     /// Statuses meaning "still in progress".
     pub in_progress: Vec<u16>,
     /// Answers meaning "same key, different request".
-    pub mismatch: Vec<MismatchRule>,
+    pub mismatch: Vec<AnswerRule>,
 }
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -153,7 +180,7 @@ impl Profile {
                 max_length: Some(255),
                 window: Some(24 * HOUR),
                 in_progress: vec![409],
-                mismatch: vec![MismatchRule {
+                mismatch: vec![AnswerRule {
                     status: 400,
                     pointer: Some("/error/type".into()),
                     equals: Some("idempotency_error".into()),
@@ -167,7 +194,7 @@ impl Profile {
             ProfileName::Checkout => Profile { key: header("Cko-Idempotency-Key"), window: Some(24 * HOUR), ..base },
             ProfileName::Ietf => Profile {
                 in_progress: vec![409],
-                mismatch: vec![MismatchRule { status: 422, pointer: None, equals: None }],
+                mismatch: vec![AnswerRule { status: 422, pointer: None, equals: None }],
                 ..base
             },
             ProfileName::None => Profile { key: KeyPlacement::Omitted, ..base },
@@ -217,20 +244,7 @@ impl Profile {
         if self.in_progress.contains(&status) {
             return Some(KeyAnswer::InProgress);
         }
-        let matches = |m: &MismatchRule| {
-            m.status == status
-                && match (&m.pointer, &m.equals) {
-                    (None, _) => true,
-                    (Some(ptr), want) => {
-                        let found = body.and_then(|b| b.pointer(ptr));
-                        match want {
-                            Some(w) => found.and_then(serde_json::Value::as_str) == Some(w.as_str()),
-                            None => found.is_some(),
-                        }
-                    }
-                }
-        };
-        self.mismatch.iter().any(matches).then_some(KeyAnswer::Mismatch)
+        self.mismatch.iter().any(|m| m.matches(status, body)).then_some(KeyAnswer::Mismatch)
     }
 
     /// Why `key` cannot be sent to this provider, if it cannot.
@@ -247,6 +261,134 @@ impl Profile {
             }
             _ => None,
         }
+    }
+}
+
+/// How to ask a provider what became of a call whose outcome is unknown
+/// (`[endpoints.NAME.reconcile]`): a lookup request, or the call itself
+/// sent again with its key where the provider answers a stored result.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReconcileConfig {
+    /// Lookup method.
+    #[serde(default = "default_lookup_method")]
+    pub method: String,
+    /// Lookup path template over the intent: `intent_id`,
+    /// `idempotency_key`, `endpoint`, `method`, `path`, `body`.
+    pub path: Option<String>,
+    /// Instead of a lookup, send the intent's own request again with its
+    /// key: for providers that answer a known key with the stored result
+    /// (Stripe, the IETF draft). A 2xx means it was applied.
+    #[serde(default)]
+    pub resend: bool,
+    /// The first reconciliation this long after the intent became uncertain.
+    #[serde(default = "default_reconcile_after", with = "humantime_serde")]
+    pub after: Duration,
+    /// Between reconciliations that learnt nothing.
+    #[serde(default = "default_reconcile_interval", with = "humantime_serde")]
+    pub interval: Duration,
+    /// Reconciliations per uncertain intent; then it waits for an operator.
+    #[serde(default = "default_reconcile_attempts")]
+    pub max_attempts: u32,
+    /// Answers meaning the call was applied.
+    #[serde(default)]
+    pub succeeded: Vec<AnswerRule>,
+    /// Answers meaning it was not, so it is safe to send again.
+    #[serde(default)]
+    pub not_applied: Vec<AnswerRule>,
+}
+
+fn default_lookup_method() -> String {
+    "GET".into()
+}
+fn default_reconcile_after() -> Duration {
+    Duration::from_secs(30)
+}
+fn default_reconcile_interval() -> Duration {
+    Duration::from_secs(60)
+}
+fn default_reconcile_attempts() -> u32 {
+    5
+}
+
+/// What a reconciliation learnt (`intent_reconciliations.verdict`; a CHECK
+/// constraint holds the same names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reconciled {
+    /// The provider applied the call.
+    Succeeded,
+    /// The provider did not apply it: it may be sent again.
+    NotApplied,
+    /// Still not known.
+    Unknown,
+}
+
+impl Reconciled {
+    /// Every verdict.
+    pub const ALL: [Reconciled; 3] = [Reconciled::Succeeded, Reconciled::NotApplied, Reconciled::Unknown];
+
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reconciled::Succeeded => "succeeded",
+            Reconciled::NotApplied => "not_applied",
+            Reconciled::Unknown => "unknown",
+        }
+    }
+}
+
+impl ReconcileConfig {
+    /// What an answer with `status` and JSON `body` says; `None` status: no
+    /// answer (a timeout, a transport error). A resend's "in progress" is
+    /// not a 2xx, so it stays unknown.
+    pub fn verdict(&self, status: Option<u16>, body: Option<&serde_json::Value>) -> Reconciled {
+        let Some(status) = status else { return Reconciled::Unknown };
+        let any = |rules: &[AnswerRule]| rules.iter().any(|r| r.matches(status, body));
+        if any(&self.succeeded) || (self.resend && (200..300).contains(&status)) {
+            Reconciled::Succeeded
+        } else if any(&self.not_applied) {
+            Reconciled::NotApplied
+        } else {
+            // "Still in progress", a 5xx, anything not said: ask again later.
+            Reconciled::Unknown
+        }
+    }
+
+    /// The problems of endpoint `at`'s reconciliation under `profile`.
+    pub fn problems(&self, at: &str, profile: &Profile) -> Vec<String> {
+        let mut p = Vec::new();
+        match (&self.path, self.resend) {
+            (Some(_), true) => p.push(format!("{at}: path and resend = true both say how to ask; keep one")),
+            (None, false) => p.push(format!(
+                "{at}: say how to ask the provider: a lookup path (e.g. path = \"/v1/payments?key={{{{ idempotency_key }}}}\") \
+                 or resend = true"
+            )),
+            (None, true) if !profile.resends_unknown() => p.push(format!(
+                "{at}: resend = true sends the call again, but profile {} has no keys to deduplicate it; use a lookup path",
+                profile.name.as_str()
+            )),
+            _ => {}
+        }
+        if self.path.is_some() && self.succeeded.is_empty() && self.not_applied.is_empty() {
+            p.push(format!(
+                "{at}: a lookup needs succeeded and/or not_applied answers (e.g. succeeded = [{{ status = 200 }}], \
+                 not_applied = [{{ status = 404 }}]); every other answer leaves the intent uncertain"
+            ));
+        }
+        if self.max_attempts == 0 {
+            p.push(format!("{at}.max_attempts: must be at least 1 (or remove [{at}])"));
+        }
+        if self.interval.is_zero() {
+            p.push(format!("{at}.interval: must be longer than zero"));
+        }
+        for (i, r) in self.succeeded.iter().enumerate() {
+            p.extend(r.problems(&format!("{at}.succeeded[{i}]")));
+        }
+        for (i, r) in self.not_applied.iter().enumerate() {
+            p.extend(r.problems(&format!("{at}.not_applied[{i}]")));
+        }
+        p
     }
 }
 
@@ -330,6 +472,46 @@ mod tests {
         assert!(why.contains("65 characters") && why.contains("at most 64"), "{why}");
         assert!(adyen.key_refused("").unwrap().contains("empty"));
         assert_eq!(Profile::builtin(ProfileName::None).key_refused(""), None);
+    }
+
+    fn reconcile(toml_text: &str) -> ReconcileConfig {
+        toml::from_str(toml_text).unwrap()
+    }
+
+    #[test]
+    fn a_lookup_s_answer_says_applied_not_applied_or_still_unknown() {
+        let r = reconcile(
+            "path = \"/lookup/{{ intent_id }}\"\nsucceeded = [{ status = 200, pointer = \"/state\", equals = \"applied\" }]\n\
+             not_applied = [{ status = 404 }]",
+        );
+        let p = Profile::builtin(ProfileName::None);
+        assert_eq!(r.verdict(Some(200), Some(&json!({"state": "applied"}))), Reconciled::Succeeded);
+        assert_eq!(r.verdict(Some(200), Some(&json!({"state": "processing"}))), Reconciled::Unknown);
+        assert_eq!(r.verdict(Some(404), None), Reconciled::NotApplied);
+        assert_eq!(r.verdict(Some(503), None), Reconciled::Unknown);
+        assert_eq!(r.verdict(None, None), Reconciled::Unknown, "no answer says nothing");
+        assert!(r.problems("endpoints.sms.reconcile", &p).is_empty());
+    }
+
+    #[test]
+    fn a_resend_s_2xx_is_the_stored_answer_of_an_applied_call() {
+        let r = reconcile("resend = true");
+        let p = Profile::builtin(ProfileName::Stripe);
+        assert_eq!(r.verdict(Some(201), None), Reconciled::Succeeded);
+        assert_eq!(r.verdict(Some(409), None), Reconciled::Unknown, "still in progress");
+        assert!(r.problems("endpoints.psp.reconcile", &p).is_empty());
+        let none = Profile::builtin(ProfileName::None);
+        assert!(r.problems("endpoints.sms.reconcile", &none)[0].contains("no keys"));
+    }
+
+    #[test]
+    fn a_reconciliation_that_cannot_work_is_refused_naming_its_key() {
+        let p = Profile::builtin(ProfileName::Ietf);
+        let problems = |t: &str| reconcile(t).problems("endpoints.psp.reconcile", &p).join("\n");
+        assert!(problems("").contains("say how to ask"));
+        assert!(problems("path = \"/x\"\nresend = true").contains("keep one"));
+        assert!(problems("path = \"/x\"").contains("needs succeeded and/or not_applied"));
+        assert!(problems("resend = true\nmax_attempts = 0").contains("max_attempts: must be at least 1"));
     }
 
     #[test]

@@ -82,7 +82,8 @@ pub async fn published_rows(pool: &PgPool, consumer: &str) -> Result<Vec<(Uuid, 
 /// through. Read from the attempts, not from `ever_uncertain`, so that a
 /// flag that was not set is caught too. An intent an operator resolved as
 /// failed ([`relay_core::retry::ErrorClass::Resolved`]) is not one: the
-/// provider was asked. Each as `id (key): attempt n was <outcome>`, the
+/// provider was asked; nor is an attempt a later reconciliation found not
+/// applied ([`relay_core::profile::Reconciled::NotApplied`]). Each as `id (key): attempt n was <outcome>`, the
 /// first such attempt.
 pub async fn dead_after_uncertain(pool: &PgPool, consumer: &str) -> Result<Vec<String>, sqlx::Error> {
     use relay_core::retry::{AttemptOutcome, ErrorClass};
@@ -94,11 +95,14 @@ pub async fn dead_after_uncertain(pool: &PgPool, consumer: &str) -> Result<Vec<S
            FROM relay.intents i JOIN relay.intent_attempts a ON a.intent_id = i.id
           WHERE i.consumer = $1 AND i.state = 'dead' AND a.outcome = ANY($2)
             AND i.last_error_class IS DISTINCT FROM $3
+            AND NOT EXISTS (SELECT 1 FROM relay.intent_reconciliations r
+                             WHERE r.intent_id = i.id AND r.verdict = $4 AND r.finished_at >= a.finished_at)
           GROUP BY i.id, i.idempotency_key",
     )
     .bind(consumer)
     .bind(may)
     .bind(ErrorClass::Resolved.as_str())
+    .bind(relay_core::profile::Reconciled::NotApplied.as_str())
     .fetch_all(pool)
     .await
 }

@@ -100,6 +100,7 @@ macro_rules! claimed_columns {
          aggregate_id, correlation_id, causation_id, traceparent, last_error, ever_uncertain, created_at"
     };
 }
+pub(crate) use claimed_columns;
 
 impl<'r> FromRow<'r, PgRow> for ClaimedIntent {
     fn from_row(row: &'r PgRow) -> Result<Self, sqlx::Error> {
@@ -778,6 +779,24 @@ pub enum Requeue {
     /// key window (why, in words), and the operator did not say
     /// `--past-key-window`.
     PastKeyWindow(String),
+    /// Left uncertain: its provider keeps no idempotency keys, so sending
+    /// it again could apply it twice; ask the provider and resolve it.
+    UncertainWithoutKeys,
+}
+
+/// What a replay must respect of an intent's endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplayRules {
+    /// How long the provider remembers a key, if known and respected.
+    pub key_window: Option<std::time::Duration>,
+    /// Whether the provider deduplicates by key, so that an uncertain
+    /// intent may be sent again.
+    pub keys: bool,
+}
+
+impl ReplayRules {
+    /// No window to respect, keys deduplicated: any dead or uncertain intent is replayed.
+    pub const ANY: ReplayRules = ReplayRules { key_window: None, keys: true };
 }
 
 /// Give a dead (or uncertain) intent of `consumer` a new budget and queue it
@@ -798,7 +817,7 @@ pub async fn requeue(
     conn: &mut PgConnection,
     consumer: &str,
     id: Uuid,
-    key_window: impl Fn(&str) -> Option<std::time::Duration>,
+    rules: impl Fn(&str) -> ReplayRules,
 ) -> Result<Requeue, sqlx::Error> {
     use sqlx::Connection;
     type Row = (String, Option<String>, bool, String, DateTime<Utc>, DateTime<Utc>);
@@ -823,7 +842,11 @@ pub async fn requeue(
         return Ok(Requeue::OnDeadRecorded);
     }
     // The replay's attempts run until `runs_until` (the UPDATE below).
-    let past = key_window(&endpoint).and_then(|w| relay_core::profile::replay_past_window(created_at, runs_until, w));
+    let rules = rules(&endpoint);
+    if state == IntentState::Uncertain.as_str() && !rules.keys {
+        return Ok(Requeue::UncertainWithoutKeys);
+    }
+    let past = rules.key_window.and_then(|w| relay_core::profile::replay_past_window(created_at, runs_until, w));
     if let Some(why) = past {
         return Ok(Requeue::PastKeyWindow(why));
     }

@@ -40,6 +40,7 @@ use tracing::{debug, error, info, warn};
 use super::completer::Completer;
 use super::executor::Executor;
 use super::outcome::{Completion, Finished};
+use super::reconciler::Reconcilers;
 use crate::deliver::handoff::{self, Desk, Handed, Handoff};
 use crate::runtime::claim_loop::{Resume, default_worker_id, listen, notified, until_due};
 use crate::runtime::faults::{FaultInjected, Faults, point};
@@ -78,6 +79,8 @@ pub(super) struct Inner {
     /// Where a consumer of this process hands over what it claimed at
     /// ingest, once [`Dispatcher::handoff`] opened it; taken by the claim loop.
     pub(super) desk: std::sync::Mutex<Option<Desk>>,
+    /// The endpoints that reconcile uncertain intents, if any do.
+    pub(super) reconcilers: Option<Arc<Reconcilers>>,
 }
 
 impl Dispatcher {
@@ -102,8 +105,21 @@ impl Dispatcher {
         let claims = ClaimPool::beside(&pool, 1, commit);
         let desk = std::sync::Mutex::default();
         let consumer = consumer.to_owned();
-        let inner =
-            Inner { pool, claims, settings, worker, consumer, executor, completer, busy, faults, progress, desk };
+        let reconcilers = Reconcilers::new(endpoints)?.map(Arc::new);
+        let inner = Inner {
+            pool,
+            claims,
+            settings,
+            worker,
+            consumer,
+            executor,
+            completer,
+            busy,
+            faults,
+            progress,
+            desk,
+            reconcilers,
+        };
         Ok(Dispatcher { inner: Arc::new(inner) })
     }
 
@@ -148,6 +164,7 @@ impl Dispatcher {
         let (done_tx, done_rx) = mpsc::channel::<Completion>(s.concurrency * 2);
         let finalizer = tokio::spawn(self.inner.completer.clone().run(done_rx));
         let permits = Arc::new(Semaphore::new(s.concurrency));
+        let reconciler = tokio::spawn(self.clone().reconcile_loop(shutdown.clone(), permits.clone()));
         let mut tasks: JoinSet<Result<(), FaultInjected>> = JoinSet::new();
         let mut failures = 0u32;
         let mut claimer = self.inner.claims.claimer();
@@ -281,6 +298,11 @@ impl Dispatcher {
         }
         drop(done_tx);
         let _ = finalizer.await;
+        if result.is_ok() {
+            let _ = reconciler.await;
+        } else {
+            reconciler.abort();
+        }
         rescuer.abort();
         info!(worker = %self.inner.worker, "dispatcher stopped");
         result

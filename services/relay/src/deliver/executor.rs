@@ -60,6 +60,16 @@ impl Executor {
         self.endpoints.keys().map(String::as_str)
     }
 
+    /// The client of endpoint `name`.
+    pub(super) fn client(&self, name: &str) -> Option<&EndpointClient> {
+        self.endpoints.get(name)
+    }
+
+    /// Cancelled once the dispatcher stops: waits to send end unsent.
+    pub(super) fn stopping(&self) -> &CancellationToken {
+        &self.stopping
+    }
+
     /// Stop waiting: calls not sent yet come back unsent.
     pub fn stop(&self) {
         self.stopping.cancel();
@@ -139,11 +149,12 @@ impl Executor {
                 path: &intent.intent.path,
                 body: intent.intent.body.as_ref(),
                 headers: &intent.intent.headers,
-                idempotency_key: fresh_key.as_deref().unwrap_or(&intent.intent.idempotency_key),
+                idempotency_key: Some(fresh_key.as_deref().unwrap_or(&intent.intent.idempotency_key)),
                 traceparent: hop.traceparent.as_deref().or(intent.intent.traceparent.as_deref()),
                 correlation_id: intent.intent.correlation_id.as_deref(),
                 intent_id: intent.id,
                 attempt: intent.attempts,
+                keep_body: 0,
             };
             // Deliberately wrong (C17): the waits at the endpoint's limits are not bounded by the lease.
             let send_by = if self.faults.sabotage().lease_checked_before_wait {

@@ -35,12 +35,22 @@ pub struct CallResult {
     pub error: Option<String>,
     /// When the request was handed to the HTTP client (`None`: never sent).
     pub started_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// The start of the answer's body, whatever its status, when the
+    /// request asked for it ([`Request::keep_body`]).
+    pub body: Option<Vec<u8>>,
 }
 
 impl CallResult {
     /// A result for an attempt that made no request.
     pub fn not_sent() -> CallResult {
-        CallResult { attempt: AttemptResult::Connect, status: None, error_class: None, error: None, started_at: None }
+        CallResult {
+            attempt: AttemptResult::Connect,
+            status: None,
+            error_class: None,
+            error: None,
+            started_at: None,
+            body: None,
+        }
     }
 }
 
@@ -57,8 +67,8 @@ pub struct Request<'a> {
     /// Extra headers, a JSON object of strings.
     pub headers: &'a serde_json::Value,
     /// Sent where the endpoint's profile says (a header, a body field), the
-    /// same on every attempt (R8).
-    pub idempotency_key: &'a str,
+    /// same on every attempt (R8); `None` for a lookup, which changes nothing.
+    pub idempotency_key: Option<&'a str>,
     /// Sent as `traceparent`, when there is one.
     pub traceparent: Option<&'a str>,
     /// Sent as `x-correlation-id`, when there is one.
@@ -67,6 +77,9 @@ pub struct Request<'a> {
     pub intent_id: uuid::Uuid,
     /// Sent as `x-relay-attempt`.
     pub attempt: i32,
+    /// Keep up to this many bytes of the answer's body, whatever its status
+    /// (0: only an error's start, for its text).
+    pub keep_body: usize,
 }
 
 /// The client of one endpoint. Cheap to clone.
@@ -195,7 +208,7 @@ impl EndpointClient {
         let url = format!("{base}/{path}");
         let method =
             reqwest::Method::from_bytes(r.method.as_bytes()).map_err(|e| format!("method {:?}: {e}", r.method))?;
-        if let Some(why) = self.profile.key_refused(r.idempotency_key) {
+        if let Some(why) = r.idempotency_key.and_then(|k| self.profile.key_refused(k)) {
             return Err(why);
         }
         let mut req = self
@@ -223,14 +236,14 @@ impl EndpointClient {
         if let Some(token) = &self.token {
             req = req.bearer_auth(token.expose_secret());
         }
-        match &self.profile.key {
-            KeyPlacement::Header(h) => req = req.header(h.as_str(), r.idempotency_key),
-            KeyPlacement::BodyField(field) => {
+        match (&self.profile.key, r.idempotency_key) {
+            (KeyPlacement::Header(h), Some(key)) => req = req.header(h.as_str(), key),
+            (KeyPlacement::BodyField(field), Some(key)) => {
                 let mut body = r.body.cloned().unwrap_or_else(|| serde_json::json!({}));
-                put_field(&mut body, field, r.idempotency_key)?;
+                put_field(&mut body, field, key)?;
                 return req.json(&body).build().map_err(|e| format!("cannot build the request: {e}"));
             }
-            KeyPlacement::Omitted => {}
+            _ => {}
         }
         if let Some(body) = r.body {
             req = req.json(body);
@@ -275,6 +288,7 @@ impl EndpointClient {
                 _ = stop.cancelled() => Err(NotSent),
             }
         }
+        let keep_body = request.keep_body;
         let req = match self.request(request) {
             Ok(r) => r,
             Err(e) => {
@@ -285,6 +299,7 @@ impl EndpointClient {
                     error_class: Some(ErrorClass::Request),
                     error: Some(e),
                     started_at: None,
+                    body: None,
                 });
             }
         };
@@ -331,24 +346,35 @@ impl EndpointClient {
                     .get(RETRY_AFTER)
                     .and_then(|v| v.to_str().ok())
                     .and_then(|v| parse_retry_after(v, chrono::Utc::now()));
+                let success = resp.status().is_success();
+                let reason = resp.status().canonical_reason().unwrap_or("").to_owned();
+                let redirect = resp
+                    .status()
+                    .is_redirection()
+                    .then(|| resp.headers().get(reqwest::header::LOCATION))
+                    .flatten()
+                    .map(|l| format!(" (redirect to {:?} not followed)", String::from_utf8_lossy(l.as_bytes())));
+                // Within the same timeout as the response, not a second one;
+                // an error's start for its text, further when the profile
+                // looks into it or the caller keeps it.
+                let reads = self.profile.reads_body(status);
+                let limit = match (success, reads) {
+                    (true, _) => keep_body,
+                    (false, true) => KEY_ANSWER_BYTES.max(keep_body),
+                    (false, false) => ERROR_BODY_BYTES.max(keep_body),
+                };
+                let body = if limit == 0 {
+                    Vec::new()
+                } else {
+                    tokio::time::timeout_at(sent_at + self.cfg.timeout, body_start(resp, limit))
+                        .await
+                        .unwrap_or_default()
+                };
                 let mut key = None;
-                let error = if resp.status().is_success() {
+                let error = if success {
                     None
                 } else {
-                    let reason = resp.status().canonical_reason().unwrap_or("").to_owned();
-                    let redirect = resp
-                        .status()
-                        .is_redirection()
-                        .then(|| resp.headers().get(reqwest::header::LOCATION))
-                        .flatten()
-                        .map(|l| format!(" (redirect to {:?} not followed)", String::from_utf8_lossy(l.as_bytes())));
-                    // Within the same timeout as the response, not a second
-                    // one; read further only when the profile looks into it.
-                    let limit = if self.profile.reads_body(status) { KEY_ANSWER_BYTES } else { ERROR_BODY_BYTES };
-                    let body = tokio::time::timeout_at(sent_at + self.cfg.timeout, body_start(resp, limit))
-                        .await
-                        .unwrap_or_default();
-                    let json = self.profile.reads_body(status).then(|| serde_json::from_slice(&body).ok()).flatten();
+                    let json = reads.then(|| serde_json::from_slice(&body).ok()).flatten();
                     key = self.profile.key_answer(status, json.as_ref()).filter(|_| !self.answers_ignored);
                     let snippet = text(&body[..body.len().min(ERROR_BODY_BYTES)]);
                     let snippet = format!("{}{snippet}", redirect.unwrap_or_default());
@@ -362,6 +388,7 @@ impl EndpointClient {
                     error_class: error.as_ref().map(|_| class),
                     error,
                     started_at,
+                    body: (keep_body > 0).then_some(body),
                 }
             }
             Err(e) => classify_transport(e, self.cfg.timeout, started_at),
@@ -486,7 +513,7 @@ fn classify_transport(e: BoxError, timeout: Duration, started_at: Option<chrono:
     } else {
         (AttemptResult::Transport, ErrorClass::Transport, format!("transport error: {e}"))
     };
-    CallResult { attempt, status: None, error_class: Some(class), error: Some(text), started_at }
+    CallResult { attempt, status: None, error_class: Some(class), error: Some(text), started_at, body: None }
 }
 
 /// Whether `e` carries a TLS alert only a handshake sends (the server
@@ -563,11 +590,12 @@ mod tests {
             path: "/captures/o-1",
             body,
             headers,
-            idempotency_key: "capture:o-1",
+            idempotency_key: Some("capture:o-1"),
             traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
             correlation_id: Some("corr-1"),
             intent_id: uuid::Uuid::nil(),
             attempt: 3,
+            keep_body: 0,
         }
     }
 
@@ -617,7 +645,7 @@ mod tests {
 
         let adyen = client_with(serde_json::json!({"profile": "adyen"}));
         let long = "k".repeat(65);
-        let err = adyen.request(Request { idempotency_key: &long, ..request(&none, None) }).unwrap_err();
+        let err = adyen.request(Request { idempotency_key: Some(&long), ..request(&none, None) }).unwrap_err();
         assert!(err.contains("at most 64"), "{err}");
     }
 

@@ -12,6 +12,8 @@
 //!   idempotency key.
 //! * [`handoff`] — intents claimed at ingest: the dispatcher owns the
 //!   channel; the consumer holds only a sender.
+//! * [`reconciler`] — uncertain intents asked about at their provider, for
+//!   endpoints that say how.
 
 pub mod completer;
 pub mod dispatcher;
@@ -19,3 +21,4 @@ pub mod executor;
 pub mod handoff;
 pub mod http;
 pub mod outcome;
+pub mod reconciler;

@@ -105,6 +105,16 @@ impl Completion {
         Completion { intent, next, attempt, attempted: true, result, started: std::time::Instant::now() }
     }
 
+    /// A reconciliation's finding that uncertain intent `intent`, taken for
+    /// it, was applied by the provider: it succeeds with its `on_success`
+    /// effects; no call attempt was made, so no attempt row is written, and
+    /// `why` (what the provider answered) is kept as its last error.
+    pub fn reconciled(intent: ClaimedIntent, why: String) -> Completion {
+        let outcome = relay_core::retry::AttemptOutcome::Succeeded;
+        let attempt = AttemptRecord { started_at: None, outcome, status: None, error_class: None, error: Some(why) };
+        Completion { attempted: false, ..Completion::decided(intent, NextState::Succeeded, attempt) }
+    }
+
     /// An operator's resolution `next` of uncertain intent `intent`, taken
     /// for it ([`relay_store::intents::take_uncertain`]): no attempt was
     /// made, so no audit row is written; `why` (who resolved it, what the

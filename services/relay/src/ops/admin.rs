@@ -114,9 +114,11 @@ pub struct Requeued {
     /// Of those queued, dead ones with an ordering key, queued behind the
     /// intents of their key written after them ([`Requeue::QueuedBehindItsKey`]).
     pub behind_their_key: Vec<Uuid>,
-    /// Left as they are: their attempts could outlive the provider's key
-    /// window, and `--past-key-window` was not given ([`Requeue::PastKeyWindow`]).
-    pub past_key_window: Vec<(Uuid, String)>,
+    /// Left as they are, each with why: their attempts could outlive the
+    /// provider's key window and `--past-key-window` was not given
+    /// ([`Requeue::PastKeyWindow`]), or they are uncertain at a provider
+    /// without keys ([`Requeue::UncertainWithoutKeys`]).
+    pub not_replayed: Vec<(Uuid, String)>,
 }
 
 /// Whether a replay may run attempts past the provider's key window.
@@ -147,8 +149,19 @@ pub struct Operator {
     consumer: String,
     routes: Vec<String>,
     endpoints: Vec<String>,
-    /// How long each endpoint's provider remembers a key, where known.
-    key_windows: HashMap<String, std::time::Duration>,
+    /// What a replay must respect of each endpoint (its key window, whether it has keys).
+    replay_rules: HashMap<String, intents::ReplayRules>,
+}
+
+/// An intent and what was done about it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct IntentHistory {
+    /// The intent.
+    pub intent: IntentView,
+    /// Its call attempts, oldest first.
+    pub attempts: Vec<AttemptView>,
+    /// The questions to its provider about an unknown outcome, oldest first.
+    pub reconciliations: Vec<relay_store::reconciliations::ReconciliationView>,
 }
 
 /// What an operator found out about an uncertain intent from the provider.
@@ -172,7 +185,14 @@ impl Operator {
             consumer: cfg.consumer.name.clone(),
             routes: cfg.routes.iter().map(|r| r.display_name()).collect(),
             endpoints: cfg.endpoints.keys().cloned().collect(),
-            key_windows: cfg.endpoints.iter().filter_map(|(n, e)| Some((n.clone(), e.profile().window?))).collect(),
+            replay_rules: cfg
+                .endpoints
+                .iter()
+                .map(|(n, e)| {
+                    let p = e.profile();
+                    (n.clone(), intents::ReplayRules { key_window: p.window, keys: p.resends_unknown() })
+                })
+                .collect(),
         }
     }
 
@@ -317,13 +337,15 @@ impl Operator {
         Ok(intents::list(&mut *self.pool.acquire().await?, &f, before, limit).await?)
     }
 
-    /// Intent `id` and its attempts.
-    pub async fn intent(&self, id: Uuid) -> Result<(IntentView, Vec<AttemptView>), OpsError> {
+    /// Intent `id`, its attempts and its reconciliations.
+    pub async fn intent(&self, id: Uuid) -> Result<IntentHistory, OpsError> {
         let mut conn = self.pool.acquire().await?;
         let Some(intent) = intents::get(&mut conn, &self.consumer, id).await? else {
             return Err(OpsError::NotFound(format!("no intent {id} (list them with `relay intents list`)")));
         };
-        Ok((intent, intents::attempts(&mut conn, id).await?))
+        let attempts = intents::attempts(&mut conn, id).await?;
+        let reconciliations = relay_store::reconciliations::list(&mut conn, id).await?;
+        Ok(IntentHistory { intent, attempts, reconciliations })
     }
 
     /// Queue intent `id` again (same id, same idempotency key); only a dead
@@ -338,12 +360,22 @@ impl Operator {
             ))),
             Requeue::OnDeadRecorded => Err(OpsError::Conflict(on_dead_recorded(id))),
             Requeue::PastKeyWindow(why) => Err(OpsError::Conflict(format!("intent {id} not replayed: {why}"))),
+            Requeue::UncertainWithoutKeys => {
+                Err(OpsError::Conflict(format!("intent {id} not replayed: {UNCERTAIN_WITHOUT_KEYS}")))
+            }
         }
     }
 
-    /// The key window a replay must stay within, per endpoint.
-    fn window(&self, w: KeyWindow) -> impl Fn(&str) -> Option<std::time::Duration> + '_ {
-        move |endpoint| self.key_windows.get(endpoint).copied().filter(|_| w == KeyWindow::Within)
+    /// What a replay must respect, per endpoint: its key window unless
+    /// the operator allowed a replay past it.
+    fn window(&self, w: KeyWindow) -> impl Fn(&str) -> intents::ReplayRules + '_ {
+        move |endpoint| {
+            let mut rules = self.replay_rules.get(endpoint).copied().unwrap_or(intents::ReplayRules::ANY);
+            if w == KeyWindow::PastAllowed {
+                rules.key_window = None;
+            }
+            rules
+        }
     }
 
     /// Queue every intent `which` selects again (the dead ones as they are
@@ -373,7 +405,8 @@ impl Operator {
                 }
                 Requeue::NotDeadOrUncertain => done.left.push(*id),
                 Requeue::OnDeadRecorded => done.refused.push(*id),
-                Requeue::PastKeyWindow(why) => done.past_key_window.push((*id, why)),
+                Requeue::PastKeyWindow(why) => done.not_replayed.push((*id, why)),
+                Requeue::UncertainWithoutKeys => done.not_replayed.push((*id, UNCERTAIN_WITHOUT_KEYS.into())),
             }
             if (n + 1) % PAGE as usize == 0 {
                 progress(n + 1);
@@ -496,6 +529,10 @@ impl Operator {
         Ok(ops::resume(&mut *self.pool.acquire().await?, kind, name).await?)
     }
 }
+
+/// Why an uncertain intent of a provider without keys is not replayed.
+pub const UNCERTAIN_WITHOUT_KEYS: &str = "its provider keeps no idempotency keys (profile none), so sending it again \
+     could apply it twice; ask the provider, then `relay intents resolve ID --succeeded` or `--failed`";
 
 /// Why a dead intent whose `on_dead` effects were recorded is not replayed.
 pub fn on_dead_recorded(id: Uuid) -> String {

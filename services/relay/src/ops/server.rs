@@ -481,8 +481,7 @@ fn parse_id(id: &str) -> Result<uuid::Uuid, ApiError> {
 }
 
 async fn show_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
-    let (intent, attempts) = s.operator.intent(parse_id(&id)?).await?;
-    Ok(Json(json!({"intent": intent, "attempts": attempts})))
+    Ok(Json(json!(s.operator.intent(parse_id(&id)?).await?)))
 }
 
 #[derive(Deserialize, Default)]
@@ -529,8 +528,8 @@ struct IntentBulk {
 async fn replay_intents(State(s): State<Shared>, Json(b): Json<IntentBulk>) -> ApiResult {
     let which = if b.all { Intents::Dead { endpoint: b.endpoint } } else { Intents::Ids(b.ids) };
     let done = s.operator.requeue_all(which, key_window(b.past_key_window), |_| {}).await?;
-    let past: Vec<_> = done.past_key_window.iter().map(|(id, why)| json!({"id": id, "why": why})).collect();
-    Ok(Json(json!({"requeued": done.queued, "asked": done.asked, "refused": done.refused, "past_key_window": past})))
+    let past: Vec<_> = done.not_replayed.iter().map(|(id, why)| json!({"id": id, "why": why})).collect();
+    Ok(Json(json!({"requeued": done.queued, "asked": done.asked, "refused": done.refused, "not_replayed": past})))
 }
 
 #[derive(Deserialize)]

@@ -142,6 +142,11 @@ pub fn key_mismatch(endpoint: &str) {
     counter!("relay_call_key_mismatches_total", "endpoint" => endpoint.to_owned()).increment(1);
 }
 
+/// Reconciliations of uncertain intents, by what they learnt.
+pub fn reconciled(endpoint: &str, verdict: &'static str) {
+    counter!("relay_reconciliations_total", "endpoint" => endpoint.to_owned(), "verdict" => verdict).increment(1);
+}
+
 /// Outbox records acknowledged by the broker, or failed.
 pub fn published(topic: &str, ok: bool) {
     let name = if ok { "relay_outbox_published_total" } else { "relay_outbox_publish_failures_total" };

@@ -1,0 +1,244 @@
+//! Reconciling uncertain intents (issue 29, part 2): for an endpoint with
+//! `[endpoints.NAME.reconcile]`, ask its provider what became of each call
+//! whose outcome is unknown — a lookup, or the call again with its key where
+//! the provider answers a known key with the stored result — after a delay,
+//! within a budget, through the endpoint's own limits and call slots.
+//!
+//! * applied → the intent succeeds with its `on_success` effects, recorded
+//!   by the completer exactly as a call's outcome (fenced by the take's lease
+//!   token, effects in the same transaction);
+//! * not applied → pending again with a new budget (the provider's word
+//!   settles the doubt: it may be sent, and may now end dead);
+//! * still unknown → uncertain, asked again after `interval`; once the
+//!   budget is spent it waits for an operator.
+//!
+//! Every question and its answer is a row of `relay.intent_reconciliations`
+//! (`relay intents show`, the API and the console list them).
+
+use std::sync::Arc;
+
+use relay_core::profile::{ReconcileConfig, Reconciled};
+use relay_core::template::{Context, TemplateBuilder, Templates, TextTemplate};
+use relay_store::intents::{self, ClaimedIntent, Fenced};
+use relay_store::reconciliations::{self, Asked};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use super::dispatcher::Dispatcher;
+use super::http::Request;
+use super::outcome::{Completion, Finished};
+
+/// How much of a lookup's answer is read to tell what it says.
+const ANSWER_BYTES: usize = 16 * 1024;
+
+/// Intents taken per endpoint and round.
+const TAKE: i64 = 16;
+
+/// The endpoints that reconcile, with their compiled lookup paths.
+pub(super) struct Reconcilers {
+    endpoints: Vec<(String, ReconcileConfig, Option<TextTemplate>)>,
+    templates: Templates,
+}
+
+impl Reconcilers {
+    /// Those of `endpoints` that say how to reconcile; `None` if none do.
+    pub(super) fn new(
+        endpoints: &std::collections::BTreeMap<String, relay_core::config::EndpointConfig>,
+    ) -> anyhow::Result<Option<Reconcilers>> {
+        let mut b = TemplateBuilder::default();
+        let endpoints: Vec<_> = endpoints
+            .iter()
+            .filter_map(|(name, e)| {
+                let r = e.reconcile.clone()?;
+                let path = r.path.as_deref().map(|p| b.path(&format!("endpoints.{name}.reconcile.path"), p));
+                Some((name.clone(), r, path))
+            })
+            .collect();
+        if endpoints.is_empty() {
+            return Ok(None);
+        }
+        let templates = b.finish().map_err(|errors| {
+            anyhow::anyhow!("{}", errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))
+        })?;
+        Ok(Some(Reconcilers { endpoints, templates }))
+    }
+
+    fn of(&self, endpoint: &str) -> Option<(&ReconcileConfig, Option<&TextTemplate>)> {
+        self.endpoints.iter().find(|(n, ..)| n == endpoint).map(|(_, r, t)| (r, t.as_ref()))
+    }
+}
+
+impl Dispatcher {
+    /// Until `shutdown`: every poll interval, take the uncertain intents due
+    /// for a reconciliation and ask about each one, in `slots` (the
+    /// dispatcher's call slots).
+    pub(super) async fn reconcile_loop(self, shutdown: CancellationToken, slots: Arc<Semaphore>) {
+        let Some(rec) = self.inner.reconcilers.clone() else { return };
+        let every = self.inner.settings.poll_interval;
+        let mut tasks = JoinSet::new();
+        loop {
+            tokio::select! { _ = shutdown.cancelled() => break, _ = tokio::time::sleep(every) => {} }
+            while tasks.try_join_next().is_some() {}
+            for (endpoint, r, _) in &rec.endpoints {
+                let taken_at = std::time::Instant::now();
+                let taken = match self.inner.pool.acquire().await {
+                    Ok(mut conn) => {
+                        let s = &self.inner.settings;
+                        let (consumer, worker) = (&self.inner.consumer, &self.inner.worker);
+                        reconciliations::take_due(
+                            &mut conn,
+                            consumer,
+                            endpoint,
+                            r.after,
+                            r.max_attempts,
+                            TAKE,
+                            worker,
+                            s.lease,
+                        )
+                        .await
+                    }
+                    Err(e) => Err(e),
+                };
+                match taken {
+                    Ok(taken) => {
+                        for intent in taken {
+                            let (me, rec, slots) = (self.clone(), rec.clone(), slots.clone());
+                            tasks.spawn(async move { me.reconcile(&rec, intent, taken_at, &slots).await });
+                        }
+                    }
+                    Err(e) => warn!(endpoint = %endpoint, error = %e, "taking intents to reconcile failed; retrying"),
+                }
+            }
+        }
+        while tasks.join_next().await.is_some() {}
+    }
+
+    /// Ask about one uncertain intent, record the answer, move the intent.
+    async fn reconcile(
+        &self,
+        rec: &Reconcilers,
+        intent: ClaimedIntent,
+        taken_at: std::time::Instant,
+        slots: &Semaphore,
+    ) {
+        let (id, token, endpoint) = (intent.id, intent.lease_token, intent.intent.endpoint.clone());
+        let (Some((r, path)), Some(client)) = (rec.of(&endpoint), self.inner.executor.client(&endpoint)) else {
+            return self.give_back(id, token).await;
+        };
+        let lookup_path = match path.map(|t| rec.templates.render(t, &Context::from(lookup_context(&intent)))) {
+            Some(Ok(p)) => Some(p),
+            None => None,
+            Some(Err(e)) => {
+                error!(intent_id = %id, endpoint = %endpoint, error = %e.0, "the reconcile path cannot be rendered for this intent");
+                return self.give_back(id, token).await;
+            }
+        };
+        let none = serde_json::json!({});
+        let call = &intent.intent;
+        let request = match &lookup_path {
+            // Resend: the call itself, its key, its body and headers.
+            None => Request {
+                method: &call.method,
+                path: &call.path,
+                body: call.body.as_ref(),
+                headers: &call.headers,
+                idempotency_key: Some(&call.idempotency_key),
+                traceparent: call.traceparent.as_deref(),
+                correlation_id: call.correlation_id.as_deref(),
+                intent_id: id,
+                attempt: intent.attempts,
+                keep_body: ANSWER_BYTES,
+            },
+            Some(path) => Request {
+                method: &r.method,
+                path,
+                body: None,
+                headers: &none,
+                idempotency_key: None,
+                traceparent: call.traceparent.as_deref(),
+                correlation_id: call.correlation_id.as_deref(),
+                intent_id: id,
+                attempt: intent.attempts,
+                keep_body: ANSWER_BYTES,
+            },
+        };
+        let send_by = self.inner.executor.send_by(&intent, taken_at);
+        let Ok(answer) = client.call(request, send_by, slots, self.inner.executor.stopping()).await else {
+            return self.give_back(id, token).await;
+        };
+        let json = answer.body.as_deref().and_then(|b| serde_json::from_slice(b).ok());
+        let verdict = r.verdict(answer.status, json.as_ref());
+        let how = if r.resend { "the call sent again with its key" } else { "a lookup" };
+        let said = match (verdict, answer.status) {
+            (Reconciled::Succeeded, Some(s)) => format!("reconciled by {how}: the provider applied it (HTTP {s})"),
+            (Reconciled::NotApplied, Some(s)) => {
+                format!("reconciled by {how}: the provider did not apply it (HTTP {s}); queued to be sent again")
+            }
+            (_, Some(s)) => format!("{how} answered HTTP {s}, which says neither applied nor not applied"),
+            (_, None) => format!("{how} got no answer: {}", answer.error.as_deref().unwrap_or("")),
+        };
+        let asked = Asked {
+            worker: self.inner.worker.clone(),
+            started_at: answer.started_at,
+            status: answer.status.map(i32::from),
+            verdict,
+            error: Some(said.clone()),
+        };
+        crate::runtime::metrics::reconciled(&endpoint, verdict.as_str());
+        let recorded = match self.inner.pool.acquire().await {
+            Ok(mut conn) => reconciliations::record(&mut conn, id, token, &asked, r.interval).await,
+            Err(e) => Err(e),
+        };
+        match recorded {
+            Ok(Fenced::Done) => {}
+            Ok(Fenced::LeaseLost) => {
+                return warn!(intent_id = %id, "reconciliation answered after its lease was lost; nothing recorded");
+            }
+            Err(e) => {
+                error!(intent_id = %id, error = %e, "recording a reconciliation failed; it is asked again later");
+                return self.give_back(id, token).await;
+            }
+        }
+        match verdict {
+            Reconciled::Succeeded => {
+                let finished = self.inner.completer.finalize(&[Completion::reconciled(intent, said.clone())]).await;
+                if finished.as_slice() == [Finished::Succeeded] {
+                    info!(intent_id = %id, endpoint = %endpoint, "{said}; its on_success effects are recorded");
+                } else {
+                    warn!(intent_id = %id, endpoint = %endpoint, result = ?finished,
+                          "the provider applied it but the success could not be recorded; asked again later");
+                    self.give_back(id, token).await;
+                }
+            }
+            Reconciled::NotApplied => {
+                self.inner.progress.notify_one();
+                info!(intent_id = %id, endpoint = %endpoint, "{said}");
+            }
+            Reconciled::Unknown => {
+                warn!(intent_id = %id, endpoint = %endpoint, "{said}; still uncertain, asked again in {:?}", r.interval)
+            }
+        }
+    }
+
+    /// Return a taken intent to uncertain at once (the rescuer would when
+    /// the lease expires: never to pending, never a call).
+    async fn give_back(&self, id: uuid::Uuid, token: uuid::Uuid) {
+        if let Ok(mut conn) = self.inner.pool.acquire().await {
+            let _ = intents::give_back_uncertain(&mut conn, id, token).await;
+        }
+    }
+}
+
+/// What a lookup path template sees of an intent.
+fn lookup_context(i: &ClaimedIntent) -> serde_json::Value {
+    serde_json::json!({
+        "intent_id": i.id,
+        "idempotency_key": i.intent.idempotency_key,
+        "endpoint": i.intent.endpoint,
+        "method": i.intent.method,
+        "path": i.intent.path,
+        "body": i.intent.body,
+    })
+}

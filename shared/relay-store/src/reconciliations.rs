@@ -1,0 +1,150 @@
+//! Reconciling uncertain intents (issue 29, part 2): take the ones due for a
+//! question to their provider, record each question and its answer, and
+//! move the intent as the answer says. A succeeded one is finished like a
+//! call's outcome, by the dispatcher's completer (fenced, with its
+//! `on_success` effects); the others here, fenced by the take's lease token.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use relay_core::profile::Reconciled;
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use crate::intents::{ClaimedIntent, Fenced, claimed_columns};
+
+/// Take up to `limit` of `consumer`'s uncertain intents of `endpoint` due
+/// for a reconciliation — asked fewer than `max` times, and `after` since
+/// they became uncertain or past their `next_reconcile_at` — running under
+/// a lease of `lease` for `worker`, as [`crate::intents::take_uncertain`]
+/// leaves them: `finished_at` is kept, so a lost lease returns them to
+/// uncertain, never to pending.
+#[allow(clippy::too_many_arguments)]
+pub async fn take_due(
+    conn: &mut PgConnection,
+    consumer: &str,
+    endpoint: &str,
+    after: Duration,
+    max: u32,
+    limit: i64,
+    worker: &str,
+    lease: Duration,
+) -> Result<Vec<ClaimedIntent>, sqlx::Error> {
+    sqlx::query_as(concat!(
+        "UPDATE relay.intents
+            SET state = 'running', lease_token = gen_random_uuid(), locked_by = $6,
+                locked_until = now() + make_interval(secs => $7)
+          WHERE id IN (SELECT id FROM relay.intents
+                        WHERE state = 'uncertain' AND consumer = $1 AND endpoint = $2 AND reconciles < $4
+                          AND coalesce(next_reconcile_at, finished_at + make_interval(secs => $3)) <= now()
+                        ORDER BY finished_at LIMIT $5
+                        FOR UPDATE SKIP LOCKED)
+         RETURNING ",
+        claimed_columns!()
+    ))
+    .bind(consumer)
+    .bind(endpoint)
+    .bind(after.as_secs_f64())
+    .bind(i32::try_from(max).unwrap_or(i32::MAX))
+    .bind(limit)
+    .bind(worker)
+    .bind(lease.as_secs_f64())
+    .fetch_all(conn)
+    .await
+}
+
+/// One question to the provider and what its answer said.
+#[derive(Debug, Clone)]
+pub struct Asked {
+    /// Who asked.
+    pub worker: String,
+    /// When the request left (`None`: it never did).
+    pub started_at: Option<DateTime<Utc>>,
+    /// The answer's status, if there was one.
+    pub status: Option<i32>,
+    /// What it said.
+    pub verdict: Reconciled,
+    /// What went wrong, or what the answer said, in a line.
+    pub error: Option<String>,
+}
+
+/// Record `asked` for intent `id` taken under `token`, and move it: still
+/// unknown → uncertain again, asked again `interval` from now; not applied
+/// → pending with a new budget, no longer uncertain (the provider's word
+/// settles the doubt, so it may be sent again and end dead); succeeded →
+/// only recorded here (the completer finishes it with its effects).
+pub async fn record(
+    conn: &mut PgConnection,
+    id: Uuid,
+    token: Uuid,
+    asked: &Asked,
+    interval: Duration,
+) -> Result<Fenced, sqlx::Error> {
+    let moved = match asked.verdict {
+        Reconciled::Unknown => {
+            "UPDATE relay.intents SET state = 'uncertain', lease_token = NULL, locked_until = NULL, locked_by = NULL,
+                    reconciles = reconciles + 1, next_reconcile_at = now() + make_interval(secs => $8)
+              WHERE id = $1 AND lease_token = $2"
+        }
+        Reconciled::NotApplied => {
+            "UPDATE relay.intents SET state = 'pending', lease_token = NULL, locked_until = NULL, locked_by = NULL,
+                    reconciles = reconciles + 1, next_reconcile_at = NULL, ever_uncertain = false,
+                    next_attempt_at = now(), finished_at = NULL,
+                    max_attempts = attempts + max_attempts, expires_at = now() + (expires_at - created_at)
+              WHERE id = $1 AND lease_token = $2"
+        }
+        Reconciled::Succeeded => {
+            "UPDATE relay.intents SET reconciles = reconciles + 1 WHERE id = $1 AND lease_token = $2 AND $8 >= 0"
+        }
+    };
+    let sql = format!(
+        "WITH asked AS (
+             INSERT INTO relay.intent_reconciliations (intent_id, n, worker, started_at, status, verdict, error)
+             SELECT id, reconciles + 1, $3, $4, $5, $6, $7 FROM relay.intents WHERE id = $1 AND lease_token = $2
+             RETURNING intent_id
+         ), moved AS ({moved} RETURNING id)
+         SELECT count(*) FROM moved"
+    );
+    let n: i64 = sqlx::query_scalar(&sql)
+        .bind(id)
+        .bind(token)
+        .bind(&asked.worker)
+        .bind(asked.started_at)
+        .bind(asked.status)
+        .bind(asked.verdict.as_str())
+        .bind(&asked.error)
+        .bind(interval.as_secs_f64())
+        .fetch_one(conn)
+        .await?;
+    Ok(if n == 1 { Fenced::Done } else { Fenced::LeaseLost })
+}
+
+/// A reconciliation as shown to operators.
+#[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
+pub struct ReconciliationView {
+    /// Its number among the intent's reconciliations.
+    pub n: i32,
+    /// Who asked.
+    pub worker: String,
+    /// When the request left.
+    pub started_at: Option<DateTime<Utc>>,
+    /// When the answer was recorded.
+    pub finished_at: DateTime<Utc>,
+    /// The answer's status.
+    pub status: Option<i32>,
+    /// What it said (`succeeded`, `not_applied`, `unknown`).
+    pub verdict: String,
+    /// What went wrong, or what the answer said.
+    pub error: Option<String>,
+}
+
+/// The reconciliations of intent `id`, oldest first.
+pub async fn list(conn: &mut PgConnection, id: Uuid) -> Result<Vec<ReconciliationView>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT n, worker, started_at, finished_at, status, verdict, error
+           FROM relay.intent_reconciliations WHERE intent_id = $1 ORDER BY n",
+    )
+    .bind(id)
+    .fetch_all(conn)
+    .await
+}
