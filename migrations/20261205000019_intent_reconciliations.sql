@@ -22,5 +22,6 @@ CREATE TABLE relay.intent_reconciliations (
     CONSTRAINT intent_reconciliations_verdict_known CHECK (verdict IN ('succeeded', 'not_applied', 'unknown'))
 );
 
--- What a reconciler looks for: the uncertain intents of an endpoint.
-CREATE INDEX intents_uncertain_by_endpoint ON relay.intents (endpoint, finished_at) WHERE state = 'uncertain';
+-- A reconciler finds the uncertain intents due through intents_uncertain
+-- (finished_at, WHERE state = 'uncertain'): they are few, and another index
+-- on every intent update costs the hot path more than it would save here.
