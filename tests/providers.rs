@@ -112,28 +112,40 @@ async fn a_stripe_provider_s_409_is_in_progress_and_its_idempotency_error_a_key_
 #[tokio::test(flavor = "multi_thread")]
 async fn without_keys_a_call_whose_outcome_is_unknown_is_never_sent_again() {
     let h = Harness::with_provider(1, settings(Dialect::Keyless)).await;
-    h.provider.set_faults(vec![FaultRule {
-        path_prefix: Some("/captures/o-1".into()),
-        key_prefix: None,
-        times: None,
-        kind: FaultKind::TimeoutAfterApply { delay_ms: 1500 },
-    }]);
+    h.provider.set_faults(vec![
+        FaultRule {
+            path_prefix: Some("/captures/o-1".into()),
+            key_prefix: None,
+            times: None,
+            kind: FaultKind::TimeoutAfterApply { delay_ms: 1500 },
+        },
+        // A gateway's 502: the request may have been passed on.
+        FaultRule {
+            path_prefix: Some("/captures/o-3".into()),
+            key_prefix: None,
+            times: None,
+            kind: FaultKind::Status { status: 502, retry_after_secs: None },
+        },
+    ]);
     h.send(&order("evt-1", "o-1")).await;
     h.send(&order("evt-2", "o-2")).await;
+    h.send(&order("evt-3", "o-3")).await;
     let config = h.write_config(&config_with(&h, CAPTURE_ROUTE, "profile = \"none\""));
     let mut p = h.process(&config, &["run"], &[]);
-    h.await_intents_finished(2).await;
+    h.await_intents_finished(3).await;
     let (state, attempts, _, error) = intent_row(&h, "evt-1").await;
     assert_eq!((state.as_str(), attempts), ("uncertain", 1), "{error:?}");
     assert!(error.unwrap_or_default().contains("profile none"));
     assert_eq!(intent_row(&h, "evt-2").await.0, "succeeded");
+    let (state, attempts, ..) = intent_row(&h, "evt-3").await;
+    assert_eq!((state.as_str(), attempts), ("uncertain", 1), "a 502 without keys is not re-sent");
     let stats = h.provider.stats();
-    assert_eq!((stats.requests, stats.applied, stats.missing_key), (2, 2, 0), "one request each, none re-sent");
+    assert_eq!((stats.requests, stats.applied, stats.missing_key), (3, 2, 0), "one request each, none re-sent");
     // Neither on_success nor on_dead for the unknown one.
     h.await_published(1).await;
     assert_eq!(h.db.count("outbox", "event_type = 'payment.failed'").await, 0);
     // Nor does an operator's replay send it blindly: it says what to do instead.
-    let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents WHERE state = 'uncertain'")
+    let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents WHERE source_event_id = 'evt-1'")
         .fetch_one(&h.db.pool)
         .await
         .unwrap();
@@ -218,6 +230,14 @@ async fn a_replay_whose_attempts_could_outlive_the_key_window_asks_for_past_key_
     let mut p = h.process(&config, &["run"], &[]);
     h.await_intents_finished(1).await;
     let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents").fetch_one(&h.db.pool).await.unwrap();
+    // Inside the window a replay needs no flag (it is sent again, and refused again).
+    let (ok, out) = cli(&h, &config, &["intents", "replay", &id.to_string()]).await;
+    assert!(ok, "{out}");
+    eventually("the replayed intent sent and dead again", DEADLINE, || async {
+        (h.provider.stats().requests_for("capture:o-1") == 2 && h.db.count("intents", "state = 'dead'").await == 1)
+            .then_some(())
+    })
+    .await;
     // Written 150 minutes ago: the provider forgets the key 30 minutes from
     // now, and a replay's attempts would run for an hour.
     sqlx::query(
@@ -232,7 +252,7 @@ async fn a_replay_whose_attempts_could_outlive_the_key_window_asks_for_past_key_
     assert!(!ok, "{out}");
     assert!(out.contains("remembers a key for 3h") && out.contains("--past-key-window"), "{out}");
     assert_eq!(intent_row(&h, "evt-1").await.0, "dead", "left as it was");
-    assert_eq!(h.provider.stats().requests_for("capture:o-1"), 1);
+    assert_eq!(h.provider.stats().requests_for("capture:o-1"), 2);
 
     let (ok, out) = cli(&h, &config, &["intents", "replay", &id.to_string(), "--past-key-window"]).await;
     assert!(ok, "{out}");

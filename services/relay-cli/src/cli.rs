@@ -312,7 +312,7 @@ pub fn main() -> ExitCode {
 
 /// What `check-config` says of an endpoint's key: where it goes, and its
 /// provider's window beside relay's retry horizon.
-fn key_window_line(e: &relay_core::config::EndpointConfig) -> String {
+fn key_window_line(name: &str, e: &relay_core::config::EndpointConfig) -> String {
     use relay_core::profile::KeyPlacement;
     let p = e.profile();
     let d = |d: std::time::Duration| humantime::format_duration(d).to_string();
@@ -330,7 +330,7 @@ fn key_window_line(e: &relay_core::config::EndpointConfig) -> String {
         d(e.replay_window)
     );
     match p.window {
-        Some(w) if w < e.retry_horizon() => {
+        Some(w) if e.key_window_shortfall(name).is_some() => {
             format!("profile {}, {key}; key window {} is SHORTER than the {horizon}", p.name.as_str(), d(w))
         }
         Some(w) => format!("profile {}, {key}; key window {} covers the {horizon}", p.name.as_str(), d(w)),
@@ -379,7 +379,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                     "  endpoint {name}: {} (timeout {:?}, {} attempts, max age {:?})",
                     e.base_url, e.timeout, e.max_attempts, e.max_age
                 );
-                println!("    {}", key_window_line(e));
+                println!("    {}", key_window_line(name, e));
                 if let Some(r) = &e.reconcile {
                     let how = match &r.path {
                         Some(p) => format!("by a lookup {} {}", r.method, safe(p)),

@@ -601,8 +601,8 @@ pub struct EndpointConfig {
     #[serde(default)]
     pub backoff: BackoffPolicy,
     /// Statuses retried besides 408, 425, 429, 5xx and the profile's "in
-    /// progress" answers. Default: none with a `profile`; `[409]` without
-    /// one (see [`crate::retry::classify`] for why).
+    /// progress" answers. Default: `[409]` without a profile or with
+    /// `custom` (see [`crate::retry::classify`] for why), none with another.
     pub retryable_statuses: Option<Vec<u16>>,
     /// The provider's idempotency behaviour ([`crate::profile`]); without
     /// one, a key in `Idempotency-Key`, 409 retried, no window known.
@@ -686,7 +686,12 @@ impl EndpointConfig {
 
     /// Statuses retried besides the ones every endpoint retries.
     pub fn also_retry(&self) -> Vec<u16> {
-        let legacy = if self.profile.is_none() { vec![409] } else { Vec::new() };
+        // Without a provider's own answers (no profile, or custom), 409 is
+        // taken as "in progress", as before profiles.
+        let legacy = match self.profile {
+            None | Some(ProfileName::Custom) => vec![409],
+            Some(_) => Vec::new(),
+        };
         self.retryable_statuses.clone().unwrap_or(legacy)
     }
 
@@ -867,7 +872,7 @@ impl RelayConfig {
             if e.rate_limit_per_second == Some(0) {
                 p.push(format!("{at}.rate_limit_per_second: must be at least 1 (or leave it out)"));
             }
-            check_profile(&at, e, &mut p);
+            check_profile(name, e, &mut p);
             if e.tls.client_cert_file.is_some() != e.tls.client_key_file.is_some() {
                 p.push(format!(
                     "{at}.tls: client_cert_file and client_key_file go together (mutual TLS needs the certificate \
@@ -1009,7 +1014,8 @@ fn check_topic_name(what: &str, name: &str, p: &mut Vec<String>) {
 }
 
 /// The problems of endpoint `e`'s idempotency settings.
-fn check_profile(at: &str, e: &EndpointConfig, p: &mut Vec<String>) {
+fn check_profile(name: &str, e: &EndpointConfig, p: &mut Vec<String>) {
+    let at = format!("endpoints.{name}");
     let o = &e.idempotency;
     if e.idempotency_header.is_some() && o.header.is_some() {
         p.push(format!("{at}: idempotency_header and idempotency.header both name the key's header; keep one"));
@@ -1052,7 +1058,7 @@ fn check_profile(at: &str, e: &EndpointConfig, p: &mut Vec<String>) {
         }
     }
     if e.on_short_key_window == Shortfall::Refuse
-        && let Some(why) = e.key_window_shortfall(at.trim_start_matches("endpoints."))
+        && let Some(why) = e.key_window_shortfall(name)
     {
         p.push(why);
     }
@@ -1255,6 +1261,8 @@ mod tests {
         assert_eq!(legacy.endpoints["psp"].profile().key, KeyPlacement::Header("Idempotency-Key".into()));
         let ietf = with_psp("profile = \"ietf\"").unwrap();
         assert!(ietf.endpoints["psp"].also_retry().is_empty(), "409 is the profile's, as in-progress");
+        let custom = with_psp("profile = \"custom\"\nidempotency = { window = \"2d\" }").unwrap();
+        assert_eq!(custom.endpoints["psp"].also_retry(), [409], "custom keeps the behaviour without a profile");
         let old_header = with_psp("idempotency_header = \"X-Key\"").unwrap();
         assert_eq!(old_header.endpoints["psp"].profile().key, KeyPlacement::Header("X-Key".into()));
     }

@@ -232,6 +232,14 @@ impl Profile {
         self.key != KeyPlacement::Omitted
     }
 
+    /// Whether an answer with `status` may come after the call was applied
+    /// although it is not a success: without keys, a 5xx (a gateway's 502 or
+    /// 504 after passing the request on, a provider failing halfway) cannot
+    /// be retried safely, so it is an unknown outcome.
+    pub fn answer_may_have_applied(&self, status: u16) -> bool {
+        self.key == KeyPlacement::Omitted && (500..=599).contains(&status)
+    }
+
     /// Whether an answer with `status` is read beyond its first bytes to
     /// tell what it says about the key.
     pub fn reads_body(&self, status: u16) -> bool {
@@ -241,10 +249,12 @@ impl Profile {
     /// What an answer with `status` and (for [`Profile::reads_body`]) its
     /// JSON `body` says about the key.
     pub fn key_answer(&self, status: u16, body: Option<&serde_json::Value>) -> Option<KeyAnswer> {
-        if self.in_progress.contains(&status) {
-            return Some(KeyAnswer::InProgress);
+        // The mismatch rules first: they may look into the body to tell a
+        // mismatch from "in progress" under one status.
+        if self.mismatch.iter().any(|m| m.matches(status, body)) {
+            return Some(KeyAnswer::Mismatch);
         }
-        self.mismatch.iter().any(|m| m.matches(status, body)).then_some(KeyAnswer::Mismatch)
+        self.in_progress.contains(&status).then_some(KeyAnswer::InProgress)
     }
 
     /// Why `key` cannot be sent to this provider, if it cannot.
@@ -252,8 +262,9 @@ impl Profile {
         let len = key.chars().count();
         match self.max_length {
             Some(max) if len > max => Some(format!(
-                "the idempotency key is {len} characters long; profile {} accepts at most {max} \
-                 (shorten the call's idempotency_key template)",
+                "the idempotency key is {len} characters long; the provider (profile {}, or its \
+                 idempotency.max_length) accepts at most {max}: shorten the key where it comes from (the call's \
+                 idempotency_key template, the event's idempotencykey, or the handler)",
                 self.name.as_str()
             )),
             _ if len == 0 && self.key != KeyPlacement::Omitted => {
@@ -401,7 +412,8 @@ pub fn replay_past_window(
     runs_until: chrono::DateTime<chrono::Utc>,
     window: Duration,
 ) -> Option<String> {
-    let closes = created_at + chrono::Duration::from_std(window).unwrap_or(chrono::Duration::MAX);
+    // A window too long to add to a date never closes.
+    let closes = chrono::Duration::from_std(window).ok().and_then(|w| created_at.checked_add_signed(w))?;
     (runs_until > closes).then(|| {
         format!(
             "the provider remembers a key for {} after its first use (from {created_at}), so its window closes \
@@ -438,6 +450,30 @@ mod tests {
         assert_eq!(p.key_answer(422, None), Some(KeyAnswer::Mismatch));
         assert_eq!(p.key_answer(400, None), None);
         assert_eq!(p.window, None, "the draft leaves the window to the server");
+    }
+
+    #[test]
+    fn a_mismatch_rule_that_looks_into_the_body_wins_over_in_progress_under_one_status() {
+        let o = KeyOverrides {
+            in_progress: Some(vec![409]),
+            mismatch: Some(vec![AnswerRule {
+                status: 409,
+                pointer: Some("/code".into()),
+                equals: Some("mismatch".into()),
+            }]),
+            ..KeyOverrides::default()
+        };
+        let p = Profile::resolve(ProfileName::Custom, &o);
+        assert_eq!(p.key_answer(409, Some(&json!({"code": "mismatch"}))), Some(KeyAnswer::Mismatch));
+        assert_eq!(p.key_answer(409, Some(&json!({"code": "busy"}))), Some(KeyAnswer::InProgress));
+    }
+
+    #[test]
+    fn without_keys_a_5xx_may_come_after_the_call_was_applied() {
+        let none = Profile::builtin(ProfileName::None);
+        assert!(none.answer_may_have_applied(502) && none.answer_may_have_applied(500));
+        assert!(!none.answer_may_have_applied(429) && !none.answer_may_have_applied(400));
+        assert!(!Profile::builtin(ProfileName::Stripe).answer_may_have_applied(502));
     }
 
     #[test]
@@ -521,5 +557,6 @@ mod tests {
         assert_eq!(replay_past_window(t(0), t(24), day), None);
         let why = replay_past_window(t(0), t(25), day).unwrap();
         assert!(why.contains("1day") && why.contains("--past-key-window"), "{why}");
+        assert_eq!(replay_past_window(t(0), t(25), Duration::from_secs(u64::MAX / 4)), None, "never closes");
     }
 }

@@ -299,6 +299,10 @@ pub struct Budget {
     /// ([`crate::profile::Profile::resends_unknown`]), whose intent then
     /// ends uncertain at once instead.
     pub resends_unknown: bool,
+    /// The provider's key window has closed since the intent was written
+    /// ([`crate::profile::Profile::window`]): an attempt sent now would be
+    /// taken for a new request.
+    pub key_forgotten: bool,
 }
 
 impl Budget {
@@ -308,6 +312,8 @@ impl Budget {
     pub fn spent(&self, now: chrono::DateTime<chrono::Utc>) -> Option<String> {
         if self.uncertain_before && !self.resends_unknown {
             Some(NOT_RESENT.into())
+        } else if self.uncertain_before && self.key_forgotten {
+            Some(KEY_FORGOTTEN.into())
         } else if self.attempts > self.max_attempts {
             Some(format!("retry budget exhausted: {} attempts made", self.max_attempts))
         } else if now >= self.expires_at {
@@ -343,6 +349,11 @@ pub struct Decision {
 pub const UNCERTAIN: &str = "an attempt's outcome is unknown (the provider may have applied it): left \
                              uncertain, on_dead not recorded; replay it to ask again with the same idempotency key";
 
+/// [`UNCERTAIN`] where sending again cannot tell: the provider keeps no
+/// keys, forgot the key, or refuses the key as used by another request.
+pub const UNCERTAIN_ASK: &str = "an attempt's outcome is unknown (the provider may have applied it): left \
+                                 uncertain, on_dead not recorded; ask the provider, then `relay intents resolve` it";
+
 /// Decide an intent's next state after `tried`, at `now`, drawing a retry's
 /// backoff from `rng` (R8, R10):
 ///
@@ -370,9 +381,13 @@ pub fn decide(
     now: chrono::DateTime<chrono::Utc>,
     rng: &mut impl Rng,
 ) -> Decision {
+    // A replay can settle the doubt only where sending again with the key
+    // returns the provider's stored answer.
+    let replay_tells = budget.resends_unknown && !budget.key_forgotten && tried != Tried::Attempt(Verdict::KeyMismatch);
+    let suffix = if replay_tells { UNCERTAIN } else { UNCERTAIN_ASK };
     let end = |uncertain: bool, outcome, why: String| {
         if uncertain || budget.uncertain_before {
-            Decision { next: NextState::Uncertain, outcome, why: Some(format!("{why}; {UNCERTAIN}")) }
+            Decision { next: NextState::Uncertain, outcome, why: Some(format!("{why}; {suffix}")) }
         } else {
             Decision { next: NextState::Dead, outcome, why: Some(why) }
         }
@@ -425,6 +440,10 @@ pub fn decide(
 pub const KEY_MISMATCH: &str = "the provider says this idempotency key was already used with a different request: \
      two calls share a key (a bug in the route's idempotency_key template or in another client of the provider); \
      never retried";
+
+/// Why an intent whose key the provider has forgotten is not sent again.
+pub const KEY_FORGOTTEN: &str = "the provider's key window has closed since the intent was written and an attempt \
+     may have been applied: sent again, it would be taken for a new request";
 
 /// Why an intent of a provider without keys is not sent again.
 pub const NOT_RESENT: &str = "the provider keeps no idempotency keys (profile none) and an attempt may have been \
@@ -548,6 +567,7 @@ mod tests {
         assert!(d.why.unwrap().contains("already used with a different request"));
         let d = decided(&budget(2, 5, 24, true), Tried::Attempt(Verdict::KeyMismatch));
         assert_eq!(d.next, NextState::Uncertain);
+        assert!(!d.why.unwrap().contains("replay it"), "a replay would meet the same mismatch");
     }
 
     #[test]
@@ -560,7 +580,21 @@ mod tests {
         assert!(matches!(decided(&keyless(false), retry(None, false)).next, NextState::Retry(_)));
         // A lease lost mid-call: the claim makes no attempt.
         assert!(keyless(true).spent(at()).unwrap().contains("not sent again"));
-        assert_eq!(decided(&keyless(true), Tried::Spent).next, NextState::Uncertain);
+        let d = decided(&keyless(true), Tried::Spent);
+        assert_eq!(d.next, NextState::Uncertain);
+        let why = d.why.unwrap();
+        assert!(why.contains("relay intents resolve") && !why.contains("replay it"), "{why}");
+    }
+
+    #[test]
+    fn decide_past_the_key_window_an_unknown_outcome_is_not_sent_again_but_a_known_one_is() {
+        let forgotten = |uncertain_before| Budget { key_forgotten: true, ..budget(2, 5, 24, uncertain_before) };
+        assert_eq!(forgotten(false).spent(at()), None, "nothing may have been applied: sending is safe");
+        let why = forgotten(true).spent(at()).unwrap();
+        assert!(why.contains("key window has closed"), "{why}");
+        let d = decided(&forgotten(true), Tried::Spent);
+        assert_eq!(d.next, NextState::Uncertain);
+        assert!(d.why.unwrap().contains("ask the provider"));
     }
 
     #[test]
@@ -595,6 +629,7 @@ mod tests {
             expires_at: at() + chrono::Duration::hours(hours_left),
             uncertain_before,
             resends_unknown: true,
+            key_forgotten: false,
         }
     }
 

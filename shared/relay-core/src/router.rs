@@ -367,7 +367,18 @@ impl Router {
         let idempotency_key = call.idempotency_key.clone().unwrap_or_else(|| id.to_string());
         // A key the provider would refuse is refused now, with the event in
         // hand, rather than as a dead intent after the consumer moved on.
-        if let Some(why) = self.profiles.get(&call.endpoint).and_then(|p| p.key_refused(&idempotency_key)) {
+        let profile = self.profiles.get(&call.endpoint);
+        let body_not_object = matches!(profile.map(|p| &p.key), Some(crate::profile::KeyPlacement::BodyField(_)))
+            && call.body.as_ref().is_some_and(|b| !b.is_object());
+        if body_not_object {
+            let why = format!(
+                "call {:?} to endpoint {:?}: its profile puts the idempotency key in a body field, but the body \
+                 is not a JSON object",
+                call.action, call.endpoint
+            );
+            return Err(Poison::new(PoisonClass::Rejected, why).with_identity(Some(&event.id), Some(&event.event_type)));
+        }
+        if let Some(why) = profile.and_then(|p| p.key_refused(&idempotency_key)) {
             let why = format!("call {:?} to endpoint {:?}: {why}", call.action, call.endpoint);
             return Err(Poison::new(PoisonClass::Rejected, why).with_identity(Some(&event.id), Some(&event.event_type)));
         }
@@ -669,6 +680,30 @@ mod tests {
         assert_eq!(call.body, Some(json!({"amount": 5})));
         assert_eq!(call.idempotency_key.as_deref(), Some("cap:o-1"));
         assert_eq!(call.on_success.emit[0].data, json!({"order": "o-1"}));
+    }
+
+    #[test]
+    fn a_key_the_provider_cannot_take_is_poison_at_ingest_naming_why() {
+        let effects = |c: &RelayConfig| {
+            let router = Router::new(c).unwrap();
+            let rec = record("order.placed", r#"{"order_id":"o-1","amount":5}"#);
+            let Routed::Route(route, event) = router.route(&rec).unwrap() else { panic!("not routed") };
+            let plan = router.plan(route, &event, &rec).unwrap();
+            router.effects(route, &event, plan, &router.provenance(&event), chrono::Utc::now()).map(|_| ())
+        };
+        // The key in a body field: fine in an object body, poison in another.
+        let mut c = cfg("");
+        c.endpoints.get_mut("psp").unwrap().idempotency.body_field = Some("meta.key".into());
+        effects(&c).unwrap();
+        let ActionConfig::Call(call) = &mut c.routes[0].actions[0] else { panic!("a call") };
+        call.body = Some(json!(["not", "an", "object"]));
+        let why = effects(&c).unwrap_err().reason;
+        assert!(why.contains("body field") && why.contains("not a JSON object"), "{why}");
+        // Longer than the provider takes.
+        let mut c = cfg("");
+        c.endpoints.get_mut("psp").unwrap().idempotency.max_length = Some(4);
+        let why = effects(&c).unwrap_err().reason;
+        assert!(why.contains("7 characters") && why.contains("at most 4"), "{why}");
     }
 
     #[test]

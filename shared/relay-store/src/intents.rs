@@ -146,6 +146,7 @@ impl ClaimedIntent {
             uncertain_before: self.ever_uncertain,
             // The endpoint's profile may say otherwise (the executor knows it).
             resends_unknown: true,
+            key_forgotten: false,
         }
     }
 }
@@ -792,11 +793,14 @@ pub struct ReplayRules {
     /// Whether the provider deduplicates by key, so that an uncertain
     /// intent may be sent again.
     pub keys: bool,
+    /// The endpoint's max age: the replay's attempts run this long from
+    /// now (`None`: as long as the intent's first budget did).
+    pub max_age: Option<std::time::Duration>,
 }
 
 impl ReplayRules {
     /// No window to respect, keys deduplicated: any dead or uncertain intent is replayed.
-    pub const ANY: ReplayRules = ReplayRules { key_window: None, keys: true };
+    pub const ANY: ReplayRules = ReplayRules { key_window: None, keys: true, max_age: None };
 }
 
 /// Give a dead (or uncertain) intent of `consumer` a new budget and queue it
@@ -820,13 +824,13 @@ pub async fn requeue(
     rules: impl Fn(&str) -> ReplayRules,
 ) -> Result<Requeue, sqlx::Error> {
     use sqlx::Connection;
-    type Row = (String, Option<String>, bool, String, DateTime<Utc>, DateTime<Utc>);
+    type Row = (String, Option<String>, bool, String, DateTime<Utc>, DateTime<Utc>, DateTime<Utc>);
     let mut tx = conn.begin().await?;
     let row: Option<Row> = sqlx::query_as(
         "SELECT state, ordering_key,
                 state = 'dead' AND (jsonb_array_length(COALESCE(on_dead->'emit', '[]')) > 0
                                     OR jsonb_array_length(COALESCE(on_dead->'saga', '[]')) > 0),
-                endpoint, created_at, now() + (expires_at - created_at)
+                endpoint, created_at, expires_at, now()
            FROM relay.intents
           WHERE id = $1 AND consumer = $2 AND state IN ('dead', 'uncertain')
           FOR UPDATE",
@@ -835,14 +839,17 @@ pub async fn requeue(
     .bind(consumer)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some((state, key, told, endpoint, created_at, runs_until)) = row else {
+    let Some((state, key, told, endpoint, created_at, expires_at, now)) = row else {
         return Ok(Requeue::NotDeadOrUncertain);
     };
     if told {
         return Ok(Requeue::OnDeadRecorded);
     }
-    // The replay's attempts run until `runs_until` (the UPDATE below).
     let rules = rules(&endpoint);
+    // The replay's attempts run until then: the endpoint's max age from now
+    // (not the intent's whole past budget, which a replay would lengthen).
+    let budget = rules.max_age.and_then(|a| chrono::Duration::from_std(a).ok()).unwrap_or(expires_at - created_at);
+    let runs_until = now.checked_add_signed(budget).unwrap_or(expires_at);
     if state == IntentState::Uncertain.as_str() && !rules.keys {
         return Ok(Requeue::UncertainWithoutKeys);
     }
@@ -857,15 +864,15 @@ pub async fn requeue(
     let requeue = if behind {
         "UPDATE relay.intents
             SET state = 'pending', next_attempt_at = now(), finished_at = NULL, seq = DEFAULT,
-                max_attempts = attempts + max_attempts, expires_at = now() + (expires_at - created_at)
+                max_attempts = attempts + max_attempts, expires_at = $2
           WHERE id = $1"
     } else {
         "UPDATE relay.intents
             SET state = 'pending', next_attempt_at = now(), finished_at = NULL,
-                max_attempts = attempts + max_attempts, expires_at = now() + (expires_at - created_at)
+                max_attempts = attempts + max_attempts, expires_at = $2
           WHERE id = $1"
     };
-    sqlx::query(requeue).bind(id).execute(&mut *tx).await?;
+    sqlx::query(requeue).bind(id).bind(runs_until).execute(&mut *tx).await?;
     tx.commit().await?;
     Ok(if behind { Requeue::QueuedBehindItsKey } else { Requeue::Queued })
 }

@@ -70,7 +70,8 @@ pub struct Asked {
 
 /// Record `asked` for intent `id` taken under `token`, and move it: still
 /// unknown → uncertain again, asked again `interval` from now; not applied
-/// → pending with a new budget, no longer uncertain (the provider's word
+/// → pending with a new budget (its attempts for `max_age` from now), no
+/// longer uncertain (the provider's word
 /// settles the doubt, so it may be sent again and end dead); succeeded →
 /// only recorded here (the completer finishes it with its effects).
 pub async fn record(
@@ -79,22 +80,23 @@ pub async fn record(
     token: Uuid,
     asked: &Asked,
     interval: Duration,
+    max_age: Duration,
 ) -> Result<Fenced, sqlx::Error> {
     let moved = match asked.verdict {
         Reconciled::Unknown => {
             "UPDATE relay.intents SET state = 'uncertain', lease_token = NULL, locked_until = NULL, locked_by = NULL,
                     reconciles = reconciles + 1, next_reconcile_at = now() + make_interval(secs => $8)
-              WHERE id = $1 AND lease_token = $2"
+              WHERE id = $1 AND lease_token = $2 AND $9 >= 0"
         }
         Reconciled::NotApplied => {
             "UPDATE relay.intents SET state = 'pending', lease_token = NULL, locked_until = NULL, locked_by = NULL,
                     reconciles = reconciles + 1, next_reconcile_at = NULL, ever_uncertain = false,
                     next_attempt_at = now(), finished_at = NULL,
-                    max_attempts = attempts + max_attempts, expires_at = now() + (expires_at - created_at)
+                    max_attempts = attempts + max_attempts, expires_at = now() + make_interval(secs => $9)
               WHERE id = $1 AND lease_token = $2"
         }
         Reconciled::Succeeded => {
-            "UPDATE relay.intents SET reconciles = reconciles + 1 WHERE id = $1 AND lease_token = $2 AND $8 >= 0"
+            "UPDATE relay.intents SET reconciles = reconciles + 1 WHERE id = $1 AND lease_token = $2 AND $8 >= 0 AND $9 >= 0"
         }
     };
     let sql = format!(
@@ -114,6 +116,7 @@ pub async fn record(
         .bind(asked.verdict.as_str())
         .bind(&asked.error)
         .bind(interval.as_secs_f64())
+        .bind(max_age.as_secs_f64())
         .fetch_one(conn)
         .await?;
     Ok(if n == 1 { Fenced::Done } else { Fenced::LeaseLost })

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use chrono::Utc;
 use relay_core::config::{EndpointConfig, LEASE_SPARE};
-use relay_core::retry::{self, Decision, ErrorClass, Tried, classify};
+use relay_core::retry::{self, Decision, ErrorClass, Tried, Verdict, classify};
 use relay_store::intents::{AttemptRecord, ClaimedIntent};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -112,6 +112,8 @@ impl Executor {
         let mut budget = intent.budget();
         // Deliberately wrong (issue 29) when sabotaged: re-sent without keys.
         budget.resends_unknown = client.profile().resends_unknown() || self.faults.sabotage().unknown_resent;
+        let window = client.profile().window.and_then(|w| chrono::Duration::from_std(w).ok());
+        budget.key_forgotten = window.is_some_and(|w| now - intent.created_at > w);
         if self.faults.sabotage().uncertainty_forgotten {
             // Deliberately wrong (D1): only this attempt's outcome counts.
             budget.uncertain_before = false;
@@ -172,7 +174,13 @@ impl Executor {
                     .as_str(),
             );
             self.faults.hit(point::DISPATCHER_AFTER_CALL).await?;
-            (Tried::Attempt(classify(&r.attempt, client.also_retry())), r)
+            let mut verdict = classify(&r.attempt, client.also_retry());
+            if let (Verdict::Retry { retry_after, uncertain: false }, Some(status)) = (verdict, r.status)
+                && client.profile().answer_may_have_applied(status)
+            {
+                verdict = Verdict::Retry { retry_after, uncertain: true };
+            }
+            (Tried::Attempt(verdict), r)
         };
         let decision = retry::decide(&budget, tried, &client.config().backoff, Utc::now(), &mut rand::rng());
         let attempt = attempt_record(&decision, &result);

@@ -363,13 +363,12 @@ impl EndpointClient {
                     (false, true) => KEY_ANSWER_BYTES.max(keep_body),
                     (false, false) => ERROR_BODY_BYTES.max(keep_body),
                 };
-                let body = if limit == 0 {
-                    Vec::new()
-                } else {
-                    tokio::time::timeout_at(sent_at + self.cfg.timeout, body_start(resp, limit))
-                        .await
-                        .unwrap_or_default()
-                };
+                // What arrived by the deadline is kept, even if the rest never comes.
+                let mut body = Vec::new();
+                if limit > 0 {
+                    let _ =
+                        tokio::time::timeout_at(sent_at + self.cfg.timeout, body_start(resp, limit, &mut body)).await;
+                }
                 let mut key = None;
                 let error = if success {
                     None
@@ -438,18 +437,17 @@ fn client_builder(name: &str, cfg: &EndpointConfig) -> anyhow::Result<reqwest::C
     Ok(b)
 }
 
-/// The first `limit` bytes of an error response's body; the rest is never
-/// read (a provider streaming gigabytes of error page costs one chunk, not
-/// the whole stream).
-async fn body_start(mut resp: reqwest::Response, limit: usize) -> Vec<u8> {
-    let mut kept = Vec::with_capacity(limit.min(ERROR_BODY_BYTES));
+/// Read the first `limit` bytes of a response's body into `kept`; the rest
+/// is never read (a provider streaming gigabytes of error page costs one
+/// chunk, not the whole stream). Into a buffer of the caller's, so that
+/// what arrived before a deadline cut this short is kept.
+async fn body_start(mut resp: reqwest::Response, limit: usize, kept: &mut Vec<u8>) {
     while kept.len() < limit {
         match resp.chunk().await {
             Ok(Some(chunk)) => kept.extend_from_slice(&chunk[..chunk.len().min(limit - kept.len())]),
             Ok(None) | Err(_) => break,
         }
     }
-    kept
 }
 
 /// Bytes as text for an attempt's error. PostgreSQL text cannot hold NUL:

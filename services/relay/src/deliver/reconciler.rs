@@ -188,7 +188,10 @@ impl Dispatcher {
         };
         crate::runtime::metrics::reconciled(&endpoint, verdict.as_str());
         let recorded = match self.inner.pool.acquire().await {
-            Ok(mut conn) => reconciliations::record(&mut conn, id, token, &asked, r.interval).await,
+            Ok(mut conn) => {
+                let max_age = client.config().max_age;
+                reconciliations::record(&mut conn, id, token, &asked, r.interval, max_age).await
+            }
             Err(e) => Err(e),
         };
         match recorded {

@@ -190,7 +190,12 @@ impl Operator {
                 .iter()
                 .map(|(n, e)| {
                     let p = e.profile();
-                    (n.clone(), intents::ReplayRules { key_window: p.window, keys: p.resends_unknown() })
+                    let rules = intents::ReplayRules {
+                        key_window: p.window,
+                        keys: p.resends_unknown(),
+                        max_age: Some(e.max_age),
+                    };
+                    (n.clone(), rules)
                 })
                 .collect(),
         }
