@@ -1277,7 +1277,7 @@ mod tests {
             ("idempotency = { body_field = \"a..b\" }", "empty segment"),
             ("idempotency = { max_length = 0 }", "max_length: must be at least 1"),
             ("idempotency = { mismatch = [{ status = 400, pointer = \"error.type\" }] }", "starts with /"),
-            ("idempotency = { mismatch = [{ status = 400, equals = \"x\" }] }", "equals needs a pointer"),
+            ("idempotency = { mismatch = [{ status = 400, equals = \"x\" }] }", "equals and empty need a pointer"),
             ("profile = \"stripes\"", "unknown variant"),
         ];
         for (lines, want) in cases {

@@ -93,8 +93,11 @@ pub struct AnswerRule {
     pub status: u16,
     /// A JSON Pointer (RFC 6901) into the response body, e.g. `/error/type`.
     pub pointer: Option<String>,
-    /// The string that must be there.
-    pub equals: Option<String>,
+    /// The value that must be there (a string, a number, a boolean).
+    pub equals: Option<serde_json::Value>,
+    /// Whether what is there must be empty (`true`: an empty list, object
+    /// or string, or null; `false`: anything else).
+    pub empty: Option<bool>,
 }
 
 impl AnswerRule {
@@ -104,11 +107,15 @@ impl AnswerRule {
             return false;
         }
         let Some(ptr) = &self.pointer else { return true };
-        let found = body.and_then(|b| b.pointer(ptr));
-        match &self.equals {
-            Some(want) => found.and_then(serde_json::Value::as_str) == Some(want.as_str()),
-            None => found.is_some(),
-        }
+        let Some(found) = body.and_then(|b| b.pointer(ptr)) else { return false };
+        let empty = match found {
+            serde_json::Value::Null => true,
+            serde_json::Value::Array(a) => a.is_empty(),
+            serde_json::Value::Object(o) => o.is_empty(),
+            serde_json::Value::String(s) => s.is_empty(),
+            _ => false,
+        };
+        self.equals.as_ref().is_none_or(|want| found == want) && self.empty.is_none_or(|e| e == empty)
     }
 
     /// The problems of this rule at `at`.
@@ -117,8 +124,8 @@ impl AnswerRule {
         if self.pointer.as_deref().is_some_and(|ptr| !ptr.is_empty() && !ptr.starts_with('/')) {
             p.push(format!("{at}.pointer: a JSON Pointer starts with / (e.g. /error/type)"));
         }
-        if self.equals.is_some() && self.pointer.is_none() {
-            p.push(format!("{at}: equals needs a pointer (where in the body to look)"));
+        if (self.equals.is_some() || self.empty.is_some()) && self.pointer.is_none() {
+            p.push(format!("{at}: equals and empty need a pointer (where in the body to look)"));
         }
         p
     }
@@ -184,6 +191,7 @@ impl Profile {
                     status: 400,
                     pointer: Some("/error/type".into()),
                     equals: Some("idempotency_error".into()),
+                    empty: None,
                 }],
                 ..base
             },
@@ -194,7 +202,7 @@ impl Profile {
             ProfileName::Checkout => Profile { key: header("Cko-Idempotency-Key"), window: Some(24 * HOUR), ..base },
             ProfileName::Ietf => Profile {
                 in_progress: vec![409],
-                mismatch: vec![AnswerRule { status: 422, pointer: None, equals: None }],
+                mismatch: vec![AnswerRule { status: 422, pointer: None, equals: None, empty: None }],
                 ..base
             },
             ProfileName::None => Profile { key: KeyPlacement::Omitted, ..base },
@@ -390,6 +398,9 @@ impl ReconcileConfig {
         if self.max_attempts == 0 {
             p.push(format!("{at}.max_attempts: must be at least 1 (or remove [{at}])"));
         }
+        if http::Method::from_bytes(self.method.as_bytes()).is_err() {
+            p.push(format!("{at}.method: {:?} is not an HTTP method", self.method));
+        }
         if self.interval.is_zero() {
             p.push(format!("{at}.interval: must be longer than zero"));
         }
@@ -460,6 +471,7 @@ mod tests {
                 status: 409,
                 pointer: Some("/code".into()),
                 equals: Some("mismatch".into()),
+                empty: None,
             }]),
             ..KeyOverrides::default()
         };
@@ -530,6 +542,21 @@ mod tests {
     }
 
     #[test]
+    fn an_answer_rule_tells_an_empty_search_and_non_string_values() {
+        let r = reconcile(
+            "path = \"/v1/payment_intents?q={{ intent_id }}\"\n\
+             succeeded = [{ status = 200, pointer = \"/data/0/status\", equals = \"succeeded\" }]\n\
+             not_applied = [{ status = 200, pointer = \"/data\", empty = true }, { status = 200, pointer = \"/found\", equals = false }]",
+        );
+        assert_eq!(r.verdict(Some(200), Some(&json!({"data": []}))), Reconciled::NotApplied);
+        assert_eq!(r.verdict(Some(200), Some(&json!({"data": [{"status": "succeeded"}]}))), Reconciled::Succeeded);
+        assert_eq!(r.verdict(Some(200), Some(&json!({"data": [{"status": "processing"}]}))), Reconciled::Unknown);
+        assert_eq!(r.verdict(Some(200), Some(&json!({"found": false}))), Reconciled::NotApplied);
+        assert_eq!(r.verdict(Some(200), Some(&json!({"found": true}))), Reconciled::Unknown);
+        assert_eq!(r.verdict(Some(200), None), Reconciled::Unknown, "an answer cut short or not JSON says nothing");
+    }
+
+    #[test]
     fn a_resend_s_2xx_is_the_stored_answer_of_an_applied_call() {
         let r = reconcile("resend = true");
         let p = Profile::builtin(ProfileName::Stripe);
@@ -548,6 +575,7 @@ mod tests {
         assert!(problems("path = \"/x\"\nresend = true").contains("keep one"));
         assert!(problems("path = \"/x\"").contains("needs succeeded and/or not_applied"));
         assert!(problems("resend = true\nmax_attempts = 0").contains("max_attempts: must be at least 1"));
+        assert!(problems("resend = true\nmethod = \"GE T\"").contains("not an HTTP method"));
     }
 
     #[test]

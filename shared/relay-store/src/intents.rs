@@ -864,12 +864,12 @@ pub async fn requeue(
     let requeue = if behind {
         "UPDATE relay.intents
             SET state = 'pending', next_attempt_at = now(), finished_at = NULL, seq = DEFAULT,
-                max_attempts = attempts + max_attempts, expires_at = $2
+                max_attempts = attempts + max_attempts, expires_at = $2, reconciles = 0, next_reconcile_at = NULL
           WHERE id = $1"
     } else {
         "UPDATE relay.intents
             SET state = 'pending', next_attempt_at = now(), finished_at = NULL,
-                max_attempts = attempts + max_attempts, expires_at = $2
+                max_attempts = attempts + max_attempts, expires_at = $2, reconciles = 0, next_reconcile_at = NULL
           WHERE id = $1"
     };
     sqlx::query(requeue).bind(id).bind(runs_until).execute(&mut *tx).await?;

@@ -37,6 +37,8 @@ pub async fn take_due(
           WHERE id IN (SELECT id FROM relay.intents
                         WHERE state = 'uncertain' AND consumer = $1 AND endpoint = $2 AND reconciles < $4
                           AND coalesce(next_reconcile_at, finished_at + make_interval(secs => $3)) <= now()
+                          AND NOT EXISTS (SELECT 1 FROM relay.pauses p
+                                           WHERE p.kind = 'endpoint' AND p.name = relay.intents.endpoint)
                         ORDER BY finished_at LIMIT $5
                         FOR UPDATE SKIP LOCKED)
          RETURNING ",
@@ -99,15 +101,15 @@ pub async fn record(
             "UPDATE relay.intents SET reconciles = reconciles + 1 WHERE id = $1 AND lease_token = $2 AND $8 >= 0 AND $9 >= 0"
         }
     };
+    // The question is written from what the fenced UPDATE moved: under a
+    // lost lease nothing is, and its number is the count after it.
     let sql = format!(
-        "WITH asked AS (
-             INSERT INTO relay.intent_reconciliations (intent_id, n, worker, started_at, status, verdict, error)
-             SELECT id, reconciles + 1, $3, $4, $5, $6, $7 FROM relay.intents WHERE id = $1 AND lease_token = $2
-             RETURNING intent_id
-         ), moved AS ({moved} RETURNING id)
-         SELECT count(*) FROM moved"
+        "WITH moved AS ({moved} RETURNING id, reconciles)
+         INSERT INTO relay.intent_reconciliations (intent_id, n, worker, started_at, status, verdict, error)
+         SELECT id, reconciles, $3, $4, $5, $6, $7 FROM moved
+         RETURNING 1"
     );
-    let n: i64 = sqlx::query_scalar(&sql)
+    let n = sqlx::query(&sql)
         .bind(id)
         .bind(token)
         .bind(&asked.worker)
@@ -117,8 +119,9 @@ pub async fn record(
         .bind(&asked.error)
         .bind(interval.as_secs_f64())
         .bind(max_age.as_secs_f64())
-        .fetch_one(conn)
-        .await?;
+        .execute(conn)
+        .await?
+        .rows_affected();
     Ok(if n == 1 { Fenced::Done } else { Fenced::LeaseLost })
 }
 

@@ -108,10 +108,11 @@ impl Completion {
     /// A reconciliation's finding that uncertain intent `intent`, taken for
     /// it, was applied by the provider: it succeeds with its `on_success`
     /// effects; no call attempt was made, so no attempt row is written, and
-    /// `why` (what the provider answered) is kept as its last error.
-    pub fn reconciled(intent: ClaimedIntent, why: String) -> Completion {
+    /// `why` (what the provider answered) and the answer's `status` are kept
+    /// as its last error and status.
+    pub fn reconciled(intent: ClaimedIntent, status: Option<i32>, why: String) -> Completion {
         let outcome = relay_core::retry::AttemptOutcome::Succeeded;
-        let attempt = AttemptRecord { started_at: None, outcome, status: None, error_class: None, error: Some(why) };
+        let attempt = AttemptRecord { started_at: None, outcome, status, error_class: None, error: Some(why) };
         Completion { attempted: false, ..Completion::decided(intent, NextState::Succeeded, attempt) }
     }
 

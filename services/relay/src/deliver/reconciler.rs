@@ -82,6 +82,9 @@ impl Dispatcher {
             tokio::select! { _ = shutdown.cancelled() => break, _ = tokio::time::sleep(every) => {} }
             while tasks.try_join_next().is_some() {}
             for (endpoint, r, _) in &rec.endpoints {
+                if shutdown.is_cancelled() {
+                    break;
+                }
                 let taken_at = std::time::Instant::now();
                 let taken = match self.inner.pool.acquire().await {
                     Ok(mut conn) => {
@@ -127,15 +130,30 @@ impl Dispatcher {
         let (Some((r, path)), Some(client)) = (rec.of(&endpoint), self.inner.executor.client(&endpoint)) else {
             return self.give_back(id, token).await;
         };
+        // Questions that cannot be asked are answered "unknown" with why:
+        // they count against the budget and show in the history, instead of
+        // being taken again every round ahead of the others.
+        let unasked = |why: String| Asked {
+            worker: self.inner.worker.clone(),
+            started_at: None,
+            status: None,
+            verdict: Reconciled::Unknown,
+            error: Some(why),
+        };
         let lookup_path = match path.map(|t| rec.templates.render(t, &Context::from(lookup_context(&intent)))) {
             Some(Ok(p)) => Some(p),
             None => None,
             Some(Err(e)) => {
-                error!(intent_id = %id, endpoint = %endpoint, error = %e.0, "the reconcile path cannot be rendered for this intent");
-                return self.give_back(id, token).await;
+                let why = format!("the reconcile path cannot be rendered for this intent: {}", e.0);
+                return self.settle_unasked(id, token, &endpoint, unasked(why), r, client).await;
             }
         };
-        let none = serde_json::json!({});
+        let window = client.profile().window.and_then(|w| chrono::Duration::from_std(w).ok());
+        if lookup_path.is_none() && window.is_some_and(|w| chrono::Utc::now() - intent.created_at > w) {
+            // Sent again now, the call would be a new request to the provider.
+            let why = format!("not sent again: {}", relay_core::retry::KEY_FORGOTTEN);
+            return self.settle_unasked(id, token, &endpoint, unasked(why), r, client).await;
+        }
         let call = &intent.intent;
         let request = match &lookup_path {
             // Resend: the call itself, its key, its body and headers.
@@ -151,11 +169,14 @@ impl Dispatcher {
                 attempt: intent.attempts,
                 keep_body: ANSWER_BYTES,
             },
+            // The intent's own headers go with a lookup too: they may scope
+            // it (an account header), and without them a lookup could find
+            // nothing and take the call for not applied.
             Some(path) => Request {
                 method: &r.method,
                 path,
                 body: None,
-                headers: &none,
+                headers: &call.headers,
                 idempotency_key: None,
                 traceparent: call.traceparent.as_deref(),
                 correlation_id: call.correlation_id.as_deref(),
@@ -206,7 +227,9 @@ impl Dispatcher {
         }
         match verdict {
             Reconciled::Succeeded => {
-                let finished = self.inner.completer.finalize(&[Completion::reconciled(intent, said.clone())]).await;
+                let status = answer.status.map(i32::from);
+                let finished =
+                    self.inner.completer.finalize(&[Completion::reconciled(intent, status, said.clone())]).await;
                 if finished.as_slice() == [Finished::Succeeded] {
                     info!(intent_id = %id, endpoint = %endpoint, "{said}; its on_success effects are recorded");
                 } else {
@@ -222,6 +245,30 @@ impl Dispatcher {
             Reconciled::Unknown => {
                 warn!(intent_id = %id, endpoint = %endpoint, "{said}; still uncertain, asked again in {:?}", r.interval)
             }
+        }
+    }
+
+    /// Record a question that could not be asked, and return the intent to
+    /// uncertain with it counted.
+    async fn settle_unasked(
+        &self,
+        id: uuid::Uuid,
+        token: uuid::Uuid,
+        endpoint: &str,
+        asked: Asked,
+        r: &ReconcileConfig,
+        client: &super::http::EndpointClient,
+    ) {
+        warn!(intent_id = %id, endpoint = %endpoint, why = asked.error.as_deref().unwrap_or(""), "reconciliation not asked");
+        crate::runtime::metrics::reconciled(endpoint, asked.verdict.as_str());
+        let recorded = match self.inner.pool.acquire().await {
+            Ok(mut conn) => {
+                reconciliations::record(&mut conn, id, token, &asked, r.interval, client.config().max_age).await
+            }
+            Err(e) => Err(e),
+        };
+        if !matches!(recorded, Ok(Fenced::Done)) {
+            self.give_back(id, token).await;
         }
     }
 
