@@ -310,6 +310,21 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// One line of an intent's history in `relay intents show`: an attempt or
+/// a reconciliation.
+fn history_line(
+    n: i32,
+    what: &str,
+    status: Option<i32>,
+    at: impl std::fmt::Display,
+    worker: &str,
+    error: Option<&str>,
+) -> String {
+    let status = status.map_or("-".into(), |s| s.to_string());
+    let error = error.map(|e| format!(": {}", safe(e))).unwrap_or_default();
+    format!("    #{n:<3} {what:<13} {status:>4} {at} by {worker}{error}")
+}
+
 /// What `check-config` says of an endpoint's key: where it goes, and its
 /// provider's window beside relay's retry horizon.
 fn key_window_line(name: &str, e: &relay_core::config::EndpointConfig) -> String {
@@ -807,29 +822,15 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
             }
             println!("  attempts");
             for a in attempts {
-                println!(
-                    "    #{:<3} {:<13} {:>4} {} by {}{}",
-                    a.attempt,
-                    a.outcome,
-                    a.status.map_or("-".into(), |s| s.to_string()),
-                    a.started_at.unwrap_or(a.claimed_at),
-                    a.worker,
-                    a.error.map(|e| format!(": {}", safe(&e))).unwrap_or_default()
-                );
+                let at = a.started_at.unwrap_or(a.claimed_at);
+                println!("{}", history_line(a.attempt, &a.outcome, a.status, at, &a.worker, a.error.as_deref()));
             }
             if !reconciliations.is_empty() {
                 println!("  reconciliations (the provider asked what became of an unknown outcome)");
             }
             for r in reconciliations {
-                println!(
-                    "    #{:<3} {:<13} {:>4} {} by {}{}",
-                    r.n,
-                    r.verdict,
-                    r.status.map_or("-".into(), |s| s.to_string()),
-                    r.started_at.unwrap_or(r.finished_at),
-                    r.worker,
-                    r.error.map(|e| format!(": {}", safe(&e))).unwrap_or_default()
-                );
+                let at = r.started_at.unwrap_or(r.finished_at);
+                println!("{}", history_line(r.n, &r.verdict, r.status, at, &r.worker, r.error.as_deref()));
             }
         }
         IntentCommand::Resolve { id, succeeded, failed: _, note } => {

@@ -163,22 +163,19 @@ async function renderDeadOutbox() {
 async function showTimeline(id) {
   const { attempts, reconciliations } = await api(`/api/intents/${id}`);
   $("#timeline-id").textContent = id;
-  const calls = attempts.map((a) => {
+  const item = (when, className, what, status, worker, error) => {
     const li = document.createElement("li");
-    li.className = "outcome-" + a.outcome;
-    const when = a.started_at || a.claimed_at;
-    li.textContent = `#${a.attempt} ${a.outcome}${a.status ? " HTTP " + a.status : ""} at ${new Date(when).toLocaleTimeString()} by ${a.worker}${a.error ? " — " + a.error : ""}`;
-    return li;
-  });
-  // Questions to the provider about an unknown outcome, after the calls.
-  const asked = (reconciliations || []).map((r) => {
-    const li = document.createElement("li");
-    li.className = "reconciled-" + r.verdict;
-    const when = r.started_at || r.finished_at;
-    li.textContent = `reconciliation #${r.n} ${r.verdict}${r.status ? " HTTP " + r.status : ""} at ${new Date(when).toLocaleTimeString()} by ${r.worker}${r.error ? " — " + r.error : ""}`;
-    return li;
-  });
-  $("#timeline-list").replaceChildren(...calls, ...asked);
+    li.className = className;
+    li.textContent = `${what}${status ? " HTTP " + status : ""} at ${new Date(when).toLocaleTimeString()} by ${worker}${error ? " — " + error : ""}`;
+    return [new Date(when), li];
+  };
+  const calls = attempts.map((a) => item(a.started_at || a.claimed_at, "outcome-" + a.outcome,
+    `#${a.attempt} ${a.outcome}`, a.status, a.worker, a.error));
+  // Questions to the provider about an unknown outcome, in time order with the calls.
+  const asked = (reconciliations || []).map((r) => item(r.started_at || r.finished_at, "reconciled-" + r.verdict,
+    `reconciliation #${r.n} ${r.verdict}`, r.status, r.worker, r.error));
+  const events = [...calls, ...asked].sort((x, y) => x[0] - y[0]);
+  $("#timeline-list").replaceChildren(...events.map(([, li]) => li));
   $("#timeline").hidden = false;
 }
 
