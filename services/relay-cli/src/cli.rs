@@ -844,7 +844,7 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
                 anyhow::bail!("nothing to replay: give intent ids, or --all");
             }
             let which = if all { Intents::Dead { endpoint } } else { Intents::Ids(ids) };
-            let window = if past_key_window { KeyWindow::PastAllowed } else { KeyWindow::Within };
+            let window = KeyWindow::past_allowed(past_key_window);
             let done = ops.requeue_all(which, window, |n| eprintln!("  {n} done")).await?;
             for (id, why) in &done.not_replayed {
                 println!("{id}: not replayed: {why}");

@@ -234,6 +234,13 @@ impl Profile {
         p
     }
 
+    /// Whether the provider has forgotten a key first used at `created_at`
+    /// by `now`: sent again, the call would be a new request to it.
+    pub fn key_forgotten(&self, created_at: chrono::DateTime<chrono::Utc>, now: chrono::DateTime<chrono::Utc>) -> bool {
+        let window = self.window.and_then(|w| chrono::Duration::from_std(w).ok());
+        window.is_some_and(|w| now - created_at > w)
+    }
+
     /// Whether an attempt whose outcome is unknown may be sent again: only
     /// with a key the provider deduplicates on.
     pub fn resends_unknown(&self) -> bool {

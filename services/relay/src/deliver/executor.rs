@@ -112,8 +112,7 @@ impl Executor {
         let mut budget = intent.budget();
         // Deliberately wrong (issue 29) when sabotaged: re-sent without keys.
         budget.resends_unknown = client.profile().resends_unknown() || self.faults.sabotage().unknown_resent;
-        let window = client.profile().window.and_then(|w| chrono::Duration::from_std(w).ok());
-        budget.key_forgotten = window.is_some_and(|w| now - intent.created_at > w);
+        budget.key_forgotten = client.profile().key_forgotten(intent.created_at, now);
         if self.faults.sabotage().uncertainty_forgotten {
             // Deliberately wrong (D1): only this attempt's outcome counts.
             budget.uncertain_before = false;

@@ -148,8 +148,7 @@ impl Dispatcher {
                 return self.settle_unasked(id, token, &endpoint, unasked(why), r, client).await;
             }
         };
-        let window = client.profile().window.and_then(|w| chrono::Duration::from_std(w).ok());
-        if lookup_path.is_none() && window.is_some_and(|w| chrono::Utc::now() - intent.created_at > w) {
+        if lookup_path.is_none() && client.profile().key_forgotten(intent.created_at, chrono::Utc::now()) {
             // Sent again now, the call would be a new request to the provider.
             let why = format!("not sent again: {}", relay_core::retry::KEY_FORGOTTEN);
             return self.settle_unasked(id, token, &endpoint, unasked(why), r, client).await;

@@ -131,6 +131,13 @@ pub enum KeyWindow {
     PastAllowed,
 }
 
+impl KeyWindow {
+    /// The choice a `--past-key-window` flag (or its API field) makes.
+    pub fn past_allowed(yes: bool) -> Self {
+        if yes { KeyWindow::PastAllowed } else { KeyWindow::Within }
+    }
+}
+
 /// The counts the console shows.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Counts {
@@ -364,9 +371,8 @@ impl Operator {
                 self.consumer
             ))),
             Requeue::OnDeadRecorded => Err(OpsError::Conflict(on_dead_recorded(id))),
-            Requeue::PastKeyWindow(why) => Err(OpsError::Conflict(format!("intent {id} not replayed: {why}"))),
-            Requeue::UncertainWithoutKeys => {
-                Err(OpsError::Conflict(format!("intent {id} not replayed: {UNCERTAIN_WITHOUT_KEYS}")))
+            r @ (Requeue::PastKeyWindow(_) | Requeue::UncertainWithoutKeys) => {
+                Err(OpsError::Conflict(format!("intent {id} not replayed: {}", not_replayed_why(r))))
             }
         }
     }
@@ -410,8 +416,9 @@ impl Operator {
                 }
                 Requeue::NotDeadOrUncertain => done.left.push(*id),
                 Requeue::OnDeadRecorded => done.refused.push(*id),
-                Requeue::PastKeyWindow(why) => done.not_replayed.push((*id, why)),
-                Requeue::UncertainWithoutKeys => done.not_replayed.push((*id, UNCERTAIN_WITHOUT_KEYS.into())),
+                r @ (Requeue::PastKeyWindow(_) | Requeue::UncertainWithoutKeys) => {
+                    done.not_replayed.push((*id, not_replayed_why(r)))
+                }
             }
             if (n + 1) % PAGE as usize == 0 {
                 progress(n + 1);
@@ -538,6 +545,17 @@ impl Operator {
 /// Why an uncertain intent of a provider without keys is not replayed.
 pub const UNCERTAIN_WITHOUT_KEYS: &str = "its provider keeps no idempotency keys (profile none), so sending it again \
      could apply it twice; ask the provider, then `relay intents resolve ID --succeeded` or `--failed`";
+
+/// Why a replay left an intent as it was, for the refusals that come
+/// from its provider (its key window, or no keys at all).
+fn not_replayed_why(r: Requeue) -> String {
+    match r {
+        Requeue::PastKeyWindow(why) => why,
+        Requeue::UncertainWithoutKeys => UNCERTAIN_WITHOUT_KEYS.into(),
+        // Not a provider's refusal; the callers match those themselves.
+        other => format!("{other:?}"),
+    }
+}
 
 /// Why a dead intent whose `on_dead` effects were recorded is not replayed.
 pub fn on_dead_recorded(id: Uuid) -> String {

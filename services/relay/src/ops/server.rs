@@ -491,13 +491,9 @@ struct ReplayQuery {
     past_key_window: bool,
 }
 
-fn key_window(past: bool) -> KeyWindow {
-    if past { KeyWindow::PastAllowed } else { KeyWindow::Within }
-}
-
 async fn replay_intent(State(s): State<Shared>, Path(id): Path<String>, Query(q): Query<ReplayQuery>) -> ApiResult {
     let id = parse_id(&id)?;
-    s.operator.requeue(id, key_window(q.past_key_window)).await?;
+    s.operator.requeue(id, KeyWindow::past_allowed(q.past_key_window)).await?;
     Ok(Json(json!({"id": id, "requeued": true})))
 }
 
@@ -527,7 +523,7 @@ struct IntentBulk {
 
 async fn replay_intents(State(s): State<Shared>, Json(b): Json<IntentBulk>) -> ApiResult {
     let which = if b.all { Intents::Dead { endpoint: b.endpoint } } else { Intents::Ids(b.ids) };
-    let done = s.operator.requeue_all(which, key_window(b.past_key_window), |_| {}).await?;
+    let done = s.operator.requeue_all(which, KeyWindow::past_allowed(b.past_key_window), |_| {}).await?;
     let past: Vec<_> = done.not_replayed.iter().map(|(id, why)| json!({"id": id, "why": why})).collect();
     Ok(Json(json!({"requeued": done.queued, "asked": done.asked, "refused": done.refused, "not_replayed": past})))
 }
