@@ -300,7 +300,7 @@ async fn uncertain_calls_to_a_provider_without_keys_are_reconciled_by_a_lookup_a
     ]);
     h.send(&order("evt-1", "o-1")).await;
     h.send(&order("evt-2", "o-2")).await;
-    let text = format!("{}\n{LOOKUP}", config_with(&h, CAPTURE_ROUTE, "profile = \"none\""));
+    let text = format!("{}\n{LOOKUP}", config_with(&h, CAPTURE_WITH_ANSWER, "profile = \"none\""));
     let ((mut p, admin), config) = run_with_admin_config(&h, &text).await;
     eventually("both intents settled", DEADLINE, || async {
         let done = h.db.count("intents", "state = 'succeeded'").await == 2;
@@ -320,7 +320,11 @@ async fn uncertain_calls_to_a_provider_without_keys_are_reconciled_by_a_lookup_a
     assert!(stats.double_applied().is_empty());
     h.await_published(2).await;
     assert_eq!(h.db.count("outbox", "event_type = 'payment.captured'").await, 2);
-    assert_eq!(h.db.count("outbox", "event_type = 'payment.failed'").await, 0);
+    // The success event carries what the lookup answered, the other one the call's answer.
+    let (data, _) = emitted(&h, "evt-1", "payment.captured").await.unwrap();
+    assert!(data["payment_id"].as_str().is_some_and(|id| id.starts_with("res_")), "{data}");
+    assert_eq!((data["via"].as_str(), data["status"].as_u64()), (Some("lookup"), Some(200)), "{data}");
+    assert_eq!(emitted(&h, "evt-2", "payment.captured").await.unwrap().0["via"], "call");
     let (_, metrics) = admin.get("/metrics", None).await;
     for verdict in ["succeeded", "not_applied"] {
         let m = metric(&metrics, "relay_reconciliations_total", &[("endpoint", "psp"), ("verdict", verdict)]);
@@ -379,7 +383,7 @@ async fn a_stripe_call_left_uncertain_is_reconciled_by_sending_it_again_with_its
     h.provider.set_faults(vec![fault("capture:o-1", Some(1), FaultKind::TimeoutAfterApply { delay_ms: 1500 })]);
     h.send(&order("evt-1", "o-1")).await;
     // One attempt: its timeout leaves the intent uncertain at once.
-    let text = h.config_text(CAPTURE_ROUTE).replace("max_attempts = 5\n", "max_attempts = 1\n").replace(
+    let text = h.config_text(CAPTURE_WITH_ANSWER).replace("max_attempts = 5\n", "max_attempts = 1\n").replace(
         "[endpoints.psp]\n",
         "[endpoints.psp]\nprofile = \"stripe\"\nmax_age = \"1h\"\nreconcile = { resend = true, after = \"200ms\" }\n",
     );
@@ -392,7 +396,9 @@ async fn a_stripe_call_left_uncertain_is_reconciled_by_sending_it_again_with_its
     let stats = h.provider.stats();
     assert_eq!((stats.applied_for("capture:o-1"), stats.requests_for("capture:o-1"), stats.replayed), (1, 2, 1));
     h.await_published(1).await;
-    assert_eq!(h.db.count("outbox", "event_type = 'payment.captured'").await, 1);
+    // Stripe's stored answer to the resend: the payment the first request made.
+    let (data, _) = emitted(&h, "evt-1", "payment.captured").await.unwrap();
+    assert_eq!((data["payment_id"].as_str(), data["via"].as_str()), (Some("res_1"), Some("resend")), "{data}");
     p.terminate(DEADLINE).unwrap();
 }
 
@@ -491,5 +497,109 @@ async fn a_resend_after_the_provider_forgot_the_key_is_not_made() {
     assert!(asked.1.unwrap_or_default().contains("key window has closed"));
     assert_eq!(h.provider.stats().requests_for("capture:o-1"), 1, "not sent again");
     assert_eq!(h.db.count("intents", "state = 'uncertain'").await, 1);
+    p.terminate(DEADLINE).unwrap();
+}
+
+/// Capture whose success event carries the provider's answer.
+const CAPTURE_WITH_ANSWER: &str = r#"
+[[routes]]
+name = "order-placed"
+topic = "{topic}"
+type = "order.placed"
+
+[[routes.actions]]
+kind = "call"
+name = "capture"
+endpoint = "psp"
+path = "/captures/{{ data.order_id }}"
+idempotency_key = "capture:{{ data.order_id }}"
+body = { order_id = "{{ data.order_id }}" }
+
+[[routes.actions.on_success.emit]]
+name = "captured"
+type = "payment.captured"
+topic = "{out}"
+key = "{{ data.order_id }}"
+subject = "payment {{ response.body.id }}"
+data = { order_id = "{{ data.order_id }}", payment_id = "{{ response.body.id }}", status = "{{ response.status }}", via = "{{ response.via }}" }
+"#;
+
+/// The data and subject of the outbox event `event_type` that the call of
+/// input event `source` led to.
+async fn emitted(h: &Harness, source: &str, event_type: &str) -> Option<(serde_json::Value, String)> {
+    let row: Option<(Vec<u8>, serde_json::Value)> = sqlx::query_as(
+        "SELECT o.payload, o.headers FROM relay.outbox o JOIN relay.intents i ON o.source_id = i.id::text || ':succeeded'
+          WHERE i.source_event_id = $1 AND o.event_type = $2",
+    )
+    .bind(source)
+    .bind(event_type)
+    .fetch_optional(&h.db.pool)
+    .await
+    .unwrap();
+    row.map(|(payload, headers)| {
+        let subject = headers.as_array().unwrap().iter().find(|h| h["name"] == "ce_subject").map(|h| h["text"].clone());
+        (
+            serde_json::from_slice(&payload).unwrap(),
+            subject.and_then(|s| s.as_str().map(str::to_owned)).unwrap_or_default(),
+        )
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_success_event_carries_the_provider_s_answer_even_when_a_retry_got_it() {
+    let h = Harness::with_provider(1, settings(Dialect::Stripe)).await;
+    h.provider.set_faults(vec![
+        // Applied, answered too late: the retry gets Stripe's stored answer.
+        fault("capture:o-2", Some(1), FaultKind::TimeoutAfterApply { delay_ms: 1500 }),
+        // A success whose body is longer than the endpoint keeps.
+        fault("capture:o-3", None, FaultKind::Body { status: 200, body: "x".repeat(9000) }),
+    ]);
+    for (evt, o) in [("evt-1", "o-1"), ("evt-2", "o-2"), ("evt-3", "o-3")] {
+        h.send(&order(evt, o)).await;
+    }
+    let text = config_with(&h, CAPTURE_WITH_ANSWER, "profile = \"stripe\"\nmax_age = \"1h\"");
+    let ((mut p, admin), config) = run_with_admin_config(&h, &text).await;
+    h.await_intents_finished(3).await;
+    h.await_published(2).await;
+
+    assert_eq!(h.provider.applied().len(), 2, "o-1 and o-2 once each (o-3 answers 200 with its body only)");
+    for (evt, o) in [("evt-1", "o-1"), ("evt-2", "o-2")] {
+        let (data, subject) = emitted(&h, evt, "payment.captured").await.unwrap_or_else(|| panic!("{evt}: no event"));
+        let id = data["payment_id"].as_str().unwrap_or_default().to_owned();
+        assert!(id.starts_with("res_"), "{evt}: {data}");
+        assert_eq!(subject, format!("payment {id}"));
+        assert_eq!(
+            (data["order_id"].as_str(), data["status"].as_u64(), data["via"].as_str()),
+            (Some(o), Some(201), Some("call"))
+        );
+        // What the provider answered is kept with the intent, once.
+        let kept: serde_json::Value =
+            sqlx::query_scalar("SELECT response FROM relay.intents WHERE source_event_id = $1")
+                .bind(evt)
+                .fetch_one(&h.db.pool)
+                .await
+                .unwrap();
+        assert_eq!(kept["body"]["id"], id.as_str(), "{kept}");
+        assert_eq!(kept["body"]["idempotency_key"], format!("capture:{o}"));
+    }
+    let (_, attempts, ..) = intent_row(&h, "evt-2").await;
+    assert!(attempts >= 2, "o-2's first answer was lost: {attempts}");
+    assert_eq!(h.provider.stats().applied_for("capture:o-2"), 1);
+
+    // Too long to keep: the success is recorded without its event, saying why.
+    let (state, _, _, error) = intent_row(&h, "evt-3").await;
+    let error = error.unwrap_or_default();
+    assert_eq!(state, "succeeded");
+    assert!(error.contains("on_success effects not recorded") && error.contains("response_bytes"), "{error}");
+    assert!(emitted(&h, "evt-3", "payment.captured").await.is_none());
+    let (_, metrics) = admin.get("/metrics", None).await;
+    assert_eq!(metric(&metrics, "relay_outcome_effects_dropped_total", &[("endpoint", "psp")]), Some(1.0), "{metrics}");
+
+    let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents WHERE source_event_id = 'evt-1'")
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    let (ok, out) = cli(&h, &config, &["intents", "show", &id.to_string()]).await;
+    assert!(ok && out.contains("answer") && out.contains("res_"), "{out}");
     p.terminate(DEADLINE).unwrap();
 }

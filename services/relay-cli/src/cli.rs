@@ -808,7 +808,8 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
             }
         }
         IntentCommand::Show { id } => {
-            let relay::ops::admin::IntentHistory { intent: i, attempts, reconciliations } = ops.intent(id).await?;
+            let relay::ops::admin::IntentHistory { intent: i, attempts, reconciliations, response } =
+                ops.intent(id).await?;
             println!("intent {}", i.id);
             println!("  call       {} {} on endpoint {}", i.method, safe(&i.path), i.endpoint);
             println!("  key        {}", safe(&i.idempotency_key));
@@ -819,6 +820,9 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
             }
             if let Some(e) = &i.last_error {
                 println!("  last error {}", safe(e));
+            }
+            if let Some(r) = &response {
+                println!("  answer     (what on_success read) {}", safe(&r.to_string()));
             }
             println!("  attempts");
             for a in attempts {
@@ -835,9 +839,15 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
         }
         IntentCommand::Resolve { id, succeeded, failed: _, note } => {
             let resolution = if succeeded { IntentResolution::Succeeded } else { IntentResolution::Failed };
-            ops.resolve(id, resolution, note.as_deref()).await?;
+            let dropped = ops.resolve(id, resolution, note.as_deref()).await?;
             let effects = if succeeded { "on_success" } else { "on_dead" };
-            println!("{id}: resolved as {resolution:?}; its {effects} effects are recorded");
+            match dropped {
+                None => println!("{id}: resolved as {resolution:?}; its {effects} effects are recorded"),
+                Some(why) => println!(
+                    "{id}: resolved as {resolution:?}; its {effects} effects are NOT recorded ({why}): emit its events \
+                     or move its sagas by hand"
+                ),
+            }
         }
         IntentCommand::Replay { ids, all, endpoint, past_key_window } => {
             if ids.is_empty() && !all {

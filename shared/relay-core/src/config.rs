@@ -625,6 +625,11 @@ pub struct EndpointConfig {
     /// unknown (`[endpoints.NAME.reconcile]`); without it, uncertain intents
     /// wait for an operator.
     pub reconcile: Option<ReconcileConfig>,
+    /// The most of a successful answer's body kept for `on_success`
+    /// templates that read `response` (bytes); a longer body is kept as
+    /// null, `response.truncated` true.
+    #[serde(default = "default_response_bytes")]
+    pub response_bytes: usize,
     /// Environment variable holding a bearer token for this endpoint.
     pub token_env: Option<String>,
     /// Static request headers.
@@ -755,6 +760,18 @@ fn default_max_attempts() -> u32 {
 fn default_max_age() -> Duration {
     Duration::from_secs(24 * 3600)
 }
+fn default_response_bytes() -> usize {
+    DEFAULT_RESPONSE_BYTES
+}
+
+/// What an endpoint keeps of an answer's body for `on_success` by default:
+/// a payment object's id and status fit many times over.
+pub const DEFAULT_RESPONSE_BYTES: usize = 8 * 1024;
+
+/// The most an endpoint may keep of an answer's body (it is stored in the
+/// intent row and read into memory per call in flight).
+pub const MAX_RESPONSE_BYTES: usize = 1024 * 1024;
+
 fn default_replay_window() -> Duration {
     Duration::from_secs(3600)
 }
@@ -1016,6 +1033,12 @@ fn check_topic_name(what: &str, name: &str, p: &mut Vec<String>) {
 /// The problems of endpoint `e`'s idempotency settings.
 fn check_profile(name: &str, e: &EndpointConfig, p: &mut Vec<String>) {
     let at = format!("endpoints.{name}");
+    if e.response_bytes == 0 || e.response_bytes > MAX_RESPONSE_BYTES {
+        p.push(format!(
+            "{at}.response_bytes = {}: keep between 1 and {MAX_RESPONSE_BYTES} bytes of an answer",
+            e.response_bytes
+        ));
+    }
     let o = &e.idempotency;
     if e.idempotency_header.is_some() && o.header.is_some() {
         p.push(format!("{at}: idempotency_header and idempotency.header both name the key's header; keep one"));

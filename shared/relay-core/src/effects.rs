@@ -67,6 +67,11 @@ pub struct Outcome {
     /// Saga moves to make.
     #[serde(default)]
     pub saga: Vec<SagaMove>,
+    /// The values above still to be rendered from the provider's answer
+    /// (a call's `on_success` reading `response`); their places hold
+    /// placeholders until [`Outcome::answered`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deferred: Vec<crate::template::Deferred>,
 }
 
 impl Outcome {
@@ -74,6 +79,47 @@ impl Outcome {
     pub fn is_empty(&self) -> bool {
         self.emit.is_empty() && self.saga.is_empty()
     }
+
+    /// Whether the stored outcome `stored` reads the provider's answer.
+    pub fn reads_answer(stored: &Value) -> bool {
+        stored.get("deferred").and_then(Value::as_array).is_some_and(|d| !d.is_empty())
+    }
+
+    /// The stored outcome `stored` with its deferred values rendered from
+    /// the provider's `answer` ([`answer`]) and put in their places.
+    pub fn answered(stored: &Value, answer: &Value) -> Result<Value, crate::template::RenderError> {
+        let mut out = stored.clone();
+        let Some(deferred) = out.as_object_mut().and_then(|o| o.remove("deferred")) else { return Ok(out) };
+        let deferred: Vec<crate::template::Deferred> = serde_json::from_value(deferred)
+            .map_err(|e| crate::template::RenderError(format!("stored deferred templates are unreadable: {e}")))?;
+        for d in &deferred {
+            let value = crate::template::render_deferred(d, answer)?;
+            let slot = out.pointer_mut(&d.at).ok_or_else(|| {
+                crate::template::RenderError(format!(
+                    "template {}: its place {} is not in the outcome",
+                    d.template, d.at
+                ))
+            })?;
+            *slot = value;
+        }
+        Ok(out)
+    }
+}
+
+/// The provider's answer as a call's `on_success` templates read it
+/// (`response`): `status`, `headers` (lower-case names; `Set-Cookie` never
+/// kept), `body` (JSON when it parses, else text; null when it was longer
+/// than the endpoint keeps, `truncated` then true), and `via`: `call` for
+/// the call itself, `lookup` or `resend` for a reconciliation's question.
+pub fn answer(status: u16, headers: &[(String, String)], body: &[u8], truncated: bool, via: &str) -> Value {
+    let body = if truncated {
+        Value::Null
+    } else {
+        serde_json::from_slice(body).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(body).into_owned()))
+    };
+    let headers: serde_json::Map<String, Value> =
+        headers.iter().map(|(k, v)| (k.to_ascii_lowercase(), Value::String(v.clone()))).collect();
+    serde_json::json!({"status": status, "headers": headers, "body": body, "truncated": truncated, "via": via})
 }
 
 /// An event to emit through the outbox.

@@ -414,60 +414,101 @@ impl Router {
             Poison::new(PoisonClass::TemplateError, e.0).with_identity(Some(&event.id), Some(&event.event_type))
         };
         let mut plan = Plan::default();
+        let mut none = Vec::new();
         for a in &route.actions {
             match a {
-                CompiledAction::Saga(s) => plan.sagas.push(self.render_saga(s, &ctx).map_err(poison)?),
-                CompiledAction::Emit(e) => plan.emits.push(self.render_emit(e, &ctx).map_err(poison)?),
+                // Nothing here reads the provider's answer: `none` stays empty.
+                CompiledAction::Saga(s) => plan.sagas.push(self.render_saga(s, &ctx, "", &mut none).map_err(poison)?),
+                CompiledAction::Emit(e) => plan.emits.push(self.render_emit(e, &ctx, "", &mut none).map_err(poison)?),
                 CompiledAction::Call(c) => plan.calls.push(self.render_call(c, &ctx).map_err(poison)?),
             }
         }
         Ok(plan)
     }
 
+    /// Render a text template of an outcome effect, or when it reads the
+    /// provider's answer keep it in `deferred` for pointer `at`, its source
+    /// standing in its place meanwhile.
+    fn render_or_defer(
+        &self,
+        t: &TextTemplate,
+        ctx: &crate::template::Context,
+        at: String,
+        deferred: &mut Vec<crate::template::Deferred>,
+    ) -> Result<String, crate::template::RenderError> {
+        if !self.templates.reads_answer(t) {
+            return self.templates.render(t, ctx);
+        }
+        let d = self.templates.defer(t, false, at, ctx)?;
+        let placeholder = d.source.clone();
+        deferred.push(d);
+        Ok(placeholder)
+    }
+
+    /// Render saga move `s`; `at`, `deferred`: as for [`Router::render_emit`].
     fn render_saga(
         &self,
         s: &CompiledSaga,
         ctx: &crate::template::Context,
+        at: &str,
+        deferred: &mut Vec<crate::template::Deferred>,
     ) -> Result<SagaMove, crate::template::RenderError> {
         Ok(SagaMove {
             action: s.name.clone(),
             saga_type: s.saga_type.clone(),
-            saga_id: self.templates.render(&s.id, ctx)?,
+            saga_id: self.render_or_defer(&s.id, ctx, format!("{at}/saga_id"), deferred)?,
             from: s.from.clone(),
             to: s.to.clone(),
             start: s.start,
         })
     }
 
+    /// Render emit `e`. Values that read the provider's answer (only a
+    /// call's `on_success` has one: any other template reading it fails to
+    /// compile) go to `deferred`, at pointers under `at`.
     fn render_emit(
         &self,
         e: &CompiledEmit,
         ctx: &crate::template::Context,
+        at: &str,
+        deferred: &mut Vec<crate::template::Deferred>,
     ) -> Result<EmitSpec, crate::template::RenderError> {
         let t = &self.templates;
         Ok(EmitSpec {
             action: e.name.clone(),
             event_type: e.event_type.clone(),
             topic: e.topic.clone(),
-            key: e.key.as_ref().map(|k| t.render(k, ctx)).transpose()?,
-            subject: e.subject.as_ref().map(|k| t.render(k, ctx)).transpose()?,
+            key: e.key.as_ref().map(|k| self.render_or_defer(k, ctx, format!("{at}/key"), deferred)).transpose()?,
+            subject: e
+                .subject
+                .as_ref()
+                .map(|k| self.render_or_defer(k, ctx, format!("{at}/subject"), deferred))
+                .transpose()?,
             data: match &e.data {
-                Some(d) => t.render_json(d, ctx)?,
+                Some(d) => t.render_json_deferring(d, ctx, &format!("{at}/data"), deferred)?,
                 None => ctx.json().get("data").cloned().unwrap_or(Value::Null),
             },
             ordered: e.ordered,
         })
     }
 
+    /// Render a call's outcome effects, keeping the values that read the
+    /// provider's answer for when the call succeeds ([`Outcome::deferred`]).
     fn render_outcome(
         &self,
         o: &CompiledOutcome,
         ctx: &crate::template::Context,
     ) -> Result<Outcome, crate::template::RenderError> {
-        Ok(Outcome {
-            emit: o.emit.iter().map(|e| self.render_emit(e, ctx)).collect::<Result<_, _>>()?,
-            saga: o.saga.iter().map(|s| self.render_saga(s, ctx)).collect::<Result<_, _>>()?,
-        })
+        let mut deferred = Vec::new();
+        let mut emit = Vec::with_capacity(o.emit.len());
+        for (i, e) in o.emit.iter().enumerate() {
+            emit.push(self.render_emit(e, ctx, &format!("/emit/{i}"), &mut deferred)?);
+        }
+        let mut saga = Vec::with_capacity(o.saga.len());
+        for (i, s) in o.saga.iter().enumerate() {
+            saga.push(self.render_saga(s, ctx, &format!("/saga/{i}"), &mut deferred)?);
+        }
+        Ok(Outcome { emit, saga, deferred })
     }
 
     fn render_call(
@@ -613,7 +654,7 @@ fn compile_action(b: &mut TemplateBuilder, at: &str, a: &ActionConfig) -> Compil
             headers: c.headers.iter().map(|(k, v)| (k.clone(), b.header(&format!("{at}.headers.{k}"), v))).collect(),
             idempotency_key: c.idempotency_key.as_ref().map(|k| b.key(&format!("{at}.idempotency_key"), k)),
             ordering_key: c.ordering_key.as_ref().map(|k| b.key(&format!("{at}.ordering_key"), k)),
-            on_success: compile_outcome(b, &format!("{at}.on_success"), &c.on_success),
+            on_success: b.with_answer(|b| compile_outcome(b, &format!("{at}.on_success"), &c.on_success)),
             on_dead: compile_outcome(b, &format!("{at}.on_dead"), &c.on_dead),
         }),
     }
@@ -704,6 +745,82 @@ mod tests {
         c.endpoints.get_mut("psp").unwrap().idempotency.max_length = Some(4);
         let why = effects(&c).unwrap_err().reason;
         assert!(why.contains("7 characters") && why.contains("at most 4"), "{why}");
+    }
+
+    #[test]
+    fn on_success_values_that_read_the_answer_are_kept_with_their_event_fields_and_rendered_from_it() {
+        let extra = r#"
+            [[routes.actions.on_success.emit]]
+            name = "with-answer"
+            type = "payment.recorded"
+            topic = "payments"
+            key = "{{ response.body.id }}"
+            subject = "{{ data.order_id }} as {{ response.body.id }}"
+            data = { order = "{{ data.order_id }}", payment = "{{ response.body.id }}", fee = "{{ response.body.fee }}", status = "{{ response.status }}", line = "{{ data.order_id }}/{{ response.headers['request-id'] }}" }
+            [[routes.actions.on_success.saga]]
+            name = "track"
+            saga = "payment"
+            id = "{{ response.body.id }}"
+            to = "captured"
+            start = true
+        "#;
+        let router = Router::new(&cfg(extra)).unwrap();
+        let rec = record("order.placed", r#"{"order_id":"o-1","amount":5,"secret":"not kept"}"#);
+        let Routed::Route(route, event) = router.route(&rec).unwrap() else { panic!("not routed") };
+        let plan = router.plan(route, &event, &rec).unwrap();
+        let outcome = &plan.calls[0].on_success;
+        assert_eq!(outcome.emit[0].data, json!({"order": "o-1"}), "the event-only emit is rendered at once");
+        let at: Vec<&str> = outcome.deferred.iter().map(|d| d.at.as_str()).collect();
+        let fields = ["/emit/1/data/fee", "/emit/1/data/line", "/emit/1/data/payment", "/emit/1/data/status"];
+        assert_eq!(at, [&["/emit/1/key", "/emit/1/subject"][..], &fields, &["/saga/0/saga_id"]].concat());
+        // Only the event fields the templates read are kept.
+        let kept = serde_json::to_string(&outcome.deferred).unwrap();
+        assert!(kept.contains("o-1") && !kept.contains("not kept"), "{kept}");
+
+        let stored = serde_json::to_value(outcome).unwrap();
+        assert!(Outcome::reads_answer(&stored));
+        let answer = crate::effects::answer(
+            201,
+            &[("Request-Id".into(), "req_9".into())],
+            br#"{"id":"pi_1","fee":12}"#,
+            false,
+            "call",
+        );
+        let done: Outcome = serde_json::from_value(Outcome::answered(&stored, &answer).unwrap()).unwrap();
+        assert!(done.deferred.is_empty());
+        let e = &done.emit[1];
+        assert_eq!((e.key.as_deref(), e.subject.as_deref()), (Some("pi_1"), Some("o-1 as pi_1")));
+        assert_eq!(e.data, json!({"order": "o-1", "payment": "pi_1", "fee": 12, "status": 201, "line": "o-1/req_9"}));
+        assert_eq!(done.saga[0].saga_id, "pi_1");
+
+        // An answer without the field, or cut short, cannot render: the reason names the field.
+        let cut = crate::effects::answer(201, &[], b"{\"id\":", true, "call");
+        let why = Outcome::answered(&stored, &cut).unwrap_err().0;
+        assert!(why.contains("response.body"), "{why}");
+        let no_id = crate::effects::answer(201, &[], br#"{"id": null}"#, false, "call");
+        let why = Outcome::answered(&stored, &no_id).unwrap_err().0;
+        assert!(why.contains("response.body.id") && why.contains("null"), "{why}");
+    }
+
+    #[test]
+    fn reading_the_answer_outside_a_call_s_on_success_is_refused_naming_the_template() {
+        let on_dead = r#"
+            [[routes.actions.on_dead.emit]]
+            name = "failed"
+            type = "payment.failed"
+            topic = "payments"
+            data = { payment = "{{ response.body.id }}" }
+        "#;
+        let err = Router::new(&cfg(on_dead)).unwrap_err().to_string();
+        assert!(
+            err.contains("on_dead.emit[0].data.payment") && err.contains("only the effects of a call's on_success"),
+            "{err}"
+        );
+        let mut c = cfg("");
+        let ActionConfig::Call(call) = &mut c.routes[0].actions[0] else { panic!("a call") };
+        call.path = "/x/{{ response.status }}".into();
+        let err = Router::new(&c).unwrap_err().to_string();
+        assert!(err.contains("actions[0].path") && err.contains("`response`"), "{err}");
     }
 
     #[test]

@@ -28,12 +28,18 @@
 //! * keys, paths and headers never carry a control character (an HTTP
 //!   header cannot), and a key is at most [`MAX_KEY_BYTES`] long.
 //!
+//! A call's `on_success` may also read the provider's answer (`response`:
+//! its status, headers and body). Such a template cannot be rendered with
+//! the event: it is kept as a [`Deferred`], its source with the event fields
+//! it reads, in the intent, and rendered by [`render_deferred`] when the call
+//! succeeds. Anywhere else, reading `response` is a configuration error.
+//!
 //! JSON templates (request bodies, emitted event data) are JSON documents whose
 //! string leaves are templates. A leaf that is exactly one expression, such as
 //! `"{{ data.amount }}"`, keeps the JSON type of its value (a number stays a
 //! number, a `null` stays `null`); any other string leaf renders to a string.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use minijinja::{Environment, Error, ErrorKind, Output, State, UndefinedBehavior};
@@ -59,12 +65,17 @@ pub struct CompileError {
 #[error("{0}")]
 pub struct RenderError(pub String);
 
+/// The name under which a call's `on_success` templates read the provider's answer.
+pub const ANSWER: &str = "response";
+
 /// The compiled templates of one configuration. Cheap to clone.
 #[derive(Clone)]
 pub struct Templates {
     env: Arc<Environment<'static>>,
     /// Per template: what it builds and, for keys and paths, every field it reads.
     reads: Arc<HashMap<String, (Kind, Vec<String>)>>,
+    /// The templates that read the provider's answer ([`ANSWER`]).
+    answer_reads: Arc<HashSet<String>>,
 }
 
 impl std::fmt::Debug for Templates {
@@ -95,7 +106,8 @@ pub enum JsonTemplate {
 }
 
 /// What a text template builds, which decides what its values may be.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Kind {
     /// Free text (subjects, strings in JSON documents): no `null`.
     Text,
@@ -121,6 +133,9 @@ pub struct TemplateBuilder {
     env: Environment<'static>,
     kinds: HashMap<String, Kind>,
     errors: Vec<CompileError>,
+    /// Whether templates compiled now may read the provider's answer.
+    answer_allowed: bool,
+    answer_reads: HashSet<String>,
     /// Deliberately wrong behaviour put back, for tests that prove the
     /// checks catch it. Never set outside them.
     sabotage: Sabotage,
@@ -132,7 +147,14 @@ impl Default for TemplateBuilder {
         env.set_undefined_behavior(UndefinedBehavior::Strict);
         // Templates build keys and URLs, not HTML: never escape.
         env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
-        TemplateBuilder { env, kinds: HashMap::new(), errors: Vec::new(), sabotage: Sabotage::default() }
+        TemplateBuilder {
+            env,
+            kinds: HashMap::new(),
+            errors: Vec::new(),
+            answer_allowed: false,
+            answer_reads: HashSet::new(),
+            sabotage: Sabotage::default(),
+        }
     }
 }
 
@@ -166,10 +188,35 @@ impl TemplateBuilder {
         self.of_kind(Kind::Path, location, source)
     }
 
+    /// Compile what `f` compiles allowing it to read the provider's answer
+    /// ([`ANSWER`]): a call's `on_success`.
+    pub fn with_answer<T>(&mut self, f: impl FnOnce(&mut Self) -> T) -> T {
+        let was = std::mem::replace(&mut self.answer_allowed, true);
+        let out = f(self);
+        self.answer_allowed = was;
+        out
+    }
+
     fn of_kind(&mut self, kind: Kind, location: &str, source: &str) -> TextTemplate {
         let name = location.to_owned();
-        if let Err(e) = self.env.add_template_owned(name.clone(), source.to_owned()) {
-            self.errors.push(CompileError { location: location.to_owned(), message: e.to_string() });
+        match self.env.add_template_owned(name.clone(), source.to_owned()) {
+            Err(e) => self.errors.push(CompileError { location: location.to_owned(), message: e.to_string() }),
+            Ok(()) => {
+                let reads = self.env.get_template(&name).map(|t| t.undeclared_variables(false).contains(ANSWER));
+                if reads.unwrap_or(false) {
+                    if self.answer_allowed {
+                        self.answer_reads.insert(name.clone());
+                    } else {
+                        self.errors.push(CompileError {
+                            location: location.to_owned(),
+                            message: format!(
+                                "reads `{ANSWER}`, the provider's answer, which only the effects of a call's on_success \
+                                 have (a call can die without an answer, and nothing else follows a call)"
+                            ),
+                        });
+                    }
+                }
+            }
         }
         self.kinds.insert(name.clone(), kind);
         TextTemplate { name }
@@ -233,7 +280,7 @@ impl TemplateBuilder {
             }
             format_value(kinds.get(state.name()).copied().unwrap_or(Kind::Text), out, state, value)
         });
-        Ok(Templates { env: Arc::new(self.env), reads: Arc::new(reads) })
+        Ok(Templates { env: Arc::new(self.env), reads: Arc::new(reads), answer_reads: Arc::new(self.answer_reads) })
     }
 }
 
@@ -281,7 +328,119 @@ fn single_expression(s: &str) -> Option<&str> {
     Some(inner.trim())
 }
 
+/// A template of a call's `on_success` that reads the provider's answer,
+/// kept unrendered in the intent with the event fields it reads, and
+/// rendered when the call succeeds ([`render_deferred`]).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Deferred {
+    /// Where its value goes: a JSON Pointer into the serialized outcome.
+    pub at: String,
+    /// The template's configuration key, for errors.
+    pub template: String,
+    /// What it builds.
+    pub kind: Kind,
+    /// Whether its value keeps its JSON type (a single-expression leaf).
+    pub json: bool,
+    /// Its source.
+    pub source: String,
+    /// The event fields it reads, as a sparse context.
+    pub context: Value,
+}
+
+/// Render `d` with the provider's `answer` (the value of [`ANSWER`]), with
+/// the checks its kind has at ingest.
+pub fn render_deferred(d: &Deferred, answer: &Value) -> Result<Value, RenderError> {
+    let mut b = TemplateBuilder { answer_allowed: true, ..TemplateBuilder::default() };
+    let t = b.of_kind(d.kind, &d.template, &d.source);
+    let ts =
+        b.finish().map_err(|e| RenderError(e.into_iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; ")))?;
+    let mut ctx = match &d.context {
+        Value::Object(m) => m.clone(),
+        _ => Map::new(),
+    };
+    ctx.insert(ANSWER.to_owned(), answer.clone());
+    // The same checks as at ingest, in words that fit an answer.
+    let text = ts
+        .render(&t, &Context::from(Value::Object(ctx)))
+        .map_err(|e| RenderError(e.0.replace("this event", "the provider's answer (or the event)")))?;
+    if !d.json {
+        return Ok(Value::String(text));
+    }
+    serde_json::from_str(&text).map_err(|e| RenderError(format!("template {} produced invalid JSON: {e}", d.template)))
+}
+
+/// Escape one JSON Pointer reference token (RFC 6901).
+pub fn pointer_token(key: &str) -> String {
+    key.replace('~', "~0").replace('/', "~1")
+}
+
 impl Templates {
+    /// Whether `t` reads the provider's answer, so it is rendered when the
+    /// call succeeds ([`Templates::defer`]), not with the event.
+    pub fn reads_answer(&self, t: &TextTemplate) -> bool {
+        self.answer_reads.contains(&t.name)
+    }
+
+    /// Keep `t`, which reads the provider's answer, for later: its source and
+    /// the event fields it reads from `ctx`, its value going to pointer `at`.
+    /// A field the event does not have is an error now, like any template's.
+    pub fn defer(&self, t: &TextTemplate, json: bool, at: String, ctx: &Context) -> Result<Deferred, RenderError> {
+        let tmpl = self.env.get_template(&t.name).map_err(|e| RenderError(format!("{}: {e}", t.name)))?;
+        let mut fields = Value::Object(Map::new());
+        let mut missing = Vec::new();
+        let mut paths: Vec<String> = tmpl.undeclared_variables(true).into_iter().collect();
+        paths.sort();
+        for path in paths.iter().filter(|p| p.split('.').next() != Some(ANSWER)) {
+            match lookup(&ctx.json, path) {
+                Some(v) => insert_at(&mut fields, path, v.clone()),
+                None => missing.push(path.as_str()),
+            }
+        }
+        if !missing.is_empty() {
+            return Err(RenderError(format!(
+                "template {} references {}, which this event does not have",
+                t.name,
+                missing.join(", ")
+            )));
+        }
+        let kind = self.reads.get(&t.name).map_or(Kind::Text, |(k, _)| *k);
+        Ok(Deferred { at, template: t.name.clone(), kind, json, source: tmpl.source().to_owned(), context: fields })
+    }
+
+    /// [`Templates::render_json`], keeping the leaves that read the
+    /// provider's answer in `deferred` (their place, at pointer `at` and
+    /// below, holds null until then).
+    pub fn render_json_deferring(
+        &self,
+        t: &JsonTemplate,
+        ctx: &Context,
+        at: &str,
+        deferred: &mut Vec<Deferred>,
+    ) -> Result<Value, RenderError> {
+        Ok(match t {
+            JsonTemplate::Text(l) | JsonTemplate::Expr(l) if self.reads_answer(l) => {
+                deferred.push(self.defer(l, matches!(t, JsonTemplate::Expr(_)), at.to_owned(), ctx)?);
+                Value::Null
+            }
+            JsonTemplate::Array(items) => Value::Array(
+                items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| self.render_json_deferring(v, ctx, &format!("{at}/{i}"), deferred))
+                    .collect::<Result<_, _>>()?,
+            ),
+            JsonTemplate::Object(fields) => {
+                let mut map = Map::with_capacity(fields.len());
+                for (k, v) in fields {
+                    let value = self.render_json_deferring(v, ctx, &format!("{at}/{}", pointer_token(k)), deferred)?;
+                    map.insert(k.clone(), value);
+                }
+                Value::Object(map)
+            }
+            other => self.render_json(other, ctx)?,
+        })
+    }
+
     /// Render a string template against `ctx`.
     pub fn render(&self, t: &TextTemplate, ctx: &Context) -> Result<String, RenderError> {
         let (kind, reads) = self.reads.get(&t.name).map_or((Kind::Text, &[][..]), |(k, r)| (*k, r.as_slice()));
@@ -434,6 +593,20 @@ impl Templates {
                 Value::Object(map)
             }
         })
+    }
+}
+
+/// Set `value` at dotted path `path` of object `into`, making objects on the way.
+fn insert_at(into: &mut Value, path: &str, value: Value) {
+    let mut at = into;
+    let mut parts = path.split('.').peekable();
+    while let Some(part) = parts.next() {
+        let Value::Object(m) = at else { return };
+        if parts.peek().is_none() {
+            m.insert(part.to_owned(), value);
+            return;
+        }
+        at = m.entry(part.to_owned()).or_insert_with(|| Value::Object(Map::new()));
     }
 }
 

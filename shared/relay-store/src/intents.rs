@@ -347,6 +347,35 @@ pub const FINISH: &str = "WITH u AS (
          )
          SELECT id, token FROM done";
 
+/// Keep the provider's answers that successes' `on_success` effects were
+/// rendered from, beside them (`relay.intents.response`); in the
+/// transaction that records those effects, after [`finish_many`] fenced it.
+pub async fn keep_answers(conn: &mut PgConnection, answers: &[(Uuid, &serde_json::Value)]) -> Result<(), sqlx::Error> {
+    if answers.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<Uuid> = answers.iter().map(|a| a.0).collect();
+    let values: Vec<serde_json::Value> = answers.iter().map(|a| a.1.clone()).collect();
+    sqlx::query(
+        "UPDATE relay.intents i SET response = a.response \
+         FROM UNNEST($1::uuid[], $2::jsonb[]) AS a(id, response) WHERE i.id = a.id",
+    )
+    .bind(&ids)
+    .bind(&values)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// The provider's answer kept for intent `id` ([`keep_answers`]), if any.
+pub async fn answer(conn: &mut PgConnection, id: Uuid) -> Result<Option<serde_json::Value>, sqlx::Error> {
+    sqlx::query_scalar("SELECT response FROM relay.intents WHERE id = $1")
+        .bind(id)
+        .fetch_optional(conn)
+        .await
+        .map(Option::flatten)
+}
+
 /// Record many attempts in one statement, each fenced by its lease token:
 /// the intent row moves (succeeded / pending again / dead) and the attempt's
 /// audit row is written. Returns the (id, lease token) pairs whose lease was

@@ -221,6 +221,13 @@ impl Completer {
         }
         let mut tx = sqlx::Connection::begin(&mut *conn).await?;
         let ours: Ours = intents::finish_many(&mut tx, &items).await?.into_iter().collect();
+        let answers: Vec<_> = batch
+            .iter()
+            .zip(&outcomes)
+            .filter(|(c, o)| o.is_some() && mine(c, &ours))
+            .filter_map(|(c, _)| Some((c.intent.id, c.answer.as_ref()?)))
+            .collect();
+        intents::keep_answers(&mut tx, &answers).await?;
         let now = Utc::now();
         let mut records = Vec::new();
         for (c, outcome) in batch.iter().zip(&outcomes) {

@@ -117,6 +117,8 @@ impl Executor {
             // Deliberately wrong (D1): only this attempt's outcome counts.
             budget.uncertain_before = false;
         }
+        // The answer is read and kept only for an on_success that reads it.
+        let reads_answer = relay_core::Outcome::reads_answer(&intent.intent.on_success);
         let (tried, result) = if budget.spent(now).is_some() {
             let r = CallResult {
                 error_class: Some(ErrorClass::Budget),
@@ -155,7 +157,7 @@ impl Executor {
                 correlation_id: intent.intent.correlation_id.as_deref(),
                 intent_id: intent.id,
                 attempt: intent.attempts,
-                keep_body: 0,
+                keep_body: if reads_answer { client.config().response_bytes } else { 0 },
             };
             // Deliberately wrong (C17): the waits at the endpoint's limits are not bounded by the lease.
             let send_by = if self.faults.sabotage().lease_checked_before_wait {
@@ -184,7 +186,11 @@ impl Executor {
         let decision = retry::decide(&budget, tried, &client.config().backoff, Utc::now(), &mut rand::rng());
         let attempt = attempt_record(&decision, &result);
         let attempted = matches!(tried, Tried::Attempt(_));
-        Ok(Ok(Completion { intent, next: decision.next, attempt, attempted, result, started }))
+        let answer = reads_answer.then(|| super::outcome::answer_of(&result, client.config().response_bytes, "call"));
+        let next = decision.next;
+        let done =
+            Completion { intent, next, attempt, attempted, result, started, answer: None, effects_dropped: None };
+        Ok(Ok(done.answered(answer.flatten())))
     }
 }
 

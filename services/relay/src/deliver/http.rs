@@ -38,7 +38,19 @@ pub struct CallResult {
     /// The start of the answer's body, whatever its status, when the
     /// request asked for it ([`Request::keep_body`]).
     pub body: Option<Vec<u8>>,
+    /// Whether `body` is the whole body: not cut at the limit, nor by the
+    /// deadline.
+    pub body_complete: bool,
+    /// The answer's headers when the request asked for its body (at most
+    /// [`KEPT_HEADERS`], none longer than [`KEPT_HEADER_BYTES`], never
+    /// `Set-Cookie`).
+    pub headers: Vec<(String, String)>,
 }
+
+/// How many of an answer's headers are kept with its body.
+pub const KEPT_HEADERS: usize = 64;
+/// The longest header value kept with an answer's body.
+pub const KEPT_HEADER_BYTES: usize = 1024;
 
 impl CallResult {
     /// A result for an attempt that made no request.
@@ -50,6 +62,8 @@ impl CallResult {
             error: None,
             started_at: None,
             body: None,
+            body_complete: false,
+            headers: Vec::new(),
         }
     }
 }
@@ -298,8 +312,7 @@ impl EndpointClient {
                     status: None,
                     error_class: Some(ErrorClass::Request),
                     error: Some(e),
-                    started_at: None,
-                    body: None,
+                    ..CallResult::not_sent()
                 });
             }
         };
@@ -347,13 +360,18 @@ impl EndpointClient {
                     .and_then(|v| v.to_str().ok())
                     .and_then(|v| parse_retry_after(v, chrono::Utc::now()));
                 let success = resp.status().is_success();
-                let reason = resp.status().canonical_reason().unwrap_or("").to_owned();
-                let redirect = resp
-                    .status()
-                    .is_redirection()
-                    .then(|| resp.headers().get(reqwest::header::LOCATION))
-                    .flatten()
-                    .map(|l| format!(" (redirect to {:?} not followed)", String::from_utf8_lossy(l.as_bytes())));
+                // An error's headline, with where a redirect would have gone.
+                let headline = (!success).then(|| {
+                    let reason = resp.status().canonical_reason().unwrap_or("");
+                    let redirect = resp
+                        .status()
+                        .is_redirection()
+                        .then(|| resp.headers().get(reqwest::header::LOCATION))
+                        .flatten()
+                        .map(|l| format!(" (redirect to {:?} not followed)", String::from_utf8_lossy(l.as_bytes())));
+                    (format!("HTTP {status} {reason}"), redirect.unwrap_or_default())
+                });
+                let headers = if keep_body > 0 { kept_headers(resp.headers()) } else { Vec::new() };
                 // Within the same timeout as the response, not a second one;
                 // an error's start for its text, further when the profile
                 // looks into it or the caller keeps it.
@@ -363,22 +381,25 @@ impl EndpointClient {
                     (false, true) => KEY_ANSWER_BYTES.max(keep_body),
                     (false, false) => ERROR_BODY_BYTES.max(keep_body),
                 };
-                // What arrived by the deadline is kept, even if the rest never comes.
+                // What arrived by the deadline is kept, even if the rest never
+                // comes; one byte more than kept tells a body that was longer.
                 let mut body = Vec::new();
+                let mut complete = false;
                 if limit > 0 {
-                    let _ =
-                        tokio::time::timeout_at(sent_at + self.cfg.timeout, body_start(resp, limit, &mut body)).await;
+                    let read = body_start(resp, limit + 1, &mut body);
+                    complete = tokio::time::timeout_at(sent_at + self.cfg.timeout, read).await.unwrap_or(false);
+                    if body.len() > limit {
+                        body.truncate(limit);
+                        complete = false;
+                    }
                 }
                 let mut key = None;
-                let error = if success {
-                    None
-                } else {
+                let error = headline.map(|(headline, redirect)| {
                     let json = reads.then(|| serde_json::from_slice(&body).ok()).flatten();
                     key = self.profile.key_answer(status, json.as_ref()).filter(|_| !self.answers_ignored);
                     let snippet = text(&body[..body.len().min(ERROR_BODY_BYTES)]);
-                    let snippet = format!("{}{snippet}", redirect.unwrap_or_default());
-                    Some(format!("HTTP {status} {reason}: {snippet}").trim_end_matches([' ', ':']).to_owned())
-                };
+                    format!("{headline}: {redirect}{snippet}").trim_end_matches([' ', ':']).to_owned()
+                });
                 let class =
                     if key == Some(KeyAnswer::Mismatch) { ErrorClass::KeyMismatch } else { ErrorClass::HttpStatus };
                 CallResult {
@@ -387,7 +408,9 @@ impl EndpointClient {
                     error_class: error.as_ref().map(|_| class),
                     error,
                     started_at,
+                    body_complete: complete && body.len() <= keep_body,
                     body: (keep_body > 0).then_some(body),
+                    headers,
                 }
             }
             Err(e) => classify_transport(e, self.cfg.timeout, started_at),
@@ -440,14 +463,27 @@ fn client_builder(name: &str, cfg: &EndpointConfig) -> anyhow::Result<reqwest::C
 /// Read the first `limit` bytes of a response's body into `kept`; the rest
 /// is never read (a provider streaming gigabytes of error page costs one
 /// chunk, not the whole stream). Into a buffer of the caller's, so that
-/// what arrived before a deadline cut this short is kept.
-async fn body_start(mut resp: reqwest::Response, limit: usize, kept: &mut Vec<u8>) {
+/// what arrived before a deadline cut this short is kept. True when the
+/// body ended within `limit`.
+async fn body_start(mut resp: reqwest::Response, limit: usize, kept: &mut Vec<u8>) -> bool {
     while kept.len() < limit {
         match resp.chunk().await {
             Ok(Some(chunk)) => kept.extend_from_slice(&chunk[..chunk.len().min(limit - kept.len())]),
-            Ok(None) | Err(_) => break,
+            Ok(None) => return true,
+            Err(_) => return false,
         }
     }
+    false
+}
+
+/// The headers kept with an answer's body ([`CallResult::headers`]).
+fn kept_headers(headers: &reqwest::header::HeaderMap) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .filter(|(name, v)| *name != reqwest::header::SET_COOKIE && v.len() <= KEPT_HEADER_BYTES)
+        .take(KEPT_HEADERS)
+        .map(|(name, v)| (name.as_str().to_owned(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
+        .collect()
 }
 
 /// Bytes as text for an attempt's error. PostgreSQL text cannot hold NUL:
@@ -511,7 +547,14 @@ fn classify_transport(e: BoxError, timeout: Duration, started_at: Option<chrono:
     } else {
         (AttemptResult::Transport, ErrorClass::Transport, format!("transport error: {e}"))
     };
-    CallResult { attempt, status: None, error_class: Some(class), error: Some(text), started_at, body: None }
+    CallResult {
+        attempt,
+        status: None,
+        error_class: Some(class),
+        error: Some(text),
+        started_at,
+        ..CallResult::not_sent()
+    }
 }
 
 /// Whether `e` carries a TLS alert only a handshake sends (the server

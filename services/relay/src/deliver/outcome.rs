@@ -33,6 +33,12 @@ pub struct Completion {
     pub(super) attempted: bool,
     pub(super) result: CallResult,
     pub(super) started: std::time::Instant,
+    /// The provider's answer its `on_success` read, kept with the intent
+    /// ([`Completion::answered`]).
+    pub(super) answer: Option<serde_json::Value>,
+    /// Why its `on_success` effects could not be rendered from the answer,
+    /// so the success is recorded without them.
+    pub(super) effects_dropped: Option<String>,
 }
 
 impl Completion {
@@ -72,6 +78,15 @@ impl Completion {
             };
         }
         match finished {
+            Finished::Succeeded if self.effects_dropped.is_some() => {
+                crate::runtime::metrics::effects_dropped(&call.endpoint);
+                let why = self.effects_dropped.as_deref().unwrap_or("");
+                emit!(
+                    tracing::Level::ERROR,
+                    "call succeeded, but its on_success effects could not be rendered from the provider's answer and \
+                     are not recorded (its events are not emitted, its sagas not moved): {why}"
+                )
+            }
             Finished::Succeeded => emit!(tracing::Level::DEBUG, "call succeeded"),
             Finished::Retrying => {
                 emit!(tracing::Level::WARN, "call failed; retrying with the same idempotency key: {error}")
@@ -102,7 +117,66 @@ impl Completion {
             started_at: attempt.started_at,
             ..CallResult::not_sent()
         };
-        Completion { intent, next, attempt, attempted: true, result, started: std::time::Instant::now() }
+        Completion {
+            intent,
+            next,
+            attempt,
+            attempted: true,
+            result,
+            started: std::time::Instant::now(),
+            answer: None,
+            effects_dropped: None,
+        }
+    }
+
+    /// Why this success's `on_success` effects are not recorded, if they
+    /// could not be rendered from the provider's answer.
+    pub fn effects_dropped(&self) -> Option<&str> {
+        self.effects_dropped.as_deref()
+    }
+
+    /// For a success whose `on_success` reads the provider's answer: its
+    /// effects rendered from `answer` (`None`: the provider's answer is not
+    /// known), to be recorded with the answer. If they cannot be rendered,
+    /// the success is recorded without them, saying why: the provider did
+    /// apply the call, so neither a retry nor death would be true.
+    pub(super) fn answered(mut self, answer: Option<serde_json::Value>) -> Completion {
+        let on_success = &self.intent.intent.on_success;
+        if self.next != NextState::Succeeded || !relay_core::Outcome::reads_answer(on_success) {
+            return self;
+        }
+        let rendered = match &answer {
+            Some(a) => relay_core::Outcome::answered(on_success, a).map_err(|e| {
+                let cut = a.get("truncated").and_then(serde_json::Value::as_bool) == Some(true);
+                let hint = if cut {
+                    format!(
+                        " (the answer's body was longer than endpoints.{}.response_bytes, or cut off by its timeout, \
+                         so response.body is null: raise response_bytes)",
+                        self.intent.intent.endpoint
+                    )
+                } else {
+                    String::new()
+                };
+                format!("{}{hint}", e.0)
+            }),
+            None => Err("the provider's answer is not known (the intent was resolved by an operator)".to_owned()),
+        };
+        match rendered {
+            Ok(effects) => {
+                self.intent.intent.on_success = effects;
+                self.answer = answer;
+            }
+            Err(why) => {
+                self.intent.intent.on_success = serde_json::json!({});
+                let why = format!("on_success effects not recorded: {why}");
+                self.attempt.error = Some(match self.attempt.error.take() {
+                    Some(e) => format!("{e}; {why}"),
+                    None => why.clone(),
+                });
+                self.effects_dropped = Some(why);
+            }
+        }
+        self
     }
 
     /// A reconciliation's finding that uncertain intent `intent`, taken for
@@ -110,10 +184,15 @@ impl Completion {
     /// effects; no call attempt was made, so no attempt row is written, and
     /// `why` (what the provider answered) and the answer's `status` are kept
     /// as its last error and status.
-    pub fn reconciled(intent: ClaimedIntent, status: Option<i32>, why: String) -> Completion {
+    pub fn reconciled(
+        intent: ClaimedIntent,
+        status: Option<i32>,
+        why: String,
+        answer: Option<serde_json::Value>,
+    ) -> Completion {
         let outcome = relay_core::retry::AttemptOutcome::Succeeded;
         let attempt = AttemptRecord { started_at: None, outcome, status, error_class: None, error: Some(why) };
-        Completion { attempted: false, ..Completion::decided(intent, NextState::Succeeded, attempt) }
+        Completion { attempted: false, ..Completion::decided(intent, NextState::Succeeded, attempt) }.answered(answer)
     }
 
     /// An operator's resolution `next` of uncertain intent `intent`, taken
@@ -128,6 +207,16 @@ impl Completion {
         };
         let error_class = Some(ErrorClass::Resolved);
         let attempt = AttemptRecord { started_at: None, outcome, status: None, error_class, error: Some(why) };
-        Completion { attempted: false, ..Completion::decided(intent, next, attempt) }
+        Completion { attempted: false, ..Completion::decided(intent, next, attempt) }.answered(None)
     }
+}
+
+/// The provider's answer in `r` as `on_success` templates read it, its body
+/// kept only when whole and at most `keep` bytes; `via` as
+/// [`relay_core::effects::answer`] says.
+pub(super) fn answer_of(r: &CallResult, keep: usize, via: &str) -> Option<serde_json::Value> {
+    let status = r.status?;
+    let body = r.body.as_deref().unwrap_or_default();
+    let whole = r.body_complete && body.len() <= keep;
+    Some(relay_core::effects::answer(status, &r.headers, body, !whole, via))
 }

@@ -227,8 +227,10 @@ impl Dispatcher {
         match verdict {
             Reconciled::Succeeded => {
                 let status = answer.status.map(i32::from);
-                let finished =
-                    self.inner.completer.finalize(&[Completion::reconciled(intent, status, said.clone())]).await;
+                let via = if lookup_path.is_some() { "lookup" } else { "resend" };
+                let data = super::outcome::answer_of(&answer, client.config().response_bytes, via);
+                let done = Completion::reconciled(intent, status, said.clone(), data);
+                let finished = self.inner.completer.finalize(&[done]).await;
                 if finished.as_slice() == [Finished::Succeeded] {
                     info!(intent_id = %id, endpoint = %endpoint, "{said}; its on_success effects are recorded");
                 } else {

@@ -169,6 +169,9 @@ pub struct IntentHistory {
     pub attempts: Vec<AttemptView>,
     /// The questions to its provider about an unknown outcome, oldest first.
     pub reconciliations: Vec<relay_store::reconciliations::ReconciliationView>,
+    /// The provider's answer its `on_success` effects were rendered from,
+    /// if they read one.
+    pub response: Option<serde_json::Value>,
 }
 
 /// What an operator found out about an uncertain intent from the provider.
@@ -357,7 +360,8 @@ impl Operator {
         };
         let attempts = intents::attempts(&mut conn, id).await?;
         let reconciliations = relay_store::reconciliations::list(&mut conn, id).await?;
-        Ok(IntentHistory { intent, attempts, reconciliations })
+        let response = intents::answer(&mut conn, id).await?;
+        Ok(IntentHistory { intent, attempts, reconciliations, response })
     }
 
     /// Queue intent `id` again (same id, same idempotency key); only a dead
@@ -432,8 +436,14 @@ impl Operator {
     /// as a call's outcome is (fenced, in one transaction). For an intent
     /// whose attempts ran out after an unknown outcome, once someone asked
     /// the provider; `note` (who, what the provider said) goes into its last
-    /// error.
-    pub async fn resolve(&self, id: Uuid, resolution: IntentResolution, note: Option<&str>) -> Result<(), OpsError> {
+    /// error. Returns why its `on_success` effects were not recorded, when
+    /// they read the provider's answer, which relay then does not have.
+    pub async fn resolve(
+        &self,
+        id: Uuid,
+        resolution: IntentResolution,
+        note: Option<&str>,
+    ) -> Result<Option<String>, OpsError> {
         use crate::deliver::completer::Completer;
         use crate::deliver::outcome::{Completion, Finished};
         let worker = format!("operator@{}", crate::runtime::claim_loop::default_worker_id());
@@ -459,11 +469,13 @@ impl Operator {
         // lease, its effects recorded in the same transaction.
         let progress = std::sync::Arc::new(tokio::sync::Notify::new());
         let completer = Completer::new(&self.pool, &worker, lease, crate::Faults::none(), progress);
-        match completer.finalize(&[Completion::resolved(intent, next, why)]).await.as_slice() {
+        let done = Completion::resolved(intent, next, why);
+        let dropped = done.effects_dropped().map(str::to_owned);
+        match completer.finalize(&[done]).await.as_slice() {
             [Finished::Succeeded | Finished::Dead] => {
                 tracing::info!(intent_id = %id, consumer = %self.consumer, resolution = ?resolution, why = %why_logged,
                                "uncertain intent resolved by an operator");
-                Ok(())
+                Ok(dropped)
             }
             other => {
                 // Back to uncertain at once (the rescuer would do it too when

@@ -505,9 +505,9 @@ struct Resolve {
 
 async fn resolve_intent(State(s): State<Shared>, Path(id): Path<String>, Json(r): Json<Resolve>) -> ApiResult {
     let id = parse_id(&id)?;
-    s.operator.resolve(id, r.resolution, r.note.as_deref()).await?;
+    let dropped = s.operator.resolve(id, r.resolution, r.note.as_deref()).await?;
     info!(intent_id = %id, resolution = ?r.resolution, "uncertain intent resolved through the admin API");
-    Ok(Json(json!({"id": id, "resolved": r.resolution})))
+    Ok(Json(json!({"id": id, "resolved": r.resolution, "effects_not_recorded": dropped})))
 }
 
 #[derive(Deserialize)]
