@@ -603,3 +603,71 @@ async fn a_success_event_carries_the_provider_s_answer_even_when_a_retry_got_it(
     assert!(ok && out.contains("answer") && out.contains("res_"), "{out}");
     p.terminate(DEADLINE).unwrap();
 }
+
+fn oauth_settings() -> Settings {
+    Settings {
+        oauth: Some(example_provider::OAuthSettings {
+            client_id: "relay".into(),
+            client_secret: "s3cret".into(),
+            token_lifetime: std::time::Duration::from_secs(3600),
+        }),
+        ..Settings::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn calls_share_one_oauth2_token_and_a_revoked_one_is_replaced_once() {
+    let h = Harness::with_provider(1, oauth_settings()).await;
+    for i in 0..30 {
+        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
+    }
+    let oauth = format!(
+        "[endpoints.psp.oauth2]\ntoken_url = \"{}/oauth/token\"\nclient_id = \"relay\"\nclient_secret_env = \"PSP_CLIENT_SECRET\"\n\
+         scopes = [\"payments\"]\n",
+        h.provider.url().trim_end_matches('/')
+    );
+    let config = h.write_config(&format!("{}\n{oauth}", h.config_text(CAPTURE_ROUTE)));
+    let mut p = h.process(&config, &["run"], &[("PSP_CLIENT_SECRET", "s3cret")]);
+    h.await_intents_finished(30).await;
+    assert_eq!(h.intents_in("succeeded").await, 30);
+    let stats = h.provider.stats();
+    assert_eq!((stats.token_fetches, stats.unauthorized), (1, 0), "30 calls, one token");
+
+    // The provider rotates its keys: the next calls meet 401, one new token, and go on.
+    h.provider.revoke_tokens();
+    for i in 30..50 {
+        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
+    }
+    h.await_intents_finished(50).await;
+    assert_eq!(h.intents_in("succeeded").await, 50);
+    let stats = h.provider.stats();
+    assert_eq!(stats.token_fetches, 2, "{stats:?}");
+    assert!(stats.unauthorized >= 1, "{stats:?}");
+    assert!(stats.double_applied().is_empty());
+    p.terminate(DEADLINE).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn calls_are_signed_as_standard_webhooks_and_a_wrong_secret_does_not_verify() {
+    let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    let h = Harness::with_provider(1, Settings { webhook_secret: Some(secret.into()), ..Settings::default() }).await;
+    h.send(&order("evt-1", "o-1")).await;
+    h.send(&order("evt-2", "o-2")).await;
+    let signing = "[endpoints.psp.signing]\nscheme = \"standard_webhooks\"\nsecret_env = \"HOOKS_SECRET\"\n";
+    let config = h.write_config(&format!("{}\n{signing}", h.config_text(CAPTURE_ROUTE)));
+    let mut p = h.process(&config, &["run"], &[("HOOKS_SECRET", secret)]);
+    h.await_intents_finished(2).await;
+    assert_eq!(h.intents_in("succeeded").await, 2);
+    assert_eq!(h.provider.stats().bad_signatures, 0);
+    p.terminate(DEADLINE).unwrap();
+
+    // Signed with another secret, the provider's verifier refuses it.
+    h.send(&order("evt-3", "o-3")).await;
+    let mut p = h.process(&config, &["run"], &[("HOOKS_SECRET", "whsec_C2FVsBQIhrscChlQIMV+b5sSYspob7oD")]);
+    h.await_intents_finished(3).await;
+    let (state, _, _, error) = intent_row(&h, "evt-3").await;
+    assert_eq!(state, "dead");
+    assert!(error.unwrap_or_default().contains("signature does not verify"));
+    assert_eq!(h.provider.stats().bad_signatures, 1);
+    p.terminate(DEADLINE).unwrap();
+}

@@ -154,6 +154,12 @@ pub struct Stats {
     pub missing_key: u64,
     /// Most requests being applied at the same moment.
     pub max_in_flight: u32,
+    /// Tokens handed out by `/oauth/token`.
+    pub token_fetches: u64,
+    /// Calls refused 401 for want of a valid token.
+    pub unauthorized: u64,
+    /// Calls refused for a signature that does not verify.
+    pub bad_signatures: u64,
     /// Per key.
     pub by_key: BTreeMap<String, KeyStats>,
 }
@@ -186,6 +192,8 @@ struct Inner {
     rules: Vec<FaultRule>,
     /// Applied effects in order: (key, method, path, body).
     log: Vec<Applied>,
+    /// Tokens it handed out, and when each expires.
+    tokens: HashMap<String, std::time::Instant>,
 }
 
 /// One applied effect.
@@ -215,11 +223,33 @@ pub struct Settings {
     pub idempotency_header: String,
     /// How it answers about keys.
     pub dialect: Dialect,
+    /// Calls need a bearer token from its OAuth2 token endpoint
+    /// (`POST /oauth/token`, client credentials); others get 401.
+    pub oauth: Option<OAuthSettings>,
+    /// Calls must carry a Standard Webhooks signature made with this secret
+    /// (`whsec_…`); others get 400.
+    pub webhook_secret: Option<String>,
+}
+
+/// The provider's OAuth2 token endpoint.
+#[derive(Debug, Clone)]
+pub struct OAuthSettings {
+    /// The one client it knows.
+    pub client_id: String,
+    /// Its secret.
+    pub client_secret: String,
+    /// How long a token lives (`expires_in`).
+    pub token_lifetime: std::time::Duration,
 }
 
 impl Default for Settings {
     fn default() -> Self {
-        Settings { idempotency_header: "Idempotency-Key".into(), dialect: Dialect::Lenient }
+        Settings {
+            idempotency_header: "Idempotency-Key".into(),
+            dialect: Dialect::Lenient,
+            oauth: None,
+            webhook_secret: None,
+        }
     }
 }
 
@@ -394,6 +424,11 @@ impl Provider {
         self.state.released.send_replace(true);
     }
 
+    /// Stop taking every token handed out so far.
+    pub fn revoke_tokens(&self) {
+        self.state.inner.lock().expect("provider lock").tokens.clear();
+    }
+
     /// Replace the fault rules.
     pub fn set_faults(&self, rules: Vec<FaultRule>) {
         self.state.inner.lock().expect("provider lock").rules = rules;
@@ -406,6 +441,8 @@ fn router(state: AppState) -> Router {
         .route("/_control/stats", get(stats))
         .route("/_control/faults", post(set_faults))
         .route("/_control/effects", get(effects))
+        .route("/_control/revoke", post(revoke))
+        .route("/oauth/token", post(token))
         .fallback(call)
         .with_state(state)
 }
@@ -417,6 +454,70 @@ async fn stats(State(s): State<AppState>) -> impl IntoResponse {
 /// Every applied effect, in order (the provider's record for `relay verify`).
 async fn effects(State(s): State<AppState>) -> impl IntoResponse {
     axum::Json(s.inner.lock().expect("provider lock").log.clone())
+}
+
+/// Every token handed out stops working (a provider rotating its keys).
+async fn revoke(State(s): State<AppState>) -> impl IntoResponse {
+    s.inner.lock().expect("provider lock").tokens.clear();
+    StatusCode::NO_CONTENT
+}
+
+/// RFC 6749 client credentials, client authenticated by HTTP Basic or in the form.
+async fn token(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    axum::Form(form): axum::Form<HashMap<String, String>>,
+) -> Response {
+    use base64::Engine as _;
+    let Some(oauth) = &s.settings.oauth else { return StatusCode::NOT_FOUND.into_response() };
+    let basic = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Basic "))
+        .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
+        .and_then(|b| String::from_utf8(b).ok());
+    let (id, secret) = match basic.as_deref().and_then(|b| b.split_once(':')) {
+        Some((id, secret)) => (id.to_owned(), secret.to_owned()),
+        None => {
+            (form.get("client_id").cloned().unwrap_or_default(), form.get("client_secret").cloned().unwrap_or_default())
+        }
+    };
+    if form.get("grant_type").map(String::as_str) != Some("client_credentials") {
+        return (StatusCode::BAD_REQUEST, axum::Json(json!({"error": "unsupported_grant_type"}))).into_response();
+    }
+    if id != oauth.client_id || secret != oauth.client_secret {
+        return (StatusCode::UNAUTHORIZED, axum::Json(json!({"error": "invalid_client"}))).into_response();
+    }
+    let mut g = s.inner.lock().expect("provider lock");
+    g.stats.token_fetches += 1;
+    let token = format!("tok_{}", g.stats.token_fetches);
+    g.tokens.insert(token.clone(), std::time::Instant::now() + oauth.token_lifetime);
+    let body = json!({"access_token": token, "token_type": "Bearer", "expires_in": oauth.token_lifetime.as_secs()});
+    axum::Json(body).into_response()
+}
+
+/// The refusal of a call without a valid bearer token (when the provider
+/// wants one) or without a verifying signature (when it wants one).
+fn refused(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Option<Response> {
+    if s.settings.oauth.is_some() {
+        let mut g = s.inner.lock().expect("provider lock");
+        let bearer = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        let valid = bearer.and_then(|t| g.tokens.get(t)).is_some_and(|exp| std::time::Instant::now() < *exp);
+        if !valid {
+            g.stats.unauthorized += 1;
+            return Some((StatusCode::UNAUTHORIZED, axum::Json(json!({"error": "invalid_token"}))).into_response());
+        }
+    }
+    if let Some(secret) = &s.settings.webhook_secret {
+        let hook = standardwebhooks::Webhook::new(secret).expect("a base64 webhook secret");
+        if hook.verify(body, headers).is_err() {
+            s.inner.lock().expect("provider lock").stats.bad_signatures += 1;
+            return Some(
+                (StatusCode::BAD_REQUEST, axum::Json(json!({"error": "signature does not verify"}))).into_response(),
+            );
+        }
+    }
+    None
 }
 
 async fn set_faults(State(s): State<AppState>, axum::Json(rules): axum::Json<Vec<FaultRule>>) -> impl IntoResponse {
@@ -439,6 +540,9 @@ enum Plan {
 
 async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
     let path = uri.path().to_owned();
+    if let Some(refused) = refused(&s, &headers, &body) {
+        return refused;
+    }
     if method == Method::GET && path.starts_with("/lookup/") {
         return lookup(&s, &path);
     }

@@ -23,7 +23,11 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     example_provider::serve(
         args.listen,
-        example_provider::Settings { idempotency_header: args.idempotency_header, dialect: args.dialect },
+        example_provider::Settings {
+            idempotency_header: args.idempotency_header,
+            dialect: args.dialect,
+            ..Default::default()
+        },
     )
     .await
 }

@@ -632,12 +632,69 @@ pub struct EndpointConfig {
     pub response_bytes: usize,
     /// Environment variable holding a bearer token for this endpoint.
     pub token_env: Option<String>,
+    /// Bearer tokens from an OAuth2 token endpoint (client credentials
+    /// grant), instead of `token_env`.
+    pub oauth2: Option<OAuth2Config>,
+    /// How each request is signed, if it is.
+    pub signing: Option<SigningConfig>,
     /// Static request headers.
     #[serde(default)]
     pub headers: BTreeMap<String, String>,
     /// TLS towards this endpoint: a private CA, a client certificate.
     #[serde(default)]
     pub tls: EndpointTls,
+}
+
+/// An OAuth2 client credentials grant (`[endpoints.NAME.oauth2]`): a token
+/// is fetched from `token_url`, shared by the endpoint's calls, and fetched
+/// again `refresh_before` its expiry, or once after a 401.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct OAuth2Config {
+    /// The token endpoint.
+    pub token_url: Url,
+    /// The client id (not a secret).
+    pub client_id: String,
+    /// Environment variable holding the client secret.
+    pub client_secret_env: String,
+    /// Scopes asked for.
+    #[serde(default)]
+    pub scopes: Vec<String>,
+    /// How long before its expiry a token is replaced.
+    #[serde(default = "default_refresh_before", with = "humantime_serde")]
+    pub refresh_before: Duration,
+    /// How the client authenticates to the token endpoint.
+    #[serde(default)]
+    pub client_auth: ClientAuth,
+}
+
+/// How an OAuth2 client sends its credentials to the token endpoint.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClientAuth {
+    /// HTTP Basic (RFC 6749's default).
+    #[default]
+    Basic,
+    /// `client_id` and `client_secret` in the form body.
+    Body,
+}
+
+fn default_refresh_before() -> Duration {
+    Duration::from_secs(30)
+}
+
+/// How an endpoint's requests are signed (`[endpoints.NAME.signing]`).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(tag = "scheme", rename_all = "snake_case", deny_unknown_fields)]
+pub enum SigningConfig {
+    /// Standard Webhooks (standardwebhooks.com): `webhook-id` (the call's
+    /// idempotency key, else its intent id), `webhook-timestamp` and
+    /// `webhook-signature` (HMAC-SHA256 over id, timestamp and body), for
+    /// relay as a webhook sender.
+    StandardWebhooks {
+        /// Environment variable holding the secret (`whsec_…`, base64).
+        secret_env: String,
+    },
 }
 
 /// TLS settings of one endpoint (`[endpoints.NAME.tls]`). Paths are relative
@@ -1033,6 +1090,9 @@ fn check_topic_name(what: &str, name: &str, p: &mut Vec<String>) {
 /// The problems of endpoint `e`'s idempotency settings.
 fn check_profile(name: &str, e: &EndpointConfig, p: &mut Vec<String>) {
     let at = format!("endpoints.{name}");
+    if e.oauth2.is_some() && e.token_env.is_some() {
+        p.push(format!("{at}: token_env and oauth2 both give the bearer token; keep one"));
+    }
     if e.response_bytes == 0 || e.response_bytes > MAX_RESPONSE_BYTES {
         p.push(format!(
             "{at}.response_bytes = {}: keep between 1 and {MAX_RESPONSE_BYTES} bytes of an answer",

@@ -13,7 +13,7 @@ use std::time::Duration;
 use relay_core::config::EndpointConfig;
 use relay_core::profile::{KeyAnswer, KeyPlacement, Profile};
 use relay_core::retry::{AttemptResult, ErrorClass, parse_retry_after};
-use reqwest::header::{HeaderName, HeaderValue, RETRY_AFTER};
+use reqwest::header::{AUTHORIZATION, HeaderName, HeaderValue, RETRY_AFTER};
 use secrecy::{ExposeSecret, SecretString};
 use std::sync::Arc;
 
@@ -105,6 +105,10 @@ pub struct EndpointClient {
     /// [`EndpointConfig::also_retry`], computed once.
     also_retry: Vec<u16>,
     token: Option<SecretString>,
+    /// OAuth2 client credentials, shared by the clones (one token, one refresh).
+    oauth2: Option<Arc<super::auth::OAuth2>>,
+    /// How requests are signed, if they are.
+    signer: Option<Arc<super::auth::Signer>>,
     http: reqwest::Client,
     svc: HttpService,
     limiter: Option<Arc<DefaultDirectRateLimiter>>,
@@ -132,6 +136,14 @@ impl EndpointClient {
     /// Build the client for endpoint `name`. Must be called inside a tokio runtime.
     pub fn new(name: &str, cfg: &EndpointConfig) -> anyhow::Result<EndpointClient> {
         let token = crate::config::endpoint_token(cfg).map_err(|e| anyhow::anyhow!("endpoints.{name}: {e}"))?;
+        let oauth2 = match &cfg.oauth2 {
+            Some(o) => Some(Arc::new(super::auth::OAuth2::from_env(name, o, cfg.timeout)?)),
+            None => None,
+        };
+        let signer = match &cfg.signing {
+            Some(s) => Some(Arc::new(super::auth::Signer::new(name, s)?)),
+            None => None,
+        };
         let http = client_builder(name, cfg)?
             // A redirect is an answer, classified like any other 3xx
             // (permanent): followed, a 302 to a login page would count as
@@ -159,6 +171,8 @@ impl EndpointClient {
             profile,
             also_retry: cfg.also_retry(),
             token,
+            oauth2,
+            signer,
             http,
             svc,
             limiter,
@@ -250,19 +264,28 @@ impl EndpointClient {
         if let Some(token) = &self.token {
             req = req.bearer_auth(token.expose_secret());
         }
-        match (&self.profile.key, r.idempotency_key) {
-            (KeyPlacement::Header(h), Some(key)) => req = req.header(h.as_str(), key),
-            (KeyPlacement::BodyField(field), Some(key)) => {
-                let mut body = r.body.cloned().unwrap_or_else(|| serde_json::json!({}));
-                put_field(&mut body, field, key)?;
-                return req.json(&body).build().map_err(|e| format!("cannot build the request: {e}"));
+        match (&self.profile.key, r.idempotency_key, r.body) {
+            (KeyPlacement::Header(h), Some(key), body) => {
+                req = req.header(h.as_str(), key);
+                if let Some(body) = body {
+                    req = req.json(body);
+                }
             }
-            _ => {}
+            (KeyPlacement::BodyField(field), Some(key), body) => {
+                let mut body = body.cloned().unwrap_or_else(|| serde_json::json!({}));
+                put_field(&mut body, field, key)?;
+                req = req.json(&body);
+            }
+            (_, _, Some(body)) => req = req.json(body),
+            (_, _, None) => {}
         }
-        if let Some(body) = r.body {
-            req = req.json(body);
+        let mut req = req.build().map_err(|e| format!("cannot build the request: {e}"))?;
+        if let Some(signer) = &self.signer {
+            // The message id stays the same across attempts, as receivers dedup on it.
+            let id = r.idempotency_key.map_or_else(|| r.intent_id.to_string(), str::to_owned);
+            signer.sign(&mut req, &id)?;
         }
-        req.build().map_err(|e| format!("cannot build the request: {e}"))
+        Ok(req)
     }
 
     /// Make one attempt of `request`, if it can be sent by `send_by`, once
@@ -346,12 +369,58 @@ impl EndpointClient {
             drop(free);
             bounded(send_by, stop, limiter.until_ready()).await?;
         };
+        let mut req = req;
+        let token = match &self.oauth2 {
+            None => None,
+            Some(o) => match bounded(send_by, stop, o.token()).await? {
+                Ok(t) => Some(t),
+                Err(why) => return Ok(unauthenticated(why, None)),
+            },
+        };
+        if let Some(t) = &token {
+            match t.header() {
+                Ok(v) => req.headers_mut().insert(AUTHORIZATION, v),
+                Err(why) => return Ok(unauthenticated(why, None)),
+            };
+        }
+        // Kept to be sent once more, with a new token, after a 401.
+        let again = token.as_ref().and_then(|_| req.try_clone());
         if tokio::time::Instant::now() > send_by {
             return Err(NotSent);
         }
-        let sent_at = tokio::time::Instant::now();
+        let mut sent_at = tokio::time::Instant::now();
         let started_at = Some(chrono::Utc::now());
-        Ok(match svc.call(req).await {
+        let mut sent = svc.call(req).await;
+        if let (Some(o), Some(used), Some(mut again)) = (&self.oauth2, &token, again)
+            && matches!(&sent, Ok(r) if r.status() == reqwest::StatusCode::UNAUTHORIZED)
+        {
+            // A token the provider no longer takes (revoked, or expired
+            // early): one new token and one more send, within the lease's
+            // bound; a 401 then counts as the answer. The first 401 means
+            // not applied, so an attempt that cannot go on is retried.
+            o.refused(used).await;
+            let refused = |why: &str| unauthenticated(format!("HTTP 401 with the cached token; {why}"), started_at);
+            let fresh = match bounded(send_by, stop, o.token()).await {
+                Ok(Ok(t)) => t,
+                Ok(Err(why)) => return Ok(refused(&why)),
+                Err(NotSent) => return Ok(refused("no new token by the lease's deadline")),
+            };
+            match fresh.header() {
+                Ok(v) => again.headers_mut().insert(AUTHORIZATION, v),
+                Err(why) => return Ok(refused(&why)),
+            };
+            let mut svc = match bounded(send_by, stop, self.svc.clone().ready_oneshot()).await {
+                Ok(Ok(svc)) => svc,
+                Ok(Err(e)) => return Ok(classify_transport(e, self.cfg.timeout, started_at)),
+                Err(NotSent) => return Ok(refused("not sent again by the lease's deadline")),
+            };
+            if tokio::time::Instant::now() > send_by {
+                return Ok(refused("not sent again by the lease's deadline"));
+            }
+            sent_at = tokio::time::Instant::now();
+            sent = svc.call(again).await;
+        }
+        Ok(match sent {
             Ok(resp) => {
                 let status = resp.status().as_u16();
                 let retry_after = resp
@@ -458,6 +527,18 @@ fn client_builder(name: &str, cfg: &EndpointConfig) -> anyhow::Result<reqwest::C
         b = b.identity(identity);
     }
     Ok(b)
+}
+
+/// An attempt that could not authenticate: retried, as nothing was applied
+/// (no token, so not sent; or a 401, which is a refusal).
+fn unauthenticated(why: String, started_at: Option<chrono::DateTime<chrono::Utc>>) -> CallResult {
+    CallResult {
+        attempt: AttemptResult::Connect,
+        error_class: Some(ErrorClass::Connect),
+        error: Some(why),
+        started_at,
+        ..CallResult::not_sent()
+    }
 }
 
 /// Read the first `limit` bytes of a response's body into `kept`; the rest

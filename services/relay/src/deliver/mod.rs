@@ -9,12 +9,13 @@
 //!   dispatcher; [`outcome`] holds the messages between them. An intent's
 //!   next state is decided in [`relay_core::retry::decide`].
 //! * [`http`] — one endpoint's client: limits, timeout, the stable
-//!   idempotency key.
+//!   idempotency key; [`auth`] — its OAuth2 tokens and request signing.
 //! * [`handoff`] — intents claimed at ingest: the dispatcher owns the
 //!   channel; the consumer holds only a sender.
 //! * [`reconciler`] — uncertain intents asked about at their provider, for
 //!   endpoints that say how.
 
+pub mod auth;
 pub mod completer;
 pub mod dispatcher;
 pub mod executor;

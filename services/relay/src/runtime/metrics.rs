@@ -130,6 +130,12 @@ pub fn rescued(kind: &'static str, n: u64) {
     counter!("relay_leases_rescued_total", "kind" => kind).increment(n);
 }
 
+/// OAuth2 tokens fetched for an endpoint's calls (`ok`: whether one came).
+pub fn token_fetch(endpoint: &str, ok: bool) {
+    let result = if ok { "ok" } else { "error" };
+    counter!("relay_oauth2_token_fetches_total", "endpoint" => endpoint.to_owned(), "result" => result).increment(1);
+}
+
 /// Outcomes recorded without their effects, which the database rejected:
 /// each is an event not emitted or a saga not moved, to be done by hand.
 pub fn effects_dropped(endpoint: &str) {
