@@ -553,17 +553,25 @@ async fn a_success_event_carries_the_provider_s_answer_even_when_a_retry_got_it(
         fault("capture:o-2", Some(1), FaultKind::TimeoutAfterApply { delay_ms: 1500 }),
         // A success whose body is longer than the endpoint keeps.
         fault("capture:o-3", None, FaultKind::Body { status: 200, body: "x".repeat(9000) }),
+        // A 200 whose body stalls past the timeout, once: cut off, so asked again.
+        fault("capture:o-4", Some(1), FaultKind::StalledBody { status: 200, delay_ms: 1500 }),
+        // A body with a NUL, which PostgreSQL's jsonb cannot hold.
+        fault(
+            "capture:o-5",
+            None,
+            FaultKind::Body { status: 200, body: r#"{"id":"pi_nul","note":"a\u0000b"}"#.into() },
+        ),
     ]);
-    for (evt, o) in [("evt-1", "o-1"), ("evt-2", "o-2"), ("evt-3", "o-3")] {
+    for (evt, o) in [("evt-1", "o-1"), ("evt-2", "o-2"), ("evt-3", "o-3"), ("evt-4", "o-4"), ("evt-5", "o-5")] {
         h.send(&order(evt, o)).await;
     }
     let text = config_with(&h, CAPTURE_WITH_ANSWER, "profile = \"stripe\"\nmax_age = \"1h\"");
     let ((mut p, admin), config) = run_with_admin_config(&h, &text).await;
-    h.await_intents_finished(3).await;
-    h.await_published(2).await;
+    h.await_intents_finished(5).await;
+    h.await_published(4).await;
 
-    assert_eq!(h.provider.applied().len(), 2, "o-1 and o-2 once each (o-3 answers 200 with its body only)");
-    for (evt, o) in [("evt-1", "o-1"), ("evt-2", "o-2")] {
+    assert_eq!(h.provider.applied().len(), 3, "o-1, o-2 and o-4 once each (o-3 and o-5 answer with a body only)");
+    for (evt, o) in [("evt-1", "o-1"), ("evt-2", "o-2"), ("evt-4", "o-4")] {
         let (data, subject) = emitted(&h, evt, "payment.captured").await.unwrap_or_else(|| panic!("{evt}: no event"));
         let id = data["payment_id"].as_str().unwrap_or_default().to_owned();
         assert!(id.starts_with("res_"), "{evt}: {data}");
@@ -585,6 +593,14 @@ async fn a_success_event_carries_the_provider_s_answer_even_when_a_retry_got_it(
     let (_, attempts, ..) = intent_row(&h, "evt-2").await;
     assert!(attempts >= 2, "o-2's first answer was lost: {attempts}");
     assert_eq!(h.provider.stats().applied_for("capture:o-2"), 1);
+    // The id the provider made on the first request, given again on the retry.
+    let first = h.provider.applied().iter().position(|a| a.key == "capture:o-2").unwrap() + 1;
+    let (data, _) = emitted(&h, "evt-2", "payment.captured").await.unwrap();
+    assert_eq!(data["payment_id"], format!("res_{first}"));
+    let (state, attempts, ..) = intent_row(&h, "evt-4").await;
+    assert_eq!((state.as_str(), attempts), ("succeeded", 2), "the cut-off answer was asked for again");
+    let (data, _) = emitted(&h, "evt-5", "payment.captured").await.unwrap();
+    assert_eq!(data["payment_id"], "pi_nul", "a NUL elsewhere in the answer costs nothing");
 
     // Too long to keep: the success is recorded without its event, saying why.
     let (state, _, _, error) = intent_row(&h, "evt-3").await;
@@ -592,6 +608,13 @@ async fn a_success_event_carries_the_provider_s_answer_even_when_a_retry_got_it(
     assert_eq!(state, "succeeded");
     assert!(error.contains("on_success effects not recorded") && error.contains("response_bytes"), "{error}");
     assert!(emitted(&h, "evt-3", "payment.captured").await.is_none());
+    // Its answer is kept all the same, for whoever emits the event by hand.
+    let kept: serde_json::Value =
+        sqlx::query_scalar("SELECT response FROM relay.intents WHERE source_event_id = 'evt-3'")
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap();
+    assert_eq!((kept["status"].as_u64(), kept["truncated"].as_bool()), (Some(200), Some(true)), "{kept}");
     let (_, metrics) = admin.get("/metrics", None).await;
     assert_eq!(metric(&metrics, "relay_outcome_effects_dropped_total", &[("endpoint", "psp")]), Some(1.0), "{metrics}");
 

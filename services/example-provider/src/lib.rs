@@ -81,6 +81,14 @@ pub enum FaultKind {
         /// HTTP status.
         status: u16,
     },
+    /// Answer `status` and the start of a JSON body at once, the rest after
+    /// `delay_ms`, without applying: an answer cut off by the client's timeout.
+    StalledBody {
+        /// HTTP status.
+        status: u16,
+        /// How long the rest of the body takes.
+        delay_ms: u64,
+    },
     /// Answer `status` with `body` as it is (`text/plain`), without applying:
     /// error texts a client must store safely (control bytes, NUL).
     Body {
@@ -534,6 +542,7 @@ enum Plan {
     Redirect(u16, String),
     Body(u16, String),
     EndlessBody(u16),
+    Stalled(u16, u64),
     Fail(u16, Option<u64>),
     SlowFail(u64),
 }
@@ -608,6 +617,7 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
                 Some(FaultKind::Redirect { status, location }) => break 'plan Plan::Redirect(status, location),
                 Some(FaultKind::Body { status, body }) => break 'plan Plan::Body(status, body),
                 Some(FaultKind::EndlessBody { status }) => break 'plan Plan::EndlessBody(status),
+                Some(FaultKind::StalledBody { status, delay_ms }) => break 'plan Plan::Stalled(status, delay_ms),
                 Some(FaultKind::Chaos { .. }) => None,
                 Some(FaultKind::TimeoutBeforeApply { delay_ms }) => {
                     break 'plan Plan::SlowFail(delay_ms);
@@ -673,6 +683,16 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
             let chunks =
                 futures::stream::repeat_with(|| Ok::<_, std::convert::Infallible>(Bytes::from(vec![b'x'; 8192])));
             (status, [("content-type", "text/plain")], axum::body::Body::from_stream(chunks)).into_response()
+        }
+        Plan::Stalled(status, ms) => {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+            let start = futures::stream::once(async { Ok::<_, std::convert::Infallible>(Bytes::from("{\"id\":")) });
+            let rest = futures::stream::once(async move {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                Ok::<_, std::convert::Infallible>(Bytes::from("\"late\"}"))
+            });
+            let body = axum::body::Body::from_stream(futures::StreamExt::chain(start, rest));
+            (status, [("content-type", "application/json")], body).into_response()
         }
         Plan::Body(status, body) => {
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);

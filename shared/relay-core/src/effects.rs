@@ -119,7 +119,28 @@ pub fn answer(status: u16, headers: &[(String, String)], body: &[u8], truncated:
     };
     let headers: serde_json::Map<String, Value> =
         headers.iter().map(|(k, v)| (k.to_ascii_lowercase(), Value::String(v.clone()))).collect();
-    serde_json::json!({"status": status, "headers": headers, "body": body, "truncated": truncated, "via": via})
+    let mut answer =
+        serde_json::json!({"status": status, "headers": headers, "body": body, "truncated": truncated, "via": via});
+    without_nul(&mut answer);
+    answer
+}
+
+/// `v` with every NUL in its strings and keys replaced by U+FFFD:
+/// PostgreSQL's jsonb cannot hold one, and the answer is stored.
+fn without_nul(v: &mut Value) {
+    match v {
+        Value::String(s) if s.contains('\0') => *s = s.replace('\0', "\u{FFFD}"),
+        Value::Array(a) => a.iter_mut().for_each(without_nul),
+        Value::Object(m) if m.keys().any(|k| k.contains('\0')) => {
+            let old = std::mem::take(m);
+            for (k, mut x) in old {
+                without_nul(&mut x);
+                m.insert(k.replace('\0', "\u{FFFD}"), x);
+            }
+        }
+        Value::Object(m) => m.values_mut().for_each(without_nul),
+        _ => {}
+    }
 }
 
 /// An event to emit through the outbox.

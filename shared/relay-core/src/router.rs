@@ -803,6 +803,40 @@ mod tests {
     }
 
     #[test]
+    fn a_deferred_template_is_tried_with_the_event_before_the_call() {
+        let plan = |emit: &str, data: &str| {
+            let extra =
+                format!("[[routes.actions.on_success.emit]]\nname = \"e\"\ntype = \"t\"\ntopic = \"p\"\n{emit}\n");
+            let router = Router::new(&cfg(&extra)).unwrap();
+            let rec = record("order.placed", data);
+            let Routed::Route(route, event) = router.route(&rec).unwrap() else { panic!("not routed") };
+            router.plan(route, &event, &rec).map(|p| p.calls[0].on_success.deferred.len())
+        };
+        // A null in a key is refused at ingest, before the money moves.
+        let err = plan(r#"key = "{{ data.order_id }}-{{ response.body.id }}""#, r#"{"order_id": null, "amount": 1}"#)
+            .unwrap_err();
+        assert!(err.reason.contains("data.order_id") && err.reason.contains("null"), "{}", err.reason);
+        let err = plan(r#"key = "{{ data.order_id }}-{{ response.body.id }}""#, r#"{"order_id": " ", "amount": 1}"#)
+            .unwrap_err();
+        assert!(err.reason.contains("data.order_id"), "{}", err.reason);
+        // So is a field the event does not have.
+        let err = plan(r#"subject = "{{ data.missing }} {{ response.body.id }}""#, r#"{"order_id": "o", "amount": 1}"#)
+            .unwrap_err();
+        assert!(err.reason.contains("data.missing"), "{}", err.reason);
+        // But what strict rendering lets through passes: default, tests, globals,
+        // and what only the real answer can decide.
+        let ok = r#"{"order_id": "o-1", "amount": 1, "discount": null}"#;
+        for emit in [
+            r#"subject = "{{ subject | default('order') }} paid as {{ response.body.id }}""#,
+            r#"subject = "{{ response.body.id if data.discount is none else data.discount.code }}""#,
+            r#"subject = "{% for i in range(2) %}{{ response.body.id }}{% endfor %}""#,
+            r#"data = { cents = "{{ response.body.amount / 100 }}" }"#,
+        ] {
+            assert_eq!(plan(emit, ok).map_err(|e| e.reason), Ok(1), "{emit}");
+        }
+    }
+
+    #[test]
     fn reading_the_answer_outside_a_call_s_on_success_is_refused_naming_the_template() {
         let on_dead = r#"
             [[routes.actions.on_dead.emit]]

@@ -369,6 +369,18 @@ pub fn render_deferred(d: &Deferred, answer: &Value) -> Result<Value, RenderErro
     serde_json::from_str(&text).map_err(|e| RenderError(format!("template {} produced invalid JSON: {e}", d.template)))
 }
 
+/// Stands for the provider's answer when a deferred template is tried at
+/// ingest: every attribute and item of it is another stand-in, so only the
+/// event's fields can fail the trial.
+#[derive(Debug)]
+struct AnyAnswer;
+
+impl minijinja::value::Object for AnyAnswer {
+    fn get_value(self: &Arc<Self>, _key: &minijinja::Value) -> Option<minijinja::Value> {
+        Some(minijinja::Value::from_object(AnyAnswer))
+    }
+}
+
 /// Escape one JSON Pointer reference token (RFC 6901).
 pub fn pointer_token(key: &str) -> String {
     key.replace('~', "~0").replace('/', "~1")
@@ -383,25 +395,33 @@ impl Templates {
 
     /// Keep `t`, which reads the provider's answer, for later: its source and
     /// the event fields it reads from `ctx`, its value going to pointer `at`.
-    /// A field the event does not have is an error now, like any template's.
+    /// What the event makes of it is checked now, before the call, as for any
+    /// template: rendered with a stand-in answer, a field the event lacks, or
+    /// a null or blank one where its kind refuses it, is an error naming the
+    /// field. (Only such errors: one the stand-in itself causes, such as
+    /// arithmetic on it, waits for the real answer.)
     pub fn defer(&self, t: &TextTemplate, json: bool, at: String, ctx: &Context) -> Result<Deferred, RenderError> {
         let tmpl = self.env.get_template(&t.name).map_err(|e| RenderError(format!("{}: {e}", t.name)))?;
+        let stand = minijinja::Value::from_object(AnyAnswer);
+        let trial = Context {
+            json: ctx.json.clone(),
+            engine: minijinja::context! { response => stand.clone(), ..ctx.engine.clone() },
+            marked: ctx.marked.clone().map(|m| minijinja::context! { response => stand.clone(), ..m }),
+        };
+        if let Err(e) = self.render(t, &trial)
+            && !e.0.starts_with(&format!("template {} failed", t.name))
+        {
+            return Err(e);
+        }
+        // Only the fields it reads that the event has: the others are
+        // behind `default`, `is defined` or a branch not taken, or are globals.
         let mut fields = Value::Object(Map::new());
-        let mut missing = Vec::new();
         let mut paths: Vec<String> = tmpl.undeclared_variables(true).into_iter().collect();
         paths.sort();
         for path in paths.iter().filter(|p| p.split('.').next() != Some(ANSWER)) {
-            match lookup(&ctx.json, path) {
-                Some(v) => insert_at(&mut fields, path, v.clone()),
-                None => missing.push(path.as_str()),
+            if let Some(v) = lookup(&ctx.json, path) {
+                insert_at(&mut fields, path, v.clone());
             }
-        }
-        if !missing.is_empty() {
-            return Err(RenderError(format!(
-                "template {} references {}, which this event does not have",
-                t.name,
-                missing.join(", ")
-            )));
         }
         let kind = self.reads.get(&t.name).map_or(Kind::Text, |(k, _)| *k);
         Ok(Deferred { at, template: t.name.clone(), kind, json, source: tmpl.source().to_owned(), context: fields })
@@ -629,7 +649,7 @@ fn lookup<'a>(ctx: &'a Value, path: &str) -> Option<&'a Value> {
 /// template time.
 #[derive(Debug, Clone)]
 pub struct Context {
-    json: Value,
+    json: Arc<Value>,
     engine: minijinja::Value,
     /// The context with every null and blank string replaced by [`MARKER`],
     /// when it has any (most events have none).
@@ -687,7 +707,7 @@ impl From<Value> for Context {
     fn from(json: Value) -> Context {
         let engine = minijinja::Value::from_serialize(&json);
         let marked = marked(&json).map(|m| minijinja::Value::from_serialize(&m));
-        Context { json, engine, marked }
+        Context { json: Arc::new(json), engine, marked }
     }
 }
 

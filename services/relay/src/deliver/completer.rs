@@ -214,19 +214,17 @@ impl Completer {
             NextState::Retry(_) => Finished::Retrying,
         };
         let mut conn = self.finishes.acquire().await?;
-        if outcomes.iter().all(Option::is_none) {
+        if outcomes.iter().all(Option::is_none) && batch.iter().all(|c| c.answer.is_none()) {
             // Only states and audit rows: one statement, its own transaction (FinishPool).
             let ours = intents::finish_many(&mut conn, &items).await?.into_iter().collect();
             return Ok(batch.iter().map(|c| finished(c, &ours)).collect());
         }
         let mut tx = sqlx::Connection::begin(&mut *conn).await?;
         let ours: Ours = intents::finish_many(&mut tx, &items).await?.into_iter().collect();
-        let answers: Vec<_> = batch
-            .iter()
-            .zip(&outcomes)
-            .filter(|(c, o)| o.is_some() && mine(c, &ours))
-            .filter_map(|(c, _)| Some((c.intent.id, c.answer.as_ref()?)))
-            .collect();
+        // Kept also when the effects could not be rendered from it: the
+        // operator who emits them by hand reads it in `relay intents show`.
+        let answers: Vec<_> =
+            batch.iter().filter(|c| mine(c, &ours)).filter_map(|c| Some((c.intent.id, c.answer.as_ref()?))).collect();
         intents::keep_answers(&mut tx, &answers).await?;
         let now = Utc::now();
         let mut records = Vec::new();

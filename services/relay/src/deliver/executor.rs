@@ -165,7 +165,7 @@ impl Executor {
             } else {
                 send_by
             };
-            let Ok(r) = client.call(request, send_by, slots, &self.stopping).await else {
+            let Ok(mut r) = client.call(request, send_by, slots, &self.stopping).await else {
                 hop.end("not_sent");
                 return Ok(Err(intent));
             };
@@ -180,6 +180,20 @@ impl Executor {
                 && client.profile().answer_may_have_applied(status)
             {
                 verdict = Verdict::Retry { retry_after, uncertain: true };
+            }
+            let keep = client.config().response_bytes;
+            let cut = r.body.as_ref().is_some_and(|b| b.len() < keep) && !r.body_complete;
+            if reads_answer && cut && r.status.is_some_and(|s| (200..300).contains(&s)) {
+                // Applied, but the answer its effects read was cut off (the
+                // timeout, a broken connection): asked again with the same
+                // key, the provider gives its stored answer; without keys it
+                // is uncertain at once.
+                verdict = Verdict::Retry { retry_after: None, uncertain: true };
+                r.error_class = Some(ErrorClass::Timeout);
+                r.error = Some(format!(
+                    "HTTP {} but its body was cut off before its end, and on_success reads it",
+                    r.status.unwrap_or_default()
+                ));
             }
             (Tried::Attempt(verdict), r)
         };

@@ -161,11 +161,9 @@ impl Completion {
             }),
             None => Err("the provider's answer is not known (the intent was resolved by an operator)".to_owned()),
         };
+        self.answer = answer;
         match rendered {
-            Ok(effects) => {
-                self.intent.intent.on_success = effects;
-                self.answer = answer;
-            }
+            Ok(effects) => self.intent.intent.on_success = effects,
             Err(why) => {
                 self.intent.intent.on_success = serde_json::json!({});
                 let why = format!("on_success effects not recorded: {why}");

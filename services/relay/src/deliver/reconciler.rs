@@ -166,7 +166,7 @@ impl Dispatcher {
                 correlation_id: call.correlation_id.as_deref(),
                 intent_id: id,
                 attempt: intent.attempts,
-                keep_body: ANSWER_BYTES,
+                keep_body: ANSWER_BYTES.max(client.config().response_bytes),
             },
             // The intent's own headers go with a lookup too: they may scope
             // it (an account header), and without them a lookup could find
@@ -181,7 +181,7 @@ impl Dispatcher {
                 correlation_id: call.correlation_id.as_deref(),
                 intent_id: id,
                 attempt: intent.attempts,
-                keep_body: ANSWER_BYTES,
+                keep_body: ANSWER_BYTES.max(client.config().response_bytes),
             },
         };
         let send_by = self.inner.executor.send_by(&intent, taken_at);
@@ -230,8 +230,16 @@ impl Dispatcher {
                 let via = if lookup_path.is_some() { "lookup" } else { "resend" };
                 let data = super::outcome::answer_of(&answer, client.config().response_bytes, via);
                 let done = Completion::reconciled(intent, status, said.clone(), data);
+                let dropped = done.effects_dropped().map(str::to_owned);
                 let finished = self.inner.completer.finalize(&[done]).await;
-                if finished.as_slice() == [Finished::Succeeded] {
+                if finished.as_slice() == [Finished::Succeeded]
+                    && let Some(why) = dropped
+                {
+                    crate::runtime::metrics::effects_dropped(&endpoint);
+                    error!(intent_id = %id, endpoint = %endpoint,
+                           "{said}, but its on_success effects could not be rendered from the answer and are not \
+                            recorded (its events are not emitted, its sagas not moved): {why}");
+                } else if finished.as_slice() == [Finished::Succeeded] {
                     info!(intent_id = %id, endpoint = %endpoint, "{said}; its on_success effects are recorded");
                 } else {
                     warn!(intent_id = %id, endpoint = %endpoint, result = ?finished,

@@ -455,7 +455,7 @@ impl Operator {
                 self.consumer
             )));
         };
-        let (intent_id, token) = (intent.id, intent.lease_token);
+        let (intent_id, token, endpoint) = (intent.id, intent.lease_token, intent.intent.endpoint.clone());
         let (next, said) = match resolution {
             IntentResolution::Succeeded => (intents::NextState::Succeeded, "succeeded"),
             IntentResolution::Failed => (intents::NextState::Dead, "failed"),
@@ -475,6 +475,10 @@ impl Operator {
             [Finished::Succeeded | Finished::Dead] => {
                 tracing::info!(intent_id = %id, consumer = %self.consumer, resolution = ?resolution, why = %why_logged,
                                "uncertain intent resolved by an operator");
+                if let Some(why) = &dropped {
+                    crate::runtime::metrics::effects_dropped(&endpoint);
+                    tracing::error!(intent_id = %id, "resolved as succeeded, but its on_success effects are not recorded: {why}");
+                }
                 Ok(dropped)
             }
             other => {
