@@ -984,6 +984,7 @@ fn new_intent(n: u32, endpoint: &str, ordering_key: Option<&str>) -> intents::Ne
             headers: json!({}),
             idempotency_key: format!("capture:{n}"),
             ordering_key: ordering_key.map(str::to_owned),
+            holds_key: false,
             max_attempts: 5,
             on_success: json!({}),
             on_dead: json!({}),

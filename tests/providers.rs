@@ -694,3 +694,122 @@ async fn calls_are_signed_as_standard_webhooks_and_a_wrong_secret_does_not_verif
     assert_eq!(h.provider.stats().bad_signatures, 1);
     p.terminate(DEADLINE).unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn calls_are_signed_with_aws_sigv4_and_a_wrong_secret_does_not_verify() {
+    let aws = example_provider::SigV4Settings {
+        access_key_id: "AKIDRELAYTEST".into(),
+        secret_access_key: "wJalrXUtnFEMI/K7MDENG+bPxRfiCYRELAYKEY".into(),
+        region: "eu-west-1".into(),
+        service: "execute-api".into(),
+    };
+    let h = Harness::with_provider(1, Settings { aws_sigv4: Some(aws), ..Settings::default() }).await;
+    h.send(&order("evt-1", "o-1")).await;
+    h.send(&order("evt-2", "o-2")).await;
+    let signing = "[endpoints.psp.signing]\nscheme = \"aws_sigv4\"\nregion = \"eu-west-1\"\nservice = \"execute-api\"\n\
+                   access_key_id_env = \"PSP_AWS_KEY_ID\"\nsecret_access_key_env = \"PSP_AWS_SECRET\"\n";
+    let config = h.write_config(&format!("{}\n{signing}", h.config_text(CAPTURE_ROUTE)));
+    let env = |secret: &'static str| [("PSP_AWS_KEY_ID", "AKIDRELAYTEST"), ("PSP_AWS_SECRET", secret)];
+    let mut p = h.process(&config, &["run"], &env("wJalrXUtnFEMI/K7MDENG+bPxRfiCYRELAYKEY"));
+    h.await_intents_finished(2).await;
+    assert_eq!(h.intents_in("succeeded").await, 2);
+    assert_eq!(h.provider.stats().bad_signatures, 0);
+    p.terminate(DEADLINE).unwrap();
+
+    // Signed with another secret, the provider's verifier refuses it (403, as AWS does).
+    h.send(&order("evt-3", "o-3")).await;
+    let mut p = h.process(&config, &["run"], &env("not-the-secret"));
+    h.await_intents_finished(3).await;
+    let (state, _, _, error) = intent_row(&h, "evt-3").await;
+    assert_eq!(state, "dead");
+    assert!(error.unwrap_or_default().contains("signature we calculated does not match"));
+    assert_eq!(h.provider.stats().bad_signatures, 1);
+    p.terminate(DEADLINE).unwrap();
+}
+
+/// Captures ordered per customer, whose dead ones hold their customer's key.
+const HOLD_KEY_ROUTE: &str = r#"
+[[routes]]
+name = "order-placed"
+topic = "{topic}"
+type = "order.placed"
+on_poison = "hold_key"
+
+[[routes.actions]]
+kind = "call"
+name = "capture"
+endpoint = "psp"
+path = "/captures/{{ data.order_id }}"
+idempotency_key = "capture:{{ data.order_id }}"
+ordering_key = "{{ data.customer }}"
+body = { order_id = "{{ data.order_id }}" }
+"#;
+
+fn customer_order(id: &str, order: &str, customer: &str) -> TestEvent {
+    TestEvent::new(id, "order.placed", json!({"order_id": order, "customer": customer})).key(customer)
+}
+
+async fn intent_id(h: &Harness, source_event: &str) -> uuid::Uuid {
+    sqlx::query_scalar("SELECT id FROM relay.intents WHERE source_event_id = $1")
+        .bind(source_event)
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_intent_holds_its_key_until_skipped_or_replayed_while_other_keys_flow() {
+    let h = Harness::with_provider(1, Settings::default()).await;
+    h.provider.set_faults(vec![
+        // c-1's first order is refused for good; c-3's once (a replay then works).
+        fault("capture:o-1", None, FaultKind::Status { status: 400, retry_after_secs: None }),
+        fault("capture:o-5", Some(1), FaultKind::Status { status: 400, retry_after_secs: None }),
+    ]);
+    for (evt, o, c) in
+        [("evt-1", "o-1", "c-1"), ("evt-2", "o-2", "c-1"), ("evt-3", "o-3", "c-1"), ("evt-4", "o-4", "c-2")]
+            .into_iter()
+            .chain([("evt-5", "o-5", "c-3"), ("evt-6", "o-6", "c-3")])
+    {
+        h.send(&customer_order(evt, o, c)).await;
+    }
+    let ((mut p, admin), config) = run_with_admin_config(&h, &h.config_text(HOLD_KEY_ROUTE)).await;
+    eventually("c-2 done, the heads of c-1 and c-3 dead", DEADLINE, || async {
+        let dead = h.db.count("intents", "state = 'dead'").await == 2;
+        (dead && intent_row(&h, "evt-4").await.0 == "succeeded").then_some(())
+    })
+    .await;
+    // The later intents of the held keys wait, uncalled; the other key went on.
+    for evt in ["evt-2", "evt-3", "evt-6"] {
+        assert_eq!(intent_row(&h, evt).await.0, "pending", "{evt}");
+    }
+    for o in ["o-2", "o-3", "o-6"] {
+        assert_eq!(h.provider.stats().requests_for(&format!("capture:{o}")), 0, "{o}");
+    }
+    let holding = eventually("the gauge", DEADLINE, || async {
+        let (_, m) = admin.get("/metrics", None).await;
+        metric(&m, "relay_intents_holding_keys", &[]).filter(|v| *v == 2.0)
+    })
+    .await;
+    assert_eq!(holding, 2.0);
+    let dead = intent_id(&h, "evt-1").await;
+    let (ok, out) = cli(&h, &config, &["intents", "show", &dead.to_string()]).await;
+    assert!(ok && out.contains("holds key  c-1"), "{out}");
+
+    // Skipped: c-1's later intents go on, in order; the skipped one stays dead.
+    let (ok, out) = cli(&h, &config, &["intents", "skip", &dead.to_string()]).await;
+    assert!(ok && out.contains("key c-1 released, 2 intent(s)"), "{out}");
+    // Replayed: c-3's head runs first, then the one behind it.
+    let (ok, out) = cli(&h, &config, &["intents", "replay", &intent_id(&h, "evt-5").await.to_string()]).await;
+    assert!(ok, "{out}");
+    h.await_intents_finished(6).await;
+    assert_eq!(h.intents_in("succeeded").await, 5);
+    assert_eq!(intent_row(&h, "evt-1").await.0, "dead");
+    let order: Vec<String> = h.provider.applied().into_iter().map(|a| a.key).collect();
+    let at = |k: &str| order.iter().position(|x| x == k).unwrap_or_else(|| panic!("{k} not applied: {order:?}"));
+    assert!(at("capture:o-2") < at("capture:o-3"), "{order:?}");
+    assert!(at("capture:o-5") < at("capture:o-6"), "{order:?}");
+    // Nothing holds now; skipping again is refused, naming why.
+    let (ok, out) = cli(&h, &config, &["intents", "skip", &dead.to_string()]).await;
+    assert!(!ok && out.contains("not a dead intent holding its ordering key"), "{out}");
+    p.terminate(DEADLINE).unwrap();
+}

@@ -92,6 +92,7 @@ pub(super) async fn ingest_limit(
                     headers: serde_json::json!({}),
                     idempotency_key: format!("capture:{order}"),
                     ordering_key: None,
+                    holds_key: false,
                     max_attempts: 10,
                     on_success: empty_outcome.clone(),
                     on_dead: empty_outcome.clone(),

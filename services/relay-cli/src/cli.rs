@@ -190,6 +190,14 @@ pub enum IntentCommand {
         #[arg(long)]
         past_key_window: bool,
     },
+    /// Let dead intents that hold their ordering key (route on_poison =
+    /// "hold_key") release it: they stay dead, and the later intents of
+    /// their keys, which waited, go on.
+    Skip {
+        /// Intent ids.
+        #[arg(required = true)]
+        ids: Vec<uuid::Uuid>,
+    },
 }
 
 /// Outbox commands.
@@ -818,6 +826,12 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
             if i.ever_uncertain {
                 println!("  uncertain  an attempt may have been applied: it ends succeeded or uncertain, never dead");
             }
+            if let (Some(key), true) = (&i.ordering_key, i.holds_key && i.state == "dead") {
+                println!(
+                    "  holds key  {}: its later intents wait until it is replayed or skipped (`relay intents skip`)",
+                    safe(key)
+                );
+            }
             if let Some(e) = &i.last_error {
                 println!("  last error {}", safe(e));
             }
@@ -848,6 +862,21 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
                      or move its sagas by hand"
                 ),
             }
+        }
+        IntentCommand::Skip { ids } => {
+            let mut refused = 0;
+            for id in &ids {
+                match ops.intent_skip(*id).await {
+                    Ok((key, waiting)) => {
+                        println!("{id}: skipped; key {} released, {waiting} intent(s) of it go on", safe(&key))
+                    }
+                    Err(e) => {
+                        refused += 1;
+                        println!("{id}: not skipped: {e}");
+                    }
+                }
+            }
+            anyhow::ensure!(refused == 0, "{refused} of {} intent(s) were not skipped", ids.len());
         }
         IntentCommand::Replay { ids, all, endpoint, past_key_window } => {
             if ids.is_empty() && !all {

@@ -121,6 +121,14 @@ async function renderDeadIntents() {
       }, "resolve");
       actions.append(resolve("succeeded", "on_success"), resolve("failed", "on_dead"));
     }
+    if (i.state === "dead" && i.holds_key) {
+      // Its route holds the key: the later intents of the key wait for this one.
+      actions.append(button("Skip", async () => {
+        if (!confirm(`Let intent ${i.id} release its ordering key ${i.ordering_key}?\nIt stays dead; the later intents of the key go on without it.`)) return;
+        await act(`/api/intents/${i.id}/skip`, { method: "POST" });
+        refresh();
+      }, "skip"));
+    }
     actions.append(
       button("Attempts", () => showTimeline(i.id)),
       button("Replay", async () => {
@@ -129,7 +137,8 @@ async function renderDeadIntents() {
         refresh();
       }, "replay"),
     );
-    tr.append(id, cell(i.state), cell(i.endpoint), cell(i.idempotency_key), cell(`${i.attempts}/${i.max_attempts}`),
+    const state = i.state === "dead" && i.holds_key ? `dead, holds key ${i.ordering_key}` : i.state;
+    tr.append(id, cell(state), cell(i.endpoint), cell(i.idempotency_key), cell(`${i.attempts}/${i.max_attempts}`),
       cell(i.last_status), cell(i.last_error, "error-text"), actions);
     return tr;
   }));

@@ -443,6 +443,22 @@ pub struct RouteConfig {
     /// intent or event of this route is written for the event.
     #[serde(default)]
     pub actions: Vec<ActionConfig>,
+    /// What a dead intent of this route does to its ordering key.
+    #[serde(default)]
+    pub on_poison: OnPoison,
+}
+
+/// What a route's failure does to the later work of the same key.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnPoison {
+    /// A dead intent releases its ordering key: the key's later intents go on.
+    #[default]
+    Release,
+    /// A dead intent holds its ordering key: the key's later intents wait
+    /// (recorded, not called) until it is replayed or skipped
+    /// (`relay intents replay` / `relay intents skip`), while other keys flow.
+    HoldKey,
 }
 
 impl RouteConfig {
@@ -694,6 +710,20 @@ pub enum SigningConfig {
     StandardWebhooks {
         /// Environment variable holding the secret (`whsec_…`, base64).
         secret_env: String,
+    },
+    /// AWS Signature Version 4, for AWS-fronted APIs (API Gateway with IAM
+    /// auth, Lambda function URLs): `Authorization` and `x-amz-date`.
+    AwsSigv4 {
+        /// The region, e.g. `eu-west-1`.
+        region: String,
+        /// The service's signing name, e.g. `execute-api` or `lambda`.
+        service: String,
+        /// Environment variable holding the access key id.
+        access_key_id_env: String,
+        /// Environment variable holding the secret access key.
+        secret_access_key_env: String,
+        /// Environment variable holding a session token (temporary credentials).
+        session_token_env: Option<String>,
     },
 }
 
@@ -1092,6 +1122,12 @@ fn check_profile(name: &str, e: &EndpointConfig, p: &mut Vec<String>) {
     let at = format!("endpoints.{name}");
     if e.oauth2.is_some() && e.token_env.is_some() {
         p.push(format!("{at}: token_env and oauth2 both give the bearer token; keep one"));
+    }
+    if matches!(e.signing, Some(SigningConfig::AwsSigv4 { .. })) && (e.oauth2.is_some() || e.token_env.is_some()) {
+        p.push(format!(
+            "{at}: signing.scheme = \"aws_sigv4\" puts its signature in the Authorization header, which token_env \
+             or oauth2 also set; keep one"
+        ));
     }
     if e.response_bytes == 0 || e.response_bytes > MAX_RESPONSE_BYTES {
         p.push(format!(

@@ -208,6 +208,9 @@ pub struct Intent {
     pub idempotency_key: String,
     /// Per-key ordering.
     pub ordering_key: Option<String>,
+    /// Whether it holds its ordering key once dead (its route's
+    /// `on_poison = "hold_key"`), until replayed or skipped.
+    pub holds_key: bool,
     /// Attempt budget.
     pub max_attempts: i32,
     /// Effects on success (a serialized [`Outcome`]).

@@ -35,6 +35,8 @@ pub struct CompiledRoute {
     pub counter: Option<String>,
     /// Code handler to run.
     pub handler: Option<String>,
+    /// What its dead intents do to their ordering keys.
+    pub on_poison: crate::config::OnPoison,
     schema: Option<Arc<jsonschema::Validator>>,
     actions: Vec<CompiledAction>,
 }
@@ -180,6 +182,7 @@ impl Router {
                     sequence_guard: r.sequence_guard,
                     counter: r.counter.clone(),
                     handler: r.handler.clone(),
+                    on_poison: r.on_poison,
                     schema,
                     actions,
                 },
@@ -345,7 +348,8 @@ impl Router {
         checked.map_err(|why| {
             Poison::new(PoisonClass::TemplateError, why).with_identity(Some(&event.id), Some(&event.event_type))
         })?;
-        let intents = plan.calls.iter().map(|call| self.intent(event, call, prov)).collect::<Result<_, _>>()?;
+        let hold = route.on_poison == crate::config::OnPoison::HoldKey;
+        let intents = plan.calls.iter().map(|call| self.intent(event, call, prov, hold)).collect::<Result<_, _>>()?;
         let events = plan
             .emits
             .iter()
@@ -354,7 +358,7 @@ impl Router {
         Ok(Effects { sagas: plan.sagas, intents, events, counter: route.counter.clone() })
     }
 
-    fn intent(&self, event: &InputEvent, call: &CallSpec, prov: &Provenance) -> Result<NewIntent, Poison> {
+    fn intent(&self, event: &InputEvent, call: &CallSpec, prov: &Provenance, hold: bool) -> Result<NewIntent, Poison> {
         let consumer = self.consumer();
         let endpoint = self.endpoint(&call.endpoint).ok_or_else(|| {
             Poison::new(
@@ -394,6 +398,7 @@ impl Router {
             headers: json!(call.headers),
             idempotency_key,
             ordering_key: call.ordering_key.clone(),
+            holds_key: hold && call.ordering_key.is_some(),
             max_attempts: i32::try_from(endpoint.max_attempts).unwrap_or(i32::MAX),
             on_success: to_json(&call.on_success),
             on_dead: to_json(&call.on_dead),

@@ -116,7 +116,7 @@ mod tests {
     #[test]
     fn each_part_counts_its_parameters() {
         use crate::{inbox, intents, outbox, param_count};
-        assert_eq!(param_count(intents::INSERT_MANY), 23);
+        assert_eq!(param_count(intents::INSERT_MANY), 24);
         assert_eq!(param_count(outbox::INSERT_MANY), 10);
         assert_eq!(param_count(inbox::ADD_TO_COUNTERS), 4);
         assert_eq!(param_count("SELECT 1"), 0);

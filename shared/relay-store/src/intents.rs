@@ -97,7 +97,7 @@ macro_rules! claimed_columns {
     () => {
         "id, lease_token, consumer, source_event_id, action, endpoint, method, path, body, request_headers, \
          idempotency_key, ordering_key, attempts, max_attempts, expires_at, on_success, on_dead, emit_source, \
-         aggregate_id, correlation_id, causation_id, traceparent, last_error, ever_uncertain, created_at"
+         aggregate_id, correlation_id, causation_id, traceparent, last_error, ever_uncertain, created_at, holds_key"
     };
 }
 pub(crate) use claimed_columns;
@@ -118,6 +118,7 @@ impl<'r> FromRow<'r, PgRow> for ClaimedIntent {
                 headers: row.try_get("request_headers")?,
                 idempotency_key: row.try_get("idempotency_key")?,
                 ordering_key: row.try_get("ordering_key")?,
+                holds_key: row.try_get("holds_key")?,
                 max_attempts: row.try_get("max_attempts")?,
                 on_success: row.try_get("on_success")?,
                 on_dead: row.try_get("on_dead")?,
@@ -236,7 +237,7 @@ pub const CLAIM: &str = concat!(
                 AND (i.ordering_key IS NULL OR NOT EXISTS (
                         SELECT 1 FROM relay.intents e
                          WHERE e.ordering_key = i.ordering_key AND e.consumer = i.consumer
-                           AND e.state IN ('pending', 'running', 'uncertain')
+                           AND (e.state IN ('pending', 'running', 'uncertain') OR (e.state = 'dead' AND e.holds_key))
                            AND (e.seq < i.seq OR e.state = 'running')))
               ORDER BY i.next_attempt_at, i.seq
               LIMIT $1
@@ -515,6 +516,10 @@ pub struct IntentView {
     pub created_at: DateTime<Utc>,
     /// Finished at.
     pub finished_at: Option<DateTime<Utc>>,
+    /// Per-key ordering.
+    pub ordering_key: Option<String>,
+    /// Whether, dead, it holds its ordering key (until replayed or skipped).
+    pub holds_key: bool,
 }
 
 /// One intent of `consumer` by id.
@@ -573,21 +578,21 @@ pub async fn attempts(conn: &mut PgConnection, id: Uuid) -> Result<Vec<AttemptVi
 pub(crate) const INSERT_MANY: &str = "INSERT INTO relay.intents
              (id, consumer, source_event_id, action, endpoint, method, path, body, request_headers,
               idempotency_key, ordering_key, max_attempts, expires_at, on_success, on_dead,
-              emit_source, aggregate_id, correlation_id, causation_id, traceparent,
+              emit_source, aggregate_id, correlation_id, causation_id, traceparent, holds_key,
               state, attempts, lease_token, locked_by, locked_until)
          SELECT id, consumer, source_event_id, action, endpoint, method, path, body, request_headers,
                 idempotency_key, ordering_key, max_attempts, now() + make_interval(secs => max_age),
-                on_success, on_dead, emit_source, aggregate_id, correlation_id, causation_id, traceparent,
+                on_success, on_dead, emit_source, aggregate_id, correlation_id, causation_id, traceparent, holds_key,
                 CASE WHEN h.held THEN 'running' ELSE 'pending' END, h.held::int4,
                 CASE WHEN h.held THEN gen_random_uuid() END, CASE WHEN h.held THEN $22::text END,
                 CASE WHEN h.held THEN clock_timestamp() + make_interval(secs => $23::float8) END
            FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
                        $8::jsonb[], $9::jsonb[], $10::text[], $11::text[], $12::int4[], $13::float8[],
                        $14::jsonb[], $15::jsonb[], $16::text[], $17::text[], $18::text[], $19::text[], $20::text[],
-                       $21::bool[])
+                       $21::bool[], $24::bool[])
                 AS t(id, consumer, source_event_id, action, endpoint, method, path, body, request_headers,
                      idempotency_key, ordering_key, max_attempts, max_age, on_success, on_dead,
-                     emit_source, aggregate_id, correlation_id, causation_id, traceparent, take)
+                     emit_source, aggregate_id, correlation_id, causation_id, traceparent, take, holds_key)
           CROSS JOIN LATERAL (
                 SELECT t.take AND t.ordering_key IS NULL AND NOT EXISTS (
                            SELECT 1 FROM relay.pauses p WHERE p.kind = 'endpoint' AND p.name = t.endpoint) AS held
@@ -671,6 +676,7 @@ pub(crate) fn bind_many<'q, R: Borrow<NewIntent>>(
         .bind(take)
         .bind(hold.map(|h| h.worker))
         .bind(hold.map(|h| h.lease.as_secs_f64()))
+        .bind(col(rows, |r| r.intent.holds_key))
 }
 
 /// Filters for listing intents (of one consumer: operators act on their own).
@@ -686,7 +692,7 @@ pub struct IntentFilter {
 
 const VIEW: &str = "id, consumer, source_event_id, action, endpoint, method, path, idempotency_key, state,
     attempts, max_attempts, last_status, last_error, last_error_class, ever_uncertain, next_attempt_at, created_at,
-    finished_at";
+    finished_at, ordering_key, holds_key";
 
 /// Intents matching `f`, newest first, created before `before` (for paging).
 pub async fn list(
@@ -814,6 +820,50 @@ pub enum Requeue {
     UncertainWithoutKeys,
 }
 
+/// What [`skip`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Skip {
+    /// The dead intent let go of its ordering key: `waiting` later intents
+    /// of the key may run now.
+    Released {
+        /// The key.
+        key: String,
+        /// Its intents waiting behind it.
+        waiting: i64,
+    },
+    /// Nothing to do: it is not a dead intent of this consumer that holds
+    /// its key.
+    NotHolding,
+}
+
+/// Let dead intent `id` of `consumer` release the ordering key it holds
+/// (`on_poison = "hold_key"`): it stays dead, its failure as it was, and the
+/// key's later intents go on (dispatchers are woken).
+pub async fn skip(conn: &mut PgConnection, consumer: &str, id: Uuid) -> Result<Skip, sqlx::Error> {
+    use sqlx::Connection;
+    let mut tx = conn.begin().await?;
+    let key: Option<Option<String>> = sqlx::query_scalar(
+        "UPDATE relay.intents SET holds_key = false
+          WHERE id = $1 AND consumer = $2 AND state = 'dead' AND holds_key
+          RETURNING ordering_key",
+    )
+    .bind(id)
+    .bind(consumer)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(Some(key)) = key else { return Ok(Skip::NotHolding) };
+    let waiting: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM relay.intents WHERE consumer = $1 AND ordering_key = $2 AND state = 'pending'",
+    )
+    .bind(consumer)
+    .bind(&key)
+    .fetch_one(&mut *tx)
+    .await?;
+    sqlx::query("SELECT pg_notify('relay_intents', '')").execute(&mut *tx).await?;
+    tx.commit().await?;
+    Ok(Skip::Released { key, waiting })
+}
+
 /// What a replay must respect of an intent's endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReplayRules {
@@ -853,13 +903,13 @@ pub async fn requeue(
     rules: impl Fn(&str) -> ReplayRules,
 ) -> Result<Requeue, sqlx::Error> {
     use sqlx::Connection;
-    type Row = (String, Option<String>, bool, String, DateTime<Utc>, DateTime<Utc>, DateTime<Utc>);
+    type Row = (String, Option<String>, bool, String, DateTime<Utc>, DateTime<Utc>, DateTime<Utc>, bool);
     let mut tx = conn.begin().await?;
     let row: Option<Row> = sqlx::query_as(
         "SELECT state, ordering_key,
                 state = 'dead' AND (jsonb_array_length(COALESCE(on_dead->'emit', '[]')) > 0
                                     OR jsonb_array_length(COALESCE(on_dead->'saga', '[]')) > 0),
-                endpoint, created_at, expires_at, now()
+                endpoint, created_at, expires_at, now(), holds_key
            FROM relay.intents
           WHERE id = $1 AND consumer = $2 AND state IN ('dead', 'uncertain')
           FOR UPDATE",
@@ -868,7 +918,7 @@ pub async fn requeue(
     .bind(consumer)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some((state, key, told, endpoint, created_at, expires_at, now)) = row else {
+    let Some((state, key, told, endpoint, created_at, expires_at, now, holds)) = row else {
         return Ok(Requeue::NotDeadOrUncertain);
     };
     if told {
@@ -886,7 +936,9 @@ pub async fn requeue(
     if let Some(why) = past {
         return Ok(Requeue::PastKeyWindow(why));
     }
-    let behind = state == IntentState::Dead.as_str() && key.is_some();
+    // A dead intent that released its key is queued behind the key's later
+    // intents (they went on); one that held it keeps its place, first.
+    let behind = state == IntentState::Dead.as_str() && key.is_some() && !holds;
     if let Some(k) = key.as_deref().filter(|_| behind) {
         crate::ordering::lock(&mut tx, consumer, [crate::ordering::Key::Intent(k)]).await?;
     }

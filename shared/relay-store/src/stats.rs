@@ -25,6 +25,9 @@ pub struct Stats {
     pub dead_letters_total: i64,
     /// Business counters `(consumer, name, value)`.
     pub counters: Vec<(String, String, i64)>,
+    /// Dead intents holding their ordering key (`on_poison = "hold_key"`):
+    /// each keeps the later intents of its key waiting.
+    pub intents_holding_keys: i64,
 }
 
 impl Stats {
@@ -62,6 +65,7 @@ pub async fn snapshot(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
     .fetch_one(&mut *conn)
     .await?;
     let counters = counters(&mut *conn).await?;
+    let intents_holding_keys = sqlx::query_scalar(HOLDING_KEYS).fetch_one(&mut *conn).await?;
     Ok(Stats {
         inbox,
         intents,
@@ -71,8 +75,13 @@ pub async fn snapshot(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
         dead_letters_unresolved,
         dead_letters_total,
         counters,
+        intents_holding_keys,
     })
 }
+
+/// Dead intents that hold their ordering key (few; read through the
+/// partial index of dead intents).
+const HOLDING_KEYS: &str = "SELECT count(*) FROM relay.intents WHERE state = 'dead' AND holds_key";
 
 /// A history table whose size the console shows as an estimate beyond this
 /// many rows (see [`overview`]).
@@ -200,6 +209,7 @@ async fn backlog(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
         letters,
     ): Row = sqlx::query_as(GAUGE_COUNTS).fetch_one(&mut *conn).await?;
     let counters = counters(&mut *conn).await?;
+    let intents_holding_keys = sqlx::query_scalar(HOLDING_KEYS).fetch_one(&mut *conn).await?;
     let oldest = |a: Option<f64>, b: Option<f64>| a.into_iter().chain(b).reduce(f64::max);
     Ok(Stats {
         inbox: Vec::new(),
@@ -215,6 +225,7 @@ async fn backlog(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
         dead_letters_unresolved: unresolved,
         dead_letters_total: letters,
         counters,
+        intents_holding_keys,
     })
 }
 

@@ -522,6 +522,23 @@ impl Operator {
         }
     }
 
+    /// Let dead intent `id`, which holds its ordering key (its route's
+    /// `on_poison = "hold_key"`), release it: it stays dead, and the key's
+    /// later intents go on. Returns the key and how many wait behind it.
+    pub async fn intent_skip(&self, id: Uuid) -> Result<(String, i64), OpsError> {
+        match intents::skip(&mut *self.pool.acquire().await?, &self.consumer, id).await? {
+            intents::Skip::Released { key, waiting } => {
+                tracing::info!(intent_id = %id, ordering_key = %key, waiting, "dead intent skipped: its key goes on");
+                Ok((key, waiting))
+            }
+            intents::Skip::NotHolding => Err(OpsError::Conflict(format!(
+                "intent {id} is not a dead intent holding its ordering key (or is not consumer {:?}'s): only those \
+                 are skipped",
+                self.consumer
+            ))),
+        }
+    }
+
     /// Skip dead outbox row `id` for good: it is never published, and the
     /// rows of its key written after it go on.
     pub async fn outbox_skip(&self, id: Uuid) -> Result<(), OpsError> {

@@ -288,6 +288,7 @@ fn api(state: Shared) -> Router<Shared> {
         .route("/api/intents/{id}", get(show_intent))
         .route("/api/intents/{id}/replay", post(replay_intent))
         .route("/api/intents/{id}/resolve", post(resolve_intent))
+        .route("/api/intents/{id}/skip", post(skip_intent))
         .route("/api/outbox", get(list_outbox))
         .route("/api/outbox/{id}", get(show_outbox))
         .route("/api/outbox/{id}/replay", post(replay_outbox))
@@ -560,6 +561,13 @@ async fn replay_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiRe
     s.operator.outbox_replay(id).await?;
     info!(outbox_id = %id, "dead outbox row queued again through the admin API");
     Ok(Json(json!({"id": id, "requeued": true})))
+}
+
+async fn skip_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
+    let id = parse_id(&id)?;
+    let (key, waiting) = s.operator.intent_skip(id).await?;
+    info!(intent_id = %id, "dead intent skipped through the admin API");
+    Ok(Json(json!({"id": id, "released_key": key, "waiting": waiting})))
 }
 
 async fn skip_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {

@@ -171,6 +171,7 @@ pub async fn refresh_gauges(pool: &PgPool) -> Result<(), sqlx::Error> {
     for (state, n) in &g.intents {
         gauge!("relay_intents", "state" => state.clone()).set(*n as f64);
     }
+    gauge!("relay_intents_holding_keys").set(g.intents_holding_keys as f64);
     gauge!("relay_intent_oldest_unfinished_seconds").set(g.oldest_pending_intent_secs.unwrap_or(0.0));
     for (state, n) in &g.outbox {
         gauge!("relay_outbox_rows", "state" => state.clone()).set(*n as f64);
