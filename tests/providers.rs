@@ -813,3 +813,36 @@ async fn a_dead_intent_holds_its_key_until_skipped_or_replayed_while_other_keys_
     assert!(!ok && out.contains("not a dead intent holding its ordering key"), "{out}");
     p.terminate(DEADLINE).unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn three_dispatchers_share_one_adapted_rate_near_what_the_provider_allows() {
+    const ALLOWED: usize = 20; // calls per second the provider takes
+    let h = Harness::with_provider(3, Settings { rate_limit: Some(ALLOWED as u32), ..Settings::default() }).await;
+    h.send_orders(300).await;
+    // Three times what the provider takes, to start with, in each process.
+    let adaptive = "adaptive = { start = 60, max = 60, min = 2, increase = 2, decrease = 0.5, cooldown = \"1s\" }";
+    let config = h.write_config(&config_with(&h, CAPTURE_ROUTE, adaptive));
+    let started = std::time::Instant::now();
+    let mut ps: Vec<_> = (0..3).map(|_| h.process(&config, &["run"], &[])).collect();
+    h.await_intents_finished(300).await;
+    let took = started.elapsed();
+    assert_eq!(h.intents_in("succeeded").await, 300, "all work completes");
+    let stats = h.provider.stats();
+    assert!(stats.double_applied().is_empty());
+    assert!(stats.throttled > 0, "the provider throttled at first");
+    // Once adapted (after 5 s), the three together stay near what it takes.
+    let peak = h.provider.peak_per_second(started + std::time::Duration::from_secs(5));
+    let throttled = stats.throttled;
+    assert!(
+        peak <= ALLOWED * 3 / 2,
+        "{peak} calls in one second, {ALLOWED}/s allowed; took {took:?}, {throttled} throttled"
+    );
+    let shared: f64 = sqlx::query_scalar("SELECT rate FROM relay.endpoint_rates WHERE endpoint = 'psp'")
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    assert!(shared < 60.0, "the shared rate came down: {shared}");
+    for p in &mut ps {
+        p.terminate(DEADLINE).unwrap();
+    }
+}

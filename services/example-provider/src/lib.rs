@@ -168,6 +168,8 @@ pub struct Stats {
     pub unauthorized: u64,
     /// Calls refused for a signature that does not verify.
     pub bad_signatures: u64,
+    /// Calls refused 429 over the rate limit.
+    pub throttled: u64,
     /// Per key.
     pub by_key: BTreeMap<String, KeyStats>,
 }
@@ -202,6 +204,10 @@ struct Inner {
     log: Vec<Applied>,
     /// Tokens it handed out, and when each expires.
     tokens: HashMap<String, std::time::Instant>,
+    /// When each call arrived (for the rate limit and the tests).
+    arrivals: Vec<std::time::Instant>,
+    /// When each call under the rate limit was taken, the last second's.
+    taken: std::collections::VecDeque<std::time::Instant>,
 }
 
 /// One applied effect.
@@ -240,6 +246,9 @@ pub struct Settings {
     /// Calls must carry an AWS SigV4 signature made with these credentials;
     /// others get 403, as AWS answers.
     pub aws_sigv4: Option<SigV4Settings>,
+    /// At most this many calls are taken in any second; the others get 429
+    /// (with `Retry-After: 1`) and are not applied.
+    pub rate_limit: Option<u32>,
 }
 
 /// What an AWS SigV4 signature must be made with.
@@ -274,6 +283,7 @@ impl Default for Settings {
             oauth: None,
             webhook_secret: None,
             aws_sigv4: None,
+            rate_limit: None,
         }
     }
 }
@@ -449,6 +459,22 @@ impl Provider {
         self.state.released.send_replace(true);
     }
 
+    /// The most calls that arrived within any one second, counting only
+    /// calls that arrived at or after `from`.
+    pub fn peak_per_second(&self, from: std::time::Instant) -> usize {
+        let g = self.state.inner.lock().expect("provider lock");
+        let times: Vec<_> = g.arrivals.iter().copied().filter(|t| *t >= from).collect();
+        let mut peak = 0;
+        let mut start = 0;
+        for (end, t) in times.iter().enumerate() {
+            while *t - times[start] >= Duration::from_secs(1) {
+                start += 1;
+            }
+            peak = peak.max(end - start + 1);
+        }
+        peak
+    }
+
     /// Stop taking every token handed out so far.
     pub fn revoke_tokens(&self) {
         self.state.inner.lock().expect("provider lock").tokens.clear();
@@ -524,6 +550,22 @@ async fn token(
 /// The refusal of a call without a valid bearer token (when the provider
 /// wants one) or without a verifying signature (when it wants one).
 fn refused(s: &AppState, method: &Method, uri: &Uri, headers: &HeaderMap, body: &[u8]) -> Option<Response> {
+    {
+        let mut g = s.inner.lock().expect("provider lock");
+        let now = std::time::Instant::now();
+        g.arrivals.push(now);
+        if let Some(limit) = s.settings.rate_limit {
+            while g.taken.front().is_some_and(|t| now - *t >= Duration::from_secs(1)) {
+                g.taken.pop_front();
+            }
+            if g.taken.len() >= limit as usize {
+                g.stats.throttled += 1;
+                let body = axum::Json(json!({"error": "rate limit exceeded"}));
+                return Some((StatusCode::TOO_MANY_REQUESTS, [("retry-after", "1")], body).into_response());
+            }
+            g.taken.push_back(now);
+        }
+    }
     if let Some(aws) = &s.settings.aws_sigv4
         && let Err(why) = sigv4_verified(aws, method, uri, headers, body)
     {

@@ -607,6 +607,9 @@ pub struct EndpointConfig {
     pub concurrency: usize,
     /// Calls started per second, per dispatcher process.
     pub rate_limit_per_second: Option<u64>,
+    /// A rate that adapts to the provider's throttling and is shared by
+    /// every dispatcher process on the database, instead of a fixed one.
+    pub adaptive: Option<AdaptiveRate>,
     /// Attempts in total before the intent is dead.
     #[serde(default = "default_max_attempts")]
     pub max_attempts: u32,
@@ -659,6 +662,44 @@ pub struct EndpointConfig {
     /// TLS towards this endpoint: a private CA, a client certificate.
     #[serde(default)]
     pub tls: EndpointTls,
+}
+
+/// An adaptive, shared call rate (`[endpoints.NAME.adaptive]`): lowered by
+/// `decrease` when the provider throttles (429 or 503), raised by
+/// `increase` calls/s every second it does not, between `min` and `max`;
+/// one rate for all dispatcher processes together.
+#[derive(Debug, Clone, Copy, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdaptiveRate {
+    /// Calls per second at first (all processes together).
+    pub start: f64,
+    /// Never below (calls per second).
+    #[serde(default = "default_adaptive_min")]
+    pub min: f64,
+    /// Never above (calls per second).
+    pub max: f64,
+    /// Factor applied when throttled.
+    #[serde(default = "default_adaptive_decrease")]
+    pub decrease: f64,
+    /// Calls per second added per second without throttling.
+    #[serde(default = "default_adaptive_increase")]
+    pub increase: f64,
+    /// After a decrease, how long before the rate moves again.
+    #[serde(default = "default_adaptive_cooldown", with = "humantime_serde")]
+    pub cooldown: Duration,
+}
+
+fn default_adaptive_min() -> f64 {
+    1.0
+}
+fn default_adaptive_decrease() -> f64 {
+    0.5
+}
+fn default_adaptive_increase() -> f64 {
+    1.0
+}
+fn default_adaptive_cooldown() -> Duration {
+    Duration::from_secs(2)
 }
 
 /// An OAuth2 client credentials grant (`[endpoints.NAME.oauth2]`): a token
@@ -972,6 +1013,24 @@ impl RelayConfig {
             }
             if e.max_attempts == 0 {
                 p.push(format!("{at}.max_attempts: must be at least 1"));
+            }
+            if let Some(a) = &e.adaptive {
+                if e.rate_limit_per_second.is_some() {
+                    p.push(format!("{at}: adaptive and rate_limit_per_second both set the rate; keep one"));
+                }
+                let ok = a.min > 0.0 && a.min <= a.start && a.start <= a.max && a.max.is_finite();
+                if !ok {
+                    p.push(format!(
+                        "{at}.adaptive: needs 0 < min ({}) <= start ({}) <= max ({})",
+                        a.min, a.start, a.max
+                    ));
+                }
+                if !(a.decrease > 0.0 && a.decrease < 1.0) {
+                    p.push(format!("{at}.adaptive.decrease = {}: must be between 0 and 1", a.decrease));
+                }
+                if !(a.increase >= 0.0 && a.increase.is_finite()) {
+                    p.push(format!("{at}.adaptive.increase = {}: must be 0 or more", a.increase));
+                }
             }
             if e.rate_limit_per_second == Some(0) {
                 p.push(format!("{at}.rate_limit_per_second: must be at least 1 (or leave it out)"));
@@ -1398,6 +1457,18 @@ mod tests {
             ("idempotency = { mismatch = [{ status = 400, pointer = \"error.type\" }] }", "starts with /"),
             ("idempotency = { mismatch = [{ status = 400, equals = \"x\" }] }", "equals and empty need a pointer"),
             ("profile = \"stripes\"", "unknown variant"),
+            ("rate_limit_per_second = 5\nadaptive = { start = 5, max = 10 }", "both set the rate"),
+            ("adaptive = { start = 50, max = 10 }", "min (1) <= start (50) <= max (10)"),
+            ("adaptive = { start = 5, max = 10, decrease = 1.5 }", "decrease = 1.5: must be between 0 and 1"),
+            ("response_bytes = 0", "response_bytes = 0"),
+            (
+                "oauth2 = { token_url = \"http://t/\", client_id = \"c\", client_secret_env = \"S\" }\ntoken_env = \"T\"",
+                "token_env and oauth2",
+            ),
+            (
+                "token_env = \"T\"\nsigning = { scheme = \"aws_sigv4\", region = \"r\", service = \"s\", access_key_id_env = \"A\", secret_access_key_env = \"B\" }",
+                "Authorization header",
+            ),
         ];
         for (lines, want) in cases {
             let err = with_psp(lines).unwrap_err();

@@ -38,6 +38,7 @@ pub mod intents;
 pub mod ops;
 pub mod ordering;
 pub mod outbox;
+pub mod rates;
 pub mod reconciliations;
 pub mod sabotage;
 pub mod sagas;

@@ -165,6 +165,7 @@ impl Dispatcher {
         let finalizer = tokio::spawn(self.inner.completer.clone().run(done_rx));
         let permits = Arc::new(Semaphore::new(s.concurrency));
         let reconciler = tokio::spawn(self.clone().reconcile_loop(shutdown.clone(), permits.clone()));
+        let rates = tokio::spawn(self.clone().rate_loop(shutdown.clone()));
         let mut tasks: JoinSet<Result<(), FaultInjected>> = JoinSet::new();
         let mut failures = 0u32;
         let mut claimer = self.inner.claims.claimer();
@@ -304,6 +305,7 @@ impl Dispatcher {
             reconciler.abort();
         }
         rescuer.abort();
+        rates.abort();
         info!(worker = %self.inner.worker, "dispatcher stopped");
         result
     }

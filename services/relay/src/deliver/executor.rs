@@ -60,6 +60,11 @@ impl Executor {
         self.endpoints.keys().map(String::as_str)
     }
 
+    /// The clients of the endpoints whose rate adapts.
+    pub(super) fn adaptive(&self) -> impl Iterator<Item = (&str, &std::sync::Arc<super::throttle::Adaptive>)> {
+        self.endpoints.iter().filter_map(|(name, c)| Some((name.as_str(), c.adaptive()?)))
+    }
+
     /// The client of endpoint `name`.
     pub(super) fn client(&self, name: &str) -> Option<&EndpointClient> {
         self.endpoints.get(name)

@@ -112,6 +112,8 @@ pub struct EndpointClient {
     http: reqwest::Client,
     svc: HttpService,
     limiter: Option<Arc<DefaultDirectRateLimiter>>,
+    /// The adaptive rate, shared by every process, instead of `limiter`.
+    adaptive: Option<Arc<super::throttle::Adaptive>>,
     /// Take the rate token before the concurrency permit (only ever for the
     /// sabotage that puts issue 28's D12 back).
     token_first: bool,
@@ -173,6 +175,7 @@ impl EndpointClient {
             token,
             oauth2,
             signer,
+            adaptive: cfg.adaptive.map(|a| Arc::new(super::throttle::Adaptive::new(a))),
             http,
             svc,
             limiter,
@@ -218,6 +221,11 @@ impl EndpointClient {
     /// The endpoint's configuration.
     pub fn config(&self) -> &EndpointConfig {
         &self.cfg
+    }
+
+    /// The endpoint's adaptive rate, if it has one.
+    pub fn adaptive(&self) -> Option<&Arc<super::throttle::Adaptive>> {
+        self.adaptive.as_ref()
     }
 
     /// The endpoint's profile, overrides applied.
@@ -339,7 +347,8 @@ impl EndpointClient {
                 });
             }
         };
-        let limiter = self.limiter.as_deref();
+        let adapted = self.adaptive.as_ref().map(|a| a.limiter());
+        let limiter = adapted.as_deref().or(self.limiter.as_deref());
         if let Some(limiter) = limiter.filter(|_| self.token_first) {
             bounded(send_by, stop, limiter.until_ready()).await?;
         }
@@ -361,7 +370,7 @@ impl EndpointClient {
                 break slot;
             }
             let free = bounded(send_by, stop, slots.acquire()).await?.expect("the call slots are never closed");
-            let Some(limiter) = &self.limiter else { break free };
+            let Some(limiter) = limiter else { break free };
             if self.slot_kept {
                 bounded(send_by, stop, limiter.until_ready()).await?;
                 break free;
@@ -423,6 +432,9 @@ impl EndpointClient {
         Ok(match sent {
             Ok(resp) => {
                 let status = resp.status().as_u16();
+                if let (Some(a), 429 | 503) = (&self.adaptive, status) {
+                    a.throttled();
+                }
                 let retry_after = resp
                     .headers()
                     .get(RETRY_AFTER)

@@ -12,6 +12,7 @@
 //!   idempotency key; [`auth`] — its OAuth2 tokens and request signing.
 //! * [`handoff`] — intents claimed at ingest: the dispatcher owns the
 //!   channel; the consumer holds only a sender.
+//! * [`throttle`] — an endpoint's adaptive rate, shared by every process.
 //! * [`reconciler`] — uncertain intents asked about at their provider, for
 //!   endpoints that say how.
 
@@ -23,3 +24,4 @@ pub mod handoff;
 pub mod http;
 pub mod outcome;
 pub mod reconciler;
+pub mod throttle;

@@ -130,6 +130,12 @@ pub fn rescued(kind: &'static str, n: u64) {
     counter!("relay_leases_rescued_total", "kind" => kind).increment(n);
 }
 
+/// An endpoint's adaptive rate: shared by all processes, and this one's share.
+pub fn adaptive_rate(endpoint: &str, shared: f64, share: f64) {
+    gauge!("relay_endpoint_rate", "endpoint" => endpoint.to_owned(), "scope" => "shared").set(shared);
+    gauge!("relay_endpoint_rate", "endpoint" => endpoint.to_owned(), "scope" => "process").set(share);
+}
+
 /// OAuth2 tokens fetched for an endpoint's calls (`ok`: whether one came).
 pub fn token_fetch(endpoint: &str, ok: bool) {
     let result = if ok { "ok" } else { "error" };
