@@ -6,15 +6,15 @@
 -- each beat here. So N dispatchers together stay near what the provider
 -- allows instead of N times it.
 CREATE TABLE relay.endpoint_rates (
-    endpoint     text             PRIMARY KEY,
+    endpoint     text             COLLATE "C" PRIMARY KEY,
     rate         double precision NOT NULL CHECK (rate > 0),
     throttled_at timestamptz,
     updated_at   timestamptz      NOT NULL DEFAULT now()
 );
 
 CREATE TABLE relay.rate_members (
-    endpoint text        NOT NULL,
-    worker   text        NOT NULL,
+    endpoint text        COLLATE "C" NOT NULL,
+    worker   text        COLLATE "C" NOT NULL,
     seen_at  timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (endpoint, worker)
 );

@@ -344,6 +344,7 @@ impl Handler for WaitsForCustomer {
                 headers: Default::default(),
                 idempotency_key: None,
                 ordering_key: None,
+                fairness_key: None,
                 on_success: Default::default(),
                 on_dead: Default::default(),
             }],

@@ -973,6 +973,7 @@ fn new_intent(n: u32, endpoint: &str, ordering_key: Option<&str>) -> intents::Ne
     intents::NewIntent {
         id: uuid::Uuid::new_v4(),
         max_age: Duration::from_secs(3600),
+        fair_spacing: None,
         intent: intents::Intent {
             consumer: "c".into(),
             source_event_id: format!("e-{n}"),
@@ -985,6 +986,7 @@ fn new_intent(n: u32, endpoint: &str, ordering_key: Option<&str>) -> intents::Ne
             idempotency_key: format!("capture:{n}"),
             ordering_key: ordering_key.map(str::to_owned),
             holds_key: false,
+            fairness_key: None,
             max_attempts: 5,
             on_success: json!({}),
             on_dead: json!({}),

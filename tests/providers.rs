@@ -846,3 +846,44 @@ async fn three_dispatchers_share_one_adapted_rate_near_what_the_provider_allows(
         p.terminate(DEADLINE).unwrap();
     }
 }
+
+/// Captures whose calls are shared fairly between tenants.
+const FAIR_ROUTE: &str = r#"
+[[routes]]
+name = "order-placed"
+topic = "{topic}"
+type = "order.placed"
+
+[[routes.actions]]
+kind = "call"
+name = "capture"
+endpoint = "psp"
+path = "/captures/{{ data.order_id }}"
+idempotency_key = "capture:{{ data.order_id }}"
+fairness_key = "{{ data.tenant }}"
+body = { order_id = "{{ data.order_id }}" }
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_small_tenant_s_calls_start_within_a_few_slots_of_a_big_tenant_s_burst() {
+    let h = Harness::with_provider(1, Settings::default()).await;
+    let tenant_order = |evt: String, o: String, tenant: &str| {
+        TestEvent::new(&evt, "order.placed", json!({"order_id": o, "tenant": tenant}))
+    };
+    // The big tenant's burst first, then the small one's ten, all before relay starts.
+    for i in 0..300 {
+        h.send(&tenant_order(format!("big-{i}"), format!("b-{i}"), "big")).await;
+    }
+    for i in 0..10 {
+        h.send(&tenant_order(format!("small-{i}"), format!("s-{i}"), "small")).await;
+    }
+    let text = config_with(&h, FAIR_ROUTE, "rate_limit_per_second = 100\nfair_share_per_second = 100");
+    let mut p = h.process(&h.write_config(&text), &["run"], &[]);
+    h.await_intents_finished(310).await;
+    assert_eq!(h.intents_in("succeeded").await, 310, "all work completes");
+    let order: Vec<String> = h.provider.applied().into_iter().map(|a| a.key).collect();
+    let last_small = order.iter().rposition(|k| k.starts_with("capture:s-")).unwrap();
+    // Without fair shares the ten would come after all 300 (they were written last).
+    assert!(last_small < 60, "the small tenant's last call was #{last_small} of 310: {:?}", &order[..80]);
+    p.terminate(DEADLINE).unwrap();
+}

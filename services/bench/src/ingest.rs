@@ -81,6 +81,7 @@ pub(super) async fn ingest_limit(
             NewIntent {
                 id: iid,
                 max_age: Duration::from_secs(86_400),
+                fair_spacing: None,
                 intent: Intent {
                     consumer: CONSUMER.into(),
                     source_event_id: id.clone(),
@@ -93,6 +94,7 @@ pub(super) async fn ingest_limit(
                     idempotency_key: format!("capture:{order}"),
                     ordering_key: None,
                     holds_key: false,
+                    fairness_key: None,
                     max_attempts: 10,
                     on_success: empty_outcome.clone(),
                     on_dead: empty_outcome.clone(),

@@ -514,6 +514,10 @@ pub struct CallAction {
     /// Per-key ordering template (R13): no call for this key starts while an
     /// earlier one is unfinished.
     pub ordering_key: Option<String>,
+    /// Fairness key template (a tenant, a merchant): the calls of each key
+    /// are spread at the endpoint's `fair_share_per_second`, so one key's
+    /// burst does not take every call slot from the others.
+    pub fairness_key: Option<String>,
     /// Effects recorded when the call succeeds.
     #[serde(default)]
     pub on_success: OutcomeConfig,
@@ -610,6 +614,10 @@ pub struct EndpointConfig {
     /// A rate that adapts to the provider's throttling and is shared by
     /// every dispatcher process on the database, instead of a fixed one.
     pub adaptive: Option<AdaptiveRate>,
+    /// For calls with a `fairness_key`: how many calls per second one key's
+    /// backlog is spread at (set it to what the endpoint can call: a key
+    /// alone still goes that fast).
+    pub fair_share_per_second: Option<f64>,
     /// Attempts in total before the intent is dead.
     #[serde(default = "default_max_attempts")]
     pub max_attempts: u32,
@@ -1014,6 +1022,9 @@ impl RelayConfig {
             if e.max_attempts == 0 {
                 p.push(format!("{at}.max_attempts: must be at least 1"));
             }
+            if e.fair_share_per_second.is_some_and(|r| !(r > 0.0 && r.is_finite())) {
+                p.push(format!("{at}.fair_share_per_second: must be more than 0"));
+            }
             if let Some(a) = &e.adaptive {
                 if e.rate_limit_per_second.is_some() {
                     p.push(format!("{at}: adaptive and rate_limit_per_second both set the rate; keep one"));
@@ -1120,6 +1131,14 @@ impl RelayConfig {
                 }
                 if http::Method::from_bytes(c.method.as_bytes()).is_err() {
                     p.push(format!("{at}.method: {:?} is not an HTTP method", c.method));
+                }
+                let unshared = self.endpoints.get(&c.endpoint).is_some_and(|e| e.fair_share_per_second.is_none());
+                if c.fairness_key.is_some() && unshared {
+                    p.push(format!(
+                        "{at}.fairness_key: endpoint {:?} needs fair_share_per_second, the rate one key's calls are \
+                         spread at",
+                        c.endpoint
+                    ));
                 }
                 for (k, e) in c.on_success.emit.iter().chain(&c.on_dead.emit).enumerate() {
                     if e.name.trim().is_empty() {

@@ -52,6 +52,8 @@ pub struct CallSpec {
     pub idempotency_key: Option<String>,
     /// Per-key ordering (R13).
     pub ordering_key: Option<String>,
+    /// Fairness key: the calls of each are spread at the endpoint's fair share.
+    pub fairness_key: Option<String>,
     /// Effects when the call succeeds.
     pub on_success: Outcome,
     /// Effects when the call dies.
@@ -211,6 +213,8 @@ pub struct Intent {
     /// Whether it holds its ordering key once dead (its route's
     /// `on_poison = "hold_key"`), until replayed or skipped.
     pub holds_key: bool,
+    /// Fairness key.
+    pub fairness_key: Option<String>,
     /// Attempt budget.
     pub max_attempts: i32,
     /// Effects on success (a serialized [`Outcome`]).
@@ -239,6 +243,9 @@ pub struct NewIntent {
     pub intent: Intent,
     /// Age budget.
     pub max_age: Duration,
+    /// For an intent with a fairness key: the spacing of its key's calls
+    /// (1 / the endpoint's `fair_share_per_second`).
+    pub fair_spacing: Option<Duration>,
 }
 
 /// Everything one event writes besides its inbox row, every id derived

@@ -58,6 +58,7 @@ struct CompiledCall {
     headers: Vec<(String, TextTemplate)>,
     idempotency_key: Option<TextTemplate>,
     ordering_key: Option<TextTemplate>,
+    fairness_key: Option<TextTemplate>,
     on_success: CompiledOutcome,
     on_dead: CompiledOutcome,
 }
@@ -399,6 +400,7 @@ impl Router {
             idempotency_key,
             ordering_key: call.ordering_key.clone(),
             holds_key: hold && call.ordering_key.is_some(),
+            fairness_key: call.fairness_key.clone(),
             max_attempts: i32::try_from(endpoint.max_attempts).unwrap_or(i32::MAX),
             on_success: to_json(&call.on_success),
             on_dead: to_json(&call.on_dead),
@@ -408,7 +410,21 @@ impl Router {
             causation_id: prov.causation_id.clone(),
             traceparent: prov.traceparent.clone(),
         };
-        Ok(NewIntent { id, intent, max_age: endpoint.max_age })
+        let fair_spacing = match (&intent.fairness_key, endpoint.fair_share_per_second) {
+            (None, _) => None,
+            (Some(_), Some(rate)) => Some(std::time::Duration::from_secs_f64(1.0 / rate)),
+            (Some(_), None) => {
+                let why = format!(
+                    "call {:?} has a fairness key, but endpoint {:?} has no fair_share_per_second to spread its \
+                     calls at",
+                    call.action, call.endpoint
+                );
+                return Err(
+                    Poison::new(PoisonClass::Rejected, why).with_identity(Some(&event.id), Some(&event.event_type))
+                );
+            }
+        };
+        Ok(NewIntent { id, intent, max_age: endpoint.max_age, fair_spacing })
     }
 
     /// Render the route's actions for `event`. A template that cannot be
@@ -535,6 +551,7 @@ impl Router {
                 .collect::<Result<_, crate::template::RenderError>>()?,
             idempotency_key: c.idempotency_key.as_ref().map(|k| t.render(k, ctx)).transpose()?,
             ordering_key: c.ordering_key.as_ref().map(|k| t.render(k, ctx)).transpose()?,
+            fairness_key: c.fairness_key.as_ref().map(|k| t.render(k, ctx)).transpose()?,
             on_success: self.render_outcome(&c.on_success, ctx)?,
             on_dead: self.render_outcome(&c.on_dead, ctx)?,
         })
@@ -585,6 +602,9 @@ fn check_plan(plan: &Plan) -> Result<(), String> {
         }
         if let Some(k) = &c.ordering_key {
             key(format!("{at} ordering key"), k)?;
+        }
+        if let Some(k) = &c.fairness_key {
+            key(format!("{at} fairness key"), k)?;
         }
         for (label, o) in [("on_success", &c.on_success), ("on_dead", &c.on_dead)] {
             emits(&format!("{at} {label} "), &o.emit)?;
@@ -659,6 +679,7 @@ fn compile_action(b: &mut TemplateBuilder, at: &str, a: &ActionConfig) -> Compil
             headers: c.headers.iter().map(|(k, v)| (k.clone(), b.header(&format!("{at}.headers.{k}"), v))).collect(),
             idempotency_key: c.idempotency_key.as_ref().map(|k| b.key(&format!("{at}.idempotency_key"), k)),
             ordering_key: c.ordering_key.as_ref().map(|k| b.key(&format!("{at}.ordering_key"), k)),
+            fairness_key: c.fairness_key.as_ref().map(|k| b.key(&format!("{at}.fairness_key"), k)),
             on_success: b.with_answer(|b| compile_outcome(b, &format!("{at}.on_success"), &c.on_success)),
             on_dead: compile_outcome(b, &format!("{at}.on_dead"), &c.on_dead),
         }),

@@ -84,10 +84,11 @@ pub async fn insert(
                 .into(),
         );
     }
+    let delays = intents::fair_delays(&mut *conn, consumer, new_intents).await?;
     let sql = format!("WITH {} {}", with.join(", "), select.join(" UNION ALL "));
     let mut q = sqlx::query(&sql);
     if !new_intents.is_empty() {
-        q = intents::bind_many(q, new_intents, hold);
+        q = intents::bind_many(q, new_intents, hold, delays);
     }
     if !new_outbox.is_empty() {
         q = outbox::bind_many(q, consumer, new_outbox);
@@ -116,7 +117,7 @@ mod tests {
     #[test]
     fn each_part_counts_its_parameters() {
         use crate::{inbox, intents, outbox, param_count};
-        assert_eq!(param_count(intents::INSERT_MANY), 24);
+        assert_eq!(param_count(intents::INSERT_MANY), 26);
         assert_eq!(param_count(outbox::INSERT_MANY), 10);
         assert_eq!(param_count(inbox::ADD_TO_COUNTERS), 4);
         assert_eq!(param_count("SELECT 1"), 0);

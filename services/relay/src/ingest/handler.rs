@@ -68,6 +68,7 @@ pub enum HandlerError {
 ///                 headers: Default::default(),
 ///                 idempotency_key: None, // the intent id
 ///                 ordering_key: Some(sku.to_owned()),
+///                 fairness_key: None,
 ///                 on_success: Default::default(),
 ///                 on_dead: Default::default(),
 ///             }],
