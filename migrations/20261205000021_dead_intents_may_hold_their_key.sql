@@ -13,3 +13,6 @@ DROP INDEX relay.intents_unfinished_by_key;
 CREATE INDEX intents_unfinished_by_key ON relay.intents (ordering_key, seq)
     WHERE (state IN ('pending', 'running', 'uncertain') OR (state = 'dead' AND holds_key))
       AND ordering_key IS NOT NULL;
+-- What the gauge relay_intents_holding_keys counts every few seconds, and
+-- what retention must never delete (it would release the key unseen).
+CREATE INDEX intents_holding_keys ON relay.intents (finished_at) WHERE state = 'dead' AND holds_key;

@@ -794,6 +794,11 @@ async fn a_dead_intent_holds_its_key_until_skipped_or_replayed_while_other_keys_
     let dead = intent_id(&h, "evt-1").await;
     let (ok, out) = cli(&h, &config, &["intents", "show", &dead.to_string()]).await;
     assert!(ok && out.contains("holds key  c-1"), "{out}");
+    // Retention never deletes a holder (it would release the key unseen).
+    let mut conn = h.db.pool.acquire().await.unwrap();
+    let cleanup = relay_store::ops::Cleanup::DeadIntents;
+    relay_store::ops::delete_batch(&mut conn, cleanup, &h.consumer, std::time::Duration::ZERO, 100).await.unwrap();
+    assert_eq!(h.db.count("intents", "state = 'dead'").await, 2, "the holders are kept");
 
     // Skipped: c-1's later intents go on, in order; the skipped one stays dead.
     let (ok, out) = cli(&h, &config, &["intents", "skip", &dead.to_string()]).await;

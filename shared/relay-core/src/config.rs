@@ -1077,6 +1077,13 @@ impl RelayConfig {
             if r.event_type.trim().is_empty() {
                 p.push(format!("{at}.type: must not be empty"));
             }
+            let keyed = r.actions.iter().any(|a| matches!(a, ActionConfig::Call(c) if c.ordering_key.is_some()));
+            if r.on_poison == OnPoison::HoldKey && !keyed && r.handler.is_none() {
+                p.push(format!(
+                    "{at}.on_poison = \"hold_key\": no call of this route has an ordering_key, so there is no key \
+                     to hold; give its calls one, or leave on_poison out"
+                ));
+            }
             if let Some(prev) = seen.insert((r.topic.clone(), r.event_type.clone()), i) {
                 p.push(format!(
                     "{at}: topic {:?} type {:?} is already routed by routes[{prev}]",
@@ -1480,6 +1487,7 @@ mod tests {
             ("adaptive = { start = 50, max = 10 }", "min (1) <= start (50) <= max (10)"),
             ("adaptive = { start = 5, max = 10, decrease = 1.5 }", "decrease = 1.5: must be between 0 and 1"),
             ("response_bytes = 0", "response_bytes = 0"),
+            ("fair_share_per_second = 0", "fair_share_per_second: must be more than 0"),
             (
                 "oauth2 = { token_url = \"http://t/\", client_id = \"c\", client_secret_env = \"S\" }\ntoken_env = \"T\"",
                 "token_env and oauth2",

@@ -335,6 +335,10 @@ pub const FINISH: &str = "WITH u AS (
                     last_error = u.error,
                     last_error_class = u.error_class,
                     ever_uncertain = i.ever_uncertain OR u.uncertain,
+                    -- One that dies never sent (its budget ran out while it
+                    -- waited behind its key) releases the key: it holds
+                    -- nothing back, and the ones after it would each die too.
+                    holds_key = i.holds_key AND NOT (u.state = 'dead' AND NOT u.attempted AND i.attempts <= 1),
                     lease_token = NULL, locked_until = NULL, locked_by = NULL
                FROM u
               WHERE i.id = u.id AND i.lease_token = u.token

@@ -155,9 +155,10 @@ pub async fn delete_batch(
 /// table; a constant keeps every plan at the batch size (`tests/plans.rs`).
 pub fn delete_sql(what: Cleanup, limit: i64) -> String {
     const FINISHED_INTENTS: &str = "WITH gone AS (
-             DELETE FROM relay.intents WHERE state = '{state}' AND id IN (
+             DELETE FROM relay.intents WHERE state = '{state}' AND NOT (state = 'dead' AND holds_key) AND id IN (
                  SELECT id FROM relay.intents
                   WHERE state = '{state}' AND consumer = $1 AND finished_at < now() - make_interval(secs => $2)
+                    AND NOT (state = 'dead' AND holds_key)
                   ORDER BY finished_at LIMIT {limit})
              RETURNING id
          ), attempts AS (

@@ -79,8 +79,8 @@ pub async fn snapshot(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
     })
 }
 
-/// Dead intents that hold their ordering key (few; read through the
-/// partial index of dead intents).
+/// Dead intents that hold their ordering key (few; read through their own
+/// partial index, `intents_holding_keys`).
 const HOLDING_KEYS: &str = "SELECT count(*) FROM relay.intents WHERE state = 'dead' AND holds_key";
 
 /// A history table whose size the console shows as an estimate beyond this

@@ -19,8 +19,7 @@ type TokenClient = BasicClient<EndpointNotSet, EndpointNotSet, EndpointNotSet, E
 pub struct OAuth2 {
     endpoint: String,
     client: TokenClient,
-    /// Its own client: the token request never follows redirects (the
-    /// `oauth2` crate's advice: a redirect could carry the credentials away).
+    /// Its own client, with the endpoint's TLS settings; never follows redirects.
     http: reqwest::Client,
     scopes: Vec<Scope>,
     refresh_before: Duration,
@@ -53,20 +52,28 @@ impl Token {
 
 impl OAuth2 {
     /// The client of endpoint `endpoint` for `cfg`, its secret read from the
-    /// environment now (a missing one fails the start, naming the variable).
-    pub fn from_env(endpoint: &str, cfg: &OAuth2Config, timeout: Duration) -> anyhow::Result<OAuth2> {
+    /// environment now (a missing one fails the start, naming the variable);
+    /// `http` asks the token endpoint (the endpoint's TLS settings, no redirects).
+    pub fn from_env(endpoint: &str, cfg: &OAuth2Config, http: reqwest::Client) -> anyhow::Result<OAuth2> {
         let secret = std::env::var(&cfg.client_secret_env).map_err(|_| {
             anyhow::anyhow!(
                 "endpoints.{endpoint}.oauth2: environment variable {} (client_secret_env) is not set",
                 cfg.client_secret_env
             )
         })?;
-        OAuth2::new(endpoint, cfg, SecretString::from(secret), timeout)
+        OAuth2::new(endpoint, cfg, SecretString::from(secret), http)
     }
 
-    /// The client of endpoint `endpoint` for `cfg` with client secret `secret`.
-    pub fn new(endpoint: &str, cfg: &OAuth2Config, secret: SecretString, timeout: Duration) -> anyhow::Result<OAuth2> {
-        let at = format!("endpoints.{endpoint}.oauth2");
+    /// The client of endpoint `endpoint` for `cfg` with client secret
+    /// `secret`, asking the token endpoint through `http`, which must not
+    /// follow redirects (the `oauth2` crate's advice: a redirect could carry
+    /// the credentials away).
+    pub fn new(
+        endpoint: &str,
+        cfg: &OAuth2Config,
+        secret: SecretString,
+        http: reqwest::Client,
+    ) -> anyhow::Result<OAuth2> {
         let secret = secret.expose_secret().to_owned();
         let token_url = TokenUrl::from_url(cfg.token_url.clone());
         let client = BasicClient::new(ClientId::new(cfg.client_id.clone()))
@@ -76,11 +83,6 @@ impl OAuth2 {
                 ClientAuth::Basic => AuthType::BasicAuth,
                 ClientAuth::Body => AuthType::RequestBody,
             });
-        let http = reqwest::Client::builder()
-            .redirect(reqwest::redirect::Policy::none())
-            .timeout(timeout)
-            .build()
-            .map_err(|e| anyhow::anyhow!("{at}: cannot build the token client: {e}"))?;
         Ok(OAuth2 {
             endpoint: endpoint.to_owned(),
             client,
@@ -149,6 +151,14 @@ fn chain(e: &dyn std::error::Error) -> String {
     out
 }
 
+/// The bytes of `req`'s body to sign (none: empty); a streamed one cannot be.
+fn signable_body(req: &reqwest::Request) -> Result<&[u8], String> {
+    match req.body() {
+        None => Ok(&[]),
+        Some(b) => b.as_bytes().ok_or_else(|| "a streamed request body cannot be signed".to_owned()),
+    }
+}
+
 /// How an endpoint signs its requests.
 pub enum Signer {
     /// Standard Webhooks.
@@ -209,7 +219,7 @@ impl Signer {
     pub fn sign(&self, req: &mut reqwest::Request, id: &str) -> Result<(), String> {
         match self {
             Signer::StandardWebhooks(hook) => {
-                let body = req.body().and_then(|b| b.as_bytes()).unwrap_or_default();
+                let body = signable_body(req)?;
                 let now = chrono::Utc::now().timestamp();
                 let signature =
                     hook.sign(id, now, body).map_err(|_| "a Standard Webhooks body must be UTF-8".to_owned())?;
@@ -232,7 +242,7 @@ impl Signer {
                     .map_err(|e| format!("AWS SigV4 parameters: {e}"))?
                     .into();
                 let instructions = {
-                    let body = req.body().and_then(|b| b.as_bytes()).unwrap_or_default();
+                    let body = signable_body(req)?;
                     // Headers that are not text cannot be signed; they go unsigned.
                     let headers = req.headers().iter().filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?)));
                     let signable = SignableRequest::new(
@@ -295,7 +305,8 @@ mod tests {
             refresh_before,
             client_auth: ClientAuth::Basic,
         };
-        OAuth2::new("psp", &cfg, SecretString::from("s3cret"), Duration::from_secs(5)).unwrap()
+        let http = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
+        OAuth2::new("psp", &cfg, SecretString::from("s3cret"), http).unwrap()
     }
 
     #[tokio::test]

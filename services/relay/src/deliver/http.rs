@@ -139,7 +139,15 @@ impl EndpointClient {
     pub fn new(name: &str, cfg: &EndpointConfig) -> anyhow::Result<EndpointClient> {
         let token = crate::config::endpoint_token(cfg).map_err(|e| anyhow::anyhow!("endpoints.{name}: {e}"))?;
         let oauth2 = match &cfg.oauth2 {
-            Some(o) => Some(Arc::new(super::auth::OAuth2::from_env(name, o, cfg.timeout)?)),
+            Some(o) => {
+                // The token endpoint through the endpoint's TLS settings (an
+                // identity provider on the same private PKI, or wanting mTLS).
+                let http = client_builder(name, cfg)?
+                    .redirect(reqwest::redirect::Policy::none())
+                    .timeout(cfg.timeout)
+                    .build()?;
+                Some(Arc::new(super::auth::OAuth2::from_env(name, o, http)?))
+            }
             None => None,
         };
         let signer = match &cfg.signing {
@@ -223,6 +231,14 @@ impl EndpointClient {
         &self.cfg
     }
 
+    /// Sign `req` if the endpoint signs its requests.
+    fn sign(&self, req: &mut reqwest::Request, message_id: &str) -> Result<(), String> {
+        match &self.signer {
+            Some(signer) => signer.sign(req, message_id),
+            None => Ok(()),
+        }
+    }
+
     /// The endpoint's adaptive rate, if it has one.
     pub fn adaptive(&self) -> Option<&Arc<super::throttle::Adaptive>> {
         self.adaptive.as_ref()
@@ -287,13 +303,7 @@ impl EndpointClient {
             (_, _, Some(body)) => req = req.json(body),
             (_, _, None) => {}
         }
-        let mut req = req.build().map_err(|e| format!("cannot build the request: {e}"))?;
-        if let Some(signer) = &self.signer {
-            // The message id stays the same across attempts, as receivers dedup on it.
-            let id = r.idempotency_key.map_or_else(|| r.intent_id.to_string(), str::to_owned);
-            signer.sign(&mut req, &id)?;
-        }
-        Ok(req)
+        req.build().map_err(|e| format!("cannot build the request: {e}"))
     }
 
     /// Make one attempt of `request`, if it can be sent by `send_by`, once
@@ -334,6 +344,8 @@ impl EndpointClient {
             }
         }
         let keep_body = request.keep_body;
+        // A signature's message id stays the same across attempts, as receivers dedup on it.
+        let message_id = request.idempotency_key.map_or_else(|| request.intent_id.to_string(), str::to_owned);
         let req = match self.request(request) {
             Ok(r) => r,
             Err(e) => {
@@ -360,6 +372,15 @@ impl EndpointClient {
         if let Some(limiter) = limiter.filter(|_| !self.token_first) {
             bounded(send_by, stop, limiter.until_ready()).await?;
         }
+        // The token before the slot: a wait for the token endpoint holds no
+        // slot that another endpoint's calls need (D10).
+        let token = match &self.oauth2 {
+            None => None,
+            Some(o) => match bounded(send_by, stop, o.token()).await? {
+                Ok(t) => Some(t),
+                Err(why) => return Ok(unauthenticated(why, None)),
+            },
+        };
         // The slot: at once if one is free. Otherwise, for a rate-limited
         // endpoint, wait for one without holding it, then take a fresh token
         // (calls that queued for slots with their tokens would all go at once
@@ -379,18 +400,21 @@ impl EndpointClient {
             bounded(send_by, stop, limiter.until_ready()).await?;
         };
         let mut req = req;
-        let token = match &self.oauth2 {
-            None => None,
-            Some(o) => match bounded(send_by, stop, o.token()).await? {
-                Ok(t) => Some(t),
-                Err(why) => return Ok(unauthenticated(why, None)),
-            },
-        };
         if let Some(t) = &token {
             match t.header() {
                 Ok(v) => req.headers_mut().insert(AUTHORIZATION, v),
                 Err(why) => return Ok(unauthenticated(why, None)),
             };
+        }
+        // Signed last, just before it leaves: a signature's timestamp must
+        // not have aged in the waits (receivers allow minutes, leases may be longer).
+        if let Err(why) = self.sign(&mut req, &message_id) {
+            return Ok(CallResult {
+                attempt: AttemptResult::Response { status: 400, retry_after: None, key: None },
+                error_class: Some(ErrorClass::Request),
+                error: Some(why),
+                ..CallResult::not_sent()
+            });
         }
         // Kept to be sent once more, with a new token, after a 401.
         let again = token.as_ref().and_then(|_| req.try_clone());
@@ -400,14 +424,15 @@ impl EndpointClient {
         let mut sent_at = tokio::time::Instant::now();
         let started_at = Some(chrono::Utc::now());
         let mut sent = svc.call(req).await;
-        if let (Some(o), Some(used), Some(mut again)) = (&self.oauth2, &token, again)
-            && matches!(&sent, Ok(r) if r.status() == reqwest::StatusCode::UNAUTHORIZED)
-        {
+        let unauthorized = matches!(&sent, Ok(r) if r.status() == reqwest::StatusCode::UNAUTHORIZED);
+        if let (Some(o), Some(used), true) = (&self.oauth2, &token, unauthorized) {
+            o.refused(used).await;
+        }
+        if let (Some(o), Some(_), Some(mut again), true) = (&self.oauth2, &token, again, unauthorized) {
             // A token the provider no longer takes (revoked, or expired
             // early): one new token and one more send, within the lease's
             // bound; a 401 then counts as the answer. The first 401 means
             // not applied, so an attempt that cannot go on is retried.
-            o.refused(used).await;
             let refused = |why: &str| unauthenticated(format!("HTTP 401 with the cached token; {why}"), started_at);
             let fresh = match bounded(send_by, stop, o.token()).await {
                 Ok(Ok(t)) => t,
@@ -418,6 +443,9 @@ impl EndpointClient {
                 Ok(v) => again.headers_mut().insert(AUTHORIZATION, v),
                 Err(why) => return Ok(refused(&why)),
             };
+            if let Err(why) = self.sign(&mut again, &message_id) {
+                return Ok(refused(&why));
+            }
             let mut svc = match bounded(send_by, stop, self.svc.clone().ready_oneshot()).await {
                 Ok(Ok(svc)) => svc,
                 Ok(Err(e)) => return Ok(classify_transport(e, self.cfg.timeout, started_at)),
