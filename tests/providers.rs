@@ -671,6 +671,39 @@ async fn calls_share_one_oauth2_token_and_a_revoked_one_is_replaced_once() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_token_that_expires_quickly_is_replaced_before_it_expires_never_refused() {
+    let settings = Settings {
+        oauth: Some(example_provider::OAuthSettings {
+            client_id: "relay".into(),
+            client_secret: "s3cret".into(),
+            token_lifetime: std::time::Duration::from_secs(2),
+        }),
+        ..Settings::default()
+    };
+    let h = Harness::with_provider(1, settings).await;
+    for i in 0..40 {
+        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
+    }
+    // 40 calls at 10/s: about 4 s of calls with tokens that live 2 s.
+    let oauth = format!(
+        "[endpoints.psp.oauth2]\ntoken_url = \"{}/oauth/token\"\nclient_id = \"relay\"\n\
+         client_secret_env = \"PSP_CLIENT_SECRET\"\nrefresh_before = \"1s\"\n",
+        h.provider.url().trim_end_matches('/')
+    );
+    let text = config_with(&h, CAPTURE_ROUTE, "rate_limit_per_second = 10");
+    let config = h.write_config(&format!("{text}\n{oauth}"));
+    let mut p = h.process(&config, &["run"], &[("PSP_CLIENT_SECRET", "s3cret")]);
+    h.await_intents_finished(40).await;
+    assert_eq!(h.intents_in("succeeded").await, 40);
+    let stats = h.provider.stats();
+    // Each token is used for its first second: a few fetches for 40 calls,
+    // and none refused (each replaced before the provider stops taking it).
+    assert!((2..=8).contains(&stats.token_fetches), "{} fetches for 40 calls", stats.token_fetches);
+    assert_eq!(stats.unauthorized, 0, "a token was used past its life");
+    p.terminate(DEADLINE).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn calls_are_signed_as_standard_webhooks_and_a_wrong_secret_does_not_verify() {
     let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
     let h = Harness::with_provider(1, Settings { webhook_secret: Some(secret.into()), ..Settings::default() }).await;
