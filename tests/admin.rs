@@ -213,6 +213,20 @@ async fn the_console_shows_a_dead_intent_and_replaying_it_makes_it_succeed() {
         .unwrap();
     let uncertain: String =
         sqlx::query_scalar("SELECT id::text FROM relay.intents").fetch_one(&h.db.pool).await.unwrap();
+    // A dead letter holding its Kafka key, and an order held behind it
+    // (issue 29, part 6), as a consumer with on_poison = "hold_key" leaves them.
+    let (head, held) = {
+        let mut conn = h.db.conn().await.unwrap();
+        let poison = relay_core::Poison::new(relay_core::PoisonClass::TemplateError, "no order id (seeded)");
+        let head = TestEvent::new("evt-head", "order.placed", json!({})).key("k-1").record(&h.topic, 1000);
+        let head_id =
+            relay_store::dead_letters::insert(&mut conn, &h.consumer, &head, &poison, 1, false).await.unwrap();
+        relay_store::holds::open(&mut conn, &h.consumer, &head).await.unwrap();
+        let held = order("evt-held", "o-held").key("k-1").record(&h.topic, 1001);
+        let why = relay_core::Poison::new(relay_core::PoisonClass::Held, "held (seeded)");
+        let held_id = relay_store::dead_letters::insert(&mut conn, &h.consumer, &held, &why, 1, true).await.unwrap();
+        (head_id.unwrap().to_string(), held_id.unwrap().to_string())
+    };
     let rows: Vec<String> =
         sqlx::query_scalar("SELECT id::text FROM relay.outbox ORDER BY seq").fetch_all(&h.db.pool).await.unwrap();
     let (mut p, admin) = run_with_admin(&h, route).await;
@@ -238,14 +252,21 @@ async fn the_console_shows_a_dead_intent_and_replaying_it_makes_it_succeed() {
         .env("UNCERTAIN_ID", &uncertain)
         .env("OUTBOX_REPLAY_ID", &rows[0])
         .env("OUTBOX_SKIP_ID", &rows[1])
+        .env("HOLD_HEAD_ID", &head)
+        .env("HELD_ID", &held)
         .output()
         .await
         .expect("node runs (Node.js is on this machine)");
     let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "console test failed:\n{log}");
     assert_eq!(h.provider.stats().applied_for("capture:o-1"), 1);
+    eventually("the order held behind the skipped dead letter called", DEADLINE, || async {
+        (h.provider.stats().applied_for("capture:o-held") == 1).then_some(())
+    })
+    .await;
+    assert_eq!(h.db.count("held_keys", "true").await, 0);
     assert_eq!(h.provider.stats().requests_for("capture:u-o-1"), 0, "resolving makes no call");
-    assert_eq!(h.db.count("intents", "state = 'succeeded'").await, 2);
+    assert_eq!(h.db.count("intents", "state = 'succeeded'").await, 3, "o-1, the resolved one, the released one");
     assert_eq!(h.db.count("intents", "last_error LIKE '%PSP dashboard: captured%'").await, 1, "the note is kept");
     let attempts: Vec<String> = sqlx::query_scalar(
         "SELECT outcome FROM relay.intent_attempts a JOIN relay.intents i ON i.id = a.intent_id

@@ -549,6 +549,124 @@ async fn an_event_for_an_aggregate_that_never_appears_is_retried_then_parked_and
     assert_eq!(h.outcome("p-1").await.as_deref(), Some("applied"));
 }
 
+/// Two saga moves of one order, keyed by it; a dead letter of either holds the key.
+const HELD_SAGA_ROUTES: &str = r#"
+[[routes]]
+topic = "{topic}"
+type = "payment.confirmed"
+on_poison = "hold_key"
+
+[[routes.actions]]
+kind = "saga"
+name = "mark-paid"
+saga = "order"
+id = "{{ data.order_id }}"
+from = ["pending"]
+to = "paid"
+
+[[routes]]
+topic = "{topic}"
+type = "order.shipped"
+on_poison = "hold_key"
+
+[[routes.actions]]
+kind = "saga"
+name = "mark-shipped"
+saga = "order"
+id = "{{ data.order_id }}"
+from = ["paid"]
+to = "shipped"
+"#;
+
+#[tokio::test]
+async fn a_parked_record_holds_its_key_and_a_replay_releases_the_held_records_in_order() {
+    let h = Harness::new(1).await;
+    let ev = |id: &str, ty: &str, order: &str, key: &str| TestEvent::new(id, ty, json!({"order_id": order})).key(key);
+    sqlx::query(
+        "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-2', 'pending', 's')",
+    )
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    // o-1 and o-3 do not exist yet: their first records wait, then are parked and hold their keys.
+    h.send(&ev("p-1", "payment.confirmed", "o-1", "o-1")).await;
+    h.send(&ev("p-2", "payment.confirmed", "o-2", "o-2")).await;
+    h.send(&ev("s-1", "order.shipped", "o-1", "o-1")).await; // held: applied only after p-1
+    h.send(&ev("p-3", "payment.confirmed", "o-3", "o-3")).await;
+    h.send(&ev("s-3", "order.shipped", "o-missing", "o-3")).await; // held; on release it fails in its turn
+    let (_, last) = h.send(&ev("s-3b", "order.shipped", "o-3", "o-3")).await; // held behind both
+    let cfg = h.config(HELD_SAGA_ROUTES);
+    let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+
+    assert_eq!(h.outcome("p-2").await.as_deref(), Some("applied"), "another key flows");
+    for held in ["s-1", "s-3", "s-3b"] {
+        assert_eq!(h.outcome(held).await, None, "{held} is not applied while its key is held");
+    }
+    let letter = async |event: &str| -> (i64, String, Option<i64>) {
+        sqlx::query_as("SELECT id, error_class, hold_id FROM relay.dead_letters WHERE event_id = $1")
+            .bind(event)
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap()
+    };
+    let (p1, class, hold) = letter("p-1").await;
+    assert_eq!((class.as_str(), hold.is_some()), ("missing_reference", true));
+    let (s1, class, _) = letter("s-1").await;
+    assert_eq!(class, "held");
+    assert_eq!(h.db.count("held_keys", "true").await, 2, "o-1 and o-3 are held");
+
+    let relay = h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
+    let ops = relay.operator();
+    // A held record never goes ahead of its head, nor is it deleted.
+    let early = ops.replay(&relay.processor(), s1).await.unwrap();
+    assert!(matches!(&early, ReplayOutcome::Held(why) if why.contains(&format!("dead letter {p1}"))), "{early:?}");
+    assert!(ops.delete_dead_letter(s1).await.is_err());
+    assert!(ops.delete_dead_letter(p1).await.is_err(), "nor is its head");
+    assert_eq!(h.outcome("s-1").await, None);
+
+    // o-1 appears; replaying its head applies it, then what was held, in order.
+    sqlx::query("INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-1', 'pending', 's'), ('order', 'o-3', 'pending', 's')")
+        .execute(&h.db.pool)
+        .await
+        .unwrap();
+    let r = ops.replay_releasing(&relay.processor(), p1).await.unwrap();
+    assert_eq!(r.outcome, ReplayOutcome::Applied);
+    let released = r.released.expect("the key is released");
+    assert_eq!((released.key.as_slice(), released.replayed, released.held_behind), (&b"o-1"[..], 1, None));
+    assert_eq!(h.outcome("s-1").await.as_deref(), Some("applied"), "shipped after paid, not before");
+    let state: String =
+        sqlx::query_scalar("SELECT state FROM relay.sagas WHERE saga_id = 'o-1'").fetch_one(&h.db.pool).await.unwrap();
+    assert_eq!(state, "shipped");
+
+    // o-3: the first held record fails in its turn and holds the key now; the one after it stays held.
+    let (p3, _, _) = letter("p-3").await;
+    let r = ops.replay_releasing(&relay.processor(), p3).await.unwrap();
+    let (s3, _, _) = letter("s-3").await;
+    assert_eq!(r.released.as_ref().map(|r| (r.replayed, r.held_behind)), Some((0, Some(s3))), "{r:?}");
+    let (_, class, hold) = letter("s-3").await;
+    assert_eq!((class.as_str(), hold.is_some()), ("missing_reference", true));
+    assert_eq!(h.outcome("s-3b").await, None, "still held behind s-3");
+    // Skipping s-3 (never applied) lets s-3b through.
+    let released = ops.skip_dead_letter(&relay.processor(), s3).await.unwrap();
+    assert_eq!((released.replayed, released.held_behind), (1, None));
+    assert_eq!(h.outcome("s-3").await, None, "a skipped record is never applied");
+    assert_eq!(h.outcome("s-3b").await.as_deref(), Some("applied"));
+    assert_eq!(h.db.count("held_keys", "true").await, 0);
+    assert!(ops.skip_dead_letter(&relay.processor(), s3).await.is_err(), "nothing to skip any more");
+
+    // Released, the key flows again at ingest.
+    h.send(&ev("p-1-again", "payment.confirmed", "o-1", "o-1")).await;
+    let (_, last) = h.send(&ev("s-3c", "order.shipped", "o-3", "o-3")).await;
+    let run = h.start(cfg, CONSUMER_ONLY, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.outcome("p-1-again").await.as_deref(), Some("invalid_transition"));
+    assert_eq!(h.outcome("s-3c").await.as_deref(), Some("duplicate_transition"));
+    assert_eq!(h.db.count("dead_letters", "error_class = 'held' AND replay_outcome IS NULL").await, 0);
+}
+
 #[tokio::test]
 async fn saga_moves_are_guarded_and_every_no_op_is_classified() {
     let h = Harness::new(1).await;

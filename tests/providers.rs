@@ -853,6 +853,75 @@ async fn a_dead_intent_holds_its_key_until_skipped_or_replayed_while_other_keys_
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_dead_lettered_record_holds_its_kafka_key_until_skipped_while_other_keys_flow() {
+    let h = Harness::with_provider(1, Settings::default()).await;
+    // c-1's first order has no order id: its route cannot render, it is dead-lettered.
+    h.send(&TestEvent::new("evt-1", "order.placed", json!({"customer": "c-1"})).key("c-1")).await;
+    for (evt, o, c) in [("evt-2", "o-2", "c-1"), ("evt-3", "o-3", "c-1"), ("evt-4", "o-4", "c-2")] {
+        h.send(&customer_order(evt, o, c)).await;
+    }
+    let ((mut p, admin), config) = run_with_admin_config(&h, &h.config_text(HOLD_KEY_ROUTE)).await;
+    eventually("c-2 done, c-1's later records held", DEADLINE, || async {
+        let held = h.db.count("dead_letters", "error_class = 'held'").await == 2;
+        (held && intent_row(&h, "evt-4").await.0 == "succeeded").then_some(())
+    })
+    .await;
+    assert_eq!(h.db.count("intents", "source_event_id IN ('evt-2', 'evt-3')").await, 0, "held, not applied");
+    // A record of the key that arrives now is held too, behind the same head.
+    h.send(&customer_order("evt-5", "o-5", "c-1")).await;
+    eventually("the gauges", DEADLINE, || async {
+        let (_, m) = admin.get("/metrics", None).await;
+        let keys = metric(&m, "relay_held_keys", &[]);
+        let held = metric(&m, "relay_records_held", &[]);
+        (keys == Some(1.0) && held == Some(3.0)).then_some(())
+    })
+    .await;
+    let (ok, out) = cli(&h, &config, &["dead-letters", "holds"]).await;
+    assert!(ok && out.contains("c-1") && !out.contains("c-2"), "{out}");
+    let head: i64 = sqlx::query_scalar("SELECT id FROM relay.dead_letters WHERE event_id = 'evt-1'")
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    let held: i64 = sqlx::query_scalar("SELECT id FROM relay.dead_letters WHERE event_id = 'evt-2'")
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    // Nothing of the key goes ahead of its head, nor is it purged.
+    let (ok, out) = cli(&h, &config, &["dead-letters", "replay", &held.to_string()]).await;
+    assert!(ok && out.contains(&format!("not replayed: held behind dead letter {head}")), "{out}");
+    let (ok, out) = cli(&h, &config, &["dead-letters", "purge", "--all", "--yes"]).await;
+    assert!(ok && out.contains("deleted 0 dead letter(s)"), "{out}");
+    let (status, body) = admin.get("/api/held-keys", Some(TOKEN)).await;
+    assert!(status == 200 && body.contains(&format!("\"head\":{head}")), "{status} {body}");
+    assert_eq!(h.provider.stats().requests_for("capture:o-2"), 0);
+
+    // Skipped while more records of the key stream in: the held records are
+    // applied in order, and every later one after them (held, or not).
+    let more = 30;
+    let sending = async {
+        for i in 6..6 + more {
+            h.send(&customer_order(&format!("evt-{i}"), &format!("o-{i}"), "c-1")).await;
+        }
+    };
+    let head_id = head.to_string();
+    let skip = ["dead-letters", "skip", head_id.as_str()];
+    let ((ok, out), ()) = tokio::join!(cli(&h, &config, &skip), sending);
+    assert!(ok && out.contains("released:") && out.contains("held record(s) applied in order"), "{out}");
+    h.await_intents_finished(4 + more).await;
+    assert_eq!(h.intents_in("succeeded").await, 4 + more);
+    let order: Vec<String> = h.provider.applied().into_iter().map(|a| a.key).collect();
+    let at = |k: &str| order.iter().position(|x| x == k).unwrap_or_else(|| panic!("{k} not applied: {order:?}"));
+    let c1: Vec<usize> = [2, 3].into_iter().chain(5..6 + more).map(|o| at(&format!("capture:o-{o}"))).collect();
+    assert!(c1.windows(2).all(|w| w[0] < w[1]), "c-1's calls in record order: {order:?}");
+    assert_eq!(h.db.count("held_keys", "true").await, 0);
+    let stranded = h.db.count("dead_letters", "error_class = 'held' AND replay_outcome IS NULL").await;
+    assert_eq!(stranded, 0, "no record left behind a released key");
+    let (ok, out) = cli(&h, &config, &["dead-letters", "skip", &head.to_string()]).await;
+    assert!(!ok && out.contains("holds no key"), "{out}");
+    p.terminate(DEADLINE).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn three_dispatchers_share_one_adapted_rate_near_what_the_provider_allows() {
     const ALLOWED: usize = 20; // calls per second the provider takes
     let h = Harness::with_provider(3, Settings { rate_limit: Some(ALLOWED as u32), ..Settings::default() }).await;

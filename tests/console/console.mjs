@@ -12,6 +12,8 @@ const intentId = process.env.INTENT_ID;
 const uncertainId = process.env.UNCERTAIN_ID;
 const outboxReplayId = process.env.OUTBOX_REPLAY_ID;
 const outboxSkipId = process.env.OUTBOX_SKIP_ID;
+const holdHeadId = process.env.HOLD_HEAD_ID;
+const heldId = process.env.HELD_ID;
 const shot = process.env.SCREENSHOT || "/tmp/relay-console.png";
 if (!url || !token || !intentId || !uncertainId || !outboxReplayId || !outboxSkipId) {
   throw new Error("CONSOLE_URL, CONSOLE_TOKEN, INTENT_ID, UNCERTAIN_ID, OUTBOX_REPLAY_ID and OUTBOX_SKIP_ID are required");
@@ -83,8 +85,22 @@ try {
     throw new Error(`no confirmation naming the skipped row: ${confirms}`);
   }
   await page.waitForFunction(() => document.querySelector("#dead-outbox-count").textContent === "0", null, { timeout: 30000 });
+
+  // A dead letter holding its key offers Skip; the record held behind it
+  // offers nothing (it goes when its head does). Skipped, both leave the list.
+  const headRow = page.locator(`#dead-letters tbody tr[data-id="${holdHeadId}"]`);
+  const heldRow = page.locator(`#dead-letters tbody tr[data-id="${heldId}"]`);
+  await heldRow.waitFor({ timeout: 20000 });
+  if (!(await headRow.textContent()).includes("holds its key")) throw new Error("the head is not shown holding its key");
+  if ((await heldRow.getByRole("button").count()) !== 0) throw new Error("a held record offers actions of its own");
+  await page.waitForFunction(
+    () => document.querySelector('#dl-counts dd[data-key="records held"]').textContent === "1", null, { timeout: 20000 });
+  await headRow.getByRole("button", { name: "Skip" }).click();
+  if (!confirms.some((m) => m.includes(`Skip dead letter ${holdHeadId}`))) throw new Error(`no confirmation naming the dead letter: ${confirms}`);
+  await heldRow.waitFor({ state: "detached", timeout: 30000 });
+  await headRow.waitFor({ state: "detached", timeout: 30000 });
   await page.screenshot({ path: shot, fullPage: true });
-  console.log(`console: dead intent replayed, uncertain one resolved, dead outbox rows replayed and skipped (screenshot ${shot})`);
+  console.log(`console: dead intent replayed, uncertain one resolved, dead outbox rows replayed and skipped, held key released (screenshot ${shot})`);
 } catch (e) {
   failed = true;
   console.error("console test failed:", e.message);

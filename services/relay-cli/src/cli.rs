@@ -279,7 +279,24 @@ pub enum DeadLetterCommand {
         #[arg(long, requires = "all")]
         class: Option<String>,
     },
-    /// Delete dead letters.
+    /// Skip a dead letter that holds its Kafka key (route on_poison =
+    /// "hold_key"): it stays a dead letter, marked skipped and never
+    /// applied, and the records held behind it are applied in order.
+    Skip {
+        /// Dead letter id (the head of a held key: see `relay dead-letters holds`).
+        id: i64,
+    },
+    /// List the Kafka record keys held behind a dead letter (route
+    /// on_poison = "hold_key"), with the dead letter to replay or skip.
+    Holds {
+        /// At most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        /// Print JSON lines.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete dead letters (never those of a held key).
     Purge {
         /// Dead letter ids.
         ids: Vec<i64>,
@@ -673,14 +690,52 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
             };
             let relay = Relay::new(cfg, Handlers::default(), Faults::none()).await?;
             let done = ops
-                .replay_all(&relay.processor(), which, |n, of, id, outcome| match outcome {
-                    ReplayOutcome::StillFailing(why) => println!("[{n}/{of}] {id}: still failing: {}", safe(why)),
-                    ReplayOutcome::NotFound => println!("[{n}/{of}] {id}: no such dead letter"),
-                    other => println!("[{n}/{of}] {id}: {other:?}"),
+                .replay_all(&relay.processor(), which, |n, of, id, replayed| {
+                    match &replayed.outcome {
+                        ReplayOutcome::StillFailing(why) => println!("[{n}/{of}] {id}: still failing: {}", safe(why)),
+                        ReplayOutcome::Held(why) => println!("[{n}/{of}] {id}: not replayed: {}", safe(why)),
+                        ReplayOutcome::NotFound => println!("[{n}/{of}] {id}: no such dead letter"),
+                        other => println!("[{n}/{of}] {id}: {other:?}"),
+                    }
+                    if let Some(r) = &replayed.released {
+                        println!("[{n}/{of}] {id}: {}", safe(&r.describe()));
+                    }
                 })
                 .await?;
-            let resolved = done.iter().filter(|(_, o)| o.resolved()).count();
+            let resolved = done.iter().filter(|(_, r)| r.outcome.resolved()).count();
             println!("replayed {}: {resolved} resolved, {} still failing", done.len(), done.len() - resolved);
+            Ok(())
+        }
+        DeadLetterCommand::Skip { id } => {
+            let relay = Relay::new(cfg, Handlers::default(), Faults::none()).await?;
+            let released = ops.skip_dead_letter(&relay.processor(), id).await?;
+            println!("dead letter {id} skipped; {}", safe(&released.describe()));
+            Ok(())
+        }
+        DeadLetterCommand::Holds { limit, json } => {
+            let rows = ops.held_keys(limit).await?;
+            if json {
+                for r in &rows {
+                    println!("{}", serde_json::to_string(r)?);
+                }
+            } else if rows.is_empty() {
+                println!("no held keys");
+            } else {
+                println!("{:<28} {:<24} {:>6} {:>7}  since", "source", "key", "head", "held");
+                for r in &rows {
+                    println!(
+                        "{:<28} {:<24} {:>6} {:>7}  {}",
+                        format!("{}[{}]@{}", r.topic, r.partition, r.head_offset),
+                        safe(&String::from_utf8_lossy(&r.key[..r.key.len().min(256)])),
+                        r.head,
+                        r.held,
+                        r.since.format("%Y-%m-%d %H:%M:%S")
+                    );
+                }
+                println!(
+                    "replay (`relay dead-letters replay HEAD`) or skip (`relay dead-letters skip HEAD`) a head to release its key"
+                );
+            }
             Ok(())
         }
         DeadLetterCommand::Purge { ids, all, class, resolved, yes } => {

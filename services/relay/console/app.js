@@ -64,7 +64,8 @@ async function refresh() {
       ["oldest unpublished (s)", stats.oldest_unpublished_outbox_secs === null ? "–" : stats.oldest_unpublished_outbox_secs.toFixed(1)],
     ]);
     fill($("#inbox-counts"), stats.inbox.length ? stats.inbox.map(([k, v]) => [k, est("inbox", v)]) : [["(empty)", ""]]);
-    fill($("#dl-counts"), [["unresolved", stats.dead_letters_unresolved], ["all", stats.dead_letters_total]]);
+    fill($("#dl-counts"), [["unresolved", stats.dead_letters_unresolved], ["all", stats.dead_letters_total],
+      ["held keys", stats.held_keys], ["records held", stats.records_held]]);
     renderPauses(pauses);
     await Promise.all([renderDeadIntents(), renderDeadOutbox(), renderDeadLetters()]);
     $("#updated").textContent = "updated " + new Date().toLocaleTimeString();
@@ -194,21 +195,34 @@ async function renderDeadLetters() {
   $("#dead-letters tbody").replaceChildren(...items.map((d) => {
     const tr = document.createElement("tr"); tr.dataset.id = d.id;
     const actions = document.createElement("td");
-    actions.append(
-      button("Replay", async () => {
+    // Held behind the head of its key: it goes when the head is replayed or skipped.
+    const heldBehind = d.hold_id !== null && !d.holds_key;
+    if (!heldBehind) {
+      actions.append(button("Replay", async () => {
         if (!confirm(`Replay dead letter ${d.id} (event ${text(d.event_id)}) through the guards?`)) return;
         const r = await api(`/api/dead-letters/${d.id}/replay`, { method: "POST" }).catch(showError);
         if (r && !r.resolved) showError(`dead letter ${d.id}: ${r.outcome} ${r.detail}`);
+        else if (r && r.released) showError(`dead letter ${d.id}: ${r.released.detail}`);
         refresh();
-      }, "replay"),
-      button("Purge", async () => {
+      }, "replay"));
+    }
+    if (d.holds_key) {
+      actions.append(button("Skip", async () => {
+        if (!confirm(`Skip dead letter ${d.id}? It is never applied; the records of its key held behind it are applied in order.`)) return;
+        await act(`/api/dead-letters/${d.id}/skip`, { method: "POST" });
+        refresh();
+      }, "skip"));
+    }
+    if (d.hold_id === null) {
+      actions.append(button("Purge", async () => {
         if (!confirm(`Delete dead letter ${d.id} for good?`)) return;
         await api(`/api/dead-letters/${d.id}`, { method: "DELETE" }).catch(showError);
         refresh();
-      }, "purge"),
-    );
+      }, "purge"));
+    }
+    const cls = d.holds_key ? `${d.error_class}, holds its key` : d.error_class;
     tr.append(cell(d.id), cell(new Date(d.created_at).toLocaleString()), cell(`${d.topic}[${d.partition}]@${d.offset}`),
-      cell(d.error_class), cell(d.event_id), cell(d.reason, "error-text"), actions);
+      cell(cls), cell(d.event_id), cell(d.reason, "error-text"), actions);
     return tr;
   }));
 }

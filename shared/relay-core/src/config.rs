@@ -455,9 +455,13 @@ pub enum OnPoison {
     /// A dead intent releases its ordering key: the key's later intents go on.
     #[default]
     Release,
-    /// A dead intent holds its ordering key: the key's later intents wait
-    /// (recorded, not called) until it is replayed or skipped
-    /// (`relay intents replay` / `relay intents skip`), while other keys flow.
+    /// Hold the key of what failed, while other keys flow. A dead intent
+    /// holds its ordering key: the key's later intents wait (recorded, not
+    /// called) until it is replayed or skipped (`relay intents replay` /
+    /// `relay intents skip`). A dead-lettered record holds its Kafka key on
+    /// its partition: the key's later records there are parked behind it
+    /// (class `held`) until it is replayed or skipped (`relay dead-letters
+    /// replay` / `relay dead-letters skip`), then applied in order.
     HoldKey,
 }
 
@@ -1076,13 +1080,6 @@ impl RelayConfig {
             }
             if r.event_type.trim().is_empty() {
                 p.push(format!("{at}.type: must not be empty"));
-            }
-            let keyed = r.actions.iter().any(|a| matches!(a, ActionConfig::Call(c) if c.ordering_key.is_some()));
-            if r.on_poison == OnPoison::HoldKey && !keyed && r.handler.is_none() {
-                p.push(format!(
-                    "{at}.on_poison = \"hold_key\": no call of this route has an ordering_key, so there is no key \
-                     to hold; give its calls one, or leave on_poison out"
-                ));
             }
             if let Some(prev) = seen.insert((r.topic.clone(), r.event_type.clone()), i) {
                 p.push(format!(

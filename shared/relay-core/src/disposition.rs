@@ -66,6 +66,10 @@ pub enum Disposition {
     RetryLater(Poison),
     /// Permanently unprocessable: dead-lettered.
     DeadLetter(Poison),
+    /// Held behind an earlier dead letter of its Kafka key on its partition
+    /// (`on_poison = "hold_key"`): parked as a dead letter of class
+    /// [`PoisonClass::Held`], applied when that key is released.
+    Held(Poison),
     /// Its route is paused: the partition waits here, nothing is skipped.
     Paused {
         /// The paused route.
@@ -86,6 +90,7 @@ impl Disposition {
             Disposition::Duplicate => "duplicate",
             Disposition::NoOp { outcome, .. } => outcome.as_str(),
             Disposition::DeadLetter(_) => "poison",
+            Disposition::Held(_) => "held",
             Disposition::RetryLater(_) => "retry_later",
             Disposition::Paused { .. } => "paused",
         }

@@ -148,6 +148,10 @@ pub enum PoisonClass {
     /// not decompress): its offsets are parked as one dead letter, without
     /// bytes, and the partition goes on after them.
     Unreadable,
+    /// Not poison itself: an earlier record of its key on its partition was
+    /// dead-lettered by a route with `on_poison = "hold_key"`, so it waits,
+    /// parked behind that one, until it is replayed or skipped.
+    Held,
 }
 
 impl PoisonClass {
@@ -168,6 +172,7 @@ impl PoisonClass {
             PoisonClass::MissingReference => "missing_reference",
             PoisonClass::SequenceGap => "sequence_gap",
             PoisonClass::Unreadable => "unreadable",
+            PoisonClass::Held => "held",
         }
     }
 }

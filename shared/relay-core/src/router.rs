@@ -229,6 +229,23 @@ impl Router {
         self.dead_letter_topic.as_deref()
     }
 
+    /// Whether a route on `topic` holds keys (`on_poison = "hold_key"`): a
+    /// batch of the topic then looks up which of its keys are held.
+    pub fn holds_keys_on(&self, topic: &str) -> bool {
+        self.routes.iter().any(|((t, _), r)| t == topic && r.on_poison == crate::config::OnPoison::HoldKey)
+    }
+
+    /// Whether a record of `topic` dead-lettered on route `route` holds its
+    /// Kafka key. A record that could not be routed (unreadable, no type)
+    /// may be one of any route's, so it holds its key where any route on its
+    /// topic does.
+    pub fn holds_key(&self, topic: &str, route: Option<&str>) -> bool {
+        let Some(route) = route else { return self.holds_keys_on(topic) };
+        self.routes
+            .iter()
+            .any(|((t, _), r)| t == topic && r.name == route && r.on_poison == crate::config::OnPoison::HoldKey)
+    }
+
     /// The endpoint named `name`.
     pub fn endpoint(&self, name: &str) -> Option<&EndpointConfig> {
         self.endpoints.get(name)

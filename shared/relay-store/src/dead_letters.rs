@@ -11,18 +11,23 @@ use crate::headers;
 
 /// Park a record. `None` when the same position was parked already (a
 /// redelivery after a crash between the DB commit and the offset commit).
+/// `held`: it is parked behind the hold of its key ([`crate::holds`]).
 pub async fn insert(
     conn: &mut PgConnection,
     consumer: &str,
     record: &RawRecord,
     poison: &Poison,
     attempts: i32,
+    held: bool,
 ) -> Result<Option<i64>, sqlx::Error> {
     sqlx::query_scalar(
         r#"INSERT INTO relay.dead_letters
                (consumer, topic, partition, "offset", event_id, event_type, key, payload, headers,
-                error_class, reason, attempts)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+                error_class, reason, attempts, hold_id)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,
+                   CASE WHEN $13 THEN (SELECT id FROM relay.held_keys h
+                                        WHERE h.consumer = $1 AND h.topic = $2 AND h.partition = $3
+                                          AND sha256(h.key) = sha256($7) AND h.key = $7) END)
            ON CONFLICT (consumer, topic, partition, "offset") DO NOTHING
            RETURNING id"#,
     )
@@ -38,6 +43,7 @@ pub async fn insert(
     .bind(poison.class.as_str())
     .bind(&poison.reason)
     .bind(attempts)
+    .bind(held)
     .fetch_optional(conn)
     .await
 }
@@ -73,6 +79,12 @@ pub struct DeadLetter {
     pub replay_outcome: Option<String>,
     /// Payload size in bytes.
     pub payload_bytes: Option<i32>,
+    /// The held key it belongs to, as its head or held behind it
+    /// ([`crate::holds`]): not deleted while set.
+    pub hold_id: Option<i64>,
+    /// It is the head of its held key: replaying it (once it resolves) or
+    /// skipping it releases the key.
+    pub holds_key: bool,
 }
 
 /// A dead letter with the original record, for inspection and replay.
@@ -124,7 +136,9 @@ impl Resolution {
 pub const RESOLVED: &str = "(replay_outcome IS NOT NULL AND replay_outcome NOT LIKE 'failed%')";
 
 const COLUMNS: &str = r#"id, consumer, topic, partition, "offset", event_id, event_type, error_class, reason,
-    attempts, created_at, replayed_at, replay_outcome, octet_length(payload) AS payload_bytes"#;
+    attempts, created_at, replayed_at, replay_outcome, octet_length(payload) AS payload_bytes, hold_id,
+    (hold_id IS NOT NULL AND EXISTS (
+        SELECT 1 FROM relay.held_keys h WHERE h.id = dead_letters.hold_id AND h.head = dead_letters.id)) AS holds_key"#;
 
 const WHERE: &str = "($1::text IS NULL OR consumer = $1) AND ($2::text IS NULL OR error_class = $2)
     AND ($3::text IS NULL OR topic = $3)
@@ -188,6 +202,21 @@ pub async fn get(conn: &mut PgConnection, consumer: &str, id: i64) -> Result<Opt
     Ok(Some(DeadLetterRecord { meta, record }))
 }
 
+/// Whether `record`'s position was parked and resolved by an operator.
+pub async fn resolved_at(conn: &mut PgConnection, consumer: &str, record: &RawRecord) -> Result<bool, sqlx::Error> {
+    let found: Option<bool> = sqlx::query_scalar(&format!(
+        r#"SELECT {RESOLVED} FROM relay.dead_letters
+            WHERE consumer = $1 AND topic = $2 AND partition = $3 AND "offset" = $4"#
+    ))
+    .bind(consumer)
+    .bind(&record.topic)
+    .bind(record.partition)
+    .bind(record.offset)
+    .fetch_optional(conn)
+    .await?;
+    Ok(found == Some(true))
+}
+
 /// Record the outcome of a replay.
 pub async fn mark_replayed(conn: &mut PgConnection, consumer: &str, id: i64, outcome: &str) -> Result<(), sqlx::Error> {
     sqlx::query(
@@ -201,9 +230,9 @@ pub async fn mark_replayed(conn: &mut PgConnection, consumer: &str, id: i64, out
     Ok(())
 }
 
-/// Delete one dead letter.
+/// Delete one dead letter, unless it belongs to a held key.
 pub async fn delete(conn: &mut PgConnection, consumer: &str, id: i64) -> Result<bool, sqlx::Error> {
-    let done = sqlx::query("DELETE FROM relay.dead_letters WHERE id = $1 AND consumer = $2")
+    let done = sqlx::query("DELETE FROM relay.dead_letters WHERE id = $1 AND consumer = $2 AND hold_id IS NULL")
         .bind(id)
         .bind(consumer)
         .execute(conn)
@@ -211,11 +240,12 @@ pub async fn delete(conn: &mut PgConnection, consumer: &str, id: i64) -> Result<
     Ok(done.rows_affected() == 1)
 }
 
-/// Delete dead letters matching `f`, at most `limit` (bounded batches).
+/// Delete dead letters matching `f`, at most `limit` (bounded batches),
+/// except those of a held key: they are the key's unfinished records.
 pub async fn purge(conn: &mut PgConnection, f: &Filter, limit: i64) -> Result<u64, sqlx::Error> {
     let done = sqlx::query(&format!(
-        "DELETE FROM relay.dead_letters WHERE id IN (
-             SELECT id FROM relay.dead_letters WHERE {WHERE} ORDER BY id LIMIT $5)"
+        "DELETE FROM relay.dead_letters WHERE hold_id IS NULL AND id IN (
+             SELECT id FROM relay.dead_letters WHERE {WHERE} AND hold_id IS NULL ORDER BY id LIMIT $5)"
     ))
     .bind(&f.consumer)
     .bind(&f.error_class)

@@ -33,6 +33,7 @@ pub mod audit;
 pub mod dead_letters;
 pub mod effects;
 pub mod headers;
+pub mod holds;
 pub mod inbox;
 pub mod intents;
 pub mod ops;

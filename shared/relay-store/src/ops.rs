@@ -170,7 +170,8 @@ pub fn delete_sql(what: Cleanup, limit: i64) -> String {
         Cleanup::Inbox => ("inbox", "consumer, event_id", "", "received_at"),
         Cleanup::IdempotencyKeys => ("idempotency_keys", "consumer, idempotency_key", "", "created_at"),
         Cleanup::PublishedOutbox => ("outbox", "id", "state = 'published' AND ", "published_at"),
-        Cleanup::DeadLetters => ("dead_letters", "id", "", "created_at"),
+        // A letter of a held key is its unfinished business (`holds`).
+        Cleanup::DeadLetters => ("dead_letters", "id", "hold_id IS NULL AND ", "created_at"),
         Cleanup::SucceededIntents | Cleanup::DeadIntents => {
             let state = if what == Cleanup::DeadIntents { "dead" } else { "succeeded" };
             return FINISHED_INTENTS.replace("{state}", state).replace("{limit}", &limit.to_string());

@@ -28,6 +28,10 @@ pub struct Stats {
     /// Dead intents holding their ordering key (`on_poison = "hold_key"`):
     /// each keeps the later intents of its key waiting.
     pub intents_holding_keys: i64,
+    /// Kafka record keys held behind a dead letter (`on_poison = "hold_key"`).
+    pub held_keys: i64,
+    /// Records parked behind those, waiting for their key's release.
+    pub records_held: i64,
 }
 
 impl Stats {
@@ -65,7 +69,8 @@ pub async fn snapshot(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
     .fetch_one(&mut *conn)
     .await?;
     let counters = counters(&mut *conn).await?;
-    let intents_holding_keys = sqlx::query_scalar(HOLDING_KEYS).fetch_one(&mut *conn).await?;
+    let (intents_holding_keys, held_keys, records_held): (i64, i64, i64) =
+        sqlx::query_as(HOLDING_KEYS).fetch_one(&mut *conn).await?;
     Ok(Stats {
         inbox,
         intents,
@@ -76,12 +81,18 @@ pub async fn snapshot(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
         dead_letters_total,
         counters,
         intents_holding_keys,
+        held_keys,
+        records_held,
     })
 }
 
 /// Dead intents that hold their ordering key (few; read through their own
-/// partial index, `intents_holding_keys`).
-const HOLDING_KEYS: &str = "SELECT count(*) FROM relay.intents WHERE state = 'dead' AND holds_key";
+/// partial index, `intents_holding_keys`), held record keys, and the records
+/// waiting behind those (through `dead_letters_by_hold`).
+const HOLDING_KEYS: &str = r#"SELECT
+    (SELECT count(*) FROM relay.intents WHERE state = 'dead' AND holds_key),
+    (SELECT count(*) FROM relay.held_keys),
+    (SELECT count(*) FROM relay.held_keys h JOIN relay.dead_letters d ON d.hold_id = h.id AND d."offset" > h.head_offset)"#;
 
 /// A history table whose size the console shows as an estimate beyond this
 /// many rows (see [`overview`]).
@@ -209,7 +220,8 @@ async fn backlog(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
         letters,
     ): Row = sqlx::query_as(GAUGE_COUNTS).fetch_one(&mut *conn).await?;
     let counters = counters(&mut *conn).await?;
-    let intents_holding_keys = sqlx::query_scalar(HOLDING_KEYS).fetch_one(&mut *conn).await?;
+    let (intents_holding_keys, held_keys, records_held): (i64, i64, i64) =
+        sqlx::query_as(HOLDING_KEYS).fetch_one(&mut *conn).await?;
     let oldest = |a: Option<f64>, b: Option<f64>| a.into_iter().chain(b).reduce(f64::max);
     Ok(Stats {
         inbox: Vec::new(),
@@ -226,6 +238,8 @@ async fn backlog(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
         dead_letters_total: letters,
         counters,
         intents_holding_keys,
+        held_keys,
+        records_held,
     })
 }
 

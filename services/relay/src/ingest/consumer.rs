@@ -195,7 +195,8 @@ pub struct InboxConsumer {
 
 struct BatchRun {
     done: usize,
-    stopped: Option<Poison>,
+    /// The record not processable yet, and its route.
+    stopped: Option<(Poison, Option<String>)>,
     paused: Option<String>,
 }
 
@@ -678,7 +679,7 @@ impl InboxConsumer {
                 |r: &RawRecord| self.state.lock().expect("partition state lock").unreadable_at(&tp, r.offset);
             if let Some(why) = unreadable_at(&records[i]) {
                 let record = &records[i];
-                match self.park_alone(record, &Poison::new(PoisonClass::Unreadable, why), 1).await {
+                match self.park_alone(record, &Poison::new(PoisonClass::Unreadable, why), 1, None).await {
                     Ok(()) => {
                         crate::runtime::metrics::dead_lettered(
                             &self.settings.name,
@@ -722,7 +723,7 @@ impl InboxConsumer {
                         run.held = Some((route, records[i].offset));
                         return Ok(run);
                     }
-                    let Some(poison) = stopped else { continue };
+                    let Some((poison, route)) = stopped else { continue };
                     crate::runtime::metrics::not_yet(&self.settings.name, poison.class.as_str());
                     not_yet += 1;
                     let record = &records[i];
@@ -731,7 +732,7 @@ impl InboxConsumer {
                     self.state.lock().expect("partition state lock").not_yet(&tp, record.offset, not_yet);
                     let budget = self.settings.reference_retry;
                     if not_yet >= budget.max_attempts {
-                        match self.park_alone(record, &poison, not_yet).await {
+                        match self.park_alone(record, &poison, not_yet, route.as_deref()).await {
                             Ok(()) => {
                                 crate::runtime::metrics::dead_lettered(
                                     &self.settings.name,
@@ -851,10 +852,10 @@ impl InboxConsumer {
         let (mut stopped, mut paused) = (None, None);
         for (record, p) in records.iter().zip(&processed) {
             match &p.disposition {
-                Disposition::DeadLetter(poison) => {
-                    self.processor.park(&mut tx, record, poison, 1).await?;
+                Disposition::DeadLetter(poison) | Disposition::Held(poison) => {
+                    self.processor.park(&mut tx, record, poison, 1, p.info.route.as_deref()).await?;
                 }
-                Disposition::RetryLater(poison) => stopped = Some(poison.clone()),
+                Disposition::RetryLater(poison) => stopped = Some((poison.clone(), p.info.route.clone())),
                 Disposition::Paused { route } => paused = Some(route.clone()),
                 _ => {}
             }
@@ -877,10 +878,16 @@ impl InboxConsumer {
         Ok(BatchRun { done, stopped, paused })
     }
 
-    async fn park_alone(&self, record: &RawRecord, poison: &Poison, attempts: u32) -> Result<(), BatchError> {
+    async fn park_alone(
+        &self,
+        record: &RawRecord,
+        poison: &Poison,
+        attempts: u32,
+        route: Option<&str>,
+    ) -> Result<(), BatchError> {
         let mut conn = self.pool.acquire().await?;
         let mut tx = conn.begin().await?;
-        self.processor.park(&mut tx, record, poison, attempts).await?;
+        self.processor.park(&mut tx, record, poison, attempts, route).await?;
         self.faults.hit(point::CONSUMER_BEFORE_DB_COMMIT).await?;
         tx.commit().await?;
         self.faults.hit(point::CONSUMER_AFTER_DB_COMMIT).await?;
@@ -899,10 +906,16 @@ impl InboxConsumer {
             crate::runtime::metrics::poison(&self.settings.name, poison.class.as_str());
             crate::runtime::metrics::dead_lettered(&self.settings.name, &record.topic, poison.class.as_str());
         }
+        if let Disposition::Held(_) = &p.disposition {
+            crate::runtime::metrics::held(&self.settings.name, &record.topic);
+        }
         let level = match &p.disposition {
             Disposition::Applied { .. } => Level::DEBUG,
             Disposition::Duplicate | Disposition::NoOp { .. } => Level::INFO,
-            Disposition::DeadLetter(_) | Disposition::RetryLater(_) | Disposition::Paused { .. } => Level::WARN,
+            Disposition::DeadLetter(_)
+            | Disposition::Held(_)
+            | Disposition::RetryLater(_)
+            | Disposition::Paused { .. } => Level::WARN,
         };
         let detail = match &p.disposition {
             Disposition::Applied { intents, events } => {
@@ -912,6 +925,7 @@ impl InboxConsumer {
             Disposition::NoOp { outcome, detail } => format!("{}: {detail}", outcome.as_str()),
             Disposition::DeadLetter(poison) => format!("dead-lettered ({}): {}", poison.class, poison.reason),
             Disposition::RetryLater(poison) => format!("not yet ({}): {}", poison.class, poison.reason),
+            Disposition::Held(poison) => poison.reason.clone(),
             Disposition::Paused { route } => format!("route {route} is paused"),
         };
         let i = &p.info;

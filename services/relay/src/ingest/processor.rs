@@ -28,7 +28,7 @@ use relay_core::{
 };
 use relay_store::inbox::{self, InboxInsert, InboxOutcome, NewInboxRow};
 use relay_store::write::{self, HoldRoom, Planned};
-use relay_store::{DbErrorKind, classify_error, dead_letters, outbox};
+use relay_store::{DbErrorKind, classify_error, dead_letters, holds, outbox};
 use sqlx::{Connection, PgConnection};
 use tracing::Instrument;
 
@@ -126,6 +126,24 @@ enum Prepared<'a, 'r> {
     Ready(Item<'a, 'r>),
     /// Nothing to write: poison, or its route is paused.
     Done(Processed),
+}
+
+/// The held keys of one partition batch, each with its head's offset: those
+/// found held when the batch began, and those a record of it held since.
+#[derive(Debug, Default)]
+struct HeldKeys {
+    /// A route on the topic holds keys.
+    on: bool,
+    keys: std::collections::HashMap<Vec<u8>, i64>,
+}
+
+impl HeldKeys {
+    /// The offset of the record `record` is held behind, if it is held: a
+    /// record at or before the head (a redelivery) is not.
+    fn head_of(&self, record: &RawRecord) -> Option<i64> {
+        let head = *self.keys.get(record.key.as_deref()?)?;
+        (record.offset > head).then_some(head)
+    }
 }
 
 /// The paused routes as last read, and when that read started.
@@ -251,6 +269,7 @@ impl Processor {
         held: &mut Vec<Handed>,
     ) -> Result<Option<Vec<Processed>>, sqlx::Error> {
         let mut out = Vec::with_capacity(records.len());
+        let mut holds = self.held_keys(conn, records).await?;
         let mut i = 0;
         while i < records.len() {
             // The run from here, and the record that ends it (each record is
@@ -258,6 +277,10 @@ impl Processor {
             let mut run = Vec::new();
             let mut next = None;
             for record in &records[i..] {
+                if let Some(head) = holds.head_of(record) {
+                    next = Some(Prepared::Done(self.held(record, head)));
+                    break;
+                }
                 match self.prepare(record) {
                     Prepared::Ready(item) if !self.alone(&item) => run.push(item),
                     other => {
@@ -274,7 +297,13 @@ impl Processor {
                     Err(_) if bare => return Ok(None),
                     Err(rejected) => {
                         for item in rejected {
-                            out.push(self.write_alone(conn, item, Some(&mut *held)).await?);
+                            let record = item.record;
+                            let processed = match holds.head_of(record) {
+                                Some(head) => self.held(record, head),
+                                None => self.write_alone(conn, item, Some(&mut *held)).await?,
+                            };
+                            self.note_hold(conn, &mut holds, record, &processed).await?;
+                            out.push(processed);
                         }
                     }
                 }
@@ -285,6 +314,7 @@ impl Processor {
                 Some(Prepared::Done(p)) => p,
                 Some(Prepared::Ready(item)) => self.write_alone(conn, item, Some(&mut *held)).await?,
             };
+            self.note_hold(conn, &mut holds, &records[i], &processed).await?;
             let stop = matches!(processed.disposition, Disposition::RetryLater(_) | Disposition::Paused { .. });
             out.push(processed);
             i += 1;
@@ -293,6 +323,64 @@ impl Processor {
             }
         }
         Ok(Some(out))
+    }
+
+    /// The keys of `records` (one partition's) held now, locked until the
+    /// transaction ends ([`relay_store::holds`]). No query unless a route
+    /// on their topic holds keys.
+    async fn held_keys(&self, conn: &mut PgConnection, records: &[RawRecord]) -> Result<HeldKeys, sqlx::Error> {
+        let Some(first) = records.first() else { return Ok(HeldKeys::default()) };
+        if !self.router.holds_keys_on(&first.topic) {
+            return Ok(HeldKeys::default());
+        }
+        let mut keys: Vec<&[u8]> = records.iter().filter_map(|r| r.key.as_deref()).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        let mut held = HeldKeys { on: true, keys: std::collections::HashMap::new() };
+        if !keys.is_empty() {
+            let found = holds::held(conn, self.router.consumer(), &first.topic, first.partition, &keys).await?;
+            held.keys.extend(found);
+        }
+        Ok(held)
+    }
+
+    /// `record` was processed: if it was dead-lettered on a route that holds
+    /// keys, its key is held from here, as the consumer's park will hold it
+    /// in this transaction ([`relay_store::holds::open`]) — unless an
+    /// operator resolved its dead letter before (the topic is read again).
+    async fn note_hold(
+        &self,
+        conn: &mut PgConnection,
+        holds: &mut HeldKeys,
+        record: &RawRecord,
+        p: &Processed,
+    ) -> Result<(), sqlx::Error> {
+        if !holds.on || !matches!(p.disposition, Disposition::DeadLetter(_)) {
+            return Ok(());
+        }
+        let Some(key) = &record.key else { return Ok(()) };
+        if holds.keys.contains_key(key) || !self.router.holds_key(&record.topic, p.info.route.as_deref()) {
+            return Ok(());
+        }
+        if !dead_letters::resolved_at(conn, self.router.consumer(), record).await? {
+            holds.keys.insert(key.clone(), record.offset);
+        }
+        Ok(())
+    }
+
+    /// `record`, held behind the dead letter of its key at offset `head`.
+    fn held(&self, record: &RawRecord, head: i64) -> Processed {
+        let info = match self.router.route(record) {
+            Ok(Routed::Route(route, event) | Routed::Paused(route, event)) => EventInfo::of(&event, Some(route)),
+            Ok(Routed::Unrouted(event)) => EventInfo::of(&event, None),
+            Err(p) => EventInfo::of_poison(&p),
+        };
+        let why = format!(
+            "held: the record of its key at offset {head} of this partition was dead-lettered (on_poison = \"hold_key\"); \
+             it is applied, in order, once that one is replayed or skipped"
+        );
+        let poison = Poison::new(PoisonClass::Held, why).with_identity(info.id.as_deref(), info.event_type.as_deref());
+        Processed { disposition: Disposition::Held(poison), info }
     }
 
     /// Route and plan `record` (its effects with derived ids): ready to
@@ -598,20 +686,32 @@ impl Processor {
 
     /// Park `record` as a dead letter (and queue its copy to the dead-letter
     /// topic) in the caller's transaction. `false` if it was parked already.
+    /// Dead-lettered on `route` (`None`: not routed), it may hold its key
+    /// ([`Router::holds_key`]); a [`PoisonClass::Held`] one is parked
+    /// behind the hold of its key.
     pub async fn park(
         &self,
         conn: &mut PgConnection,
         record: &RawRecord,
         poison: &Poison,
         attempts: u32,
+        route: Option<&str>,
     ) -> Result<bool, sqlx::Error> {
         let consumer = self.router.consumer();
         let clean = sanitized(poison);
         let attempts_i32 = i32::try_from(attempts).unwrap_or(i32::MAX);
-        let Some(_) = dead_letters::insert(conn, consumer, record, &clean, attempts_i32).await? else {
+        let held = poison.class == PoisonClass::Held;
+        let parked = dead_letters::insert(conn, consumer, record, &clean, attempts_i32, held).await?;
+        if !held && self.router.holds_key(&record.topic, route) {
+            // Also when it was parked already (a redelivery, or hold_key set
+            // since): the batch holds the records of its key behind it.
+            holds::open(conn, consumer, record).await?;
+        }
+        if parked.is_none() {
             return Ok(false);
-        };
-        if let Some(topic) = self.router.dead_letter_topic() {
+        }
+        // A held record is not poison: it is applied once its key is released.
+        if let Some(topic) = self.router.dead_letter_topic().filter(|_| !held) {
             let copy = encode_dead_letter(consumer, topic, record, &clean, attempts, self.router.max_record_bytes());
             outbox::insert(conn, consumer, &format!("{}/{}/{}", record.topic, record.partition, record.offset), &copy)
                 .await?;

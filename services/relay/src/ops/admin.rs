@@ -10,6 +10,7 @@ use std::collections::HashMap;
 
 use relay_core::{Disposition, RelayConfig};
 use relay_store::dead_letters::{self, DeadLetter, DeadLetterRecord, Filter, Resolution};
+use relay_store::holds;
 use relay_store::intents::{self, AttemptView, IntentFilter, IntentState, IntentView, Requeue};
 use relay_store::ops::{self, Pause, PauseKind, Paused, Resumed};
 use relay_store::outbox::{self, Acted, OutboxState, OutboxView};
@@ -47,6 +48,9 @@ pub enum ReplayOutcome {
     NoOp(String),
     /// Still failing: stays a dead letter.
     StillFailing(String),
+    /// Held behind an earlier dead letter of its key, which goes first:
+    /// not replayed (why, and which one to replay or skip).
+    Held(String),
     /// No dead letter with that id.
     NotFound,
 }
@@ -65,6 +69,7 @@ impl ReplayOutcome {
             ReplayOutcome::Duplicate => ("duplicate", ""),
             ReplayOutcome::NoOp(c) => ("no_op", c),
             ReplayOutcome::StillFailing(why) => ("still_failing", why),
+            ReplayOutcome::Held(why) => ("held", why),
             ReplayOutcome::NotFound => ("not_found", ""),
         }
     }
@@ -73,7 +78,59 @@ impl ReplayOutcome {
         match self {
             ReplayOutcome::NoOp(o) => o.clone(),
             ReplayOutcome::StillFailing(why) => format!("failed: {why}"),
+            ReplayOutcome::Held(why) => format!("failed: {why}"),
             other => other.label().0.into(),
+        }
+    }
+}
+
+/// What a replay did: its outcome and, when it released a held key, that.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replayed {
+    /// The dead letter's own outcome.
+    pub outcome: ReplayOutcome,
+    /// The key it held, released.
+    pub released: Option<Released>,
+}
+
+/// A held record key released (a replay of its head resolved, or the head
+/// was skipped): its held records were replayed in offset order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Released {
+    /// The Kafka record key.
+    pub key: Vec<u8>,
+    /// Held records processed (applied, duplicates or classified no-ops).
+    pub replayed: u64,
+    /// The held record that failed in its turn: it holds the key now, and
+    /// the records after it stay held behind it.
+    pub held_behind: Option<i64>,
+}
+
+impl Released {
+    /// One line for an operator.
+    pub fn describe(&self) -> String {
+        let key = String::from_utf8_lossy(&self.key[..self.key.len().min(256)]);
+        match self.held_behind {
+            None => format!("key {key:?} released: {} held record(s) applied in order", self.replayed),
+            Some(id) => format!(
+                "key {key:?}: {} held record(s) applied in order, then dead letter {id} failed and holds the key now",
+                self.replayed
+            ),
+        }
+    }
+}
+
+/// A replay's outcome, from what processing the record decided.
+fn replay_outcome(d: Disposition) -> ReplayOutcome {
+    match d {
+        Disposition::Applied { .. } => ReplayOutcome::Applied,
+        Disposition::Duplicate => ReplayOutcome::Duplicate,
+        Disposition::NoOp { outcome, .. } => ReplayOutcome::NoOp(outcome.as_str().to_owned()),
+        Disposition::DeadLetter(p) | Disposition::RetryLater(p) | Disposition::Held(p) => {
+            ReplayOutcome::StillFailing(p.to_string())
+        }
+        Disposition::Paused { route } => {
+            ReplayOutcome::StillFailing(format!("route {route} is paused; resume it first"))
         }
     }
 }
@@ -265,54 +322,163 @@ impl Operator {
     /// Replay dead letter `id` through `processor` in one transaction (a
     /// dead letter of another consumer sharing the database is not found:
     /// its routes are not these). A route paused now holds the replay as it
-    /// holds the partition.
+    /// holds the partition. See [`Operator::replay_releasing`].
     pub async fn replay(&self, processor: &Processor, id: i64) -> Result<ReplayOutcome, OpsError> {
+        Ok(self.replay_releasing(processor, id).await?.outcome)
+    }
+
+    /// [`Operator::replay`], and when dead letter `id` holds its Kafka key
+    /// (`on_poison = "hold_key"`) and now resolves, the records held behind
+    /// it are replayed in offset order in the same transaction and the key
+    /// is released. A held record is not replayed before its head.
+    pub async fn replay_releasing(&self, processor: &Processor, id: i64) -> Result<Replayed, OpsError> {
         let mut conn = self.pool.acquire().await?;
         let mut tx = conn.begin().await?;
         let Some(dl) = dead_letters::get(&mut tx, &self.consumer, id).await? else {
-            return Ok(ReplayOutcome::NotFound);
+            return Ok(Replayed { outcome: ReplayOutcome::NotFound, released: None });
         };
+        // Locked before anything is applied: the consumer's batches of the
+        // key wait until this transaction ends (relay_store::holds).
+        let hold = holds::of_letter(&mut tx, &self.consumer, id).await?;
+        if let Some(h) = &hold
+            && h.head != id
+        {
+            let why = format!(
+                "held behind dead letter {} (offset {}) of its key; replay or skip that one, and this one follows in order",
+                h.head, h.head_offset
+            );
+            return Ok(Replayed { outcome: ReplayOutcome::Held(why), released: None });
+        }
         // The pauses as they are now, not as a consumer of this process last read them (if any does).
         processor.set_paused(ops::paused_routes(&mut tx).await?);
         let processed = processor.process(&mut tx, &dl.record).await?;
-        let outcome = match processed.disposition {
-            Disposition::Applied { .. } => ReplayOutcome::Applied,
-            Disposition::Duplicate => ReplayOutcome::Duplicate,
-            Disposition::NoOp { outcome, .. } => ReplayOutcome::NoOp(outcome.as_str().to_owned()),
-            Disposition::DeadLetter(p) | Disposition::RetryLater(p) => ReplayOutcome::StillFailing(p.to_string()),
-            Disposition::Paused { route } => {
-                ReplayOutcome::StillFailing(format!("route {route} is paused; resume it first"))
+        let outcome = replay_outcome(processed.disposition);
+        dead_letters::mark_replayed(&mut tx, &self.consumer, id, &outcome.stored()).await?;
+        let released = match hold {
+            Some(h) if outcome.resolved() => Some(self.release(&mut tx, processor, h).await?),
+            _ => None,
+        };
+        tx.commit().await?;
+        if let Some(r) = &released {
+            tracing::info!(dead_letter = id, "{}", r.describe());
+        }
+        Ok(Replayed { outcome, released })
+    }
+
+    /// Skip dead letter `id`, which holds its Kafka key: it stays a dead
+    /// letter, marked `skipped` (resolved, never applied), and the records
+    /// held behind it are replayed in offset order.
+    pub async fn skip_dead_letter(&self, processor: &Processor, id: i64) -> Result<Released, OpsError> {
+        let mut conn = self.pool.acquire().await?;
+        let mut tx = conn.begin().await?;
+        if dead_letters::get(&mut tx, &self.consumer, id).await?.is_none() {
+            return Err(OpsError::NotFound(format!("no dead letter {id}")));
+        }
+        let hold = match holds::of_letter(&mut tx, &self.consumer, id).await? {
+            Some(h) if h.head == id => h,
+            Some(h) => {
+                return Err(OpsError::Conflict(format!(
+                    "dead letter {id} is held behind dead letter {} of its key: skip or replay that one",
+                    h.head
+                )));
+            }
+            None => {
+                return Err(OpsError::Conflict(format!(
+                    "dead letter {id} holds no key (only a record dead-lettered by a route with on_poison = \
+                     \"hold_key\" does): replay it, or delete it"
+                )));
             }
         };
-        dead_letters::mark_replayed(&mut tx, &self.consumer, id, &outcome.stored()).await?;
+        processor.set_paused(ops::paused_routes(&mut tx).await?);
+        dead_letters::mark_replayed(&mut tx, &self.consumer, id, "skipped").await?;
+        let released = self.release(&mut tx, processor, hold).await?;
         tx.commit().await?;
-        Ok(outcome)
+        tracing::info!(dead_letter = id, "dead letter skipped; {}", released.describe());
+        Ok(released)
+    }
+
+    /// Replay the records held behind `hold`'s head, in offset order, in the
+    /// caller's transaction; drop the hold when all of them went through,
+    /// or move it to the one that fails.
+    async fn release(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        processor: &Processor,
+        mut hold: holds::HeldKey,
+    ) -> Result<Released, OpsError> {
+        let mut released = Released { key: hold.key.clone(), replayed: 0, held_behind: None };
+        let mut after = hold.head_offset;
+        loop {
+            let ids = holds::waiting(tx, &hold, after, PAGE).await?;
+            if ids.is_empty() {
+                holds::release(tx, &hold).await?;
+                return Ok(released);
+            }
+            for id in ids {
+                let dl = dead_letters::get(tx, &self.consumer, id)
+                    .await?
+                    .ok_or_else(|| OpsError::Conflict(format!("held dead letter {id} vanished during the release")))?;
+                let processed = processor.process(tx, &dl.record).await?;
+                let failed = match &processed.disposition {
+                    Disposition::DeadLetter(p) | Disposition::RetryLater(p) | Disposition::Held(p) => Some(p.clone()),
+                    Disposition::Paused { route } => Some(relay_core::Poison::new(
+                        relay_core::PoisonClass::Held,
+                        format!(
+                            "route {route} was paused when its key was released: replay this one once the route \
+                             is resumed, and the records after it follow"
+                        ),
+                    )),
+                    _ => None,
+                };
+                let outcome = replay_outcome(processed.disposition);
+                dead_letters::mark_replayed(tx, &self.consumer, id, &outcome.stored()).await?;
+                if let Some(poison) = failed {
+                    holds::move_head(tx, &mut hold, id, dl.meta.offset, &poison).await?;
+                    released.held_behind = Some(id);
+                    return Ok(released);
+                }
+                released.replayed += 1;
+                after = dl.meta.offset;
+            }
+        }
+    }
+
+    /// The held record keys of this consumer, oldest first.
+    pub async fn held_keys(&self, limit: i64) -> Result<Vec<holds::HeldKey>, OpsError> {
+        Ok(holds::list(&mut *self.pool.acquire().await?, &self.consumer, limit).await?)
     }
 
     /// Replay every dead letter `which` selects, one transaction each;
-    /// `each(done, of, id, outcome)` after each one.
+    /// `each(done, of, id, replayed)` after each one.
     pub async fn replay_all(
         &self,
         processor: &Processor,
         which: DeadLetters,
-        mut each: impl FnMut(usize, usize, i64, &ReplayOutcome),
-    ) -> Result<Vec<(i64, ReplayOutcome)>, OpsError> {
+        mut each: impl FnMut(usize, usize, i64, &Replayed),
+    ) -> Result<Vec<(i64, Replayed)>, OpsError> {
         let ids = self.dead_letter_ids(which).await?;
         let mut results = Vec::with_capacity(ids.len());
         for (n, id) in ids.iter().enumerate() {
-            let outcome = self.replay(processor, *id).await?;
-            each(n + 1, ids.len(), *id, &outcome);
-            results.push((*id, outcome));
+            let replayed = self.replay_releasing(processor, *id).await?;
+            each(n + 1, ids.len(), *id, &replayed);
+            results.push((*id, replayed));
         }
         Ok(results)
     }
 
-    /// Delete dead letter `id`.
+    /// Delete dead letter `id`, unless it belongs to a held key (its head,
+    /// or held behind it): those are the key's unfinished records.
     pub async fn delete_dead_letter(&self, id: i64) -> Result<(), OpsError> {
-        if dead_letters::delete(&mut *self.pool.acquire().await?, &self.consumer, id).await? {
-            Ok(())
-        } else {
-            Err(OpsError::NotFound(format!("no dead letter {id}")))
+        let mut conn = self.pool.acquire().await?;
+        if dead_letters::delete(&mut conn, &self.consumer, id).await? {
+            return Ok(());
+        }
+        match dead_letters::get(&mut conn, &self.consumer, id).await? {
+            Some(dl) if dl.meta.hold_id.is_some() => Err(OpsError::Conflict(format!(
+                "dead letter {id} belongs to a held key (`relay dead-letters holds`): replay or skip the key's \
+                 head first; deleting it would lose a record of the key"
+            ))),
+            _ => Err(OpsError::NotFound(format!("no dead letter {id}"))),
         }
     }
 

@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::ingest::processor::Processor;
-use crate::ops::admin::{DeadLetters, Intents, KeyWindow, Operator, OpsError, ReplayOutcome};
+use crate::ops::admin::{DeadLetters, Intents, KeyWindow, Operator, OpsError, Released, ReplayOutcome, Replayed};
 use crate::runtime::kafka::{Role, client_config};
 
 const INDEX_HTML: &str = include_str!("../../console/index.html");
@@ -283,6 +283,8 @@ fn api(state: Shared) -> Router<Shared> {
         .route("/api/dead-letters/purge", post(purge_dead_letters))
         .route("/api/dead-letters/{id}", get(show_dead_letter).delete(delete_dead_letter))
         .route("/api/dead-letters/{id}/replay", post(replay_dead_letter))
+        .route("/api/dead-letters/{id}/skip", post(skip_dead_letter))
+        .route("/api/held-keys", get(held_keys))
         .route("/api/intents", get(list_intents))
         .route("/api/intents/replay", post(replay_intents))
         .route("/api/intents/{id}", get(show_intent))
@@ -409,16 +411,42 @@ async fn show_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiRe
     ))
 }
 
-fn outcome_json(id: i64, o: &ReplayOutcome) -> Value {
-    let (outcome, detail) = o.label();
-    json!({"id": id, "outcome": outcome, "detail": detail, "resolved": o.resolved()})
+fn outcome_json(id: i64, r: &Replayed) -> Value {
+    let (outcome, detail) = r.outcome.label();
+    let released = r.released.as_ref().map(released_json);
+    json!({"id": id, "outcome": outcome, "detail": detail, "resolved": r.outcome.resolved(), "released": released})
+}
+
+fn released_json(r: &Released) -> Value {
+    json!({"key": String::from_utf8_lossy(&r.key[..r.key.len().min(256)]), "replayed": r.replayed, "held_behind": r.held_behind,
+           "detail": r.describe()})
 }
 
 async fn replay_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
-    match s.operator.replay(&s.processor, id).await? {
+    let r = s.operator.replay_releasing(&s.processor, id).await?;
+    match r.outcome {
         ReplayOutcome::NotFound => Err(ApiError(StatusCode::NOT_FOUND, format!("no dead letter {id}"))),
-        o => Ok(Json(outcome_json(id, &o))),
+        _ => Ok(Json(outcome_json(id, &r))),
     }
+}
+
+async fn skip_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
+    let released = s.operator.skip_dead_letter(&s.processor, id).await?;
+    info!(dead_letter = id, "dead letter skipped through the admin API");
+    Ok(Json(json!({"id": id, "skipped": true, "released": released_json(&released)})))
+}
+
+async fn held_keys(State(s): State<Shared>) -> ApiResult {
+    let rows = s.operator.held_keys(200).await?;
+    let rows: Vec<Value> = rows
+        .iter()
+        .map(|h| {
+            json!({"id": h.id, "topic": h.topic, "partition": h.partition,
+                   "key": String::from_utf8_lossy(&h.key[..h.key.len().min(256)]),
+                   "head": h.head, "head_offset": h.head_offset, "held": h.held, "since": h.since})
+        })
+        .collect();
+    Ok(Json(json!({"held_keys": rows})))
 }
 
 #[derive(Deserialize)]
@@ -447,7 +475,7 @@ async fn replay_dead_letters(State(s): State<Shared>, Json(b): Json<Bulk>) -> Ap
     let which = b.select(&s, Resolution::Unresolved);
     let done = s.operator.replay_all(&s.processor, which, |_, _, _, _| {}).await?;
     let results: Vec<Value> = done.iter().map(|(id, o)| outcome_json(*id, o)).collect();
-    let resolved = done.iter().filter(|(_, o)| o.resolved()).count();
+    let resolved = done.iter().filter(|(_, r)| r.outcome.resolved()).count();
     Ok(Json(json!({"results": results, "resolved": resolved})))
 }
 

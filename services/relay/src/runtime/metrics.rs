@@ -68,6 +68,11 @@ pub fn dead_lettered(consumer: &str, topic: &str, class: &str) {
         .increment(1);
 }
 
+/// A record parked behind the dead letter that holds its key.
+pub fn held(consumer: &str, topic: &str) {
+    counter!("relay_records_held_total", "consumer" => consumer.to_owned(), "topic" => topic.to_owned()).increment(1);
+}
+
 /// A record that is not processable yet (retried with backoff).
 pub fn not_yet(consumer: &str, class: &str) {
     counter!("relay_failures_total", "consumer" => consumer.to_owned(), "kind" => "retryable", "class" => class.to_owned())
@@ -178,6 +183,8 @@ pub async fn refresh_gauges(pool: &PgPool) -> Result<(), sqlx::Error> {
         gauge!("relay_intents", "state" => state.clone()).set(*n as f64);
     }
     gauge!("relay_intents_holding_keys").set(g.intents_holding_keys as f64);
+    gauge!("relay_held_keys").set(g.held_keys as f64);
+    gauge!("relay_records_held").set(g.records_held as f64);
     gauge!("relay_intent_oldest_unfinished_seconds").set(g.oldest_pending_intent_secs.unwrap_or(0.0));
     for (state, n) in &g.outbox {
         gauge!("relay_outbox_rows", "state" => state.clone()).set(*n as f64);

@@ -1,0 +1,167 @@
+//! Held record keys (`on_poison = "hold_key"`, consumer side): when a record
+//! of such a route is dead-lettered, its Kafka key is held on its partition,
+//! and the key's later records there are parked as dead letters of class
+//! `held` behind it, in order, while other keys flow. The operator releases
+//! the key by replaying the head (once it resolves) or skipping it; the held
+//! records are then replayed in offset order (`relay::ops::admin`).
+//!
+//! A consumer batch reads the holds of its keys `FOR SHARE` and a release
+//! locks its hold `FOR UPDATE`: a record held while a release runs is
+//! either seen by it (the release waits for the batch) or not held at all
+//! (the batch waits for the release, then finds no hold), never stranded.
+
+use chrono::{DateTime, Utc};
+use relay_core::{Poison, RawRecord};
+use sqlx::{FromRow, PgConnection};
+
+/// The keys among `keys` held on `topic`/`partition`, each with the offset
+/// of the record holding it, locked `FOR SHARE` until the caller's
+/// transaction ends.
+pub async fn held(
+    conn: &mut PgConnection,
+    consumer: &str,
+    topic: &str,
+    partition: i32,
+    keys: &[&[u8]],
+) -> Result<Vec<(Vec<u8>, i64)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT key, head_offset FROM relay.held_keys
+          WHERE consumer = $1 AND topic = $2 AND partition = $3
+            AND sha256(key) = ANY(ARRAY(SELECT sha256(k) FROM unnest($4::bytea[]) AS k))
+            AND key = ANY($4::bytea[])
+            FOR SHARE",
+    )
+    .bind(consumer)
+    .bind(topic)
+    .bind(partition)
+    .bind(keys)
+    .fetch_all(conn)
+    .await
+}
+
+/// Hold `record`'s key behind its dead letter (just parked, or parked
+/// before), unless the key is held already, the record has no key, or its
+/// dead letter was resolved (a re-read of the topic must not hold the key
+/// again behind a record an operator dealt with).
+pub async fn open(conn: &mut PgConnection, consumer: &str, record: &RawRecord) -> Result<(), sqlx::Error> {
+    let Some(key) = &record.key else { return Ok(()) };
+    sqlx::query(&format!(
+        r#"WITH head AS (
+               SELECT id FROM relay.dead_letters
+                WHERE consumer = $1 AND topic = $2 AND partition = $3 AND "offset" = $5
+                  AND NOT {resolved}),
+           hold AS (
+               INSERT INTO relay.held_keys (consumer, topic, partition, key, head, head_offset)
+               SELECT $1, $2, $3, $4, head.id, $5 FROM head
+               ON CONFLICT DO NOTHING
+               RETURNING id, head)
+           UPDATE relay.dead_letters d SET hold_id = hold.id FROM hold WHERE d.id = hold.head"#,
+        resolved = crate::dead_letters::RESOLVED
+    ))
+    .bind(consumer)
+    .bind(&record.topic)
+    .bind(record.partition)
+    .bind(key)
+    .bind(record.offset)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// A held key.
+#[derive(Debug, Clone, FromRow, serde::Serialize)]
+pub struct HeldKey {
+    /// Id of the hold.
+    pub id: i64,
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// The Kafka record key held.
+    pub key: Vec<u8>,
+    /// The dead letter that holds it: replay or skip it to release the key.
+    pub head: i64,
+    /// Its offset.
+    pub head_offset: i64,
+    /// Held since.
+    pub since: DateTime<Utc>,
+    /// Records held behind the head, waiting.
+    pub held: i64,
+}
+
+const HELD_KEY: &str = r#"h.id, h.topic, h.partition, h.key, h.head, h.head_offset, h.since,
+    (SELECT count(*) FROM relay.dead_letters d WHERE d.hold_id = h.id AND d."offset" > h.head_offset) AS held"#;
+
+/// The held keys of `consumer`, oldest first, at most `limit`.
+pub async fn list(conn: &mut PgConnection, consumer: &str, limit: i64) -> Result<Vec<HeldKey>, sqlx::Error> {
+    sqlx::query_as(&format!("SELECT {HELD_KEY} FROM relay.held_keys h WHERE h.consumer = $1 ORDER BY h.id LIMIT $2"))
+        .bind(consumer)
+        .bind(limit)
+        .fetch_all(conn)
+        .await
+}
+
+/// The hold dead letter `letter` of `consumer` belongs to, locked for a
+/// release (`FOR UPDATE`): the consumer's batches of that key wait for it.
+pub async fn of_letter(conn: &mut PgConnection, consumer: &str, letter: i64) -> Result<Option<HeldKey>, sqlx::Error> {
+    sqlx::query_as(&format!(
+        "SELECT {HELD_KEY} FROM relay.held_keys h JOIN relay.dead_letters l ON l.hold_id = h.id
+          WHERE l.id = $1 AND l.consumer = $2 FOR UPDATE OF h"
+    ))
+    .bind(letter)
+    .bind(consumer)
+    .fetch_optional(conn)
+    .await
+}
+
+/// The records held behind `hold`'s head after offset `after` (at least
+/// the head's), in offset order, at most `limit`.
+pub async fn waiting(conn: &mut PgConnection, hold: &HeldKey, after: i64, limit: i64) -> Result<Vec<i64>, sqlx::Error> {
+    sqlx::query_scalar(
+        r#"SELECT id FROM relay.dead_letters WHERE hold_id = $1 AND "offset" > $2 ORDER BY "offset" LIMIT $3"#,
+    )
+    .bind(hold.id)
+    .bind(after.max(hold.head_offset))
+    .bind(limit)
+    .fetch_all(conn)
+    .await
+}
+
+/// Held dead letter `letter` failed when its key was released: it holds the
+/// key now, with its own failure, and the records after it stay held.
+pub async fn move_head(
+    conn: &mut PgConnection,
+    hold: &mut HeldKey,
+    letter: i64,
+    offset: i64,
+    poison: &Poison,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE relay.dead_letters SET error_class = $2, reason = $3 WHERE id = $1")
+        .bind(letter)
+        .bind(poison.class.as_str())
+        .bind(&poison.reason)
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query("UPDATE relay.held_keys SET head = $2, head_offset = $3 WHERE id = $1")
+        .bind(hold.id)
+        .bind(letter)
+        .bind(offset)
+        .execute(&mut *conn)
+        .await?;
+    // The letters before it are done with (replayed, or the old head): no
+    // longer part of the hold, so retention may take them in time.
+    sqlx::query(r#"UPDATE relay.dead_letters SET hold_id = NULL WHERE hold_id = $1 AND "offset" < $2"#)
+        .bind(hold.id)
+        .bind(offset)
+        .execute(conn)
+        .await?;
+    hold.head = letter;
+    hold.head_offset = offset;
+    Ok(())
+}
+
+/// Drop `hold`: the key flows again; its dead letters may be cleaned up.
+pub async fn release(conn: &mut PgConnection, hold: &HeldKey) -> Result<(), sqlx::Error> {
+    sqlx::query("DELETE FROM relay.held_keys WHERE id = $1").bind(hold.id).execute(conn).await?;
+    Ok(())
+}
