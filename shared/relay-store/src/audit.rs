@@ -127,16 +127,24 @@ pub enum Claimed {
 }
 
 /// Rows of `table` running past their lease, or pending past their due
-/// time, by more than `grace`, each as `id (state)`.
+/// time, by more than `grace`, each as `id (state)`. A pending row waiting
+/// behind an earlier row of its ordering key that an operator must act on
+/// (an uncertain or holding dead intent, a dead outbox row) is not stuck:
+/// it waits as designed, and its head is what the operator sees.
 pub async fn stuck(pool: &PgPool, table: Claimed, consumer: &str, grace: Duration) -> Result<Vec<String>, sqlx::Error> {
-    let table = match table {
-        Claimed::Intents => "intents",
-        Claimed::Outbox => "outbox",
+    let (table, parked) = match table {
+        Claimed::Intents => (
+            "intents",
+            "e.ordering_key = r.ordering_key AND (e.state = 'uncertain' OR (e.state = 'dead' AND e.holds_key))",
+        ),
+        Claimed::Outbox => ("outbox", "e.topic = r.topic AND e.ordering_key = r.ordering_key AND e.state = 'dead'"),
     };
     sqlx::query_scalar(&format!(
-        "SELECT id::text || ' (' || state || ')' FROM relay.{table} WHERE consumer = $1 AND (
-             (state = 'running' AND locked_until < now() - make_interval(secs => $2))
-          OR (state = 'pending' AND next_attempt_at < now() - make_interval(secs => $2)))"
+        "SELECT r.id::text || ' (' || r.state || ')' FROM relay.{table} r WHERE r.consumer = $1 AND (
+             (r.state = 'running' AND r.locked_until < now() - make_interval(secs => $2))
+          OR (r.state = 'pending' AND r.next_attempt_at < now() - make_interval(secs => $2)
+              AND NOT (r.ordering_key IS NOT NULL AND EXISTS (
+                  SELECT 1 FROM relay.{table} e WHERE e.consumer = r.consumer AND e.seq < r.seq AND {parked}))))"
     ))
     .bind(consumer)
     .bind(grace.as_secs_f64())
