@@ -667,6 +667,45 @@ async fn a_parked_record_holds_its_key_and_a_replay_releases_the_held_records_in
     assert_eq!(h.db.count("dead_letters", "error_class = 'held' AND replay_outcome IS NULL").await, 0);
 }
 
+/// `on_poison = "hold_key"` taken out of the config while keys are held:
+/// the holds already recorded still hold, until their heads are dealt with.
+#[tokio::test]
+async fn a_key_held_before_hold_key_was_taken_out_of_the_config_stays_held() {
+    let h = Harness::new(1).await;
+    let ev = |id: &str, ty: &str| TestEvent::new(id, ty, json!({"order_id": "o-1"})).key("o-1");
+    let (_, last) = h.send(&ev("p-1", "payment.confirmed")).await; // o-1 does not exist yet: parked, holds o-1
+    let run = h.start(h.config(HELD_SAGA_ROUTES), CONSUMER_ONLY, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.db.count("held_keys", "true").await, 1);
+
+    sqlx::query(
+        "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-1', 'pending', 's')",
+    )
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    let cfg = h.config(&HELD_SAGA_ROUTES.replace("on_poison = \"hold_key\"\n", ""));
+    assert!(!format!("{cfg:?}").contains("HoldKey"), "no route holds keys any more");
+    // Applied now, s-1 would find the order pending and be lost as an invalid transition.
+    let (_, last) = h.send(&ev("s-1", "order.shipped")).await;
+    let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.outcome("s-1").await, None, "s-1 waits behind p-1 although no route holds keys now");
+    assert_eq!(h.db.count("dead_letters", "event_id = 's-1' AND error_class = 'held'").await, 1);
+
+    let relay = h.relay(cfg, Handlers::default(), no_faults()).await;
+    let p1: i64 = sqlx::query_scalar("SELECT id FROM relay.dead_letters WHERE event_id = 'p-1'")
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    let r = relay.operator().replay_releasing(&relay.processor(), p1).await.unwrap();
+    assert_eq!((r.outcome, r.released.map(|r| r.replayed)), (ReplayOutcome::Applied, Some(1)));
+    assert_eq!(h.outcome("s-1").await.as_deref(), Some("applied"), "in order: paid, then shipped");
+    assert_eq!(h.db.count("held_keys", "true").await, 0);
+}
+
 #[tokio::test]
 async fn saga_moves_are_guarded_and_every_no_op_is_classified() {
     let h = Harness::new(1).await;

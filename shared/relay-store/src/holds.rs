@@ -101,6 +101,14 @@ pub async fn list(conn: &mut PgConnection, consumer: &str, limit: i64) -> Result
         .await
 }
 
+/// How many keys of `consumer` are held, per topic.
+pub async fn count_by_topic(conn: &mut PgConnection, consumer: &str) -> Result<Vec<(String, i64)>, sqlx::Error> {
+    sqlx::query_as("SELECT topic, count(*) FROM relay.held_keys WHERE consumer = $1 GROUP BY topic ORDER BY topic")
+        .bind(consumer)
+        .fetch_all(conn)
+        .await
+}
+
 /// The hold dead letter `letter` of `consumer` belongs to, locked for a
 /// release (`FOR UPDATE`): the consumer's batches of that key wait for it.
 pub async fn of_letter(conn: &mut PgConnection, consumer: &str, letter: i64) -> Result<Option<HeldKey>, sqlx::Error> {

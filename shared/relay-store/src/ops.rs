@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use sqlx::PgConnection;
+use sqlx::{FromRow, PgConnection};
 
 /// What can be paused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -84,6 +84,36 @@ pub async fn resume(conn: &mut PgConnection, kind: PauseKind, name: &str) -> Res
 /// Every pause.
 pub async fn pauses(conn: &mut PgConnection) -> Result<Vec<Pause>, sqlx::Error> {
     sqlx::query_as("SELECT kind, name, reason, paused_at FROM relay.pauses ORDER BY kind, name").fetch_all(conn).await
+}
+
+/// What a consumer batch reads before its transaction begins.
+#[derive(Debug, Clone, Default, FromRow)]
+pub struct BatchGates {
+    /// Names of paused routes.
+    pub paused: Vec<String>,
+    /// Some key of the batch's partition is held ([`crate::holds`]): the
+    /// batch looks its keys up, whether or not a route holds keys today.
+    pub keys_held: bool,
+}
+
+/// The [`BatchGates`] of a batch of `consumer` on `topic`/`partition`, in
+/// one round trip. Only that partition's own batches open holds, so none
+/// can appear between this read and the batch's transaction.
+pub async fn batch_gates(
+    conn: &mut PgConnection,
+    consumer: &str,
+    topic: &str,
+    partition: i32,
+) -> Result<BatchGates, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT ARRAY(SELECT name FROM relay.pauses WHERE kind = 'route') AS paused,
+                EXISTS(SELECT 1 FROM relay.held_keys WHERE consumer = $1 AND topic = $2 AND partition = $3) AS keys_held",
+    )
+    .bind(consumer)
+    .bind(topic)
+    .bind(partition)
+    .fetch_one(conn)
+    .await
 }
 
 /// Names of paused routes.

@@ -260,6 +260,7 @@ impl InboxConsumer {
     /// commit) or a fault point fails (then stop without committing, like a crash).
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         let me = Arc::new(self);
+        me.warn_of_leftover_holds().await;
         let result = me.run_loop(&shutdown).await;
         if result.is_ok() {
             me.commit_all(CommitMode::Sync);
@@ -267,6 +268,27 @@ impl InboxConsumer {
         me.consumer.unsubscribe();
         info!(consumer = %me.settings.name, "inbox consumer stopped");
         result
+    }
+
+    /// Keys held on a topic where no route holds keys any more still hold
+    /// (their records wait behind their heads): say so once at start, as an
+    /// operator who took `hold_key` out may not expect it.
+    async fn warn_of_leftover_holds(&self) {
+        let consumer = self.processor.consumer();
+        let read = async {
+            let mut conn = self.pool.acquire().await?;
+            relay_store::holds::count_by_topic(&mut conn, consumer).await
+        };
+        let Ok(Ok(counts)) = tokio::time::timeout(Duration::from_secs(5), read).await else { return };
+        for (topic, keys) in counts.into_iter().filter(|(t, _)| !self.processor.router().holds_keys_on(t)) {
+            warn!(
+                consumer,
+                topic,
+                keys,
+                "keys are held on a topic where no route has on_poison = \"hold_key\" any more: their later records \
+                   keep waiting behind their heads; replay or skip those (`relay dead-letters holds`)"
+            );
+        }
     }
 
     /// Each partition is processed on a task of its own, one task per
@@ -832,13 +854,14 @@ impl InboxConsumer {
         // read on the batch's own connection, in its task (never in the
         // receive loop, which a slow pool would hold up).
         let read_at = Instant::now();
-        self.processor.set_paused_as_of(relay_store::ops::paused_routes(&mut conn).await?, read_at);
+        let gates = relay_store::ops::batch_gates(&mut conn, self.processor.consumer(), &tp.0, tp.1).await?;
+        self.processor.set_paused_as_of(gates.paused, read_at);
         let mut tx = conn.begin().await?;
         let started = Instant::now();
         // Intents written already claimed by this process's dispatcher: handed
         // over after the commit, dropped (room given back) if there is none.
         let mut held = Vec::new();
-        let processed = match self.processor.process_batch_first(&mut tx, records, &mut held).await? {
+        let processed = match self.processor.process_batch_first(&mut tx, records, gates.keys_held, &mut held).await? {
             Some(processed) => processed,
             None => {
                 // The batch's first run was rejected; it was all the
@@ -846,7 +869,7 @@ impl InboxConsumer {
                 tx.rollback().await?;
                 held.clear();
                 tx = conn.begin().await?;
-                self.processor.process_batch(&mut tx, records, &mut held).await?
+                self.processor.process_batch(&mut tx, records, gates.keys_held, &mut held).await?
             }
         };
         let (mut stopped, mut paused) = (None, None);

@@ -206,6 +206,11 @@ impl Processor {
         self.paused.read().unwrap_or_else(std::sync::PoisonError::into_inner).routes.contains(&route.name)
     }
 
+    /// The compiled routes.
+    pub fn router(&self) -> &Router {
+        &self.router
+    }
+
     /// The consumer (inbox namespace) this processor writes for.
     pub fn consumer(&self) -> &str {
         self.router.consumer()
@@ -227,6 +232,9 @@ impl Processor {
     /// after the first [`Disposition::RetryLater`] or [`Disposition::Paused`] (the records
     /// after it are left to the caller). `Err` only for transient database errors.
     ///
+    /// `keys_held`: some key of the partition is held
+    /// ([`relay_store::ops::BatchGates`]); if not, no key is looked up.
+    ///
     /// Intents written already claimed ([`Processor::claiming_for`]) are
     /// added to `held`: hand them over once the transaction has committed,
     /// and drop them if it has not.
@@ -234,9 +242,10 @@ impl Processor {
         &self,
         conn: &mut PgConnection,
         records: &[RawRecord],
+        keys_held: bool,
         held: &mut Vec<Handed>,
     ) -> Result<Vec<Processed>, sqlx::Error> {
-        let done = self.batch(conn, records, false, held).await?;
+        let done = self.batch(conn, records, false, keys_held, held).await?;
         Ok(done.expect("only a run written without a savepoint comes back rejected"))
     }
 
@@ -254,9 +263,10 @@ impl Processor {
         &self,
         conn: &mut PgConnection,
         records: &[RawRecord],
+        keys_held: bool,
         held: &mut Vec<Handed>,
     ) -> Result<Option<Vec<Processed>>, sqlx::Error> {
-        self.batch(conn, records, true, held).await
+        self.batch(conn, records, true, keys_held, held).await
     }
 
     /// `bare`: write a run that starts the batch without a savepoint, and
@@ -266,10 +276,11 @@ impl Processor {
         conn: &mut PgConnection,
         records: &[RawRecord],
         bare: bool,
+        keys_held: bool,
         held: &mut Vec<Handed>,
     ) -> Result<Option<Vec<Processed>>, sqlx::Error> {
         let mut out = Vec::with_capacity(records.len());
-        let mut holds = self.held_keys(conn, records).await?;
+        let mut holds = self.held_keys(conn, records, keys_held).await?;
         let mut i = 0;
         while i < records.len() {
             // The run from here, and the record that ends it (each record is
@@ -326,17 +337,23 @@ impl Processor {
     }
 
     /// The keys of `records` (one partition's) held now, locked until the
-    /// transaction ends ([`relay_store::holds`]). No query unless a route
-    /// on their topic holds keys.
-    async fn held_keys(&self, conn: &mut PgConnection, records: &[RawRecord]) -> Result<HeldKeys, sqlx::Error> {
+    /// transaction ends ([`relay_store::holds`]). No query unless some key
+    /// of the partition is held (`keys_held`): holds opened before a
+    /// `hold_key` route was taken out of the config hold still.
+    async fn held_keys(
+        &self,
+        conn: &mut PgConnection,
+        records: &[RawRecord],
+        keys_held: bool,
+    ) -> Result<HeldKeys, sqlx::Error> {
         let Some(first) = records.first() else { return Ok(HeldKeys::default()) };
-        if !self.router.holds_keys_on(&first.topic) {
-            return Ok(HeldKeys::default());
+        let mut held = HeldKeys { on: self.router.holds_keys_on(&first.topic), keys: std::collections::HashMap::new() };
+        if !keys_held {
+            return Ok(held);
         }
         let mut keys: Vec<&[u8]> = records.iter().filter_map(|r| r.key.as_deref()).collect();
         keys.sort_unstable();
         keys.dedup();
-        let mut held = HeldKeys { on: true, keys: std::collections::HashMap::new() };
         if !keys.is_empty() {
             let found = holds::held(conn, self.router.consumer(), &first.topic, first.partition, &keys).await?;
             held.keys.extend(found);
