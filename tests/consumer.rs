@@ -651,7 +651,7 @@ async fn a_parked_record_holds_its_key_and_a_replay_releases_the_held_records_in
     // Skipping s-3 (never applied) lets s-3b through.
     let released = ops.skip_dead_letter(&relay.processor(), s3).await.unwrap();
     assert_eq!((released.replayed, released.held_behind), (1, None));
-    assert_eq!(h.outcome("s-3").await, None, "a skipped record is never applied");
+    assert_eq!(h.outcome("s-3").await.as_deref(), Some("skipped"), "a skipped record is never applied");
     assert_eq!(h.outcome("s-3b").await.as_deref(), Some("applied"));
     assert_eq!(h.db.count("held_keys", "true").await, 0);
     assert!(ops.skip_dead_letter(&relay.processor(), s3).await.is_err(), "nothing to skip any more");
@@ -704,6 +704,61 @@ async fn a_key_held_before_hold_key_was_taken_out_of_the_config_stays_held() {
     assert_eq!((r.outcome, r.released.map(|r| r.replayed)), (ReplayOutcome::Applied, Some(1)));
     assert_eq!(h.outcome("s-1").await.as_deref(), Some("applied"), "in order: paid, then shipped");
     assert_eq!(h.db.count("held_keys", "true").await, 0);
+}
+
+/// A skipped head is never applied: not by a replay afterwards (the
+/// records of its key went ahead of it), nor by a redelivery of its record
+/// (a crash before the offset commit; here a new consumer group reads the
+/// topic again).
+#[tokio::test]
+async fn a_skipped_head_is_never_applied_by_a_later_replay_or_a_redelivery() {
+    let h = Harness::new(1).await;
+    let p1 = TestEvent::new("p-1", "payment.confirmed", json!({"order_id": "o-1"})).key("o-1");
+    let (_, last) = h.send(&p1).await; // o-1 does not exist yet: parked, holds o-1
+    let cfg = h.config(HELD_SAGA_ROUTES);
+    let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+
+    let relay = h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
+    let ops = relay.operator();
+    let p1: i64 = sqlx::query_scalar("SELECT id FROM relay.dead_letters WHERE event_id = 'p-1'")
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    let released = ops.skip_dead_letter(&relay.processor(), p1).await.unwrap();
+    assert_eq!((released.replayed, released.held_behind), (0, None));
+    assert_eq!(h.outcome("p-1").await.as_deref(), Some("skipped"));
+
+    // The reason p-1 failed is gone now: applied, it would move the order.
+    sqlx::query(
+        "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-1', 'pending', 's')",
+    )
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    let again = ops.replay_releasing(&relay.processor(), p1).await.unwrap();
+    assert_eq!(again.outcome, ReplayOutcome::Skipped, "{again:?}");
+    assert!(again.outcome.resolved());
+    let mut reread = cfg;
+    let group = format!("{}-reread", h.group);
+    reread.consumer.group_id = Some(group.clone());
+    let run = h.start(reread, CONSUMER_ONLY, no_faults()).await;
+    eventually("the topic read again", DEADLINE, || async {
+        let committed = relay_testkit::committed_offsets(&h.bootstrap, &group, &h.topic).await.ok()?;
+        (committed.get(&0).copied().flatten() == Some(last + 1)).then_some(())
+    })
+    .await;
+    run.stop().await.unwrap();
+    let state: String =
+        sqlx::query_scalar("SELECT state FROM relay.sagas WHERE saga_id = 'o-1'").fetch_one(&h.db.pool).await.unwrap();
+    assert_eq!(state, "pending", "the skipped payment was never applied");
+    let outcome: Option<String> = sqlx::query_scalar("SELECT replay_outcome FROM relay.dead_letters WHERE id = $1")
+        .bind(p1)
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(outcome.as_deref(), Some("skipped"));
 }
 
 #[tokio::test]

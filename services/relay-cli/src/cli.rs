@@ -694,6 +694,7 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
                     match &replayed.outcome {
                         ReplayOutcome::StillFailing(why) => println!("[{n}/{of}] {id}: still failing: {}", safe(why)),
                         ReplayOutcome::Held(why) => println!("[{n}/{of}] {id}: not replayed: {}", safe(why)),
+                        skipped @ ReplayOutcome::Skipped => println!("[{n}/{of}] {id}: {}", skipped.label().1),
                         ReplayOutcome::NotFound => println!("[{n}/{of}] {id}: no such dead letter"),
                         other => println!("[{n}/{of}] {id}: {other:?}"),
                     }

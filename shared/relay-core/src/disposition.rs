@@ -22,6 +22,9 @@ pub enum InboxOutcome {
     DuplicateSequence,
     /// No route for its type (non-strict consumer).
     Unrouted,
+    /// Never applied: an operator skipped its dead letter, which held its
+    /// key (`on_poison = "hold_key"`); its key's later records went ahead.
+    Skipped,
 }
 
 impl InboxOutcome {
@@ -36,6 +39,7 @@ impl InboxOutcome {
             InboxOutcome::InvalidTransition => "invalid_transition",
             InboxOutcome::DuplicateSequence => "duplicate_sequence",
             InboxOutcome::Unrouted => "unrouted",
+            InboxOutcome::Skipped => "skipped",
         }
     }
 }

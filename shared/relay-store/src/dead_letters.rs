@@ -217,6 +217,37 @@ pub async fn resolved_at(conn: &mut PgConnection, consumer: &str, record: &RawRe
     Ok(found == Some(true))
 }
 
+/// The replay outcome of a dead letter an operator skipped (it held its
+/// key): resolved, never applied.
+pub const SKIPPED: &str = "skipped";
+
+/// Dead letter `id` of `consumer`, locked (`FOR UPDATE`) for a replay or a
+/// skip, so that two of one letter run one after the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Locked {
+    /// No such dead letter (of this consumer).
+    NotFound,
+    /// It was skipped: it must never be applied.
+    Skipped,
+    /// Anything else.
+    Open,
+}
+
+/// Lock dead letter `id` ([`Locked`]) until the transaction ends.
+pub async fn lock(conn: &mut PgConnection, consumer: &str, id: i64) -> Result<Locked, sqlx::Error> {
+    let found: Option<Option<String>> =
+        sqlx::query_scalar("SELECT replay_outcome FROM relay.dead_letters WHERE id = $1 AND consumer = $2 FOR UPDATE")
+            .bind(id)
+            .bind(consumer)
+            .fetch_optional(conn)
+            .await?;
+    Ok(match found {
+        None => Locked::NotFound,
+        Some(Some(outcome)) if outcome == SKIPPED => Locked::Skipped,
+        Some(_) => Locked::Open,
+    })
+}
+
 /// Record the outcome of a replay.
 pub async fn mark_replayed(conn: &mut PgConnection, consumer: &str, id: i64, outcome: &str) -> Result<(), sqlx::Error> {
     sqlx::query(

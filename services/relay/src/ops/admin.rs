@@ -10,11 +10,11 @@ use std::collections::HashMap;
 
 use relay_core::{Disposition, RelayConfig};
 use relay_store::dead_letters::{self, DeadLetter, DeadLetterRecord, Filter, Resolution};
-use relay_store::holds;
 use relay_store::intents::{self, AttemptView, IntentFilter, IntentState, IntentView, Requeue};
 use relay_store::ops::{self, Pause, PauseKind, Paused, Resumed};
 use relay_store::outbox::{self, Acted, OutboxState, OutboxView};
 use relay_store::stats::{self, Stats};
+use relay_store::{holds, inbox};
 use sqlx::{Connection, PgPool};
 use uuid::Uuid;
 
@@ -51,6 +51,9 @@ pub enum ReplayOutcome {
     /// Held behind an earlier dead letter of its key, which goes first:
     /// not replayed (why, and which one to replay or skip).
     Held(String),
+    /// Skipped by an operator before (it held its key): never applied, as
+    /// its key's later records went ahead of it. Resolved; not replayed.
+    Skipped,
     /// No dead letter with that id.
     NotFound,
 }
@@ -58,11 +61,14 @@ pub enum ReplayOutcome {
 impl ReplayOutcome {
     /// Whether the dead letter is resolved.
     pub fn resolved(&self) -> bool {
-        matches!(self, ReplayOutcome::Applied | ReplayOutcome::Duplicate | ReplayOutcome::NoOp(_))
+        matches!(
+            self,
+            ReplayOutcome::Applied | ReplayOutcome::Duplicate | ReplayOutcome::NoOp(_) | ReplayOutcome::Skipped
+        )
     }
 
     /// A label for the outcome (`applied`, `duplicate`, `no_op`,
-    /// `still_failing`, `not_found`) and its detail, if any.
+    /// `still_failing`, `held`, `skipped`, `not_found`) and its detail, if any.
     pub fn label(&self) -> (&'static str, &str) {
         match self {
             ReplayOutcome::Applied => ("applied", ""),
@@ -70,6 +76,10 @@ impl ReplayOutcome {
             ReplayOutcome::NoOp(c) => ("no_op", c),
             ReplayOutcome::StillFailing(why) => ("still_failing", why),
             ReplayOutcome::Held(why) => ("held", why),
+            ReplayOutcome::Skipped => (
+                "skipped",
+                "skipped before: never applied, its key's later records went ahead of it; it is not replayed",
+            ),
             ReplayOutcome::NotFound => ("not_found", ""),
         }
     }
@@ -334,6 +344,16 @@ impl Operator {
     pub async fn replay_releasing(&self, processor: &Processor, id: i64) -> Result<Replayed, OpsError> {
         let mut conn = self.pool.acquire().await?;
         let mut tx = conn.begin().await?;
+        // A replay and a skip of one letter go one after the other; the
+        // second sees what the first did.
+        let outcome = match dead_letters::lock(&mut tx, &self.consumer, id).await? {
+            dead_letters::Locked::NotFound => Some(ReplayOutcome::NotFound),
+            dead_letters::Locked::Skipped => Some(ReplayOutcome::Skipped),
+            dead_letters::Locked::Open => None,
+        };
+        if let Some(outcome) = outcome {
+            return Ok(Replayed { outcome, released: None });
+        }
         let Some(dl) = dead_letters::get(&mut tx, &self.consumer, id).await? else {
             return Ok(Replayed { outcome: ReplayOutcome::NotFound, released: None });
         };
@@ -367,13 +387,17 @@ impl Operator {
 
     /// Skip dead letter `id`, which holds its Kafka key: it stays a dead
     /// letter, marked `skipped` (resolved, never applied), and the records
-    /// held behind it are replayed in offset order.
+    /// held behind it are replayed in offset order. Its event gets an inbox
+    /// row `skipped`, so that a redelivery of its record never applies it.
     pub async fn skip_dead_letter(&self, processor: &Processor, id: i64) -> Result<Released, OpsError> {
         let mut conn = self.pool.acquire().await?;
         let mut tx = conn.begin().await?;
-        if dead_letters::get(&mut tx, &self.consumer, id).await?.is_none() {
+        if dead_letters::lock(&mut tx, &self.consumer, id).await? == dead_letters::Locked::NotFound {
             return Err(OpsError::NotFound(format!("no dead letter {id}")));
         }
+        let dl = dead_letters::get(&mut tx, &self.consumer, id)
+            .await?
+            .ok_or_else(|| OpsError::NotFound(format!("no dead letter {id}")))?;
         let hold = match holds::of_letter(&mut tx, &self.consumer, id).await? {
             Some(h) if h.head == id => h,
             Some(h) => {
@@ -390,7 +414,24 @@ impl Operator {
             }
         };
         processor.set_paused(ops::paused_routes(&mut tx).await?);
-        dead_letters::mark_replayed(&mut tx, &self.consumer, id, "skipped").await?;
+        dead_letters::mark_replayed(&mut tx, &self.consumer, id, dead_letters::SKIPPED).await?;
+        // A record that could not be read has no event id; a redelivery of it
+        // fails as before, and is parked at its position already.
+        if let Some(event_id) = &dl.meta.event_id {
+            let row = inbox::NewInboxRow {
+                consumer: &self.consumer,
+                event_id,
+                event_type: dl.meta.event_type.as_deref().unwrap_or_default(),
+                topic: &dl.meta.topic,
+                partition: dl.meta.partition,
+                offset: dl.meta.offset,
+                idempotency_key: None,
+                aggregate_id: None,
+                correlation_id: None,
+                outcome: inbox::InboxOutcome::Skipped,
+            };
+            inbox::insert(&mut tx, &row).await?;
+        }
         let released = self.release(&mut tx, processor, hold).await?;
         tx.commit().await?;
         tracing::info!(dead_letter = id, "dead letter skipped; {}", released.describe());

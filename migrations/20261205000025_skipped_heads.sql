@@ -1,0 +1,20 @@
+-- A dead letter skipped by an operator (the head of a held key, issue 29
+-- part 6) is never applied: its event gets an inbox row with outcome
+-- 'skipped' in the skip's transaction, so neither a redelivery of the record
+-- (a crash before the offset commit) nor a later replay applies it after the
+-- records of its key that were released behind it.
+ALTER TABLE relay.inbox DROP CONSTRAINT inbox_outcome_known;
+-- NOT VALID, then VALIDATE: the check of existing rows does not block
+-- writers (VALIDATE takes SHARE UPDATE EXCLUSIVE only).
+ALTER TABLE relay.inbox ADD CONSTRAINT inbox_outcome_known CHECK (outcome IN (
+    'applied', 'duplicate_key', 'stale', 'duplicate_version',
+    'duplicate_transition', 'invalid_transition', 'duplicate_sequence', 'unrouted',
+    'skipped')) NOT VALID;
+ALTER TABLE relay.inbox VALIDATE CONSTRAINT inbox_outcome_known;
+
+-- A hold's head is a dead letter of the hold: it cannot be deleted from
+-- under it (deletes, purges and retention skip held letters already; this
+-- makes a mistake there an error, not a key held behind nothing).
+ALTER TABLE relay.held_keys
+    ADD CONSTRAINT held_keys_head FOREIGN KEY (head) REFERENCES relay.dead_letters (id) NOT VALID;
+ALTER TABLE relay.held_keys VALIDATE CONSTRAINT held_keys_head;
