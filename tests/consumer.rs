@@ -595,7 +595,8 @@ async fn a_parked_record_holds_its_key_and_a_replay_releases_the_held_records_in
     h.send(&ev("p-3", "payment.confirmed", "o-3", "o-3")).await;
     h.send(&ev("s-3", "order.shipped", "o-missing", "o-3")).await; // held; on release it fails in its turn
     let (_, last) = h.send(&ev("s-3b", "order.shipped", "o-3", "o-3")).await; // held behind both
-    let cfg = h.config(HELD_SAGA_ROUTES);
+    let mut cfg = h.config(HELD_SAGA_ROUTES);
+    cfg.consumer.dead_letter_topic = Some(format!("{}-dlq", h.topic));
     let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
@@ -616,6 +617,11 @@ async fn a_parked_record_holds_its_key_and_a_replay_releases_the_held_records_in
     let (s1, class, _) = letter("s-1").await;
     assert_eq!(class, "held");
     assert_eq!(h.db.count("held_keys", "true").await, 2, "o-1 and o-3 are held");
+    assert_eq!(
+        h.db.count("outbox", "true").await,
+        2,
+        "copies of p-1 and p-3 for the dead-letter topic, none of the held"
+    );
 
     let relay = h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
     let ops = relay.operator();
@@ -647,6 +653,12 @@ async fn a_parked_record_holds_its_key_and_a_replay_releases_the_held_records_in
     assert_eq!(r.released.as_ref().map(|r| (r.replayed, r.held_behind)), Some((0, Some(s3))), "{r:?}");
     let (_, class, hold) = letter("s-3").await;
     assert_eq!((class.as_str(), hold.is_some()), ("missing_reference", true));
+    let copied = format!("source_id = '{}/0/' || (SELECT \"offset\" FROM relay.dead_letters WHERE id = {s3})", h.topic);
+    assert_eq!(
+        h.db.count("outbox", &copied).await,
+        1,
+        "failing in its turn, s-3 is poison: copied to the dead-letter topic"
+    );
     assert_eq!(h.outcome("s-3b").await, None, "still held behind s-3");
     // Skipping s-3 (never applied) lets s-3b through.
     let released = ops.skip_dead_letter(&relay.processor(), s3).await.unwrap();

@@ -728,12 +728,29 @@ impl Processor {
             return Ok(false);
         }
         // A held record is not poison: it is applied once its key is released.
-        if let Some(topic) = self.router.dead_letter_topic().filter(|_| !held) {
-            let copy = encode_dead_letter(consumer, topic, record, &clean, attempts, self.router.max_record_bytes());
-            outbox::insert(conn, consumer, &format!("{}/{}/{}", record.topic, record.partition, record.offset), &copy)
-                .await?;
+        if !held {
+            self.copy_to_dead_letter_topic(conn, record, &clean, attempts).await?;
         }
         Ok(true)
+    }
+
+    /// Queue the copy of dead-lettered `record` to the dead-letter topic, if
+    /// there is one, in the caller's transaction: when it is parked, or when
+    /// a record held behind its key fails in its turn as the key is released.
+    pub async fn copy_to_dead_letter_topic(
+        &self,
+        conn: &mut PgConnection,
+        record: &RawRecord,
+        poison: &Poison,
+        attempts: u32,
+    ) -> Result<(), sqlx::Error> {
+        let Some(topic) = self.router.dead_letter_topic() else { return Ok(()) };
+        let consumer = self.router.consumer();
+        let copy =
+            encode_dead_letter(consumer, topic, record, &sanitized(poison), attempts, self.router.max_record_bytes());
+        outbox::insert(conn, consumer, &format!("{}/{}/{}", record.topic, record.partition, record.offset), &copy)
+            .await?;
+        Ok(())
     }
 }
 

@@ -461,7 +461,14 @@ impl Operator {
                     .ok_or_else(|| OpsError::Conflict(format!("held dead letter {id} vanished during the release")))?;
                 let processed = processor.process(tx, &dl.record).await?;
                 let failed = match &processed.disposition {
-                    Disposition::DeadLetter(p) | Disposition::RetryLater(p) | Disposition::Held(p) => Some(p.clone()),
+                    Disposition::DeadLetter(p) | Disposition::RetryLater(p) | Disposition::Held(p) => {
+                        // Poison now, as if it had failed when it came: its copy
+                        // goes to the dead-letter topic and it is counted.
+                        processor.copy_to_dead_letter_topic(tx, &dl.record, p, 1).await?;
+                        crate::runtime::metrics::dead_lettered(&self.consumer, &dl.meta.topic, p.class.as_str());
+                        Some(p.clone())
+                    }
+                    // Not poison: it waits for its route, still held (class `held`).
                     Disposition::Paused { route } => Some(relay_core::Poison::new(
                         relay_core::PoisonClass::Held,
                         format!(
