@@ -633,7 +633,7 @@ async fn dead_outbox_rows_an_earlier_version_left_behind_published_ones_are_skip
 
 #[tokio::test]
 async fn the_stored_names_of_outcomes_and_error_classes_are_the_types_names() {
-    // AttemptOutcome, ErrorClass and Reconciled decide what a stored name means; the
+    // AttemptOutcome, ErrorClass, Reconciled and InboxOutcome decide what a stored name means; the
     // CHECK constraints must accept exactly those names.
     let db = TestDb::new().await.unwrap();
     let allowed = async |constraint: &str| -> Vec<String> {
@@ -658,4 +658,7 @@ async fn the_stored_names_of_outcomes_and_error_classes_are_the_types_names() {
         relay_core::profile::Reconciled::ALL.iter().map(|v| v.as_str().to_owned()).collect();
     verdicts.sort();
     assert_eq!(allowed("intent_reconciliations_verdict_known").await, verdicts);
+    let mut inbox: Vec<String> = relay_store::inbox::InboxOutcome::ALL.iter().map(|o| o.as_str().to_owned()).collect();
+    inbox.sort();
+    assert_eq!(allowed("inbox_outcome_known").await, inbox);
 }

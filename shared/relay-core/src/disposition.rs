@@ -28,6 +28,19 @@ pub enum InboxOutcome {
 }
 
 impl InboxOutcome {
+    /// Every outcome (the `inbox_outcome_known` check lists their names).
+    pub const ALL: [InboxOutcome; 9] = [
+        InboxOutcome::Applied,
+        InboxOutcome::DuplicateKey,
+        InboxOutcome::Stale,
+        InboxOutcome::DuplicateVersion,
+        InboxOutcome::DuplicateTransition,
+        InboxOutcome::InvalidTransition,
+        InboxOutcome::DuplicateSequence,
+        InboxOutcome::Unrouted,
+        InboxOutcome::Skipped,
+    ];
+
     /// Stored / logged name.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -177,7 +177,8 @@ pub async fn delete_batch(
 /// take their attempt rows with them (there is no foreign key to cascade: see
 /// migration 0003). The intents' state is checked again on the rows
 /// themselves: one requeued (dead → pending) after the subquery read it is
-/// re-read under its lock and left alone.
+/// re-read under its lock and left alone; so is every table's filter (an
+/// outbox row replayed, a dead letter whose key was held meanwhile).
 ///
 /// The limit is written into the statement, not bound: with `LIMIT $n` a
 /// generic plan (which PostgreSQL may pick for a prepared statement after
@@ -209,7 +210,7 @@ pub fn delete_sql(what: Cleanup, limit: i64) -> String {
     };
     format!(
         "WITH gone AS (
-             DELETE FROM relay.{table} WHERE ({key}) IN (
+             DELETE FROM relay.{table} WHERE {only}({key}) IN (
                  SELECT {key} FROM relay.{table}
                   WHERE {only}consumer = $1 AND {time} < now() - make_interval(secs => $2)
                   ORDER BY {time} LIMIT {limit})
