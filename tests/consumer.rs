@@ -718,6 +718,46 @@ async fn a_key_held_before_hold_key_was_taken_out_of_the_config_stays_held() {
     assert_eq!(h.db.count("held_keys", "true").await, 0);
 }
 
+/// A skip that comes while a batch is parking a record behind the same
+/// key waits for that batch (its hold read is locked `FOR SHARE`), and
+/// then releases that record too: none is left held behind no hold.
+#[tokio::test]
+async fn a_skip_waits_for_a_batch_parking_a_record_behind_the_key_and_releases_it() {
+    let h = Harness::new(1).await;
+    let ev = |id: &str, ty: &str| TestEvent::new(id, ty, json!({"order_id": "o-1"})).key("o-1");
+    let (_, last) = h.send(&ev("p-1", "payment.confirmed")).await; // o-1 does not exist yet: parked, holds o-1
+    let cfg = h.config(HELD_SAGA_ROUTES);
+    let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+    sqlx::query(
+        "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-1', 'paid', 's')",
+    )
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+
+    // The batch of s-1 stops for 3 s right after it read the hold of o-1,
+    // before it parks s-1 behind it.
+    let hold_read = relay::runtime::faults::point::CONSUMER_AFTER_HOLD_READ;
+    let slow = Faults::new(&[(hold_read, FaultAction::Pause(std::time::Duration::from_secs(3)), 1)]);
+    let (_, last) = h.send(&ev("s-1", "order.shipped")).await;
+    let run = h.start(cfg.clone(), CONSUMER_ONLY, slow.clone()).await;
+    eventually("the batch of s-1 to read the hold", DEADLINE, || async { (slow.hits(hold_read) >= 1).then_some(()) })
+        .await;
+    let relay = h.relay(cfg, Handlers::default(), no_faults()).await;
+    let p1: i64 = sqlx::query_scalar("SELECT id FROM relay.dead_letters WHERE event_id = 'p-1'")
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    let released = relay.operator().skip_dead_letter(&relay.processor(), p1).await.unwrap();
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+    assert_eq!((released.replayed, released.held_behind), (1, None), "the skip saw s-1, parked meanwhile");
+    assert_eq!(h.outcome("s-1").await.as_deref(), Some("applied"));
+    assert_eq!(h.db.count("dead_letters", "error_class = 'held' AND replay_outcome IS NULL").await, 0);
+}
+
 /// A skipped head is never applied: not by a replay afterwards (the
 /// records of its key went ahead of it), nor by a redelivery of its record
 /// (a crash before the offset commit; here a new consumer group reads the

@@ -92,7 +92,7 @@ impl Relay {
 
     /// A record processor over this relay's routes (for replays).
     pub fn processor(&self) -> Processor {
-        Processor::new(self.router.clone(), self.handlers.clone())
+        Processor::new(self.router.clone(), self.handlers.clone()).with_faults(self.faults.clone())
     }
 
     /// The operator actions over this relay's database and configuration.

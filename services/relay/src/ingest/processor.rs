@@ -34,6 +34,7 @@ use tracing::Instrument;
 
 use crate::deliver::handoff::{Handed, Handoff, Reserved};
 use crate::ingest::handler::{HandlerError, Handlers};
+use crate::runtime::faults::{Faults, point};
 use crate::runtime::trace::Hop;
 
 /// The identity of a processed event, for logs (R16). Never the payload.
@@ -162,12 +163,19 @@ pub struct Processor {
     paused: Arc<std::sync::RwLock<PausedRoutes>>,
     /// The dispatcher of this process, when intents are claimed at ingest.
     handoff: Option<Handoff>,
+    faults: Faults,
 }
 
 impl Processor {
     /// A processor over compiled routes and registered handlers.
     pub fn new(router: Arc<Router>, handlers: Handlers) -> Processor {
-        Processor { router, handlers, paused: Arc::default(), handoff: None }
+        Processor { router, handlers, paused: Arc::default(), handoff: None, faults: Faults::none() }
+    }
+
+    /// The same processor, passing the fault points of a batch (tests).
+    pub fn with_faults(mut self, faults: Faults) -> Processor {
+        self.faults = faults;
+        self
     }
 
     /// The same processor, writing intents already claimed by the dispatcher
@@ -358,6 +366,8 @@ impl Processor {
             let found = holds::held(conn, self.router.consumer(), &first.topic, first.partition, &keys).await?;
             held.keys.extend(found);
         }
+        let fault = self.faults.hit(point::CONSUMER_AFTER_HOLD_READ).await;
+        fault.map_err(|e| sqlx::Error::Io(std::io::Error::other(e)))?;
         Ok(held)
     }
 

@@ -24,6 +24,10 @@ use std::time::Duration;
 
 /// The named fault points.
 pub mod point {
+    /// Consumer: a batch read the holds of its keys (locked until it
+    /// commits), nothing of it written yet; hit only where a key of the
+    /// partition is held. `Fail` fails the batch like a database error.
+    pub const CONSUMER_AFTER_HOLD_READ: &str = "consumer.after_hold_read";
     /// Consumer: the batch is written, the transaction not yet committed.
     pub const CONSUMER_BEFORE_DB_COMMIT: &str = "consumer.before_db_commit";
     /// Consumer: the transaction committed, the offset not yet stored/committed.
@@ -40,6 +44,7 @@ pub mod point {
     pub const PUBLISHER_AFTER_ACK: &str = "publisher.after_ack";
     /// Every point: a name in `RELAY_FAULTS` must be one of these.
     pub const ALL: &[&str] = &[
+        CONSUMER_AFTER_HOLD_READ,
         CONSUMER_BEFORE_DB_COMMIT,
         CONSUMER_AFTER_DB_COMMIT,
         DISPATCHER_AFTER_CLAIM,
