@@ -718,6 +718,33 @@ async fn a_key_held_before_hold_key_was_taken_out_of_the_config_stays_held() {
     assert_eq!(h.db.count("held_keys", "true").await, 0);
 }
 
+/// A record without a Kafka key, dead-lettered on a `hold_key` route,
+/// holds nothing; a keyed record of the same order after it is applied.
+/// An empty key is a key like any other.
+#[tokio::test]
+async fn a_record_without_a_key_holds_nothing_and_an_empty_key_is_held() {
+    let h = Harness::new(1).await;
+    sqlx::query(
+        "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-2', 'paid', 's')",
+    )
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    let ev = |id: &str, ty: &str, order: &str| TestEvent::new(id, ty, json!({"order_id": order}));
+    h.send(&ev("p-1", "payment.confirmed", "o-1")).await; // no key; o-1 does not exist: parked
+    h.send(&ev("p-9", "payment.confirmed", "o-9").key("")).await; // empty key; parked, holds ""
+    h.send(&ev("s-2", "order.shipped", "o-2")).await; // no key: goes on
+    let (_, last) = h.send(&ev("s-2b", "order.shipped", "o-2").key("")).await; // held behind p-9
+    let run = h.start(h.config(HELD_SAGA_ROUTES), CONSUMER_ONLY, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.outcome("s-2").await.as_deref(), Some("applied"));
+    assert_eq!(h.outcome("s-2b").await, None);
+    assert_eq!(h.db.count("dead_letters", "event_id = 'p-1' AND hold_id IS NULL").await, 1);
+    assert_eq!(h.db.count("held_keys", "key = ''::bytea").await, 1);
+    assert_eq!(h.db.count("held_keys", "true").await, 1);
+}
+
 /// A skip that comes while a batch is parking a record behind the same
 /// key waits for that batch (its hold read is locked `FOR SHARE`), and
 /// then releases that record too: none is left held behind no hold.

@@ -30,7 +30,7 @@ use relay_store::inbox::{self, InboxInsert, InboxOutcome, NewInboxRow};
 use relay_store::write::{self, HoldRoom, Planned};
 use relay_store::{DbErrorKind, classify_error, dead_letters, holds, outbox};
 use sqlx::{Connection, PgConnection};
-use tracing::Instrument;
+use tracing::{Instrument, warn};
 
 use crate::deliver::handoff::{Handed, Handoff, Reserved};
 use crate::ingest::handler::{HandlerError, Handlers};
@@ -730,9 +730,18 @@ impl Processor {
         let held = poison.class == PoisonClass::Held;
         let parked = dead_letters::insert(conn, consumer, record, &clean, attempts_i32, held).await?;
         if !held && self.router.holds_key(&record.topic, route) {
-            // Also when it was parked already (a redelivery, or hold_key set
-            // since): the batch holds the records of its key behind it.
-            holds::open(conn, consumer, record).await?;
+            if record.key.is_some() {
+                // Also when it was parked already (a redelivery, or hold_key
+                // set since): the batch holds the records of its key behind it.
+                holds::open(conn, consumer, record).await?;
+            } else if parked.is_some() {
+                // A Kafka record key is what is held: with none, nothing can
+                // wait behind this record. Said once, when it is parked.
+                warn!(consumer, topic = %record.topic, partition = record.partition, offset = record.offset,
+                      "a record without a Kafka key was dead-lettered on a route with on_poison = \"hold_key\": \
+                       no key is held, and the records after it go on");
+                crate::runtime::metrics::keyless_not_held(consumer, &record.topic);
+            }
         }
         if parked.is_none() {
             return Ok(false);

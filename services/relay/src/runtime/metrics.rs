@@ -73,6 +73,13 @@ pub fn held(consumer: &str, topic: &str) {
     counter!("relay_records_held_total", "consumer" => consumer.to_owned(), "topic" => topic.to_owned()).increment(1);
 }
 
+/// A record without a Kafka key dead-lettered on a `hold_key` route: it
+/// holds nothing.
+pub fn keyless_not_held(consumer: &str, topic: &str) {
+    counter!("relay_keyless_dead_letters_not_held_total", "consumer" => consumer.to_owned(), "topic" => topic.to_owned())
+        .increment(1);
+}
+
 /// A record that is not processable yet (retried with backoff).
 pub fn not_yet(consumer: &str, class: &str) {
     counter!("relay_failures_total", "consumer" => consumer.to_owned(), "kind" => "retryable", "class" => class.to_owned())
