@@ -745,6 +745,99 @@ async fn a_record_without_a_key_holds_nothing_and_an_empty_key_is_held() {
     assert_eq!(h.db.count("held_keys", "true").await, 1);
 }
 
+/// A release replays held records a chunk per transaction. Cut short
+/// between two chunks (a crash: the fault point fails), the key stays held
+/// behind its resolved head, and replaying (or skipping) that head again
+/// goes on from where it stopped, in order, without applying anything twice.
+#[tokio::test]
+async fn a_release_cut_short_between_chunks_is_taken_up_by_replaying_or_skipping_the_head_again() {
+    let h = Harness::new(1).await;
+    let orders = ["a", "b", "c", "d", "e", "f", "g", "h"];
+    for o in orders {
+        sqlx::query(
+            "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', $1, 'pending', 's')",
+        )
+        .bind(o)
+        .execute(&h.db.pool)
+        .await
+        .unwrap();
+    }
+    let pay =
+        |id: &str, order: &str, key: &str| TestEvent::new(id, "payment.confirmed", json!({"order_id": order})).key(key);
+    // Two keys, each held behind a payment of an order that does not exist
+    // yet, with four payments of existing orders behind it.
+    h.send(&pay("p-1", "o-1", "k-1")).await;
+    h.send(&pay("p-2", "o-2", "k-2")).await;
+    let mut last = 0;
+    for (n, o) in orders.iter().enumerate() {
+        let key = if n < 4 { "k-1" } else { "k-2" };
+        last = h.send(&pay(&format!("pay-{o}"), o, key)).await.1;
+    }
+    let cfg = h.config(HELD_SAGA_ROUTES);
+    let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.db.count("dead_letters", "error_class = 'held'").await, 8);
+    sqlx::query(
+        "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-1', 'pending', 's')",
+    )
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    let head = async |event: &str| -> i64 {
+        sqlx::query_scalar("SELECT id FROM relay.dead_letters WHERE event_id = $1")
+            .bind(event)
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap()
+    };
+    let (p1, p2) = (head("p-1").await, head("p-2").await);
+    let applied = async |orders: &[&str]| -> Vec<Option<String>> {
+        let mut out = Vec::new();
+        for o in orders {
+            out.push(h.outcome(&format!("pay-{o}")).await);
+        }
+        out
+    };
+    let yes = || Some("applied".to_string());
+
+    // Chunks of 2; the release stops after the first one.
+    let cut = Faults::new(&[(relay::runtime::faults::point::RELEASE_AFTER_CHUNK, FaultAction::Fail, 1)]);
+    let relay = h.relay(cfg.clone(), Handlers::default(), cut.clone()).await;
+    let ops = relay.operator().with_release_chunk(2);
+    assert!(ops.replay_releasing(&relay.processor(), p1).await.is_err(), "cut short");
+    assert_eq!(applied(&["a", "b", "c", "d"]).await, [yes(), yes(), None, None]);
+    assert_eq!(h.outcome("p-1").await.as_deref(), Some("applied"));
+    assert_eq!(h.db.count("held_keys", "key = 'k-1'::bytea").await, 1, "still held behind p-1");
+    let relay = h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
+    let ops = relay.operator().with_release_chunk(2);
+    let again = ops.replay_releasing(&relay.processor(), p1).await.unwrap();
+    assert_eq!(again.outcome, ReplayOutcome::Duplicate);
+    assert_eq!(again.released.map(|r| (r.replayed, r.held_behind)), Some((2, None)), "c and d, not a and b again");
+    assert_eq!(applied(&["a", "b", "c", "d"]).await, [yes(), yes(), yes(), yes()]);
+    let stored: Option<String> = sqlx::query_scalar("SELECT replay_outcome FROM relay.dead_letters WHERE id = $1")
+        .bind(p1)
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored.as_deref(), Some("applied"), "the second replay keeps what the first one did on record");
+
+    // The same with a skip, taken up by skipping again.
+    let cut = Faults::new(&[(relay::runtime::faults::point::RELEASE_AFTER_CHUNK, FaultAction::Fail, 1)]);
+    let relay = h.relay(cfg.clone(), Handlers::default(), cut).await;
+    assert!(relay.operator().with_release_chunk(3).skip_dead_letter(&relay.processor(), p2).await.is_err());
+    assert_eq!(applied(&["e", "f", "g", "h"]).await, [yes(), yes(), yes(), None]);
+    let relay = h.relay(cfg, Handlers::default(), no_faults()).await;
+    let ops = relay.operator().with_release_chunk(3);
+    let replayed = ops.replay_releasing(&relay.processor(), p2).await.unwrap();
+    assert_eq!(replayed.outcome, ReplayOutcome::Skipped);
+    assert_eq!(replayed.released.map(|r| r.replayed), Some(1), "a replay of the skipped head takes the release up too");
+    assert_eq!(applied(&["e", "f", "g", "h"]).await, [yes(), yes(), yes(), yes()]);
+    assert_eq!(h.outcome("p-2").await.as_deref(), Some("skipped"));
+    assert_eq!(h.db.count("held_keys", "true").await, 0);
+    assert!(ops.skip_dead_letter(&relay.processor(), p2).await.is_err(), "nothing held any more");
+}
+
 /// A skip that comes while a batch is parking a record behind the same
 /// key waits for that batch (its hold read is locked `FOR SHARE`), and
 /// then releases that record too: none is left held behind no hold.

@@ -90,7 +90,8 @@ pub struct HeldKey {
 }
 
 const HELD_KEY: &str = r#"h.id, h.topic, h.partition, h.key, h.head, h.head_offset, h.since,
-    (SELECT count(*) FROM relay.dead_letters d WHERE d.hold_id = h.id AND d."offset" > h.head_offset) AS held"#;
+    (SELECT count(*) FROM relay.dead_letters d WHERE d.hold_id = h.id AND d."offset" > h.head_offset
+        AND (d.replay_outcome IS NULL OR d.replay_outcome LIKE 'failed%')) AS held"#;
 
 /// The held keys of `consumer`, oldest first, at most `limit`.
 pub async fn list(conn: &mut PgConnection, consumer: &str, limit: i64) -> Result<Vec<HeldKey>, sqlx::Error> {
@@ -122,12 +123,25 @@ pub async fn of_letter(conn: &mut PgConnection, consumer: &str, letter: i64) -> 
     .await
 }
 
+/// Hold `id`, locked for the next chunk of a release (`FOR UPDATE`), if
+/// it is still there.
+pub async fn lock(conn: &mut PgConnection, id: i64) -> Result<Option<HeldKey>, sqlx::Error> {
+    sqlx::query_as(&format!("SELECT {HELD_KEY} FROM relay.held_keys h WHERE h.id = $1 FOR UPDATE"))
+        .bind(id)
+        .fetch_optional(conn)
+        .await
+}
+
 /// The records held behind `hold`'s head after offset `after` (at least
-/// the head's), in offset order, at most `limit`.
+/// the head's) and not replayed yet (a release that was cut short between
+/// two chunks is taken up where it stopped), in offset order, at most
+/// `limit`.
 pub async fn waiting(conn: &mut PgConnection, hold: &HeldKey, after: i64, limit: i64) -> Result<Vec<i64>, sqlx::Error> {
-    sqlx::query_scalar(
-        r#"SELECT id FROM relay.dead_letters WHERE hold_id = $1 AND "offset" > $2 ORDER BY "offset" LIMIT $3"#,
-    )
+    sqlx::query_scalar(&format!(
+        r#"SELECT id FROM relay.dead_letters WHERE hold_id = $1 AND "offset" > $2 AND NOT {resolved}
+            ORDER BY "offset" LIMIT $3"#,
+        resolved = crate::dead_letters::RESOLVED
+    ))
     .bind(hold.id)
     .bind(after.max(hold.head_offset))
     .bind(limit)

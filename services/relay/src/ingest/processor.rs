@@ -214,6 +214,11 @@ impl Processor {
         self.paused.read().unwrap_or_else(std::sync::PoisonError::into_inner).routes.contains(&route.name)
     }
 
+    /// The fault points it passes (tests).
+    pub fn faults(&self) -> &Faults {
+        &self.faults
+    }
+
     /// The compiled routes.
     pub fn router(&self) -> &Router {
         &self.router

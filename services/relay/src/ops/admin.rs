@@ -15,7 +15,7 @@ use relay_store::ops::{self, Pause, PauseKind, Paused, Resumed};
 use relay_store::outbox::{self, Acted, OutboxState, OutboxView};
 use relay_store::stats::{self, Stats};
 use relay_store::{holds, inbox};
-use sqlx::{Connection, PgPool};
+use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::ingest::processor::Processor;
@@ -225,6 +225,8 @@ pub struct Operator {
     endpoints: Vec<String>,
     /// What a replay must respect of each endpoint (its key window, whether it has keys).
     replay_rules: HashMap<String, intents::ReplayRules>,
+    /// Held records a release replays per transaction.
+    release_chunk: i64,
 }
 
 /// An intent and what was done about it.
@@ -254,6 +256,10 @@ pub enum IntentResolution {
 /// Bulk actions work through ids in pages of this many.
 const PAGE: i64 = 1000;
 
+/// Held records a release replays per transaction: a few seconds of work at
+/// most, which is as long as a consumer batch of the key may wait for it.
+pub const RELEASE_CHUNK: i64 = 500;
+
 impl Operator {
     /// The operator of the relay configured by `cfg`, over `pool`.
     pub fn new(pool: PgPool, cfg: &RelayConfig) -> Operator {
@@ -275,7 +281,15 @@ impl Operator {
                     (n.clone(), rules)
                 })
                 .collect(),
+            release_chunk: RELEASE_CHUNK,
         }
+    }
+
+    /// The same operator, releasing held keys `n` records per transaction
+    /// (default [`RELEASE_CHUNK`]; tests use small chunks).
+    pub fn with_release_chunk(mut self, n: i64) -> Operator {
+        self.release_chunk = n.max(1);
+        self
     }
 
     /// A dead-letter filter of this consumer.
@@ -339,20 +353,25 @@ impl Operator {
 
     /// [`Operator::replay`], and when dead letter `id` holds its Kafka key
     /// (`on_poison = "hold_key"`) and now resolves, the records held behind
-    /// it are replayed in offset order in the same transaction and the key
-    /// is released. A held record is not replayed before its head.
+    /// it are replayed in offset order and the key is released
+    /// ([`Operator::release`]). A held record is not replayed before its
+    /// head. Replaying a head whose release was cut short takes it up again.
     pub async fn replay_releasing(&self, processor: &Processor, id: i64) -> Result<Replayed, OpsError> {
-        let mut conn = self.pool.acquire().await?;
-        let mut tx = conn.begin().await?;
+        let mut tx = self.pool.begin().await?;
         // A replay and a skip of one letter go one after the other; the
         // second sees what the first did.
-        let outcome = match dead_letters::lock(&mut tx, &self.consumer, id).await? {
-            dead_letters::Locked::NotFound => Some(ReplayOutcome::NotFound),
-            dead_letters::Locked::Skipped => Some(ReplayOutcome::Skipped),
-            dead_letters::Locked::Open => None,
-        };
-        if let Some(outcome) = outcome {
-            return Ok(Replayed { outcome, released: None });
+        match dead_letters::lock(&mut tx, &self.consumer, id).await? {
+            dead_letters::Locked::NotFound => return Ok(Replayed { outcome: ReplayOutcome::NotFound, released: None }),
+            dead_letters::Locked::Skipped => {
+                // Never applied; but if its key is still held (its release
+                // was cut short), go on releasing it.
+                let released = match holds::of_letter(&mut tx, &self.consumer, id).await? {
+                    Some(h) if h.head == id => Some(self.release(tx, processor, h).await?),
+                    _ => None,
+                };
+                return Ok(Replayed { outcome: ReplayOutcome::Skipped, released });
+            }
+            dead_letters::Locked::Open => {}
         }
         let Some(dl) = dead_letters::get(&mut tx, &self.consumer, id).await? else {
             return Ok(Replayed { outcome: ReplayOutcome::NotFound, released: None });
@@ -373,15 +392,18 @@ impl Operator {
         processor.set_paused(ops::paused_routes(&mut tx).await?);
         let processed = processor.process(&mut tx, &dl.record).await?;
         let outcome = replay_outcome(processed.disposition);
-        dead_letters::mark_replayed(&mut tx, &self.consumer, id, &outcome.stored()).await?;
-        let released = match hold {
-            Some(h) if outcome.resolved() => Some(self.release(&mut tx, processor, h).await?),
-            _ => None,
-        };
-        tx.commit().await?;
-        if let Some(r) = &released {
-            tracing::info!(dead_letter = id, "{}", r.describe());
+        // A second replay of a resolved letter finds it in the inbox: what
+        // the first one did stays on record.
+        if !(outcome == ReplayOutcome::Duplicate && dl.meta.resolved()) {
+            dead_letters::mark_replayed(&mut tx, &self.consumer, id, &outcome.stored()).await?;
         }
+        let released = match hold {
+            Some(h) if outcome.resolved() => Some(self.release(tx, processor, h).await?),
+            _ => {
+                tx.commit().await?;
+                None
+            }
+        };
         Ok(Replayed { outcome, released })
     }
 
@@ -389,9 +411,9 @@ impl Operator {
     /// letter, marked `skipped` (resolved, never applied), and the records
     /// held behind it are replayed in offset order. Its event gets an inbox
     /// row `skipped`, so that a redelivery of its record never applies it.
+    /// Skipping it again takes up a release that was cut short.
     pub async fn skip_dead_letter(&self, processor: &Processor, id: i64) -> Result<Released, OpsError> {
-        let mut conn = self.pool.acquire().await?;
-        let mut tx = conn.begin().await?;
+        let mut tx = self.pool.begin().await?;
         if dead_letters::lock(&mut tx, &self.consumer, id).await? == dead_letters::Locked::NotFound {
             return Err(OpsError::NotFound(format!("no dead letter {id}")));
         }
@@ -413,58 +435,72 @@ impl Operator {
                 )));
             }
         };
-        processor.set_paused(ops::paused_routes(&mut tx).await?);
-        dead_letters::mark_replayed(&mut tx, &self.consumer, id, dead_letters::SKIPPED).await?;
-        // A record that could not be read has no event id; a redelivery of it
-        // fails as before, and is parked at its position already.
-        if let Some(event_id) = &dl.meta.event_id {
-            let row = inbox::NewInboxRow {
-                consumer: &self.consumer,
-                event_id,
-                event_type: dl.meta.event_type.as_deref().unwrap_or_default(),
-                topic: &dl.meta.topic,
-                partition: dl.meta.partition,
-                offset: dl.meta.offset,
-                idempotency_key: None,
-                aggregate_id: None,
-                correlation_id: None,
-                outcome: inbox::InboxOutcome::Skipped,
-            };
-            inbox::insert(&mut tx, &row).await?;
+        if dl.meta.resolved() && dl.meta.replay_outcome.as_deref() != Some(dead_letters::SKIPPED) {
+            // Applied by a replay whose release was cut short: not skipped,
+            // only its release taken up.
+            tracing::info!(dead_letter = id, "dead letter resolved already; taking up the release of its key");
+        } else {
+            dead_letters::mark_replayed(&mut tx, &self.consumer, id, dead_letters::SKIPPED).await?;
+            // A record that could not be read has no event id; a redelivery
+            // of it fails as before, and is parked at its position already.
+            if let Some(event_id) = &dl.meta.event_id {
+                let row = inbox::NewInboxRow {
+                    consumer: &self.consumer,
+                    event_id,
+                    event_type: dl.meta.event_type.as_deref().unwrap_or_default(),
+                    topic: &dl.meta.topic,
+                    partition: dl.meta.partition,
+                    offset: dl.meta.offset,
+                    idempotency_key: None,
+                    aggregate_id: None,
+                    correlation_id: None,
+                    outcome: inbox::InboxOutcome::Skipped,
+                };
+                inbox::insert(&mut tx, &row).await?;
+            }
         }
-        let released = self.release(&mut tx, processor, hold).await?;
-        tx.commit().await?;
-        tracing::info!(dead_letter = id, "dead letter skipped; {}", released.describe());
+        let released = self.release(tx, processor, hold).await?;
+        tracing::info!(dead_letter = id, "dead letter skipped");
         Ok(released)
     }
 
-    /// Replay the records held behind `hold`'s head, in offset order, in the
-    /// caller's transaction; drop the hold when all of them went through,
-    /// or move it to the one that fails.
+    /// Replay the records held behind `hold`'s head in offset order,
+    /// starting in `tx` (which holds the hold locked) and committing every
+    /// [`Operator::with_release_chunk`] records: a consumer batch of the
+    /// key's partition waits for one chunk, never for the whole backlog,
+    /// and records parked behind the head meanwhile are released in a later
+    /// chunk. The hold is dropped, in the transaction that finds nothing
+    /// left, or moved to the record that fails. Cut short between chunks
+    /// (a crash), the hold stays with its resolved head: replaying or
+    /// skipping the head again goes on from there.
     async fn release(
         &self,
-        tx: &mut sqlx::PgConnection,
+        mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
         processor: &Processor,
         mut hold: holds::HeldKey,
     ) -> Result<Released, OpsError> {
         let mut released = Released { key: hold.key.clone(), replayed: 0, held_behind: None };
+        let head = hold.head;
         let mut after = hold.head_offset;
         loop {
-            let ids = holds::waiting(tx, &hold, after, PAGE).await?;
+            processor.set_paused(ops::paused_routes(&mut tx).await?);
+            let ids = holds::waiting(&mut tx, &hold, after, self.release_chunk).await?;
             if ids.is_empty() {
-                holds::release(tx, &hold).await?;
+                holds::release(&mut tx, &hold).await?;
+                tx.commit().await?;
+                tracing::info!(dead_letter = head, "{}", released.describe());
                 return Ok(released);
             }
             for id in ids {
-                let dl = dead_letters::get(tx, &self.consumer, id)
+                let dl = dead_letters::get(&mut tx, &self.consumer, id)
                     .await?
                     .ok_or_else(|| OpsError::Conflict(format!("held dead letter {id} vanished during the release")))?;
-                let processed = processor.process(tx, &dl.record).await?;
+                let processed = processor.process(&mut tx, &dl.record).await?;
                 let failed = match &processed.disposition {
                     Disposition::DeadLetter(p) | Disposition::RetryLater(p) | Disposition::Held(p) => {
                         // Poison now, as if it had failed when it came: its copy
                         // goes to the dead-letter topic and it is counted.
-                        processor.copy_to_dead_letter_topic(tx, &dl.record, p, 1).await?;
+                        processor.copy_to_dead_letter_topic(&mut tx, &dl.record, p, 1).await?;
                         crate::runtime::metrics::dead_lettered(&self.consumer, &dl.meta.topic, p.class.as_str());
                         Some(p.clone())
                     }
@@ -479,14 +515,33 @@ impl Operator {
                     _ => None,
                 };
                 let outcome = replay_outcome(processed.disposition);
-                dead_letters::mark_replayed(tx, &self.consumer, id, &outcome.stored()).await?;
+                dead_letters::mark_replayed(&mut tx, &self.consumer, id, &outcome.stored()).await?;
                 if let Some(poison) = failed {
-                    holds::move_head(tx, &mut hold, id, dl.meta.offset, &poison).await?;
+                    holds::move_head(&mut tx, &mut hold, id, dl.meta.offset, &poison).await?;
+                    tx.commit().await?;
                     released.held_behind = Some(id);
+                    tracing::info!(dead_letter = head, "{}", released.describe());
                     return Ok(released);
                 }
                 released.replayed += 1;
                 after = dl.meta.offset;
+            }
+            tx.commit().await?;
+            processor
+                .faults()
+                .hit(crate::runtime::faults::point::RELEASE_AFTER_CHUNK)
+                .await
+                .map_err(anyhow::Error::from)?;
+            tx = self.pool.begin().await?;
+            match holds::lock(&mut tx, hold.id).await? {
+                // Another release of the key (taken up beside this one)
+                // finished it, or moved it to a record that failed.
+                None => return Ok(released),
+                Some(h) if h.head != head => {
+                    released.held_behind = Some(h.head);
+                    return Ok(released);
+                }
+                Some(h) => hold = h,
             }
         }
     }

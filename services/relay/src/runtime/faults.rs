@@ -40,6 +40,9 @@ pub mod point {
     /// written yet (hit once per batch). `Fail` drops the batch unrecorded,
     /// as a crash would: its leases expire and the intents are rescued.
     pub const DISPATCHER_BEFORE_FINISH: &str = "dispatcher.before_finish";
+    /// Operator: a chunk of a held key's release committed, the next one
+    /// not begun. `Fail` stops the release there, as a crash would.
+    pub const RELEASE_AFTER_CHUNK: &str = "release.after_chunk";
     /// Publisher: the broker acknowledged, the rows not yet marked published.
     pub const PUBLISHER_AFTER_ACK: &str = "publisher.after_ack";
     /// Every point: a name in `RELAY_FAULTS` must be one of these.
@@ -50,6 +53,7 @@ pub mod point {
         DISPATCHER_AFTER_CLAIM,
         DISPATCHER_AFTER_CALL,
         DISPATCHER_BEFORE_FINISH,
+        RELEASE_AFTER_CHUNK,
         PUBLISHER_AFTER_ACK,
     ];
 }
