@@ -838,6 +838,90 @@ async fn a_release_cut_short_between_chunks_is_taken_up_by_replaying_or_skipping
     assert!(ops.skip_dead_letter(&relay.processor(), p2).await.is_err(), "nothing held any more");
 }
 
+/// The database rejects a record in the middle of a batch's first run: the
+/// bare run is rolled back and redone a record at a time. The rejected
+/// record holds its key from there, in the same batch: the next record of
+/// its key is held behind it, while the other keys are applied.
+#[tokio::test]
+async fn a_record_the_database_rejects_mid_batch_holds_its_key_for_the_rest_of_the_batch() {
+    let h = Harness::new(1).await;
+    h.send(&order("ok-1", "o-1")).await;
+    let bad = TestEvent::new("bad", "order.placed", json!({"order_id": "o-2", "amount": "1\u{0}"})).key("o-2");
+    h.send(&bad).await;
+    h.send(&order("after-bad", "o-2")).await;
+    let (_, last) = h.send(&order("ok-3", "o-3")).await;
+    let routes =
+        CAPTURE_ROUTE.replacen("counter = \"orders\"\n", "counter = \"orders\"\non_poison = \"hold_key\"\n", 1);
+    assert!(routes.contains("hold_key"));
+    let run = h.start(h.config(&routes), CONSUMER_ONLY, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.outcome("ok-1").await.as_deref(), Some("applied"));
+    assert_eq!(h.outcome("ok-3").await.as_deref(), Some("applied"));
+    assert_eq!(h.outcome("after-bad").await, None, "held behind the rejected record of its key");
+    assert_eq!(
+        h.db.count("dead_letters", "event_id = 'bad' AND error_class = 'rejected' AND hold_id IS NOT NULL").await,
+        1
+    );
+    assert_eq!(h.db.count("dead_letters", "event_id = 'after-bad' AND error_class = 'held'").await, 1);
+    assert_eq!(h.db.count("held_keys", "key = 'o-2'::bytea").await, 1);
+}
+
+/// A held record whose route is paused when its key is released stops the
+/// release there: it holds the key now (still of class `held`, its reason
+/// naming the route), and goes through once the route is resumed.
+#[tokio::test]
+async fn a_release_stops_at_a_held_record_of_a_paused_route_until_it_is_resumed() {
+    use relay_store::ops::{self, PauseKind};
+    let h = Harness::new(1).await;
+    let ev = |id: &str, ty: &str| TestEvent::new(id, ty, json!({"order_id": "o-1"})).key("o-1");
+    h.send(&ev("p-1", "payment.confirmed")).await; // o-1 does not exist yet: parked, holds o-1
+    let (_, last) = h.send(&ev("s-1", "order.shipped")).await; // held
+    let cfg = h.config(HELD_SAGA_ROUTES);
+    let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+    sqlx::query(
+        "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-1', 'pending', 's')",
+    )
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    let shipped = format!("{}/order.shipped", h.topic);
+    let mut conn = h.db.conn().await.unwrap();
+    ops::pause(&mut conn, PauseKind::Route, &shipped, None).await.unwrap();
+
+    let relay = h.relay(cfg, Handlers::default(), no_faults()).await;
+    let ops_ = relay.operator();
+    let id = async |event: &str| -> i64 {
+        sqlx::query_scalar("SELECT id FROM relay.dead_letters WHERE event_id = $1")
+            .bind(event)
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap()
+    };
+    let (p1, s1) = (id("p-1").await, id("s-1").await);
+    let r = ops_.replay_releasing(&relay.processor(), p1).await.unwrap();
+    assert_eq!(r.outcome, ReplayOutcome::Applied, "p-1's own route is not paused");
+    assert_eq!(r.released.map(|r| (r.replayed, r.held_behind)), Some((0, Some(s1))));
+    assert_eq!(h.outcome("s-1").await, None, "nothing goes through a paused route");
+    let (class, reason): (String, String) =
+        sqlx::query_as("SELECT error_class, reason FROM relay.dead_letters WHERE id = $1")
+            .bind(s1)
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(class, "held");
+    assert!(reason.contains(&shipped) && reason.contains("paused"), "{reason}");
+    assert_eq!(h.db.count("held_keys", &format!("head = {s1}")).await, 1, "s-1 holds the key now");
+
+    ops::resume(&mut conn, PauseKind::Route, &shipped).await.unwrap();
+    let r = ops_.replay_releasing(&relay.processor(), s1).await.unwrap();
+    assert_eq!((r.outcome, r.released.map(|r| r.replayed)), (ReplayOutcome::Applied, Some(0)));
+    assert_eq!(h.outcome("s-1").await.as_deref(), Some("applied"));
+    assert_eq!(h.db.count("held_keys", "true").await, 0);
+}
+
 /// A skip that comes while a batch is parking a record behind the same
 /// key waits for that batch (its hold read is locked `FOR SHARE`), and
 /// then releases that record too: none is left held behind no hold.
