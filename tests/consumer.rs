@@ -660,6 +660,10 @@ async fn a_parked_record_holds_its_key_and_a_replay_releases_the_held_records_in
         "failing in its turn, s-3 is poison: copied to the dead-letter topic"
     );
     assert_eq!(h.outcome("s-3b").await, None, "still held behind s-3");
+    let names_s3 = format!(
+        "event_id = 's-3b' AND reason LIKE '%offset ' || (SELECT \"offset\" FROM relay.dead_letters WHERE id = {s3}) || ' %'"
+    );
+    assert_eq!(h.db.count("dead_letters", &names_s3).await, 1, "its reason names its new head");
     // Skipping s-3 (never applied) lets s-3b through.
     let released = ops.skip_dead_letter(&relay.processor(), s3).await.unwrap();
     assert_eq!((released.replayed, released.held_behind), (1, None));

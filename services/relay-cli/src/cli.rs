@@ -727,7 +727,7 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
                     println!(
                         "{:<28} {:<24} {:>6} {:>7}  {}",
                         format!("{}[{}]@{}", r.topic, r.partition, r.head_offset),
-                        safe(&String::from_utf8_lossy(&r.key[..r.key.len().min(256)])),
+                        safe(&relay_store::holds::preview(&r.key)),
                         r.head,
                         r.held,
                         r.since.format("%Y-%m-%d %H:%M:%S")

@@ -68,6 +68,24 @@ pub async fn open(conn: &mut PgConnection, consumer: &str, record: &RawRecord) -
     Ok(())
 }
 
+/// The reason stored with a record held behind the record at `head_offset`.
+pub fn held_reason(head_offset: i64) -> String {
+    format!(
+        "held: the record of its key at offset {head_offset} of this partition was dead-lettered \
+         (on_poison = \"hold_key\"); it is applied, in order, once that one is replayed or skipped"
+    )
+}
+
+/// How a held key is shown (logs, CLI, API, console): its first 256 bytes
+/// as text, invalid UTF-8 replaced. The bytes themselves stay in the table.
+pub fn preview(key: &[u8]) -> std::borrow::Cow<'_, str> {
+    String::from_utf8_lossy(&key[..key.len().min(256)])
+}
+
+fn serialize_preview<S: serde::Serializer>(key: &[u8], s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&preview(key))
+}
+
 /// A held key.
 #[derive(Debug, Clone, FromRow, serde::Serialize)]
 pub struct HeldKey {
@@ -77,7 +95,8 @@ pub struct HeldKey {
     pub topic: String,
     /// Partition.
     pub partition: i32,
-    /// The Kafka record key held.
+    /// The Kafka record key held (serialized as its [`preview`]).
+    #[serde(serialize_with = "serialize_preview")]
     pub key: Vec<u8>,
     /// The dead letter that holds it: replay or skip it to release the key.
     pub head: i64,
@@ -170,6 +189,17 @@ pub async fn move_head(
         .bind(offset)
         .execute(&mut *conn)
         .await?;
+    // The records still held name their new head.
+    sqlx::query(&format!(
+        r#"UPDATE relay.dead_letters SET reason = $3
+            WHERE hold_id = $1 AND "offset" > $2 AND error_class = 'held' AND NOT {resolved}"#,
+        resolved = crate::dead_letters::RESOLVED
+    ))
+    .bind(hold.id)
+    .bind(offset)
+    .bind(held_reason(offset))
+    .execute(&mut *conn)
+    .await?;
     // The letters before it are done with (replayed, or the old head): no
     // longer part of the hold, so retention may take them in time.
     sqlx::query(r#"UPDATE relay.dead_letters SET hold_id = NULL WHERE hold_id = $1 AND "offset" < $2"#)

@@ -88,11 +88,13 @@ pub async fn snapshot(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
 
 /// Dead intents that hold their ordering key (few; read through their own
 /// partial index, `intents_holding_keys`), held record keys, and the records
-/// waiting behind those (through `dead_letters_by_hold`).
+/// waiting behind those (through `dead_letters_by_hold`; not those a release
+/// cut short replayed already).
 const HOLDING_KEYS: &str = r#"SELECT
     (SELECT count(*) FROM relay.intents WHERE state = 'dead' AND holds_key),
     (SELECT count(*) FROM relay.held_keys),
-    (SELECT count(*) FROM relay.held_keys h JOIN relay.dead_letters d ON d.hold_id = h.id AND d."offset" > h.head_offset)"#;
+    (SELECT count(*) FROM relay.held_keys h JOIN relay.dead_letters d ON d.hold_id = h.id AND d."offset" > h.head_offset
+      WHERE d.replay_outcome IS NULL OR d.replay_outcome LIKE 'failed%')"#;
 
 /// A history table whose size the console shows as an estimate beyond this
 /// many rows (see [`overview`]).

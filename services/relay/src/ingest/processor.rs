@@ -407,11 +407,8 @@ impl Processor {
             Ok(Routed::Unrouted(event)) => EventInfo::of(&event, None),
             Err(p) => EventInfo::of_poison(&p),
         };
-        let why = format!(
-            "held: the record of its key at offset {head} of this partition was dead-lettered (on_poison = \"hold_key\"); \
-             it is applied, in order, once that one is replayed or skipped"
-        );
-        let poison = Poison::new(PoisonClass::Held, why).with_identity(info.id.as_deref(), info.event_type.as_deref());
+        let poison = Poison::new(PoisonClass::Held, holds::held_reason(head))
+            .with_identity(info.id.as_deref(), info.event_type.as_deref());
         Processed { disposition: Disposition::Held(poison), info }
     }
 

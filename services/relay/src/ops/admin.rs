@@ -119,7 +119,7 @@ pub struct Released {
 impl Released {
     /// One line for an operator.
     pub fn describe(&self) -> String {
-        let key = String::from_utf8_lossy(&self.key[..self.key.len().min(256)]);
+        let key = holds::preview(&self.key);
         match self.held_behind {
             None => format!("key {key:?} released: {} held record(s) applied in order", self.replayed),
             Some(id) => format!(

@@ -418,7 +418,7 @@ fn outcome_json(id: i64, r: &Replayed) -> Value {
 }
 
 fn released_json(r: &Released) -> Value {
-    json!({"key": String::from_utf8_lossy(&r.key[..r.key.len().min(256)]), "replayed": r.replayed, "held_behind": r.held_behind,
+    json!({"key": relay_store::holds::preview(&r.key), "replayed": r.replayed, "held_behind": r.held_behind,
            "detail": r.describe()})
 }
 
@@ -436,16 +436,13 @@ async fn skip_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiRe
     Ok(Json(json!({"id": id, "skipped": true, "released": released_json(&released)})))
 }
 
-async fn held_keys(State(s): State<Shared>) -> ApiResult {
-    let rows = s.operator.held_keys(200).await?;
-    let rows: Vec<Value> = rows
-        .iter()
-        .map(|h| {
-            json!({"id": h.id, "topic": h.topic, "partition": h.partition,
-                   "key": String::from_utf8_lossy(&h.key[..h.key.len().min(256)]),
-                   "head": h.head, "head_offset": h.head_offset, "held": h.held, "since": h.since})
-        })
-        .collect();
+#[derive(Deserialize)]
+struct HeldKeysQuery {
+    limit: Option<i64>,
+}
+
+async fn held_keys(State(s): State<Shared>, Query(q): Query<HeldKeysQuery>) -> ApiResult {
+    let rows = s.operator.held_keys(q.limit.unwrap_or(200).clamp(1, 1000)).await?;
     Ok(Json(json!({"held_keys": rows})))
 }
 
