@@ -909,7 +909,7 @@ async fn a_dead_lettered_record_holds_its_kafka_key_until_skipped_while_other_ke
     let head_id = head.to_string();
     let skip = ["dead-letters", "skip", head_id.as_str()];
     let ((ok, out), ()) = tokio::join!(cli(&h, &config, &skip), sending);
-    assert!(ok && out.contains("released:") && out.contains("held record(s) applied in order"), "{out}");
+    assert!(ok && out.contains("released:") && out.contains("held record(s) replayed in order"), "{out}");
     h.await_intents_finished(4 + more).await;
     assert_eq!(h.intents_in("succeeded").await, 4 + more);
     let order: Vec<String> = h.provider.applied().into_iter().map(|a| a.key).collect();

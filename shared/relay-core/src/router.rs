@@ -112,6 +112,8 @@ pub struct Router {
     dead_letter_topic: Option<String>,
     topics: BTreeMap<String, (TopicFormat, FieldOverrides)>,
     routes: HashMap<(String, String), CompiledRoute>,
+    /// (topic, route name) of the routes with `on_poison = "hold_key"`.
+    holding: std::collections::HashSet<(String, String)>,
     endpoints: BTreeMap<String, EndpointConfig>,
     /// Each endpoint's profile, resolved once (a key it refuses is refused at ingest).
     profiles: HashMap<String, crate::profile::Profile>,
@@ -198,6 +200,11 @@ impl Router {
         };
         match templates {
             Some(templates) if problems.is_empty() => Ok(Router {
+                holding: routes
+                    .iter()
+                    .filter(|(_, r)| r.on_poison == crate::config::OnPoison::HoldKey)
+                    .map(|((topic, _), r)| (topic.clone(), r.name.clone()))
+                    .collect(),
                 consumer: cfg.consumer.name.clone(),
                 source: cfg.consumer.source(),
                 strict: cfg.consumer.strict,
@@ -232,7 +239,7 @@ impl Router {
     /// Whether a route on `topic` holds keys (`on_poison = "hold_key"`): a
     /// batch of the topic then looks up which of its keys are held.
     pub fn holds_keys_on(&self, topic: &str) -> bool {
-        self.routes.iter().any(|((t, _), r)| t == topic && r.on_poison == crate::config::OnPoison::HoldKey)
+        self.holding.iter().any(|(t, _)| t == topic)
     }
 
     /// Whether a record of `topic` dead-lettered on route `route` holds its
@@ -241,9 +248,7 @@ impl Router {
     /// topic does.
     pub fn holds_key(&self, topic: &str, route: Option<&str>) -> bool {
         let Some(route) = route else { return self.holds_keys_on(topic) };
-        self.routes
-            .iter()
-            .any(|((t, _), r)| t == topic && r.name == route && r.on_poison == crate::config::OnPoison::HoldKey)
+        self.holding.iter().any(|(t, r)| t == topic && r == route)
     }
 
     /// The endpoint named `name`.

@@ -121,9 +121,10 @@ impl Released {
     pub fn describe(&self) -> String {
         let key = holds::preview(&self.key);
         match self.held_behind {
-            None => format!("key {key:?} released: {} held record(s) applied in order", self.replayed),
+            None => format!("key {key:?} released: {} held record(s) replayed in order", self.replayed),
             Some(id) => format!(
-                "key {key:?}: {} held record(s) applied in order, then dead letter {id} failed and holds the key now",
+                "key {key:?}: {} held record(s) replayed in order, then dead letter {id} did not go through and holds \
+                 the key now",
                 self.replayed
             ),
         }
