@@ -355,7 +355,7 @@ impl Operator {
     /// [`Operator::replay`], and when dead letter `id` holds its Kafka key
     /// (`on_poison = "hold_key"`) and now resolves, the records held behind
     /// it are replayed in offset order and the key is released
-    /// ([`Operator::release`]). A held record is not replayed before its
+    /// (in chunks, see `release`). A held record is not replayed before its
     /// head. Replaying a head whose release was cut short takes it up again.
     pub async fn replay_releasing(&self, processor: &Processor, id: i64) -> Result<Replayed, OpsError> {
         let mut tx = self.pool.begin().await?;
