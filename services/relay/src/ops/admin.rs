@@ -367,7 +367,10 @@ impl Operator {
                 // Never applied; but if its key is still held (its release
                 // was cut short), go on releasing it.
                 let released = match holds::of_letter(&mut tx, &self.consumer, id).await? {
-                    Some(h) if h.head == id => Some(self.release(tx, processor, h).await?),
+                    Some(h) if h.head == id => {
+                        processor.set_paused(ops::paused_routes(&mut tx).await?);
+                        Some(self.release(tx, processor, h).await?)
+                    }
                     _ => None,
                 };
                 return Ok(Replayed { outcome: ReplayOutcome::Skipped, released });
@@ -436,6 +439,8 @@ impl Operator {
                 )));
             }
         };
+        // The pauses as they are now, for the release's first chunk.
+        processor.set_paused(ops::paused_routes(&mut tx).await?);
         if dl.meta.resolved() && dl.meta.replay_outcome.as_deref() != Some(dead_letters::SKIPPED) {
             // Applied by a replay whose release was cut short: not skipped,
             // only its release taken up.
@@ -466,7 +471,8 @@ impl Operator {
     }
 
     /// Replay the records held behind `hold`'s head in offset order,
-    /// starting in `tx` (which holds the hold locked) and committing every
+    /// starting in `tx` (which holds the hold locked, and in which the
+    /// caller read the pauses into `processor`) and committing every
     /// [`Operator::with_release_chunk`] records: a consumer batch of the
     /// key's partition waits for one chunk, never for the whole backlog,
     /// and records parked behind the head meanwhile are released in a later
@@ -484,7 +490,6 @@ impl Operator {
         let head = hold.head;
         let mut after = hold.head_offset;
         loop {
-            processor.set_paused(ops::paused_routes(&mut tx).await?);
             let ids = holds::waiting(&mut tx, &hold, after, self.release_chunk).await?;
             if ids.is_empty() {
                 holds::release(&mut tx, &hold).await?;
@@ -534,6 +539,7 @@ impl Operator {
                 .await
                 .map_err(anyhow::Error::from)?;
             tx = self.pool.begin().await?;
+            processor.set_paused(ops::paused_routes(&mut tx).await?);
             match holds::lock(&mut tx, hold.id).await? {
                 // Another release of the key (taken up beside this one)
                 // finished it, or moved it to a record that failed.
