@@ -683,6 +683,25 @@ async fn a_parked_record_holds_its_key_and_a_replay_releases_the_held_records_in
     assert_eq!(h.db.count("dead_letters", "error_class = 'held' AND replay_outcome IS NULL").await, 0);
 }
 
+/// The id of the dead letter of event `event`.
+async fn dead_letter_of(h: &Harness, event: &str) -> i64 {
+    sqlx::query_scalar("SELECT id FROM relay.dead_letters WHERE event_id = $1")
+        .bind(event)
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap()
+}
+
+/// Order saga `id`, in `state`.
+async fn order_saga(h: &Harness, id: &str, state: &str) {
+    sqlx::query("INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', $1, $2, 's')")
+        .bind(id)
+        .bind(state)
+        .execute(&h.db.pool)
+        .await
+        .unwrap();
+}
+
 /// `on_poison = "hold_key"` taken out of the config while keys are held:
 /// the holds already recorded still hold, until their heads are dealt with.
 #[tokio::test]
@@ -695,12 +714,7 @@ async fn a_key_held_before_hold_key_was_taken_out_of_the_config_stays_held() {
     run.stop().await.unwrap();
     assert_eq!(h.db.count("held_keys", "true").await, 1);
 
-    sqlx::query(
-        "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-1', 'pending', 's')",
-    )
-    .execute(&h.db.pool)
-    .await
-    .unwrap();
+    order_saga(&h, "o-1", "pending").await;
     let cfg = h.config(&HELD_SAGA_ROUTES.replace("on_poison = \"hold_key\"\n", ""));
     assert!(!format!("{cfg:?}").contains("HoldKey"), "no route holds keys any more");
     // Applied now, s-1 would find the order pending and be lost as an invalid transition.
@@ -712,10 +726,7 @@ async fn a_key_held_before_hold_key_was_taken_out_of_the_config_stays_held() {
     assert_eq!(h.db.count("dead_letters", "event_id = 's-1' AND error_class = 'held'").await, 1);
 
     let relay = h.relay(cfg, Handlers::default(), no_faults()).await;
-    let p1: i64 = sqlx::query_scalar("SELECT id FROM relay.dead_letters WHERE event_id = 'p-1'")
-        .fetch_one(&h.db.pool)
-        .await
-        .unwrap();
+    let p1 = dead_letter_of(&h, "p-1").await;
     let r = relay.operator().replay_releasing(&relay.processor(), p1).await.unwrap();
     assert_eq!((r.outcome, r.released.map(|r| r.replayed)), (ReplayOutcome::Applied, Some(1)));
     assert_eq!(h.outcome("s-1").await.as_deref(), Some("applied"), "in order: paid, then shipped");
@@ -728,12 +739,7 @@ async fn a_key_held_before_hold_key_was_taken_out_of_the_config_stays_held() {
 #[tokio::test]
 async fn a_record_without_a_key_holds_nothing_and_an_empty_key_is_held() {
     let h = Harness::new(1).await;
-    sqlx::query(
-        "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-2', 'paid', 's')",
-    )
-    .execute(&h.db.pool)
-    .await
-    .unwrap();
+    order_saga(&h, "o-2", "paid").await;
     let ev = |id: &str, ty: &str, order: &str| TestEvent::new(id, ty, json!({"order_id": order}));
     h.send(&ev("p-1", "payment.confirmed", "o-1")).await; // no key; o-1 does not exist: parked
     h.send(&ev("p-9", "payment.confirmed", "o-9").key("")).await; // empty key; parked, holds ""
@@ -758,13 +764,7 @@ async fn a_release_cut_short_between_chunks_is_taken_up_by_replaying_or_skipping
     let h = Harness::new(1).await;
     let orders = ["a", "b", "c", "d", "e", "f", "g", "h"];
     for o in orders {
-        sqlx::query(
-            "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', $1, 'pending', 's')",
-        )
-        .bind(o)
-        .execute(&h.db.pool)
-        .await
-        .unwrap();
+        order_saga(&h, o, "pending").await;
     }
     let pay =
         |id: &str, order: &str, key: &str| TestEvent::new(id, "payment.confirmed", json!({"order_id": order})).key(key);
@@ -782,20 +782,8 @@ async fn a_release_cut_short_between_chunks_is_taken_up_by_replaying_or_skipping
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
     assert_eq!(h.db.count("dead_letters", "error_class = 'held'").await, 8);
-    sqlx::query(
-        "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-1', 'pending', 's')",
-    )
-    .execute(&h.db.pool)
-    .await
-    .unwrap();
-    let head = async |event: &str| -> i64 {
-        sqlx::query_scalar("SELECT id FROM relay.dead_letters WHERE event_id = $1")
-            .bind(event)
-            .fetch_one(&h.db.pool)
-            .await
-            .unwrap()
-    };
-    let (p1, p2) = (head("p-1").await, head("p-2").await);
+    order_saga(&h, "o-1", "pending").await;
+    let (p1, p2) = (dead_letter_of(&h, "p-1").await, dead_letter_of(&h, "p-2").await);
     let applied = async |orders: &[&str]| -> Vec<Option<String>> {
         let mut out = Vec::new();
         for o in orders {
@@ -885,26 +873,14 @@ async fn a_release_stops_at_a_held_record_of_a_paused_route_until_it_is_resumed(
     let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
-    sqlx::query(
-        "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-1', 'pending', 's')",
-    )
-    .execute(&h.db.pool)
-    .await
-    .unwrap();
+    order_saga(&h, "o-1", "pending").await;
     let shipped = format!("{}/order.shipped", h.topic);
     let mut conn = h.db.conn().await.unwrap();
     ops::pause(&mut conn, PauseKind::Route, &shipped, None).await.unwrap();
 
     let relay = h.relay(cfg, Handlers::default(), no_faults()).await;
     let ops_ = relay.operator();
-    let id = async |event: &str| -> i64 {
-        sqlx::query_scalar("SELECT id FROM relay.dead_letters WHERE event_id = $1")
-            .bind(event)
-            .fetch_one(&h.db.pool)
-            .await
-            .unwrap()
-    };
-    let (p1, s1) = (id("p-1").await, id("s-1").await);
+    let (p1, s1) = (dead_letter_of(&h, "p-1").await, dead_letter_of(&h, "s-1").await);
     let r = ops_.replay_releasing(&relay.processor(), p1).await.unwrap();
     assert_eq!(r.outcome, ReplayOutcome::Applied, "p-1's own route is not paused");
     assert_eq!(r.released.map(|r| (r.replayed, r.held_behind)), Some((0, Some(s1))));
@@ -938,12 +914,7 @@ async fn a_skip_waits_for_a_batch_parking_a_record_behind_the_key_and_releases_i
     let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
-    sqlx::query(
-        "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-1', 'paid', 's')",
-    )
-    .execute(&h.db.pool)
-    .await
-    .unwrap();
+    order_saga(&h, "o-1", "paid").await;
 
     // The batch of s-1 stops for 3 s right after it read the hold of o-1,
     // before it parks s-1 behind it.
@@ -954,10 +925,7 @@ async fn a_skip_waits_for_a_batch_parking_a_record_behind_the_key_and_releases_i
     eventually("the batch of s-1 to read the hold", DEADLINE, || async { (slow.hits(hold_read) >= 1).then_some(()) })
         .await;
     let relay = h.relay(cfg, Handlers::default(), no_faults()).await;
-    let p1: i64 = sqlx::query_scalar("SELECT id FROM relay.dead_letters WHERE event_id = 'p-1'")
-        .fetch_one(&h.db.pool)
-        .await
-        .unwrap();
+    let p1 = dead_letter_of(&h, "p-1").await;
     let released = relay.operator().skip_dead_letter(&relay.processor(), p1).await.unwrap();
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
@@ -982,21 +950,13 @@ async fn a_skipped_head_is_never_applied_by_a_later_replay_or_a_redelivery() {
 
     let relay = h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
     let ops = relay.operator();
-    let p1: i64 = sqlx::query_scalar("SELECT id FROM relay.dead_letters WHERE event_id = 'p-1'")
-        .fetch_one(&h.db.pool)
-        .await
-        .unwrap();
+    let p1 = dead_letter_of(&h, "p-1").await;
     let released = ops.skip_dead_letter(&relay.processor(), p1).await.unwrap();
     assert_eq!((released.replayed, released.held_behind), (0, None));
     assert_eq!(h.outcome("p-1").await.as_deref(), Some("skipped"));
 
     // The reason p-1 failed is gone now: applied, it would move the order.
-    sqlx::query(
-        "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-1', 'pending', 's')",
-    )
-    .execute(&h.db.pool)
-    .await
-    .unwrap();
+    order_saga(&h, "o-1", "pending").await;
     let again = ops.replay_releasing(&relay.processor(), p1).await.unwrap();
     assert_eq!(again.outcome, ReplayOutcome::Skipped, "{again:?}");
     assert!(again.outcome.resolved());
