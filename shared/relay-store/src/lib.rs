@@ -225,3 +225,34 @@ pub fn rejection(e: &sqlx::Error) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::MIGRATOR;
+
+    /// sqlx runs a migration in one transaction unless it starts with
+    /// `-- no-transaction` (and PostgreSQL runs the statements of one simple
+    /// query in one transaction): a VALIDATE beside the ALTER TABLE that
+    /// added the constraint runs under its ACCESS EXCLUSIVE lock and blocks
+    /// every reader and writer of the table for the whole scan.
+    #[test]
+    fn constraints_are_validated_outside_the_transaction_that_added_them() {
+        for m in MIGRATOR.iter() {
+            let sql = m.sql.to_ascii_uppercase();
+            if sql.contains("VALIDATE CONSTRAINT") {
+                assert!(
+                    m.no_tx,
+                    "migration {} ({}) validates a constraint inside its transaction: move the VALIDATE to a \
+                     migration of its own that starts with `-- no-transaction`",
+                    m.version, m.description
+                );
+                assert!(
+                    !sql.contains("ADD CONSTRAINT") && !sql.contains("DROP CONSTRAINT"),
+                    "migration {} ({}) changes constraints and validates one: validate in a migration of its own",
+                    m.version,
+                    m.description
+                );
+            }
+        }
+    }
+}
