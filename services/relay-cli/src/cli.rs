@@ -722,15 +722,16 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
             } else if rows.is_empty() {
                 println!("no held keys");
             } else {
-                println!("{:<28} {:<24} {:>6} {:>7}  since", "source", "key", "head", "held");
+                println!("{:<28} {:<24} {:>6} {:>7}  {:<19}  state", "source", "key", "head", "held", "since");
                 for r in &rows {
                     println!(
-                        "{:<28} {:<24} {:>6} {:>7}  {}",
+                        "{:<28} {:<24} {:>6} {:>7}  {}  {}",
                         format!("{}[{}]@{}", r.topic, r.partition, r.head_offset),
                         safe(&relay_store::holds::preview(&r.key)),
                         r.head,
                         r.held,
-                        r.since.format("%Y-%m-%d %H:%M:%S")
+                        r.since.format("%Y-%m-%d %H:%M:%S"),
+                        if r.head_resolved { "release cut short: replay or skip the head again" } else { "holding" }
                     );
                 }
                 println!(

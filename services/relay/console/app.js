@@ -196,7 +196,7 @@ async function renderDeadLetters() {
     const tr = document.createElement("tr"); tr.dataset.id = d.id;
     const actions = document.createElement("td");
     // Held behind the head of its key: it goes when the head is replayed or skipped.
-    const heldBehind = d.hold_id !== null && !d.holds_key;
+    const heldBehind = d.held_behind !== null;
     if (!heldBehind) {
       actions.append(button("Replay", async () => {
         if (!confirm(`Replay dead letter ${d.id} (event ${text(d.event_id)}) through the guards?`)) return;
@@ -220,7 +220,11 @@ async function renderDeadLetters() {
         refresh();
       }, "purge"));
     }
-    const cls = d.holds_key ? `${d.error_class}, holds its key` : d.error_class;
+    // Replayed or skipped, but the release of its key was cut short (a crash).
+    const cutShort = d.holds_key && d.replay_outcome !== null && !d.replay_outcome.startsWith("failed");
+    const cls = cutShort ? `${d.error_class}, holds its key: release cut short, replay or skip it again`
+      : d.holds_key ? `${d.error_class}, holds its key`
+      : heldBehind ? `${d.error_class}, behind dead letter ${d.held_behind}` : d.error_class;
     tr.append(cell(d.id), cell(new Date(d.created_at).toLocaleString()), cell(`${d.topic}[${d.partition}]@${d.offset}`),
       cell(cls), cell(d.event_id), cell(d.reason, "error-text"), actions);
     return tr;

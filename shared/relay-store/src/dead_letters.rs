@@ -85,6 +85,8 @@ pub struct DeadLetter {
     /// It is the head of its held key: replaying it (once it resolves) or
     /// skipping it releases the key.
     pub holds_key: bool,
+    /// The head of the held key it waits behind, if it is held behind one.
+    pub held_behind: Option<i64>,
 }
 
 /// A dead letter with the original record, for inspection and replay.
@@ -146,7 +148,9 @@ impl DeadLetter {
 const COLUMNS: &str = r#"id, consumer, topic, partition, "offset", event_id, event_type, error_class, reason,
     attempts, created_at, replayed_at, replay_outcome, octet_length(payload) AS payload_bytes, hold_id,
     (hold_id IS NOT NULL AND EXISTS (
-        SELECT 1 FROM relay.held_keys h WHERE h.id = dead_letters.hold_id AND h.head = dead_letters.id)) AS holds_key"#;
+        SELECT 1 FROM relay.held_keys h WHERE h.id = dead_letters.hold_id AND h.head = dead_letters.id)) AS holds_key,
+    (SELECT h.head FROM relay.held_keys h WHERE h.id = dead_letters.hold_id AND h.head <> dead_letters.id)
+        AS held_behind"#;
 
 const WHERE: &str = "($1::text IS NULL OR consumer = $1) AND ($2::text IS NULL OR error_class = $2)
     AND ($3::text IS NULL OR topic = $3)
@@ -229,31 +233,42 @@ pub async fn resolved_at(conn: &mut PgConnection, consumer: &str, record: &RawRe
 /// key): resolved, never applied.
 pub const SKIPPED: &str = "skipped";
 
-/// Dead letter `id` of `consumer`, locked (`FOR UPDATE`) for a replay or a
-/// skip, so that two of one letter run one after the other.
+/// What was done with a dead letter before a replay or a skip, read under
+/// its lock ([`lock`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Locked {
-    /// No such dead letter (of this consumer).
-    NotFound,
     /// It was skipped: it must never be applied.
     Skipped,
-    /// Anything else.
+    /// A replay resolved it (applied, a duplicate or a classified no-op).
+    Resolved,
+    /// Not resolved yet.
     Open,
 }
 
-/// Lock dead letter `id` ([`Locked`]) until the transaction ends.
-pub async fn lock(conn: &mut PgConnection, consumer: &str, id: i64) -> Result<Locked, sqlx::Error> {
-    let found: Option<Option<String>> =
-        sqlx::query_scalar("SELECT replay_outcome FROM relay.dead_letters WHERE id = $1 AND consumer = $2 FOR UPDATE")
-            .bind(id)
-            .bind(consumer)
-            .fetch_optional(conn)
-            .await?;
-    Ok(match found {
-        None => Locked::NotFound,
-        Some(Some(outcome)) if outcome == SKIPPED => Locked::Skipped,
-        Some(_) => Locked::Open,
-    })
+/// Lock dead letter `id` of `consumer` (`FOR UPDATE`, until the
+/// transaction ends) so that two replays or skips of it run one after the
+/// other: what was done with it, and the hold it belongs to now. Lock its
+/// hold first ([`crate::holds::lock_letter`]).
+pub async fn lock(
+    conn: &mut PgConnection,
+    consumer: &str,
+    id: i64,
+) -> Result<Option<(Locked, Option<i64>)>, sqlx::Error> {
+    let found: Option<(Option<String>, Option<i64>)> = sqlx::query_as(
+        "SELECT replay_outcome, hold_id FROM relay.dead_letters WHERE id = $1 AND consumer = $2 FOR UPDATE",
+    )
+    .bind(id)
+    .bind(consumer)
+    .fetch_optional(conn)
+    .await?;
+    Ok(found.map(|(outcome, hold)| {
+        let state = match outcome.as_deref() {
+            Some(SKIPPED) => Locked::Skipped,
+            Some(o) if !o.starts_with("failed") => Locked::Resolved,
+            _ => Locked::Open,
+        };
+        (state, hold)
+    }))
 }
 
 /// Record the outcome of a replay.

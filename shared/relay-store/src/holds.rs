@@ -68,13 +68,12 @@ pub async fn open(conn: &mut PgConnection, consumer: &str, record: &RawRecord) -
     Ok(())
 }
 
-/// The reason stored with a record held behind the record at `head_offset`.
-pub fn held_reason(head_offset: i64) -> String {
-    format!(
-        "held: the record of its key at offset {head_offset} of this partition was dead-lettered \
-         (on_poison = \"hold_key\"); it is applied, in order, once that one is replayed or skipped"
-    )
-}
+/// The reason stored with a held record. It does not name the head: the
+/// head moves when a held record fails in its turn, and rewriting the
+/// reasons of everything held behind would cost a release O(backlog). The
+/// dead letter's `held_behind` and `relay dead-letters holds` name it.
+pub const HELD_REASON: &str = "held: an earlier record of its key on this partition was dead-lettered (on_poison = \
+     \"hold_key\"); it is applied, in order, once that one is replayed or skipped";
 
 /// How a held key is shown (logs, CLI, API, console): its first 256 bytes
 /// as text, invalid UTF-8 replaced. The bytes themselves stay in the table.
@@ -106,11 +105,31 @@ pub struct HeldKey {
     pub since: DateTime<Utc>,
     /// Records held behind the head, waiting.
     pub held: i64,
+    /// The head was replayed (and resolved) or skipped, but the release of
+    /// its key was cut short (a crash between two chunks): replay or skip
+    /// the head again to finish it.
+    pub head_resolved: bool,
 }
 
 const HELD_KEY: &str = r#"h.id, h.topic, h.partition, h.key, h.head, h.head_offset, h.since,
     (SELECT count(*) FROM relay.dead_letters d WHERE d.hold_id = h.id AND d."offset" > h.head_offset
-        AND (d.replay_outcome IS NULL OR d.replay_outcome LIKE 'failed%')) AS held"#;
+        AND (d.replay_outcome IS NULL OR d.replay_outcome LIKE 'failed%')) AS held,
+    coalesce((SELECT d.replay_outcome IS NOT NULL AND d.replay_outcome NOT LIKE 'failed%'
+       FROM relay.dead_letters d WHERE d.id = h.head), false) AS head_resolved"#;
+
+/// A hold, as a release works on it: without [`HeldKey`]'s counts, which
+/// read the whole backlog.
+#[derive(Debug, Clone, FromRow)]
+pub struct Hold {
+    /// Id of the hold.
+    pub id: i64,
+    /// The Kafka record key held.
+    pub key: Vec<u8>,
+    /// The dead letter that holds it.
+    pub head: i64,
+    /// Its offset.
+    pub head_offset: i64,
+}
 
 /// The held keys of `consumer`, oldest first, at most `limit`.
 pub async fn list(conn: &mut PgConnection, consumer: &str, limit: i64) -> Result<Vec<HeldKey>, sqlx::Error> {
@@ -121,31 +140,67 @@ pub async fn list(conn: &mut PgConnection, consumer: &str, limit: i64) -> Result
         .await
 }
 
-/// How many keys of `consumer` are held, per topic.
-pub async fn count_by_topic(conn: &mut PgConnection, consumer: &str) -> Result<Vec<(String, i64)>, sqlx::Error> {
-    sqlx::query_as("SELECT topic, count(*) FROM relay.held_keys WHERE consumer = $1 GROUP BY topic ORDER BY topic")
-        .bind(consumer)
-        .fetch_all(conn)
-        .await
-}
-
-/// The hold dead letter `letter` of `consumer` belongs to, locked for a
-/// release (`FOR UPDATE`): the consumer's batches of that key wait for it.
-pub async fn of_letter(conn: &mut PgConnection, consumer: &str, letter: i64) -> Result<Option<HeldKey>, sqlx::Error> {
+/// How many keys of `consumer` are held, per topic: `(topic, keys, cut
+/// short)`, where the last counts those whose head was resolved but whose
+/// release was cut short ([`HeldKey::head_resolved`]).
+pub async fn count_by_topic(conn: &mut PgConnection, consumer: &str) -> Result<Vec<(String, i64, i64)>, sqlx::Error> {
     sqlx::query_as(&format!(
-        "SELECT {HELD_KEY} FROM relay.held_keys h JOIN relay.dead_letters l ON l.hold_id = h.id
-          WHERE l.id = $1 AND l.consumer = $2 FOR UPDATE OF h"
+        "SELECT h.topic, count(*), count(*) FILTER (WHERE {resolved})
+           FROM relay.held_keys h JOIN relay.dead_letters d ON d.id = h.head
+          WHERE h.consumer = $1 GROUP BY h.topic ORDER BY h.topic",
+        resolved = crate::dead_letters::RESOLVED.replace("replay_outcome", "d.replay_outcome")
     ))
-    .bind(letter)
     .bind(consumer)
-    .fetch_optional(conn)
+    .fetch_all(conn)
     .await
 }
 
-/// Hold `id`, locked for the next chunk of a release (`FOR UPDATE`), if
-/// it is still there.
-pub async fn lock(conn: &mut PgConnection, id: i64) -> Result<Option<HeldKey>, sqlx::Error> {
-    sqlx::query_as(&format!("SELECT {HELD_KEY} FROM relay.held_keys h WHERE h.id = $1 FOR UPDATE"))
+/// Dead letter `letter` of `consumer`, locked for a replay or a skip, with
+/// the hold it belongs to locked too, if any.
+#[derive(Debug, Clone)]
+pub enum LetterLock {
+    /// No such dead letter (of this consumer).
+    NotFound,
+    /// Its hold changed between the two reads (a consumer batch held its key
+    /// behind it, or a release let go of it): roll back and try again.
+    Changed,
+    /// Locked until the transaction ends.
+    Locked {
+        /// What was done with it before.
+        state: crate::dead_letters::Locked,
+        /// Its hold, locked (`FOR UPDATE`): the consumer's batches of the key
+        /// wait until the transaction ends.
+        hold: Option<Hold>,
+    },
+}
+
+/// Lock dead letter `letter` and its hold, in the order a release takes
+/// them (the hold, then its letters), so that a replay or a skip of a held
+/// record never deadlocks with the release of its key.
+pub async fn lock_letter(conn: &mut PgConnection, consumer: &str, letter: i64) -> Result<LetterLock, sqlx::Error> {
+    let hold_id: Option<Option<i64>> =
+        sqlx::query_scalar("SELECT hold_id FROM relay.dead_letters WHERE id = $1 AND consumer = $2")
+            .bind(letter)
+            .bind(consumer)
+            .fetch_optional(&mut *conn)
+            .await?;
+    let Some(hold_id) = hold_id else { return Ok(LetterLock::NotFound) };
+    let hold = match hold_id {
+        Some(id) => lock(&mut *conn, id).await?,
+        None => None,
+    };
+    let Some((state, now)) = crate::dead_letters::lock(conn, consumer, letter).await? else {
+        return Ok(LetterLock::NotFound);
+    };
+    if now != hold.as_ref().map(|h| h.id) {
+        return Ok(LetterLock::Changed);
+    }
+    Ok(LetterLock::Locked { state, hold })
+}
+
+/// Hold `id`, locked (`FOR UPDATE`) for a release, if it is still there.
+pub async fn lock(conn: &mut PgConnection, id: i64) -> Result<Option<Hold>, sqlx::Error> {
+    sqlx::query_as("SELECT id, key, head, head_offset FROM relay.held_keys WHERE id = $1 FOR UPDATE")
         .bind(id)
         .fetch_optional(conn)
         .await
@@ -155,7 +210,7 @@ pub async fn lock(conn: &mut PgConnection, id: i64) -> Result<Option<HeldKey>, s
 /// the head's) and not replayed yet (a release that was cut short between
 /// two chunks is taken up where it stopped), in offset order, at most
 /// `limit`.
-pub async fn waiting(conn: &mut PgConnection, hold: &HeldKey, after: i64, limit: i64) -> Result<Vec<i64>, sqlx::Error> {
+pub async fn waiting(conn: &mut PgConnection, hold: &Hold, after: i64, limit: i64) -> Result<Vec<i64>, sqlx::Error> {
     sqlx::query_scalar(&format!(
         r#"SELECT id FROM relay.dead_letters WHERE hold_id = $1 AND "offset" > $2 AND NOT {resolved}
             ORDER BY "offset" LIMIT $3"#,
@@ -168,11 +223,23 @@ pub async fn waiting(conn: &mut PgConnection, hold: &HeldKey, after: i64, limit:
     .await
 }
 
+/// Held dead letters `letters` were replayed by a release: they are no
+/// longer part of the hold (retention may take them in time). Let go of in
+/// each chunk, so that dropping the hold clears only its head.
+pub async fn let_go(conn: &mut PgConnection, hold: &Hold, letters: &[i64]) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE relay.dead_letters SET hold_id = NULL WHERE hold_id = $1 AND id = ANY($2)")
+        .bind(hold.id)
+        .bind(letters)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
 /// Held dead letter `letter` failed when its key was released: it holds the
 /// key now, with its own failure, and the records after it stay held.
 pub async fn move_head(
     conn: &mut PgConnection,
-    hold: &mut HeldKey,
+    hold: &mut Hold,
     letter: i64,
     offset: i64,
     poison: &Poison,
@@ -189,19 +256,8 @@ pub async fn move_head(
         .bind(offset)
         .execute(&mut *conn)
         .await?;
-    // The records still held name their new head.
-    sqlx::query(&format!(
-        r#"UPDATE relay.dead_letters SET reason = $3
-            WHERE hold_id = $1 AND "offset" > $2 AND error_class = 'held' AND NOT {resolved}"#,
-        resolved = crate::dead_letters::RESOLVED
-    ))
-    .bind(hold.id)
-    .bind(offset)
-    .bind(held_reason(offset))
-    .execute(&mut *conn)
-    .await?;
-    // The letters before it are done with (replayed, or the old head): no
-    // longer part of the hold, so retention may take them in time.
+    // The letters before it are done with (the old head, and those this
+    // chunk replayed): no longer part of the hold.
     sqlx::query(r#"UPDATE relay.dead_letters SET hold_id = NULL WHERE hold_id = $1 AND "offset" < $2"#)
         .bind(hold.id)
         .bind(offset)
@@ -212,8 +268,8 @@ pub async fn move_head(
     Ok(())
 }
 
-/// Drop `hold`: the key flows again; its dead letters may be cleaned up.
-pub async fn release(conn: &mut PgConnection, hold: &HeldKey) -> Result<(), sqlx::Error> {
+/// Drop `hold`: the key flows again; its head may be cleaned up.
+pub async fn release(conn: &mut PgConnection, hold: &Hold) -> Result<(), sqlx::Error> {
     sqlx::query("DELETE FROM relay.held_keys WHERE id = $1").bind(hold.id).execute(conn).await?;
     Ok(())
 }

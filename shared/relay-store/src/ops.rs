@@ -97,8 +97,11 @@ pub struct BatchGates {
 }
 
 /// The [`BatchGates`] of a batch of `consumer` on `topic`/`partition`, in
-/// one round trip. Only that partition's own batches open holds, so none
-/// can appear between this read and the batch's transaction.
+/// one round trip. Only that partition's batches open holds. During a
+/// rebalance a batch of the member losing the partition may still be open
+/// and open one after this read; the new owner re-reads those records from
+/// the committed offset, meets the same failing record and holds its key in
+/// its own batch (a failure that does not repeat is the exception).
 pub async fn batch_gates(
     conn: &mut PgConnection,
     consumer: &str,

@@ -280,14 +280,25 @@ impl InboxConsumer {
             relay_store::holds::count_by_topic(&mut conn, consumer).await
         };
         let Ok(Ok(counts)) = tokio::time::timeout(Duration::from_secs(5), read).await else { return };
-        for (topic, keys) in counts.into_iter().filter(|(t, _)| !self.processor.router().holds_keys_on(t)) {
-            warn!(
-                consumer,
-                topic,
-                keys,
-                "keys are held on a topic where no route has on_poison = \"hold_key\" any more: their later records \
-                   keep waiting behind their heads; replay or skip those (`relay dead-letters holds`)"
-            );
+        for (topic, keys, cut_short) in counts {
+            if !self.processor.router().holds_keys_on(&topic) {
+                warn!(
+                    consumer,
+                    topic,
+                    keys,
+                    "keys are held on a topic where no route has on_poison = \"hold_key\" any more: their later \
+                     records keep waiting behind their heads; replay or skip those (`relay dead-letters holds`)"
+                );
+            }
+            if cut_short > 0 {
+                warn!(
+                    consumer,
+                    topic,
+                    keys = cut_short,
+                    "keys stay held behind a head that was replayed or skipped: the release was cut short (a crash \
+                     between two chunks); replay or skip the head again to finish it (`relay dead-letters holds`)"
+                );
+            }
         }
     }
 

@@ -139,11 +139,11 @@ struct HeldKeys {
 }
 
 impl HeldKeys {
-    /// The offset of the record `record` is held behind, if it is held: a
-    /// record at or before the head (a redelivery) is not.
-    fn head_of(&self, record: &RawRecord) -> Option<i64> {
-        let head = *self.keys.get(record.key.as_deref()?)?;
-        (record.offset > head).then_some(head)
+    /// Whether `record` is held: its key is, and it comes after the head (a
+    /// redelivery of the head or of a record before it is not).
+    fn holds(&self, record: &RawRecord) -> bool {
+        let head = record.key.as_deref().and_then(|k| self.keys.get(k));
+        head.is_some_and(|head| record.offset > *head)
     }
 }
 
@@ -301,8 +301,8 @@ impl Processor {
             let mut run = Vec::new();
             let mut next = None;
             for record in &records[i..] {
-                if let Some(head) = holds.head_of(record) {
-                    next = Some(Prepared::Done(self.held(record, head)));
+                if holds.holds(record) {
+                    next = Some(Prepared::Done(self.held(record)));
                     break;
                 }
                 match self.prepare(record) {
@@ -322,9 +322,10 @@ impl Processor {
                     Err(rejected) => {
                         for item in rejected {
                             let record = item.record;
-                            let processed = match holds.head_of(record) {
-                                Some(head) => self.held(record, head),
-                                None => self.write_alone(conn, item, Some(&mut *held)).await?,
+                            let processed = if holds.holds(record) {
+                                self.held(record)
+                            } else {
+                                self.write_alone(conn, item, Some(&mut *held)).await?
                             };
                             self.note_hold(conn, &mut holds, record, &processed).await?;
                             out.push(processed);
@@ -400,14 +401,14 @@ impl Processor {
         Ok(())
     }
 
-    /// `record`, held behind the dead letter of its key at offset `head`.
-    fn held(&self, record: &RawRecord, head: i64) -> Processed {
+    /// `record`, held behind an earlier dead letter of its key.
+    fn held(&self, record: &RawRecord) -> Processed {
         let info = match self.router.route(record) {
             Ok(Routed::Route(route, event) | Routed::Paused(route, event)) => EventInfo::of(&event, Some(route)),
             Ok(Routed::Unrouted(event)) => EventInfo::of(&event, None),
             Err(p) => EventInfo::of_poison(&p),
         };
-        let poison = Poison::new(PoisonClass::Held, holds::held_reason(head))
+        let poison = Poison::new(PoisonClass::Held, holds::HELD_REASON)
             .with_identity(info.id.as_deref(), info.event_type.as_deref());
         Processed { disposition: Disposition::Held(poison), info }
     }

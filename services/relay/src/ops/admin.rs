@@ -356,59 +356,79 @@ impl Operator {
     /// (`on_poison = "hold_key"`) and now resolves, the records held behind
     /// it are replayed in offset order and the key is released
     /// (in chunks, see `release`). A held record is not replayed before its
-    /// head. Replaying a head whose release was cut short takes it up again.
+    /// head. Replaying a head whose release was cut short takes it up again,
+    /// without processing the head a second time.
     pub async fn replay_releasing(&self, processor: &Processor, id: i64) -> Result<Replayed, OpsError> {
-        let mut tx = self.pool.begin().await?;
-        // A replay and a skip of one letter go one after the other; the
-        // second sees what the first did.
-        match dead_letters::lock(&mut tx, &self.consumer, id).await? {
-            dead_letters::Locked::NotFound => return Ok(Replayed { outcome: ReplayOutcome::NotFound, released: None }),
-            dead_letters::Locked::Skipped => {
-                // Never applied; but if its key is still held (its release
-                // was cut short), go on releasing it.
-                let released = match holds::of_letter(&mut tx, &self.consumer, id).await? {
-                    Some(h) if h.head == id => {
-                        processor.set_paused(ops::paused_routes(&mut tx).await?);
-                        Some(self.release(tx, processor, h).await?)
-                    }
-                    _ => None,
-                };
-                return Ok(Replayed { outcome: ReplayOutcome::Skipped, released });
-            }
-            dead_letters::Locked::Open => {}
-        }
-        let Some(dl) = dead_letters::get(&mut tx, &self.consumer, id).await? else {
+        let Some((mut tx, state, hold)) = self.lock_letter(id).await? else {
             return Ok(Replayed { outcome: ReplayOutcome::NotFound, released: None });
         };
-        // Locked before anything is applied: the consumer's batches of the
-        // key wait until this transaction ends (relay_store::holds).
-        let hold = holds::of_letter(&mut tx, &self.consumer, id).await?;
-        if let Some(h) = &hold
-            && h.head != id
-        {
-            let why = format!(
-                "held behind dead letter {} (offset {}) of its key; replay or skip that one, and this one follows in order",
-                h.head, h.head_offset
-            );
-            return Ok(Replayed { outcome: ReplayOutcome::Held(why), released: None });
-        }
-        // The pauses as they are now, not as a consumer of this process last read them (if any does).
-        processor.set_paused(ops::paused_routes(&mut tx).await?);
-        let processed = processor.process(&mut tx, &dl.record).await?;
-        let outcome = replay_outcome(processed.disposition);
-        // A second replay of a resolved letter finds it in the inbox: what
-        // the first one did stays on record.
-        if !(outcome == ReplayOutcome::Duplicate && dl.meta.resolved()) {
-            dead_letters::mark_replayed(&mut tx, &self.consumer, id, &outcome.stored()).await?;
-        }
-        let released = match hold {
-            Some(h) if outcome.resolved() => Some(self.release(tx, processor, h).await?),
-            _ => {
-                tx.commit().await?;
-                None
-            }
+        let outcome = match state {
+            dead_letters::Locked::Skipped => Some(ReplayOutcome::Skipped),
+            dead_letters::Locked::Resolved => Some(ReplayOutcome::Duplicate),
+            dead_letters::Locked::Open => None,
         };
-        Ok(Replayed { outcome, released })
+        match (outcome, hold) {
+            // Dealt with before, its key still held: its release was cut
+            // short. Go on with it; the head itself was applied (or skipped)
+            // once, and its inbox row may be gone by now.
+            (Some(outcome), Some(h)) if h.head == id => {
+                processor.set_paused(ops::paused_routes(&mut tx).await?);
+                let released = Some(self.release(tx, processor, h).await?);
+                Ok(Replayed { outcome, released })
+            }
+            (Some(ReplayOutcome::Skipped), _) => Ok(Replayed { outcome: ReplayOutcome::Skipped, released: None }),
+            (_, Some(h)) if h.head != id => {
+                let why = format!(
+                    "held behind dead letter {} (offset {}) of its key; replay or skip that one, and this one follows in order",
+                    h.head, h.head_offset
+                );
+                Ok(Replayed { outcome: ReplayOutcome::Held(why), released: None })
+            }
+            (_, hold) => {
+                let Some(dl) = dead_letters::get(&mut tx, &self.consumer, id).await? else {
+                    return Ok(Replayed { outcome: ReplayOutcome::NotFound, released: None });
+                };
+                // The pauses as they are now, not as a consumer of this process last read them (if any does).
+                processor.set_paused(ops::paused_routes(&mut tx).await?);
+                let processed = processor.process(&mut tx, &dl.record).await?;
+                let outcome = replay_outcome(processed.disposition);
+                // A second replay of a resolved letter finds it in the inbox:
+                // what the first one did stays on record.
+                if !(outcome == ReplayOutcome::Duplicate && dl.meta.resolved()) {
+                    dead_letters::mark_replayed(&mut tx, &self.consumer, id, &outcome.stored()).await?;
+                }
+                let released = match hold {
+                    Some(h) if outcome.resolved() => Some(self.release(tx, processor, h).await?),
+                    _ => {
+                        tx.commit().await?;
+                        None
+                    }
+                };
+                Ok(Replayed { outcome, released })
+            }
+        }
+    }
+
+    /// Dead letter `id` and its hold, locked in a new transaction (hold
+    /// first, as a release takes them: [`holds::lock_letter`]). `None`: no
+    /// such dead letter of this consumer.
+    async fn lock_letter(
+        &self,
+        id: i64,
+    ) -> Result<Option<(sqlx::Transaction<'static, sqlx::Postgres>, dead_letters::Locked, Option<holds::Hold>)>, OpsError>
+    {
+        // The hold changes under a read only when a consumer batch holds the
+        // key behind this letter or a release lets go of it: rare, and done
+        // by the next try.
+        for _ in 0..10 {
+            let mut tx = self.pool.begin().await?;
+            match holds::lock_letter(&mut tx, &self.consumer, id).await? {
+                holds::LetterLock::NotFound => return Ok(None),
+                holds::LetterLock::Changed => continue,
+                holds::LetterLock::Locked { state, hold } => return Ok(Some((tx, state, hold))),
+            }
+        }
+        Err(OpsError::Conflict(format!("the hold of dead letter {id} kept changing while it was read: try again")))
     }
 
     /// Skip dead letter `id`, which holds its Kafka key: it stays a dead
@@ -417,14 +437,9 @@ impl Operator {
     /// row `skipped`, so that a redelivery of its record never applies it.
     /// Skipping it again takes up a release that was cut short.
     pub async fn skip_dead_letter(&self, processor: &Processor, id: i64) -> Result<Released, OpsError> {
-        let mut tx = self.pool.begin().await?;
-        if dead_letters::lock(&mut tx, &self.consumer, id).await? == dead_letters::Locked::NotFound {
-            return Err(OpsError::NotFound(format!("no dead letter {id}")));
-        }
-        let dl = dead_letters::get(&mut tx, &self.consumer, id)
-            .await?
-            .ok_or_else(|| OpsError::NotFound(format!("no dead letter {id}")))?;
-        let hold = match holds::of_letter(&mut tx, &self.consumer, id).await? {
+        let not_found = || OpsError::NotFound(format!("no dead letter {id}"));
+        let (mut tx, state, hold) = self.lock_letter(id).await?.ok_or_else(not_found)?;
+        let hold = match hold {
             Some(h) if h.head == id => h,
             Some(h) => {
                 return Err(OpsError::Conflict(format!(
@@ -441,28 +456,32 @@ impl Operator {
         };
         // The pauses as they are now, for the release's first chunk.
         processor.set_paused(ops::paused_routes(&mut tx).await?);
-        if dl.meta.resolved() && dl.meta.replay_outcome.as_deref() != Some(dead_letters::SKIPPED) {
-            // Applied by a replay whose release was cut short: not skipped,
-            // only its release taken up.
-            tracing::info!(dead_letter = id, "dead letter resolved already; taking up the release of its key");
-        } else {
-            dead_letters::mark_replayed(&mut tx, &self.consumer, id, dead_letters::SKIPPED).await?;
-            // A record that could not be read has no event id; a redelivery
-            // of it fails as before, and is parked at its position already.
-            if let Some(event_id) = &dl.meta.event_id {
-                let row = inbox::NewInboxRow {
-                    consumer: &self.consumer,
-                    event_id,
-                    event_type: dl.meta.event_type.as_deref().unwrap_or_default(),
-                    topic: &dl.meta.topic,
-                    partition: dl.meta.partition,
-                    offset: dl.meta.offset,
-                    idempotency_key: None,
-                    aggregate_id: None,
-                    correlation_id: None,
-                    outcome: inbox::InboxOutcome::Skipped,
-                };
-                inbox::insert(&mut tx, &row).await?;
+        match state {
+            // Applied by a replay, or skipped, before the release was cut
+            // short: only the release is taken up.
+            dead_letters::Locked::Resolved | dead_letters::Locked::Skipped => {
+                tracing::info!(dead_letter = id, "dead letter resolved already; taking up the release of its key");
+            }
+            dead_letters::Locked::Open => {
+                let dl = dead_letters::get(&mut tx, &self.consumer, id).await?.ok_or_else(not_found)?;
+                dead_letters::mark_replayed(&mut tx, &self.consumer, id, dead_letters::SKIPPED).await?;
+                // A record that could not be read has no event id; a redelivery
+                // of it fails as before, and is parked at its position already.
+                if let Some(event_id) = &dl.meta.event_id {
+                    let row = inbox::NewInboxRow {
+                        consumer: &self.consumer,
+                        event_id,
+                        event_type: dl.meta.event_type.as_deref().unwrap_or_default(),
+                        topic: &dl.meta.topic,
+                        partition: dl.meta.partition,
+                        offset: dl.meta.offset,
+                        idempotency_key: None,
+                        aggregate_id: None,
+                        correlation_id: None,
+                        outcome: inbox::InboxOutcome::Skipped,
+                    };
+                    inbox::insert(&mut tx, &row).await?;
+                }
             }
         }
         let released = self.release(tx, processor, hold).await?;
@@ -476,15 +495,16 @@ impl Operator {
     /// [`Operator::with_release_chunk`] records: a consumer batch of the
     /// key's partition waits for one chunk, never for the whole backlog,
     /// and records parked behind the head meanwhile are released in a later
-    /// chunk. The hold is dropped, in the transaction that finds nothing
-    /// left, or moved to the record that fails. Cut short between chunks
-    /// (a crash), the hold stays with its resolved head: replaying or
-    /// skipping the head again goes on from there.
+    /// chunk. Each chunk lets go of the records it replayed; the hold is
+    /// dropped, in the transaction that finds nothing left, or moved to the
+    /// record that fails. Cut short between chunks (a crash), the hold stays
+    /// with its resolved head: replaying or skipping the head again goes on
+    /// from there.
     async fn release(
         &self,
         mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
         processor: &Processor,
-        mut hold: holds::HeldKey,
+        mut hold: holds::Hold,
     ) -> Result<Released, OpsError> {
         let mut released = Released { key: hold.key.clone(), replayed: 0, held_behind: None };
         let head = hold.head;
@@ -497,41 +517,52 @@ impl Operator {
                 tracing::info!(dead_letter = head, "{}", released.describe());
                 return Ok(released);
             }
+            let mut done = Vec::with_capacity(ids.len());
             for id in ids {
                 let dl = dead_letters::get(&mut tx, &self.consumer, id)
                     .await?
                     .ok_or_else(|| OpsError::Conflict(format!("held dead letter {id} vanished during the release")))?;
                 let processed = processor.process(&mut tx, &dl.record).await?;
                 let failed = match &processed.disposition {
+                    // Poison now, as if it had failed when it came: its copy
+                    // goes to the dead-letter topic and it is counted (once
+                    // committed). Not processable yet (a missing reference)
+                    // counts too: a release has no retry budget, the
+                    // operator's next replay of it is the retry.
                     Disposition::DeadLetter(p) | Disposition::RetryLater(p) | Disposition::Held(p) => {
-                        // Poison now, as if it had failed when it came: its copy
-                        // goes to the dead-letter topic and it is counted.
                         processor.copy_to_dead_letter_topic(&mut tx, &dl.record, p, 1).await?;
-                        crate::runtime::metrics::dead_lettered(&self.consumer, &dl.meta.topic, p.class.as_str());
-                        Some(p.clone())
+                        Some((p.clone(), true))
                     }
                     // Not poison: it waits for its route, still held (class `held`).
-                    Disposition::Paused { route } => Some(relay_core::Poison::new(
-                        relay_core::PoisonClass::Held,
-                        format!(
-                            "route {route} was paused when its key was released: replay this one once the route \
-                             is resumed, and the records after it follow"
+                    Disposition::Paused { route } => Some((
+                        relay_core::Poison::new(
+                            relay_core::PoisonClass::Held,
+                            format!(
+                                "route {route} was paused when its key was released: replay this one once the route \
+                                 is resumed, and the records after it follow"
+                            ),
                         ),
+                        false,
                     )),
                     _ => None,
                 };
                 let outcome = replay_outcome(processed.disposition);
                 dead_letters::mark_replayed(&mut tx, &self.consumer, id, &outcome.stored()).await?;
-                if let Some(poison) = failed {
+                if let Some((poison, dead)) = failed {
                     holds::move_head(&mut tx, &mut hold, id, dl.meta.offset, &poison).await?;
                     tx.commit().await?;
+                    if dead {
+                        crate::runtime::metrics::dead_lettered(&self.consumer, &dl.meta.topic, poison.class.as_str());
+                    }
                     released.held_behind = Some(id);
                     tracing::info!(dead_letter = head, "{}", released.describe());
                     return Ok(released);
                 }
                 released.replayed += 1;
                 after = dl.meta.offset;
+                done.push(id);
             }
+            holds::let_go(&mut tx, &hold, &done).await?;
             tx.commit().await?;
             processor
                 .faults()
