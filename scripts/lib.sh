@@ -52,6 +52,35 @@ END \$\$;
 SQL
 }
 
+# What a DBA does for applications that enqueue through relay.publish and
+# relay.call: the enqueue role relay grants EXECUTE to, and a login role of
+# an application in it (README "From your application").
+ensure_application_roles() {
+  su postgres -c "psql -q -v ON_ERROR_STOP=1" <<SQL >/dev/null
+DO \$\$ BEGIN
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'relay_enqueue') THEN
+    CREATE ROLE relay_enqueue NOLOGIN;
+  END IF;
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'relay_app') THEN
+    CREATE ROLE relay_app LOGIN PASSWORD 'relay_app' IN ROLE relay_enqueue;
+  END IF;
+END \$\$;
+SQL
+}
+
+# A Python with psycopg for the examples/python test, in $CACHE/python
+# (once); exports RELAY_TEST_PYTHON.
+ensure_python_example_deps() {
+  local venv="$CACHE/python"
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import psycopg' 2>/dev/null; then
+    command -v python3 >/dev/null || die "Python 3 is needed for the examples/python test (apt-get install python3-venv)"
+    say "installing psycopg for the examples/python test into $venv"
+    python3 -m venv "$venv" || die "python3 -m venv failed (apt-get install python3-venv)"
+    "$venv/bin/pip" install -q --disable-pip-version-check "psycopg[binary]==3.3.9"
+  fi
+  export RELAY_TEST_PYTHON="$venv/bin/python"
+}
+
 stop_postgres_if_started() {
   if [ -n "$STARTED_POSTGRES" ]; then
     say "stopping PostgreSQL (this script started it)"
@@ -155,7 +184,10 @@ stop_kafka() {
 start_test_services() {
   TEST_ROLE=relay_test
   ensure_postgres "$TEST_ROLE"
+  ensure_application_roles
+  ensure_python_example_deps
   export RELAY_TEST_DATABASE_URL="postgres://$TEST_ROLE:$TEST_ROLE@127.0.0.1:5432/postgres"
+  export RELAY_TEST_APP_DATABASE_URL="postgres://relay_app:relay_app@127.0.0.1:5432/postgres"
   start_kafka
   export RELAY_TEST_KAFKA_BOOTSTRAP="$KAFKA_BOOTSTRAP"
   export RELAY_TEST_KAFKA_LIBS="$CACHE/kafka-libs"   # for tests that run a broker of their own

@@ -77,6 +77,7 @@ impl Relay {
         if !relay_store::migrations_current(&pool).await? {
             anyhow::bail!("the database schema is not current: run `relay migrate` first");
         }
+        register_front_door(&cfg, &pool).await?;
         Ok(Relay { cfg, pool, router, handlers, faults })
     }
 
@@ -261,4 +262,56 @@ fn cannot_connect(url: &str, e: &sqlx::Error) -> String {
             .into(),
     };
     format!("cannot connect to PostgreSQL at {server} (database.url / DATABASE_URL, sslmode = {mode}): {e}{hint}")
+}
+
+/// What `cfg` lets applications enqueue (`[application]`), for the database.
+pub fn front_door(cfg: &RelayConfig) -> Option<relay_store::application::FrontDoor> {
+    let app = cfg.application.as_ref()?;
+    let endpoints = app
+        .endpoints
+        .iter()
+        .filter_map(|name| {
+            let e = cfg.endpoints.get(name)?;
+            let profile = e.profile();
+            Some(relay_store::application::Endpoint {
+                name: name.clone(),
+                max_attempts: i32::try_from(e.max_attempts).unwrap_or(i32::MAX),
+                max_age_secs: e.max_age.as_secs_f64(),
+                key_max_length: profile.max_length.map(|n| i32::try_from(n).unwrap_or(i32::MAX)),
+                key_in_body: matches!(profile.key, relay_core::profile::KeyPlacement::BodyField(_)),
+                sends_key: profile.key != relay_core::profile::KeyPlacement::Omitted,
+            })
+        })
+        .collect();
+    Some(relay_store::application::FrontDoor {
+        source: app.source(&cfg.consumer.name),
+        max_payload_bytes: i32::try_from(app.max_payload_bytes).unwrap_or(i32::MAX),
+        topics: app.topics.clone(),
+        endpoints,
+        role: app.role.clone(),
+    })
+}
+
+/// Register `cfg`'s front door for applications (or close it), warning when
+/// its role does not exist yet.
+pub async fn register_front_door(
+    cfg: &RelayConfig,
+    pool: &PgPool,
+) -> anyhow::Result<relay_store::application::Registered> {
+    use anyhow::Context;
+    let door = front_door(cfg);
+    let registered = relay_store::application::register(pool, &cfg.consumer.name, door.as_ref())
+        .await
+        .context("register the [application] front door (relay.publish, relay.call)")?;
+    if let (relay_store::application::Registered::RoleMissing, Some(door)) = (&registered, &door) {
+        tracing::warn!(
+            role = %door.role,
+            "[application]: role {:?} does not exist, so no application can enqueue yet: create it (CREATE ROLE {} \
+             NOLOGIN; GRANT {} TO your_app_user) and run `relay migrate` or restart relay",
+            door.role,
+            door.role,
+            door.role
+        );
+    }
+    Ok(registered)
 }

@@ -62,6 +62,51 @@ pub struct RelayConfig {
     /// Traces.
     #[serde(default)]
     pub telemetry: TelemetryConfig,
+    /// Applications enqueue events and calls in their own transactions
+    /// (`relay.publish`, `relay.call`); absent: they cannot.
+    #[serde(default)]
+    pub application: Option<ApplicationConfig>,
+}
+
+/// The SQL front door for applications (`relay.publish`, `relay.call`):
+/// what they may enqueue, registered in the database by `relay migrate` and
+/// at every start, so the functions check it inside the caller's
+/// transaction.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApplicationConfig {
+    /// Topics applications may publish to.
+    #[serde(default)]
+    pub topics: Vec<String>,
+    /// Endpoints (of `[endpoints]`) applications may call.
+    #[serde(default)]
+    pub endpoints: Vec<String>,
+    /// CloudEvents `source` of the events applications publish (and of the
+    /// outcome events of their calls); default `/relay/CONSUMER/application`.
+    pub source: Option<String>,
+    /// The largest `data` or call body accepted, in bytes.
+    #[serde(default = "default_application_max_payload_bytes")]
+    pub max_payload_bytes: u32,
+    /// The database role allowed to enqueue: it gets EXECUTE on the two
+    /// functions (and USAGE on the schema) and nothing else. The DBA
+    /// creates it and grants it to the applications' login roles.
+    #[serde(default = "default_application_role")]
+    pub role: String,
+}
+
+fn default_application_max_payload_bytes() -> u32 {
+    1024 * 1024
+}
+
+fn default_application_role() -> String {
+    "relay_enqueue".into()
+}
+
+impl ApplicationConfig {
+    /// The CloudEvents source of application events for `consumer`.
+    pub fn source(&self, consumer: &str) -> String {
+        self.source.clone().unwrap_or_else(|| format!("/relay/{consumer}/application"))
+    }
 }
 
 /// The HTTP server of a relay process: `/metrics`, `/healthz`, `/readyz`,
@@ -969,6 +1014,25 @@ impl RelayConfig {
         }
         if self.retention.batch_size == 0 {
             p.push("retention.batch_size: must be at least 1".into());
+        }
+        if let Some(app) = &self.application {
+            for e in app.endpoints.iter().filter(|e| !self.endpoints.contains_key(*e)) {
+                p.push(format!("application.endpoints: {e:?} is not an endpoint of [endpoints]"));
+            }
+            for t in &app.topics {
+                let valid = !t.is_empty()
+                    && t.len() <= 249
+                    && t.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+                if !valid {
+                    p.push(format!("application.topics: {t:?} is not a Kafka topic name (1 to 249 of [a-zA-Z0-9._-])"));
+                }
+            }
+            if app.max_payload_bytes == 0 {
+                p.push("application.max_payload_bytes: must be at least 1".into());
+            }
+            if app.role.is_empty() || app.role.len() > 63 {
+                p.push("application.role: must be a role name of 1 to 63 bytes".into());
+            }
         }
         if self.dispatcher.concurrency == 0 {
             p.push("dispatcher.concurrency: must be at least 1".into());

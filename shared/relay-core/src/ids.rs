@@ -42,6 +42,25 @@ pub fn outcome_id(intent_id: Uuid, outcome: &str, action: &str) -> Uuid {
     Uuid::new_v5(&NAMESPACE, name(&["outcome", &intent_id, outcome, action]).as_bytes())
 }
 
+/// Id of a row an application enqueued through `relay.publish` (`kind`
+/// `publish`) or `relay.call` (`call`) with business key `key`, for
+/// `consumer`. PostgreSQL computes it (`relay.app_id`, migration 0027),
+/// where SHA-1, and so UUIDv5, needs an extension the relay's role may not
+/// be allowed to create: a UUIDv8 over SHA-256, the name-based layout of
+/// RFC 9562 appendix B.2, over the same namespace and injective name.
+/// Its own name space (`app`) keeps it apart from every id derived from an
+/// input event.
+pub fn app_id(consumer: &str, kind: &str, key: &str) -> Uuid {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(NAMESPACE.as_bytes());
+    h.update(name(&["app", consumer, kind, key]).as_bytes());
+    let digest = h.finalize();
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest[..16]);
+    Uuid::new_v8(bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -75,5 +94,15 @@ mod tests {
     fn the_namespace_is_pinned() {
         // Changing NAMESPACE would silently re-key every stored intent.
         assert_eq!(derived_id("relay", "evt-1", "capture").to_string(), "9c8c32ed-5b43-5349-9391-95fe2caf462d");
+    }
+
+    #[test]
+    fn application_ids_are_pinned_and_apart_from_event_ids() {
+        // The value relay.app_id (migration 0027) gives: stored ids depend on it.
+        let id = app_id("relay", "publish", "order-42-placed");
+        assert_eq!(id.to_string(), "c65267a0-877c-86de-ba5a-d1b601cdaa66");
+        assert_eq!(id.get_version_num(), 8);
+        assert_ne!(id, app_id("relay", "call", "order-42-placed"));
+        assert_ne!(id, derived_id("relay", "order-42-placed", "publish"));
     }
 }

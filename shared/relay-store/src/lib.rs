@@ -29,6 +29,7 @@ use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 use sqlx::migrate::Migrator;
 
+pub mod application;
 pub mod audit;
 pub mod dead_letters;
 pub mod effects;
