@@ -138,6 +138,126 @@ BEGIN
 END
 $$;
 
+-- A call's on_success or on_dead, as the caller gives it (the shape of a
+-- route's [routes.actions.on_success]: emit {name, type, topic, key,
+-- subject, data, ordered}, saga {name, saga, id, from, to, start}, values
+-- literal), checked field by field and stored as relay_core::Outcome: the
+-- completer reads it back and must never meet one it cannot read.
+CREATE FUNCTION relay.app_outcome(consumer text, field text, outcome jsonb) RETURNS jsonb
+    LANGUAGE plpgsql STABLE
+    SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    k text;
+    e jsonb;
+    at text;
+    n integer;
+    in_order boolean;
+    names text[] := '{}';
+    emits jsonb := '[]'::jsonb;
+    sagas jsonb := '[]'::jsonb;
+BEGIN
+    IF outcome IS NULL THEN
+        RETURN '{}'::jsonb;
+    END IF;
+    IF jsonb_typeof(outcome) <> 'object' THEN
+        PERFORM relay.app_refuse('call', field, format('an object {"emit": [...], "saga": [...]}, not %s',
+            jsonb_typeof(outcome)));
+    END IF;
+    FOR k IN SELECT jsonb_object_keys(outcome) LOOP
+        IF k NOT IN ('emit', 'saga') THEN
+            PERFORM relay.app_refuse('call', field || '.' || k, 'unknown: an outcome has emit and saga');
+        END IF;
+    END LOOP;
+    IF outcome ? 'emit' AND jsonb_typeof(outcome -> 'emit') <> 'array' THEN
+        PERFORM relay.app_refuse('call', field || '.emit', 'an array of events');
+    END IF;
+    IF outcome ? 'saga' AND jsonb_typeof(outcome -> 'saga') <> 'array' THEN
+        PERFORM relay.app_refuse('call', field || '.saga', 'an array of saga moves');
+    END IF;
+    n := 0;
+    FOR e IN SELECT x.value FROM jsonb_array_elements(coalesce(outcome -> 'emit', '[]'::jsonb)) x LOOP
+        at := format('%s.emit[%s]', field, n);
+        n := n + 1;
+        IF jsonb_typeof(e) <> 'object' THEN
+            PERFORM relay.app_refuse('call', at, 'an object {name, type, topic, key, subject, data, ordered}');
+        END IF;
+        FOR k IN SELECT jsonb_object_keys(e) LOOP
+            IF k NOT IN ('name', 'type', 'topic', 'key', 'subject', 'data', 'ordered') THEN
+                PERFORM relay.app_refuse('call', at || '.' || k,
+                    'unknown: an event has name, type, topic, key, subject, data, ordered');
+            END IF;
+        END LOOP;
+        FOREACH k IN ARRAY ARRAY['name', 'type', 'topic'] LOOP
+            IF jsonb_typeof(e -> k) IS DISTINCT FROM 'string' OR e ->> k = '' THEN
+                PERFORM relay.app_refuse('call', at || '.' || k, 'required: a non-empty string');
+            END IF;
+        END LOOP;
+        FOREACH k IN ARRAY ARRAY['key', 'subject'] LOOP
+            IF jsonb_typeof(e -> k) NOT IN ('string', 'null') THEN
+                PERFORM relay.app_refuse('call', at || '.' || k, 'a string');
+            END IF;
+        END LOOP;
+        IF NOT e ? 'data' THEN
+            PERFORM relay.app_refuse('call', at || '.data', 'required: a JSON value (null for none)');
+        END IF;
+        IF jsonb_typeof(e -> 'ordered') NOT IN ('boolean', 'null') THEN
+            PERFORM relay.app_refuse('call', at || '.ordered', 'true or false');
+        END IF;
+        IF NOT EXISTS (SELECT 1 FROM relay.app_topics t WHERE t.consumer = app_outcome.consumer
+                                                         AND t.topic = e ->> 'topic') THEN
+            PERFORM relay.app_refuse('call', at || '.topic', format('%L is not a topic relay %L publishes for '
+                'applications', e ->> 'topic', app_outcome.consumer), 'add it to [application].topics');
+        END IF;
+        -- The event's id is derived from the intent and the name.
+        IF (e ->> 'name') = ANY (names) THEN
+            PERFORM relay.app_refuse('call', at || '.name', format('%L twice: each event needs a name of its own',
+                e ->> 'name'));
+        END IF;
+        names := names || (e ->> 'name');
+        in_order := CASE WHEN jsonb_typeof(e -> 'ordered') = 'boolean' THEN (e -> 'ordered')::boolean
+                         ELSE jsonb_typeof(e -> 'key') IS NOT DISTINCT FROM 'string' END;
+        IF in_order AND jsonb_typeof(e -> 'key') IS DISTINCT FROM 'string' THEN
+            PERFORM relay.app_refuse('call', at || '.key', 'an ordered event needs a key: give one, or ordered false');
+        END IF;
+        emits := emits || jsonb_build_array(jsonb_build_object(
+            'action', e ->> 'name', 'event_type', e ->> 'type', 'topic', e ->> 'topic',
+            'key', coalesce(e -> 'key', 'null'::jsonb), 'subject', coalesce(e -> 'subject', 'null'::jsonb),
+            'data', e -> 'data', 'ordered', in_order));
+    END LOOP;
+    n := 0;
+    FOR e IN SELECT x.value FROM jsonb_array_elements(coalesce(outcome -> 'saga', '[]'::jsonb)) x LOOP
+        at := format('%s.saga[%s]', field, n);
+        n := n + 1;
+        IF jsonb_typeof(e) <> 'object' THEN
+            PERFORM relay.app_refuse('call', at, 'an object {name, saga, id, from, to, start}');
+        END IF;
+        FOR k IN SELECT jsonb_object_keys(e) LOOP
+            IF k NOT IN ('name', 'saga', 'id', 'from', 'to', 'start') THEN
+                PERFORM relay.app_refuse('call', at || '.' || k, 'unknown: a saga move has name, saga, id, from, to, start');
+            END IF;
+        END LOOP;
+        FOREACH k IN ARRAY ARRAY['name', 'saga', 'id', 'to'] LOOP
+            IF jsonb_typeof(e -> k) IS DISTINCT FROM 'string' OR e ->> k = '' THEN
+                PERFORM relay.app_refuse('call', at || '.' || k, 'required: a non-empty string');
+            END IF;
+        END LOOP;
+        IF jsonb_typeof(e -> 'from') NOT IN ('array', 'null') OR EXISTS (
+            SELECT 1 FROM jsonb_array_elements(coalesce(e -> 'from', '[]'::jsonb)) f WHERE jsonb_typeof(f.value) <> 'string') THEN
+            PERFORM relay.app_refuse('call', at || '.from', 'an array of states (strings)');
+        END IF;
+        IF jsonb_typeof(e -> 'start') NOT IN ('boolean', 'null') THEN
+            PERFORM relay.app_refuse('call', at || '.start', 'true or false');
+        END IF;
+        sagas := sagas || jsonb_build_array(jsonb_build_object(
+            'action', e ->> 'name', 'saga_type', e ->> 'saga', 'saga_id', e ->> 'id',
+            'from', coalesce(e -> 'from', '[]'::jsonb), 'to', e ->> 'to',
+            'start', CASE WHEN jsonb_typeof(e -> 'start') = 'boolean' THEN (e -> 'start')::boolean ELSE false END));
+    END LOOP;
+    RETURN jsonb_build_object('emit', emits, 'saga', sagas);
+END
+$$;
+
 CREATE FUNCTION relay.publish(
     topic          text,
     key            text,
@@ -241,6 +361,8 @@ CREATE FUNCTION relay.call(
     idempotency_key text  DEFAULT NULL,
     ordering_key    text  DEFAULT NULL,
     headers         jsonb DEFAULT NULL,
+    on_success      jsonb DEFAULT NULL,
+    on_dead         jsonb DEFAULT NULL,
     correlation_id  text  DEFAULT NULL,
     causation_id    text  DEFAULT NULL,
     traceparent     text  DEFAULT NULL,
@@ -256,6 +378,8 @@ DECLARE
     verb text := upper(call.method);
     key text;
     request_headers jsonb := '{}'::jsonb;
+    succeeded jsonb;
+    died jsonb;
     h record;
 BEGIN
     IF call.id IS NULL OR call.id = '' THEN
@@ -301,16 +425,18 @@ BEGIN
     FOR h IN SELECT * FROM relay.app_headers('call', call.headers) AS x(name text, value jsonb) LOOP
         request_headers := request_headers || jsonb_build_object(h.name, h.value);
     END LOOP;
+    succeeded := relay.app_outcome(door.consumer, 'on_success', call.on_success);
+    died := relay.app_outcome(door.consumer, 'on_dead', call.on_dead);
     -- relay_store::ordering: the key's intents take seq in commit order.
     IF call.ordering_key IS NOT NULL THEN
         PERFORM pg_advisory_xact_lock(1380273153, hashtext(door.consumer || chr(2) || call.ordering_key));
     END IF;
     INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path, body, request_headers,
-                               idempotency_key, ordering_key, max_attempts, expires_at, emit_source,
-                               correlation_id, causation_id, traceparent)
+                               idempotency_key, ordering_key, max_attempts, expires_at, on_success, on_dead,
+                               emit_source, correlation_id, causation_id, traceparent)
     VALUES (row_id, door.consumer, call.id, 'application', call.endpoint, verb, call.path, call.body,
-            request_headers, key, call.ordering_key, ep.max_attempts, now() + ep.max_age, door.source,
-            call.correlation_id, call.causation_id, call.traceparent)
+            request_headers, key, call.ordering_key, ep.max_attempts, now() + ep.max_age, succeeded, died,
+            door.source, call.correlation_id, call.causation_id, call.traceparent)
     ON CONFLICT ON CONSTRAINT intents_pkey DO NOTHING;
     RETURN row_id;
 END
@@ -320,6 +446,7 @@ $$;
 -- helpers run inside it, as its owner.
 REVOKE ALL ON FUNCTION relay.app_id_part(text), relay.app_id(text, text, text),
     relay.app_refuse(text, text, text, text), relay.app_front_door(text, text), relay.app_headers(text, jsonb),
+    relay.app_outcome(text, text, jsonb),
     relay.publish(text, text, text, jsonb, text, jsonb, boolean, text, text, text, text, text),
-    relay.call(text, text, text, jsonb, text, text, text, jsonb, text, text, text, text)
+    relay.call(text, text, text, jsonb, text, text, text, jsonb, jsonb, jsonb, text, text, text, text)
     FROM PUBLIC;

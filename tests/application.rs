@@ -12,6 +12,7 @@ use std::time::Duration;
 use relay::{Components, Handlers};
 use relay_cli::verify::{ProviderEffect, VerifyOptions, verify};
 use relay_core::ids::app_id;
+use relay_testkit::process::PrivatePostgres;
 use relay_testkit::read_topic;
 use sqlx::{Connection, PgConnection};
 use support::*;
@@ -58,6 +59,11 @@ async fn run(cmd: &mut tokio::process::Command) -> (Option<i32>, String) {
 
 /// The Python example with `args`, as the application's role.
 async fn python(h: &Harness, args: &[&str]) -> (Option<i32>, String) {
+    python_at(&app_url(h), &h.out, args).await
+}
+
+/// The Python example with `args` on database `url`, publishing to `topic`.
+async fn python_at(url: &str, topic: &str, args: &[&str]) -> (Option<i32>, String) {
     let python = std::env::var("RELAY_TEST_PYTHON").expect(
         "RELAY_TEST_PYTHON is not set: run the tests with scripts/test.sh, which installs psycopg into \
          .cache/python (ensure_python_example_deps in scripts/lib.sh) and sets it",
@@ -65,8 +71,8 @@ async fn python(h: &Harness, args: &[&str]) -> (Option<i32>, String) {
     run(tokio::process::Command::new(python)
         .arg(examples().join("python/enqueue.py"))
         .args(args)
-        .env("DATABASE_URL", app_url(h))
-        .env("RELAY_TOPIC", &h.out))
+        .env("DATABASE_URL", url)
+        .env("RELAY_TOPIC", topic))
     .await
 }
 
@@ -330,4 +336,241 @@ async fn ten_thousand_events_enqueued_in_one_transaction_are_all_published_once(
         let prev = last.insert(r.key.clone().unwrap(), n);
         assert!(prev.is_none_or(|p| p < n), "key {:?}: {n} after {prev:?}", r.key);
     }
+}
+
+/// A call's outcomes, given by the application: on success its event is
+/// published and its saga moved once; on its death, the other outcome.
+#[tokio::test]
+async fn a_call_s_outcomes_given_by_the_application_are_recorded_once_when_it_ends() {
+    let h = Harness::new(1).await;
+    let cfg = h.config(FRONT_DOOR);
+    h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
+    sqlx::query(
+        "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-1', 'pending', 's')",
+    )
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    // The provider refuses every capture of o-2 for good.
+    h.provider.set_faults(vec![example_provider::FaultRule {
+        path_prefix: Some("/captures/o-2".into()),
+        key_prefix: None,
+        times: None,
+        kind: example_provider::FaultKind::Status { status: 422, retry_after_secs: None },
+    }]);
+    let mut conn = PgConnection::connect(&app_url(&h)).await.unwrap();
+    let outcomes = |order: &str| {
+        serde_json::json!({
+            "on_success": {
+                "emit": [{"name": "captured", "type": "payment.captured", "topic": h.out, "key": order,
+                          "data": {"order_id": order}}],
+                "saga": [{"name": "paid", "saga": "order", "id": order, "from": ["pending"], "to": "paid"}]
+            },
+            "on_dead": {"emit": [{"name": "failed", "type": "payment.failed", "topic": h.out, "key": order,
+                                  "data": {"order_id": order}}]}
+        })
+    };
+    for order in ["o-1", "o-2"] {
+        let o = outcomes(order);
+        sqlx::query(
+            "SELECT relay.call('psp', 'POST', '/captures/' || $1, '{}', id => 'capture-' || $1,
+                               on_success => $2, on_dead => $3)",
+        )
+        .bind(order)
+        .bind(&o["on_success"])
+        .bind(&o["on_dead"])
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    }
+    let run = h.start(cfg, DELIVERY, no_faults()).await;
+    h.await_intents_finished(2).await;
+    h.await_published(2).await;
+    let records = read_topic(&h.bootstrap, &h.out, 2).await.unwrap();
+    run.stop().await.unwrap();
+    let mut seen: Vec<(String, String)> = records
+        .iter()
+        .map(|r| {
+            let key = String::from_utf8_lossy(r.key.as_deref().unwrap()).into_owned();
+            (key, r.headers.get("ce_type").cloned().unwrap_or_default())
+        })
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [("o-1".to_string(), "payment.captured".to_string()), ("o-2".to_string(), "payment.failed".to_string())]
+    );
+    let state: String =
+        sqlx::query_scalar("SELECT state FROM relay.sagas WHERE saga_id = 'o-1'").fetch_one(&h.db.pool).await.unwrap();
+    assert_eq!(state, "paid");
+    assert_eq!(h.intents_in("succeeded").await, 1);
+    assert_eq!(h.intents_in("dead").await, 1);
+
+    // Outcomes that could never be recorded are refused, naming the place.
+    let cases = [
+        (serde_json::json!([]), "relay.call: on_success: an object"),
+        (serde_json::json!({"emit": [], "colour": 1}), "relay.call: on_success.colour: unknown"),
+        (
+            serde_json::json!({"emit": [{"name": "x", "type": "t", "data": 1}]}),
+            "relay.call: on_success.emit[0].topic: required",
+        ),
+        (
+            serde_json::json!({"emit": [{"name": "x", "type": "t", "topic": "elsewhere", "data": 1, "ordered": false}]}),
+            "relay.call: on_success.emit[0].topic: 'elsewhere'",
+        ),
+        (
+            serde_json::json!({"emit": [{"name": "x", "type": "t", "topic": h.out, "ordered": true, "data": 1}]}),
+            "relay.call: on_success.emit[0].key: an ordered event needs a key",
+        ),
+        (
+            serde_json::json!({"emit": [{"name": "x", "type": "t", "topic": h.out, "key": "k"}]}),
+            "relay.call: on_success.emit[0].data: required",
+        ),
+        (
+            serde_json::json!({"emit": [{"name": "x", "type": "t", "topic": h.out, "key": "k", "data": 1},
+                                        {"name": "x", "type": "t", "topic": h.out, "key": "k", "data": 2}]}),
+            "relay.call: on_success.emit[1].name: 'x' twice",
+        ),
+        (
+            serde_json::json!({"saga": [{"name": "m", "saga": "order", "id": "o", "from": [1], "to": "x"}]}),
+            "relay.call: on_success.saga[0].from",
+        ),
+        (
+            serde_json::json!({"saga": [{"name": "m", "saga": "order", "id": "o"}]}),
+            "relay.call: on_success.saga[0].to: required",
+        ),
+    ];
+    for (outcome, expected) in &cases {
+        let err = sqlx::query("SELECT relay.call('psp', 'POST', '/x', '{}', id => 'bad', on_success => $1)")
+            .bind(outcome)
+            .execute(&mut conn)
+            .await
+            .expect_err(expected);
+        let message = err.as_database_error().map(|d| d.message().to_owned()).unwrap_or_else(|| err.to_string());
+        assert!(message.starts_with(expected), "{outcome}\n  said: {message}\n  not: {expected}…");
+    }
+}
+
+/// The whole promise, with processes: a Python service enqueues orders in
+/// its own transactions (some rolled back, some run twice as after an
+/// ambiguous commit, each retried until it commits) while the relay
+/// dispatchers delivering them are killed with SIGKILL twice and
+/// PostgreSQL crashes and restarts once. Every committed order's event is
+/// published and its capture made exactly once in effect, nothing rolled
+/// back is sent, and `relay verify` passes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_python_service_s_rows_are_sent_once_across_relay_kills_and_a_postgresql_crash() {
+    let h = Harness::new(1).await;
+    let pg = PrivatePostgres::start().unwrap();
+    let admin = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(&pg.url()).await.unwrap();
+    relay_store::migrate(&admin).await.unwrap();
+    for sql in [
+        "CREATE ROLE relay_enqueue NOLOGIN",
+        "CREATE ROLE relay_app LOGIN IN ROLE relay_enqueue",
+        "CREATE TABLE public.orders (id text PRIMARY KEY, amount_cents integer NOT NULL)",
+        "GRANT SELECT, INSERT ON public.orders TO relay_enqueue",
+    ] {
+        sqlx::query(sql).execute(&admin).await.unwrap();
+    }
+    let config = h.write_config(&h.config_text(FRONT_DOOR));
+    let env = [("DATABASE_URL", pg.url())];
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let mut migrate = h.process(&config, &["migrate"], &env);
+    assert!(migrate.wait(Duration::from_secs(60)).unwrap().success(), "{}", migrate.log());
+    let open: bool = sqlx::query_scalar(
+        "SELECT has_function_privilege('relay_app',
+                    'relay.publish(text, text, text, jsonb, text, jsonb, boolean, text, text, text, text, text)',
+                    'EXECUTE')",
+    )
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert!(open, "`relay migrate` registered the front door and granted the role");
+    let app = pg.url().replace("://postgres@", "://relay_app@");
+
+    // The service: 30 orders, every third run twice, every fifth preceded
+    // by a rolled-back one; each transaction retried until it commits
+    // (PostgreSQL goes away under it).
+    let failures = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let service = {
+        let (app, topic, failures) = (app.clone(), h.out.clone(), failures.clone());
+        tokio::spawn(async move {
+            for i in 0..30 {
+                let order = format!("o-{i}");
+                let mut runs: Vec<Vec<String>> = vec![vec![order.clone()]];
+                if i % 3 == 0 {
+                    runs.push(vec![order.clone()]);
+                }
+                if i % 5 == 0 {
+                    runs.insert(0, vec![format!("{order}-rb"), "--rollback".into()]);
+                }
+                for args in runs {
+                    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                    eventually(&format!("{args:?} committed or rolled back"), DEADLINE, || async {
+                        let (code, _) = python_at(&app, &topic, &args).await;
+                        if code != Some(0) {
+                            failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        (code == Some(0)).then_some(())
+                    })
+                    .await;
+                }
+            }
+        })
+    };
+    let published = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM relay.outbox WHERE state = 'published'")
+            .fetch_one(&admin)
+            .await
+            .unwrap_or(-1)
+    };
+    let mut relay = h.process(&config, &["dispatch"], &env);
+    eventually("5 published", DEADLINE, || async { (published().await >= 5).then_some(()) }).await;
+    relay.kill9().unwrap();
+    let mut relay = h.process(&config, &["dispatch"], &env);
+    eventually("10 published", DEADLINE, || async { (published().await >= 10).then_some(()) }).await;
+    pg.stop_immediately().unwrap();
+    eventually("the service and the relay to meet the outage", DEADLINE, || async {
+        let seen = failures.load(std::sync::atomic::Ordering::Relaxed) > 0 && relay.log().contains("database error");
+        seen.then_some(())
+    })
+    .await;
+    pg.start_again().unwrap();
+    eventually("15 published", DEADLINE, || async { (published().await >= 15).then_some(()) }).await;
+    relay.kill9().unwrap();
+    let mut relay = h.process(&config, &["dispatch"], &env);
+    service.await.unwrap();
+    eventually("everything sent", DEADLINE, || async {
+        let open: i64 = sqlx::query_scalar(
+            "SELECT (SELECT count(*) FROM relay.outbox WHERE state <> 'published')
+                  + (SELECT count(*) FROM relay.intents WHERE state <> 'succeeded')",
+        )
+        .fetch_one(&admin)
+        .await
+        .unwrap_or(1);
+        (open == 0).then_some(())
+    })
+    .await;
+    assert!(relay.terminate(Duration::from_secs(30)).unwrap().success(), "{}", relay.log());
+
+    let orders: std::collections::BTreeSet<String> = (0..30).map(|i| format!("o-{i}")).collect();
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM relay.outbox").fetch_one(&admin).await.unwrap();
+    assert_eq!(rows, 30, "one event per committed order, none per rollback or retry");
+    let records = read_topic(&h.bootstrap, &h.out, 30).await.unwrap();
+    let ids: std::collections::BTreeSet<&String> = records.iter().filter_map(|r| r.headers.get("ce_id")).collect();
+    let keys: std::collections::BTreeSet<String> =
+        records.iter().map(|r| String::from_utf8_lossy(r.key.as_deref().unwrap()).into_owned()).collect();
+    assert_eq!((ids.len(), &keys), (30, &orders), "each committed event on the topic (a republish keeps its id)");
+    let stats = h.provider.stats();
+    for order in &orders {
+        assert_eq!(stats.applied_for(&format!("capture:{order}")), 1, "{order}");
+    }
+    assert!(stats.double_applied().is_empty());
+    assert_eq!(stats.applied, 30, "nothing rolled back was captured");
+    let mut cfg = h.config(FRONT_DOOR);
+    cfg.database.url = Some(pg.url().into());
+    let report = verify(&cfg, &admin, &VerifyOptions { effects: Some(effects(&h)), grace: Duration::from_secs(30) })
+        .await
+        .expect("verify runs");
+    assert!(report.ok(), "{}", report.render());
 }

@@ -105,7 +105,7 @@ pub async fn register(pool: &PgPool, consumer: &str, door: Option<&FrontDoor>) -
         sqlx::query(&format!(
             "GRANT EXECUTE ON FUNCTION
                  relay.publish(text, text, text, jsonb, text, jsonb, boolean, text, text, text, text, text),
-                 relay.call(text, text, text, jsonb, text, text, text, jsonb, text, text, text, text)
+                 relay.call(text, text, text, jsonb, text, text, text, jsonb, jsonb, jsonb, text, text, text, text)
              TO {role}"
         ))
         .execute(&mut *tx)
