@@ -81,6 +81,29 @@ ensure_python_example_deps() {
   export RELAY_TEST_PYTHON="$venv/bin/python"
 }
 
+# The Node, Go and Java examples' dependencies (pg, pgx, pgjdbc), built or
+# fetched into the checkout and $CACHE (once); exports RELAY_TEST_GO_EXAMPLE
+# and RELAY_TEST_JAVA_CLASSPATH. Every toolchain is on this machine kind.
+ensure_example_deps() {
+  command -v npm >/dev/null || die "npm is needed for examples/node (apt-get install npm)"
+  command -v go >/dev/null || die "Go is needed for examples/go"
+  command -v mvn >/dev/null || die "Maven is needed for examples/java"
+  if [ ! -d "$ROOT/examples/node/node_modules/pg" ]; then
+    say "installing pg for examples/node"
+    (cd "$ROOT/examples/node" && npm ci --no-audit --no-fund --silent)
+  fi
+  mkdir -p "$CACHE/examples"
+  say "building examples/go"
+  (cd "$ROOT/examples/go" && go build -o "$CACHE/examples/enqueue-go" .)
+  export RELAY_TEST_GO_EXAMPLE="$CACHE/examples/enqueue-go"
+  if ! ls "$CACHE/examples/java-lib/"postgresql-*.jar >/dev/null 2>&1; then
+    say "fetching pgjdbc for examples/java"
+    (cd "$ROOT/examples/java" && mvn -q dependency:copy-dependencies -DoutputDirectory="$CACHE/examples/java-lib")
+  fi
+  export RELAY_TEST_JAVA_CLASSPATH
+  RELAY_TEST_JAVA_CLASSPATH=$(ls "$CACHE/examples/java-lib/"*.jar | tr '\n' ':')
+}
+
 stop_postgres_if_started() {
   if [ -n "$STARTED_POSTGRES" ]; then
     say "stopping PostgreSQL (this script started it)"
@@ -186,6 +209,7 @@ start_test_services() {
   ensure_postgres "$TEST_ROLE"
   ensure_application_roles
   ensure_python_example_deps
+  ensure_example_deps
   export RELAY_TEST_DATABASE_URL="postgres://$TEST_ROLE:$TEST_ROLE@127.0.0.1:5432/postgres"
   export RELAY_TEST_APP_DATABASE_URL="postgres://relay_app:relay_app@127.0.0.1:5432/postgres"
   start_kafka

@@ -574,3 +574,100 @@ async fn a_python_service_s_rows_are_sent_once_across_relay_kills_and_a_postgres
         .expect("verify runs");
     assert!(report.ok(), "{}", report.render());
 }
+
+/// What an example printed about its transaction (its JSON line's `committed`).
+fn said_committed(out: &str) -> Option<bool> {
+    out.lines().find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?.get("committed")?.as_bool())
+}
+
+/// An example program in another language, run as the application's role.
+#[derive(Debug, Clone, Copy)]
+enum Example {
+    Python,
+    Node,
+    Go,
+    Java,
+}
+
+impl Example {
+    fn command(self, h: &Harness) -> tokio::process::Command {
+        let need = |var: &str| {
+            std::env::var(var).unwrap_or_else(|_| {
+                panic!(
+                    "{var} is not set: run the tests with scripts/test.sh, which builds the examples' dependencies \
+                     (ensure_example_deps and ensure_python_example_deps in scripts/lib.sh) and sets it"
+                )
+            })
+        };
+        let (mut cmd, url) = match self {
+            Example::Python => {
+                let mut c = tokio::process::Command::new(need("RELAY_TEST_PYTHON"));
+                c.arg(examples().join("python/enqueue.py"));
+                (c, app_url(h))
+            }
+            Example::Node => {
+                let mut c = tokio::process::Command::new("node");
+                c.arg(examples().join("node/enqueue.js"));
+                (c, app_url(h))
+            }
+            Example::Go => (tokio::process::Command::new(need("RELAY_TEST_GO_EXAMPLE")), app_url(h)),
+            Example::Java => {
+                let mut c = tokio::process::Command::new("java");
+                c.arg("-cp").arg(need("RELAY_TEST_JAVA_CLASSPATH")).arg(examples().join("java/Enqueue.java"));
+                // JDBC's URL form: jdbc:postgresql://host:port/db?user=…&password=…
+                let url = app_url(h);
+                let (auth, rest) = url.trim_start_matches("postgres://").split_once('@').unwrap();
+                let (user, password) = auth.split_once(':').unwrap();
+                (c, format!("jdbc:postgresql://{rest}?user={user}&password={password}"))
+            }
+        };
+        cmd.env("DATABASE_URL", url).env("RELAY_TOPIC", &h.out);
+        cmd
+    }
+}
+
+/// Each example — Python (psycopg), Node (pg), Go (pgx), Java (pgjdbc) —
+/// rolls back one order and commits another, runs that one again (a retry)
+/// and commits a third before killing itself: relay sends each committed
+/// order's event and call once, and nothing rolled back.
+#[tokio::test]
+async fn every_language_s_example_enqueues_in_its_own_transaction_and_each_committed_row_is_sent_once() {
+    let h = Harness::new(1).await;
+    orders_table(&h).await;
+    let cfg = h.config(FRONT_DOOR);
+    h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
+    let langs = [Example::Python, Example::Node, Example::Go, Example::Java];
+    let mut committed = Vec::new();
+    for lang in langs {
+        let name = format!("{lang:?}").to_lowercase();
+        let (ok, again, killed, rb) =
+            (format!("{name}-1"), format!("{name}-1"), format!("{name}-2"), format!("{name}-rb"));
+        let (code, out) = run(lang.command(&h).args([rb.as_str(), "--rollback"])).await;
+        assert_eq!((code, said_committed(&out)), (Some(0), Some(false)), "{lang:?} rollback: {out}");
+        for order in [&ok, &again] {
+            let (code, out) = run(lang.command(&h).arg(order)).await;
+            assert_eq!((code, said_committed(&out)), (Some(0), Some(true)), "{lang:?}: {out}");
+        }
+        let (code, out) = run(lang.command(&h).args([killed.as_str(), "--die-after-commit"])).await;
+        assert_ne!(code, Some(0), "{lang:?} kills itself after the commit: {out}");
+        assert_eq!(said_committed(&out), Some(true), "{lang:?} committed first: {out}");
+        committed.extend([ok, killed]);
+    }
+    assert_eq!(h.db.count("outbox", "true").await, 8, "one event per committed order");
+    assert_eq!(h.db.count("intents", "true").await, 8, "one call per committed order");
+    let run_ = h.start(cfg, DELIVERY, no_faults()).await;
+    h.await_published(8).await;
+    h.await_intents_finished(8).await;
+    let records = read_topic(&h.bootstrap, &h.out, 8).await.unwrap();
+    run_.stop().await.unwrap();
+    let mut keys: Vec<String> =
+        records.iter().map(|r| String::from_utf8_lossy(r.key.as_deref().unwrap()).into_owned()).collect();
+    keys.sort();
+    committed.sort();
+    assert_eq!(keys, committed);
+    let stats = h.provider.stats();
+    for order in &committed {
+        assert_eq!(stats.applied_for(&format!("capture:{order}")), 1, "{order}");
+    }
+    assert_eq!(stats.applied, 8, "nothing rolled back was captured");
+}
