@@ -6,7 +6,11 @@
 --
 -- The constraints are added NOT VALID (enforced on every write from here,
 -- existing rows not scanned under this migration's ACCESS EXCLUSIVE locks)
--- and validated by the next migration, outside this transaction.
+-- and validated by the next migration, outside this transaction. The
+-- ALTERs still need ACCESS EXCLUSIVE for a moment: wait for it at most 5 s
+-- (behind a long transaction, every reader would queue behind this one),
+-- fail, and let `relay migrate` be run again.
+SET LOCAL lock_timeout = '5s';
 ALTER TABLE relay.inbox DROP CONSTRAINT inbox_outcome_known;
 ALTER TABLE relay.inbox ADD CONSTRAINT inbox_outcome_known CHECK (outcome IN (
     'applied', 'duplicate_key', 'stale', 'duplicate_version',

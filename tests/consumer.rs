@@ -692,12 +692,15 @@ async fn dead_letter_of(h: &Harness, event: &str) -> i64 {
         .unwrap()
 }
 
-/// Until `n` sessions of the test database wait for a lock.
-async fn lock_waiters(h: &Harness, n: i64) {
-    eventually(&format!("{n} session(s) waiting for a lock"), DEADLINE, || async {
+/// Until `n` sessions of the test database wait for a lock, in statements
+/// that read `table`.
+async fn lock_waiters(h: &Harness, n: i64, table: &str) {
+    eventually(&format!("{n} session(s) waiting for a lock on {table}"), DEADLINE, || async {
         let waiters: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%' || $1 || '%'",
         )
+        .bind(table)
         .fetch_one(&h.db.pool)
         .await
         .unwrap();
@@ -846,6 +849,25 @@ async fn a_release_cut_short_between_chunks_is_taken_up_by_replaying_or_skipping
         .await
         .unwrap();
     assert_eq!(stored.as_deref(), Some("applied"), "the second replay keeps what the first one did on record");
+    // Released and let go, p-1 and a are resolved letters like any other: a
+    // replay of either, once retention took its inbox row or while its route
+    // is paused, neither applies it again nor reopens it.
+    sqlx::query("DELETE FROM relay.inbox WHERE event_id IN ('p-1', 'pay-a')").execute(&h.db.pool).await.unwrap();
+    let mut conn = h.db.pool.acquire().await.unwrap();
+    let paid = format!("{}/payment.confirmed", h.topic);
+    relay_store::ops::pause(&mut conn, relay_store::ops::PauseKind::Route, &paid, None).await.unwrap();
+    for (event, letter) in [("p-1", p1), ("pay-a", dead_letter_of(&h, "pay-a").await)] {
+        let again = ops.replay_releasing(&relay.processor(), letter).await.unwrap();
+        assert_eq!((again.outcome, again.released), (ReplayOutcome::Duplicate, None), "{event}");
+        assert_eq!(h.outcome(event).await, None, "{event} was not processed again");
+        let stored: Option<String> = sqlx::query_scalar("SELECT replay_outcome FROM relay.dead_letters WHERE id = $1")
+            .bind(letter)
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap();
+        assert_eq!(stored.as_deref(), Some("applied"), "{event} stays resolved");
+    }
+    relay_store::ops::resume(&mut conn, relay_store::ops::PauseKind::Route, &paid).await.unwrap();
 
     // The same with a skip, taken up by skipping again.
     let cut = Faults::new(&[(relay::runtime::faults::point::RELEASE_AFTER_CHUNK, FaultAction::Fail, 1)]);
@@ -889,11 +911,13 @@ async fn a_replay_of_a_held_record_during_its_key_s_release_waits_for_it_and_doe
     let (ops, processor) = (relay.operator(), relay.processor());
     let head = ops.replay_releasing(&processor, p1);
     let behind = async {
-        lock_waiters(&h, 1).await;
+        // The head's replay, its hold taken, waits for o-1's row.
+        lock_waiters(&h, 1, "relay.sagas").await;
         ops.replay_releasing(&processor, held).await
     };
     let unblock = async {
-        lock_waiters(&h, 2).await;
+        // The held record's replay waits for the hold.
+        lock_waiters(&h, 1, "relay.held_keys").await;
         blocker.commit().await.unwrap();
     };
     let (head, behind, ()) = tokio::join!(head, behind, unblock);
@@ -1004,7 +1028,7 @@ async fn a_skip_waits_for_a_batch_parking_a_record_behind_the_key_and_releases_i
     let p1 = dead_letter_of(&h, "p-1").await;
     let (ops, processor) = (relay.operator(), relay.processor());
     // The skip waits for the batch (it would not, begun after the batch).
-    let (released, ()) = tokio::join!(ops.skip_dead_letter(&processor, p1), lock_waiters(&h, 1));
+    let (released, ()) = tokio::join!(ops.skip_dead_letter(&processor, p1), lock_waiters(&h, 1, "relay.held_keys"));
     let released = released.unwrap();
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();

@@ -742,7 +742,11 @@ async fn dead_letter_command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow
                         r.head,
                         r.held,
                         r.since.format("%Y-%m-%d %H:%M:%S"),
-                        if r.head_resolved { "release cut short: replay or skip the head again" } else { "holding" }
+                        if r.head_resolved {
+                            "head resolved, release unfinished (running, or cut short: replay or skip the head again)"
+                        } else {
+                            "holding"
+                        }
                     );
                 }
                 println!(

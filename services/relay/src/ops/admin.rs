@@ -42,7 +42,8 @@ pub enum OpsError {
 pub enum ReplayOutcome {
     /// Processed now: the effects were written.
     Applied,
-    /// Already processed before (the inbox has it): nothing written.
+    /// Already processed before (the inbox has it, or a replay resolved
+    /// this dead letter before): nothing written.
     Duplicate,
     /// Processed as a classified no-op (stale, invalid transition, …).
     NoOp(String),
@@ -376,7 +377,12 @@ impl Operator {
                 let released = Some(self.release(tx, processor, h).await?);
                 Ok(Replayed { outcome, released })
             }
-            (Some(ReplayOutcome::Skipped), _) => Ok(Replayed { outcome: ReplayOutcome::Skipped, released: None }),
+            // Resolved before (applied, a duplicate, a classified no-op, or
+            // skipped): not processed again. It could only do harm: once
+            // retention took its inbox row it would be applied a second time
+            // (after the records released behind it), and through a paused
+            // route it would be reopened.
+            (Some(outcome), _) => Ok(Replayed { outcome, released: None }),
             (_, Some(h)) if h.head != id => {
                 let why = format!(
                     "held behind dead letter {} (offset {}) of its key; replay or skip that one, and this one follows in order",
@@ -392,11 +398,7 @@ impl Operator {
                 processor.set_paused(ops::paused_routes(&mut tx).await?);
                 let processed = processor.process(&mut tx, &dl.record).await?;
                 let outcome = replay_outcome(processed.disposition);
-                // A second replay of a resolved letter finds it in the inbox:
-                // what the first one did stays on record.
-                if !(outcome == ReplayOutcome::Duplicate && dl.meta.resolved()) {
-                    dead_letters::mark_replayed(&mut tx, &self.consumer, id, &outcome.stored()).await?;
-                }
+                dead_letters::mark_replayed(&mut tx, &self.consumer, id, &outcome.stored()).await?;
                 let released = match hold {
                     Some(h) if outcome.resolved() => Some(self.release(tx, processor, h).await?),
                     _ => {
@@ -447,6 +449,11 @@ impl Operator {
                     h.head
                 )));
             }
+            None if state != dead_letters::Locked::Open => {
+                return Err(OpsError::Conflict(format!(
+                    "dead letter {id} was replayed or skipped before and holds no key any more: nothing to skip"
+                )));
+            }
             None => {
                 return Err(OpsError::Conflict(format!(
                     "dead letter {id} holds no key (only a record dead-lettered by a route with on_poison = \
@@ -485,7 +492,9 @@ impl Operator {
             }
         }
         let released = self.release(tx, processor, hold).await?;
-        tracing::info!(dead_letter = id, "dead letter skipped");
+        if state == dead_letters::Locked::Open {
+            tracing::info!(dead_letter = id, "dead letter skipped");
+        }
         Ok(released)
     }
 
