@@ -46,32 +46,33 @@ CREATE TABLE relay.app_endpoints (
 -- Nobody but relay reads these directly.
 REVOKE ALL ON relay.app_front_doors, relay.app_topics, relay.app_endpoints FROM PUBLIC;
 
--- `len:part` of relay_core::ids, in UTF-8 bytes.
-CREATE FUNCTION relay.app_id_part(part text) RETURNS bytea
-    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
-    SET search_path = pg_catalog, pg_temp
-AS $$
-    SELECT convert_to(octet_length(convert_to(part, 'UTF8'))::text || ':', 'UTF8') || convert_to(part, 'UTF8')
-$$;
-
--- relay_core::ids::app_id: a UUIDv8 over SHA-256 (namespace, then the name
--- app/consumer/kind/key). SHA-1 (UUIDv5) would need an extension.
+-- relay_core::ids::app_id: a UUIDv8 over SHA-256 of the namespace and the
+-- name app/consumer/kind/key, each part `len:part` in UTF-8 bytes. SHA-1
+-- (UUIDv5) would need an extension. PL/pgSQL, whose expressions keep their
+-- plans (a SQL function that is not inlined is planned on every call:
+-- 120 µs a row), and no SET clause (a GUC saved and restored per call):
+-- it runs only inside relay.publish and relay.call, whose search_path is
+-- pinned, and names pg_catalog's functions in full anyway.
 CREATE FUNCTION relay.app_id(consumer text, kind text, business_key text) RETURNS uuid
-    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
-    SET search_path = pg_catalog, pg_temp
+    LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
 AS $$
-    SELECT encode(set_byte(set_byte(substring(h FROM 1 FOR 16), 6, (get_byte(h, 6) & 15) | 128),
-                           8, (get_byte(h, 8) & 63) | 128), 'hex')::uuid
-      FROM (SELECT sha256('\x6d1b4f6e2a0c5e3b9c417f2d8a130e55'::bytea || relay.app_id_part('app')
-                          || relay.app_id_part(consumer) || relay.app_id_part(kind)
-                          || relay.app_id_part(business_key)) AS h) s
+DECLARE
+    h bytea := pg_catalog.sha256('\x6d1b4f6e2a0c5e3b9c417f2d8a130e55'::bytea
+        || pg_catalog.convert_to('3:app'
+            || pg_catalog.octet_length(pg_catalog.convert_to(consumer, 'UTF8'))::text || ':' || consumer
+            || pg_catalog.octet_length(pg_catalog.convert_to(kind, 'UTF8'))::text || ':' || kind
+            || pg_catalog.octet_length(pg_catalog.convert_to(business_key, 'UTF8'))::text || ':' || business_key,
+            'UTF8'));
+BEGIN
+    RETURN pg_catalog.encode(pg_catalog.set_byte(pg_catalog.set_byte(pg_catalog.substring(h, 1, 16),
+        6, (pg_catalog.get_byte(h, 6) & 15) | 128), 8, (pg_catalog.get_byte(h, 8) & 63) | 128), 'hex')::uuid;
+END
 $$;
 
 -- A refusal: SQLSTATE 22023 (invalid_parameter_value), the message naming
 -- the function and the field first.
 CREATE FUNCTION relay.app_refuse(fn text, field text, why text, hint text DEFAULT NULL) RETURNS void
     LANGUAGE plpgsql IMMUTABLE
-    SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     IF hint IS NULL THEN
@@ -82,33 +83,39 @@ END
 $$;
 
 -- The deployment a call is for: the one named, or the only one registered.
+-- The helpers below have no SET clause (a GUC saved and restored on every
+-- call): they run only inside relay.publish and relay.call, whose
+-- search_path is pinned, and nobody else may execute them.
 CREATE FUNCTION relay.app_front_door(fn text, requested text) RETURNS relay.app_front_doors
     LANGUAGE plpgsql STABLE
-    SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     door relay.app_front_doors;
-    names text := (SELECT string_agg(quote_literal(d.consumer), ', ' ORDER BY d.consumer) FROM relay.app_front_doors d);
-    n integer := (SELECT count(*) FROM relay.app_front_doors);
+    n integer;
 BEGIN
     IF requested IS NOT NULL THEN
         SELECT * INTO door FROM relay.app_front_doors d WHERE d.consumer = requested;
-        IF NOT FOUND THEN
-            PERFORM relay.app_refuse(fn, 'consumer', format(
-                'no relay deployment named %L takes rows from applications (registered: %s)',
-                requested, coalesce(names, 'none')),
-                'give that relay an [application] section and run `relay migrate`');
+        IF FOUND THEN
+            RETURN door;
         END IF;
+        PERFORM relay.app_refuse(fn, 'consumer', format(
+            'no relay deployment named %L takes rows from applications (registered: %s)', requested,
+            coalesce((SELECT string_agg(quote_literal(d.consumer), ', ' ORDER BY d.consumer)
+                        FROM relay.app_front_doors d), 'none')),
+            'give that relay an [application] section and run `relay migrate`');
+    END IF;
+    SELECT * INTO door FROM relay.app_front_doors d WHERE (SELECT count(*) FROM relay.app_front_doors) = 1;
+    IF FOUND THEN
         RETURN door;
     END IF;
+    n := (SELECT count(*) FROM relay.app_front_doors);
     IF n = 0 THEN
         PERFORM relay.app_refuse(fn, 'consumer', 'no relay deployment takes rows from applications in this database',
             'give the relay an [application] section (topics, endpoints) and run `relay migrate`');
-    ELSIF n > 1 THEN
-        PERFORM relay.app_refuse(fn, 'consumer', format(
-            '%s relay deployments take rows from applications here (%s): name one with consumer => ...', n, names));
     END IF;
-    SELECT * INTO door FROM relay.app_front_doors;
+    PERFORM relay.app_refuse(fn, 'consumer', format(
+        '%s relay deployments take rows from applications here (%s): name one with consumer => ...', n,
+        (SELECT string_agg(quote_literal(d.consumer), ', ' ORDER BY d.consumer) FROM relay.app_front_doors d)));
     RETURN door;
 END
 $$;
@@ -116,7 +123,6 @@ $$;
 -- Extra headers: a JSON object of names to text values.
 CREATE FUNCTION relay.app_headers(fn text, headers jsonb) RETURNS SETOF record
     LANGUAGE plpgsql IMMUTABLE
-    SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     h record;
@@ -145,7 +151,6 @@ $$;
 -- completer reads it back and must never meet one it cannot read.
 CREATE FUNCTION relay.app_outcome(consumer text, field text, outcome jsonb) RETURNS jsonb
     LANGUAGE plpgsql STABLE
-    SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     k text;
@@ -332,7 +337,8 @@ BEGIN
     IF publish.traceparent IS NOT NULL THEN
         hs := hs || jsonb_build_array(jsonb_build_object('name', 'ce_traceparent', 'text', publish.traceparent));
     END IF;
-    FOR h IN SELECT * FROM relay.app_headers('publish', publish.headers) AS x(name text, value jsonb) LOOP
+    FOR h IN SELECT * FROM relay.app_headers('publish', publish.headers) AS x(name text, value jsonb)
+              WHERE publish.headers IS NOT NULL LOOP
         IF lower(h.name) LIKE 'ce\_%' OR lower(h.name) LIKE 'relay\_%' OR lower(h.name) = 'content-type' THEN
             PERFORM relay.app_refuse('publish', 'headers', format('%L is relay''s to set (ce_*, relay_*, '
                 'content-type); pass CloudEvents attributes as arguments', h.name));
@@ -444,7 +450,7 @@ $$;
 
 -- Only the enqueue role (granted at registration) runs the front door; the
 -- helpers run inside it, as its owner.
-REVOKE ALL ON FUNCTION relay.app_id_part(text), relay.app_id(text, text, text),
+REVOKE ALL ON FUNCTION relay.app_id(text, text, text),
     relay.app_refuse(text, text, text, text), relay.app_front_door(text, text), relay.app_headers(text, jsonb),
     relay.app_outcome(text, text, jsonb),
     relay.publish(text, text, text, jsonb, text, jsonb, boolean, text, text, text, text, text),

@@ -17,7 +17,10 @@
 //!   fractions of the highest rate the pipeline keeps up with;
 //! * **growth** — ingest and claim with big tables and a long-open snapshot;
 //! * **memory** — peak RSS of consumer and dispatcher processes with a backlog,
-//!   and with four times that backlog.
+//!   and with four times that backlog;
+//! * **app** — rows enqueued by applications (`relay.publish`, `relay.call`)
+//!   against the same rows by a plain INSERT, drained, and the latency from
+//!   their commit to the broker's ack or the call at 50 % and 90 % of that.
 //!
 //! Each figure is the median of `runs` runs. One module per section
 //! (`ingest`, `dispatch`, `publish`, `latency`, `growth`, `memory`), each
@@ -44,6 +47,7 @@ use relay_testkit::{OffsetWatch, TestDb, TestEvent, TestProducer, create_topics,
 use sqlx::{Connection, PgPool};
 use tokio_util::sync::CancellationToken;
 
+mod app;
 mod dispatch;
 mod growth;
 mod ingest;
@@ -51,6 +55,7 @@ mod latency;
 mod memory;
 mod publish;
 
+use app::*;
 use dispatch::*;
 use growth::*;
 use ingest::*;
@@ -509,6 +514,10 @@ pub async fn run_all(env: &Env) -> anyhow::Result<Vec<Section>> {
 
     if env.wants("memory") {
         out.push(memory_section(env).await?);
+    }
+
+    if env.wants("app") {
+        out.push(app_section(env).await?);
     }
     Ok(out)
 }

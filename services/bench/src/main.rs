@@ -21,7 +21,7 @@ struct Args {
     /// Runs per figure (the median is reported).
     #[arg(long, default_value_t = 3)]
     runs: usize,
-    /// Only these sections, comma-separated (ingest, dispatch, publish, latency, growth, memory).
+    /// Only these sections, comma-separated (ingest, dispatch, publish, latency, growth, memory, app).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Latency: the steady loads to run at, as fractions of the peak.
