@@ -10,7 +10,7 @@ pub mod support;
 use std::time::Duration;
 
 use relay::{Components, Handlers};
-use relay_cli::verify::{ProviderEffect, VerifyOptions, verify};
+use relay_cli::verify::{VerifyOptions, verify};
 use relay_core::ids::app_id;
 use relay_testkit::process::PrivatePostgres;
 use relay_testkit::read_topic;
@@ -76,14 +76,6 @@ async fn python_at(url: &str, topic: &str, args: &[&str]) -> (Option<i32>, Strin
     .await
 }
 
-fn effects(h: &Harness) -> Vec<ProviderEffect> {
-    h.provider
-        .applied()
-        .into_iter()
-        .map(|a| ProviderEffect { idempotency_key: a.key, intent_id: a.intent_id })
-        .collect()
-}
-
 #[tokio::test]
 async fn rows_an_application_enqueues_are_sent_once_if_committed_and_never_if_rolled_back() {
     let h = Harness::new(1).await;
@@ -143,10 +135,13 @@ async fn rows_an_application_enqueues_are_sent_once_if_committed_and_never_if_ro
     for order in ["o-psql-rolled-back", "o-py-rb"] {
         assert_eq!(stats.applied_for(&format!("capture:{order}")), 0, "{order} was rolled back");
     }
-    let report =
-        verify(&cfg, &h.db.pool, &VerifyOptions { effects: Some(effects(&h)), grace: Duration::from_secs(30) })
-            .await
-            .expect("verify runs");
+    let report = verify(
+        &cfg,
+        &h.db.pool,
+        &VerifyOptions { effects: Some(h.provider_effects()), grace: Duration::from_secs(30) },
+    )
+    .await
+    .expect("verify runs");
     assert!(report.ok(), "{}", report.render());
     assert_eq!(report.published_rows, 3);
 }
@@ -569,9 +564,10 @@ async fn a_python_service_s_rows_are_sent_once_across_relay_kills_and_a_postgres
     assert_eq!(stats.applied, 30, "nothing rolled back was captured");
     let mut cfg = h.config(FRONT_DOOR);
     cfg.database.url = Some(pg.url().into());
-    let report = verify(&cfg, &admin, &VerifyOptions { effects: Some(effects(&h)), grace: Duration::from_secs(30) })
-        .await
-        .expect("verify runs");
+    let report =
+        verify(&cfg, &admin, &VerifyOptions { effects: Some(h.provider_effects()), grace: Duration::from_secs(30) })
+            .await
+            .expect("verify runs");
     assert!(report.ok(), "{}", report.render());
 }
 

@@ -13,7 +13,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use example_provider::{FaultKind, FaultRule};
-use relay_cli::verify::{ProviderEffect, VerifyOptions, verify};
+use relay_cli::verify::{VerifyOptions, verify};
 use relay_core::RelayConfig;
 use relay_testkit::process::{PrivateKafka, PrivatePostgres, RelayProcess};
 use relay_testkit::{TestEvent, TestProducer, create_topics, read_topic};
@@ -35,17 +35,11 @@ async fn kill_at_fault_point(p: &mut RelayProcess) {
     p.kill9().unwrap();
 }
 
-fn effects(h: &Harness) -> Vec<ProviderEffect> {
-    h.provider
-        .applied()
-        .into_iter()
-        .map(|a| ProviderEffect { idempotency_key: a.key, intent_id: a.intent_id })
-        .collect()
-}
-
 async fn assert_verified(h: &Harness, cfg: &RelayConfig, pool: &sqlx::PgPool) -> relay_cli::verify::Report {
     let report =
-        verify(cfg, pool, &VerifyOptions { effects: Some(effects(h)), grace: Duration::from_secs(30) }).await.unwrap();
+        verify(cfg, pool, &VerifyOptions { effects: Some(h.provider_effects()), grace: Duration::from_secs(30) })
+            .await
+            .unwrap();
     assert!(report.ok(), "{}", report.render());
     assert!(h.provider.stats().double_applied().is_empty());
     report

@@ -9,22 +9,15 @@ use std::time::Duration;
 use example_provider::{FaultKind, FaultRule};
 use relay::runtime::faults::{Sabotage, point};
 use relay::{Components, FaultAction, Faults};
-use relay_cli::verify::{ProviderEffect, Report, VerifyOptions, verify};
+use relay_cli::verify::{Report, VerifyOptions, verify};
 use relay_core::RelayConfig;
 use support::*;
 
-fn effects(h: &Harness) -> Vec<ProviderEffect> {
-    h.provider
-        .applied()
-        .into_iter()
-        .map(|a| ProviderEffect { idempotency_key: a.key, intent_id: a.intent_id })
-        .collect()
-}
-
 async fn check(h: &Harness, cfg: &RelayConfig) -> Report {
-    let report = verify(cfg, &h.db.pool, &VerifyOptions { effects: Some(effects(h)), grace: Duration::from_secs(30) })
-        .await
-        .expect("verify runs");
+    let report =
+        verify(cfg, &h.db.pool, &VerifyOptions { effects: Some(h.provider_effects()), grace: Duration::from_secs(30) })
+            .await
+            .expect("verify runs");
     println!("{}", report.render());
     report
 }

@@ -314,6 +314,15 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
         .await;
     }
 
+    /// What the provider applied, as `relay verify` reads a provider's record.
+    pub fn provider_effects(&self) -> Vec<relay_cli::verify::ProviderEffect> {
+        self.provider
+            .applied()
+            .into_iter()
+            .map(|a| relay_cli::verify::ProviderEffect { idempotency_key: a.key, intent_id: a.intent_id })
+            .collect()
+    }
+
     /// Committed offset of our group on the input topic, per partition.
     pub async fn committed(&self) -> std::collections::HashMap<i32, Option<i64>> {
         self.try_committed().await.expect("committed offsets")

@@ -39,6 +39,16 @@ enum Enqueue {
     RawInsertPerRow,
 }
 
+impl Enqueue {
+    /// What drains its rows: the components, the table and the state done.
+    fn drained_by(self) -> (Components, Work, &'static str) {
+        match self {
+            Enqueue::Call => (DISPATCH, Work::Intents, "succeeded"),
+            _ => (PUBLISH, Work::Outbox, "published"),
+        }
+    }
+}
+
 /// Enqueue rows `range` as `how`, in one transaction.
 async fn enqueue(
     conn: &mut sqlx::PgConnection,
@@ -136,10 +146,7 @@ async fn drain_rate(env: &Env, how: Enqueue, k: usize) -> anyhow::Result<(f64, O
     let s = setup(env, 4).await?;
     let relay = Relay::new(app_config(env, &s)?, Handlers::default(), Faults::none()).await?;
     enqueue_all(&s, how, k).await?;
-    let (which, work, state) = match how {
-        Enqueue::Call => (DISPATCH, Work::Intents, "succeeded"),
-        _ => (PUBLISH, Work::Outbox, "published"),
-    };
+    let (which, work, state) = how.drained_by();
     let t0 = Instant::now();
     let mut relay = UnderTest::start(relay, which);
     let took = wait_drained(&mut relay, &s.db.pool, work, state, k as i64, t0).await?;
@@ -154,10 +161,7 @@ async fn drain_rate(env: &Env, how: Enqueue, k: usize) -> anyhow::Result<(f64, O
 async fn steady(env: &Env, how: Enqueue, rate: f64, secs: f64) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
     let s = setup(env, 4).await?;
     let relay = Relay::new(app_config(env, &s)?, Handlers::default(), Faults::none()).await?;
-    let (which, work, state) = match how {
-        Enqueue::Call => (DISPATCH, Work::Intents, "succeeded"),
-        _ => (PUBLISH, Work::Outbox, "published"),
-    };
+    let (which, work, state) = how.drained_by();
     let mut relay = UnderTest::start(relay, which);
     let mut conn = sqlx::PgConnection::connect(&s.db.url).await?;
     let tick = Duration::from_millis(10);

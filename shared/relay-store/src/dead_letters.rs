@@ -135,15 +135,8 @@ impl Resolution {
 }
 
 /// SQL predicate: the dead letter was resolved by a replay (or a skip).
-/// [`DeadLetter::resolved`] is the same test in Rust.
+/// [`lock`] makes the same test in Rust ([`Locked::Resolved`]), under the lock.
 pub const RESOLVED: &str = "(replay_outcome IS NOT NULL AND replay_outcome NOT LIKE 'failed%')";
-
-impl DeadLetter {
-    /// Whether a replay (or a skip) resolved it ([`RESOLVED`]).
-    pub fn resolved(&self) -> bool {
-        self.replay_outcome.as_deref().is_some_and(|o| !o.starts_with("failed"))
-    }
-}
 
 const COLUMNS: &str = r#"id, consumer, topic, partition, "offset", event_id, event_type, error_class, reason,
     attempts, created_at, replayed_at, replay_outcome, octet_length(payload) AS payload_bytes, hold_id,
