@@ -61,6 +61,10 @@ DO \$\$ BEGIN
   IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'relay_enqueue') THEN
     CREATE ROLE relay_enqueue NOLOGIN;
   END IF;
+  -- A second deployment's role, which relay_app is not in.
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'relay_enqueue_other') THEN
+    CREATE ROLE relay_enqueue_other NOLOGIN;
+  END IF;
   IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'relay_app') THEN
     CREATE ROLE relay_app LOGIN PASSWORD 'relay_app' IN ROLE relay_enqueue;
   END IF;

@@ -161,10 +161,15 @@ async fn the_front_door_refuses_what_could_never_be_sent_naming_the_field() {
     // Before any relay granted the role anything: no way in.
     let err = sqlx::query("SELECT relay.publish('t', 'k', 'x', '{}', id => 'a')").execute(&mut conn).await.unwrap_err();
     assert_eq!(err.as_database_error().and_then(|d| d.code()).as_deref(), Some("42501"), "{err}");
-    // Granted, then closed (the [application] section taken out): the cause and the fix.
+    // Granted, then closed (the [application] section taken out): the role
+    // loses its grants again, as no door names it.
     h.relay(h.config(FRONT_DOOR), Handlers::default(), no_faults()).await;
     h.relay(h.config(""), Handlers::default(), no_faults()).await;
-    let closed = refused(&mut conn, "SELECT relay.publish('t', 'k', 'x', '{}', id => 'a')").await;
+    let err = sqlx::query("SELECT relay.publish('t', 'k', 'x', '{}', id => 'a')").execute(&mut conn).await.unwrap_err();
+    assert_eq!(err.as_database_error().and_then(|d| d.code()).as_deref(), Some("42501"), "{err}");
+    // relay itself, with no door open, hears the cause and the fix.
+    let closed =
+        refused(&mut h.db.pool.acquire().await.unwrap(), "SELECT relay.publish('t', 'k', 'x', '{}', id => 'a')").await;
     assert!(closed.starts_with("relay.publish: consumer: no relay deployment takes rows"), "{closed}");
 
     let mut cfg = h.config(FRONT_DOOR);
@@ -234,6 +239,210 @@ async fn the_front_door_refuses_what_could_never_be_sent_naming_the_field() {
     assert!(default_key.contains("36 characters"), "the default key is the call's id: {default_key}");
 }
 
+/// A role the DBA created for a second deployment; relay_app is not in it
+/// (scripts/lib.sh, ensure_application_roles).
+const OTHER_ROLE: &str = "relay_enqueue_other";
+
+/// SQLSTATE and message of what `sql` was refused with.
+async fn refused_with(conn: &mut PgConnection, sql: &str) -> (String, String) {
+    let err = sqlx::query(sql).execute(&mut *conn).await.expect_err(sql);
+    let db = err.as_database_error().unwrap_or_else(|| panic!("{sql}: {err}"));
+    (db.code().unwrap_or_default().into_owned(), db.message().to_owned())
+}
+
+#[tokio::test]
+async fn text_that_becomes_a_key_a_header_or_a_url_is_bounded_and_clean() {
+    let h = Harness::new(1).await;
+    h.relay(h.config(FRONT_DOOR), Handlers::default(), no_faults()).await;
+    let mut conn = PgConnection::connect(&app_url(&h)).await.unwrap();
+    let out = &h.out;
+    let publish = |args: &str| format!("SELECT relay.publish('{out}', {args})");
+    let call = |args: &str| format!("SELECT relay.call('psp', {args})");
+    let many: String = (0..65).map(|n| format!("\"x-h{n}\": \"v\"")).collect::<Vec<_>>().join(", ");
+    let cases = [
+        (publish("'  ', 'x', '{}', id => 'a'"), "relay.publish: key: blank"),
+        (publish("repeat('k', 1025), 'x', '{}', id => 'a'"), "relay.publish: key: 1025 bytes, over the 1024-byte"),
+        (
+            publish("'a' || chr(13) || 'b', 'x', '{}', id => 'a'"),
+            "relay.publish: key: holds the control character U+000D",
+        ),
+        (publish("'k', 'x', '{}', id => 'a' || chr(10)"), "relay.publish: id: holds the control character U+000A"),
+        (publish("'k', 'x', '{}', id => repeat('i', 1025)"), "relay.publish: id: 1025 bytes"),
+        (publish("'k', 'x' || chr(1), '{}', id => 'a'"), "relay.publish: type: holds the control character U+0001"),
+        (
+            publish("'k', 'x', '{}', id => 'a', traceparent => '00-' || chr(133)"),
+            "relay.publish: traceparent: holds the control character U+0085",
+        ),
+        (
+            publish("'k', 'x', '{}', id => 'a', headers => '{\"bad name\": \"x\"}'"),
+            "relay.publish: headers: 'bad name' is not a header name",
+        ),
+        (
+            publish(
+                "'k', 'x', '{}', id => 'a', headers => jsonb_build_object('x-ok', 'a' || chr(13) || chr(10) || 'b')",
+            ),
+            "relay.publish: headers.x-ok: holds the control character U+000D",
+        ),
+        (
+            publish(&format!("'k', 'x', '{{}}', id => 'a', headers => '{{{many}}}'")),
+            "relay.publish: headers: 65 headers",
+        ),
+        (
+            call("'POST', '/x', '{}', id => 'a', headers => '{\"Authorization\": \"Bearer app\"}'"),
+            "relay.call: headers: 'Authorization' is relay's to set",
+        ),
+        (
+            call("'POST', '/x', '{}', id => 'a', headers => '{\"Idempotency-Key\": \"mine\"}'"),
+            "relay.call: headers: 'Idempotency-Key' is relay's to set",
+        ),
+        (call("'POST', '/x', '{}', id => 'a', headers => '{\"Host\": \"evil.test\"}'"), "relay.call: headers: 'Host'"),
+        (
+            call("'POST', '/x', '{}', id => 'a', headers => '{\"X-Relay-Attempt\": \"1\"}'"),
+            "relay.call: headers: 'X-Relay-Attempt' is relay's to set",
+        ),
+        (
+            call("'POST', '/x', '{}', id => 'a', headers => '{\"webhook-signature\": \"v1,x\"}'"),
+            "relay.call: headers: 'webhook-signature'",
+        ),
+        (call("'POST', '/../admin', '{}', id => 'a'"), "relay.call: path: '/../admin' holds a . or .. segment"),
+        (call("'POST', '/captures/%2E%2e/admin', '{}', id => 'a'"), "relay.call: path: '/captures/%2E%2e/admin' holds"),
+        (call("'POST', '/a/./b?x=1', '{}', id => 'a'"), "relay.call: path: '/a/./b?x=1' holds"),
+        (call("'POST', '/x#frag', '{}', id => 'a'"), "relay.call: path: '/x#frag' must start with /"),
+        (call("'POST', '/a' || chr(92) || 'b', '{}', id => 'a'"), "relay.call: path: "),
+        (call("'POST', '/x' || chr(127), '{}', id => 'a'"), "relay.call: path: holds the control character U+007F"),
+        (
+            call("'POST', '/x', '{}', id => 'a', idempotency_key => 'k' || chr(10)"),
+            "relay.call: idempotency_key: holds the control character U+000A",
+        ),
+        (call("'POST', '/x', '{}', id => 'a', ordering_key => ' '"), "relay.call: ordering_key: blank"),
+        (
+            call("'POST', '/x', '{}', id => 'a', correlation_id => 'c' || chr(9)"),
+            "relay.call: correlation_id: holds the control character U+0009",
+        ),
+    ];
+    for (sql, expected) in &cases {
+        let (code, message) = refused_with(&mut conn, sql).await;
+        assert_eq!(code, "22023", "{sql}: {message}");
+        assert!(message.starts_with(expected), "{sql}\n  said: {message}\n  not: {expected}…");
+    }
+    assert_eq!(h.db.count("outbox", "true").await + h.db.count("intents", "true").await, 0, "nothing enqueued");
+    // What is fine still goes: a query string, dots inside segments, headers of the application's own.
+    sqlx::query(&call(
+        "'GET', '/v1.2/captures/o-1..x?expand=a.b', NULL, id => 'ok', headers => '{\"X-Tenant\": \"t-1\"}'",
+    ))
+    .execute(&mut conn)
+    .await
+    .expect("a clean call is taken");
+    sqlx::query(&publish("'k', 'x', '{}', id => 'ok', headers => '{\"x-tenant\": \"t-1\"}'"))
+        .execute(&mut conn)
+        .await
+        .expect("a clean event is taken");
+}
+
+#[tokio::test]
+async fn a_member_of_one_deployment_s_role_cannot_enqueue_for_another_deployment() {
+    let h = Harness::new(1).await;
+    h.relay(h.config(FRONT_DOOR), Handlers::default(), no_faults()).await;
+    let mut other = h.config(FRONT_DOOR);
+    other.consumer.name = format!("{}-other", h.consumer);
+    other.application.as_mut().unwrap().role = OTHER_ROLE.into();
+    h.relay(other.clone(), Handlers::default(), no_faults()).await;
+    let mut conn = PgConnection::connect(&app_url(&h)).await.unwrap();
+    let publish = |consumer: &str| {
+        format!("SELECT relay.publish('{}', 'k', 'x', '{{}}', id => 'a', consumer => '{consumer}')", h.out)
+    };
+    sqlx::query(&publish(&h.consumer)).execute(&mut conn).await.expect("its own deployment takes it");
+    let (code, message) = refused_with(&mut conn, &publish(&other.consumer.name)).await;
+    assert_eq!(code, "42501", "{message}");
+    assert!(
+        message.contains("role relay_app may not enqueue") && message.contains("not a member of relay_enqueue_other"),
+        "{message}"
+    );
+    let (code, message) =
+        refused_with(&mut conn, &format!("SELECT relay.publish('{}', 'k', 'x', '{{}}', id => 'b')", h.out)).await;
+    assert_eq!((code.as_str(), message.contains("name one with consumer =>")), ("22023", true), "{message}");
+
+    // A start that changes nothing writes nothing.
+    let stamp = || async {
+        sqlx::query_scalar::<_, chrono::DateTime<chrono::Utc>>(
+            "SELECT registered_at FROM relay.app_front_doors WHERE consumer = $1",
+        )
+        .bind(&h.consumer)
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap()
+    };
+    let before = stamp().await;
+    h.relay(h.config(FRONT_DOOR), Handlers::default(), no_faults()).await;
+    assert_eq!(stamp().await, before, "the same registration again is only read");
+
+    // The first deployment moves to the other role: relay_app has no way in
+    // any more, and the role given up loses its grants.
+    let mut moved = h.config(FRONT_DOOR);
+    moved.application.as_mut().unwrap().role = OTHER_ROLE.into();
+    h.relay(moved, Handlers::default(), no_faults()).await;
+    let (code, message) = refused_with(&mut conn, &publish(&h.consumer)).await;
+    assert_eq!(code, "42501", "{message}");
+    let granted: bool = sqlx::query_scalar(
+        "SELECT has_function_privilege('relay_enqueue',
+             'relay.publish(text, text, text, jsonb, text, jsonb, boolean, text, text, text, text, text)', 'EXECUTE')",
+    )
+    .fetch_one(&h.db.pool)
+    .await
+    .unwrap();
+    assert!(!granted, "relay_enqueue keeps no grant no door names it for");
+    assert_eq!(h.db.count("outbox", "true").await, 1, "only the first, allowed, event");
+}
+
+#[tokio::test]
+async fn the_front_door_takes_the_key_locks_relay_s_own_writers_take() {
+    use relay_store::ordering::{Key, lock};
+    let h = Harness::new(1).await;
+    h.relay(h.config(FRONT_DOOR), Handlers::default(), no_faults()).await;
+    let mut app = PgConnection::connect(&app_url(&h)).await.unwrap();
+    let mut tx = app.begin().await.unwrap();
+    sqlx::query(&format!("SELECT relay.publish('{}', 'k-1', 'x', '{{}}', id => 'e-1')", h.out))
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("SELECT relay.call('psp', 'POST', '/x', '{}', id => 'c-1', ordering_key => 'o-1')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let keys = [
+        (Key::Outbox { topic: &h.out, key: "k-1" }, true),
+        (Key::Intent("o-1"), true),
+        (Key::Outbox { topic: &h.out, key: "k-2" }, false),
+        (Key::Intent("o-2"), false),
+    ];
+    for (key, held) in keys {
+        let mut writer = h.db.pool.begin().await.unwrap();
+        sqlx::query("SET LOCAL lock_timeout = '200ms'").execute(&mut *writer).await.unwrap();
+        let taken = lock(&mut writer, &h.consumer, [key]).await;
+        match (held, taken) {
+            (true, Err(e)) => assert_eq!(e.as_database_error().and_then(|d| d.code()).as_deref(), Some("55P03")),
+            (false, Ok(())) => {}
+            (held, taken) => panic!("{key:?}: held by the application {held}, taken {taken:?}"),
+        }
+        writer.rollback().await.unwrap();
+    }
+    tx.rollback().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_migration_changed_after_it_was_applied_leaves_the_schema_not_current() {
+    let h = Harness::new(1).await;
+    assert!(relay_store::migrations_current(&h.db.pool).await.unwrap());
+    sqlx::query(
+        "UPDATE _sqlx_migrations SET checksum = decode('00', 'hex')
+          WHERE version = (SELECT max(version) FROM _sqlx_migrations)",
+    )
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    assert!(!relay_store::migrations_current(&h.db.pool).await.unwrap(), "a changed migration is not current");
+}
+
 #[tokio::test]
 async fn the_database_derives_the_ids_relay_derives_and_a_retried_transaction_enqueues_nothing_twice() {
     let h = Harness::new(1).await;
@@ -262,6 +471,21 @@ async fn the_database_derives_the_ids_relay_derives_and_a_retried_transaction_en
         ids.push((e, c));
     }
     assert_eq!(ids[0], ids[1]);
+    // The same id for something else is refused, not dropped unseen.
+    let (code, message) = refused_with(
+        &mut conn,
+        &format!("SELECT relay.publish('{}', 'o-1', 'order.placed', '{{\"n\": 2}}', id => 'evt-1')", h.out),
+    )
+    .await;
+    assert_eq!(code, "22023", "{message}");
+    assert!(message.starts_with("relay.publish: id: 'evt-1' was already used for a different event"), "{message}");
+    let (code, message) = refused_with(
+        &mut conn,
+        "SELECT relay.call('psp', 'POST', '/refunds/o-1', '{}', id => 'cap-1', ordering_key => 'o-1')",
+    )
+    .await;
+    assert_eq!(code, "22023", "{message}");
+    assert!(message.starts_with("relay.call: id: 'cap-1' was already used for a different call"), "{message}");
     assert_eq!(h.db.count("outbox", "true").await, 1);
     assert_eq!(h.db.count("intents", "true").await, 1);
     let (max_attempts, idempotency_key, ordering_key): (i32, String, Option<String>) =
@@ -291,6 +515,14 @@ async fn the_enqueue_role_can_enqueue_and_do_nothing_else() {
         "DELETE FROM relay.inbox",
         "SELECT relay.app_id('c', 'publish', 'k')",
         "SELECT relay.app_front_door('publish', NULL)",
+        "SELECT relay.app_refuse('publish', 'id', 'why')",
+        "SELECT relay.app_outcome('c', 'on_success', '{}')",
+        "SELECT * FROM relay.app_headers('publish', '{}', '{}') AS x(name text, value jsonb)",
+        "SELECT relay.app_check_text('publish', 'id', 'x', 1)",
+        "SELECT relay.app_check_key('publish', 'key', 'x')",
+        "SELECT relay.app_reused('publish', 'id', 'x')",
+        "INSERT INTO relay.app_sagas (consumer, saga_type) VALUES ('c', 'order')",
+        "UPDATE relay.app_front_doors SET role = 'relay_app'",
     ];
     for sql in denied {
         let err = sqlx::query(sql).execute(&mut conn).await.expect_err(sql);
@@ -338,7 +570,8 @@ async fn ten_thousand_events_enqueued_in_one_transaction_are_all_published_once(
 #[tokio::test]
 async fn a_call_s_outcomes_given_by_the_application_are_recorded_once_when_it_ends() {
     let h = Harness::new(1).await;
-    let cfg = h.config(FRONT_DOOR);
+    let mut cfg = h.config(FRONT_DOOR);
+    cfg.application.as_mut().unwrap().sagas = vec!["order".into()];
     h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
     sqlx::query(
         "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-1', 'pending', 's')",
@@ -433,6 +666,15 @@ async fn a_call_s_outcomes_given_by_the_application_are_recorded_once_when_it_en
         (
             serde_json::json!({"saga": [{"name": "m", "saga": "order", "id": "o"}]}),
             "relay.call: on_success.saga[0].to: required",
+        ),
+        // A saga type the deployment did not open to applications.
+        (
+            serde_json::json!({"saga": [{"name": "m", "saga": "ledger", "id": "o", "to": "settled"}]}),
+            "relay.call: on_success.saga[0].saga: 'ledger' is not a saga type",
+        ),
+        (
+            serde_json::json!({"emit": [{"name": "x", "type": "t", "topic": h.out, "key": "k\n", "data": 1}]}),
+            "relay.call: on_success.emit[0].key: holds the control character U+000A",
         ),
     ];
     for (outcome, expected) in &cases {

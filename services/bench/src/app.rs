@@ -17,6 +17,7 @@ fn app_config(env: &Env, s: &Setup) -> anyhow::Result<RelayConfig> {
     cfg.application = Some(relay_core::config::ApplicationConfig {
         topics: vec![s.out.clone()],
         endpoints: vec!["sink".into()],
+        sagas: Vec::new(),
         source: None,
         max_payload_bytes: 1024 * 1024,
         role: "relay_enqueue".into(),

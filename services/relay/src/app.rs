@@ -77,7 +77,7 @@ impl Relay {
         if !relay_store::migrations_current(&pool).await? {
             anyhow::bail!("the database schema is not current: run `relay migrate` first");
         }
-        register_front_door(&cfg, &pool).await?;
+        register_front_door(&cfg, &pool, true).await?;
         Ok(Relay { cfg, pool, router, handlers, faults })
     }
 
@@ -280,6 +280,7 @@ pub fn front_door(cfg: &RelayConfig) -> Option<relay_store::application::FrontDo
                 key_max_length: profile.max_length.map(|n| i32::try_from(n).unwrap_or(i32::MAX)),
                 key_in_body: matches!(profile.key, relay_core::profile::KeyPlacement::BodyField(_)),
                 sends_key: profile.key != relay_core::profile::KeyPlacement::Omitted,
+                reserved_headers: crate::deliver::http::reserved_headers(e),
             })
         })
         .collect();
@@ -288,21 +289,36 @@ pub fn front_door(cfg: &RelayConfig) -> Option<relay_store::application::FrontDo
         max_payload_bytes: i32::try_from(app.max_payload_bytes).unwrap_or(i32::MAX),
         topics: app.topics.clone(),
         endpoints,
+        sagas: app.sagas.clone(),
         role: app.role.clone(),
     })
 }
 
 /// Register `cfg`'s front door for applications (or close it), warning when
-/// its role does not exist yet.
+/// its role does not exist yet. At a start (`at_start`), a registration the
+/// running role may not write (migrations owned by another role), or that
+/// waits too long for another start's, is a warning: the door registered
+/// last stays, and `relay migrate` writes this one.
 pub async fn register_front_door(
     cfg: &RelayConfig,
     pool: &PgPool,
-) -> anyhow::Result<relay_store::application::Registered> {
+    at_start: bool,
+) -> anyhow::Result<Option<relay_store::application::Registered>> {
     use anyhow::Context;
     let door = front_door(cfg);
-    let registered = relay_store::application::register(pool, &cfg.consumer.name, door.as_ref())
-        .await
-        .context("register the [application] front door (relay.publish, relay.call)")?;
+    let registered = match relay_store::application::register(pool, &cfg.consumer.name, door.as_ref()).await {
+        Ok(r) => r,
+        Err(sqlx::Error::Database(e)) if at_start && matches!(e.code().as_deref(), Some("42501" | "55P03")) => {
+            tracing::warn!(
+                "[application] differs from the front door registered in the database, which this start could \
+                 not rewrite ({}): applications are checked against the old one until `relay migrate` runs as \
+                 the schema's owner",
+                e.message()
+            );
+            return Ok(None);
+        }
+        Err(e) => return Err(e).context("register the [application] front door (relay.publish, relay.call)"),
+    };
     if let (relay_store::application::Registered::RoleMissing, Some(door)) = (&registered, &door) {
         tracing::warn!(
             role = %door.role,
@@ -313,5 +329,5 @@ pub async fn register_front_door(
             door.role
         );
     }
-    Ok(registered)
+    Ok(Some(registered))
 }

@@ -81,6 +81,10 @@ pub struct ApplicationConfig {
     /// Endpoints (of `[endpoints]`) applications may call.
     #[serde(default)]
     pub endpoints: Vec<String>,
+    /// Saga types a call's `on_success`/`on_dead` may move. None by default:
+    /// a saga whose state gates money is the deployment's to open.
+    #[serde(default)]
+    pub sagas: Vec<String>,
     /// CloudEvents `source` of the events applications publish (and of the
     /// outcome events of their calls); default `/relay/CONSUMER/application`.
     pub source: Option<String>,
@@ -1026,6 +1030,9 @@ impl RelayConfig {
                 if !valid {
                     p.push(format!("application.topics: {t:?} is not a Kafka topic name (1 to 249 of [a-zA-Z0-9._-])"));
                 }
+            }
+            for s in app.sagas.iter().filter(|s| s.is_empty() || s.len() > crate::limits::MAX_KEY_BYTES) {
+                p.push(format!("application.sagas: {s:?} must be a saga type of 1 to 1024 bytes"));
             }
             if app.max_payload_bytes == 0 {
                 p.push("application.max_payload_bytes: must be at least 1".into());

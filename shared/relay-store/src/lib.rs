@@ -135,16 +135,19 @@ pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
     MIGRATOR.run(pool).await
 }
 
-/// Whether every embedded migration has been applied to this database.
+/// Whether every embedded migration has been applied to this database, as
+/// it is embedded: one changed after it was applied (same version, another
+/// checksum) leaves the schema not current, and `relay migrate` says which.
 pub async fn migrations_current(pool: &PgPool) -> Result<bool, sqlx::Error> {
-    let applied: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success ORDER BY version")
-        .fetch_all(pool)
-        .await
-        .or_else(|e| match &e {
-            sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Ok(Vec::new()),
-            _ => Err(e),
-        })?;
-    Ok(MIGRATOR.iter().all(|m| applied.contains(&m.version)))
+    let applied: Vec<(i64, Vec<u8>)> =
+        sqlx::query_as("SELECT version, checksum FROM _sqlx_migrations WHERE success ORDER BY version")
+            .fetch_all(pool)
+            .await
+            .or_else(|e| match &e {
+                sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Ok(Vec::new()),
+                _ => Err(e),
+            })?;
+    Ok(MIGRATOR.iter().all(|m| applied.iter().any(|(v, sum)| *v == m.version && sum[..] == m.checksum[..])))
 }
 
 /// How a database error should be handled by the caller.

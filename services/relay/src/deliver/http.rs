@@ -616,6 +616,55 @@ fn text(bytes: &[u8]) -> String {
 
 /// Put `key` at the dotted `field` of a JSON object body, making the
 /// objects on the way; a body that is not an object cannot carry it.
+/// Request headers relay sets on every call, lower-case (a trailing `*` is
+/// a prefix): what an application's `relay.call` may not set itself, as a
+/// second value would go beside relay's, or replace the route to the host.
+/// Hop-by-hop and framing headers are the HTTP client's; signing adds
+/// `webhook-*` or `authorization` and `x-amz-*`.
+pub const SET_BY_RELAY: &[&str] = &[
+    "host",
+    "authorization",
+    "proxy-authorization",
+    "content-type",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "te",
+    "trailer",
+    "upgrade",
+    "expect",
+    "traceparent",
+    "tracestate",
+    "x-correlation-id",
+    "x-relay-*",
+    "webhook-*",
+    "x-amz-*",
+];
+
+/// The request headers an application may not set on `cfg`'s calls: those
+/// relay sets on every call, the endpoint's key header and its static
+/// headers; lower-case, a trailing `*` a prefix.
+pub fn reserved_headers(cfg: &EndpointConfig) -> Vec<String> {
+    let mut names: Vec<String> = SET_BY_RELAY.iter().map(|h| (*h).to_owned()).collect();
+    if let KeyPlacement::Header(h) = &cfg.profile().key {
+        names.push(h.to_ascii_lowercase());
+    }
+    names.extend(cfg.headers.keys().map(|h| h.to_ascii_lowercase()));
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// Whether `name` is one of `reserved` (see [`reserved_headers`]).
+pub fn is_reserved(reserved: &[String], name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    reserved.iter().any(|r| match r.strip_suffix('*') {
+        Some(prefix) => name.starts_with(prefix),
+        None => name == *r,
+    })
+}
+
 fn put_field(body: &mut serde_json::Value, field: &str, key: &str) -> Result<(), String> {
     let mut at = body;
     let mut parts = field.split('.').peekable();
@@ -775,6 +824,47 @@ mod tests {
         assert_eq!(h("x-relay-attempt").as_deref(), Some("3"));
         assert_eq!(h("x-tenant").as_deref(), Some("t-1"));
         assert_eq!(req.body().and_then(|b| b.as_bytes()), Some(&br#"{"amount":5}"#[..]));
+    }
+
+    #[tokio::test]
+    async fn every_header_relay_puts_on_a_request_is_reserved_from_applications() {
+        let none = serde_json::json!({});
+        let body = serde_json::json!({"amount": 5});
+        // Secrets from variables every environment has: only the headers matter.
+        let endpoints = [
+            serde_json::json!({"profile": "paypal", "headers": {"X-Api-Version": "2"}}),
+            serde_json::json!({"signing": {"scheme": "aws_sigv4", "region": "eu-west-1", "service": "execute-api",
+                "access_key_id_env": "PATH", "secret_access_key_env": "PATH", "session_token_env": "PATH"}}),
+            serde_json::json!({"token_env": "PATH", "idempotency": {"header": "X-Request-Id"}}),
+            serde_json::json!({}),
+        ];
+        for endpoint in endpoints {
+            let mut e = serde_json::json!({"base_url": "http://provider.test/api/"});
+            e.as_object_mut().unwrap().extend(endpoint.as_object().unwrap().clone());
+            let cfg: EndpointConfig = serde_json::from_value(e).unwrap();
+            let mut client = EndpointClient::new("psp", &cfg).unwrap();
+            if cfg.signing.is_none() && cfg.token_env.is_none() && cfg.profile.is_none() {
+                let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+                let hooks =
+                    super::super::auth::Signer::StandardWebhooks(standardwebhooks::Webhook::new(secret).unwrap());
+                client.signer = Some(Arc::new(hooks));
+            }
+            let mut req = client.request(request(&none, Some(&body))).unwrap();
+            if let Some(signer) = &client.signer {
+                signer.sign(&mut req, "capture:o-1").unwrap();
+            }
+            let reserved = reserved_headers(&cfg);
+            for name in req.headers().keys() {
+                assert!(is_reserved(&reserved, name.as_str()), "{endpoint}: relay sets {name}, not in {reserved:?}");
+            }
+        }
+        let plain: EndpointConfig =
+            serde_json::from_value(serde_json::json!({"base_url": "http://provider.test/"})).unwrap();
+        assert!(!is_reserved(&reserved_headers(&plain), "X-Tenant"));
+        assert!(
+            is_reserved(&reserved_headers(&plain), "Idempotency-Key")
+                && is_reserved(&reserved_headers(&plain), "X-Relay-Forged")
+        );
     }
 
     fn client_with(endpoint: serde_json::Value) -> EndpointClient {
