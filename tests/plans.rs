@@ -91,6 +91,7 @@ async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_
         .bind(30.0_f64)
         .bind(i64::MIN)
         .bind("plans")
+        .bind(50 * outbox::WINDOW)
         .fetch_one(claims.as_conn())
         .await
         .unwrap();
@@ -164,6 +165,7 @@ async fn claims_after_a_position_start_reading_the_index_there_and_one_from_the_
         .bind(30.0_f64)
         .bind(3_i64)
         .bind("plans")
+        .bind(50 * outbox::WINDOW)
         .fetch_one(claims.as_conn())
         .await
         .unwrap();
@@ -176,6 +178,61 @@ async fn claims_after_a_position_start_reading_the_index_there_and_one_from_the_
     assert_eq!(after.rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [4, 5]);
     let again = outbox::claim_after(&mut claims, "plans", 1, lease, None).await.unwrap();
     assert_eq!(again.rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [2]);
+}
+
+/// Rows of `plan` read from `index`, over all loops (EXPLAIN ANALYZE).
+fn rows_read(node: &Value, index: &str) -> f64 {
+    let own = if node["Index Name"].as_str() == Some(index) {
+        node["Actual Rows"].as_f64().unwrap_or(0.0) * node["Actual Loops"].as_f64().unwrap_or(1.0)
+            + node["Rows Removed by Filter"].as_f64().unwrap_or(0.0)
+    } else {
+        0.0
+    };
+    own + node["Plans"].as_array().map_or(0.0, |ps| ps.iter().map(|n| rows_read(n, index)).sum())
+}
+
+#[tokio::test]
+async fn an_outbox_claim_examines_its_window_not_every_row_waiting_behind_its_key() {
+    let db = TestDb::new().await.unwrap();
+    // 64 keys of 100 rows each: once each key's first row is out, every
+    // other row waits behind it.
+    sqlx::query(
+        "INSERT INTO relay.outbox (id, consumer, source_id, action, topic, key, ordering_key, headers, event_type)
+         SELECT gen_random_uuid(), 'plans', 'e-' || g, 'placed', 'out', convert_to('k-' || (g % 64), 'UTF8'),
+                'k-' || (g % 64), '[]', 'order.placed'
+           FROM generate_series(1, 6400) g ORDER BY g",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut claims = ClaimPool::beside(&db.pool, 1, ClaimCommit::Async).acquire().await.unwrap();
+    let lease = Duration::from_secs(30);
+    let heads = outbox::claim_after(&mut claims, "plans", 100, lease, None).await.unwrap();
+    assert_eq!(heads.rows.len(), 64, "one row per key");
+    assert_eq!(heads.passed, Some(100 * outbox::WINDOW), "a full window that left the batch short says where it ended");
+
+    // Every pending row waits now. A claim of 10 examines its window of 40
+    // rows, takes none, and says where it stopped; the next goes on there.
+    let blocked = outbox::claim_after(&mut claims, "plans", 10, lease, None).await.unwrap();
+    assert!(blocked.rows.is_empty());
+    assert_eq!(blocked.passed, Some(64 + 10 * outbox::WINDOW), "the seq of the window's last row");
+    let next = outbox::claim_after(&mut claims, "plans", 10, lease, blocked.passed).await.unwrap();
+    assert_eq!(next.passed, Some(64 + 20 * outbox::WINDOW));
+    // As the claim connection plans it (every row waits: it claims nothing).
+    let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", outbox::CLAIM))
+        .bind(10_i64)
+        .bind(30.0_f64)
+        .bind(i64::MIN)
+        .bind("plans")
+        .bind(10 * outbox::WINDOW)
+        .fetch_one(claims.as_conn())
+        .await
+        .unwrap();
+    let read = rows_read(&plan[0]["Plan"], "outbox_pending_by_seq");
+    assert!(
+        read <= 3.0 * 10.0 * outbox::WINDOW as f64,
+        "a blocked claim read {read} index entries of 6336 pending rows: {plan:#}"
+    );
 }
 
 #[tokio::test]
@@ -354,7 +411,7 @@ async fn a_plan_cached_while_the_table_was_small_still_probes_keys_once_it_has_g
     let execute = |name: &str, which: On| {
         let args = match name {
             "claim_intents" => "(2, 'worker', 30, NULL, 0, '{psp}', 'plans')",
-            "claim_outbox" => "(2, 30, -9223372036854775808, 'plans')",
+            "claim_outbox" => "(2, 30, -9223372036854775808, 'plans', 8)",
             "finish_intents" => "('{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}')",
             _ => "('{}', '{}')",
         };

@@ -56,6 +56,53 @@ pub(super) async fn publish_limit(env: &Env, k: usize) -> anyhow::Result<(f64, O
     Ok((k as f64 / t0.elapsed().as_secs_f64(), None))
 }
 
+/// What the database alone allows: the publisher's statements — claim a
+/// batch of up to 2000 after the lanes' shared position, mark it published
+/// in one fenced statement — with no broker in between, two lanes side by
+/// side as the publisher runs them. It bounds the publisher on this
+/// machine whatever the broker does.
+pub(super) async fn publish_database_only(env: &Env, k: usize) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
+    use relay::runtime::claim_loop::Resume;
+    use relay_store::outbox;
+    let s = setup(env, 1).await?;
+    seed::pending_outbox(&s.db.pool, "bench", &s.out, k).await?;
+    let resume = std::sync::Mutex::new(Resume::<i64>::default());
+    let t0 = Instant::now();
+    let lanes = (0..2).map(|_| {
+        let (pool, resume) = (s.db.pool.clone(), &resume);
+        async move {
+            let mut marks = relay_store::FinishPool::beside(&pool, 1).acquire().await?;
+            let mut claims =
+                relay_store::ClaimPool::beside(&pool, 1, relay_store::ClaimCommit::Async).acquire().await?;
+            loop {
+                let (after, back) = resume.lock().unwrap().next(Duration::MAX);
+                let claim = outbox::claim_after(&mut claims, "bench", 2000, Duration::from_secs(30), after).await?;
+                match (claim.rows.last(), claim.passed) {
+                    (Some(last), _) if claim.rows.len() == 2000 => resume.lock().unwrap().claimed(back, last.seq),
+                    (_, Some(edge)) => resume.lock().unwrap().claimed(back, edge),
+                    _ => resume.lock().unwrap().back_to(None),
+                }
+                if claim.rows.is_empty() {
+                    if after.is_none() && claim.passed.is_none() {
+                        return anyhow::Ok(());
+                    }
+                    continue;
+                }
+                let ids: Vec<uuid::Uuid> = claim.rows.iter().map(|r| r.id).collect();
+                let tokens: Vec<uuid::Uuid> = claim.rows.iter().map(|r| r.lease_token).collect();
+                outbox::mark_published(&mut marks, &ids, &tokens).await?;
+            }
+        }
+    });
+    for r in futures::future::join_all(lanes).await {
+        r?;
+    }
+    let took = t0.elapsed();
+    let done = seed::in_state(&s.db.pool, Work::Outbox, "published").await?;
+    anyhow::ensure!(done == k as i64, "database-only publishing marked {done} of {k} rows");
+    Ok((k as f64 / took.as_secs_f64(), None))
+}
+
 /// The publish section of the report.
 pub(super) async fn publish_section(env: &Env) -> anyhow::Result<Section> {
     eprintln!("bench: relay to Kafka");
@@ -71,6 +118,11 @@ pub(super) async fn publish_section(env: &Env) -> anyhow::Result<Section> {
         "limit: the same records produced directly",
         median(env, || publish_limit(env, k)).await?,
         "idempotent producer, acks=all",
+    ));
+    publish.rows.push(row(
+        "bound: the publisher's statements alone",
+        median(env, || publish_database_only(env, k)).await?,
+        "claim 2000 and mark them published, 2 lanes, no broker",
     ));
     let held = row(
         "relay publisher, a snapshot held open",

@@ -73,6 +73,10 @@ pub struct Claim<T> {
     /// nothing was claimed, and for outbox claims (whose rows come back in
     /// claim order: the last row's `seq` is their position).
     pub last: Option<Position>,
+    /// For outbox claims: the `seq` up to which the claim examined every
+    /// pending row, when it stopped at its window ([`outbox::WINDOW`])
+    /// before filling its batch; the next claim may go on after it.
+    pub passed: Option<i64>,
 }
 
 /// A place in the order intents are claimed in (`intents_due`: when due,
@@ -113,9 +117,12 @@ where
     T: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow>,
 {
     use sqlx::Row;
-    let mut claim = Claim { rows: Vec::new(), next_due: None, last: None };
+    let mut claim = Claim { rows: Vec::new(), next_due: None, last: None, passed: None };
     for row in query.fetch_all(conn).await? {
         claim.next_due = row.try_get("next_due")?;
+        if !positioned {
+            claim.passed = row.try_get("passed")?;
+        }
         if row.try_get::<Option<uuid::Uuid>, _>("id")?.is_some() {
             if positioned {
                 let here = Position { due: row.try_get("due_at")?, seq: row.try_get("seq")? };

@@ -219,7 +219,7 @@ impl Dispatcher {
             // database's lease starts at the statement, and every moment the
             // claim takes to come back is a moment less of it.
             let claimed_at = std::time::Instant::now();
-            let Claim { rows: claimed, next_due, last } = match self.claim(&mut claimer, want, after).await {
+            let Claim { rows: claimed, next_due, last, .. } = match self.claim(&mut claimer, want, after).await {
                 Ok(c) => {
                     failures = 0;
                     c
@@ -430,7 +430,7 @@ impl Dispatcher {
             // Every endpoint is full: a claim could take nothing, and would
             // read every due row to find that out. A call ending wakes the
             // loop (Busy).
-            return Ok(Claim { rows: Vec::new(), next_due: None, last: None });
+            return Ok(Claim { rows: Vec::new(), next_due: None, last: None, passed: None });
         }
         let scope = Scope { consumer: &self.inner.consumer, endpoints: &endpoints };
         claimer.claim(async |conn| intents::claim_after(conn, &scope, worker, limit as i64, lease, after).await).await

@@ -67,7 +67,8 @@ pub struct Publisher {
     consumer: String,
     faults: Faults,
     /// Where the lanes' next claim may start, shared by the lanes: after
-    /// the last row of the latest full claim ([`outbox::claim_after`]); back
+    /// the last row of the latest full claim ([`outbox::claim_after`]) or
+    /// the end of the window a short one examined; back
     /// to the start after a short claim, a rescue or a database error; back
     /// to the lowest `seq` of keyed rows just published (the next row of
     /// each key has a higher one).
@@ -153,8 +154,9 @@ impl Publisher {
                 }
             }
             let wait = match self.publish_batch(&mut claimer).await {
-                Ok(b) if b.claimed == self.settings.batch_size as usize || b.unblocked.is_some() => {
-                    // A full batch may have left more; a published row with an
+                Ok(b) if b.claimed == self.settings.batch_size as usize || b.unblocked.is_some() || b.swept => {
+                    // A full batch may have left more, and so may a claim
+                    // that stopped at its window; a published row with an
                     // ordering key made the next row of its key publishable,
                     // and nothing else announces that.
                     failures = 0;
@@ -200,13 +202,16 @@ impl Publisher {
     async fn publish_batch(&self, claimer: &mut Claimer) -> Result<Batch, PublishError> {
         let (limit, lease) = (i64::from(self.settings.batch_size), self.settings.lease);
         let (after, back) = self.resume().next(self.settings.poll_interval);
-        let Claim { rows, next_due, .. } =
+        let Claim { rows, next_due, passed, .. } =
             claimer.claim(async |conn| outbox::claim_after(conn, &self.consumer, limit, lease, after).await).await?;
-        match rows.last() {
-            Some(last) if rows.len() == self.settings.batch_size as usize => self.resume().claimed(back, last.seq),
+        match (rows.last(), passed) {
+            (Some(last), _) if rows.len() == self.settings.batch_size as usize => self.resume().claimed(back, last.seq),
+            // The claim stopped at its window: the rows after it are next.
+            (_, Some(edge)) => self.resume().claimed(back, edge),
             _ => self.resume().back_to(None),
         }
-        let mut batch = Batch { claimed: rows.len(), unblocked: None, retry_at: None, next_due };
+        let mut batch =
+            Batch { claimed: rows.len(), unblocked: None, retry_at: None, next_due, swept: passed.is_some() };
         if rows.is_empty() {
             return Ok(batch);
         }
@@ -338,6 +343,8 @@ pub struct Batch {
     pub retry_at: Option<chrono::DateTime<chrono::Utc>>,
     /// When the next row not due yet comes due (only after a short claim).
     pub next_due: Option<chrono::DateTime<chrono::Utc>>,
+    /// The claim stopped at its window before the end of the pending rows.
+    pub swept: bool,
 }
 
 /// Why a publish round failed.
