@@ -273,8 +273,10 @@ pub async fn claim_after(
     Ok(claim)
 }
 
-/// How many pending rows a claim examines, in claims' worth of rows.
-pub const WINDOW: i64 = 4;
+/// How many pending rows a claim examines, in claims' worth of rows: one
+/// (64 keys drained at 3 347 rows/s, 1 242 with four; unordered rows fill
+/// a claim from its first window either way).
+pub const WINDOW: i64 = 1;
 
 /// The claim statement ([`claim`]); public so a test can check its plan.
 /// `$1` limit, `$2` lease in seconds, `$3` the `seq` to claim after (the
