@@ -15,12 +15,16 @@
 --   standard_conforming_strings (the value is unchanged).
 SET LOCAL lock_timeout = '5s';
 
-ALTER TABLE relay.app_front_doors ADD COLUMN role text COLLATE "C" NOT NULL DEFAULT 'relay_enqueue';
+-- NULL for a door an older relay registered: nobody may enqueue through it
+-- until a relay that knows its role registers it again (fail closed).
+ALTER TABLE relay.app_front_doors ADD COLUMN role text COLLATE "C";
 
--- Lower-case names of request headers relay sets on this endpoint's calls
--- (its key header, its static headers, tracing, signing); a trailing `*`
--- is a prefix. Written by relay from the dispatcher's own list.
-ALTER TABLE relay.app_endpoints ADD COLUMN reserved_headers text[] NOT NULL DEFAULT '{}';
+-- Lower-case names of request headers applications may not set on this
+-- endpoint's calls (those relay sets, its key header, its static headers,
+-- those that re-route a request); a trailing `*` is a prefix. Written by
+-- relay from the dispatcher's own list; NULL where an older relay wrote the
+-- row, and then a call with headers is refused (fail closed).
+ALTER TABLE relay.app_endpoints ADD COLUMN reserved_headers text[];
 
 -- Saga types a call's outcomes may move, per deployment.
 CREATE TABLE relay.app_sagas (
@@ -68,13 +72,20 @@ BEGIN
 END
 $$;
 
+-- Whether `value` is empty or only white space, as Rust's
+-- char::is_whitespace has it (relay_core::limits::is_blank).
+CREATE FUNCTION relay.app_blank(value text) RETURNS boolean
+    LANGUAGE sql IMMUTABLE
+RETURN btrim(value, E' \t\n\u000b\f\r\u0085\u00a0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006'
+    || E'\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000') = '';
+
 -- A key: bounded (relay_core::limits::MAX_KEY_BYTES), no control
 -- characters, and not blank (limits::is_blank).
 CREATE FUNCTION relay.app_check_key(fn text, field text, value text) RETURNS void
     LANGUAGE plpgsql IMMUTABLE
 AS $$
 BEGIN
-    IF value IS NOT NULL AND btrim(value, E' \t\n\r') = '' THEN
+    IF value IS NOT NULL AND relay.app_blank(value) THEN
         PERFORM relay.app_refuse(fn, field, 'blank: give a key, or leave it out (NULL)');
     END IF;
     PERFORM relay.app_check_text(fn, field, value, 1024);
@@ -82,15 +93,19 @@ END
 $$;
 
 -- The deployment a call is for (the one named, or the only one
--- registered), if the caller may enqueue for it: its login role (the
--- session user, as these functions run as their owner) must be a member of
--- the deployment's role. relay itself (the owner) may.
+-- registered), if the caller may enqueue for it: the role it acts as (set
+-- with SET ROLE, else its login: these functions run as their owner, so
+-- current_user is not the caller's) must have the deployment's role's
+-- privileges (pg_has_role USAGE: a member that inherits them). relay itself
+-- (the owner) may. A door an older relay registered has no role yet, and
+-- takes nothing.
 CREATE OR REPLACE FUNCTION relay.app_front_door(fn text, requested text) RETURNS relay.app_front_doors
     LANGUAGE plpgsql STABLE
 AS $$
 DECLARE
     door relay.app_front_doors;
     n integer;
+    caller text := coalesce(nullif(pg_catalog.current_setting('role'), 'none'), session_user);
 BEGIN
     IF requested IS NOT NULL THEN
         SELECT * INTO door FROM relay.app_front_doors d WHERE d.consumer = requested;
@@ -111,16 +126,27 @@ BEGIN
                 '%s relay deployments take rows from applications here (%s): name one with consumer => ...', n,
                 (SELECT string_agg(quote_literal(d.consumer), ', ' ORDER BY d.consumer) FROM relay.app_front_doors d)));
         END IF;
-        SELECT * INTO door FROM relay.app_front_doors d;
+        -- In one statement: a door registered meanwhile must not be picked.
+        SELECT * INTO door FROM relay.app_front_doors d WHERE (SELECT count(*) FROM relay.app_front_doors) = 1;
+        IF NOT FOUND THEN
+            PERFORM relay.app_refuse(fn, 'consumer', 'the relay deployments here changed during the call: name one '
+                'with consumer => ...');
+        END IF;
     END IF;
-    IF session_user <> current_user AND NOT (
-        EXISTS (SELECT 1 FROM pg_catalog.pg_roles r WHERE r.rolname = door.role)
-        AND pg_catalog.pg_has_role(session_user, door.role, 'MEMBER')) THEN
+    IF door.role IS NULL AND caller <> current_user THEN
         RAISE EXCEPTION USING ERRCODE = '42501',
-            MESSAGE = format('relay.%s: consumer: role %I may not enqueue for relay %L: it is not a member of %I, '
-                'the role that deployment takes rows from', fn, session_user, door.consumer, door.role),
-            HINT = format('GRANT %I TO %I (as the DBA), or name the deployment whose role it is in', door.role,
-                session_user);
+            MESSAGE = format('relay.%s: consumer: relay %L was registered by an older relay, which named no role: it '
+                'takes nothing until it registers again', fn, door.consumer),
+            HINT = 'run `relay migrate` with the current relay';
+    END IF;
+    IF caller <> current_user AND NOT (
+        EXISTS (SELECT 1 FROM pg_catalog.pg_roles r WHERE r.rolname = door.role)
+        AND pg_catalog.pg_has_role(caller, door.role, 'USAGE')) THEN
+        RAISE EXCEPTION USING ERRCODE = '42501',
+            MESSAGE = format('relay.%s: consumer: role %I may not enqueue for relay %L: it does not have the '
+                'privileges of %I, the role that deployment takes rows from', fn, caller, door.consumer, door.role),
+            HINT = format('GRANT %I TO %I (as the DBA), or name the deployment whose role it has', door.role,
+                caller);
     END IF;
     RETURN door;
 END
@@ -139,6 +165,11 @@ DECLARE
 BEGIN
     IF headers IS NULL THEN
         RETURN;
+    END IF;
+    IF reserved IS NULL THEN
+        PERFORM relay.app_refuse(fn, 'headers', 'this endpoint was registered by an older relay, which did not say '
+            'which headers are relay''s: none are taken until it registers again', 'run `relay migrate` with the '
+            'current relay');
     END IF;
     IF jsonb_typeof(headers) <> 'object' THEN
         PERFORM relay.app_refuse(fn, 'headers', format('a JSON object of header names to text values, not %s',
@@ -339,7 +370,7 @@ DECLARE
     h record;
     prior record;
 BEGIN
-    IF publish.id IS NULL OR btrim(publish.id, E' \t\n\r') = '' THEN
+    IF publish.id IS NULL OR relay.app_blank(publish.id) THEN
         PERFORM relay.app_refuse('publish', 'id', 'required: a stable id or business key of the event, the same on '
             'every retry of your transaction (relay derives the event''s id from it)');
     END IF;
@@ -411,18 +442,21 @@ BEGIN
             payload, publish.type, CASE WHEN in_order THEN publish.key END)
     ON CONFLICT ON CONSTRAINT outbox_pkey DO NOTHING;
     IF NOT FOUND THEN
-        -- A retried transaction gives the same event (its time aside);
-        -- anything else under this id would be dropped unseen.
+        -- A retried transaction gives the same event (its time and tracing
+        -- aside: a retry runs under a span of its own); anything else under
+        -- this id would be dropped unseen.
         SELECT o.topic, o.key, o.payload, o.event_type, o.ordering_key,
                (SELECT jsonb_agg(x.h ORDER BY x.n) FROM jsonb_array_elements(o.headers) WITH ORDINALITY x(h, n)
-                 WHERE x.h ->> 'name' <> 'ce_time') AS headers
+                 WHERE x.h ->> 'name' NOT IN ('ce_time', 'ce_traceparent', 'ce_correlationid', 'ce_causationid'))
+                 AS headers
           INTO prior FROM relay.outbox o WHERE o.id = row_id;
         IF FOUND AND (prior.topic IS DISTINCT FROM publish.topic OR prior.key IS DISTINCT FROM key_bytes
                       OR prior.payload IS DISTINCT FROM payload OR prior.event_type IS DISTINCT FROM publish.type
                       OR prior.ordering_key IS DISTINCT FROM CASE WHEN in_order THEN publish.key END
                       OR prior.headers IS DISTINCT FROM (
                           SELECT jsonb_agg(x.h ORDER BY x.n) FROM jsonb_array_elements(hs) WITH ORDINALITY x(h, n)
-                           WHERE x.h ->> 'name' <> 'ce_time')) THEN
+                           WHERE x.h ->> 'name' NOT IN ('ce_time', 'ce_traceparent', 'ce_correlationid',
+                                                        'ce_causationid'))) THEN
             PERFORM relay.app_reused('publish', publish.id, format('topic %L, type %L', prior.topic, prior.event_type));
         END IF;
     END IF;
@@ -461,7 +495,7 @@ DECLARE
     h record;
     prior record;
 BEGIN
-    IF call.id IS NULL OR btrim(call.id, E' \t\n\r') = '' THEN
+    IF call.id IS NULL OR relay.app_blank(call.id) THEN
         PERFORM relay.app_refuse('call', 'id', 'required: a stable id or business key of the call, the same on '
             'every retry of your transaction (relay derives the call''s id and default idempotency key from it)');
     END IF;
@@ -477,15 +511,16 @@ BEGIN
     IF verb IS NULL OR verb NOT IN ('GET', 'POST', 'PUT', 'PATCH', 'DELETE') THEN
         PERFORM relay.app_refuse('call', 'method', format('%L is not one of GET, POST, PUT, PATCH, DELETE', call.method));
     END IF;
-    IF call.path IS NULL OR left(call.path, 1) <> '/' OR call.path ~ E'[\\s#\\\\]' THEN
-        PERFORM relay.app_refuse('call', 'path', format('%L must start with / and hold no spaces, # or \ (it is '
-            'appended to the endpoint''s base_url)', call.path));
+    IF call.path IS NULL OR left(call.path, 1) <> '/' OR call.path ~* E'[\\s#\\\\]|%(2f|5c|25)' THEN
+        PERFORM relay.app_refuse('call', 'path', format('%L must start with / and hold no spaces, #, backslash or '
+            'encoded /, backslash or %% (it is appended to the endpoint''s base_url)', call.path));
     END IF;
     PERFORM relay.app_check_text('call', 'path', call.path, 2048);
-    -- `.` and `..` segments, percent-encoded or not, would climb out of the
-    -- base_url's path once the provider's server resolves them.
+    -- `.` and `..` segments, percent-encoded or not, with `;parameters` or
+    -- not, would climb out of the base_url's path once the provider's
+    -- server resolves them.
     IF EXISTS (SELECT 1 FROM unnest(string_to_array(split_part(call.path, '?', 1), '/')) s
-                WHERE lower(s) ~ '^(\.|%2e){1,2}$') THEN
+                WHERE replace(lower(s), '%2e', '.') ~ E'^\\.{1,2}(;|$)') THEN
         PERFORM relay.app_refuse('call', 'path', format('%L holds a . or .. segment: it would leave the endpoint''s '
             'base_url', call.path));
     END IF;
@@ -554,5 +589,6 @@ BEGIN
 END
 $$;
 
-REVOKE ALL ON FUNCTION relay.app_check_text(text, text, text, integer), relay.app_check_key(text, text, text),
+REVOKE ALL ON FUNCTION relay.app_blank(text), relay.app_check_text(text, text, text, integer),
+    relay.app_check_key(text, text, text),
     relay.app_headers(text, jsonb, text[]), relay.app_reused(text, text, text) FROM PUBLIC;

@@ -68,6 +68,14 @@ DO \$\$ BEGIN
   IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'relay_app') THEN
     CREATE ROLE relay_app LOGIN PASSWORD 'relay_app' IN ROLE relay_enqueue;
   END IF;
+  -- A login in both deployments' roles, and a role it may SET ROLE to
+  -- that is in the first only (the front door judges the role acted as).
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'relay_app_narrow') THEN
+    CREATE ROLE relay_app_narrow NOLOGIN IN ROLE relay_enqueue;
+  END IF;
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'relay_app_wide') THEN
+    CREATE ROLE relay_app_wide LOGIN PASSWORD 'relay_app_wide' IN ROLE relay_enqueue_other, relay_app_narrow;
+  END IF;
 END \$\$;
 SQL
 }

@@ -308,7 +308,6 @@ async fn text_that_becomes_a_key_a_header_or_a_url_is_bounded_and_clean() {
         (call("'POST', '/captures/%2E%2e/admin', '{}', id => 'a'"), "relay.call: path: '/captures/%2E%2e/admin' holds"),
         (call("'POST', '/a/./b?x=1', '{}', id => 'a'"), "relay.call: path: '/a/./b?x=1' holds"),
         (call("'POST', '/x#frag', '{}', id => 'a'"), "relay.call: path: '/x#frag' must start with /"),
-        (call("'POST', '/a' || chr(92) || 'b', '{}', id => 'a'"), "relay.call: path: "),
         (call("'POST', '/x' || chr(127), '{}', id => 'a'"), "relay.call: path: holds the control character U+007F"),
         (
             call("'POST', '/x', '{}', id => 'a', idempotency_key => 'k' || chr(10)"),
@@ -318,6 +317,19 @@ async fn text_that_becomes_a_key_a_header_or_a_url_is_bounded_and_clean() {
         (
             call("'POST', '/x', '{}', id => 'a', correlation_id => 'c' || chr(9)"),
             "relay.call: correlation_id: holds the control character U+0009",
+        ),
+        (publish("chr(160) || ' ' || chr(12288), 'x', '{}', id => 'a'"), "relay.publish: key: blank"),
+        (call("'POST', '/captures/..;/admin', '{}', id => 'a'"), "relay.call: path: '/captures/..;/admin' holds"),
+        (call("'POST', '/captures/..%2Fadmin', '{}', id => 'a'"), "relay.call: path: '/captures/..%2Fadmin' must"),
+        (call("'POST', '/captures/%252e%252e/admin', '{}', id => 'a'"), "relay.call: path: '/captures/%252e"),
+        (call("'POST', '/a' || chr(92) || 'b', '{}', id => 'a'"), "relay.call: path: E'/a\\\\b' must start with /"),
+        (
+            call("'POST', '/x', '{}', id => 'a', headers => '{\"X-Original-URL\": \"/admin\"}'"),
+            "relay.call: headers: 'X-Original-URL' is relay's to set",
+        ),
+        (
+            call("'POST', '/x', '{}', id => 'a', headers => '{\"User-Agent\": \"mine\"}'"),
+            "relay.call: headers: 'User-Agent' is relay's to set",
         ),
     ];
     for (sql, expected) in &cases {
@@ -337,6 +349,38 @@ async fn text_that_becomes_a_key_a_header_or_a_url_is_bounded_and_clean() {
         .execute(&mut conn)
         .await
         .expect("a clean event is taken");
+
+    // The checks read the same whatever the caller's string settings.
+    sqlx::query("SET standard_conforming_strings = off").execute(&mut conn).await.unwrap();
+    sqlx::query(&call("'POST', '/v1/x', '{}', id => 'scs'")).execute(&mut conn).await.expect("a plain path is taken");
+    let (_, message) = refused_with(&mut conn, &call("'POST', '/v1/../x', '{}', id => 'scs-2'")).await;
+    assert!(message.starts_with("relay.call: path: '/v1/../x' holds"), "{message}");
+    let (_, message) = refused_with(&mut conn, &publish("'k' || chr(10), 'x', '{}', id => 'scs-3'")).await;
+    assert!(message.starts_with("relay.publish: key: holds the control character"), "{message}");
+}
+
+#[tokio::test]
+async fn a_door_an_older_relay_registered_takes_nothing_until_registered_again() {
+    let h = Harness::new(1).await;
+    h.relay(h.config(FRONT_DOOR), Handlers::default(), no_faults()).await;
+    let mut conn = PgConnection::connect(&app_url(&h)).await.unwrap();
+    // As an older relay writes it: no reserved headers, then no role.
+    sqlx::query("UPDATE relay.app_endpoints SET reserved_headers = NULL").execute(&h.db.pool).await.unwrap();
+    let with_headers =
+        "SELECT relay.call('psp', 'POST', '/x', '{}', id => 'c', headers => '{\"Authorization\": \"x\"}')";
+    let (code, message) = refused_with(&mut conn, with_headers).await;
+    assert_eq!(code, "22023", "{message}");
+    assert!(message.starts_with("relay.call: headers: this endpoint was registered by an older relay"), "{message}");
+    sqlx::query("UPDATE relay.app_front_doors SET role = NULL").execute(&h.db.pool).await.unwrap();
+    let publish = format!("SELECT relay.publish('{}', 'k', 'x', '{{}}', id => 'e')", h.out);
+    let (code, message) = refused_with(&mut conn, &publish).await;
+    assert_eq!(code, "42501", "{message}");
+    assert!(message.contains("was registered by an older relay"), "{message}");
+    // Registered again by this relay: open as configured.
+    h.relay(h.config(FRONT_DOOR), Handlers::default(), no_faults()).await;
+    sqlx::query(&publish).execute(&mut conn).await.expect("open again");
+    let (code, _) = refused_with(&mut conn, with_headers).await;
+    assert_eq!(code, "22023", "Authorization is relay's again");
 }
 
 #[tokio::test]
@@ -355,12 +399,25 @@ async fn a_member_of_one_deployment_s_role_cannot_enqueue_for_another_deployment
     let (code, message) = refused_with(&mut conn, &publish(&other.consumer.name)).await;
     assert_eq!(code, "42501", "{message}");
     assert!(
-        message.contains("role relay_app may not enqueue") && message.contains("not a member of relay_enqueue_other"),
+        message.contains("role relay_app may not enqueue")
+            && message.contains("does not have the privileges of relay_enqueue_other"),
         "{message}"
     );
     let (code, message) =
         refused_with(&mut conn, &format!("SELECT relay.publish('{}', 'k', 'x', '{{}}', id => 'b')", h.out)).await;
     assert_eq!((code.as_str(), message.contains("name one with consumer =>")), ("22023", true), "{message}");
+
+    // The role acted as is judged, not the login: relay_app_wide has both
+    // deployments' roles, relay_app_narrow (which it may SET ROLE to) the
+    // first one's only.
+    let wide_url = app_url(&h).replacen("relay_app:relay_app@", "relay_app_wide:relay_app_wide@", 1);
+    let mut wide = PgConnection::connect(&wide_url).await.unwrap();
+    sqlx::query(&publish(&other.consumer.name)).execute(&mut wide).await.expect("the login has the other's role");
+    sqlx::query("SET ROLE relay_app_narrow").execute(&mut wide).await.unwrap();
+    let (code, message) = refused_with(&mut wide, &publish(&other.consumer.name)).await;
+    assert_eq!(code, "42501", "{message}");
+    assert!(message.contains("role relay_app_narrow may not enqueue"), "{message}");
+    sqlx::query(&publish(&h.consumer)).execute(&mut wide).await.expect("the narrow role has the first's");
 
     // A start that changes nothing writes nothing.
     let stamp = || async {
@@ -391,7 +448,7 @@ async fn a_member_of_one_deployment_s_role_cannot_enqueue_for_another_deployment
     .await
     .unwrap();
     assert!(!granted, "relay_enqueue keeps no grant no door names it for");
-    assert_eq!(h.db.count("outbox", "true").await, 1, "only the first, allowed, event");
+    assert_eq!(h.db.count("outbox", "true").await, 2, "the allowed events (one id per deployment)");
 }
 
 #[tokio::test]
@@ -471,6 +528,22 @@ async fn the_database_derives_the_ids_relay_derives_and_a_retried_transaction_en
         ids.push((e, c));
     }
     assert_eq!(ids[0], ids[1]);
+    // A retry under another span, a moment later: the same event.
+    for parent in [
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-1111111111111111-01",
+    ] {
+        sqlx::query("SELECT pg_sleep(0.002)").execute(&mut conn).await.unwrap();
+        let again: uuid::Uuid = sqlx::query_scalar(&format!(
+            "SELECT relay.publish('{}', 'o-1', 'order.placed', '{{\"n\": 1}}', id => 'evt-1', traceparent => '{parent}',
+                                  correlation_id => '{parent}')",
+            h.out
+        ))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        assert_eq!(again, ids[0].0);
+    }
     // The same id for something else is refused, not dropped unseen.
     let (code, message) = refused_with(
         &mut conn,

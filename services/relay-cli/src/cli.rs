@@ -399,15 +399,15 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             relay_store::migrate(&pool).await?;
             println!("migrations applied; the schema is current");
             let role = cfg.application.as_ref().map(|a| a.role.as_str()).unwrap_or_default();
-            match relay::app::register_front_door(&cfg, &pool, false).await? {
-                Some(relay_store::application::Registered::Open) => {
+            match relay::app::register_front_door(&cfg, &pool).await? {
+                relay_store::application::Registered::Open => {
                     println!("applications may enqueue (relay.publish, relay.call) as members of role {role:?}")
                 }
-                Some(relay_store::application::Registered::RoleMissing) => println!(
+                relay_store::application::Registered::RoleMissing => println!(
                     "[application]: role {role:?} does not exist; create it (CREATE ROLE {role} NOLOGIN) and run \
                      `relay migrate` again"
                 ),
-                Some(relay_store::application::Registered::Closed) | None => {}
+                relay_store::application::Registered::Closed => {}
             }
             return Ok(());
         }

@@ -77,7 +77,7 @@ impl Relay {
         if !relay_store::migrations_current(&pool).await? {
             anyhow::bail!("the database schema is not current: run `relay migrate` first");
         }
-        register_front_door(&cfg, &pool, true).await?;
+        register_front_door(&cfg, &pool).await?;
         Ok(Relay { cfg, pool, router, handlers, faults })
     }
 
@@ -295,29 +295,24 @@ pub fn front_door(cfg: &RelayConfig) -> Option<relay_store::application::FrontDo
 }
 
 /// Register `cfg`'s front door for applications (or close it), warning when
-/// its role does not exist yet. At a start (`at_start`), a registration the
-/// running role may not write (migrations owned by another role), or that
-/// waits too long for another start's, is a warning: the door registered
-/// last stays, and `relay migrate` writes this one.
+/// its role does not exist yet. A registration that differs from the one in
+/// the database and cannot be written fails: a door left wider than the
+/// configuration (a topic, endpoint, saga or role taken out, or the section
+/// removed) must not stay open because the running role may not narrow it.
 pub async fn register_front_door(
     cfg: &RelayConfig,
     pool: &PgPool,
-    at_start: bool,
-) -> anyhow::Result<Option<relay_store::application::Registered>> {
-    use anyhow::Context;
+) -> anyhow::Result<relay_store::application::Registered> {
     let door = front_door(cfg);
     let registered = match relay_store::application::register(pool, &cfg.consumer.name, door.as_ref()).await {
         Ok(r) => r,
-        Err(sqlx::Error::Database(e)) if at_start && matches!(e.code().as_deref(), Some("42501" | "55P03")) => {
-            tracing::warn!(
-                "[application] differs from the front door registered in the database, which this start could \
-                 not rewrite ({}): applications are checked against the old one until `relay migrate` runs as \
-                 the schema's owner",
-                e.message()
-            );
-            return Ok(None);
-        }
-        Err(e) => return Err(e).context("register the [application] front door (relay.publish, relay.call)"),
+        Err(sqlx::Error::Database(e)) if matches!(e.code().as_deref(), Some("42501" | "55P03")) => anyhow::bail!(
+            "[application] differs from the front door for applications registered in the database, and this \
+             relay could not write it ({}): run `relay migrate` with this configuration as the role that owns \
+             relay's schema (or wait for the other relay registering it), then start again",
+            e.message()
+        ),
+        Err(e) => return Err(anyhow::Error::from(e).context("register the [application] front door")),
     };
     if let (relay_store::application::Registered::RoleMissing, Some(door)) = (&registered, &door) {
         tracing::warn!(
@@ -329,5 +324,5 @@ pub async fn register_front_door(
             door.role
         );
     }
-    Ok(Some(registered))
+    Ok(registered)
 }

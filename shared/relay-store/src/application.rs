@@ -83,8 +83,10 @@ const FUNCTIONS: [&str; 2] = [
 
 /// The door registered for `consumer`, if any.
 pub async fn registered(pool: &PgPool, consumer: &str) -> Result<Option<FrontDoor>, sqlx::Error> {
+    // A door an older relay registered has no role: it never equals one
+    // this relay would write.
     let Some((source, max_payload_bytes, role)) = sqlx::query_as::<_, (String, i32, String)>(
-        "SELECT source, max_payload_bytes, role FROM relay.app_front_doors WHERE consumer = $1",
+        "SELECT source, max_payload_bytes, coalesce(role, '') FROM relay.app_front_doors WHERE consumer = $1",
     )
     .bind(consumer)
     .fetch_optional(pool)
@@ -103,7 +105,7 @@ pub async fn registered(pool: &PgPool, consumer: &str) -> Result<Option<FrontDoo
     type Row = (String, i32, f64, Option<i32>, bool, bool, Vec<String>);
     let endpoints = sqlx::query_as::<_, Row>(
         "SELECT endpoint, max_attempts, extract(epoch FROM max_age)::float8, key_max_length, key_in_body,
-                sends_key, reserved_headers
+                sends_key, coalesce(reserved_headers, '{}')
            FROM relay.app_endpoints WHERE consumer = $1 ORDER BY endpoint",
     )
     .bind(consumer)
@@ -164,7 +166,14 @@ pub async fn register(pool: &PgPool, consumer: &str, door: Option<&FrontDoor>) -
     // Two deployments registering at once would GRANT on the same functions,
     // and concurrent GRANTs fail ("tuple concurrently updated").
     sqlx::query("SELECT pg_advisory_xact_lock(1380273155, 0)").execute(&mut *tx).await?;
-    let given_up = current.as_ref().map(|c| c.role.clone()).filter(|r| door.as_ref().is_none_or(|d| d.role != *r));
+    // The role registered now, read again under the lock: another start may
+    // have changed it since the read above.
+    let held: Option<Option<String>> =
+        sqlx::query_scalar("SELECT role FROM relay.app_front_doors WHERE consumer = $1 FOR UPDATE")
+            .bind(consumer)
+            .fetch_optional(&mut *tx)
+            .await?;
+    let given_up = held.flatten().filter(|r| door.as_ref().is_none_or(|d| d.role != *r));
     match &door {
         None => {
             sqlx::query("DELETE FROM relay.app_front_doors WHERE consumer = $1")

@@ -614,14 +614,14 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).replace('\0', "\u{FFFD}")
 }
 
-/// Put `key` at the dotted `field` of a JSON object body, making the
-/// objects on the way; a body that is not an object cannot carry it.
-/// Request headers relay sets on every call, lower-case (a trailing `*` is
-/// a prefix): what an application's `relay.call` may not set itself, as a
-/// second value would go beside relay's, or replace the route to the host.
-/// Hop-by-hop and framing headers are the HTTP client's; signing adds
-/// `webhook-*` or `authorization` and `x-amz-*`.
-pub const SET_BY_RELAY: &[&str] = &[
+/// Request headers an application's `relay.call` may not set, lower-case (a
+/// trailing `*` is a prefix): those relay or its HTTP client set on every
+/// call (a second value would go beside relay's, or replace it), and those
+/// some servers and proxies take to re-route a request past the
+/// endpoint's `base_url`. Hop-by-hop and framing headers are the client's;
+/// signing adds `webhook-*` or `authorization` and `x-amz-*`; an OAuth2
+/// token is an `authorization`.
+pub const RESERVED_HEADERS: &[&str] = &[
     "host",
     "authorization",
     "proxy-authorization",
@@ -634,19 +634,29 @@ pub const SET_BY_RELAY: &[&str] = &[
     "trailer",
     "upgrade",
     "expect",
+    "user-agent",
+    "accept",
+    "accept-encoding",
     "traceparent",
     "tracestate",
     "x-correlation-id",
     "x-relay-*",
     "webhook-*",
     "x-amz-*",
+    "forwarded",
+    "x-forwarded-*",
+    "x-original-url",
+    "x-rewrite-url",
+    "x-http-method",
+    "x-http-method-override",
+    "x-method-override",
 ];
 
-/// The request headers an application may not set on `cfg`'s calls: those
-/// relay sets on every call, the endpoint's key header and its static
-/// headers; lower-case, a trailing `*` a prefix.
+/// The request headers an application may not set on `cfg`'s calls:
+/// [`RESERVED_HEADERS`], the endpoint's key header and its static headers;
+/// lower-case, a trailing `*` a prefix.
 pub fn reserved_headers(cfg: &EndpointConfig) -> Vec<String> {
-    let mut names: Vec<String> = SET_BY_RELAY.iter().map(|h| (*h).to_owned()).collect();
+    let mut names: Vec<String> = RESERVED_HEADERS.iter().map(|h| (*h).to_owned()).collect();
     if let KeyPlacement::Header(h) = &cfg.profile().key {
         names.push(h.to_ascii_lowercase());
     }
@@ -665,6 +675,8 @@ pub fn is_reserved(reserved: &[String], name: &str) -> bool {
     })
 }
 
+/// Put `key` at the dotted `field` of a JSON object body, making the
+/// objects on the way; a body that is not an object cannot carry it.
 fn put_field(body: &mut serde_json::Value, field: &str, key: &str) -> Result<(), String> {
     let mut at = body;
     let mut parts = field.split('.').peekable();
@@ -861,6 +873,11 @@ mod tests {
         let plain: EndpointConfig =
             serde_json::from_value(serde_json::json!({"base_url": "http://provider.test/"})).unwrap();
         assert!(!is_reserved(&reserved_headers(&plain), "X-Tenant"));
+        // Added when the request is sent, not built: the client's user agent
+        // and content negotiation, an OAuth2 token; and headers that re-route.
+        for name in ["User-Agent", "Accept", "Accept-Encoding", "Authorization", "X-Original-URL", "X-Forwarded-Host"] {
+            assert!(is_reserved(&reserved_headers(&plain), name), "{name}");
+        }
         assert!(
             is_reserved(&reserved_headers(&plain), "Idempotency-Key")
                 && is_reserved(&reserved_headers(&plain), "X-Relay-Forged")
