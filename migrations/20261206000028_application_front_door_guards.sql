@@ -511,9 +511,10 @@ BEGIN
     IF verb IS NULL OR verb NOT IN ('GET', 'POST', 'PUT', 'PATCH', 'DELETE') THEN
         PERFORM relay.app_refuse('call', 'method', format('%L is not one of GET, POST, PUT, PATCH, DELETE', call.method));
     END IF;
-    IF call.path IS NULL OR left(call.path, 1) <> '/' OR call.path ~* E'[\\s#\\\\]|%(2f|5c|25)' THEN
+    IF call.path IS NULL OR left(call.path, 1) <> '/' OR call.path ~ E'[\\s#\\\\]'
+       OR split_part(call.path, '?', 1) ~* '%(2f|5c|25)' THEN
         PERFORM relay.app_refuse('call', 'path', format('%L must start with / and hold no spaces, #, backslash or '
-            'encoded /, backslash or %% (it is appended to the endpoint''s base_url)', call.path));
+            'encoded /, backslash or %% before its query (it is appended to the endpoint''s base_url)', call.path));
     END IF;
     PERFORM relay.app_check_text('call', 'path', call.path, 2048);
     -- `.` and `..` segments, percent-encoded or not, with `;parameters` or

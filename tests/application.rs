@@ -338,9 +338,10 @@ async fn text_that_becomes_a_key_a_header_or_a_url_is_bounded_and_clean() {
         assert!(message.starts_with(expected), "{sql}\n  said: {message}\n  not: {expected}…");
     }
     assert_eq!(h.db.count("outbox", "true").await + h.db.count("intents", "true").await, 0, "nothing enqueued");
-    // What is fine still goes: a query string, dots inside segments, headers of the application's own.
+    // What is fine still goes: a query string (encoded slashes and percent
+    // signs in it too), dots inside segments, headers of the application's own.
     sqlx::query(&call(
-        "'GET', '/v1.2/captures/o-1..x?expand=a.b', NULL, id => 'ok', headers => '{\"X-Tenant\": \"t-1\"}'",
+        "'GET', '/v1.2/captures/o-1..x?expand=a.b&next=%2Fhome%25', NULL, id => 'ok', headers => '{\"X-Tenant\": \"t-1\"}'",
     ))
     .execute(&mut conn)
     .await
