@@ -73,11 +73,21 @@ END
 $$;
 
 -- Whether `value` is empty or only white space, as Rust's
--- char::is_whitespace has it (relay_core::limits::is_blank).
+-- char::is_whitespace has it (relay_core::limits::is_blank). The
+-- characters beyond ASCII exist only in a UTF-8 database: built with chr()
+-- in a branch taken there alone, so the function is created anywhere.
 CREATE FUNCTION relay.app_blank(value text) RETURNS boolean
-    LANGUAGE sql IMMUTABLE
-RETURN btrim(value, E' \t\n\u000b\f\r\u0085\u00a0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006'
-    || E'\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000') = '';
+    LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    IF pg_catalog.getdatabaseencoding() = 'UTF8' THEN
+        RETURN btrim(value, E' \t\n\u000b\f\r' || chr(133) || chr(160) || chr(5760) || chr(8192) || chr(8193)
+            || chr(8194) || chr(8195) || chr(8196) || chr(8197) || chr(8198) || chr(8199) || chr(8200) || chr(8201)
+            || chr(8202) || chr(8232) || chr(8233) || chr(8239) || chr(8287) || chr(12288)) = '';
+    END IF;
+    RETURN btrim(value, E' \t\n\u000b\f\r') = '';
+END
+$$;
 
 -- A key: bounded (relay_core::limits::MAX_KEY_BYTES), no control
 -- characters, and not blank (limits::is_blank).
@@ -97,8 +107,10 @@ $$;
 -- with SET ROLE, else its login: these functions run as their owner, so
 -- current_user is not the caller's) must have the deployment's role's
 -- privileges (pg_has_role USAGE: a member that inherits them). relay itself
--- (the owner) may. A door an older relay registered has no role yet, and
--- takes nothing.
+-- (the owner) may. A superuser may not unless it is the owner: code an
+-- application hides in an index expression runs with a superuser as the
+-- session when autovacuum or a DBA maintains the table. A door an older
+-- relay registered has no role yet, and takes nothing.
 CREATE OR REPLACE FUNCTION relay.app_front_door(fn text, requested text) RETURNS relay.app_front_doors
     LANGUAGE plpgsql STABLE
 AS $$
@@ -141,6 +153,7 @@ BEGIN
     END IF;
     IF caller <> current_user AND NOT (
         EXISTS (SELECT 1 FROM pg_catalog.pg_roles r WHERE r.rolname = door.role)
+        AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles r WHERE r.rolname = caller AND r.rolsuper)
         AND pg_catalog.pg_has_role(caller, door.role, 'USAGE')) THEN
         RAISE EXCEPTION USING ERRCODE = '42501',
             MESSAGE = format('relay.%s: consumer: role %I may not enqueue for relay %L: it does not have the '

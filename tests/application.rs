@@ -351,13 +351,18 @@ async fn text_that_becomes_a_key_a_header_or_a_url_is_bounded_and_clean() {
         .await
         .expect("a clean event is taken");
 
-    // The checks read the same whatever the caller's string settings.
-    sqlx::query("SET standard_conforming_strings = off").execute(&mut conn).await.unwrap();
-    sqlx::query(&call("'POST', '/v1/x', '{}', id => 'scs'")).execute(&mut conn).await.expect("a plain path is taken");
-    let (_, message) = refused_with(&mut conn, &call("'POST', '/v1/../x', '{}', id => 'scs-2'")).await;
+    // The checks read the same whatever the caller's string settings: on a
+    // new connection (PL/pgSQL parses a function's statements once per
+    // connection, under the settings of its first call).
+    let mut scs = PgConnection::connect(&app_url(&h)).await.unwrap();
+    sqlx::query("SET standard_conforming_strings = off").execute(&mut scs).await.unwrap();
+    sqlx::query(&call("'POST', '/v1/x', '{}', id => 'scs'")).execute(&mut scs).await.expect("a plain path is taken");
+    let (_, message) = refused_with(&mut scs, &call("'POST', '/v1/../x', '{}', id => 'scs-2'")).await;
     assert!(message.starts_with("relay.call: path: '/v1/../x' holds"), "{message}");
-    let (_, message) = refused_with(&mut conn, &publish("'k' || chr(10), 'x', '{}', id => 'scs-3'")).await;
+    let (_, message) = refused_with(&mut scs, &publish("'k' || chr(10), 'x', '{}', id => 'scs-3'")).await;
     assert!(message.starts_with("relay.publish: key: holds the control character"), "{message}");
+    let (_, message) = refused_with(&mut scs, &publish("chr(160), 'x', '{}', id => 'scs-4'")).await;
+    assert!(message.starts_with("relay.publish: key: blank"), "{message}");
 }
 
 #[tokio::test]

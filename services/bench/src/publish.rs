@@ -103,6 +103,49 @@ pub(super) async fn publish_database_only(env: &Env, k: usize) -> anyhow::Result
     Ok((k as f64 / took.as_secs_f64(), None))
 }
 
+/// What an append-only outbox would allow (issue 30's publisher goal): the
+/// rows after a lane's cursor read in `seq` order, batch by batch, the
+/// cursor moved by one UPDATE per batch, and no row written again — one
+/// lane, no broker, no snapshot bookkeeping (which adds a constant per
+/// batch). It bounds a design not built yet, next to the claim-and-mark
+/// bound above.
+pub(super) async fn publish_cursor_bound(env: &Env, k: usize) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
+    use sqlx::Row;
+    let s = setup(env, 1).await?;
+    seed::pending_outbox(&s.db.pool, "bench", &s.out, k).await?;
+    sqlx::query(
+        "CREATE TABLE public.bench_cursor (lane integer PRIMARY KEY, seq bigint NOT NULL, token uuid NOT NULL)",
+    )
+    .execute(&s.db.pool)
+    .await?;
+    let token = uuid::Uuid::new_v4();
+    sqlx::query("INSERT INTO public.bench_cursor VALUES (0, 0, $1)").bind(token).execute(&s.db.pool).await?;
+    let mut conn = s.db.pool.acquire().await?;
+    let t0 = Instant::now();
+    let (mut read, mut cursor) = (0usize, 0i64);
+    loop {
+        let rows = sqlx::query(
+            "SELECT o.id, o.seq, o.topic, o.key, o.headers, o.payload FROM relay.outbox o
+              WHERE o.state = 'pending' AND o.seq > $1 AND o.consumer = 'bench' ORDER BY o.seq LIMIT 2000",
+        )
+        .bind(cursor)
+        .fetch_all(&mut *conn)
+        .await?;
+        let Some(last) = rows.last() else { break };
+        cursor = last.try_get("seq")?;
+        read += rows.len();
+        let moved = sqlx::query("UPDATE public.bench_cursor SET seq = $1 WHERE lane = 0 AND token = $2")
+            .bind(cursor)
+            .bind(token)
+            .execute(&mut *conn)
+            .await?;
+        anyhow::ensure!(moved.rows_affected() == 1, "the lane's cursor did not move");
+    }
+    let took = t0.elapsed();
+    anyhow::ensure!(read == k, "the cursor read {read} of {k} rows");
+    Ok((k as f64 / took.as_secs_f64(), None))
+}
+
 /// The publish section of the report.
 pub(super) async fn publish_section(env: &Env) -> anyhow::Result<Section> {
     eprintln!("bench: relay to Kafka");
@@ -123,6 +166,11 @@ pub(super) async fn publish_section(env: &Env) -> anyhow::Result<Section> {
         "bound: the publisher's statements alone",
         median(env, || publish_database_only(env, k)).await?,
         "claim 2000 and mark them published, 2 lanes, no broker",
+    ));
+    publish.rows.push(row(
+        "bound: rows read after a cursor (append-only, not built)",
+        median(env, || publish_cursor_bound(env, k)).await?,
+        "read 2000 in seq order, one cursor UPDATE per batch, 1 lane, no broker",
     ));
     let held = row(
         "relay publisher, a snapshot held open",

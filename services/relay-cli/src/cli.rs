@@ -407,6 +407,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                     "[application]: role {role:?} does not exist; create it (CREATE ROLE {role} NOLOGIN) and run \
                      `relay migrate` again"
                 ),
+                relay_store::application::Registered::Ungranted => println!(
+                    "[application]: role {role:?} lacks EXECUTE on relay.publish and relay.call, and this role may \
+                     not grant it: run `relay migrate` as the role that owns relay's schema"
+                ),
                 relay_store::application::Registered::Closed => {}
             }
             return Ok(());

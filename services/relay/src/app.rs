@@ -314,6 +314,14 @@ pub async fn register_front_door(
         ),
         Err(e) => return Err(anyhow::Error::from(e).context("register the [application] front door")),
     };
+    if let (relay_store::application::Registered::Ungranted, Some(door)) = (&registered, &door) {
+        tracing::warn!(
+            role = %door.role,
+            "[application]: role {:?} lacks EXECUTE on relay.publish and relay.call, and this relay's role may not \
+             grant it, so no application can enqueue yet: run `relay migrate` as the role that owns relay's schema",
+            door.role
+        );
+    }
     if let (relay_store::application::Registered::RoleMissing, Some(door)) = (&registered, &door) {
         tracing::warn!(
             role = %door.role,

@@ -73,6 +73,11 @@ pub enum Registered {
     RoleMissing,
     /// Closed: the deployment takes nothing from applications.
     Closed,
+    /// Registered as configured, but the role lacks its grants and this
+    /// relay's role may not give them (it does not own the functions):
+    /// nobody can enqueue until `relay migrate` runs as the owner. Narrower
+    /// than configured, so a start goes on.
+    Ungranted,
 }
 
 /// The signatures the enqueue role gets EXECUTE on.
@@ -160,6 +165,28 @@ pub async fn register(pool: &PgPool, consumer: &str, door: Option<&FrontDoor>) -
     if current == door && (granted || !role_exists) {
         return Ok(outcome);
     }
+    let only_grants = current == door;
+    match write_and_grant(pool, consumer, door.as_ref(), role_exists).await {
+        Err(sqlx::Error::Database(e)) if only_grants && e.code().as_deref() == Some("42501") => {
+            return Ok(Registered::Ungranted);
+        }
+        Err(e) => return Err(e),
+        Ok(()) => {}
+    }
+    // A GRANT by a role that may not give the privilege only warns.
+    match &door {
+        Some(d) if role_exists && !role_state(pool, &d.role).await?.1 => Ok(Registered::Ungranted),
+        _ => Ok(outcome),
+    }
+}
+
+/// The writes and grants of [`register`], in one transaction.
+async fn write_and_grant(
+    pool: &PgPool,
+    consumer: &str,
+    door: Option<&FrontDoor>,
+    role_exists: bool,
+) -> Result<(), sqlx::Error> {
     let mut tx = pool.begin().await?;
     // A deployment still starting elsewhere waits a while, not forever.
     sqlx::query("SET LOCAL lock_timeout = '10s'").execute(&mut *tx).await?;
@@ -199,14 +226,13 @@ pub async fn register(pool: &PgPool, consumer: &str, door: Option<&FrontDoor>) -
             sqlx::query(&format!("REVOKE USAGE ON SCHEMA relay FROM {role}")).execute(&mut *tx).await?;
         }
     }
-    if let (Some(door), true) = (&door, role_exists) {
+    if let (Some(door), true) = (door, role_exists) {
         // GRANT takes no parameters; the name is quoted as an identifier.
         let role = quote_ident(&door.role);
         sqlx::query(&format!("GRANT USAGE ON SCHEMA relay TO {role}")).execute(&mut *tx).await?;
         sqlx::query(&format!("GRANT EXECUTE ON FUNCTION {} TO {role}", FUNCTIONS.join(", "))).execute(&mut *tx).await?;
     }
-    tx.commit().await?;
-    Ok(outcome)
+    tx.commit().await
 }
 
 /// The rows of `door`, replacing what `consumer` had.
