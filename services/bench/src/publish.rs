@@ -77,10 +77,9 @@ pub(super) async fn publish_database_only(env: &Env, k: usize) -> anyhow::Result
             loop {
                 let (after, back) = resume.lock().unwrap().next(Duration::MAX);
                 let claim = outbox::claim_after(&mut claims, "bench", 2000, Duration::from_secs(30), after).await?;
-                match (claim.rows.last(), claim.passed) {
-                    (Some(last), _) if claim.rows.len() == 2000 => resume.lock().unwrap().claimed(back, last.seq),
-                    (_, Some(edge)) => resume.lock().unwrap().claimed(back, edge),
-                    _ => resume.lock().unwrap().back_to(None),
+                match outbox::resume_after(&claim, 2000) {
+                    Some(at) => resume.lock().unwrap().claimed(back, at),
+                    None => resume.lock().unwrap().back_to(None),
                 }
                 if claim.rows.is_empty() {
                     if after.is_none() && claim.passed.is_none() {

@@ -399,19 +399,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             relay_store::migrate(&pool).await?;
             println!("migrations applied; the schema is current");
             let role = cfg.application.as_ref().map(|a| a.role.as_str()).unwrap_or_default();
-            match relay::app::register_front_door(&cfg, &pool).await? {
-                relay_store::application::Registered::Open => {
-                    println!("applications may enqueue (relay.publish, relay.call) as members of role {role:?}")
-                }
-                relay_store::application::Registered::RoleMissing => println!(
-                    "[application]: role {role:?} does not exist; create it (CREATE ROLE {role} NOLOGIN) and run \
-                     `relay migrate` again"
-                ),
-                relay_store::application::Registered::Ungranted => println!(
-                    "[application]: role {role:?} lacks EXECUTE on relay.publish and relay.call, and this role may \
-                     not grant it: run `relay migrate` as the role that owns relay's schema"
-                ),
-                relay_store::application::Registered::Closed => {}
+            let registered = relay::app::register_front_door(&cfg, &pool).await?;
+            if registered == relay_store::application::Registered::Open {
+                println!("applications may enqueue (relay.publish, relay.call) as members of role {role:?}");
+            } else if let Some(why) = registered.closed_because(role) {
+                println!("{why}");
             }
             return Ok(());
         }

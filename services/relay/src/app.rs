@@ -314,23 +314,10 @@ pub async fn register_front_door(
         ),
         Err(e) => return Err(anyhow::Error::from(e).context("register the [application] front door")),
     };
-    if let (relay_store::application::Registered::Ungranted, Some(door)) = (&registered, &door) {
-        tracing::warn!(
-            role = %door.role,
-            "[application]: role {:?} lacks EXECUTE on relay.publish and relay.call, and this relay's role may not \
-             grant it, so no application can enqueue yet: run `relay migrate` as the role that owns relay's schema",
-            door.role
-        );
-    }
-    if let (relay_store::application::Registered::RoleMissing, Some(door)) = (&registered, &door) {
-        tracing::warn!(
-            role = %door.role,
-            "[application]: role {:?} does not exist, so no application can enqueue yet: create it (CREATE ROLE {} \
-             NOLOGIN; GRANT {} TO your_app_user) and run `relay migrate` or restart relay",
-            door.role,
-            door.role,
-            door.role
-        );
+    if let Some(door) = &door
+        && let Some(why) = registered.closed_because(&door.role)
+    {
+        tracing::warn!(role = %door.role, "{why}");
     }
     Ok(registered)
 }

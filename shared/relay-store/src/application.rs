@@ -80,6 +80,25 @@ pub enum Registered {
     Ungranted,
 }
 
+impl Registered {
+    /// Why no application can enqueue through a door registered so, and
+    /// what to do, for the log of a start and the output of `relay migrate`.
+    pub fn closed_because(&self, role: &str) -> Option<String> {
+        match self {
+            Registered::RoleMissing => Some(format!(
+                "[application]: role {role:?} does not exist, so no application can enqueue yet: create it \
+                 (CREATE ROLE {role} NOLOGIN; GRANT {role} TO your_app_user) and run `relay migrate` again"
+            )),
+            Registered::Ungranted => Some(format!(
+                "[application]: role {role:?} lacks EXECUTE on relay.publish and relay.call, and this relay's role \
+                 may not grant it, so no application can enqueue yet: run `relay migrate` as the role that owns \
+                 relay's schema"
+            )),
+            Registered::Open | Registered::Closed => None,
+        }
+    }
+}
+
 /// The signatures the enqueue role gets EXECUTE on.
 const FUNCTIONS: [&str; 2] = [
     "relay.publish(text, text, text, jsonb, text, jsonb, boolean, text, text, text, text, text)",

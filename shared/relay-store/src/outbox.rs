@@ -273,6 +273,16 @@ pub async fn claim_after(
     Ok(claim)
 }
 
+/// Where the claim after `claim` (of at most `limit` rows) may start: after
+/// its last row if it was full, after the window it examined if it stopped
+/// there ([`Claim::passed`]); `None`, from the start, when it reached the end.
+pub fn resume_after(claim: &Claim<ClaimedRow>, limit: usize) -> Option<i64> {
+    match claim.rows.last() {
+        Some(last) if claim.rows.len() == limit => Some(last.seq),
+        _ => claim.passed,
+    }
+}
+
 /// How many pending rows a claim examines, in claims' worth of rows: one
 /// (64 keys drained at 3 347 rows/s, 1 242 with four; unordered rows fill
 /// a claim from its first window either way).

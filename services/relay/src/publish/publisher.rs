@@ -202,14 +202,13 @@ impl Publisher {
     async fn publish_batch(&self, claimer: &mut Claimer) -> Result<Batch, PublishError> {
         let (limit, lease) = (i64::from(self.settings.batch_size), self.settings.lease);
         let (after, back) = self.resume().next(self.settings.poll_interval);
-        let Claim { rows, next_due, passed, .. } =
+        let claim =
             claimer.claim(async |conn| outbox::claim_after(conn, &self.consumer, limit, lease, after).await).await?;
-        match (rows.last(), passed) {
-            (Some(last), _) if rows.len() == self.settings.batch_size as usize => self.resume().claimed(back, last.seq),
-            // The claim stopped at its window: the rows after it are next.
-            (_, Some(edge)) => self.resume().claimed(back, edge),
-            _ => self.resume().back_to(None),
+        match outbox::resume_after(&claim, self.settings.batch_size as usize) {
+            Some(at) => self.resume().claimed(back, at),
+            None => self.resume().back_to(None),
         }
+        let Claim { rows, next_due, passed, .. } = claim;
         let mut batch =
             Batch { claimed: rows.len(), unblocked: None, retry_at: None, next_due, swept: passed.is_some() };
         if rows.is_empty() {
