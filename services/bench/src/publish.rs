@@ -21,7 +21,11 @@ pub(super) async fn publish_relay(env: &Env, k: usize, snapshot: bool) -> anyhow
 }
 
 /// The limit: the same records through an idempotent producer with the same settings, no database.
-pub(super) async fn publish_limit(env: &Env, k: usize) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
+pub(super) async fn publish_limit(
+    env: &Env,
+    k: usize,
+    busy: &Mutex<Vec<f64>>,
+) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
     let topic = unique("bench-raw");
     create_topics(&env.bootstrap, &[&topic], 4).await?;
     let producer: FutureProducer = ClientConfig::new()
@@ -31,7 +35,7 @@ pub(super) async fn publish_limit(env: &Env, k: usize) -> anyhow::Result<(f64, O
         .set("linger.ms", "5")
         .set("compression.type", "lz4")
         .create()?;
-    let t0 = Instant::now();
+    let (t0, cpu) = (Instant::now(), CpuClock::now());
     // Everything handed to the producer at once (its queue holds 100 000), then awaited.
     let sends = (0..k).map(|i| {
         let key = format!("o-{i}");
@@ -53,7 +57,9 @@ pub(super) async fn publish_limit(env: &Env, k: usize) -> anyhow::Result<(f64, O
     for r in futures::future::join_all(sends).await {
         r?;
     }
-    Ok((k as f64 / t0.elapsed().as_secs_f64(), None))
+    let rate = k as f64 / t0.elapsed().as_secs_f64();
+    busy.lock().unwrap().extend(cpu.and_then(CpuClock::busy_since));
+    Ok((rate, None))
 }
 
 /// What the database alone allows: the publisher's statements — claim a
@@ -145,10 +151,127 @@ pub(super) async fn publish_cursor_bound(env: &Env, k: usize) -> anyhow::Result<
     Ok((k as f64 / took.as_secs_f64(), None))
 }
 
+/// What an append-only outbox would allow with the broker in the loop: the
+/// cursor read above, each batch of `batch_rows` handed to the idempotent
+/// producer as soon as it is read (up to `depth` batches in flight), and the cursor moved, in
+/// order, once a batch is acknowledged. No lease, no snapshot bookkeeping,
+/// no dead rows: a prototype's best case, to tell whether the design can
+/// reach issue 30's goal before it is built.
+pub(super) async fn publish_cursor_produce_bound(
+    env: &Env,
+    k: usize,
+    (batch_rows, depth): (i64, usize),
+    busy: &Mutex<Vec<f64>>,
+) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
+    use futures::stream::FuturesOrdered;
+    use sqlx::Row;
+    let s = setup(env, 4).await?;
+    seed::pending_outbox(&s.db.pool, "bench", &s.out, k).await?;
+    sqlx::query(
+        "CREATE TABLE public.bench_cursor (lane integer PRIMARY KEY, seq bigint NOT NULL, token uuid NOT NULL)",
+    )
+    .execute(&s.db.pool)
+    .await?;
+    let token = uuid::Uuid::new_v4();
+    sqlx::query("INSERT INTO public.bench_cursor VALUES (0, 0, $1)").bind(token).execute(&s.db.pool).await?;
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &env.bootstrap)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "5")
+        .set("compression.type", "lz4")
+        .create()?;
+    type Read = (uuid::Uuid, i64, String, Option<Vec<u8>>, serde_json::Value, Option<Vec<u8>>);
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<Read>>(2);
+    let mut reader = s.db.pool.acquire().await?;
+    let mut mover = s.db.pool.acquire().await?;
+    let (t0, cpu) = (Instant::now(), CpuClock::now());
+    let read = tokio::spawn(async move {
+        let mut cursor = 0i64;
+        loop {
+            let rows = sqlx::query(
+                "SELECT o.id, o.seq, o.topic, o.key, o.headers, o.payload FROM relay.outbox o
+                  WHERE o.state = 'pending' AND o.seq > $1 AND o.consumer = 'bench' ORDER BY o.seq LIMIT $2",
+            )
+            .bind(cursor)
+            .bind(batch_rows)
+            .fetch_all(&mut *reader)
+            .await?;
+            let Some(last) = rows.last() else { return anyhow::Ok(()) };
+            cursor = last.try_get("seq")?;
+            let batch = rows
+                .into_iter()
+                .map(|r| {
+                    Ok((
+                        r.try_get("id")?,
+                        r.try_get("seq")?,
+                        r.try_get("topic")?,
+                        r.try_get("key")?,
+                        r.try_get("headers")?,
+                        r.try_get("payload")?,
+                    ))
+                })
+                .collect::<Result<Vec<Read>, sqlx::Error>>()?;
+            if tx.send(batch).await.is_err() {
+                return Ok(());
+            }
+        }
+    });
+    let producer = &producer;
+    let produce = |batch: Vec<Read>| async move {
+        let last = batch.last().map_or(0, |r| r.1);
+        let sends = batch.iter().map(|(id, _, topic, key, headers, payload)| {
+            let mut hs = OwnedHeaders::new();
+            for h in relay_store::headers::from_json(headers) {
+                hs = hs.insert(KHeader { key: &h.name, value: h.value.as_deref() });
+            }
+            let id = id.to_string();
+            hs = hs.insert(KHeader { key: "relay_outbox_id", value: Some(id.as_bytes()) });
+            let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic).headers(hs);
+            if let Some(k) = key {
+                record = record.key(k.as_slice());
+            }
+            if let Some(p) = payload {
+                record = record.payload(p.as_slice());
+            }
+            producer.send(record, Duration::from_secs(30))
+        });
+        for r in futures::future::join_all(sends).await {
+            r.map_err(|(e, _)| e)?;
+        }
+        anyhow::Ok((last, batch.len()))
+    };
+    let (mut in_flight, mut published, mut open) = (FuturesOrdered::new(), 0usize, true);
+    while open || !in_flight.is_empty() {
+        tokio::select! {
+            batch = rx.recv(), if open && in_flight.len() < depth => match batch {
+                Some(batch) => in_flight.push_back(produce(batch)),
+                None => open = false,
+            },
+            Some(done) = in_flight.next(), if !in_flight.is_empty() => {
+                let (last, n) = done?;
+                published += n;
+                let moved = sqlx::query("UPDATE public.bench_cursor SET seq = $1 WHERE lane = 0 AND token = $2")
+                    .bind(last)
+                    .bind(token)
+                    .execute(&mut *mover)
+                    .await?;
+                anyhow::ensure!(moved.rows_affected() == 1, "the lane's cursor did not move");
+            }
+        }
+    }
+    read.await??;
+    let took = t0.elapsed();
+    busy.lock().unwrap().extend(cpu.and_then(CpuClock::busy_since));
+    anyhow::ensure!(published == k, "the cursor published {published} of {k} rows");
+    Ok((k as f64 / took.as_secs_f64(), None))
+}
+
 /// The publish section of the report.
 pub(super) async fn publish_section(env: &Env) -> anyhow::Result<Section> {
     eprintln!("bench: relay to Kafka");
     let k = env.size(2_000, 50_000);
+    let (raw_busy, prototype_busy, unmeasured) = (Mutex::new(Vec::new()), Mutex::new(Vec::new()), Mutex::default());
     let mut publish =
         Section::new(&format!("3. Relay to Kafka ({k} outbox rows → acknowledged → marked published)"), "events/s");
     publish.rows.push(row(
@@ -158,7 +281,7 @@ pub(super) async fn publish_section(env: &Env) -> anyhow::Result<Section> {
     ));
     publish.rows.push(row(
         "limit: the same records produced directly",
-        median(env, || publish_limit(env, k)).await?,
+        median(env, || publish_limit(env, k, &raw_busy)).await?,
         "idempotent producer, acks=all",
     ));
     publish.rows.push(row(
@@ -170,6 +293,39 @@ pub(super) async fn publish_section(env: &Env) -> anyhow::Result<Section> {
         "bound: rows read after a cursor (append-only, not built)",
         median(env, || publish_cursor_bound(env, k)).await?,
         "read 2000 in seq order, one cursor UPDATE per batch, 1 lane, no broker",
+    ));
+    publish.rows.push(row(
+        "bound: a cursor read and produced, overlapped (prototype)",
+        median(env, || publish_cursor_produce_bound(env, k, (2000, 3), &unmeasured)).await?,
+        "the read above, 2000 a batch, up to 3 batches at the producer, cursor moved on ack; no lease, no dead rows",
+    ));
+    publish.rows.push(row(
+        "bound: the prototype, 5000 a batch",
+        median(env, || publish_cursor_produce_bound(env, k, (5000, 4), &prototype_busy)).await?,
+        "as above, 5000 a batch, up to 4 at the producer",
+    ));
+    // When the raw producer alone fills every core, a row's read and its
+    // produce share the cores rather than overlap, so their costs add.
+    let (raw, read, prototype) = (
+        publish.rate("limit: the same records produced directly"),
+        publish.rate("bound: rows read after a cursor (append-only, not built)"),
+        publish.rate("bound: the prototype, 5000 a batch"),
+    );
+    let busy = |v: &Mutex<Vec<f64>>| {
+        let v = v.lock().unwrap().clone();
+        if v.is_empty() { f64::NAN } else { 100.0 * median_spread(v).0 }
+    };
+    publish.verdicts.push(format!(
+        "all cores were {:.0} % busy while the raw producer ran and {:.0} % while the prototype (5000 a batch) did; \
+         read and produce costs adding up (1 / (1/read + 1/raw)) predicts {:.0}/s, {:.2}× raw; measured {:.0}/s, {:.2}× raw; \
+         0.5× raw needs rows read at least as fast as the raw producer sends them ({:.2}× here)",
+        busy(&raw_busy),
+        busy(&prototype_busy),
+        1.0 / (1.0 / read.max(1.0) + 1.0 / raw.max(1.0)),
+        1.0 / (1.0 / read.max(1.0) + 1.0 / raw.max(1.0)) / raw.max(1.0),
+        prototype,
+        prototype / raw.max(1.0),
+        read / raw.max(1.0),
     ));
     let held = row(
         "relay publisher, a snapshot held open",
