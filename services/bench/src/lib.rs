@@ -522,6 +522,34 @@ pub async fn run_all(env: &Env) -> anyhow::Result<Vec<Section>> {
     Ok(out)
 }
 
+/// The machine's CPU time from `/proc/stat` (Linux): every process's, on
+/// every core, steal included, to tell a rate bound by the cores from one
+/// bound by waiting.
+#[derive(Debug, Clone, Copy)]
+struct CpuClock {
+    busy: u64,
+    total: u64,
+}
+
+impl CpuClock {
+    fn now() -> Option<Self> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let ticks: Vec<u64> =
+            stat.lines().next()?.split_whitespace().skip(1).take(8).map(|t| t.parse().ok()).collect::<Option<_>>()?;
+        let total: u64 = ticks.iter().sum();
+        // idle and iowait
+        let idle = ticks.get(3)? + ticks.get(4)?;
+        Some(Self { busy: total - idle, total })
+    }
+
+    /// The share of all cores' time spent busy since `self`.
+    fn busy_since(self) -> Option<f64> {
+        let now = Self::now()?;
+        let total = now.total.checked_sub(self.total).filter(|t| *t > 0)?;
+        Some(now.busy.saturating_sub(self.busy) as f64 / total as f64)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -561,32 +589,5 @@ mod tests {
         let text = format!("{e:#}");
         assert!(text.contains("a relay process exited (exit status: 1): `relay consume`"), "{text}");
         assert!(text.contains("run `relay migrate` first"), "{text}");
-    }
-}
-
-/// The machine's CPU time from `/proc/stat` (Linux), to tell a rate bound by
-/// the cores — every core busy — from one bound by waiting.
-#[derive(Debug, Clone, Copy)]
-struct CpuClock {
-    busy: u64,
-    total: u64,
-}
-
-impl CpuClock {
-    fn now() -> Option<Self> {
-        let stat = std::fs::read_to_string("/proc/stat").ok()?;
-        let ticks: Vec<u64> =
-            stat.lines().next()?.split_whitespace().skip(1).take(8).map(|t| t.parse().ok()).collect::<Option<_>>()?;
-        let total: u64 = ticks.iter().sum();
-        // idle and iowait
-        let idle = ticks.get(3)? + ticks.get(4)?;
-        Some(Self { busy: total - idle, total })
-    }
-
-    /// The share of all cores' time spent busy since `self`.
-    fn busy_since(self) -> Option<f64> {
-        let now = Self::now()?;
-        let total = now.total.checked_sub(self.total).filter(|t| *t > 0)?;
-        Some((now.busy - self.busy) as f64 / total as f64)
     }
 }
