@@ -9,6 +9,7 @@ PG_VERSION="${PG_VERSION:-15}"
 STARTED_POSTGRES=""
 KAFKA_PID=""
 KAFKA_DIR=""
+REGISTRY_PID=""
 
 say() { printf '[relay] %s\n' "$*" >&2; }
 die() { printf '[relay] error: %s\n' "$*" >&2; exit 1; }
@@ -84,11 +85,14 @@ SQL
 # (once); exports RELAY_TEST_PYTHON.
 ensure_python_example_deps() {
   local venv="$CACHE/python"
-  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import psycopg' 2>/dev/null; then
+  # confluent-kafka with its Avro serializer: an independent writer (and
+  # reader) of the Schema Registry wire format for tests/registry.rs.
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import psycopg, confluent_kafka.schema_registry.avro' 2>/dev/null; then
     command -v python3 >/dev/null || die "Python 3 is needed for the examples/python test (apt-get install python3-venv)"
-    say "installing psycopg for the examples/python test into $venv"
-    python3 -m venv "$venv" || die "python3 -m venv failed (apt-get install python3-venv)"
-    "$venv/bin/pip" install -q --disable-pip-version-check "psycopg[binary]==3.3.9"
+    say "installing psycopg and confluent-kafka for the Python tests into $venv"
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv" || die "python3 -m venv failed (apt-get install python3-venv)"
+    "$venv/bin/pip" install -q --disable-pip-version-check "psycopg[binary]==3.3.9" "confluent-kafka[avro,schemaregistry]==2.16.0" \
+      || die "could not install the Python test dependencies from PyPI"
   fi
   export RELAY_TEST_PYTHON="$venv/bin/python"
 }
@@ -214,6 +218,71 @@ stop_kafka() {
   KAFKA_PID=""
 }
 
+# A Java 21+ for Apicurio Registry 3.3, if the machine has one (Temurin on
+# some machine kinds); empty otherwise, and 3.0 runs on Java 17.
+java21() {
+  local j
+  for j in "${JAVA21_HOME:-}" /usr/lib/jvm/temurin-25-jdk-amd64 /usr/lib/jvm/temurin-21-jdk-amd64 /usr/lib/jvm/java-21-openjdk-amd64; do
+    if [ -n "$j" ] && [ -x "$j/bin/java" ]; then echo "$j/bin/java"; return; fi
+  done
+  if java -version 2>&1 | grep -qE 'version "(2[1-9]|[3-9][0-9])'; then command -v java; fi
+}
+
+# A real Confluent-compatible Schema Registry: Apicurio Registry from Maven
+# Central (Confluent's own is not published there), its ccompat API on
+# loopback, in memory. Fetched and unpacked into $CACHE once. Sets
+# SCHEMA_REGISTRY_URL and REGISTRY_PID.
+start_schema_registry() {
+  command -v mvn >/dev/null || die "Maven (mvn) is needed to fetch Apicurio Registry; apt-get install maven"
+  local java version jar dir port mgmt
+  java=$(java21)
+  if [ -n "$java" ]; then version=3.3.3; jar=quarkus-run.jar; else java=java; version=3.0.9; jar=apicurio-registry-app-3.0.9-runner.jar; fi
+  dir="$CACHE/apicurio-registry-$version"
+  if [ ! -f "$dir/.complete" ]; then
+    say "fetching Apicurio Registry $version from Maven Central into $dir"
+    rm -rf "$dir"; mkdir -p "$dir"
+    # The dependency plugin 2.8: 3.x looks for a parent pom 3.0.9 does not publish.
+    mvn -B -q -Dstyle.color=never org.apache.maven.plugins:maven-dependency-plugin:2.8:get -Dtransitive=false \
+      -Dartifact="io.apicurio:apicurio-registry-app:$version:tar.gz:all" -Ddest="$dir/app.tar.gz" >&2 \
+      || die "could not fetch Apicurio Registry $version with Maven"
+    tar xzf "$dir/app.tar.gz" -C "$dir" && rm -f "$dir/app.tar.gz" || die "could not unpack Apicurio Registry"
+    touch "$dir/.complete"
+  fi
+  local run; run=$(find "$dir" -maxdepth 2 -name "$jar" | head -1)
+  [ -n "$run" ] || die "no $jar in $dir (remove it to fetch again)"
+  port=$(free_port); mgmt=$(free_port)
+  local log; log=$(mktemp /tmp/relay-registry.XXXXXX.log)
+  say "starting Apicurio Registry $version on 127.0.0.1:$port (logs: $log)"
+  # Both ports on loopback: the management port defaults to 0.0.0.0.
+  (cd "$(dirname "$run")" && exec "$java" -Xms64m -Xmx256m -XX:+UseSerialGC -XX:TieredStopAtLevel=1 \
+    -Dquarkus.http.host=127.0.0.1 -Dquarkus.http.port="$port" \
+    -Dquarkus.management.host=127.0.0.1 -Dquarkus.management.port="$mgmt" \
+    -Dquarkus.http.access-log.enabled=false -jar "$run") >"$log" 2>&1 &
+  REGISTRY_PID=$!
+  SCHEMA_REGISTRY_URL="http://127.0.0.1:$port/apis/ccompat/v7"
+  local deadline=$((SECONDS + 120))
+  until curl -sf "$SCHEMA_REGISTRY_URL/subjects" >/dev/null 2>&1; do
+    kill -0 "$REGISTRY_PID" 2>/dev/null || { tail -40 "$log" >&2; die "Apicurio Registry exited during start"; }
+    [ $SECONDS -lt $deadline ] || { tail -40 "$log" >&2; die "Apicurio Registry did not answer within 120 s"; }
+    sleep 0.5
+  done
+  # Confluent's default; Apicurio's is NONE.
+  curl -sf -X PUT -H 'Content-Type: application/json' -d '{"compatibility":"BACKWARD"}' "$SCHEMA_REGISTRY_URL/config" >/dev/null \
+    || die "could not set the registry's compatibility to BACKWARD"
+  say "Schema Registry is up at $SCHEMA_REGISTRY_URL"
+}
+
+stop_schema_registry() {
+  if [ -n "$REGISTRY_PID" ] && kill -0 "$REGISTRY_PID" 2>/dev/null; then
+    say "stopping Apicurio Registry"
+    kill "$REGISTRY_PID" 2>/dev/null || true
+    local deadline=$((SECONDS + 20))
+    while kill -0 "$REGISTRY_PID" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
+    kill -9 "$REGISTRY_PID" 2>/dev/null || true
+  fi
+  REGISTRY_PID=""
+}
+
 # PostgreSQL (started if needed) + a fresh Apache Kafka broker for tests and
 # the soak; exports RELAY_TEST_* and installs a cleanup trap.
 start_test_services() {
@@ -228,10 +297,13 @@ start_test_services() {
   export RELAY_TEST_KAFKA_BOOTSTRAP="$KAFKA_BOOTSTRAP"
   export RELAY_TEST_KAFKA_LIBS="$CACHE/kafka-libs"   # for tests that run a broker of their own
   trap cleanup_test_services EXIT INT TERM
+  start_schema_registry
+  export RELAY_TEST_SCHEMA_REGISTRY_URL="$SCHEMA_REGISTRY_URL"
 }
 
 cleanup_test_services() {
   local rc=$?
+  stop_schema_registry
   stop_kafka
   # Drop the databases tests and soaks created.
   su postgres -c "psql -qAt -c \"SELECT datname FROM pg_database WHERE datname LIKE 'relay_test_%'\"" 2>/dev/null |

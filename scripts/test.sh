@@ -2,6 +2,7 @@
 # Run every test of the relay against real services:
 #   * PostgreSQL (the local cluster; started if it is down, stopped again after),
 #   * Apache Kafka 4.4 (single KRaft node from its Maven jars, on a free port),
+#   * Apicurio Registry (a Confluent-compatible Schema Registry, from Maven Central),
 # then a short chaos soak (SIGKILLs of relay processes under load, then
 # `relay verify`) whose summary table ends the output.
 # Each test creates its own database and its own topics, so tests run in

@@ -449,12 +449,22 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                     problems.push(format!("{err:#}"));
                 }
             }
+            if let Some(r) = &cfg.schema_registry {
+                println!("schema registry {}", r.url);
+                for (key, path) in r.tls.files() {
+                    println!("    tls.{key} {}", path.display());
+                }
+                // Its client as a consumer builds it: TLS files parsed, secrets read.
+                if let Err(err) = relay_registry::Registry::new(r) {
+                    problems.push(format!("{err:#}"));
+                }
+            }
             for warning in cfg.warnings() {
                 println!("warning: {warning}");
             }
             anyhow::ensure!(
                 problems.is_empty(),
-                "a dispatcher could not call every endpoint:\n  {}",
+                "a dispatcher could not call every endpoint, or a consumer could not reach the schema registry:\n  {}",
                 problems.join("\n  ")
             );
             return Ok(());

@@ -41,6 +41,7 @@ pub struct Relay {
     router: Arc<Router>,
     handlers: Handlers,
     faults: Faults,
+    registry: Option<Arc<relay_registry::Registry>>,
 }
 
 impl Relay {
@@ -78,7 +79,11 @@ impl Relay {
             anyhow::bail!("the database schema is not current: run `relay migrate` first");
         }
         register_front_door(&cfg, &pool).await?;
-        Ok(Relay { cfg, pool, router, handlers, faults })
+        let registry = match &cfg.schema_registry {
+            Some(r) => Some(Arc::new(relay_registry::Registry::new(r)?)),
+            None => None,
+        };
+        Ok(Relay { cfg, pool, router, handlers, faults, registry })
     }
 
     /// The configuration.
@@ -93,7 +98,9 @@ impl Relay {
 
     /// A record processor over this relay's routes (for replays).
     pub fn processor(&self) -> Processor {
-        Processor::new(self.router.clone(), self.handlers.clone()).with_faults(self.faults.clone())
+        Processor::new(self.router.clone(), self.handlers.clone())
+            .with_faults(self.faults.clone())
+            .with_registry(self.registry.clone())
     }
 
     /// The operator actions over this relay's database and configuration.

@@ -50,8 +50,9 @@ pub fn load(path: Option<&Path>) -> Result<RelayConfig, ConfigError> {
                 *s = dir.join(&*s);
             }
         }
-        for e in cfg.endpoints.values_mut() {
-            for f in e.tls.files_mut().filter(|f| f.is_relative()) {
+        let registry = cfg.schema_registry.iter_mut().map(|r| &mut r.tls);
+        for tls in cfg.endpoints.values_mut().map(|e| &mut e.tls).chain(registry) {
+            for f in tls.files_mut().filter(|f| f.is_relative()) {
                 *f = dir.join(&*f);
             }
         }

@@ -66,6 +66,36 @@ pub struct RelayConfig {
     /// (`relay.publish`, `relay.call`); absent: they cannot.
     #[serde(default)]
     pub application: Option<ApplicationConfig>,
+    /// The Confluent-compatible Schema Registry that topics of a registry
+    /// format (`format = "avro"`) are decoded with; needed only by them.
+    #[serde(default)]
+    pub schema_registry: Option<SchemaRegistryConfig>,
+}
+
+/// A Confluent-compatible Schema Registry (`[schema_registry]`): Confluent's
+/// own, or one speaking its API (Apicurio's `/apis/ccompat/v7`, Karapace).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchemaRegistryConfig {
+    /// Base URL, e.g. `http://registry:8081` or
+    /// `https://apicurio/apis/ccompat/v7`; `/schemas/ids/{id}` is appended.
+    pub url: url::Url,
+    /// Basic auth user; its password is read from `password_env`.
+    pub username: Option<String>,
+    /// Environment variable holding the basic auth password.
+    pub password_env: Option<String>,
+    /// Environment variable holding a bearer token, instead of basic auth.
+    pub token_env: Option<String>,
+    /// A request to the registry that takes longer failed (and is retried).
+    #[serde(with = "humantime_serde", default = "default_registry_timeout")]
+    pub timeout: Duration,
+    /// TLS to the registry: a private CA, a client certificate.
+    #[serde(default)]
+    pub tls: EndpointTls,
+}
+
+fn default_registry_timeout() -> Duration {
+    Duration::from_secs(10)
 }
 
 /// The SQL front door for applications (`relay.publish`, `relay.call`):
@@ -1082,12 +1112,22 @@ impl RelayConfig {
                      take the event's own id from a header, the data or an extension"
                 ));
             }
+            if t.format.uses_registry() && self.schema_registry.is_none() {
+                p.push(format!(
+                    "topics.{topic:?}: format = {:?} decodes records with schemas from a Schema Registry; \
+                     add [schema_registry] url = \"http://registry:8081\"",
+                    t.format.as_str()
+                ));
+            }
             if t.format == TopicFormat::Json && (t.fields.id.is_none() || t.fields.event_type.is_none()) {
                 p.push(format!(
                     "topics.{topic:?}: format = \"json\" needs fields.id and fields.type \
                      (e.g. fields.id = {{ header = \"id\" }}, fields.type = {{ value = \"OrderPlaced\" }})"
                 ));
             }
+        }
+        if let Some(r) = &self.schema_registry {
+            check_schema_registry(r, &mut p);
         }
         for (name, e) in &self.endpoints {
             let at = format!("endpoints.{name}");
@@ -1376,6 +1416,28 @@ fn check_fields(at: &str, f: &FieldOverrides, p: &mut Vec<String>) {
     }
 }
 
+/// The problems of `[schema_registry]`.
+fn check_schema_registry(r: &SchemaRegistryConfig, p: &mut Vec<String>) {
+    if !matches!(r.url.scheme(), "http" | "https") {
+        p.push(format!("schema_registry.url: {:?} is not an http or https URL", r.url.as_str()));
+    }
+    if r.username.is_some() != r.password_env.is_some() {
+        p.push("schema_registry: username and password_env go together (basic auth)".into());
+    }
+    if r.username.is_some() && r.token_env.is_some() {
+        p.push("schema_registry: username and token_env both authenticate; keep one".into());
+    }
+    if r.timeout.is_zero() {
+        p.push("schema_registry.timeout: must be more than 0".into());
+    }
+    if r.tls.files().next().is_some() && r.url.scheme() != "https" {
+        p.push(format!("schema_registry.tls: set, but url {:?} is not https", r.url.as_str()));
+    }
+    if r.tls.client_cert_file.is_some() != r.tls.client_key_file.is_some() {
+        p.push("schema_registry.tls: client_cert_file and client_key_file go together".into());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1487,6 +1549,27 @@ mod tests {
         let text = format!("{VALID}\n[topics.legacy]\nformat = \"json\"\n");
         let err = RelayConfig::from_toml(&text).unwrap_err().to_string();
         assert!(err.contains("topics.\"legacy\""), "{err}");
+    }
+
+    #[test]
+    fn a_registry_format_needs_a_registry_and_a_registry_its_credentials_in_pairs() {
+        let err = problems_with("[topics.payments]\nformat = \"avro\"\n");
+        assert!(err.contains("topics.\"payments\"") && err.contains("[schema_registry]"), "{err}");
+        let ok = "[topics.payments]\nformat = \"avro\"\n[schema_registry]\nurl = \"http://registry:8081\"\n";
+        assert_eq!(problems_with(ok), "");
+        for (lines, says) in [
+            ("url = \"ftp://r\"", "not an http or https URL"),
+            ("url = \"http://r\"\nusername = \"u\"", "username and password_env go together"),
+            (
+                "url = \"http://r\"\nusername = \"u\"\npassword_env = \"P\"\ntoken_env = \"T\"",
+                "username and token_env both authenticate",
+            ),
+            ("url = \"http://r\"\ntimeout = \"0s\"", "timeout: must be more than 0"),
+            ("url = \"http://r\"\ntls = { ca_file = \"ca.pem\" }", "is not https"),
+        ] {
+            let err = problems_with(&format!("[schema_registry]\n{lines}\n"));
+            assert!(err.contains(says), "{says:?} in {err}");
+        }
     }
 
     #[test]

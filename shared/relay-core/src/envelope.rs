@@ -152,6 +152,10 @@ pub enum PoisonClass {
     /// dead-lettered by a route with `on_poison = "hold_key"`, so it waits,
     /// parked behind that one, until it is replayed or skipped.
     Held,
+    /// The value is not in its topic's Schema Registry format: a wrong magic
+    /// byte, a schema id the registry does not know, or bytes that do not
+    /// decode with the registered schema.
+    BadEncoding,
 }
 
 impl PoisonClass {
@@ -173,6 +177,7 @@ impl PoisonClass {
             PoisonClass::SequenceGap => "sequence_gap",
             PoisonClass::Unreadable => "unreadable",
             PoisonClass::Held => "held",
+            PoisonClass::BadEncoding => "bad_encoding",
         }
     }
 }
@@ -265,6 +270,29 @@ pub enum TopicFormat {
     Cloudevents,
     /// Plain JSON values; id and type come from configured [`FieldSource`]s.
     Json,
+    /// Avro in the Confluent Schema Registry wire format (magic byte 0, a
+    /// 4-byte schema id, the datum), decoded with the registered schema
+    /// before [`decode`] sees it (`relay_registry`). The decoded value is a
+    /// binary-mode CloudEvent's data when the record has a `ce_specversion`
+    /// header, else the whole event as with [`TopicFormat::Json`].
+    Avro,
+}
+
+impl TopicFormat {
+    /// Whether records of this format are decoded with a schema from the
+    /// Schema Registry before [`decode`].
+    pub fn uses_registry(self) -> bool {
+        matches!(self, TopicFormat::Avro)
+    }
+
+    /// As written in the configuration.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TopicFormat::Cloudevents => "cloudevents",
+            TopicFormat::Json => "json",
+            TopicFormat::Avro => "avro",
+        }
+    }
 }
 
 /// The guard fields of an event and where each may be overridden from.
@@ -379,13 +407,18 @@ pub fn decode(record: &RawRecord, opts: &DecodeOptions<'_>) -> Result<InputEvent
             format!("a header name is not valid UTF-8 (read as {:?})", bounded(&h.name, 64)),
         ));
     }
-    let mut decoded = match opts.format {
-        TopicFormat::Cloudevents => decode_cloudevent(record)?,
-        TopicFormat::Json => decode_plain_json(record, opts.fields)?,
+    // A registry format's value arrives here decoded to JSON: a CloudEvent's
+    // data when its attributes are in headers, else the whole event.
+    let cloudevent = match opts.format {
+        TopicFormat::Cloudevents => true,
+        TopicFormat::Json => false,
+        TopicFormat::Avro => record.header("ce_specversion").is_some(),
     };
+    let mut decoded =
+        if cloudevent { decode_cloudevent(record)? } else { decode_plain_json(record, opts.fields, opts.format)? };
     // Topic-level overrides of id and type apply to CloudEvents topics too
     // (a producer that puts the business id in a header, say).
-    if opts.format == TopicFormat::Cloudevents {
+    if cloudevent {
         if let Some(src) = &opts.fields.id {
             decoded.id = required_text(record, &decoded, src, "event id", PoisonClass::MissingId)?;
         }
@@ -415,7 +448,8 @@ fn required_text(
     }
 }
 
-fn decode_plain_json(record: &RawRecord, fields: &FieldOverrides) -> Result<InputEvent, Poison> {
+fn decode_plain_json(record: &RawRecord, fields: &FieldOverrides, format: TopicFormat) -> Result<InputEvent, Poison> {
+    let format = format.as_str();
     let data = match &record.payload {
         None => Value::Null,
         Some(bytes) => serde_json::from_slice(bytes)
@@ -431,14 +465,19 @@ fn decode_plain_json(record: &RawRecord, fields: &FieldOverrides) -> Result<Inpu
         extensions: BTreeMap::new(),
         ..InputEvent::default()
     };
-    let id_src = fields
-        .id
-        .as_ref()
-        .ok_or_else(|| Poison::new(PoisonClass::MissingId, "topic has format = \"json\" but no fields.id source"))?;
+    let id_src = fields.id.as_ref().ok_or_else(|| {
+        Poison::new(
+            PoisonClass::MissingId,
+            format!("topic has format = {format:?}, no ce_specversion header and no fields.id source"),
+        )
+    })?;
     partial.id = required_text(record, &partial, id_src, "event id", PoisonClass::MissingId)?;
     let ty_src = fields.event_type.as_ref().ok_or_else(|| {
-        Poison::new(PoisonClass::MissingType, "topic has format = \"json\" but no fields.type source")
-            .with_identity(Some(&partial.id), None)
+        Poison::new(
+            PoisonClass::MissingType,
+            format!("topic has format = {format:?}, no ce_specversion header and no fields.type source"),
+        )
+        .with_identity(Some(&partial.id), None)
     })?;
     partial.event_type = required_text(record, &partial, ty_src, "event type", PoisonClass::MissingType)
         .map_err(|p| p.with_identity(Some(&partial.id), None))?;
@@ -1022,5 +1061,39 @@ mod tests {
         let e = decode(&binary(&repeated, b"{}"), &opts(&FieldOverrides::default())).unwrap();
         assert_eq!(e.subject.as_deref(), Some("last"));
         assert!(started.elapsed() < std::time::Duration::from_secs(2), "{:?}", started.elapsed());
+    }
+
+    #[test]
+    fn a_registry_value_is_a_cloudevent_s_data_when_its_attributes_are_headers_else_the_whole_event() {
+        let fields = FieldOverrides {
+            id: Some(FieldSource::Pointer("/event_id".into())),
+            event_type: Some(FieldSource::Value("order.placed".into())),
+            ..FieldOverrides::default()
+        };
+        let opts = DecodeOptions { max_record_bytes: 1 << 20, format: TopicFormat::Avro, fields: &fields };
+        let value = br#"{"event_id":"e-1","order_id":"o-1"}"#.to_vec();
+        let plain = RawRecord {
+            topic: "t".into(),
+            partition: 0,
+            offset: 0,
+            key: None,
+            payload: Some(value.clone()),
+            headers: vec![Header::text("content-type", "application/json")],
+        };
+        let e = decode(&plain, &opts).unwrap();
+        assert_eq!((e.id.as_str(), e.event_type.as_str()), ("e-1", "order.placed"));
+        let mut binary = plain.clone();
+        binary.headers.extend([
+            Header::text("ce_specversion", "1.0"),
+            Header::text("ce_id", "ce-9"),
+            Header::text("ce_type", "order.placed"),
+            Header::text("ce_source", "/shop"),
+        ]);
+        let no_fields = FieldOverrides::default();
+        let e = decode(&binary, &DecodeOptions { fields: &no_fields, ..opts.clone() }).unwrap();
+        assert_eq!((e.id.as_str(), e.source.as_str()), ("ce-9", "/shop"));
+        assert_eq!(e.data["order_id"], "o-1");
+        let err = decode(&plain, &DecodeOptions { fields: &no_fields, ..opts }).unwrap_err();
+        assert!(err.reason.contains("format = \"avro\", no ce_specversion header and no fields.id"), "{err}");
     }
 }

@@ -256,6 +256,11 @@ impl Router {
         self.endpoints.get(name)
     }
 
+    /// How the records of `topic` are encoded.
+    pub fn topic_format(&self, topic: &str) -> TopicFormat {
+        self.topics.get(topic).map_or(TopicFormat::Cloudevents, |(f, _)| *f)
+    }
+
     /// Decode and route a record.
     pub fn route<'a>(&'a self, record: &RawRecord) -> Result<Routed<'a>, Poison> {
         self.route_unless_paused(record, |_| false)

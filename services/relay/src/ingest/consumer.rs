@@ -203,6 +203,26 @@ struct BatchRun {
 enum BatchError {
     Db(sqlx::Error),
     Fault(FaultInjected),
+    /// The Schema Registry could not be asked: the partition waits.
+    Registry(String),
+}
+
+/// Why a record could not be parked alone (no registry is asked).
+enum ParkError {
+    Db(sqlx::Error),
+    Fault(FaultInjected),
+}
+
+impl From<sqlx::Error> for ParkError {
+    fn from(e: sqlx::Error) -> Self {
+        ParkError::Db(e)
+    }
+}
+
+impl From<FaultInjected> for ParkError {
+    fn from(e: FaultInjected) -> Self {
+        ParkError::Fault(e)
+    }
 }
 
 impl From<sqlx::Error> for BatchError {
@@ -699,7 +719,7 @@ impl InboxConsumer {
         let Start { tp, records, generation, revoke, mut not_yet } = start;
         let mut run = PartitionRun { tp: tp.clone(), generation, interrupted: false, held: None };
         let mut i = 0;
-        let mut db_failures = 0u32;
+        let (mut db_failures, mut registry_failures) = (0u32, 0u32);
         let mut rng = StdRng::from_os_rng();
         while i < records.len() {
             if self.state.lock().expect("partition state lock").revoked_since(&tp, generation) {
@@ -723,8 +743,8 @@ impl InboxConsumer {
                         self.advance(&tp, generation, record.offset + 1, 0, CommitMode::Async);
                         continue;
                     }
-                    Err(BatchError::Fault(f)) => return Err(f),
-                    Err(BatchError::Db(e)) => {
+                    Err(ParkError::Fault(f)) => return Err(f),
+                    Err(ParkError::Db(e)) => {
                         db_failures += 1;
                         let wait = self.db_unavailable(&e, db_failures, &mut rng);
                         tokio::select! {
@@ -741,7 +761,7 @@ impl InboxConsumer {
                 .unwrap_or(records.len().min(i + self.settings.batch_size));
             let wait = match self.run_batch(&tp, generation, &records[i..end]).await {
                 Ok(BatchRun { done, stopped, paused }) => {
-                    db_failures = 0;
+                    (db_failures, registry_failures) = (0, 0);
                     if done > 0 {
                         let bytes = records[i..i + done].iter().map(RawRecord::size).sum();
                         i += done;
@@ -783,8 +803,8 @@ impl InboxConsumer {
                                 not_yet = 0;
                                 continue;
                             }
-                            Err(BatchError::Fault(f)) => return Err(f),
-                            Err(BatchError::Db(e)) => {
+                            Err(ParkError::Fault(f)) => return Err(f),
+                            Err(ParkError::Db(e)) => {
                                 db_failures += 1;
                                 self.db_unavailable(&e, db_failures, &mut rng)
                             }
@@ -804,6 +824,22 @@ impl InboxConsumer {
                 Err(BatchError::Db(e)) => {
                     db_failures += 1;
                     self.db_unavailable(&e, db_failures, &mut rng)
+                }
+                Err(BatchError::Registry(why)) => {
+                    registry_failures += 1;
+                    let delay = self
+                        .settings
+                        .database_backoff
+                        .delay(registry_failures, &mut rng)
+                        .max(Duration::from_millis(50));
+                    crate::runtime::metrics::registry_unavailable(&self.settings.name, &tp.0);
+                    warn!(
+                        consumer = %self.settings.name, topic = %tp.0, partition = tp.1, offset = records[i].offset,
+                        attempt = registry_failures, retry_in_ms = delay.as_millis() as u64,
+                        "the Schema Registry could not be asked; nothing was written for this batch and the \
+                         partition waits for it (a registry outage never dead-letters a record): {why}"
+                    );
+                    delay
                 }
             };
             // Waiting: what else is buffered for this partition is dropped
@@ -860,6 +896,9 @@ impl InboxConsumer {
 
     /// One transaction over `records` (one partition, in order).
     async fn run_batch(&self, tp: &Tp, generation: u64, records: &[RawRecord]) -> Result<BatchRun, BatchError> {
+        // Values in a Schema Registry format are decoded first, with no
+        // connection or transaction held while the registry is asked.
+        let views = self.processor.views(records).await.map_err(BatchError::Registry)?;
         let mut conn = self.pool.acquire().await?;
         // A pause applies to every batch that starts after it was recorded:
         // read on the batch's own connection, in its task (never in the
@@ -872,17 +911,18 @@ impl InboxConsumer {
         // Intents written already claimed by this process's dispatcher: handed
         // over after the commit, dropped (room given back) if there is none.
         let mut held = Vec::new();
-        let processed = match self.processor.process_batch_first(&mut tx, records, gates.keys_held, &mut held).await? {
-            Some(processed) => processed,
-            None => {
-                // The batch's first run was rejected; it was all the
-                // transaction held. Again, with a savepoint around each run.
-                tx.rollback().await?;
-                held.clear();
-                tx = conn.begin().await?;
-                self.processor.process_batch(&mut tx, records, gates.keys_held, &mut held).await?
-            }
-        };
+        let processed =
+            match self.processor.process_batch_first(&mut tx, records, &views, gates.keys_held, &mut held).await? {
+                Some(processed) => processed,
+                None => {
+                    // The batch's first run was rejected; it was all the
+                    // transaction held. Again, with a savepoint around each run.
+                    tx.rollback().await?;
+                    held.clear();
+                    tx = conn.begin().await?;
+                    self.processor.process_batch(&mut tx, records, &views, gates.keys_held, &mut held).await?
+                }
+            };
         let (mut stopped, mut paused) = (None, None);
         for (record, p) in records.iter().zip(&processed) {
             match &p.disposition {
@@ -918,7 +958,7 @@ impl InboxConsumer {
         poison: &Poison,
         attempts: u32,
         route: Option<&str>,
-    ) -> Result<(), BatchError> {
+    ) -> Result<(), ParkError> {
         let mut conn = self.pool.acquire().await?;
         let mut tx = conn.begin().await?;
         self.processor.park(&mut tx, record, poison, attempts, route).await?;

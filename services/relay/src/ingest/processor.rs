@@ -164,12 +164,82 @@ pub struct Processor {
     /// The dispatcher of this process, when intents are claimed at ingest.
     handoff: Option<Handoff>,
     faults: Faults,
+    /// Decodes the values of topics in a Schema Registry format.
+    registry: Option<Arc<relay_registry::Registry>>,
+}
+
+/// A record as routing reads it: itself, or for a topic in a Schema
+/// Registry format its value decoded to JSON — or why that can never be.
+/// The record itself is what is stored (inbox, dead letter), so a replay
+/// decodes it again.
+#[derive(Debug, Clone)]
+pub enum View {
+    /// The record as it came.
+    Raw,
+    /// The record with its value decoded to JSON.
+    Decoded(RawRecord),
+    /// The value can never be decoded as it is.
+    Poison(Poison),
+}
+
+impl View {
+    fn of<'r>(&'r self, record: &'r RawRecord) -> Result<&'r RawRecord, Poison> {
+        match self {
+            View::Raw => Ok(record),
+            View::Decoded(r) => Ok(r),
+            View::Poison(p) => Err(p.clone()),
+        }
+    }
 }
 
 impl Processor {
     /// A processor over compiled routes and registered handlers.
     pub fn new(router: Arc<Router>, handlers: Handlers) -> Processor {
-        Processor { router, handlers, paused: Arc::default(), handoff: None, faults: Faults::none() }
+        Processor { router, handlers, paused: Arc::default(), handoff: None, faults: Faults::none(), registry: None }
+    }
+
+    /// The same processor, decoding topics in a Schema Registry format
+    /// with `registry`.
+    pub fn with_registry(mut self, registry: Option<Arc<relay_registry::Registry>>) -> Processor {
+        self.registry = registry;
+        self
+    }
+
+    /// How routing reads each of `records` ([`View`]). `Err` when the
+    /// registry could not be asked: nothing is decided, the partition waits.
+    pub async fn views(&self, records: &[RawRecord]) -> Result<Vec<View>, String> {
+        let mut out = Vec::with_capacity(records.len());
+        for record in records {
+            out.push(self.view(record).await?);
+        }
+        Ok(out)
+    }
+
+    /// [`Processor::views`] of one record.
+    pub async fn view(&self, record: &RawRecord) -> Result<View, String> {
+        let format = self.router.topic_format(&record.topic);
+        if !format.uses_registry() {
+            return Ok(View::Raw);
+        }
+        let Some(registry) = &self.registry else {
+            return Err(format!(
+                "topic {:?} has format = {:?} and this process has no [schema_registry]",
+                record.topic,
+                format.as_str()
+            ));
+        };
+        match registry.decode(format, &record.topic, record.payload.as_deref()).await {
+            Ok(value) => {
+                let mut decoded = record.clone();
+                decoded.payload = Some(serde_json::to_vec(&value).map_err(|e| e.to_string())?);
+                // The value is JSON now, whatever the producer declared.
+                decoded.headers.retain(|h| !h.name.eq_ignore_ascii_case("content-type"));
+                decoded.headers.push(relay_core::envelope::Header::text("content-type", "application/json"));
+                Ok(View::Decoded(decoded))
+            }
+            Err(relay_registry::Failure::Poison(why)) => Ok(View::Poison(Poison::new(PoisonClass::BadEncoding, why))),
+            Err(relay_registry::Failure::Unavailable(why)) => Err(why),
+        }
     }
 
     /// The same processor, passing the fault points of a batch (tests).
@@ -233,15 +303,21 @@ impl Processor {
     /// transient database errors: the caller rolls back and retries the whole
     /// transaction later, committing no offset meanwhile. Its intents are
     /// written pending, never claimed at ingest.
-    pub async fn process(&self, conn: &mut PgConnection, record: &RawRecord) -> Result<Processed, sqlx::Error> {
-        match self.prepare(record) {
+    pub async fn process(
+        &self,
+        conn: &mut PgConnection,
+        record: &RawRecord,
+        view: &View,
+    ) -> Result<Processed, sqlx::Error> {
+        match self.prepare(record, view) {
             Prepared::Done(p) => Ok(p),
             Prepared::Ready(item) => self.write_alone(conn, item, None).await,
         }
     }
 
     /// Process the records of one partition, in order, inside the caller's
-    /// transaction, and return one [`Processed`] per record handled. Stops
+    /// transaction, and return one [`Processed`] per record handled, each
+    /// routed as its `views` entry reads it ([`Processor::views`]). Stops
     /// after the first [`Disposition::RetryLater`] or [`Disposition::Paused`] (the records
     /// after it are left to the caller). `Err` only for transient database errors.
     ///
@@ -255,10 +331,11 @@ impl Processor {
         &self,
         conn: &mut PgConnection,
         records: &[RawRecord],
+        views: &[View],
         keys_held: bool,
         held: &mut Vec<Handed>,
     ) -> Result<Vec<Processed>, sqlx::Error> {
-        let done = self.batch(conn, records, false, keys_held, held).await?;
+        let done = self.batch(conn, records, views, false, keys_held, held).await?;
         Ok(done.expect("only a run written without a savepoint comes back rejected"))
     }
 
@@ -276,10 +353,11 @@ impl Processor {
         &self,
         conn: &mut PgConnection,
         records: &[RawRecord],
+        views: &[View],
         keys_held: bool,
         held: &mut Vec<Handed>,
     ) -> Result<Option<Vec<Processed>>, sqlx::Error> {
-        self.batch(conn, records, true, keys_held, held).await
+        self.batch(conn, records, views, true, keys_held, held).await
     }
 
     /// `bare`: write a run that starts the batch without a savepoint, and
@@ -288,10 +366,12 @@ impl Processor {
         &self,
         conn: &mut PgConnection,
         records: &[RawRecord],
+        views: &[View],
         bare: bool,
         keys_held: bool,
         held: &mut Vec<Handed>,
     ) -> Result<Option<Vec<Processed>>, sqlx::Error> {
+        assert_eq!(records.len(), views.len(), "one view per record");
         let mut out = Vec::with_capacity(records.len());
         let mut holds = self.held_keys(conn, records, keys_held).await?;
         let mut i = 0;
@@ -300,12 +380,12 @@ impl Processor {
             // routed and planned once, whichever way it goes).
             let mut run = Vec::new();
             let mut next = None;
-            for record in &records[i..] {
+            for (record, view) in records[i..].iter().zip(&views[i..]) {
                 if holds.holds(record) {
-                    next = Some(Prepared::Done(self.held(record)));
+                    next = Some(Prepared::Done(self.held(record, view)));
                     break;
                 }
-                match self.prepare(record) {
+                match self.prepare(record, view) {
                     Prepared::Ready(item) if !self.alone(&item) => run.push(item),
                     other => {
                         next = Some(other);
@@ -323,7 +403,7 @@ impl Processor {
                         for item in rejected {
                             let record = item.record;
                             let processed = if holds.holds(record) {
-                                self.held(record)
+                                Self::held_as(item.info)
                             } else {
                                 self.write_alone(conn, item, Some(&mut *held)).await?
                             };
@@ -402,12 +482,17 @@ impl Processor {
     }
 
     /// `record`, held behind an earlier dead letter of its key.
-    fn held(&self, record: &RawRecord) -> Processed {
-        let info = match self.router.route(record) {
+    fn held(&self, record: &RawRecord, view: &View) -> Processed {
+        let info = match view.of(record).and_then(|r| self.router.route(r)) {
             Ok(Routed::Route(route, event) | Routed::Paused(route, event)) => EventInfo::of(&event, Some(route)),
             Ok(Routed::Unrouted(event)) => EventInfo::of(&event, None),
             Err(p) => EventInfo::of_poison(&p),
         };
+        Self::held_as(info)
+    }
+
+    /// A record of `info`, held behind an earlier dead letter of its key.
+    fn held_as(info: EventInfo) -> Processed {
         let poison = Poison::new(PoisonClass::Held, holds::HELD_REASON)
             .with_identity(info.id.as_deref(), info.event_type.as_deref());
         Processed { disposition: Disposition::Held(poison), info }
@@ -415,8 +500,9 @@ impl Processor {
 
     /// Route and plan `record` (its effects with derived ids): ready to
     /// write, or done already (poison, a paused route).
-    fn prepare<'r>(&self, record: &'r RawRecord) -> Prepared<'_, 'r> {
-        let (route, event) = match self.router.route_unless_paused(record, |r| self.is_paused(r)) {
+    fn prepare<'r>(&self, record: &'r RawRecord, view: &View) -> Prepared<'_, 'r> {
+        let routed = view.of(record).and_then(|r| self.router.route_unless_paused(r, |r| self.is_paused(r)));
+        let (route, event) = match routed {
             Err(p) => {
                 return Prepared::Done(Processed {
                     info: EventInfo::of_poison(&p),
@@ -867,7 +953,7 @@ mod tests {
     fn a_routed_record_is_planned_with_ids_derived_from_its_event_id_alone() {
         let p = processor();
         let rec = record("order.placed", "evt-1", &[]);
-        let (first, again) = (ready(p.prepare(&rec)), ready(p.prepare(&rec)));
+        let (first, again) = (ready(p.prepare(&rec, &View::Raw)), ready(p.prepare(&rec, &View::Raw)));
         let intent = &first.effects.as_ref().unwrap().intents[0];
         assert_eq!(
             (intent.intent.idempotency_key.as_str(), intent.intent.path.as_str()),
@@ -875,7 +961,7 @@ mod tests {
         );
         assert_eq!(intent.id, again.effects.as_ref().unwrap().intents[0].id, "the same record, the same intent id");
         let rec2 = record("order.placed", "evt-2", &[]);
-        let other = ready(p.prepare(&rec2));
+        let other = ready(p.prepare(&rec2, &View::Raw));
         assert_ne!(intent.id, other.effects.as_ref().unwrap().intents[0].id, "another event, another intent");
         let row = p.planned(&first, first.effects.as_ref()).inbox;
         assert_eq!((row.consumer, row.event_id, row.offset, row.outcome), ("c", "evt-1", 7, InboxOutcome::Applied));
@@ -886,18 +972,18 @@ mod tests {
         let p = processor();
         let mut no_id = record("order.placed", "evt-1", &[]);
         no_id.headers.retain(|h| h.name != "ce_id");
-        assert!(matches!(done(p.prepare(&no_id)), Disposition::DeadLetter(_)));
+        assert!(matches!(done(p.prepare(&no_id, &View::Raw)), Disposition::DeadLetter(_)));
 
         let unknown = record("order.exploded", "evt-2", &[]);
-        let item = ready(p.prepare(&unknown));
+        let item = ready(p.prepare(&unknown, &View::Raw));
         assert!(item.route.is_none() && item.effects.is_none());
         assert_eq!(p.planned(&item, None).inbox.outcome, InboxOutcome::Unrouted);
 
         p.set_paused(["placed".to_string()]);
-        let paused = done(p.prepare(&record("order.placed", "evt-3", &[])));
+        let paused = done(p.prepare(&record("order.placed", "evt-3", &[]), &View::Raw));
         assert_eq!(paused, Disposition::Paused { route: "placed".into() });
         p.set_paused(Vec::new());
-        ready(p.prepare(&record("order.placed", "evt-3", &[])));
+        ready(p.prepare(&record("order.placed", "evt-3", &[]), &View::Raw));
     }
 
     #[test]
@@ -908,16 +994,16 @@ mod tests {
             record("order.exploded", "evt-2", &[]),
             record("order.coded", "evt-4", &[]),
         );
-        let plain = ready(p.prepare(&plain));
+        let plain = ready(p.prepare(&plain, &View::Raw));
         assert!(!p.alone(&plain));
-        let unrouted = ready(p.prepare(&unrouted));
+        let unrouted = ready(p.prepare(&unrouted, &View::Raw));
         assert!(!p.alone(&unrouted));
         let guarded = record("order.shipped", "evt-3", &[("aggregateid", "o-1"), ("aggregateversion", "3")]);
-        let guarded = ready(p.prepare(&guarded));
+        let guarded = ready(p.prepare(&guarded, &View::Raw));
         assert!(p.alone(&guarded));
         assert_eq!(p.planned(&guarded, guarded.effects.as_ref()).version, Some(3));
         assert_eq!(p.planned(&plain, plain.effects.as_ref()).version, None, "no guard, no version written");
-        let coded = ready(p.prepare(&coded));
+        let coded = ready(p.prepare(&coded, &View::Raw));
         assert!(p.alone(&coded), "a code handler runs between admit and finish, alone");
     }
 
@@ -925,7 +1011,7 @@ mod tests {
     fn a_dead_letter_names_its_event_and_stores_without_nul_bytes() {
         let p = processor();
         let rec = record("order.placed", "evt-1", &[]);
-        let item = ready(p.prepare(&rec));
+        let item = ready(p.prepare(&rec, &View::Raw));
         let bad = Poison::new(PoisonClass::Rejected, "bad\0byte");
         let Disposition::DeadLetter(named) = item.done(Disposition::DeadLetter(bad)).disposition else {
             panic!("a dead letter stays one");
@@ -943,7 +1029,7 @@ mod tests {
             (std::time::Instant::now(), std::time::Instant::now() + std::time::Duration::from_millis(5));
         p.set_paused_as_of(["placed".to_string()], newer);
         p.set_paused_as_of(Vec::new(), older);
-        let paused = done(p.prepare(&record("order.placed", "evt-1", &[])));
+        let paused = done(p.prepare(&record("order.placed", "evt-1", &[]), &View::Raw));
         assert_eq!(paused, Disposition::Paused { route: "placed".into() }, "the newer read stands");
     }
 }

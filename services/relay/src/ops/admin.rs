@@ -32,6 +32,10 @@ pub enum OpsError {
     /// The database failed (HTTP 503).
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
+    /// Another service it needs could not be asked, e.g. the Schema
+    /// Registry; nothing was changed (HTTP 503).
+    #[error("{0}; nothing was changed, try again")]
+    Unavailable(String),
     /// Anything else (HTTP 500).
     #[error(transparent)]
     Other(#[from] anyhow::Error),
@@ -396,7 +400,8 @@ impl Operator {
                 };
                 // The pauses as they are now, not as a consumer of this process last read them (if any does).
                 processor.set_paused(ops::paused_routes(&mut tx).await?);
-                let processed = processor.process(&mut tx, &dl.record).await?;
+                let view = processor.view(&dl.record).await.map_err(OpsError::Unavailable)?;
+                let processed = processor.process(&mut tx, &dl.record, &view).await?;
                 let outcome = replay_outcome(processed.disposition);
                 dead_letters::mark_replayed(&mut tx, &self.consumer, id, &outcome.stored()).await?;
                 let released = match hold {
@@ -531,7 +536,8 @@ impl Operator {
                 let dl = dead_letters::get(&mut tx, &self.consumer, id)
                     .await?
                     .ok_or_else(|| OpsError::Conflict(format!("held dead letter {id} vanished during the release")))?;
-                let processed = processor.process(&mut tx, &dl.record).await?;
+                let view = processor.view(&dl.record).await.map_err(OpsError::Unavailable)?;
+                let processed = processor.process(&mut tx, &dl.record, &view).await?;
                 let failed = match &processed.disposition {
                     // Poison now, as if it had failed when it came: its copy
                     // goes to the dead-letter topic and it is counted (once

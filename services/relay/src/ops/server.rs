@@ -96,7 +96,7 @@ impl From<OpsError> for ApiError {
         let status = match &e {
             OpsError::NotFound(_) => StatusCode::NOT_FOUND,
             OpsError::Conflict(_) => StatusCode::CONFLICT,
-            OpsError::Database(_) => StatusCode::SERVICE_UNAVAILABLE,
+            OpsError::Database(_) | OpsError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             OpsError::Other(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError(status, format!("{:#}", anyhow::Error::from(e)))

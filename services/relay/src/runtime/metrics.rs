@@ -68,6 +68,12 @@ pub fn dead_lettered(consumer: &str, topic: &str, class: &str) {
         .increment(1);
 }
 
+/// A batch of `topic` that waited because the Schema Registry could not be asked.
+pub fn registry_unavailable(consumer: &str, topic: &str) {
+    counter!("relay_schema_registry_unavailable_total", "consumer" => consumer.to_owned(), "topic" => topic.to_owned())
+        .increment(1);
+}
+
 /// A record parked behind the dead letter that holds its key.
 pub fn held(consumer: &str, topic: &str) {
     counter!("relay_records_held_total", "consumer" => consumer.to_owned(), "topic" => topic.to_owned()).increment(1);

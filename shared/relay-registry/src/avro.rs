@@ -1,0 +1,226 @@
+//! Avro datums to JSON, with the writer's schema (the one the record names).
+//!
+//! The mapping is written here rather than apache-avro's
+//! `TryFrom<Value> for serde_json::Value`, which turns bytes and decimals
+//! into arrays of numbers, dates into bare day counts and fails on NaN:
+//! here bytes are base64 text, decimals exact decimal text, logical times
+//! RFC 3339 / ISO 8601 text, a union its branch's value, an enum its symbol.
+
+use std::collections::HashMap;
+
+use apache_avro::schema::{Name, Schema};
+use apache_avro::types::Value as Avro;
+use base64::Engine as _;
+use chrono::{DateTime, NaiveDate, NaiveTime};
+use serde_json::{Map, Number, Value};
+
+/// A parsed writer schema and its named types (records, enums, fixed).
+pub(crate) struct Decoder {
+    schema: Schema,
+    names: HashMap<Name, Schema>,
+}
+
+impl Decoder {
+    pub(crate) fn parse(text: &str) -> Result<Decoder, apache_avro::Error> {
+        let schema = Schema::parse_str(text)?;
+        let names = apache_avro::schema::ResolvedSchema::try_from(&schema)?
+            .get_names()
+            .iter()
+            .map(|(n, s)| (n.clone(), (*s).clone()))
+            .collect();
+        Ok(Decoder { schema, names })
+    }
+
+    /// The datum in `body` (all of it) as JSON.
+    pub(crate) fn decode(&self, body: &[u8]) -> Result<Value, String> {
+        let reader =
+            apache_avro::reader::datum::GenericDatumReader::builder(&self.schema).build().map_err(|e| e.to_string())?;
+        let mut rest = body;
+        let value = reader.read_value(&mut rest).map_err(|e| e.to_string())?;
+        if !rest.is_empty() {
+            return Err(format!("{} byte(s) left after the datum", rest.len()));
+        }
+        Ok(self.json(value, Some(&self.schema)))
+    }
+
+    /// `schema` is the value's schema where known (a reference resolved),
+    /// which decimals need for their scale.
+    fn json(&self, value: Avro, schema: Option<&Schema>) -> Value {
+        let schema = match schema {
+            Some(Schema::Ref { name }) => self.names.get(name),
+            other => other,
+        };
+        match value {
+            Avro::Null => Value::Null,
+            Avro::Boolean(b) => Value::Bool(b),
+            Avro::Int(i) => i.into(),
+            Avro::Long(i) => i.into(),
+            Avro::Float(f) => float(f64::from(f)),
+            Avro::Double(f) => float(f),
+            Avro::Bytes(b) | Avro::Fixed(_, b) => base64::engine::general_purpose::STANDARD.encode(b).into(),
+            Avro::String(s) => s.into(),
+            Avro::Enum(_, symbol) => symbol.into(),
+            Avro::Union(i, v) => {
+                let branch = match schema {
+                    Some(Schema::Union(u)) => usize::try_from(i).ok().and_then(|i| u.variants().get(i)),
+                    _ => None,
+                };
+                self.json(*v, branch)
+            }
+            Avro::Array(items) => {
+                let item = match schema {
+                    Some(Schema::Array(a)) => Some(&*a.items),
+                    _ => None,
+                };
+                items.into_iter().map(|v| self.json(v, item)).collect()
+            }
+            Avro::Map(entries) => {
+                let item = match schema {
+                    Some(Schema::Map(m)) => Some(&*m.types),
+                    _ => None,
+                };
+                Value::Object(entries.into_iter().map(|(k, v)| (k, self.json(v, item))).collect())
+            }
+            Avro::Record(fields) => {
+                let record = match schema {
+                    Some(Schema::Record(r)) => Some(r),
+                    _ => None,
+                };
+                let mut out = Map::with_capacity(fields.len());
+                for (name, v) in fields {
+                    let field = record.and_then(|r| r.lookup.get(&name).map(|&i| &r.fields[i].schema));
+                    let v = self.json(v, field);
+                    out.insert(name, v);
+                }
+                Value::Object(out)
+            }
+            Avro::Date(days) => NaiveDate::from_ymd_opt(1970, 1, 1)
+                .and_then(|epoch| epoch.checked_add_signed(chrono::Duration::days(i64::from(days))))
+                .map_or_else(|| days.into(), |d| d.to_string().into()),
+            Avro::TimeMillis(ms) => time(i64::from(ms) * 1_000_000).unwrap_or_else(|| ms.into()),
+            Avro::TimeMicros(us) => time(us.saturating_mul(1_000)).unwrap_or_else(|| us.into()),
+            Avro::TimestampMillis(ms) => timestamp(DateTime::from_timestamp_millis(ms), ms),
+            Avro::TimestampMicros(us) => timestamp(DateTime::from_timestamp_micros(us), us),
+            Avro::TimestampNanos(ns) => timestamp(Some(DateTime::from_timestamp_nanos(ns)), ns),
+            Avro::LocalTimestampMillis(ms) => local(DateTime::from_timestamp_millis(ms), ms),
+            Avro::LocalTimestampMicros(us) => local(DateTime::from_timestamp_micros(us), us),
+            Avro::LocalTimestampNanos(ns) => local(Some(DateTime::from_timestamp_nanos(ns)), ns),
+            Avro::Decimal(d) => {
+                let scale = match schema {
+                    Some(Schema::Decimal(d)) => d.scale,
+                    _ => 0,
+                };
+                let unscaled: num_bigint::BigInt = d.into();
+                decimal_text(&unscaled.to_string(), scale).into()
+            }
+            Avro::BigDecimal(d) => d.to_string().into(),
+            Avro::Duration(d) => serde_json::json!({
+                "months": u32::from(d.months()),
+                "days": u32::from(d.days()),
+                "millis": u32::from(d.millis()),
+            }),
+            Avro::Uuid(u) => u.to_string().into(),
+        }
+    }
+}
+
+/// JSON has no NaN or infinity: those become text, as Avro's JSON encoding has them.
+fn float(f: f64) -> Value {
+    Number::from_f64(f).map_or_else(|| f.to_string().into(), Value::Number)
+}
+
+fn time(nanos_since_midnight: i64) -> Option<Value> {
+    let secs = u32::try_from(nanos_since_midnight / 1_000_000_000).ok()?;
+    let nanos = u32::try_from(nanos_since_midnight % 1_000_000_000).ok()?;
+    NaiveTime::from_num_seconds_from_midnight_opt(secs, nanos).map(|t| t.to_string().into())
+}
+
+fn timestamp(t: Option<DateTime<chrono::Utc>>, raw: i64) -> Value {
+    t.map_or_else(|| raw.into(), |t| t.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true).into())
+}
+
+/// A local timestamp has no zone: ISO 8601 without an offset.
+fn local(t: Option<DateTime<chrono::Utc>>, raw: i64) -> Value {
+    t.map_or_else(|| raw.into(), |t| t.naive_utc().format("%Y-%m-%dT%H:%M:%S%.f").to_string().into())
+}
+
+/// `digits` (an integer, maybe negative) divided by 10^`scale`, as text.
+fn decimal_text(digits: &str, scale: usize) -> String {
+    if scale == 0 {
+        return digits.to_owned();
+    }
+    let (sign, digits) = digits.strip_prefix('-').map_or(("", digits), |d| ("-", d));
+    let padded = format!("{digits:0>width$}", width = scale + 1);
+    let (int, frac) = padded.split_at(padded.len() - scale);
+    format!("{sign}{int}.{frac}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ORDER: &str = r#"{"type":"record","name":"Order","namespace":"shop","fields":[
+        {"name":"id","type":"string"},
+        {"name":"cents","type":"long"},
+        {"name":"price","type":{"type":"bytes","logicalType":"decimal","precision":10,"scale":2}},
+        {"name":"note","type":["null","string"],"default":null},
+        {"name":"status","type":{"type":"enum","name":"Status","symbols":["NEW","PAID"]}},
+        {"name":"placed","type":{"type":"long","logicalType":"timestamp-millis"}},
+        {"name":"day","type":{"type":"int","logicalType":"date"}},
+        {"name":"raw","type":"bytes"},
+        {"name":"lines","type":{"type":"array","items":{"type":"record","name":"Line","fields":[
+            {"name":"sku","type":"string"},{"name":"ratio","type":"double"}]}}},
+        {"name":"again","type":"Status"}
+    ]}"#;
+
+    fn encode(schema: &Schema, v: Avro) -> Vec<u8> {
+        apache_avro::writer::datum::GenericDatumWriter::builder(schema).build().unwrap().write_value_to_vec(v).unwrap()
+    }
+
+    #[test]
+    fn a_record_becomes_the_json_a_route_reads_with_logical_types_as_text() {
+        let d = Decoder::parse(ORDER).unwrap();
+        let v = Avro::Record(vec![
+            ("id".into(), Avro::String("o-1".into())),
+            ("cents".into(), Avro::Long(1250)),
+            ("price".into(), Avro::Decimal(apache_avro::Decimal::from(vec![0xfb, 0x1e]))), // -1250
+            ("note".into(), Avro::Union(1, Box::new(Avro::String("gift".into())))),
+            ("status".into(), Avro::Enum(1, "PAID".into())),
+            ("placed".into(), Avro::TimestampMillis(1_764_892_800_123)),
+            ("day".into(), Avro::Date(20_427)),
+            ("raw".into(), Avro::Bytes(vec![0, 255])),
+            (
+                "lines".into(),
+                Avro::Array(vec![Avro::Record(vec![
+                    ("sku".into(), Avro::String("s".into())),
+                    ("ratio".into(), Avro::Double(f64::NAN)),
+                ])]),
+            ),
+            ("again".into(), Avro::Enum(0, "NEW".into())),
+        ]);
+        let json = d.decode(&encode(&d.schema, v)).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "id": "o-1", "cents": 1250, "price": "-12.50", "note": "gift", "status": "PAID",
+                "placed": "2025-12-05T00:00:00.123Z", "day": "2025-12-05", "raw": "AP8=",
+                "lines": [{"sku": "s", "ratio": "NaN"}], "again": "NEW"
+            })
+        );
+    }
+
+    #[test]
+    fn bytes_that_are_not_a_datum_of_the_schema_are_refused() {
+        let d = Decoder::parse(r#"{"type":"record","name":"R","fields":[{"name":"a","type":"long"}]}"#).unwrap();
+        assert!(d.decode(&[]).is_err(), "nothing to read");
+        assert!(d.decode(&[2, 2]).unwrap_err().contains("left after"), "trailing bytes");
+    }
+
+    #[test]
+    fn decimals_keep_every_digit() {
+        assert_eq!(decimal_text("5", 2), "0.05");
+        assert_eq!(decimal_text("-5", 3), "-0.005");
+        assert_eq!(decimal_text("123456789012345678901234567890", 10), "12345678901234567890.1234567890");
+        assert_eq!(decimal_text("42", 0), "42");
+    }
+}

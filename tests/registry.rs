@@ -1,0 +1,201 @@
+//! Topics in the Confluent Schema Registry wire format, against a real
+//! registry (Apicurio Registry's Confluent-compatible API, started by
+//! `scripts/test.sh`) and records written by an independent implementation
+//! of the format: Confluent's own Python serializer (`confluent-kafka` from
+//! PyPI, `tests/registry/produce_avro.py`).
+
+pub mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
+use relay::Components;
+use relay_testkit::{read_topic, unique};
+use serde_json::{Value, json};
+use support::*;
+
+/// The registry the test scripts started (`start_schema_registry`).
+fn registry_url() -> String {
+    std::env::var("RELAY_TEST_SCHEMA_REGISTRY_URL").expect(
+        "RELAY_TEST_SCHEMA_REGISTRY_URL is not set: run the tests with scripts/test.sh, which starts Apicurio \
+         Registry (start_schema_registry in scripts/lib.sh) and sets it",
+    )
+}
+
+const ORDER_V1: &str = r#"{"type":"record","name":"OrderPlaced","namespace":"shop","fields":[
+  {"name":"event_id","type":"string"},
+  {"name":"order_id","type":"string"},
+  {"name":"amount_cents","type":"long"},
+  {"name":"price","type":{"type":"bytes","logicalType":"decimal","precision":9,"scale":2}}]}"#;
+
+/// The producer ahead of relay: a new optional field (BACKWARD compatible).
+const ORDER_V2: &str = r#"{"type":"record","name":"OrderPlaced","namespace":"shop","fields":[
+  {"name":"event_id","type":"string"},
+  {"name":"order_id","type":"string"},
+  {"name":"amount_cents","type":"long"},
+  {"name":"price","type":{"type":"bytes","logicalType":"decimal","precision":9,"scale":2}},
+  {"name":"note","type":["null","string"],"default":null}]}"#;
+
+/// An Avro topic whose id comes from the decoded value and whose events
+/// are re-emitted as JSON with what the route read of them.
+fn avro_config(h: &Harness, registry: &str) -> relay_core::RelayConfig {
+    h.config(&format!(
+        r#"
+[schema_registry]
+url = "{registry}"
+timeout = "2s"
+
+[topics."{{topic}}"]
+format = "avro"
+fields.id = {{ pointer = "/event_id" }}
+fields.type = {{ value = "order.placed" }}
+
+[[routes]]
+topic = "{{topic}}"
+type = "order.placed"
+
+[[routes.actions]]
+kind = "emit"
+name = "seen"
+type = "order.seen"
+topic = "{{out}}"
+key = "{{{{ data.order_id }}}}"
+data = {{ order_id = "{{{{ data.order_id }}}}", cents = "{{{{ data.amount_cents }}}}", price = "{{{{ data.price }}}}", note = "{{{{ data.note | default('') }}}}" }}
+"#
+    ))
+}
+
+/// Produce `records` ({key, value}) to `topic` with Confluent's Avro
+/// serializer and `schema`; the schema id it registered.
+async fn produce_avro(h: &Harness, registry: &str, schema: &str, records: Value) -> u32 {
+    let python = std::env::var("RELAY_TEST_PYTHON").expect(
+        "RELAY_TEST_PYTHON is not set: run the tests with scripts/test.sh, which installs confluent-kafka into \
+         .cache/python (ensure_python_example_deps in scripts/lib.sh) and sets it",
+    );
+    let file = std::env::temp_dir().join(format!("{}.avsc", unique("schema")));
+    std::fs::write(&file, schema).expect("write schema");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/registry/produce_avro.py");
+    let out = tokio::process::Command::new(python)
+        .arg(script)
+        .args([&h.bootstrap, registry, &h.topic, &file.display().to_string(), &records.to_string()])
+        .output()
+        .await
+        .expect("run the Python producer");
+    assert!(out.status.success(), "the Python producer failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim().parse().expect("the schema id the producer printed")
+}
+
+/// A JSON record of the out topic by key.
+async fn emitted(h: &Harness, n: usize) -> std::collections::HashMap<String, Value> {
+    read_topic(&h.bootstrap, &h.out, n)
+        .await
+        .expect("read the out topic")
+        .into_iter()
+        .map(|r| {
+            let data: Value = serde_json::from_slice(r.payload.as_deref().unwrap_or_default()).expect("JSON event");
+            (String::from_utf8(r.key.unwrap_or_default()).unwrap(), data)
+        })
+        .collect()
+}
+
+async fn dead_letters(h: &Harness) -> Vec<(i64, String, String)> {
+    sqlx::query_as(r#"SELECT "offset", error_class, reason FROM relay.dead_letters ORDER BY "offset""#)
+        .fetch_all(&h.db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn avro_records_from_confluent_s_serializer_are_routed_and_undecodable_ones_dead_lettered_naming_id_and_topic() {
+    let h = Harness::new(1).await;
+    let registry = registry_url();
+    let v1 = produce_avro(
+        &h,
+        &registry,
+        ORDER_V1,
+        json!([
+            {"key": "o-1", "value": {"event_id": "e-1", "order_id": "o-1", "amount_cents": 1250, "price": {"$decimal": "12.50"}}},
+            {"key": "o-2", "value": {"event_id": "e-2", "order_id": "o-2", "amount_cents": 99, "price": {"$decimal": "0.99"}}},
+        ]),
+    )
+    .await;
+    // Not the wire format (a JSON producer on the topic), then an id no registry has.
+    h.producer.raw(&h.topic, None, Some(b"o-3"), &[], Some(br#"{"event_id":"e-3"}"#)).await.unwrap();
+    h.producer.raw(&h.topic, None, Some(b"o-4"), &[], Some(&[0, 0x7f, 0xff, 0xff, 0xf0, 2, 4])).await.unwrap();
+    // The producer moves ahead of relay: a new optional field.
+    let v2 = produce_avro(
+        &h,
+        &registry,
+        ORDER_V2,
+        json!([{"key": "o-5", "value": {"event_id": "e-5", "order_id": "o-5", "amount_cents": 7, "price": {"$decimal": "0.07"}, "note": "gift"}}]),
+    )
+    .await;
+    assert_ne!(v1, v2, "the evolved schema has an id of its own");
+
+    let run = h.start(avro_config(&h, &registry), Components::ALL, no_faults()).await;
+    h.await_inbox(3).await;
+    h.await_published(3).await;
+    run.stop().await.unwrap();
+    let seen = emitted(&h, 3).await;
+
+    assert_eq!(seen["o-1"], json!({"order_id": "o-1", "cents": 1250, "price": "12.50", "note": ""}));
+    assert_eq!(seen["o-2"], json!({"order_id": "o-2", "cents": 99, "price": "0.99", "note": ""}));
+    assert_eq!(seen["o-5"], json!({"order_id": "o-5", "cents": 7, "price": "0.07", "note": "gift"}));
+    let dead = dead_letters(&h).await;
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    let (_, class, reason) = &dead[0];
+    assert_eq!(class, "bad_encoding");
+    assert!(reason.contains(&h.topic) && reason.contains("magic byte"), "{reason}");
+    let (_, class, reason) = &dead[1];
+    assert_eq!(class, "bad_encoding");
+    assert!(reason.contains(&h.topic) && reason.contains("schema id 2147483632"), "{reason}");
+    assert!(reason.contains("40403"), "the registry's answer is named: {reason}");
+}
+
+/// A stand-in in front of the real registry that answers 503 until `up`.
+async fn flaky_registry(real: String, up: Arc<AtomicBool>, asked: Arc<AtomicU32>) -> String {
+    use axum::extract::{Path, State};
+    use axum::http::StatusCode;
+    type Shared = (String, Arc<AtomicBool>, Arc<AtomicU32>);
+    async fn by_id(State((real, up, asked)): State<Shared>, Path(id): Path<u32>) -> (StatusCode, String) {
+        asked.fetch_add(1, Ordering::SeqCst);
+        if !up.load(Ordering::SeqCst) {
+            return (StatusCode::SERVICE_UNAVAILABLE, "down for maintenance".into());
+        }
+        let resp = reqwest::get(format!("{real}/schemas/ids/{id}")).await.expect("the real registry");
+        (StatusCode::from_u16(resp.status().as_u16()).unwrap(), resp.text().await.unwrap())
+    }
+    let app = axum::Router::new().route("/schemas/ids/{id}", axum::routing::get(by_id)).with_state((real, up, asked));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_registry_that_is_down_holds_the_partition_and_dead_letters_nothing_until_it_is_back() {
+    let h = Harness::new(1).await;
+    let real = registry_url();
+    produce_avro(
+        &h,
+        &real,
+        ORDER_V1,
+        json!([{"key": "o-1", "value": {"event_id": "e-1", "order_id": "o-1", "amount_cents": 5, "price": {"$decimal": "0.05"}}}]),
+    )
+    .await;
+    let (up, asked) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU32::new(0)));
+    let flaky = flaky_registry(real, up.clone(), asked.clone()).await;
+    let run = h.start(avro_config(&h, &flaky), Components::ALL, no_faults()).await;
+    eventually("the consumer to ask the registry three times", DEADLINE, || async {
+        (asked.load(Ordering::SeqCst) >= 3).then_some(())
+    })
+    .await;
+    assert_eq!(h.inbox().await, 0, "nothing is written while the schema cannot be read");
+    assert!(dead_letters(&h).await.is_empty(), "a registry outage dead-letters nothing");
+    assert_eq!(h.committed_total().await, 0, "the offset stays where it was");
+    up.store(true, Ordering::SeqCst);
+    h.await_inbox(1).await;
+    assert_eq!(h.outcome("e-1").await.as_deref(), Some("applied"));
+    run.stop().await.unwrap();
+    assert!(dead_letters(&h).await.is_empty());
+}
