@@ -1,5 +1,7 @@
 # The relay and the example provider in one image (two binaries).
 # Build: docker build -t relay .   (compose.yaml does this for you)
+# `relay --version` names the commit: the context holds no .git, so pass
+# it: docker build --build-arg RELAY_GIT_REVISION=$(git rev-parse --short=12 HEAD) .
 # Base images are pinned to exact releases (the toolchain and the Debian
 # point release these were tested with). Pinning them by digest as well
 # needs a registry lookup, e.g. `docker buildx imagetools inspect
@@ -8,6 +10,7 @@ FROM rust:1.95.0-bookworm AS build
 RUN apt-get update && apt-get install -y --no-install-recommends cmake && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
+ARG RELAY_GIT_REVISION=unknown
 RUN cargo build --release --locked -p relay-cli -p example-provider
 
 FROM debian:12.11-slim

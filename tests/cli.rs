@@ -33,6 +33,19 @@ fn write_config(text: &str) -> std::path::PathBuf {
 }
 
 #[test]
+fn the_version_names_the_commit_the_binary_was_built_from() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let head = Command::new("git").current_dir(&root).args(["rev-parse", "--short=12", "HEAD"]).output().expect("git");
+    assert!(head.status.success(), "the tests run in a git checkout");
+    let head = String::from_utf8_lossy(&head.stdout).trim().to_owned();
+    for (args, name) in [(&["--version"][..], "relay"), (&["migrate", "--version"][..], "relay-migrate")] {
+        let (ok, stdout, stderr) = output(relay().args(args));
+        assert!(ok, "{stderr}");
+        assert_eq!(stdout.trim(), format!("{name} {} (git {head})", env!("CARGO_PKG_VERSION")), "{args:?}");
+    }
+}
+
+#[test]
 fn check_config_accepts_the_example_configuration() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let (ok, stdout, stderr) =

@@ -2,7 +2,7 @@
 //! registry (Apicurio Registry's Confluent-compatible API, started by
 //! `scripts/test.sh`) and records written by an independent implementation
 //! of the format: Confluent's own Python serializer (`confluent-kafka` from
-//! PyPI, `tests/registry/produce_avro.py`).
+//! PyPI, `tests/registry/produce.py`).
 
 pub mod support;
 
@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use relay::Components;
+use relay_cli::verify::{VerifyOptions, verify};
 use relay_testkit::{read_topic, unique};
 use serde_json::{Value, json};
 use support::*;
@@ -39,6 +40,11 @@ const ORDER_V2: &str = r#"{"type":"record","name":"OrderPlaced","namespace":"sho
 /// An Avro topic whose id comes from the decoded value and whose events
 /// are re-emitted as JSON with what the route read of them.
 fn avro_config(h: &Harness, registry: &str) -> relay_core::RelayConfig {
+    registry_config(h, registry, "avro")
+}
+
+/// [`avro_config`] for a topic of `format`.
+fn registry_config(h: &Harness, registry: &str, format: &str) -> relay_core::RelayConfig {
     h.config(&format!(
         r#"
 [schema_registry]
@@ -46,7 +52,7 @@ url = "{registry}"
 timeout = "2s"
 
 [topics."{{topic}}"]
-format = "avro"
+format = "{format}"
 fields.id = {{ pointer = "/event_id" }}
 fields.type = {{ value = "order.placed" }}
 
@@ -65,19 +71,20 @@ data = {{ order_id = "{{{{ data.order_id }}}}", cents = "{{{{ data.amount_cents 
     ))
 }
 
-/// Produce `records` ({key, value}) to `topic` with Confluent's Avro
-/// serializer and `schema`; the schema id it registered.
-async fn produce_avro(h: &Harness, registry: &str, schema: &str, records: Value) -> u32 {
+/// Produce `records` ({key, value}) to the input topic with Confluent's
+/// serializer of `format` (`avro`, `json`) and `schema`; the schema id it
+/// registered.
+async fn produce(h: &Harness, registry: &str, format: &str, schema: &str, records: Value) -> u32 {
     let python = std::env::var("RELAY_TEST_PYTHON").expect(
         "RELAY_TEST_PYTHON is not set: run the tests with scripts/test.sh, which installs confluent-kafka into \
          .cache/python (ensure_python_example_deps in scripts/lib.sh) and sets it",
     );
     let file = std::env::temp_dir().join(format!("{}.avsc", unique("schema")));
     std::fs::write(&file, schema).expect("write schema");
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/registry/produce_avro.py");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/registry/produce.py");
     let out = tokio::process::Command::new(python)
         .arg(script)
-        .args([&h.bootstrap, registry, &h.topic, &file.display().to_string(), &records.to_string()])
+        .args([format, &h.bootstrap, registry, &h.topic, &file.display().to_string(), &records.to_string()])
         .output()
         .await
         .expect("run the Python producer");
@@ -109,9 +116,10 @@ async fn dead_letters(h: &Harness) -> Vec<(i64, String, String)> {
 async fn avro_records_from_confluent_s_serializer_are_routed_and_undecodable_ones_dead_lettered_naming_id_and_topic() {
     let h = Harness::new(1).await;
     let registry = registry_url();
-    let v1 = produce_avro(
+    let v1 = produce(
         &h,
         &registry,
+        "avro",
         ORDER_V1,
         json!([
             {"key": "o-1", "value": {"event_id": "e-1", "order_id": "o-1", "amount_cents": 1250, "price": {"$decimal": "12.50"}}},
@@ -122,34 +130,52 @@ async fn avro_records_from_confluent_s_serializer_are_routed_and_undecodable_one
     // Not the wire format (a JSON producer on the topic), then an id no registry has.
     h.producer.raw(&h.topic, None, Some(b"o-3"), &[], Some(br#"{"event_id":"e-3"}"#)).await.unwrap();
     h.producer.raw(&h.topic, None, Some(b"o-4"), &[], Some(&[0, 0x7f, 0xff, 0xff, 0xf0, 2, 4])).await.unwrap();
+    // An id above any a registry gives (its API answers a bare 404), and a
+    // known id whose datum ends early.
+    h.producer.raw(&h.topic, None, Some(b"o-6"), &[], Some(&[0, 0xff, 0xff, 0xff, 0xff, 2])).await.unwrap();
+    let mut short = vec![0];
+    short.extend(v1.to_be_bytes());
+    short.extend([2]);
+    h.producer.raw(&h.topic, None, Some(b"o-7"), &[], Some(&short)).await.unwrap();
     // The producer moves ahead of relay: a new optional field.
-    let v2 = produce_avro(
+    let v2 = produce(
         &h,
         &registry,
+        "avro",
         ORDER_V2,
         json!([{"key": "o-5", "value": {"event_id": "e-5", "order_id": "o-5", "amount_cents": 7, "price": {"$decimal": "0.07"}, "note": "gift"}}]),
     )
     .await;
     assert_ne!(v1, v2, "the evolved schema has an id of its own");
 
-    let run = h.start(avro_config(&h, &registry), Components::ALL, no_faults()).await;
+    let cfg = avro_config(&h, &registry);
+    let run = h.start(cfg.clone(), Components::ALL, no_faults()).await;
     h.await_inbox(3).await;
     h.await_published(3).await;
     run.stop().await.unwrap();
     let seen = emitted(&h, 3).await;
+    // `relay verify` reads the topic as the consumer did: every record
+    // applied or parked, none lost, none poison left unparked.
+    let report = verify(&cfg, &h.db.pool, &VerifyOptions::default()).await.unwrap();
+    assert!(report.ok(), "{report:?}");
+    assert_eq!((report.input_records, report.poison_records, report.dead_letters), (7, 4, 4), "{report:?}");
 
     assert_eq!(seen["o-1"], json!({"order_id": "o-1", "cents": 1250, "price": "12.50", "note": ""}));
     assert_eq!(seen["o-2"], json!({"order_id": "o-2", "cents": 99, "price": "0.99", "note": ""}));
     assert_eq!(seen["o-5"], json!({"order_id": "o-5", "cents": 7, "price": "0.07", "note": "gift"}));
     let dead = dead_letters(&h).await;
-    assert_eq!(dead.len(), 2, "{dead:?}");
-    let (_, class, reason) = &dead[0];
-    assert_eq!(class, "bad_encoding");
-    assert!(reason.contains(&h.topic) && reason.contains("magic byte"), "{reason}");
-    let (_, class, reason) = &dead[1];
-    assert_eq!(class, "bad_encoding");
-    assert!(reason.contains(&h.topic) && reason.contains("schema id 2147483632"), "{reason}");
-    assert!(reason.contains("40403"), "the registry's answer is named: {reason}");
+    let says = [
+        ("magic byte", ""),
+        // Not in the registry: tried again within the reference budget, then parked.
+        ("schema id 2147483632", "40403"),
+        ("schema id 4294967295", "above the largest"),
+        (&*format!("schema id {v1}"), "does not decode"),
+    ];
+    assert_eq!(dead.len(), says.len(), "{dead:?}");
+    for ((_, class, reason), (a, b)) in dead.iter().zip(says) {
+        assert_eq!(class, "bad_encoding");
+        assert!(reason.contains(&h.topic) && reason.contains(a) && reason.contains(b), "{a:?} {b:?} in {reason}");
+    }
 }
 
 /// A stand-in in front of the real registry that answers 503 until `up`.
@@ -176,9 +202,10 @@ async fn flaky_registry(real: String, up: Arc<AtomicBool>, asked: Arc<AtomicU32>
 async fn a_registry_that_is_down_holds_the_partition_and_dead_letters_nothing_until_it_is_back() {
     let h = Harness::new(1).await;
     let real = registry_url();
-    produce_avro(
+    produce(
         &h,
         &real,
+        "avro",
         ORDER_V1,
         json!([{"key": "o-1", "value": {"event_id": "e-1", "order_id": "o-1", "amount_cents": 5, "price": {"$decimal": "0.05"}}}]),
     )
@@ -198,4 +225,62 @@ async fn a_registry_that_is_down_holds_the_partition_and_dead_letters_nothing_un
     assert_eq!(h.outcome("e-1").await.as_deref(), Some("applied"));
     run.stop().await.unwrap();
     assert!(dead_letters(&h).await.is_empty());
+}
+
+const ORDER_JSON: &str = r#"{"$schema":"http://json-schema.org/draft-07/schema#","title":"OrderPlaced","type":"object",
+  "properties":{"event_id":{"type":"string"},"order_id":{"type":"string"},"amount_cents":{"type":"integer"},
+    "price":{"type":"string"},"note":{"type":"string"}},
+  "required":["event_id","order_id","amount_cents","price"]}"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn json_schema_records_are_checked_against_their_registered_schema_and_routed() {
+    let h = Harness::new(1).await;
+    let registry = registry_url();
+    let id = produce(
+        &h,
+        &registry,
+        "json",
+        ORDER_JSON,
+        json!([{"key": "o-1", "value": {"event_id": "e-1", "order_id": "o-1", "amount_cents": 1250, "price": "12.50", "note": "gift"}}]),
+    )
+    .await;
+    // The wire format with the registered id, but a value its schema refuses.
+    let mut bad = vec![0];
+    bad.extend(id.to_be_bytes());
+    bad.extend(br#"{"event_id":"e-2","order_id":"o-2","price":"1.00"}"#);
+    h.producer.raw(&h.topic, None, Some(b"o-2"), &[], Some(&bad)).await.unwrap();
+    // An Avro schema's id (registered under another subject) on a JSON Schema topic.
+    let registered: Value = reqwest::Client::new()
+        .post(format!("{registry}/subjects/{}-value/versions", unique("other")))
+        .json(&json!({"schema": ORDER_V1}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let avro = u32::try_from(registered["id"].as_u64().expect("an id")).unwrap();
+    let mut wrong = vec![0];
+    wrong.extend(avro.to_be_bytes());
+    wrong.extend([2, b'e']);
+    h.producer.raw(&h.topic, None, Some(b"o-3"), &[], Some(&wrong)).await.unwrap();
+
+    let run = h.start(registry_config(&h, &registry, "json-schema"), Components::ALL, no_faults()).await;
+    h.await_inbox(1).await;
+    h.await_published(1).await;
+    eventually("two dead letters", DEADLINE, || async { (dead_letters(&h).await.len() == 2).then_some(()) }).await;
+    run.stop().await.unwrap();
+
+    let seen = emitted(&h, 1).await;
+    assert_eq!(seen["o-1"], json!({"order_id": "o-1", "cents": 1250, "price": "12.50", "note": "gift"}));
+    let dead = dead_letters(&h).await;
+    let (_, class, reason) = &dead[0];
+    assert_eq!(class, "bad_encoding");
+    assert!(
+        reason.contains(&format!("schema id {id}")) && reason.contains("required property \"amount_cents\" is missing"),
+        "{reason}"
+    );
+    let (_, class, reason) = &dead[1];
+    assert_eq!(class, "bad_encoding");
+    assert!(reason.contains(&format!("schema id {avro}")) && reason.contains("of type Avro"), "{reason}");
 }

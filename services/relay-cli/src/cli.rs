@@ -24,7 +24,11 @@ use relay::runtime::faults::Faults;
 
 /// relay — exactly-once effects from Kafka's at-least-once delivery.
 #[derive(Debug, Parser)]
-#[command(name = "relay", version, propagate_version = true)]
+#[command(
+    name = "relay",
+    version = concat!(env!("CARGO_PKG_VERSION"), " (git ", env!("RELAY_GIT_REVISION"), ")"),
+    propagate_version = true
+)]
 pub struct Cli {
     /// Configuration file (TOML). Environment overrides: RELAY_SECTION__KEY, DATABASE_URL.
     #[arg(long, short, env = "RELAY_CONFIG", global = true)]

@@ -288,6 +288,8 @@ async fn check_inputs(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -> 
     let mut routes = cfg.clone();
     relay::config::read_schemas(&mut routes)?;
     let router = Router::new(&routes)?;
+    // Values in a Schema Registry format are read as the consumer reads them.
+    let registry = cfg.schema_registry.as_ref().map(relay_registry::Registry::new).transpose()?;
     let consumer = cfg.consumer.name.as_str();
     let input_topics = cfg.subscribed_topics();
     let committed = committed(cfg, &input_topics).await?;
@@ -307,7 +309,10 @@ async fn check_inputs(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -> 
             continue;
         }
         let position = format!("{}[{}]@{}", r.topic, r.partition, r.offset);
-        let event_id = match router.route(r) {
+        let view = relay::ingest::processor::view_of(&router, registry.as_ref(), r).await.map_err(|why| {
+            anyhow::anyhow!("cannot verify {position}: {why}; run relay verify again when the registry answers")
+        })?;
+        let event_id = match view.of(r).and_then(|r| router.route(r)) {
             Err(_) => None,
             Ok(Routed::Unrouted(e)) => Some(e.id),
             Ok(Routed::Route(route, e)) => router.plan(route, &e, r).ok().map(|_| e.id),

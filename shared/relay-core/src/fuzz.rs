@@ -21,7 +21,9 @@ pub fn exercise_envelope(record: &RawRecord, max_record_bytes: usize) {
         idempotency_key: Some(FieldSource::Extension("idempotencykey".into())),
         ..FieldOverrides::default()
     };
-    for (format, fields) in [(TopicFormat::Cloudevents, &none), (TopicFormat::Json, &sources)] {
+    // A registry format's value arrives decoded; with or without CloudEvents headers.
+    let formats = [(TopicFormat::Cloudevents, &none), (TopicFormat::Json, &sources), (TopicFormat::Avro, &sources)];
+    for (format, fields) in formats {
         let opts = DecodeOptions { max_record_bytes, format, fields };
         if let Ok(decoded) = decode(record, &opts) {
             let _ = resolve(record, decoded.clone(), fields);

@@ -651,7 +651,7 @@ fn missing_guard_field(route: &CompiledRoute, event: &InputEvent, guard: &str, w
 /// whole double-encoded payload), and this reason goes to logs, the
 /// dead-letter table's reason, the dead-letter topic's header and the console
 /// (R16). A `required` failure names the property, which comes from the schema.
-fn schema_failure(e: &jsonschema::ValidationError<'_>) -> String {
+pub fn schema_failure(e: &jsonschema::ValidationError<'_>) -> String {
     let at = e.instance_path().to_string();
     let at = if at.is_empty() { "/".to_owned() } else { at };
     let rule = match e.kind() {

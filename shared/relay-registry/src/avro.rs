@@ -14,6 +14,12 @@ use base64::Engine as _;
 use chrono::{DateTime, NaiveDate, NaiveTime};
 use serde_json::{Map, Number, Value};
 
+/// What one array or map of a record may claim when decoded (its items ×
+/// the size of a decoded value): records are at most
+/// `consumer.max_record_bytes` (960 KiB by default), so this leaves room for
+/// every legitimate one while a crafted length cannot take the process down.
+const MAX_ALLOCATION_BYTES: usize = 64 * 1024 * 1024;
+
 /// A parsed writer schema and its named types (records, enums, fixed).
 pub(crate) struct Decoder {
     schema: Schema,
@@ -21,14 +27,97 @@ pub(crate) struct Decoder {
 }
 
 impl Decoder {
-    pub(crate) fn parse(text: &str) -> Result<Decoder, apache_avro::Error> {
-        let schema = Schema::parse_str(text)?;
-        let names = apache_avro::schema::ResolvedSchema::try_from(&schema)?
+    pub(crate) fn parse(text: &str) -> Result<Decoder, String> {
+        // A bound on what one collection of a record may claim (apache-avro
+        // checks it before allocating); global, and the first call sets it.
+        apache_avro::util::max_allocation_bytes(MAX_ALLOCATION_BYTES);
+        let schema = Schema::parse_str(text).map_err(|e| e.to_string())?;
+        let names = apache_avro::schema::ResolvedSchema::try_from(&schema)
+            .map_err(|e| e.to_string())?
             .get_names()
             .iter()
             .map(|(n, s)| (n.clone(), (*s).clone()))
             .collect();
-        Ok(Decoder { schema, names })
+        let d = Decoder { schema, names };
+        // Each level of a recursive type costs a byte of the record and a
+        // frame of the decoder's stack: a record of a few hundred KiB would
+        // overflow it. Refused until decoding bounds its depth.
+        if let Some(name) = d.names.keys().find(|n| d.reaches(&d.names[*n], n, &mut Vec::new())) {
+            return Err(format!("type {name} contains itself (a recursive schema), which relay does not decode yet"));
+        }
+        if let Some(at) = d.free_items(&d.schema, &mut Vec::new()) {
+            return Err(format!(
+                "{at} holds items encoded in zero bytes (null, fixed of size 0, or records of only those): \
+                 a few bytes of a record could claim any number of them, so relay refuses the schema"
+            ));
+        }
+        Ok(d)
+    }
+
+    /// Where `schema` has an array or a map whose items encode in zero
+    /// bytes, if anywhere. `seen`: named types on the way (recursion).
+    fn free_items<'s>(&'s self, schema: &'s Schema, seen: &mut Vec<&'s Name>) -> Option<String> {
+        match schema {
+            Schema::Array(a) if self.zero_size(&a.items, &mut Vec::new()) => Some("an array".into()),
+            Schema::Map(m) if self.zero_size(&m.types, &mut Vec::new()) => Some("a map".into()),
+            Schema::Array(a) => self.free_items(&a.items, seen),
+            Schema::Map(m) => self.free_items(&m.types, seen),
+            Schema::Union(u) => u.variants().iter().find_map(|v| self.free_items(v, seen)),
+            Schema::Record(r) => {
+                if seen.contains(&&r.name) {
+                    return None;
+                }
+                seen.push(&r.name);
+                r.fields.iter().find_map(|f| {
+                    self.free_items(&f.schema, seen).map(|at| format!("field {:?} of {}: {at}", f.name, r.name))
+                })
+            }
+            Schema::Ref { name } => match self.names.get(name) {
+                Some(s) if !seen.contains(&name) => self.free_items(s, seen),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    /// Whether `schema` refers to the named type `target`.
+    fn reaches<'s>(&'s self, schema: &'s Schema, target: &Name, seen: &mut Vec<&'s Name>) -> bool {
+        let children: Vec<&Schema> = match schema {
+            Schema::Array(a) => vec![&a.items],
+            Schema::Map(m) => vec![&m.types],
+            Schema::Union(u) => u.variants().iter().collect(),
+            Schema::Record(r) => r.fields.iter().map(|f| &f.schema).collect(),
+            Schema::Ref { name } => {
+                if name == target {
+                    return true;
+                }
+                if seen.contains(&name) {
+                    return false;
+                }
+                seen.push(name);
+                return self.names.get(name).is_some_and(|s| self.reaches(s, target, seen));
+            }
+            _ => Vec::new(),
+        };
+        children.into_iter().any(|c| self.reaches(c, target, seen))
+    }
+
+    /// Whether a value of `schema` encodes in zero bytes.
+    fn zero_size<'s>(&'s self, schema: &'s Schema, seen: &mut Vec<&'s Name>) -> bool {
+        match schema {
+            Schema::Null => true,
+            Schema::Fixed(f) => f.size == 0,
+            Schema::Record(r) => {
+                // A record that contains itself cannot be all zero-size and finite.
+                if seen.contains(&&r.name) {
+                    return false;
+                }
+                seen.push(&r.name);
+                r.fields.iter().all(|f| self.zero_size(&f.schema, seen))
+            }
+            Schema::Ref { name } => self.names.get(name).is_some_and(|s| self.zero_size(s, seen)),
+            _ => false,
+        }
     }
 
     /// The datum in `body` (all of it) as JSON.
@@ -55,7 +144,8 @@ impl Decoder {
             Avro::Boolean(b) => Value::Bool(b),
             Avro::Int(i) => i.into(),
             Avro::Long(i) => i.into(),
-            Avro::Float(f) => float(f64::from(f)),
+            // Through its shortest text, so 0.1f32 reads 0.1, not 0.10000000149011612.
+            Avro::Float(f) => float(f.to_string().parse().unwrap_or(f64::from(f))),
             Avro::Double(f) => float(f),
             Avro::Bytes(b) | Avro::Fixed(_, b) => base64::engine::general_purpose::STANDARD.encode(b).into(),
             Avro::String(s) => s.into(),
@@ -126,7 +216,12 @@ impl Decoder {
 
 /// JSON has no NaN or infinity: those become text, as Avro's JSON encoding has them.
 fn float(f: f64) -> Value {
-    Number::from_f64(f).map_or_else(|| f.to_string().into(), Value::Number)
+    match Number::from_f64(f) {
+        Some(n) => Value::Number(n),
+        None if f.is_nan() => "NaN".into(),
+        None if f > 0.0 => "Infinity".into(),
+        None => "-Infinity".into(),
+    }
 }
 
 fn time(nanos_since_midnight: i64) -> Option<Value> {
@@ -214,6 +309,29 @@ mod tests {
         let d = Decoder::parse(r#"{"type":"record","name":"R","fields":[{"name":"a","type":"long"}]}"#).unwrap();
         assert!(d.decode(&[]).is_err(), "nothing to read");
         assert!(d.decode(&[2, 2]).unwrap_err().contains("left after"), "trailing bytes");
+    }
+
+    #[test]
+    fn a_schema_whose_collections_could_hold_any_number_of_zero_byte_items_is_refused() {
+        for items in [
+            r#""null""#,
+            r#"{"type":"fixed","name":"F","size":0}"#,
+            r#"{"type":"record","name":"E","fields":[{"name":"n","type":"null"}]}"#,
+        ] {
+            let schema = format!(
+                r#"{{"type":"record","name":"R","fields":[{{"name":"a","type":{{"type":"array","items":{items}}}}}]}}"#
+            );
+            let err = Decoder::parse(&schema).err().unwrap_or_else(|| panic!("{items} accepted"));
+            assert!(err.contains("field \"a\" of R: an array holds items encoded in zero bytes"), "{err}");
+        }
+        let map = r#"{"type":"map","values":["null"]}"#;
+        assert!(Decoder::parse(map).is_ok(), "a union's branch index takes a byte");
+        assert!(Decoder::parse(r#"{"type":"map","values":"null"}"#).err().expect("refused").contains("a map"));
+        let linked = r#"{"type":"record","name":"Node","fields":[{"name":"next","type":["null","Node"]},{"name":"tags","type":{"type":"array","items":"long"}}]}"#;
+        let err = Decoder::parse(linked).err().expect("a recursive schema is refused");
+        assert!(err.contains("type Node contains itself"), "{err}");
+        let shared = r#"{"type":"record","name":"R","fields":[{"name":"a","type":{"type":"record","name":"P","fields":[{"name":"x","type":"long"}]}},{"name":"b","type":"P"}]}"#;
+        assert!(Decoder::parse(shared).is_ok(), "a named type used twice is not recursive");
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Records in the Confluent Schema Registry wire format — a magic byte 0, a
 //! 4-byte big-endian schema id, then the encoded value — decoded with the
 //! schema registered under that id into the JSON value routes, templates
-//! and guards see.
+//! and guards see: an Avro datum mapped to JSON (module `avro`), a JSON Schema
+//! value checked against its schema.
 //!
 //! The registry client is written here, over the workspace's reqwest: the
 //! one maintained Rust client (`schema_registry_converter`) needs reqwest
@@ -31,12 +32,21 @@ pub const MAGIC: u8 = 0;
 /// live topics come back within a batch or two).
 const CACHED_SCHEMAS: usize = 10_000;
 
+/// The largest registry answer read: a schema, with room to spare.
+const MAX_ANSWER_BYTES: usize = 8 * 1024 * 1024;
+
 /// Why a value could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Failure {
     /// The record can never be decoded as it is: dead-letter it.
     #[error("{0}")]
     Poison(String),
+    /// The registry does not have the schema the record names — yet, maybe:
+    /// a replica behind the one the producer registered with, a registry
+    /// restarted empty. Retried within the consumer's reference budget,
+    /// then dead-lettered.
+    #[error("{0}")]
+    NotYet(String),
     /// The registry could not answer now: wait and try the record again.
     #[error("{0}")]
     Unavailable(String),
@@ -65,6 +75,17 @@ enum Auth {
 /// A schema as the registry holds it, parsed.
 enum Registered {
     Avro(avro::Decoder),
+    Json(jsonschema::Validator),
+}
+
+impl Registered {
+    /// The registry's name of its type.
+    fn kind(&self) -> &'static str {
+        match self {
+            Registered::Avro(_) => "Avro",
+            Registered::Json(_) => "JSON",
+        }
+    }
 }
 
 /// `GET /schemas/ids/{id}`.
@@ -145,14 +166,25 @@ impl Registry {
         let Some(bytes) = payload else { return Ok(Value::Null) };
         let (id, body) = split(bytes).map_err(|why| Failure::Poison(format!("record of topic {topic:?}: {why}")))?;
         let schema = self.schema(id, format, topic).await?;
+        let poison = |why: String| Failure::Poison(format!("record of topic {topic:?}, schema id {id}: {why}"));
         match (&*schema, format) {
-            (Registered::Avro(d), TopicFormat::Avro) => d.decode(body).map_err(|why| {
-                Failure::Poison(format!(
-                    "record of topic {topic:?} does not decode with Avro schema id {id} of the registry: {why}"
-                ))
-            }),
-            (Registered::Avro(_), other) => Err(Failure::Poison(format!(
-                "record of topic {topic:?} has Avro schema id {id}, but the topic has format = {:?}",
+            (Registered::Avro(d), TopicFormat::Avro) => {
+                d.decode(body).map_err(|why| poison(format!("does not decode with the registry's Avro schema: {why}")))
+            }
+            (Registered::Json(v), TopicFormat::JsonSchema) => {
+                let value: Value =
+                    serde_json::from_slice(body).map_err(|e| poison(format!("the value is not JSON: {e}")))?;
+                let errors: Vec<String> =
+                    v.iter_errors(&value).take(5).map(|e| relay_core::router::schema_failure(&e)).collect();
+                if errors.is_empty() {
+                    Ok(value)
+                } else {
+                    Err(poison(format!("does not match its registered JSON Schema: {}", errors.join("; "))))
+                }
+            }
+            (found, other) => Err(poison(format!(
+                "the schema is of type {}, and the topic has format = {:?}",
+                found.kind(),
                 other.as_str()
             ))),
         }
@@ -187,17 +219,25 @@ impl Registry {
                 self.base
             ))
         };
-        let resp = req.send().await.map_err(|e| unavailable(transport(&e)))?;
+        let mut resp = req.send().await.map_err(|e| unavailable(transport(&e)))?;
         let status = resp.status();
-        let body = resp.text().await.map_err(|e| unavailable(transport(&e)))?;
+        let mut bytes = Vec::new();
+        while let Some(chunk) = resp.chunk().await.map_err(|e| unavailable(transport(&e)))? {
+            if bytes.len() + chunk.len() > MAX_ANSWER_BYTES {
+                return Err(unavailable(format!("its answer is over {MAX_ANSWER_BYTES} bytes")));
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        let body = String::from_utf8_lossy(&bytes);
         if status == reqwest::StatusCode::NOT_FOUND {
             // 40403: no schema under this id. A registry that answers 404
             // for its whole API (a wrong url) says so in another code.
             let code = serde_json::from_str::<Value>(&body).ok().and_then(|v| v.get("error_code")?.as_i64());
             if code == Some(40403) {
-                return Err(Failure::Poison(format!(
+                return Err(Failure::NotYet(format!(
                     "record of topic {topic:?} names schema id {id}, which the schema registry at {} does not have \
-                     (error 40403): produced against another registry, or the schema was deleted",
+                     (error 40403): produced against another registry, the schema deleted, or a registry that \
+                     has not caught up",
                     self.base
                 )));
             }
@@ -229,7 +269,12 @@ impl Registry {
         match kind {
             "AVRO" => avro::Decoder::parse(&found.schema)
                 .map(Registered::Avro)
-                .map_err(|e| poison(format!("the registry's Avro schema does not parse: {e}"))),
+                .map_err(|e| poison(format!("the registry's Avro schema cannot be used: {e}"))),
+            "JSON" => serde_json::from_str::<Value>(&found.schema)
+                .map_err(|e| e.to_string())
+                .and_then(|doc| jsonschema::validator_for(&doc).map_err(|e| e.to_string()))
+                .map(Registered::Json)
+                .map_err(|e| poison(format!("the registry's JSON Schema cannot be used: {e}"))),
             other => {
                 Err(poison(format!("the schema is of type {other}, and the topic has format = {:?}", format.as_str())))
             }
@@ -240,7 +285,14 @@ impl Registry {
 /// The schema id and the encoded value of a value in the wire format.
 pub fn split(bytes: &[u8]) -> Result<(u32, &[u8]), String> {
     match bytes {
-        [MAGIC, a, b, c, d, rest @ ..] => Ok((u32::from_be_bytes([*a, *b, *c, *d]), rest)),
+        // Registries take ids as 32-bit signed integers: one above that is
+        // no id (Confluent's and Apicurio's APIs answer it with a bare 404).
+        [MAGIC, a, b, c, d, rest @ ..] => match u32::from_be_bytes([*a, *b, *c, *d]) {
+            id if i32::try_from(id).is_err() => {
+                Err(format!("value names schema id {id}, above the largest a registry gives (2^31 - 1)"))
+            }
+            id => Ok((id, rest)),
+        },
         [MAGIC, ..] => Err(format!(
             "value of {} byte(s) is too short for the Schema Registry wire format (magic byte, 4-byte schema id)",
             bytes.len()
@@ -278,7 +330,98 @@ mod tests {
         assert_eq!(split(&[0, 0, 0, 1, 2, 9, 9]).unwrap(), (258, &[9u8, 9][..]));
         assert_eq!(split(&[0, 0, 0, 0, 7]).unwrap(), (7, &[][..]));
         assert!(split(&[0, 0, 1]).unwrap_err().contains("too short"));
+        assert!(split(&[0, 0x80, 0, 0, 0, 2]).unwrap_err().contains("schema id 2147483648, above the largest"));
         assert!(split(b"{\"a\":1}").unwrap_err().contains("0x7b"));
         assert!(split(&[]).unwrap_err().contains("empty"));
+    }
+
+    /// A stand-in registry answering each id as the test says.
+    async fn stand_in() -> String {
+        use axum::extract::Path;
+        use axum::http::StatusCode;
+        async fn by_id(Path(id): Path<u32>) -> (StatusCode, String) {
+            let avro =
+                serde_json::json!({"schema": r#"{"type":"record","name":"R","fields":[{"name":"a","type":"long"}]}"#});
+            match id {
+                1 => (StatusCode::OK, avro.to_string()),
+                2 => (StatusCode::NOT_FOUND, r#"{"error_code":40403,"message":"Schema 2 not found"}"#.into()),
+                3 => (StatusCode::NOT_FOUND, "<html>no such page</html>".into()),
+                4 => (StatusCode::UNAUTHORIZED, r#"{"error_code":401}"#.into()),
+                5 => (StatusCode::INTERNAL_SERVER_ERROR, "boom".into()),
+                6 => {
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                    (StatusCode::OK, avro.to_string())
+                }
+                7 => (StatusCode::OK, serde_json::json!({"schema": "{}", "schemaType": "JSON"}).to_string()),
+                8 => (
+                    StatusCode::OK,
+                    serde_json::json!({"schema": "syntax = \"proto3\";", "schemaType": "PROTOBUF"}).to_string(),
+                ),
+                9 => (StatusCode::OK, "x".repeat(MAX_ANSWER_BYTES + 1)),
+                10 => (StatusCode::OK, "not json".into()),
+                _ => (StatusCode::OK, serde_json::json!({"schema": "{\"type\": \"nope\"}"}).to_string()),
+            }
+        }
+        let app = axum::Router::new().route("/schemas/ids/{id}", axum::routing::get(by_id));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        format!("http://{addr}")
+    }
+
+    fn registry(url: &str) -> Registry {
+        Registry::new(&SchemaRegistryConfig {
+            url: url.parse().unwrap(),
+            username: None,
+            password_env: None,
+            token_env: None,
+            timeout: Duration::from_millis(500),
+            tls: Default::default(),
+        })
+        .unwrap()
+    }
+
+    fn datum(id: u32, body: &[u8]) -> Vec<u8> {
+        let mut v = vec![MAGIC];
+        v.extend(id.to_be_bytes());
+        v.extend(body);
+        v
+    }
+
+    #[tokio::test]
+    async fn what_the_registry_answers_decides_between_poison_not_yet_and_a_wait() {
+        let r = registry(&stand_in().await);
+        let decode = |id: u32| {
+            let r = &r;
+            async move { r.decode(TopicFormat::Avro, "t", Some(&datum(id, &[4]))).await }
+        };
+        assert_eq!(decode(1).await.unwrap(), serde_json::json!({"a": 2}));
+        let wait = |f: Result<Value, Failure>, says: &str| match f {
+            Err(Failure::Unavailable(why)) => {
+                assert!(why.contains(says) && why.contains("schema id"), "{says:?} in {why}")
+            }
+            other => panic!("{says}: {other:?}"),
+        };
+        assert!(matches!(decode(2).await, Err(Failure::NotYet(why)) if why.contains("40403") && why.contains("\"t\"")));
+        wait(decode(3).await, "without error code 40403");
+        wait(decode(4).await, "check schema_registry.username");
+        wait(decode(5).await, "HTTP 500");
+        wait(decode(6).await, "timed out");
+        assert!(matches!(decode(7).await, Err(Failure::Poison(why)) if why.contains("of type JSON")));
+        assert!(matches!(decode(8).await, Err(Failure::Poison(why)) if why.contains("of type PROTOBUF")));
+        wait(decode(9).await, "over 8388608 bytes");
+        wait(decode(10).await, "not a schema");
+        assert!(matches!(decode(11).await, Err(Failure::Poison(why)) if why.contains("cannot be used")));
+        // Nothing listens there.
+        let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
+        let gone = registry(&format!("http://{closed}"));
+        match gone.decode(TopicFormat::Avro, "t", Some(&datum(1, &[4]))).await {
+            Err(Failure::Unavailable(why)) => assert!(why.contains("could not give schema id 1"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        // What parsed is kept (ids 1 and 7); what failed is asked again.
+        let mut kept: Vec<u32> = r.schemas.read().unwrap().keys().copied().collect();
+        kept.sort_unstable();
+        assert_eq!(kept, [1, 7]);
     }
 }

@@ -180,15 +180,63 @@ pub enum View {
     Decoded(RawRecord),
     /// The value can never be decoded as it is.
     Poison(Poison),
+    /// The registry does not have the schema the value names, yet: tried
+    /// again within the consumer's reference budget, then dead-lettered.
+    NotYet(Poison),
 }
 
 impl View {
-    fn of<'r>(&'r self, record: &'r RawRecord) -> Result<&'r RawRecord, Poison> {
+    /// The record routing reads, or why there is none.
+    pub fn of<'r>(&'r self, record: &'r RawRecord) -> Result<&'r RawRecord, Poison> {
         match self {
             View::Raw => Ok(record),
             View::Decoded(r) => Ok(r),
-            View::Poison(p) => Err(p.clone()),
+            View::Poison(p) | View::NotYet(p) => Err(p.clone()),
         }
+    }
+}
+
+/// How routing reads `record` ([`View`]) under `router`, its value decoded
+/// with `registry` when its topic is in a Schema Registry format. `Err`
+/// when the registry could not be asked (nothing is decided).
+pub async fn view_of(
+    router: &Router,
+    registry: Option<&relay_registry::Registry>,
+    record: &RawRecord,
+) -> Result<View, String> {
+    let format = router.topic_format(&record.topic);
+    if !format.uses_registry() {
+        return Ok(View::Raw);
+    }
+    // The limit is on the record as produced: its JSON may be larger (names
+    // repeated per item, bytes as base64) and is not checked again.
+    let (size, max) = (record.size(), router.max_record_bytes());
+    if size > max {
+        let why = format!("record is {size} bytes, over consumer.max_record_bytes = {max}");
+        return Ok(View::Poison(Poison::new(PoisonClass::Oversized, why)));
+    }
+    let Some(registry) = registry else {
+        return Err(format!(
+            "topic {:?} has format = {:?} and this process has no [schema_registry]",
+            record.topic,
+            format.as_str()
+        ));
+    };
+    match registry.decode(format, &record.topic, record.payload.as_deref()).await {
+        Ok(value) => {
+            let mut decoded = record.clone();
+            decoded.payload = Some(serde_json::to_vec(&value).map_err(|e| e.to_string())?);
+            // The value is JSON now, whatever the producer declared (no
+            // content type reads as JSON too, so none is added).
+            if decoded.header("content-type").is_some() {
+                decoded.headers.retain(|h| !h.name.eq_ignore_ascii_case("content-type"));
+                decoded.headers.push(relay_core::envelope::Header::text("content-type", "application/json"));
+            }
+            Ok(View::Decoded(decoded))
+        }
+        Err(relay_registry::Failure::Poison(why)) => Ok(View::Poison(Poison::new(PoisonClass::BadEncoding, why))),
+        Err(relay_registry::Failure::NotYet(why)) => Ok(View::NotYet(Poison::new(PoisonClass::BadEncoding, why))),
+        Err(relay_registry::Failure::Unavailable(why)) => Err(why),
     }
 }
 
@@ -217,29 +265,7 @@ impl Processor {
 
     /// [`Processor::views`] of one record.
     pub async fn view(&self, record: &RawRecord) -> Result<View, String> {
-        let format = self.router.topic_format(&record.topic);
-        if !format.uses_registry() {
-            return Ok(View::Raw);
-        }
-        let Some(registry) = &self.registry else {
-            return Err(format!(
-                "topic {:?} has format = {:?} and this process has no [schema_registry]",
-                record.topic,
-                format.as_str()
-            ));
-        };
-        match registry.decode(format, &record.topic, record.payload.as_deref()).await {
-            Ok(value) => {
-                let mut decoded = record.clone();
-                decoded.payload = Some(serde_json::to_vec(&value).map_err(|e| e.to_string())?);
-                // The value is JSON now, whatever the producer declared.
-                decoded.headers.retain(|h| !h.name.eq_ignore_ascii_case("content-type"));
-                decoded.headers.push(relay_core::envelope::Header::text("content-type", "application/json"));
-                Ok(View::Decoded(decoded))
-            }
-            Err(relay_registry::Failure::Poison(why)) => Ok(View::Poison(Poison::new(PoisonClass::BadEncoding, why))),
-            Err(relay_registry::Failure::Unavailable(why)) => Err(why),
-        }
+        view_of(&self.router, self.registry.as_deref(), record).await
     }
 
     /// The same processor, passing the fault points of a batch (tests).
@@ -501,6 +527,10 @@ impl Processor {
     /// Route and plan `record` (its effects with derived ids): ready to
     /// write, or done already (poison, a paused route).
     fn prepare<'r>(&self, record: &'r RawRecord, view: &View) -> Prepared<'_, 'r> {
+        if let View::NotYet(p) = view {
+            let disposition = Disposition::RetryLater(p.clone());
+            return Prepared::Done(Processed { info: EventInfo::of_poison(p), disposition });
+        }
         let routed = view.of(record).and_then(|r| self.router.route_unless_paused(r, |r| self.is_paused(r)));
         let (route, event) = match routed {
             Err(p) => {

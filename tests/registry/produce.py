@@ -1,8 +1,8 @@
-"""Produce Avro records with Confluent's own serializer (confluent-kafka from
+"""Produce records with Confluent's own serializers (confluent-kafka from
 PyPI), so relay's decoding is checked against an independent implementation
 of the Schema Registry wire format.
 
-usage: produce_avro.py BOOTSTRAP REGISTRY_URL TOPIC SCHEMA_FILE RECORDS_JSON
+usage: produce.py avro|json BOOTSTRAP REGISTRY_URL TOPIC SCHEMA_FILE RECORDS_JSON
 
 RECORDS_JSON is a JSON list of {"key": ..., "value": {...}} objects; each
 value is serialized with the schema in SCHEMA_FILE, registered under the
@@ -18,15 +18,19 @@ import sys
 from confluent_kafka import Producer
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroSerializer
+from confluent_kafka.schema_registry.json_schema import JSONSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 
 def main() -> None:
-    bootstrap, registry_url, topic, schema_file, records_json = sys.argv[1:6]
+    fmt, bootstrap, registry_url, topic, schema_file, records_json = sys.argv[1:7]
     with open(schema_file, encoding="utf-8") as f:
         schema = f.read()
     registry = SchemaRegistryClient({"url": registry_url})
-    serialize = AvroSerializer(registry, schema, conf={"auto.register.schemas": True})
+    serializers = {"avro": AvroSerializer, "json": JSONSerializer}
+    serialize = serializers[fmt](
+        schema_registry_client=registry, schema_str=schema, conf={"auto.register.schemas": True}
+    )
     producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
     failures = []
 
