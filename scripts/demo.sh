@@ -12,7 +12,13 @@ trap 'stop_postgres_if_started' EXIT INT TERM
 ensure_postgres relay_demo
 fresh_database relay_demo relay_demo
 export DATABASE_URL="postgres://relay_demo:relay_demo@127.0.0.1:5432/relay_demo"
-say "building the relay (first build compiles librdkafka: a few minutes)"
-cargo build -q --locked -p relay-cli
-# RUST_LOG=info shows every record and call as it is processed.
-RUST_LOG="${RUST_LOG:-error}" target/debug/relay demo
+say "building the relay (the first build compiles librdkafka and ~400 crates: a few minutes; cargo shows each)"
+cargo build --locked -p relay-cli
+# The narrative on stdout; the relay's own log lines go to a file, so they
+# do not cut into it (RUST_LOG=info puts every record and call there).
+log=$(mktemp /tmp/relay-demo.XXXXXX.log)
+say "relay's log: $log"
+if ! RUST_LOG="${RUST_LOG:-warn}" NO_COLOR=1 target/debug/relay demo 2>"$log"; then
+  tail -30 "$log" >&2
+  die "the demo failed; its log above (all of it in $log)"
+fi

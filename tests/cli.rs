@@ -184,6 +184,8 @@ counter = "cards_checked"
     producer.event(&topic, &checked).await.unwrap();
 
     let child = relay()
+        // Colour is left to the relay's own check: a pipe is no terminal.
+        .env_remove("NO_COLOR")
         .env("DATABASE_URL", &db.url)
         .env("RUST_LOG", "debug")
         .env("PSP_TOKEN", "tok-very-secret-42")
@@ -241,6 +243,7 @@ counter = "cards_checked"
     assert!(logs.contains("shutdown requested"), "{logs}");
     assert!(logs.contains("inbox consumer stopped") && logs.contains("dispatcher stopped"), "{logs}");
     assert!(logs.contains("evt-3"), "records are logged with their event id");
+    assert!(!logs.contains('\u{1b}'), "logs written to a pipe carry no colour codes");
     assert!(!logs.contains(secret_payload), "a payload leaked into the logs");
     assert!(!logs.contains("tok-very-secret-42"), "the provider token leaked into the logs");
     let password_part = db.url.split('@').next().unwrap();
