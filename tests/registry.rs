@@ -284,3 +284,177 @@ async fn json_schema_records_are_checked_against_their_registered_schema_and_rou
     assert_eq!(class, "bad_encoding");
     assert!(reason.contains(&format!("schema id {avro}")) && reason.contains("of type Avro"), "{reason}");
 }
+
+/// What relay emitted on the out topic, read by Confluent's deserializer
+/// of `format`: (key, content type, value) by key.
+async fn consumed(
+    h: &Harness,
+    registry: &str,
+    format: &str,
+    n: usize,
+) -> std::collections::HashMap<String, (String, Value)> {
+    let python = std::env::var("RELAY_TEST_PYTHON").expect("RELAY_TEST_PYTHON is not set: run scripts/test.sh");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/registry/consume.py");
+    let out = tokio::process::Command::new(python)
+        .arg(script)
+        .args([format, &h.bootstrap, registry, &h.out, &n.to_string()])
+        .output()
+        .await
+        .expect("run the Python consumer");
+    assert!(out.status.success(), "the Python consumer failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).expect("a JSON line");
+            let key = v["key"].as_str().unwrap().to_owned();
+            (key, (v["content_type"].as_str().unwrap_or_default().to_owned(), v["value"].clone()))
+        })
+        .collect()
+}
+
+/// Register `schema` (Avro text) under `subject`; its id.
+async fn register(registry: &str, subject: &str, schema: &str) -> u32 {
+    let registered: Value = reqwest::Client::new()
+        .post(format!("{registry}/subjects/{subject}/versions"))
+        .json(&json!({"schema": schema}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    u32::try_from(registered["id"].as_u64().unwrap_or_else(|| panic!("an id: {registered}"))).unwrap()
+}
+
+const PAYMENT: &str = r#"{"type":"record","name":"PaymentRequested","namespace":"pay","fields":[
+  {"name":"order_id","type":"string"},
+  {"name":"amount","type":{"type":"bytes","logicalType":"decimal","precision":9,"scale":2}},
+  {"name":"cents","type":"long"},
+  {"name":"channel","type":{"type":"enum","name":"Channel","symbols":["WEB","STORE"]},"default":"WEB"}]}"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_avro_record_comes_out_as_avro_that_confluent_s_deserializer_reads_and_a_misfit_fails_at_ingest() {
+    let h = Harness::new(1).await;
+    let registry = registry_url();
+    let id = register(&registry, &format!("{}-value", h.out), PAYMENT).await;
+    produce(
+        &h,
+        &registry,
+        "avro",
+        ORDER_V1,
+        json!([
+            {"key": "o-1", "value": {"event_id": "e-1", "order_id": "o-1", "amount_cents": 1250, "price": {"$decimal": "12.50"}}},
+            // Its cents do not fit a long once the route prefixes them: poison at ingest.
+            {"key": "o-2", "value": {"event_id": "e-2", "order_id": "o-2", "amount_cents": 7, "price": {"$decimal": "0.07"}}},
+        ]),
+    )
+    .await;
+    let cfg = h.config(&format!(
+        r#"
+[schema_registry]
+url = "{registry}"
+
+[topics."{{topic}}"]
+format = "avro"
+fields.id = {{ pointer = "/event_id" }}
+fields.type = {{ value = "order.placed" }}
+
+[[routes]]
+topic = "{{topic}}"
+type = "order.placed"
+
+[[routes.actions]]
+kind = "emit"
+name = "payment"
+type = "payment.requested"
+topic = "{{out}}"
+format = "avro"
+key = "{{{{ data.order_id }}}}"
+data = {{ order_id = "{{{{ data.order_id }}}}", amount = "{{{{ data.price }}}}", cents = "{{% if data.order_id == 'o-2' %}}x{{% endif %}}{{{{ data.amount_cents }}}}" }}
+"#
+    ));
+    let run = h.start(cfg, Components::ALL, no_faults()).await;
+    h.await_inbox(1).await;
+    h.await_published(1).await;
+    eventually("the misfit dead-lettered", DEADLINE, || async { (!dead_letters(&h).await.is_empty()).then_some(()) })
+        .await;
+    run.stop().await.unwrap();
+
+    let read = consumed(&h, &registry, "avro", 1).await;
+    let (content_type, value) = &read["o-1"];
+    assert_eq!(content_type, "application/avro");
+    assert_eq!(value, &json!({"order_id": "o-1", "amount": "12.50", "cents": 1250, "channel": "WEB"}));
+    let dead = dead_letters(&h).await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    let (_, class, reason) = &dead[0];
+    assert_eq!(class, "schema_invalid");
+    let subject = format!("subject {}-value, schema id {id}", h.out);
+    assert!(reason.contains(&subject) && reason.contains("/cents: expected an integer, found text"), "{reason}");
+    assert!(!reason.contains("x7"), "the reason names the field, never the value: {reason}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_json_schema_emit_is_checked_at_ingest_and_read_by_confluent_s_deserializer() {
+    let h = Harness::new(1).await;
+    let registry = registry_url();
+    let schema = r#"{"type":"object","properties":{"order_id":{"type":"string"},"cents":{"type":"integer"}},"required":["order_id","cents"]}"#;
+    let registered: Value = reqwest::Client::new()
+        .post(format!("{registry}/subjects/{}-value/versions", h.out))
+        .json(&json!({"schema": schema, "schemaType": "JSON"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(registered["id"].is_u64(), "{registered}");
+    produce(
+        &h,
+        &registry,
+        "json",
+        ORDER_JSON,
+        json!([
+            {"key": "o-1", "value": {"event_id": "e-1", "order_id": "o-1", "amount_cents": 1250, "price": "12.50"}},
+            {"key": "o-2", "value": {"event_id": "e-2", "order_id": "o-2", "amount_cents": 7, "price": "0.07"}},
+        ]),
+    )
+    .await;
+    let cfg = h.config(&format!(
+        r#"
+[schema_registry]
+url = "{registry}"
+
+[topics."{{topic}}"]
+format = "json-schema"
+fields.id = {{ pointer = "/event_id" }}
+fields.type = {{ value = "order.placed" }}
+
+[[routes]]
+topic = "{{topic}}"
+type = "order.placed"
+
+[[routes.actions]]
+kind = "emit"
+name = "payment"
+type = "payment.requested"
+topic = "{{out}}"
+format = "json-schema"
+key = "{{{{ data.order_id }}}}"
+data = {{ order_id = "{{{{ data.order_id }}}}", cents = "{{{{ data.amount_cents if data.order_id == 'o-1' else 'x' }}}}" }}
+"#
+    ));
+    let run = h.start(cfg, Components::ALL, no_faults()).await;
+    h.await_inbox(1).await;
+    h.await_published(1).await;
+    eventually("the misfit dead-lettered", DEADLINE, || async { (!dead_letters(&h).await.is_empty()).then_some(()) })
+        .await;
+    run.stop().await.unwrap();
+
+    let read = consumed(&h, &registry, "json", 1).await;
+    let (content_type, value) = &read["o-1"];
+    assert_eq!(content_type, "application/json");
+    assert_eq!(value, &json!({"order_id": "o-1", "cents": 1250}));
+    let (_, class, reason) = &dead_letters(&h).await[0];
+    assert_eq!(class, "schema_invalid");
+    assert!(reason.contains("/cents fails \"type\""), "{reason}");
+}

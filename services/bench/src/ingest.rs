@@ -121,6 +121,7 @@ pub(super) async fn ingest_limit(
                 subject: None,
                 data: serde_json::json!({"order_id": order}),
                 ordered: true,
+                encoded: None,
             };
             let prov = Provenance {
                 source: format!("relay/{CONSUMER}"),

@@ -44,6 +44,33 @@ pub struct Relay {
     registry: Option<Arc<relay_registry::Registry>>,
 }
 
+/// An encoder for every route emit with a `format`, from the latest
+/// schema of its subject; a start fails naming each one it cannot make.
+async fn emit_encoders(
+    router: &Router,
+    registry: Option<&relay_registry::Registry>,
+) -> anyhow::Result<relay_core::router::Encoders> {
+    let mut encoders = relay_core::router::Encoders::new();
+    let mut problems = Vec::new();
+    for (route, action, format, subject) in router.formatted_emits() {
+        let Some(registry) = registry else {
+            problems.push(format!(
+                "route {route}, emit {action:?}: format = {:?} needs [schema_registry]",
+                format.as_str()
+            ));
+            continue;
+        };
+        match registry.encoder(format, &subject).await {
+            Ok(e) => {
+                encoders.insert((route, action), e);
+            }
+            Err(why) => problems.push(format!("route {route}, emit {action:?}: {why}")),
+        }
+    }
+    anyhow::ensure!(problems.is_empty(), "emits cannot be encoded:\n  {}", problems.join("\n  "));
+    Ok(encoders)
+}
+
 impl Relay {
     /// Connect to the database, compile the routes, and check the schema is current.
     pub async fn new(mut cfg: RelayConfig, handlers: Handlers, faults: Faults) -> anyhow::Result<Relay> {
@@ -52,12 +79,12 @@ impl Relay {
             tracing::warn!("{warning}");
         }
         #[cfg(feature = "faults")]
-        let router = Arc::new(match faults.sabotage().core() {
+        let router = match faults.sabotage().core() {
             core if core.any() => Router::sabotaged(&cfg, core)?,
             _ => Router::new(&cfg)?,
-        });
+        };
         #[cfg(not(feature = "faults"))]
-        let router = Arc::new(Router::new(&cfg)?);
+        let router = Router::new(&cfg)?;
         #[cfg(feature = "faults")]
         {
             use relay_store::sabotage::{Broken, set};
@@ -83,6 +110,8 @@ impl Relay {
             Some(r) => Some(Arc::new(relay_registry::Registry::new(r)?)),
             None => None,
         };
+        let encoders = emit_encoders(&router, registry.as_deref()).await?;
+        let router = Arc::new(router.with_encoders(encoders));
         Ok(Relay { cfg, pool, router, handlers, faults, registry })
     }
 

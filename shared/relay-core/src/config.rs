@@ -651,6 +651,20 @@ pub struct EmitAction {
     /// Publish in order with earlier events of the same topic and key.
     #[serde(default = "yes")]
     pub ordered: bool,
+    /// Encode the data with the topic's schema from the Schema Registry
+    /// (`avro` or `json-schema`), instead of writing it as JSON. Route
+    /// actions only: the data is checked at ingest.
+    pub format: Option<TopicFormat>,
+    /// The registry subject whose latest schema encodes it; default
+    /// `<topic>-value` (the topic name strategy).
+    pub schema_subject: Option<String>,
+}
+
+impl EmitAction {
+    /// The registry subject of its schema, when it has a format.
+    pub fn schema_subject(&self) -> String {
+        self.schema_subject.clone().unwrap_or_else(|| format!("{}-value", self.topic))
+    }
 }
 
 fn yes() -> bool {
@@ -1260,6 +1274,13 @@ impl RelayConfig {
                         p.push(format!("{at}: outcome emit #{k} has an empty name"));
                     }
                     check_topic_name(&format!("{at}: outcome emit {:?} topic", e.name), &e.topic, p);
+                    if e.format.is_some() {
+                        p.push(format!(
+                            "{at}: outcome emit {:?} has a format; only a route's own emits are encoded with a \
+                             schema yet (their data is checked at ingest), an outcome's data is written as JSON",
+                            e.name
+                        ));
+                    }
                 }
                 // Each outcome's events and moves get ids derived from their
                 // names: a second of one name would be dropped without a word.
@@ -1281,7 +1302,25 @@ impl RelayConfig {
                     }
                 }
             }
-            ActionConfig::Emit(e) => check_topic_name(&format!("{at}.topic"), &e.topic, p),
+            ActionConfig::Emit(e) => {
+                check_topic_name(&format!("{at}.topic"), &e.topic, p);
+                match e.format {
+                    None => {}
+                    Some(f @ (TopicFormat::Cloudevents | TopicFormat::Json)) => p.push(format!(
+                        "{at}.format: {:?} is how events are written without it; set \"avro\" or \"json-schema\", \
+                         or leave it out",
+                        f.as_str()
+                    )),
+                    Some(f) if self.schema_registry.is_none() => p.push(format!(
+                        "{at}.format = {:?} encodes with a schema from a Schema Registry; add [schema_registry]",
+                        f.as_str()
+                    )),
+                    Some(_) => {}
+                }
+                if e.schema_subject.is_some() && e.format.is_none() {
+                    p.push(format!("{at}.schema_subject: set, but the emit has no format"));
+                }
+            }
             ActionConfig::Saga(s) => {
                 if s.start && !s.from.is_empty() {
                     p.push(format!("{at}: start = true creates the saga; it cannot also have from"));
@@ -1570,6 +1609,17 @@ mod tests {
             let err = problems_with(&format!("[schema_registry]\n{lines}\n"));
             assert!(err.contains(says), "{says:?} in {err}");
         }
+        let emit = |extra: &str| {
+            problems_with(&format!(
+                "[[routes.actions]]\nkind = \"emit\"\nname = \"out\"\ntype = \"t\"\ntopic = \"out\"\n{extra}\n"
+            ))
+        };
+        let err = emit("format = \"avro\"");
+        assert!(err.contains("format = \"avro\" encodes with a schema from a Schema Registry"), "{err}");
+        assert!(emit("format = \"json\"").contains("is how events are written without it"));
+        assert!(emit("schema_subject = \"s\"").contains("schema_subject: set, but the emit has no format"));
+        let outcome = problems_with("format = \"avro\"\n[schema_registry]\nurl = \"http://r\"\n");
+        assert!(outcome.contains("outcome emit \"captured\" has a format"), "{outcome}");
     }
 
     #[test]

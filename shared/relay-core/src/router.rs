@@ -78,6 +78,8 @@ struct CompiledEmit {
     subject: Option<TextTemplate>,
     data: Option<JsonTemplate>,
     ordered: bool,
+    /// The format its data is encoded in, and the registry subject.
+    format: Option<(TopicFormat, String)>,
 }
 
 #[derive(Debug)]
@@ -120,7 +122,14 @@ pub struct Router {
     templates: Templates,
     /// Defects put back on purpose (tests only; all off otherwise).
     sabotage: crate::sabotage::Sabotage,
+    /// The encoders of emits with a `format`, by (route, action); `None`:
+    /// not given (a router that only routes, as `relay verify`'s).
+    encoders: Option<Encoders>,
 }
+
+/// The encoders of a router's emits with a `format`, by (route name,
+/// action name).
+pub type Encoders = HashMap<(String, String), std::sync::Arc<dyn crate::effects::DataEncoder>>;
 
 /// Routes could not be compiled.
 #[derive(Debug, thiserror::Error)]
@@ -216,6 +225,7 @@ impl Router {
                 profiles: cfg.endpoints.iter().map(|(n, e)| (n.clone(), e.profile())).collect(),
                 templates,
                 sabotage: Default::default(),
+                encoders: None,
             }),
             _ => Err(RouterError(problems)),
         }
@@ -254,6 +264,28 @@ impl Router {
     /// The endpoint named `name`.
     pub fn endpoint(&self, name: &str) -> Option<&EndpointConfig> {
         self.endpoints.get(name)
+    }
+
+    /// The same router, encoding emits with a `format` with `encoders`
+    /// (one for each, or the event is poison naming the missing one).
+    pub fn with_encoders(mut self, encoders: Encoders) -> Router {
+        self.encoders = Some(encoders);
+        self
+    }
+
+    /// The (route, action, topic, format, subject) of every route emit
+    /// with a `format`: what [`Router::with_encoders`] needs.
+    pub fn formatted_emits(&self) -> Vec<(String, String, TopicFormat, String)> {
+        let mut out = Vec::new();
+        for route in self.routes.values() {
+            for a in &route.actions {
+                if let CompiledAction::Emit(CompiledEmit { name, format: Some((format, subject)), .. }) = a {
+                    out.push((route.name.clone(), name.clone(), *format, subject.clone()));
+                }
+            }
+        }
+        out.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
+        out
     }
 
     /// How the records of `topic` are encoded.
@@ -467,11 +499,41 @@ impl Router {
             match a {
                 // Nothing here reads the provider's answer: `none` stays empty.
                 CompiledAction::Saga(s) => plan.sagas.push(self.render_saga(s, &ctx, "", &mut none).map_err(poison)?),
-                CompiledAction::Emit(e) => plan.emits.push(self.render_emit(e, &ctx, "", &mut none).map_err(poison)?),
+                CompiledAction::Emit(e) => {
+                    let mut spec = self.render_emit(e, &ctx, "", &mut none).map_err(poison)?;
+                    spec.encoded = self.encode(route, e, &spec.data).map_err(|why| {
+                        Poison::new(PoisonClass::SchemaInvalid, why)
+                            .with_identity(Some(&event.id), Some(&event.event_type))
+                    })?;
+                    plan.emits.push(spec);
+                }
                 CompiledAction::Call(c) => plan.calls.push(self.render_call(c, &ctx).map_err(poison)?),
             }
         }
         Ok(plan)
+    }
+
+    /// The data of emit `e` of `route` encoded with its schema, when it has
+    /// a `format` and this router was given encoders.
+    fn encode(
+        &self,
+        route: &CompiledRoute,
+        e: &CompiledEmit,
+        data: &Value,
+    ) -> Result<Option<crate::effects::EncodedData>, String> {
+        let (Some(encoders), Some((format, subject))) = (&self.encoders, &e.format) else { return Ok(None) };
+        let Some(encoder) = encoders.get(&(route.name.clone(), e.name.clone())) else {
+            return Err(format!(
+                "emit {:?} of route {} has format = {:?} (subject {subject}) and no encoder was made for it",
+                e.name,
+                route.name,
+                format.as_str()
+            ));
+        };
+        let bytes = encoder
+            .encode(data)
+            .map_err(|why| format!("the data of emit {:?} does not fit {}: {why}", e.name, encoder.describe()))?;
+        Ok(Some(crate::effects::EncodedData { bytes, content_type: encoder.content_type().to_owned() }))
     }
 
     /// Render a text template of an outcome effect, or when it reads the
@@ -537,6 +599,7 @@ impl Router {
                 None => ctx.json().get("data").cloned().unwrap_or(Value::Null),
             },
             ordered: e.ordered,
+            encoded: None,
         })
     }
 
@@ -672,6 +735,7 @@ fn compile_emit(b: &mut TemplateBuilder, at: &str, e: &EmitAction) -> CompiledEm
         subject: e.subject.as_ref().map(|k| b.text(&format!("{at}.subject"), k)),
         data: e.data.as_ref().map(|d| b.json(&format!("{at}.data"), d)),
         ordered: e.ordered,
+        format: e.format.map(|f| (f, e.schema_subject())),
     }
 }
 

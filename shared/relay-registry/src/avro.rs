@@ -214,7 +214,251 @@ impl Decoder {
     }
 }
 
-/// JSON has no NaN or infinity: those become text, as Avro's JSON encoding has them.
+/// Data (JSON, as templates render it) encoded as an Avro datum of one
+/// schema, in the wire format. The mapping is the decoder's, backwards:
+/// decimals from exact text (or a number), bytes from base64, dates and
+/// timestamps from their text, a union from the first branch the value
+/// fits. Fields the schema does not have are left out; a field it needs
+/// and the data lacks takes the schema's default, else it fails naming the
+/// field.
+pub(crate) struct Encoder {
+    id: u32,
+    schema: Decoder,
+    describe: String,
+}
+
+impl Encoder {
+    pub(crate) fn new(id: u32, schema: Decoder, describe: String) -> Encoder {
+        Encoder { id, schema, describe }
+    }
+}
+
+impl std::fmt::Debug for Encoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe)
+    }
+}
+
+impl relay_core::effects::DataEncoder for Encoder {
+    fn encode(&self, data: &Value) -> Result<Vec<u8>, String> {
+        let value = self.schema.avro(data, &self.schema.schema, "")?;
+        let writer = apache_avro::writer::datum::GenericDatumWriter::builder(&self.schema.schema)
+            .build()
+            .map_err(|e| e.to_string())?;
+        let body = writer.write_value_to_vec(value).map_err(|e| e.to_string())?;
+        let mut out = crate::header(self.id);
+        out.extend(body);
+        Ok(out)
+    }
+
+    fn content_type(&self) -> &str {
+        "application/avro"
+    }
+
+    fn describe(&self) -> String {
+        self.describe.clone()
+    }
+}
+
+impl Decoder {
+    /// `v` as a value of `schema`; `at` is its JSON pointer, for errors.
+    fn avro(&self, v: &Value, schema: &Schema, at: &str) -> Result<Avro, String> {
+        let here = || if at.is_empty() { "/".to_owned() } else { at.to_owned() };
+        let want = |what: &str| format!("{}: expected {what}, found {}", here(), kind(v));
+        let int = || -> Option<i64> {
+            match v {
+                Value::Number(n) => n.as_i64(),
+                Value::String(s) => s.trim().parse().ok(),
+                _ => None,
+            }
+        };
+        let float = || -> Option<f64> {
+            match v {
+                Value::Number(n) => n.as_f64(),
+                Value::String(s) => s.trim().parse().ok(),
+                _ => None,
+            }
+        };
+        let text = || v.as_str().ok_or_else(|| want("text"));
+        Ok(match schema {
+            Schema::Ref { name } => {
+                let s = self.names.get(name).ok_or_else(|| format!("{}: unknown type {name}", here()))?;
+                return self.avro(v, s, at);
+            }
+            Schema::Null if v.is_null() => Avro::Null,
+            Schema::Null => return Err(want("null")),
+            Schema::Boolean => Avro::Boolean(v.as_bool().ok_or_else(|| want("true or false"))?),
+            Schema::Int => {
+                let i = int().ok_or_else(|| want("an integer"))?;
+                Avro::Int(i32::try_from(i).map_err(|_| format!("{}: {i} is out of an Avro int's range", here()))?)
+            }
+            Schema::Long => Avro::Long(int().ok_or_else(|| want("an integer"))?),
+            Schema::Float => Avro::Float(float().ok_or_else(|| want("a number"))? as f32),
+            Schema::Double => Avro::Double(float().ok_or_else(|| want("a number"))?),
+            Schema::String => match v {
+                Value::String(s) => Avro::String(s.clone()),
+                Value::Number(_) | Value::Bool(_) => Avro::String(v.to_string()),
+                _ => return Err(want("text")),
+            },
+            Schema::Bytes => Avro::Bytes(base64(text()?).map_err(|e| format!("{}: not base64: {e}", here()))?),
+            Schema::Fixed(f) => {
+                let b = base64(text()?).map_err(|e| format!("{}: not base64: {e}", here()))?;
+                if b.len() != f.size {
+                    return Err(format!("{}: {} bytes, fixed {} has {}", here(), b.len(), f.name, f.size));
+                }
+                Avro::Fixed(f.size, b)
+            }
+            Schema::Enum(e) => {
+                let symbol = text()?;
+                let i = e.symbols.iter().position(|s| s == symbol).ok_or_else(|| {
+                    format!("{}: {symbol:?} is not a symbol of enum {} ({})", here(), e.name, e.symbols.join(", "))
+                })?;
+                Avro::Enum(u32::try_from(i).unwrap_or(u32::MAX), symbol.to_owned())
+            }
+            Schema::Union(u) => {
+                let mut tried = Vec::new();
+                for (i, branch) in u.variants().iter().enumerate() {
+                    match self.avro(v, branch, at) {
+                        Ok(value) => return Ok(Avro::Union(u32::try_from(i).unwrap_or(u32::MAX), Box::new(value))),
+                        Err(e) => tried.push(e),
+                    }
+                }
+                return Err(format!("{}: fits no branch of its union ({})", here(), tried.join("; ")));
+            }
+            Schema::Array(a) => {
+                let items = v.as_array().ok_or_else(|| want("an array"))?;
+                let items: Result<Vec<_>, _> =
+                    items.iter().enumerate().map(|(i, x)| self.avro(x, &a.items, &format!("{at}/{i}"))).collect();
+                Avro::Array(items?)
+            }
+            Schema::Map(m) => {
+                let entries = v.as_object().ok_or_else(|| want("an object"))?;
+                let mut out = HashMap::with_capacity(entries.len());
+                for (k, x) in entries {
+                    out.insert(k.clone(), self.avro(x, &m.types, &format!("{at}/{}", pointer_token(k)))?);
+                }
+                Avro::Map(out)
+            }
+            Schema::Record(r) => {
+                let fields = v.as_object().ok_or_else(|| want("an object"))?;
+                let mut out = Vec::with_capacity(r.fields.len());
+                for f in &r.fields {
+                    let path = format!("{at}/{}", pointer_token(&f.name));
+                    let value = match (fields.get(&f.name), &f.default) {
+                        (Some(x), _) => self.avro(x, &f.schema, &path)?,
+                        // Avro's default is for the union's first branch.
+                        (None, Some(d)) => match &f.schema {
+                            Schema::Union(u) if !u.variants().is_empty() => {
+                                Avro::Union(0, Box::new(self.avro(d, &u.variants()[0], &path)?))
+                            }
+                            other => self.avro(d, other, &path)?,
+                        },
+                        (None, None) => {
+                            return Err(format!("{path}: missing, and field {} of {} has no default", f.name, r.name));
+                        }
+                    };
+                    out.push((f.name.clone(), value));
+                }
+                Avro::Record(out)
+            }
+            Schema::Decimal(d) => {
+                let unscaled = decimal_unscaled(v, d.scale).ok_or_else(|| want("a decimal (text like \"12.50\")"))?;
+                let digits = unscaled.trim_start_matches('-').len();
+                if digits > d.precision {
+                    return Err(format!("{}: {digits} digits, over the decimal's precision {}", here(), d.precision));
+                }
+                let n: num_bigint::BigInt = unscaled.parse().map_err(|_| want("a decimal"))?;
+                let mut bytes = n.to_signed_bytes_be();
+                if let apache_avro::schema::InnerDecimalSchema::Fixed(f) = &d.inner {
+                    if bytes.len() > f.size {
+                        return Err(format!("{}: too large for fixed {} of {} bytes", here(), f.name, f.size));
+                    }
+                    let pad = if n.sign() == num_bigint::Sign::Minus { 0xff } else { 0 };
+                    let mut padded = vec![pad; f.size - bytes.len()];
+                    padded.extend(bytes);
+                    bytes = padded;
+                }
+                Avro::Decimal(apache_avro::Decimal::from(bytes))
+            }
+            Schema::Uuid(_) => Avro::Uuid(text()?.parse().map_err(|e| format!("{}: not a UUID: {e}", here()))?),
+            Schema::Date => match v {
+                Value::String(s) => {
+                    let d =
+                        NaiveDate::parse_from_str(s, "%Y-%m-%d").map_err(|e| format!("{}: not a date: {e}", here()))?;
+                    let epoch = NaiveDate::from_ymd_opt(1970, 1, 1).unwrap_or_default();
+                    let days = (d - epoch).num_days();
+                    Avro::Date(i32::try_from(days).map_err(|_| format!("{}: date out of range", here()))?)
+                }
+                _ => Avro::Date(i32::try_from(int().ok_or_else(|| want("a date"))?).map_err(|_| want("a date"))?),
+            },
+            Schema::TimestampMillis | Schema::TimestampMicros => {
+                let t = match v {
+                    Value::String(s) => Some(
+                        DateTime::parse_from_rfc3339(s)
+                            .map_err(|e| format!("{}: not an RFC 3339 time: {e}", here()))?
+                            .with_timezone(&chrono::Utc),
+                    ),
+                    _ => None,
+                };
+                match (schema, t) {
+                    (Schema::TimestampMillis, Some(t)) => Avro::TimestampMillis(t.timestamp_millis()),
+                    (_, Some(t)) => Avro::TimestampMicros(t.timestamp_micros()),
+                    (Schema::TimestampMillis, None) => Avro::TimestampMillis(int().ok_or_else(|| want("a time"))?),
+                    (_, None) => Avro::TimestampMicros(int().ok_or_else(|| want("a time"))?),
+                }
+            }
+            other => {
+                return Err(format!("{}: relay does not write Avro type {other:?} yet", here()));
+            }
+        })
+    }
+}
+
+/// The kind of a JSON value, for errors (never the value).
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "text",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// A JSON pointer token (RFC 6901).
+fn pointer_token(s: &str) -> String {
+    s.replace('~', "~0").replace('/', "~1")
+}
+
+fn base64(s: &str) -> Result<Vec<u8>, base64::DecodeError> {
+    base64::engine::general_purpose::STANDARD.decode(s)
+}
+
+/// The unscaled integer text of decimal `v` at `scale`, if it is one with
+/// at most `scale` fraction digits.
+fn decimal_unscaled(v: &Value, scale: usize) -> Option<String> {
+    let text = match v {
+        Value::String(s) => s.trim().to_owned(),
+        Value::Number(n) if n.is_i64() || n.is_u64() => n.to_string(),
+        Value::Number(n) => n.to_string(),
+        _ => return None,
+    };
+    let (sign, digits) = text.strip_prefix('-').map_or(("", text.as_str()), |d| ("-", d));
+    let (int, frac) = digits.split_once('.').unwrap_or((digits, ""));
+    if int.is_empty() && frac.is_empty()
+        || !int.bytes().all(|b| b.is_ascii_digit())
+        || !frac.bytes().all(|b| b.is_ascii_digit())
+        || frac.len() > scale
+    {
+        return None;
+    }
+    let unscaled = format!("{int}{frac:0<scale$}");
+    let unscaled = unscaled.trim_start_matches('0');
+    Some(if unscaled.is_empty() { "0".to_owned() } else { format!("{sign}{unscaled}") })
+}
+
+/// JSON has no NaN or infinity: those become text, as Avro's JSON encoding has them./// JSON has no NaN or infinity: those become text, as Avro's JSON encoding has them.
 fn float(f: f64) -> Value {
     match Number::from_f64(f) {
         Some(n) => Value::Number(n),
@@ -332,6 +576,42 @@ mod tests {
         assert!(err.contains("type Node contains itself"), "{err}");
         let shared = r#"{"type":"record","name":"R","fields":[{"name":"a","type":{"type":"record","name":"P","fields":[{"name":"x","type":"long"}]}},{"name":"b","type":"P"}]}"#;
         assert!(Decoder::parse(shared).is_ok(), "a named type used twice is not recursive");
+    }
+
+    #[test]
+    fn data_encodes_to_the_datum_that_decodes_back_to_it_and_a_misfit_names_its_field() {
+        use relay_core::effects::DataEncoder as _;
+        let e = Encoder::new(7, Decoder::parse(ORDER).unwrap(), "subject s, schema id 7".into());
+        let data = serde_json::json!({
+            "id": "o-1", "cents": "1250", "price": "-12.5", "status": "PAID",
+            "placed": "2025-12-05T00:00:00.123Z", "day": "2025-12-05", "raw": "AP8=",
+            "lines": [{"sku": "s", "ratio": 0.5}], "again": "NEW", "extra": "left out"
+        });
+        let bytes = e.encode(&data).unwrap();
+        assert_eq!(&bytes[..5], &[0, 0, 0, 0, 7]);
+        let back = e.schema.decode(&bytes[5..]).unwrap();
+        assert_eq!(
+            back,
+            serde_json::json!({
+                "id": "o-1", "cents": 1250, "price": "-12.50", "note": null, "status": "PAID",
+                "placed": "2025-12-05T00:00:00.123Z", "day": "2025-12-05", "raw": "AP8=",
+                "lines": [{"sku": "s", "ratio": 0.5}], "again": "NEW"
+            })
+        );
+        for (field, value, says) in [
+            ("cents", serde_json::json!("a lot"), "/cents: expected an integer, found text"),
+            ("status", serde_json::json!("LOST"), "/status: \"LOST\" is not a symbol of enum shop.Status"),
+            ("price", serde_json::json!("1.234"), "/price: expected a decimal"),
+            ("lines", serde_json::json!([{"sku": 5}]), "/lines/0/ratio: missing"),
+        ] {
+            let mut bad = data.clone();
+            bad[field] = value;
+            let err = e.encode(&bad).unwrap_err();
+            assert!(err.contains(says), "{says:?} in {err}");
+        }
+        let mut missing = data.clone();
+        missing.as_object_mut().unwrap().remove("id");
+        assert!(e.encode(&missing).unwrap_err().contains("/id: missing"));
     }
 
     #[test]

@@ -204,31 +204,85 @@ impl Registry {
         Ok(fetched)
     }
 
-    async fn fetch(&self, id: u32, format: TopicFormat, topic: &str) -> Result<Registered, Failure> {
-        let url = self.base.join(&format!("schemas/ids/{id}")).map_err(|e| Failure::Unavailable(e.to_string()))?;
-        let mut req =
-            self.http.get(url.clone()).header("accept", "application/vnd.schemaregistry.v1+json, application/json");
+    /// `GET` `path` under the base URL: the status and the answer (at most
+    /// [`MAX_ANSWER_BYTES`]), or why there is none.
+    async fn get(&self, path: &str) -> Result<(reqwest::StatusCode, String), String> {
+        let url = self.base.join(path).map_err(|e| e.to_string())?;
+        let mut req = self.http.get(url).header("accept", "application/vnd.schemaregistry.v1+json, application/json");
         req = match &self.auth {
             Auth::None => req,
             Auth::Basic { user, password } => req.basic_auth(user, Some(password)),
             Auth::Bearer(token) => req.bearer_auth(token),
         };
+        let mut resp = req.send().await.map_err(|e| transport(&e))?;
+        let status = resp.status();
+        let mut bytes = Vec::new();
+        while let Some(chunk) = resp.chunk().await.map_err(|e| transport(&e))? {
+            if bytes.len() + chunk.len() > MAX_ANSWER_BYTES {
+                return Err(format!("its answer is over {MAX_ANSWER_BYTES} bytes"));
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
+    }
+
+    /// An encoder of data into the latest schema of `subject`, in `format`
+    /// (for emits). Its schema is read once: a start after a new version is
+    /// registered takes that one.
+    pub async fn encoder(
+        &self,
+        format: TopicFormat,
+        subject: &str,
+    ) -> Result<Arc<dyn relay_core::effects::DataEncoder>, String> {
+        let path = format!("subjects/{}/versions/latest", utf8_percent(subject));
+        let (status, body) = self.get(&path).await.map_err(|why| {
+            format!("the schema registry at {} could not give the latest schema of subject {subject}: {why}", self.base)
+        })?;
+        if !status.is_success() {
+            return Err(format!(
+                "the schema registry at {} has no latest schema of subject {subject:?} (HTTP {status}: {}); \
+                 register the schema the emit writes (e.g. with the producer's serializer, or \
+                 POST {}subjects/{subject}/versions) before starting",
+                self.base,
+                snippet(&body),
+                self.base
+            ));
+        }
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase")]
+        struct Latest {
+            id: u32,
+            schema: String,
+            schema_type: Option<String>,
+        }
+        let latest: Latest = serde_json::from_str(&body)
+            .map_err(|e| format!("subject {subject}: the registry's answer is not a schema version ({e})"))?;
+        let kind = latest.schema_type.as_deref().unwrap_or("AVRO");
+        let describe = format!("subject {subject}, schema id {}", latest.id);
+        match (format, kind) {
+            (TopicFormat::Avro, "AVRO") => avro::Decoder::parse(&latest.schema)
+                .map(|schema| Arc::new(avro::Encoder::new(latest.id, schema, describe)) as Arc<_>)
+                .map_err(|e| format!("subject {subject}: its Avro schema cannot be used: {e}")),
+            (TopicFormat::JsonSchema, "JSON") => serde_json::from_str::<Value>(&latest.schema)
+                .map_err(|e| e.to_string())
+                .and_then(|doc| jsonschema::validator_for(&doc).map_err(|e| e.to_string()))
+                .map(|validator| Arc::new(JsonEncoder { id: latest.id, validator, describe }) as Arc<_>)
+                .map_err(|e| format!("subject {subject}: its JSON Schema cannot be used: {e}")),
+            (format, kind) => Err(format!(
+                "subject {subject}'s latest schema is of type {kind}, and the emit has format = {:?}",
+                format.as_str()
+            )),
+        }
+    }
+
+    async fn fetch(&self, id: u32, format: TopicFormat, topic: &str) -> Result<Registered, Failure> {
         let unavailable = |why: String| {
             Failure::Unavailable(format!(
                 "the schema registry at {} could not give schema id {id} (topic {topic:?}): {why}",
                 self.base
             ))
         };
-        let mut resp = req.send().await.map_err(|e| unavailable(transport(&e)))?;
-        let status = resp.status();
-        let mut bytes = Vec::new();
-        while let Some(chunk) = resp.chunk().await.map_err(|e| unavailable(transport(&e)))? {
-            if bytes.len() + chunk.len() > MAX_ANSWER_BYTES {
-                return Err(unavailable(format!("its answer is over {MAX_ANSWER_BYTES} bytes")));
-            }
-            bytes.extend_from_slice(&chunk);
-        }
-        let body = String::from_utf8_lossy(&bytes);
+        let (status, body) = self.get(&format!("schemas/ids/{id}")).await.map_err(unavailable)?;
         if status == reqwest::StatusCode::NOT_FOUND {
             // 40403: no schema under this id. A registry that answers 404
             // for its whole API (a wrong url) says so in another code.
@@ -279,6 +333,53 @@ impl Registry {
                 Err(poison(format!("the schema is of type {other}, and the topic has format = {:?}", format.as_str())))
             }
         }
+    }
+}
+
+/// A subject as one path segment.
+fn utf8_percent(s: &str) -> String {
+    url::form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>().replace('+', "%20")
+}
+
+/// The wire format's header for schema `id`.
+fn header(id: u32) -> Vec<u8> {
+    let mut v = Vec::with_capacity(64);
+    v.push(MAGIC);
+    v.extend(id.to_be_bytes());
+    v
+}
+
+/// JSON checked against a JSON Schema, in the wire format.
+struct JsonEncoder {
+    id: u32,
+    validator: jsonschema::Validator,
+    describe: String,
+}
+
+impl std::fmt::Debug for JsonEncoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe)
+    }
+}
+
+impl relay_core::effects::DataEncoder for JsonEncoder {
+    fn encode(&self, data: &Value) -> Result<Vec<u8>, String> {
+        let errors: Vec<String> =
+            self.validator.iter_errors(data).take(5).map(|e| relay_core::router::schema_failure(&e)).collect();
+        if !errors.is_empty() {
+            return Err(errors.join("; "));
+        }
+        let mut v = header(self.id);
+        serde_json::to_writer(&mut v, data).map_err(|e| e.to_string())?;
+        Ok(v)
+    }
+
+    fn content_type(&self) -> &str {
+        "application/json"
+    }
+
+    fn describe(&self) -> String {
+        self.describe.clone()
     }
 }
 

@@ -1,0 +1,68 @@
+"""Read records relay emitted with Confluent's own deserializers
+(confluent-kafka from PyPI): the independent check that relay writes the
+Schema Registry wire format.
+
+usage: consume.py avro|json BOOTSTRAP REGISTRY_URL TOPIC COUNT
+
+Prints one JSON object per record: {"key", "content_type", "value"}, with
+decimals as text and dates and times in ISO 8601. Fails after 60 s without
+COUNT records.
+"""
+
+import datetime
+import decimal
+import json
+import sys
+import time
+import uuid
+
+from confluent_kafka import Consumer
+from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry.avro import AvroDeserializer
+from confluent_kafka.schema_registry.json_schema import JSONDeserializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+
+
+def plain(value):
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, (datetime.date, datetime.datetime, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return value.hex()
+    return value
+
+
+def main() -> None:
+    fmt, bootstrap, registry_url, topic, count = sys.argv[1:6]
+    registry = SchemaRegistryClient({"url": registry_url})
+    if fmt == "avro":
+        deserialize = AvroDeserializer(registry)
+    else:
+        deserialize = JSONDeserializer(None, schema_registry_client=registry)
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": f"reader-{uuid.uuid4()}", "auto.offset.reset": "earliest"}
+    )
+    consumer.subscribe([topic])
+    seen, deadline = 0, time.monotonic() + 60
+    while seen < int(count):
+        if time.monotonic() > deadline:
+            sys.exit(f"only {seen} of {count} records on {topic} within 60 s")
+        msg = consumer.poll(1.0)
+        if msg is None:
+            continue
+        if msg.error():
+            sys.exit(f"consume error: {msg.error()}")
+        headers = dict((k, v.decode()) for k, v in (msg.headers() or []) if v is not None)
+        value = deserialize(msg.value(), SerializationContext(topic, MessageField.VALUE))
+        print(json.dumps({"key": msg.key().decode(), "content_type": headers.get("content-type"), "value": plain(value)}))
+        seen += 1
+    consumer.close()
+
+
+if __name__ == "__main__":
+    main()
