@@ -330,7 +330,9 @@ const PAYMENT: &str = r#"{"type":"record","name":"PaymentRequested","namespace":
   {"name":"order_id","type":"string"},
   {"name":"amount","type":{"type":"bytes","logicalType":"decimal","precision":9,"scale":2}},
   {"name":"cents","type":"long"},
-  {"name":"channel","type":{"type":"enum","name":"Channel","symbols":["WEB","STORE"]},"default":"WEB"}]}"#;
+  {"name":"channel","type":{"type":"enum","name":"Channel","symbols":["WEB","STORE"]},"default":"WEB"},
+  {"name":"note","type":["null","string"],"default":null},
+  {"name":"placed","type":{"type":"long","logicalType":"timestamp-millis"}}]}"#;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_avro_record_comes_out_as_avro_that_confluent_s_deserializer_reads_and_a_misfit_fails_at_ingest() {
@@ -370,7 +372,7 @@ type = "payment.requested"
 topic = "{{out}}"
 format = "avro"
 key = "{{{{ data.order_id }}}}"
-data = {{ order_id = "{{{{ data.order_id }}}}", amount = "{{{{ data.price }}}}", cents = "{{% if data.order_id == 'o-2' %}}x{{% endif %}}{{{{ data.amount_cents }}}}" }}
+data = {{ order_id = "{{{{ data.order_id }}}}", amount = "{{{{ data.price }}}}", cents = "{{% if data.order_id == 'o-2' %}}x{{% endif %}}{{{{ data.amount_cents }}}}", note = "for {{{{ data.order_id }}}}", placed = "2026-12-05T10:00:00.250Z" }}
 "#
     ));
     let run = h.start(cfg, Components::ALL, no_faults()).await;
@@ -383,7 +385,11 @@ data = {{ order_id = "{{{{ data.order_id }}}}", amount = "{{{{ data.price }}}}",
     let read = consumed(&h, &registry, "avro", 1).await;
     let (content_type, value) = &read["o-1"];
     assert_eq!(content_type, "application/avro");
-    assert_eq!(value, &json!({"order_id": "o-1", "amount": "12.50", "cents": 1250, "channel": "WEB"}));
+    assert_eq!(
+        value,
+        &json!({"order_id": "o-1", "amount": "12.50", "cents": 1250, "channel": "WEB", "note": "for o-1",
+                "placed": "2026-12-05T10:00:00.250000+00:00"})
+    );
     let dead = dead_letters(&h).await;
     assert_eq!(dead.len(), 1, "{dead:?}");
     let (_, class, reason) = &dead[0];

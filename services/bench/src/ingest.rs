@@ -6,9 +6,14 @@ use super::*;
 /// from the first row recorded to the last offset committed.
 pub(super) async fn ingest_into(env: &Env, s: &Setup, n: usize, first: usize) -> anyhow::Result<f64> {
     produce(env, &s.topic, first..first + n).await?;
+    ingest_produced(env, s, n, first, config(env, s, 64)?).await
+}
+
+/// [`ingest_into`] of records produced already, by a relay over `cfg`.
+async fn ingest_produced(env: &Env, s: &Setup, n: usize, first: usize, cfg: RelayConfig) -> anyhow::Result<f64> {
     let offsets = OffsetWatch::new(&env.bootstrap, &s.group, &s.topic).await?;
     let since = seed::db_now(&s.db.pool).await?;
-    let relay = Relay::new(config(env, s, 64)?, Handlers::default(), Faults::none()).await?;
+    let relay = Relay::new(cfg, Handlers::default(), Faults::none()).await?;
     let mut relay = UnderTest::start(relay, CONSUME);
     wait_until(&mut relay, "the first record", Duration::from_secs(120), async || {
         seed::inbox_since(&s.db.pool, since).await.unwrap_or(-1) > 0
@@ -34,6 +39,65 @@ const LIMIT_ONE: &str = "limit, one writer: the same rows, batched inserts, no K
 pub(super) async fn ingest_relay(env: &Env, n: usize) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
     let s = setup(env, PARTITIONS as i32).await?;
     Ok((ingest_into(env, &s, n, 0).await?, None))
+}
+
+/// The same records as [`ingest_relay`], their values Avro in the Schema
+/// Registry wire format (the producer's schema registered under
+/// `<topic>-value`): what decoding each value with its schema costs.
+pub(super) async fn ingest_relay_avro(env: &Env, n: usize) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
+    const ORDER: &str = r#"{"type":"record","name":"OrderPlaced","namespace":"bench","fields":[
+      {"name":"event_id","type":"string"},{"name":"order_id","type":"string"},
+      {"name":"amount","type":"long"},{"name":"produced_at_us","type":"long"}]}"#;
+    let registry = env.registry.as_deref().ok_or_else(|| {
+        anyhow::anyhow!(
+            "the ingest section's Avro row needs a Schema Registry: pass --schema-registry URL or set \
+             RELAY_TEST_SCHEMA_REGISTRY_URL (scripts/bench.sh starts one)"
+        )
+    })?;
+    let s = setup(env, PARTITIONS as i32).await?;
+    let registered: serde_json::Value = reqwest::Client::new()
+        .post(format!("{registry}/subjects/{}-value/versions", s.topic))
+        .json(&serde_json::json!({"schema": ORDER}))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let id = u32::try_from(registered["id"].as_u64().ok_or_else(|| anyhow::anyhow!("no id in {registered}"))?)?;
+    let schema = apache_avro::Schema::parse_str(ORDER)?;
+    let writer = apache_avro::writer::datum::GenericDatumWriter::builder(&schema).build()?;
+    let p = TestProducer::new(&env.bootstrap)?;
+    for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
+        let mut values = Vec::with_capacity(chunk.len());
+        for &i in chunk {
+            use apache_avro::types::Value as A;
+            let order = format!("o-{i}");
+            let datum = A::Record(vec![
+                ("event_id".into(), A::String(format!("e-{i}"))),
+                ("order_id".into(), A::String(order.clone())),
+                ("amount".into(), A::Long(i64::try_from(i)?)),
+                ("produced_at_us".into(), A::Long(now_us())),
+            ]);
+            let mut value = vec![0];
+            value.extend(id.to_be_bytes());
+            value.extend(writer.write_value_to_vec(datum)?);
+            values.push((order, value));
+        }
+        let sends = values.iter().map(|(key, value)| p.raw(&s.topic, None, Some(key.as_bytes()), &[], Some(value)));
+        for r in futures::future::join_all(sends).await {
+            r?;
+        }
+    }
+    let text = format!(
+        "{}\n[schema_registry]\nurl = \"{registry}\"\n[topics.\"{}\"]\nformat = \"avro\"\n\
+         fields.id = {{ pointer = \"/event_id\" }}\nfields.type = {{ value = \"order.placed\" }}\n",
+        config_text(env, &s, 64),
+        s.topic
+    );
+    let mut cfg = RelayConfig::from_toml(&text)?;
+    cfg.database.url = Some(s.db.url.clone().into());
+    cfg.dispatcher.claim_at_ingest = env.claim_at_ingest;
+    Ok((ingest_produced(env, &s, n, 0, cfg).await?, None))
 }
 
 /// The limit: the same rows the relay writes for these records (same
@@ -223,6 +287,11 @@ pub(super) async fn ingest_section(env: &Env) -> anyhow::Result<Section> {
         "offsets committed after each batch",
     ));
     ingest.rows.push(row(
+        "relay consumer, Avro values (Schema Registry)",
+        median(env, || ingest_relay_avro(env, n)).await?,
+        "the same records in the registry's wire format, decoded with the registered schema",
+    ));
+    ingest.rows.push(row(
         LIMIT,
         median(env, || ingest_limit(env, n, batch, PARTITIONS)).await?,
         format!("{batch} records per transaction, {PARTITIONS} writers as the relay has partitions"),
@@ -244,6 +313,10 @@ pub(super) async fn ingest_section(env: &Env) -> anyhow::Result<Section> {
         ingest.rate(LIMIT_ONE),
         ingest.rate("floor: naive consumer"),
     );
+    ingest.verdicts.push(format!(
+        "Avro values decoded with the registry's schema: {:.0} % of the JSON rate",
+        100.0 * ingest.rate("relay consumer, Avro values (Schema Registry)") / relay.max(1.0)
+    ));
     ingest.verdicts.push(format!(
         "relay / limit = **{:.2}** (goal ≥ 0.5; {PARTITIONS} writers); relay / one-writer limit = {:.2} (as reported \
          before issue 27); relay / floor = **{:.1}** (goal ≥ 10)",

@@ -84,6 +84,8 @@ pub struct Env {
     pub peak: Option<f64>,
     /// `dispatcher.claim_at_ingest` (the relay's default: on).
     pub claim_at_ingest: bool,
+    /// A Confluent-compatible Schema Registry (the ingest section's Avro row).
+    pub registry: Option<String>,
 }
 
 impl Env {

@@ -36,6 +36,9 @@ struct Args {
     /// ingest (`dispatcher.claim_at_ingest = false`), to compare the two.
     #[arg(long)]
     no_claim_at_ingest: bool,
+    /// A Confluent-compatible Schema Registry, for the ingest section's Avro row.
+    #[arg(long, env = "RELAY_TEST_SCHEMA_REGISTRY_URL")]
+    schema_registry: Option<String>,
     /// Write the Markdown report here (e.g. BENCHMARKS.md).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -57,6 +60,7 @@ async fn main() -> ExitCode {
         loads: a.load,
         peak: a.peak,
         claim_at_ingest: !a.no_claim_at_ingest,
+        registry: a.schema_registry,
     };
     let started = std::time::Instant::now();
     let sections = match run_all(&env).await {

@@ -44,27 +44,25 @@ pub struct Relay {
     registry: Option<Arc<relay_registry::Registry>>,
 }
 
-/// An encoder for every route emit with a `format`, from the latest
-/// schema of its subject; a start fails naming each one it cannot make.
+/// An encoder for every topic a route emit writes with a `format`, from
+/// the latest schema of its subject; a start fails naming each one it
+/// cannot make.
 async fn emit_encoders(
     router: &Router,
     registry: Option<&relay_registry::Registry>,
 ) -> anyhow::Result<relay_core::router::Encoders> {
     let mut encoders = relay_core::router::Encoders::new();
     let mut problems = Vec::new();
-    for (route, action, format, subject) in router.formatted_emits() {
+    for (topic, format, subject) in router.formatted_topics() {
         let Some(registry) = registry else {
-            problems.push(format!(
-                "route {route}, emit {action:?}: format = {:?} needs [schema_registry]",
-                format.as_str()
-            ));
+            problems.push(format!("topic {topic}: emits with format = {:?} need [schema_registry]", format.as_str()));
             continue;
         };
         match registry.encoder(format, &subject).await {
             Ok(e) => {
-                encoders.insert((route, action), e);
+                encoders.insert(topic, e);
             }
-            Err(why) => problems.push(format!("route {route}, emit {action:?}: {why}")),
+            Err(why) => problems.push(format!("topic {topic}: {why}")),
         }
     }
     anyhow::ensure!(problems.is_empty(), "emits cannot be encoded:\n  {}", problems.join("\n  "));

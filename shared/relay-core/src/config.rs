@@ -1143,6 +1143,7 @@ impl RelayConfig {
         if let Some(r) = &self.schema_registry {
             check_schema_registry(r, &mut p);
         }
+        self.check_emit_formats(&mut p);
         for (name, e) in &self.endpoints {
             let at = format!("endpoints.{name}");
             if e.concurrency == 0 {
@@ -1455,6 +1456,47 @@ fn check_fields(at: &str, f: &FieldOverrides, p: &mut Vec<String>) {
     }
 }
 
+impl RelayConfig {
+    /// Every emit to one topic writes one format with one subject: a
+    /// consumer of the topic reads one encoding (a code handler's emits to
+    /// it are encoded the same way, by topic).
+    fn check_emit_formats(&self, p: &mut Vec<String>) {
+        let mut by_topic: BTreeMap<String, (String, Option<(TopicFormat, String)>)> = BTreeMap::new();
+        let mut see = |at: String, e: &EmitAction| {
+            let this = e.format.map(|f| (f, e.schema_subject()));
+            let describe = |f: &Option<(TopicFormat, String)>| match f {
+                Some((f, subject)) => format!("as {} (subject {subject})", f.as_str()),
+                None => "as JSON".to_owned(),
+            };
+            match by_topic.get(e.topic.as_str()) {
+                Some((first, seen)) if *seen != this => p.push(format!(
+                    "{at}: writes topic {:?} {}, but {first} writes it {}; every emit to one topic writes one format",
+                    e.topic,
+                    describe(&this),
+                    describe(seen)
+                )),
+                Some(_) => {}
+                None => {
+                    by_topic.insert(e.topic.clone(), (at, this));
+                }
+            }
+        };
+        for (i, r) in self.routes.iter().enumerate() {
+            for (j, a) in r.actions.iter().enumerate() {
+                match a {
+                    ActionConfig::Emit(e) => see(format!("routes[{i}].actions[{j}]"), e),
+                    ActionConfig::Call(c) => {
+                        for e in c.on_success.emit.iter().chain(&c.on_dead.emit) {
+                            see(format!("routes[{i}].actions[{j}] outcome emit {:?}", e.name), e);
+                        }
+                    }
+                    ActionConfig::Saga(_) => {}
+                }
+            }
+        }
+    }
+}
+
 /// The problems of `[schema_registry]`.
 fn check_schema_registry(r: &SchemaRegistryConfig, p: &mut Vec<String>) {
     if !matches!(r.url.scheme(), "http" | "https") {
@@ -1620,6 +1662,13 @@ mod tests {
         assert!(emit("schema_subject = \"s\"").contains("schema_subject: set, but the emit has no format"));
         let outcome = problems_with("format = \"avro\"\n[schema_registry]\nurl = \"http://r\"\n");
         assert!(outcome.contains("outcome emit \"captured\" has a format"), "{outcome}");
+        // VALID's outcome emit writes topic "payments" as JSON.
+        let mixed = problems_with(
+            "[[routes.actions]]\nkind = \"emit\"\nname = \"p\"\ntype = \"t\"\ntopic = \"payments\"\nformat = \"avro\"\n\
+             [schema_registry]\nurl = \"http://r\"\n",
+        );
+        assert!(mixed.contains("writes topic \"payments\" as avro (subject payments-value)"), "{mixed}");
+        assert!(mixed.contains("every emit to one topic writes one format"), "{mixed}");
     }
 
     #[test]

@@ -146,7 +146,7 @@ fn without_nul(v: &mut Value) {
 }
 
 /// An event to emit through the outbox.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct EmitSpec {
     /// Action name; part of the event's derived id.
     pub action: String,
@@ -162,8 +162,9 @@ pub struct EmitSpec {
     pub data: Value,
     /// Publish after earlier unpublished events of the same topic and key.
     pub ordered: bool,
-    /// The data encoded for its topic's schema (`format` of the emit):
-    /// the record's value, in place of the data as JSON.
+    /// The data encoded for its topic's schema (the `format` of the emits
+    /// to its topic): the record's value, in place of the data as JSON. Set
+    /// by the router only; whatever a handler puts here is replaced.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub encoded: Option<EncodedData>,
 }

@@ -122,14 +122,15 @@ pub struct Router {
     templates: Templates,
     /// Defects put back on purpose (tests only; all off otherwise).
     sabotage: crate::sabotage::Sabotage,
-    /// The encoders of emits with a `format`, by (route, action); `None`:
-    /// not given (a router that only routes, as `relay verify`'s).
+    /// The encoders of topics written with a `format`; `None`: not given
+    /// (a router that only routes, as `relay verify`'s).
     encoders: Option<Encoders>,
 }
 
-/// The encoders of a router's emits with a `format`, by (route name,
-/// action name).
-pub type Encoders = HashMap<(String, String), std::sync::Arc<dyn crate::effects::DataEncoder>>;
+/// The encoders of the topics a router's emits write with a `format`, by
+/// topic (every emit to one topic writes one format: configuration
+/// checks it, and a code handler's emits to it are encoded the same way).
+pub type Encoders = HashMap<String, std::sync::Arc<dyn crate::effects::DataEncoder>>;
 
 /// Routes could not be compiled.
 #[derive(Debug, thiserror::Error)]
@@ -273,18 +274,20 @@ impl Router {
         self
     }
 
-    /// The (route, action, topic, format, subject) of every route emit
+    /// The (topic, format, subject) of every topic a route emit writes
     /// with a `format`: what [`Router::with_encoders`] needs.
-    pub fn formatted_emits(&self) -> Vec<(String, String, TopicFormat, String)> {
-        let mut out = Vec::new();
+    pub fn formatted_topics(&self) -> Vec<(String, TopicFormat, String)> {
+        let mut out: Vec<(String, TopicFormat, String)> = Vec::new();
         for route in self.routes.values() {
             for a in &route.actions {
-                if let CompiledAction::Emit(CompiledEmit { name, format: Some((format, subject)), .. }) = a {
-                    out.push((route.name.clone(), name.clone(), *format, subject.clone()));
+                if let CompiledAction::Emit(CompiledEmit { topic, format: Some((format, subject)), .. }) = a
+                    && !out.iter().any(|(t, _, _)| t == topic)
+                {
+                    out.push((topic.clone(), *format, subject.clone()));
                 }
             }
         }
-        out.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
+        out.sort_by(|a, b| a.0.cmp(&b.0));
         out
     }
 
@@ -409,7 +412,20 @@ impl Router {
             Poison::new(PoisonClass::TemplateError, why).with_identity(Some(&event.id), Some(&event.event_type))
         })?;
         let hold = route.on_poison == crate::config::OnPoison::HoldKey;
+        let mut plan = plan;
+        // An outcome's events are written as JSON once the call is done:
+        // nothing encoded is stored with the intent.
+        for call in &mut plan.calls {
+            for e in call.on_success.emit.iter_mut().chain(call.on_dead.emit.iter_mut()) {
+                e.encoded = None;
+            }
+        }
         let intents = plan.calls.iter().map(|call| self.intent(event, call, prov, hold)).collect::<Result<_, _>>()?;
+        for emit in &mut plan.emits {
+            emit.encoded = self.encode(emit).map_err(|why| {
+                Poison::new(PoisonClass::SchemaInvalid, why).with_identity(Some(&event.id), Some(&event.event_type))
+            })?;
+        }
         let events = plan
             .emits
             .iter()
@@ -499,40 +515,21 @@ impl Router {
             match a {
                 // Nothing here reads the provider's answer: `none` stays empty.
                 CompiledAction::Saga(s) => plan.sagas.push(self.render_saga(s, &ctx, "", &mut none).map_err(poison)?),
-                CompiledAction::Emit(e) => {
-                    let mut spec = self.render_emit(e, &ctx, "", &mut none).map_err(poison)?;
-                    spec.encoded = self.encode(route, e, &spec.data).map_err(|why| {
-                        Poison::new(PoisonClass::SchemaInvalid, why)
-                            .with_identity(Some(&event.id), Some(&event.event_type))
-                    })?;
-                    plan.emits.push(spec);
-                }
+                CompiledAction::Emit(e) => plan.emits.push(self.render_emit(e, &ctx, "", &mut none).map_err(poison)?),
                 CompiledAction::Call(c) => plan.calls.push(self.render_call(c, &ctx).map_err(poison)?),
             }
         }
         Ok(plan)
     }
 
-    /// The data of emit `e` of `route` encoded with its schema, when it has
-    /// a `format` and this router was given encoders.
-    fn encode(
-        &self,
-        route: &CompiledRoute,
-        e: &CompiledEmit,
-        data: &Value,
-    ) -> Result<Option<crate::effects::EncodedData>, String> {
-        let (Some(encoders), Some((format, subject))) = (&self.encoders, &e.format) else { return Ok(None) };
-        let Some(encoder) = encoders.get(&(route.name.clone(), e.name.clone())) else {
-            return Err(format!(
-                "emit {:?} of route {} has format = {:?} (subject {subject}) and no encoder was made for it",
-                e.name,
-                route.name,
-                format.as_str()
-            ));
-        };
+    /// The data of `emit` encoded with its topic's schema, when this router
+    /// was given encoders and its topic has one; otherwise none, whatever
+    /// the plan said (a handler's bytes are never published as given).
+    fn encode(&self, emit: &EmitSpec) -> Result<Option<crate::effects::EncodedData>, String> {
+        let Some(encoder) = self.encoders.as_ref().and_then(|e| e.get(&emit.topic)) else { return Ok(None) };
         let bytes = encoder
-            .encode(data)
-            .map_err(|why| format!("the data of emit {:?} does not fit {}: {why}", e.name, encoder.describe()))?;
+            .encode(&emit.data)
+            .map_err(|why| format!("the data of emit {:?} does not fit {}: {why}", emit.action, encoder.describe()))?;
         Ok(Some(crate::effects::EncodedData { bytes, content_type: encoder.content_type().to_owned() }))
     }
 

@@ -228,9 +228,27 @@ pub(crate) struct Encoder {
 }
 
 impl Encoder {
-    pub(crate) fn new(id: u32, schema: Decoder, describe: String) -> Encoder {
-        Encoder { id, schema, describe }
+    /// An encoder for `schema`, or why it cannot write it: a type it does
+    /// not write, or a default that does not fit (found now, not on each
+    /// event).
+    pub(crate) fn new(id: u32, schema: Decoder, describe: String) -> Result<Encoder, String> {
+        schema.writable(&schema.schema, "", &mut Vec::new())?;
+        Ok(Encoder { id, schema, describe })
     }
+}
+
+/// What a JSON value being encoded is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Rendered data: a value of the schema's kind; a union takes the first
+    /// branch of the value's own kind, else the first it can be read as
+    /// (text for a number, a number for text).
+    Data,
+    /// A first pass over a union's branches: the value's own kind only.
+    Exact,
+    /// A default from the schema: Avro's JSON encoding (bytes and fixed as
+    /// text of code points 0-255).
+    Default,
 }
 
 impl std::fmt::Debug for Encoder {
@@ -241,7 +259,7 @@ impl std::fmt::Debug for Encoder {
 
 impl relay_core::effects::DataEncoder for Encoder {
     fn encode(&self, data: &Value) -> Result<Vec<u8>, String> {
-        let value = self.schema.avro(data, &self.schema.schema, "")?;
+        let value = self.schema.avro(data, &self.schema.schema, "", Mode::Data)?;
         let writer = apache_avro::writer::datum::GenericDatumWriter::builder(&self.schema.schema)
             .build()
             .map_err(|e| e.to_string())?;
@@ -261,48 +279,117 @@ impl relay_core::effects::DataEncoder for Encoder {
 }
 
 impl Decoder {
-    /// `v` as a value of `schema`; `at` is its JSON pointer, for errors.
-    fn avro(&self, v: &Value, schema: &Schema, at: &str) -> Result<Avro, String> {
+    /// Where `schema` has a type the encoder does not write, or a field
+    /// default that does not fit its type.
+    fn writable<'s>(&'s self, schema: &'s Schema, at: &str, seen: &mut Vec<&'s Name>) -> Result<(), String> {
+        match schema {
+            Schema::Array(a) => self.writable(&a.items, &format!("{at}/0"), seen),
+            Schema::Map(m) => self.writable(&m.types, &format!("{at}/*"), seen),
+            Schema::Union(u) => u.variants().iter().try_for_each(|v| self.writable(v, at, seen)),
+            Schema::Record(r) => {
+                if seen.contains(&&r.name) {
+                    return Ok(());
+                }
+                seen.push(&r.name);
+                for f in &r.fields {
+                    let path = format!("{at}/{}", pointer_token(&f.name));
+                    self.writable(&f.schema, &path, seen)?;
+                    if let Some(d) = &f.default {
+                        self.default(d, &f.schema, &path)
+                            .map_err(|e| format!("field {} of {}: its default does not fit: {e}", f.name, r.name))?;
+                    }
+                }
+                Ok(())
+            }
+            Schema::Ref { name } => match self.names.get(name) {
+                Some(s) => self.writable(s, at, seen),
+                None => Err(format!("{at}: unknown type {name}")),
+            },
+            Schema::Duration(_)
+            | Schema::BigDecimal
+            | Schema::TimeMillis
+            | Schema::TimeMicros
+            | Schema::TimestampNanos
+            | Schema::LocalTimestampMillis
+            | Schema::LocalTimestampMicros
+            | Schema::LocalTimestampNanos => {
+                Err(format!("{}: relay does not write Avro type {schema:?} yet", if at.is_empty() { "/" } else { at }))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Field default `d` of a field of `schema` (Avro's: for a union, its first branch).
+    fn default(&self, d: &Value, schema: &Schema, at: &str) -> Result<Avro, String> {
+        match schema {
+            Schema::Union(u) if !u.variants().is_empty() => {
+                Ok(Avro::Union(0, Box::new(self.avro(d, &u.variants()[0], at, Mode::Default)?)))
+            }
+            other => self.avro(d, other, at, Mode::Default),
+        }
+    }
+
+    /// `v` as a value of `schema`; `at` is its JSON pointer, for errors,
+    /// which name the place and the kinds, never the value.
+    fn avro(&self, v: &Value, schema: &Schema, at: &str, mode: Mode) -> Result<Avro, String> {
         let here = || if at.is_empty() { "/".to_owned() } else { at.to_owned() };
         let want = |what: &str| format!("{}: expected {what}, found {}", here(), kind(v));
+        let lenient = mode != Mode::Exact;
         let int = || -> Option<i64> {
             match v {
                 Value::Number(n) => n.as_i64(),
-                Value::String(s) => s.trim().parse().ok(),
+                Value::String(s) if lenient => s.trim().parse().ok(),
                 _ => None,
             }
         };
         let float = || -> Option<f64> {
             match v {
                 Value::Number(n) => n.as_f64(),
-                Value::String(s) => s.trim().parse().ok(),
+                Value::String(s) if lenient => s.trim().parse().ok().filter(|f: &f64| f.is_finite()),
                 _ => None,
+            }
+        };
+        let bytes = |s: &str| -> Result<Vec<u8>, String> {
+            if mode == Mode::Default {
+                // Avro's JSON encoding: each character a byte.
+                s.chars()
+                    .map(|c| u8::try_from(u32::from(c)).map_err(|_| format!("{}: not a byte string", here())))
+                    .collect()
+            } else {
+                base64(s).map_err(|_| format!("{}: not base64", here()))
             }
         };
         let text = || v.as_str().ok_or_else(|| want("text"));
         Ok(match schema {
             Schema::Ref { name } => {
                 let s = self.names.get(name).ok_or_else(|| format!("{}: unknown type {name}", here()))?;
-                return self.avro(v, s, at);
+                return self.avro(v, s, at, mode);
             }
             Schema::Null if v.is_null() => Avro::Null,
             Schema::Null => return Err(want("null")),
             Schema::Boolean => Avro::Boolean(v.as_bool().ok_or_else(|| want("true or false"))?),
             Schema::Int => {
                 let i = int().ok_or_else(|| want("an integer"))?;
-                Avro::Int(i32::try_from(i).map_err(|_| format!("{}: {i} is out of an Avro int's range", here()))?)
+                Avro::Int(i32::try_from(i).map_err(|_| format!("{}: out of an Avro int's range", here()))?)
             }
             Schema::Long => Avro::Long(int().ok_or_else(|| want("an integer"))?),
-            Schema::Float => Avro::Float(float().ok_or_else(|| want("a number"))? as f32),
+            Schema::Float => {
+                let f = float().ok_or_else(|| want("a number"))?;
+                let narrow = f as f32;
+                if narrow.is_infinite() && f.is_finite() {
+                    return Err(format!("{}: out of an Avro float's range", here()));
+                }
+                Avro::Float(narrow)
+            }
             Schema::Double => Avro::Double(float().ok_or_else(|| want("a number"))?),
             Schema::String => match v {
                 Value::String(s) => Avro::String(s.clone()),
-                Value::Number(_) | Value::Bool(_) => Avro::String(v.to_string()),
+                Value::Number(_) | Value::Bool(_) if lenient => Avro::String(v.to_string()),
                 _ => return Err(want("text")),
             },
-            Schema::Bytes => Avro::Bytes(base64(text()?).map_err(|e| format!("{}: not base64: {e}", here()))?),
+            Schema::Bytes => Avro::Bytes(bytes(text()?)?),
             Schema::Fixed(f) => {
-                let b = base64(text()?).map_err(|e| format!("{}: not base64: {e}", here()))?;
+                let b = bytes(text()?)?;
                 if b.len() != f.size {
                     return Err(format!("{}: {} bytes, fixed {} has {}", here(), b.len(), f.name, f.size));
                 }
@@ -310,17 +397,26 @@ impl Decoder {
             }
             Schema::Enum(e) => {
                 let symbol = text()?;
-                let i = e.symbols.iter().position(|s| s == symbol).ok_or_else(|| {
-                    format!("{}: {symbol:?} is not a symbol of enum {} ({})", here(), e.name, e.symbols.join(", "))
-                })?;
+                let i =
+                    e.symbols.iter().position(|s| s == symbol).ok_or_else(|| {
+                        format!("{}: not a symbol of enum {} ({})", here(), e.name, e.symbols.join(", "))
+                    })?;
                 Avro::Enum(u32::try_from(i).unwrap_or(u32::MAX), symbol.to_owned())
             }
             Schema::Union(u) => {
+                // The value's own kind first ("01234" stays text in
+                // ["long", "string"]); only then what it can be read as.
+                let passes = if mode == Mode::Data { &[Mode::Exact, Mode::Data][..] } else { &[mode][..] };
                 let mut tried = Vec::new();
-                for (i, branch) in u.variants().iter().enumerate() {
-                    match self.avro(v, branch, at) {
-                        Ok(value) => return Ok(Avro::Union(u32::try_from(i).unwrap_or(u32::MAX), Box::new(value))),
-                        Err(e) => tried.push(e),
+                for &pass in passes {
+                    for (i, branch) in u.variants().iter().enumerate() {
+                        match self.avro(v, branch, at, pass) {
+                            Ok(value) => {
+                                return Ok(Avro::Union(u32::try_from(i).unwrap_or(u32::MAX), Box::new(value)));
+                            }
+                            Err(e) if pass == *passes.last().unwrap_or(&pass) => tried.push(e),
+                            Err(_) => {}
+                        }
                     }
                 }
                 return Err(format!("{}: fits no branch of its union ({})", here(), tried.join("; ")));
@@ -328,31 +424,30 @@ impl Decoder {
             Schema::Array(a) => {
                 let items = v.as_array().ok_or_else(|| want("an array"))?;
                 let items: Result<Vec<_>, _> =
-                    items.iter().enumerate().map(|(i, x)| self.avro(x, &a.items, &format!("{at}/{i}"))).collect();
+                    items.iter().enumerate().map(|(i, x)| self.avro(x, &a.items, &format!("{at}/{i}"), mode)).collect();
                 Avro::Array(items?)
             }
             Schema::Map(m) => {
                 let entries = v.as_object().ok_or_else(|| want("an object"))?;
                 let mut out = HashMap::with_capacity(entries.len());
                 for (k, x) in entries {
-                    out.insert(k.clone(), self.avro(x, &m.types, &format!("{at}/{}", pointer_token(k)))?);
+                    out.insert(k.clone(), self.avro(x, &m.types, &format!("{at}/{}", pointer_token(k)), mode)?);
                 }
                 Avro::Map(out)
             }
             Schema::Record(r) => {
                 let fields = v.as_object().ok_or_else(|| want("an object"))?;
+                // A field the record lacks is refused: a misspelt optional
+                // field would otherwise ship its default without a word.
+                if let Some(extra) = fields.keys().find(|k| !r.lookup.contains_key(*k)) {
+                    return Err(format!("{at}/{}: record {} has no such field", pointer_token(extra), r.name));
+                }
                 let mut out = Vec::with_capacity(r.fields.len());
                 for f in &r.fields {
                     let path = format!("{at}/{}", pointer_token(&f.name));
                     let value = match (fields.get(&f.name), &f.default) {
-                        (Some(x), _) => self.avro(x, &f.schema, &path)?,
-                        // Avro's default is for the union's first branch.
-                        (None, Some(d)) => match &f.schema {
-                            Schema::Union(u) if !u.variants().is_empty() => {
-                                Avro::Union(0, Box::new(self.avro(d, &u.variants()[0], &path)?))
-                            }
-                            other => self.avro(d, other, &path)?,
-                        },
+                        (Some(x), _) => self.avro(x, &f.schema, &path, mode)?,
+                        (None, Some(d)) => self.default(d, &f.schema, &path)?,
                         (None, None) => {
                             return Err(format!("{path}: missing, and field {} of {} has no default", f.name, r.name));
                         }
@@ -380,7 +475,7 @@ impl Decoder {
                 }
                 Avro::Decimal(apache_avro::Decimal::from(bytes))
             }
-            Schema::Uuid(_) => Avro::Uuid(text()?.parse().map_err(|e| format!("{}: not a UUID: {e}", here()))?),
+            Schema::Uuid(_) => Avro::Uuid(text()?.parse().map_err(|_| format!("{}: not a UUID", here()))?),
             Schema::Date => match v {
                 Value::String(s) => {
                     let d =
@@ -395,7 +490,7 @@ impl Decoder {
                 let t = match v {
                     Value::String(s) => Some(
                         DateTime::parse_from_rfc3339(s)
-                            .map_err(|e| format!("{}: not an RFC 3339 time: {e}", here()))?
+                            .map_err(|_| format!("{}: not an RFC 3339 time", here()))?
                             .with_timezone(&chrono::Utc),
                     ),
                     _ => None,
@@ -581,11 +676,11 @@ mod tests {
     #[test]
     fn data_encodes_to_the_datum_that_decodes_back_to_it_and_a_misfit_names_its_field() {
         use relay_core::effects::DataEncoder as _;
-        let e = Encoder::new(7, Decoder::parse(ORDER).unwrap(), "subject s, schema id 7".into());
+        let e = Encoder::new(7, Decoder::parse(ORDER).unwrap(), "subject s, schema id 7".into()).unwrap();
         let data = serde_json::json!({
             "id": "o-1", "cents": "1250", "price": "-12.5", "status": "PAID",
             "placed": "2025-12-05T00:00:00.123Z", "day": "2025-12-05", "raw": "AP8=",
-            "lines": [{"sku": "s", "ratio": 0.5}], "again": "NEW", "extra": "left out"
+            "lines": [{"sku": "s", "ratio": 0.5}], "again": "NEW"
         });
         let bytes = e.encode(&data).unwrap();
         assert_eq!(&bytes[..5], &[0, 0, 0, 0, 7]);
@@ -600,7 +695,8 @@ mod tests {
         );
         for (field, value, says) in [
             ("cents", serde_json::json!("a lot"), "/cents: expected an integer, found text"),
-            ("status", serde_json::json!("LOST"), "/status: \"LOST\" is not a symbol of enum shop.Status"),
+            ("status", serde_json::json!("LOST"), "/status: not a symbol of enum shop.Status"),
+            ("extra", serde_json::json!("typo"), "/extra: record shop.Order has no such field"),
             ("price", serde_json::json!("1.234"), "/price: expected a decimal"),
             ("lines", serde_json::json!([{"sku": 5}]), "/lines/0/ratio: missing"),
         ] {
@@ -608,7 +704,39 @@ mod tests {
             bad[field] = value;
             let err = e.encode(&bad).unwrap_err();
             assert!(err.contains(says), "{says:?} in {err}");
+            assert!(!err.contains("LOST") && !err.contains("a lot") && !err.contains("1.234"), "no value: {err}");
         }
+        // A union takes the value's own kind first.
+        let u = Encoder::new(
+            1,
+            Decoder::parse(
+                r#"{"type":"record","name":"U","fields":[
+            {"name":"a","type":["long","string"]},{"name":"b","type":["string","long"]},
+            {"name":"c","type":["null","double"],"default":null},
+            {"name":"d","type":"bytes","default":"\u00ff"}]}"#,
+            )
+            .unwrap(),
+            String::new(),
+        )
+        .unwrap();
+        let out = u.encode(&serde_json::json!({"a": "01234", "b": 5})).unwrap();
+        assert_eq!(
+            u.schema.decode(&out[5..]).unwrap(),
+            serde_json::json!({"a": "01234", "b": 5, "c": null, "d": "/w=="}),
+            "text stays text, a number a number; a bytes default is code points"
+        );
+        // A default apache-avro takes but that is no byte string (a code point over 255).
+        let bad_default = r#"{"type":"record","name":"B","fields":[{"name":"n","type":"bytes","default":"\u0100"}]}"#;
+        let err = match Decoder::parse(bad_default) {
+            Ok(d) => Encoder::new(1, d, String::new()).expect_err("refused"),
+            Err(e) => e,
+        };
+        assert!(err.contains("default"), "{err}");
+        let time =
+            r#"{"type":"record","name":"T","fields":[{"name":"t","type":{"type":"int","logicalType":"time-millis"}}]}"#;
+        assert!(
+            Encoder::new(1, Decoder::parse(time).unwrap(), String::new()).err().unwrap().contains("does not write")
+        );
         let mut missing = data.clone();
         missing.as_object_mut().unwrap().remove("id");
         assert!(e.encode(&missing).unwrap_err().contains("/id: missing"));

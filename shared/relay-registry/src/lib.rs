@@ -238,14 +238,22 @@ impl Registry {
         let (status, body) = self.get(&path).await.map_err(|why| {
             format!("the schema registry at {} could not give the latest schema of subject {subject}: {why}", self.base)
         })?;
-        if !status.is_success() {
+        if status == reqwest::StatusCode::NOT_FOUND {
             return Err(format!(
-                "the schema registry at {} has no latest schema of subject {subject:?} (HTTP {status}: {}); \
+                "the schema registry at {} has no latest schema of subject {subject:?} (HTTP 404: {}); \
                  register the schema the emit writes (e.g. with the producer's serializer, or \
                  POST {}subjects/{subject}/versions) before starting",
                 self.base,
                 snippet(&body),
                 self.base
+            ));
+        }
+        if !status.is_success() {
+            return Err(format!(
+                "the schema registry at {} could not give the latest schema of subject {subject:?} (HTTP {status}: \
+                 {}); check that it is up and schema_registry's credentials",
+                self.base,
+                snippet(&body)
             ));
         }
         #[derive(Deserialize)]
@@ -261,7 +269,8 @@ impl Registry {
         let describe = format!("subject {subject}, schema id {}", latest.id);
         match (format, kind) {
             (TopicFormat::Avro, "AVRO") => avro::Decoder::parse(&latest.schema)
-                .map(|schema| Arc::new(avro::Encoder::new(latest.id, schema, describe)) as Arc<_>)
+                .and_then(|schema| avro::Encoder::new(latest.id, schema, describe))
+                .map(|e| Arc::new(e) as Arc<_>)
                 .map_err(|e| format!("subject {subject}: its Avro schema cannot be used: {e}")),
             (TopicFormat::JsonSchema, "JSON") => serde_json::from_str::<Value>(&latest.schema)
                 .map_err(|e| e.to_string())
