@@ -13,6 +13,9 @@
 //! be decoded as it is (poison, naming the id and the topic), or the
 //! registry could not be asked (the partition waits and asks again; a
 //! registry outage never dead-letters a record).
+//!
+//! [`with_tls`], the TLS of an HTTP client from a `tls` table, lives here
+//! and the endpoints' clients use it too.
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
@@ -113,41 +116,11 @@ impl Registry {
             (_, _, Some(var)) => Auth::Bearer(secret(var, "token_env")?),
             _ => Auth::None,
         };
-        let mut b = reqwest::Client::builder()
+        let b = reqwest::Client::builder()
             .timeout(cfg.timeout)
             .connect_timeout(cfg.timeout.min(Duration::from_secs(5)))
             .user_agent(concat!("relay/", env!("CARGO_PKG_VERSION")));
-        let read = |key: &str, path: &std::path::Path| {
-            std::fs::read(path)
-                .map_err(|e| anyhow::anyhow!("schema_registry.tls.{key}: cannot read {}: {e}", path.display()))
-        };
-        if let Some(path) = &cfg.tls.ca_file {
-            let certs = reqwest::Certificate::from_pem_bundle(&read("ca_file", path)?).map_err(|e| {
-                anyhow::anyhow!("schema_registry.tls.ca_file: {} is not a PEM certificate bundle: {e}", path.display())
-            })?;
-            anyhow::ensure!(
-                !certs.is_empty(),
-                "schema_registry.tls.ca_file: {} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
-                path.display()
-            );
-            // Only these CAs, as for endpoints: a registry on a private PKI.
-            b = b.tls_built_in_root_certs(false);
-            for c in certs {
-                b = b.add_root_certificate(c);
-            }
-        }
-        if let (Some(cert), Some(key)) = (&cfg.tls.client_cert_file, &cfg.tls.client_key_file) {
-            let mut pem = read("client_cert_file", cert)?;
-            pem.push(b'\n');
-            pem.extend(read("client_key_file", key)?);
-            b = b.identity(reqwest::Identity::from_pem(&pem).map_err(|e| {
-                anyhow::anyhow!(
-                    "schema_registry.tls: {} and {} are not a PEM certificate and its key: {e}",
-                    cert.display(),
-                    key.display()
-                )
-            })?);
-        }
+        let b = with_tls(b, "schema_registry.tls", &cfg.tls)?;
         let mut base = cfg.url.clone();
         if !base.path().ends_with('/') {
             base.set_path(&format!("{}/", base.path()));
@@ -343,6 +316,48 @@ impl Registry {
             }
         }
     }
+}
+
+/// `b` with the TLS of `tls` (a private CA trusted alone, a client
+/// certificate), its files read now; errors name the key under `at` (e.g.
+/// `endpoints.psp.tls`) and the file. Shared by every HTTP client relay
+/// makes: the endpoints' and the registry's.
+pub fn with_tls(
+    mut b: reqwest::ClientBuilder,
+    at: &str,
+    tls: &relay_core::config::EndpointTls,
+) -> anyhow::Result<reqwest::ClientBuilder> {
+    let read = |key: &str, path: &std::path::Path| {
+        std::fs::read(path).map_err(|e| anyhow::anyhow!("{at}.{key}: cannot read {}: {e}", path.display()))
+    };
+    if let Some(path) = &tls.ca_file {
+        let certs = reqwest::Certificate::from_pem_bundle(&read("ca_file", path)?)
+            .map_err(|e| anyhow::anyhow!("{at}.ca_file: {} is not a PEM certificate bundle: {e}", path.display()))?;
+        anyhow::ensure!(
+            !certs.is_empty(),
+            "{at}.ca_file: {} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+            path.display()
+        );
+        // Only these CAs: a server on a private PKI is not impersonated by any public one.
+        b = b.tls_built_in_root_certs(false);
+        for c in certs {
+            b = b.add_root_certificate(c);
+        }
+    }
+    if let (Some(cert), Some(key)) = (&tls.client_cert_file, &tls.client_key_file) {
+        let mut pem = read("client_cert_file", cert)?;
+        pem.push(b'\n');
+        pem.extend(read("client_key_file", key)?);
+        let identity = reqwest::Identity::from_pem(&pem).map_err(|e| {
+            anyhow::anyhow!(
+                "{at}: {} and {} are not a PEM certificate and its private key: {e}",
+                cert.display(),
+                key.display()
+            )
+        })?;
+        b = b.identity(identity);
+    }
+    Ok(b)
 }
 
 /// A subject as one path segment.

@@ -530,43 +530,11 @@ impl EndpointClient {
 /// The HTTP client settings of endpoint `name` but for redirects: timeouts,
 /// pool, user agent, and its TLS (`[endpoints.NAME.tls]`).
 fn client_builder(name: &str, cfg: &EndpointConfig) -> anyhow::Result<reqwest::ClientBuilder> {
-    let mut b = reqwest::Client::builder()
+    let b = reqwest::Client::builder()
         .connect_timeout(cfg.connect_timeout)
         .pool_max_idle_per_host(cfg.concurrency)
         .user_agent(concat!("relay/", env!("CARGO_PKG_VERSION")));
-    let read = |key: &str, path: &std::path::Path| {
-        std::fs::read(path)
-            .map_err(|e| anyhow::anyhow!("endpoints.{name}.tls.{key}: cannot read {}: {e}", path.display()))
-    };
-    if let Some(path) = &cfg.tls.ca_file {
-        let certs = reqwest::Certificate::from_pem_bundle(&read("ca_file", path)?).map_err(|e| {
-            anyhow::anyhow!("endpoints.{name}.tls.ca_file: {} is not a PEM certificate bundle: {e}", path.display())
-        })?;
-        anyhow::ensure!(
-            !certs.is_empty(),
-            "endpoints.{name}.tls.ca_file: {} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
-            path.display()
-        );
-        // Only these CAs: a provider on a private PKI is not impersonated by any public one.
-        b = b.tls_built_in_root_certs(false);
-        for c in certs {
-            b = b.add_root_certificate(c);
-        }
-    }
-    if let (Some(cert), Some(key)) = (&cfg.tls.client_cert_file, &cfg.tls.client_key_file) {
-        let mut pem = read("client_cert_file", cert)?;
-        pem.push(b'\n');
-        pem.extend(read("client_key_file", key)?);
-        let identity = reqwest::Identity::from_pem(&pem).map_err(|e| {
-            anyhow::anyhow!(
-                "endpoints.{name}.tls: {} and {} are not a PEM certificate and its private key: {e}",
-                cert.display(),
-                key.display()
-            )
-        })?;
-        b = b.identity(identity);
-    }
-    Ok(b)
+    relay_registry::with_tls(b, &format!("endpoints.{name}.tls"), &cfg.tls)
 }
 
 /// An attempt that could not authenticate: retried, as nothing was applied
