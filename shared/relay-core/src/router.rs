@@ -267,8 +267,9 @@ impl Router {
         self.endpoints.get(name)
     }
 
-    /// The same router, encoding emits with a `format` with `encoders`
-    /// (one for each, or the event is poison naming the missing one).
+    /// The same router, encoding the emits to each topic of `encoders`
+    /// with its encoder: one for every topic of [`Router::formatted_topics`]
+    /// (`relay::app` makes them all or fails the start).
     pub fn with_encoders(mut self, encoders: Encoders) -> Router {
         self.encoders = Some(encoders);
         self
