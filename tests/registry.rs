@@ -250,16 +250,7 @@ async fn json_schema_records_are_checked_against_their_registered_schema_and_rou
     bad.extend(br#"{"event_id":"e-2","order_id":"o-2","price":"1.00"}"#);
     h.producer.raw(&h.topic, None, Some(b"o-2"), &[], Some(&bad)).await.unwrap();
     // An Avro schema's id (registered under another subject) on a JSON Schema topic.
-    let registered: Value = reqwest::Client::new()
-        .post(format!("{registry}/subjects/{}-value/versions", unique("other")))
-        .json(&json!({"schema": ORDER_V1}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let avro = u32::try_from(registered["id"].as_u64().expect("an id")).unwrap();
+    let avro = register(&registry, &format!("{}-value", unique("other")), "AVRO", ORDER_V1).await;
     let mut wrong = vec![0];
     wrong.extend(avro.to_be_bytes());
     wrong.extend([2, b'e']);
@@ -312,11 +303,11 @@ async fn consumed(
         .collect()
 }
 
-/// Register `schema` (Avro text) under `subject`; its id.
-async fn register(registry: &str, subject: &str, schema: &str) -> u32 {
+/// Register `schema` of `kind` (`AVRO`, `JSON`) under `subject`; its id.
+async fn register(registry: &str, subject: &str, kind: &str, schema: &str) -> u32 {
     let registered: Value = reqwest::Client::new()
         .post(format!("{registry}/subjects/{subject}/versions"))
-        .json(&json!({"schema": schema}))
+        .json(&json!({"schema": schema, "schemaType": kind}))
         .send()
         .await
         .unwrap()
@@ -338,7 +329,7 @@ const PAYMENT: &str = r#"{"type":"record","name":"PaymentRequested","namespace":
 async fn an_avro_record_comes_out_as_avro_that_confluent_s_deserializer_reads_and_a_misfit_fails_at_ingest() {
     let h = Harness::new(1).await;
     let registry = registry_url();
-    let id = register(&registry, &format!("{}-value", h.out), PAYMENT).await;
+    let id = register(&registry, &format!("{}-value", h.out), "AVRO", PAYMENT).await;
     produce(
         &h,
         &registry,
@@ -404,16 +395,7 @@ async fn a_json_schema_emit_is_checked_at_ingest_and_read_by_confluent_s_deseria
     let h = Harness::new(1).await;
     let registry = registry_url();
     let schema = r#"{"type":"object","properties":{"order_id":{"type":"string"},"cents":{"type":"integer"}},"required":["order_id","cents"]}"#;
-    let registered: Value = reqwest::Client::new()
-        .post(format!("{registry}/subjects/{}-value/versions", h.out))
-        .json(&json!({"schema": schema, "schemaType": "JSON"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert!(registered["id"].is_u64(), "{registered}");
+    register(&registry, &format!("{}-value", h.out), "JSON", schema).await;
     produce(
         &h,
         &registry,

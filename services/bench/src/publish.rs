@@ -113,13 +113,7 @@ pub(super) async fn publish_cursor_bound(env: &Env, k: usize) -> anyhow::Result<
     use sqlx::Row;
     let s = setup(env, 1).await?;
     seed::pending_outbox(&s.db.pool, "bench", &s.out, k).await?;
-    sqlx::query(
-        "CREATE TABLE public.bench_cursor (lane integer PRIMARY KEY, seq bigint NOT NULL, token uuid NOT NULL)",
-    )
-    .execute(&s.db.pool)
-    .await?;
-    let token = uuid::Uuid::new_v4();
-    sqlx::query("INSERT INTO public.bench_cursor VALUES (0, 0, $1)").bind(token).execute(&s.db.pool).await?;
+    let token = cursor_lane(&s.db.pool).await?;
     let mut conn = s.db.pool.acquire().await?;
     let t0 = Instant::now();
     let (mut read, mut cursor) = (0usize, 0i64);
@@ -162,13 +156,7 @@ pub(super) async fn publish_cursor_produce_bound(
     use sqlx::Row;
     let s = setup(env, 4).await?;
     seed::pending_outbox(&s.db.pool, "bench", &s.out, k).await?;
-    sqlx::query(
-        "CREATE TABLE public.bench_cursor (lane integer PRIMARY KEY, seq bigint NOT NULL, token uuid NOT NULL)",
-    )
-    .execute(&s.db.pool)
-    .await?;
-    let token = uuid::Uuid::new_v4();
-    sqlx::query("INSERT INTO public.bench_cursor VALUES (0, 0, $1)").bind(token).execute(&s.db.pool).await?;
+    let token = cursor_lane(&s.db.pool).await?;
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", &env.bootstrap)
         .set("enable.idempotence", "true")
@@ -259,6 +247,18 @@ pub(super) async fn publish_cursor_produce_bound(
     let took = t0.elapsed();
     anyhow::ensure!(published == k, "the cursor published {published} of {k} rows");
     Ok((k as f64 / took.as_secs_f64(), cpu.and_then(CpuClock::busy_since)))
+}
+
+/// The table of the cursor bounds' one lane, at the start; the lane's token.
+async fn cursor_lane(pool: &PgPool) -> anyhow::Result<uuid::Uuid> {
+    sqlx::query(
+        "CREATE TABLE public.bench_cursor (lane integer PRIMARY KEY, seq bigint NOT NULL, token uuid NOT NULL)",
+    )
+    .execute(pool)
+    .await?;
+    let token = uuid::Uuid::new_v4();
+    sqlx::query("INSERT INTO public.bench_cursor VALUES (0, 0, $1)").bind(token).execute(pool).await?;
+    Ok(token)
 }
 
 /// The publish section of the report.

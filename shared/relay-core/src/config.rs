@@ -901,6 +901,20 @@ impl EndpointTls {
         .filter_map(|(k, p)| p.as_ref().map(|p| (k, p)))
     }
 
+    /// Its problems, under `at` (e.g. `endpoints.psp.tls`), for a client
+    /// of `url`, the value of key `url_key`.
+    fn check(&self, at: &str, url_key: &str, url: &url::Url, p: &mut Vec<String>) {
+        if self.client_cert_file.is_some() != self.client_key_file.is_some() {
+            p.push(format!(
+                "{at}: client_cert_file and client_key_file go together (mutual TLS needs the certificate \
+                 and its private key)"
+            ));
+        }
+        if (self.ca_file.is_some() || self.client_cert_file.is_some()) && url.scheme() != "https" {
+            p.push(format!("{at}: set, but {url_key} {:?} is not https", url.as_str()));
+        }
+    }
+
     /// Every path it names, for rewriting (relative → absolute).
     pub fn files_mut(&mut self) -> impl Iterator<Item = &mut std::path::PathBuf> {
         [&mut self.ca_file, &mut self.client_cert_file, &mut self.client_key_file].into_iter().flatten()
@@ -1177,15 +1191,7 @@ impl RelayConfig {
                 p.push(format!("{at}.rate_limit_per_second: must be at least 1 (or leave it out)"));
             }
             check_profile(name, e, &mut p);
-            if e.tls.client_cert_file.is_some() != e.tls.client_key_file.is_some() {
-                p.push(format!(
-                    "{at}.tls: client_cert_file and client_key_file go together (mutual TLS needs the certificate \
-                     and its private key)"
-                ));
-            }
-            if (e.tls.ca_file.is_some() || e.tls.client_cert_file.is_some()) && e.base_url.scheme() != "https" {
-                p.push(format!("{at}.tls: set, but base_url {:?} is not https", e.base_url.as_str()));
-            }
+            e.tls.check(&format!("{at}.tls"), "base_url", &e.base_url, &mut p);
             if self.dispatcher.lease < e.min_lease() {
                 p.push(format!(
                     "dispatcher.lease ({:?}) must be at least {at}.timeout + {:?} ({:?}): a request is sent \
@@ -1511,12 +1517,7 @@ fn check_schema_registry(r: &SchemaRegistryConfig, p: &mut Vec<String>) {
     if r.timeout.is_zero() {
         p.push("schema_registry.timeout: must be more than 0".into());
     }
-    if r.tls.files().next().is_some() && r.url.scheme() != "https" {
-        p.push(format!("schema_registry.tls: set, but url {:?} is not https", r.url.as_str()));
-    }
-    if r.tls.client_cert_file.is_some() != r.tls.client_key_file.is_some() {
-        p.push("schema_registry.tls: client_cert_file and client_key_file go together".into());
-    }
+    r.tls.check("schema_registry.tls", "url", &r.url, p);
 }
 
 #[cfg(test)]

@@ -34,3 +34,16 @@ pub use effects::{CallSpec, Effects, EmitSpec, Intent, NewIntent, OutboxRecord, 
 pub use envelope::{Header, InputEvent, Poison, PoisonClass, RawRecord};
 pub use router::{CompiledRoute, Routed, Router};
 pub use template::path_segment;
+
+/// An error and every cause under it, `": "`-joined: a TLS or connection
+/// failure says why only in its sources (a refused certificate, a reset).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        cur = s.source();
+    }
+    out
+}

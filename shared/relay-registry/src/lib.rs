@@ -187,10 +187,10 @@ impl Registry {
             Auth::Basic { user, password } => req.basic_auth(user, Some(password)),
             Auth::Bearer(token) => req.bearer_auth(token),
         };
-        let mut resp = req.send().await.map_err(|e| transport(&e))?;
+        let mut resp = req.send().await.map_err(|e| relay_core::error_chain(&e))?;
         let status = resp.status();
         let mut bytes = Vec::new();
-        while let Some(chunk) = resp.chunk().await.map_err(|e| transport(&e))? {
+        while let Some(chunk) = resp.chunk().await.map_err(|e| relay_core::error_chain(&e))? {
             if bytes.len() + chunk.len() > MAX_ANSWER_BYTES {
                 return Err(format!("its answer is over {MAX_ANSWER_BYTES} bytes"));
             }
@@ -428,18 +428,6 @@ pub fn split(bytes: &[u8]) -> Result<(u32, &[u8]), String> {
         )),
         [] => Err("value is empty, not in the Schema Registry wire format".into()),
     }
-}
-
-fn transport(e: &reqwest::Error) -> String {
-    use std::error::Error as _;
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(cause) = src {
-        s.push_str(": ");
-        s.push_str(&cause.to_string());
-        src = cause.source();
-    }
-    s
 }
 
 fn snippet(body: &str) -> String {

@@ -128,7 +128,7 @@ impl OAuth2 {
             use oauth2::RequestTokenError as E;
             let why = match &e {
                 E::ServerResponse(r) => format!("the token endpoint refused: {}", r.error()),
-                E::Request(e) => format!("the token endpoint could not be reached: {}", chain(e)),
+                E::Request(e) => format!("the token endpoint could not be reached: {}", relay_core::error_chain(e)),
                 E::Parse(e, _) => format!("the token endpoint's answer is not a token response: {e}"),
                 E::Other(e) => e.clone(),
             };
@@ -138,17 +138,6 @@ impl OAuth2 {
         let secret = Arc::new(SecretString::from(answer.access_token().secret().clone()));
         Ok(Token { secret, use_until, fetch })
     }
-}
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        cur = s.source();
-    }
-    out
 }
 
 /// The bytes of `req`'s body to sign (none: empty); a streamed one cannot be.

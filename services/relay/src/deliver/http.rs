@@ -685,14 +685,23 @@ fn classify_transport(e: BoxError, timeout: Duration, started_at: Option<chrono:
             // TLS 1.3 clients send the request before the server has checked
             // their certificate, so this is not a connect error to reqwest;
             // but a server that refuses the handshake processes nothing.
-            let why = format!("the server refused the TLS handshake (client certificate?): {}", error_chain(re));
+            let why =
+                format!("the server refused the TLS handshake (client certificate?): {}", relay_core::error_chain(re));
             (AttemptResult::Connect, ErrorClass::Connect, format!("could not connect: {why}"))
         } else if re.is_connect() {
-            (AttemptResult::Connect, ErrorClass::Connect, format!("could not connect: {}", error_chain(re)))
+            (AttemptResult::Connect, ErrorClass::Connect, format!("could not connect: {}", relay_core::error_chain(re)))
         } else if re.is_timeout() {
-            (AttemptResult::Timeout { sent: true }, ErrorClass::Timeout, format!("timed out: {}", error_chain(re)))
+            (
+                AttemptResult::Timeout { sent: true },
+                ErrorClass::Timeout,
+                format!("timed out: {}", relay_core::error_chain(re)),
+            )
         } else {
-            (AttemptResult::Transport, ErrorClass::Transport, format!("transport error: {}", error_chain(re)))
+            (
+                AttemptResult::Transport,
+                ErrorClass::Transport,
+                format!("transport error: {}", relay_core::error_chain(re)),
+            )
         }
     } else {
         (AttemptResult::Transport, ErrorClass::Transport, format!("transport error: {e}"))
@@ -738,17 +747,6 @@ fn refused_handshake(e: &(dyn std::error::Error + 'static)) -> bool {
         cur = err.source();
     }
     false
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        cur = s.source();
-    }
-    out
 }
 
 #[cfg(test)]
