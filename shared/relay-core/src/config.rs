@@ -652,7 +652,7 @@ pub struct EmitAction {
     #[serde(default = "yes")]
     pub ordered: bool,
     /// Encode the data with the topic's schema from the Schema Registry
-    /// (`avro` or `json-schema`), instead of writing it as JSON. Route
+    /// (`avro`, `protobuf` or `json-schema`), instead of writing it as JSON. Route
     /// actions only: the data is checked at ingest.
     pub format: Option<TopicFormat>,
     /// The registry subject whose latest schema encodes it; default
@@ -1314,8 +1314,8 @@ impl RelayConfig {
                 match e.format {
                     None => {}
                     Some(f @ (TopicFormat::Cloudevents | TopicFormat::Json)) => p.push(format!(
-                        "{at}.format: {:?} is how events are written without it; set \"avro\" or \"json-schema\", \
-                         or leave it out",
+                        "{at}.format: {:?} is how events are written without it; set \"avro\", \"protobuf\" or \
+                         \"json-schema\", or leave it out",
                         f.as_str()
                     )),
                     Some(f) if self.schema_registry.is_none() => p.push(format!(

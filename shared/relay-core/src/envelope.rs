@@ -281,13 +281,18 @@ pub enum TopicFormat {
     /// Schema before [`decode`] sees it; read as [`TopicFormat::Avro`] then.
     #[serde(rename = "json-schema")]
     JsonSchema,
+    /// Protobuf in the Schema Registry wire format (magic byte 0, a 4-byte
+    /// schema id, the message indexes, the message), decoded with the
+    /// registered `.proto` into the Protobuf JSON mapping; read as
+    /// [`TopicFormat::Avro`] then.
+    Protobuf,
 }
 
 impl TopicFormat {
     /// Whether records of this format are decoded with a schema from the
     /// Schema Registry before [`decode`].
     pub fn uses_registry(self) -> bool {
-        matches!(self, TopicFormat::Avro | TopicFormat::JsonSchema)
+        matches!(self, TopicFormat::Avro | TopicFormat::JsonSchema | TopicFormat::Protobuf)
     }
 
     /// As written in the configuration.
@@ -297,6 +302,7 @@ impl TopicFormat {
             TopicFormat::Json => "json",
             TopicFormat::Avro => "avro",
             TopicFormat::JsonSchema => "json-schema",
+            TopicFormat::Protobuf => "protobuf",
         }
     }
 }
@@ -420,7 +426,9 @@ pub fn decode(record: &RawRecord, opts: &DecodeOptions<'_>) -> Result<InputEvent
     let cloudevent = match opts.format {
         TopicFormat::Cloudevents => true,
         TopicFormat::Json => false,
-        TopicFormat::Avro | TopicFormat::JsonSchema => record.header("ce_specversion").is_some(),
+        TopicFormat::Avro | TopicFormat::JsonSchema | TopicFormat::Protobuf => {
+            record.header("ce_specversion").is_some()
+        }
     };
     let mut decoded =
         if cloudevent { decode_cloudevent(record)? } else { decode_plain_json(record, opts.fields, opts.format)? };

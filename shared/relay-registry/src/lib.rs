@@ -1,7 +1,8 @@
 //! Records in the Confluent Schema Registry wire format — a magic byte 0, a
 //! 4-byte big-endian schema id, then the encoded value — decoded with the
 //! schema registered under that id into the JSON value routes, templates
-//! and guards see: an Avro datum mapped to JSON (module `avro`), a JSON Schema
+//! and guards see: an Avro datum mapped to JSON (module `avro`), a Protobuf
+//! message in the Protobuf JSON mapping (module `protobuf`), a JSON Schema
 //! value checked against its schema.
 //!
 //! The registry client is written here, over the workspace's reqwest: the
@@ -27,6 +28,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 mod avro;
+mod protobuf;
 
 /// The wire format's first byte.
 pub const MAGIC: u8 = 0;
@@ -37,6 +39,9 @@ const CACHED_SCHEMAS: usize = 10_000;
 
 /// The largest registry answer read: a schema, with room to spare.
 const MAX_ANSWER_BYTES: usize = 8 * 1024 * 1024;
+
+/// Schemas one schema may bring in through its references, all levels.
+const MAX_REFERENCES: usize = 100;
 
 /// Why a value could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -78,6 +83,7 @@ enum Auth {
 /// A schema as the registry holds it, parsed.
 enum Registered {
     Avro(avro::Decoder),
+    Protobuf(protobuf::Schema),
     Json(jsonschema::Validator),
 }
 
@@ -86,6 +92,7 @@ impl Registered {
     fn kind(&self) -> &'static str {
         match self {
             Registered::Avro(_) => "Avro",
+            Registered::Protobuf(_) => "PROTOBUF",
             Registered::Json(_) => "JSON",
         }
     }
@@ -99,7 +106,27 @@ struct SchemaById {
     /// Absent for Avro (Confluent's registry leaves it out).
     schema_type: Option<String>,
     #[serde(default)]
-    references: Vec<Value>,
+    references: Vec<Reference>,
+}
+
+/// A schema another one refers to (a Protobuf import, by its file name).
+#[derive(Deserialize, Clone)]
+struct Reference {
+    name: String,
+    subject: String,
+    version: i64,
+}
+
+/// `GET /subjects/{subject}/versions/{version}`.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Version {
+    id: u32,
+    schema: String,
+    /// Absent for Avro.
+    schema_type: Option<String>,
+    #[serde(default)]
+    references: Vec<Reference>,
 }
 
 impl Registry {
@@ -144,6 +171,9 @@ impl Registry {
             (Registered::Avro(d), TopicFormat::Avro) => {
                 d.decode(body).map_err(|why| poison(format!("does not decode with the registry's Avro schema: {why}")))
             }
+            (Registered::Protobuf(p), TopicFormat::Protobuf) => p
+                .decode(body)
+                .map_err(|why| poison(format!("does not decode with the registry's Protobuf schema: {why}"))),
             (Registered::Json(v), TopicFormat::JsonSchema) => {
                 let value: Value =
                     serde_json::from_slice(body).map_err(|e| poison(format!("the value is not JSON: {e}")))?;
@@ -229,22 +259,29 @@ impl Registry {
                 snippet(&body)
             ));
         }
-        #[derive(Deserialize)]
-        #[serde(rename_all = "camelCase")]
-        struct Latest {
-            id: u32,
-            schema: String,
-            schema_type: Option<String>,
-        }
-        let latest: Latest = serde_json::from_str(&body)
+        let latest: Version = serde_json::from_str(&body)
             .map_err(|e| format!("subject {subject}: the registry's answer is not a schema version ({e})"))?;
         let kind = latest.schema_type.as_deref().unwrap_or("AVRO");
         let describe = format!("subject {subject}, schema id {}", latest.id);
+        if !latest.references.is_empty() && kind != "PROTOBUF" {
+            return Err(format!(
+                "subject {subject}: its {kind} schema refers to other schemas; relay follows references of \
+                 Protobuf schemas only (yet)"
+            ));
+        }
         match (format, kind) {
             (TopicFormat::Avro, "AVRO") => avro::Decoder::parse(&latest.schema)
                 .and_then(|schema| avro::Encoder::new(latest.id, schema, describe))
                 .map(|e| Arc::new(e) as Arc<_>)
                 .map_err(|e| format!("subject {subject}: its Avro schema cannot be used: {e}")),
+            (TopicFormat::Protobuf, "PROTOBUF") => {
+                let imports = self.imports(latest.references).await.map_err(|e| {
+                    format!("subject {subject}: the schemas its Protobuf schema refers to: {}", e.why())
+                })?;
+                protobuf::Schema::parse(&latest.schema, &imports)
+                    .map(|schema| Arc::new(protobuf::Encoder::new(latest.id, &schema, describe)) as Arc<_>)
+                    .map_err(|e| format!("subject {subject}: its Protobuf schema cannot be used: {e}"))
+            }
             (TopicFormat::JsonSchema, "JSON") => serde_json::from_str::<Value>(&latest.schema)
                 .map_err(|e| e.to_string())
                 .and_then(|doc| jsonschema::validator_for(&doc).map_err(|e| e.to_string()))
@@ -255,6 +292,40 @@ impl Registry {
                 format.as_str()
             )),
         }
+    }
+
+    /// The schemas `refs` names and those they name in turn, as text by
+    /// the name they are imported under.
+    async fn imports(&self, refs: Vec<Reference>) -> Result<HashMap<String, String>, ImportError> {
+        let mut out = HashMap::new();
+        let mut queue = refs;
+        while let Some(r) = queue.pop() {
+            if out.contains_key(&r.name) {
+                continue;
+            }
+            if out.len() >= MAX_REFERENCES {
+                return Err(ImportError::Invalid(format!("more than {MAX_REFERENCES} schemas through references")));
+            }
+            let version = if r.version < 0 { "latest".to_owned() } else { r.version.to_string() };
+            let path = format!("subjects/{}/versions/{version}", utf8_percent(&r.subject));
+            let what = format!("{:?} (subject {}, version {version})", r.name, r.subject);
+            let (status, body) =
+                self.get(&path).await.map_err(|why| ImportError::Unavailable(format!("{what}: {why}")))?;
+            if status == reqwest::StatusCode::NOT_FOUND {
+                return Err(ImportError::Missing(format!(
+                    "{what}: the registry does not have it ({})",
+                    snippet(&body)
+                )));
+            }
+            if !status.is_success() {
+                return Err(ImportError::Unavailable(format!("{what}: HTTP {status}: {}", snippet(&body))));
+            }
+            let found: Version = serde_json::from_str(&body)
+                .map_err(|e| ImportError::Unavailable(format!("{what}: the answer is not a schema version ({e})")))?;
+            queue.extend(found.references);
+            out.insert(r.name, found.schema);
+        }
+        Ok(out)
     }
 
     async fn fetch(&self, id: u32, format: TopicFormat, topic: &str) -> Result<Registered, Failure> {
@@ -296,13 +367,26 @@ impl Registry {
             .map_err(|e| unavailable(format!("its answer is not a schema ({e}): {}", snippet(&body))))?;
         let kind = found.schema_type.as_deref().unwrap_or("AVRO");
         let poison = |why: String| Failure::Poison(format!("record of topic {topic:?}, schema id {id}: {why}"));
-        if !found.references.is_empty() {
+        if !found.references.is_empty() && kind != "PROTOBUF" {
             return Err(poison(format!(
-                "the schema refers to {} other schema(s); schema references are not supported yet",
+                "the {kind} schema refers to {} other schema(s); relay follows references of Protobuf schemas \
+                 only (yet)",
                 found.references.len()
             )));
         }
         match kind {
+            "PROTOBUF" if format == TopicFormat::Protobuf => {
+                let imports = self.imports(found.references).await.map_err(|e| match e {
+                    ImportError::Missing(why) => Failure::NotYet(format!(
+                        "record of topic {topic:?}, schema id {id}: a schema it refers to is missing: {why}"
+                    )),
+                    ImportError::Unavailable(why) => unavailable(format!("a schema it refers to: {why}")),
+                    ImportError::Invalid(why) => poison(why),
+                })?;
+                protobuf::Schema::parse(&found.schema, &imports)
+                    .map(Registered::Protobuf)
+                    .map_err(|e| poison(format!("the registry's Protobuf schema cannot be used: {e}")))
+            }
             "AVRO" => avro::Decoder::parse(&found.schema)
                 .map(Registered::Avro)
                 .map_err(|e| poison(format!("the registry's Avro schema cannot be used: {e}"))),
@@ -314,6 +398,24 @@ impl Registry {
             other => {
                 Err(poison(format!("the schema is of type {other}, and the topic has format = {:?}", format.as_str())))
             }
+        }
+    }
+}
+
+/// Why the schemas a schema refers to could not all be had.
+enum ImportError {
+    /// The registry does not have one.
+    Missing(String),
+    /// The registry could not answer.
+    Unavailable(String),
+    /// They cannot be used (too many).
+    Invalid(String),
+}
+
+impl ImportError {
+    fn why(&self) -> &str {
+        match self {
+            ImportError::Missing(w) | ImportError::Unavailable(w) | ImportError::Invalid(w) => w,
         }
     }
 }

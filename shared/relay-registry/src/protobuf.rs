@@ -1,0 +1,403 @@
+//! Protobuf messages to JSON and back, with the registered `.proto` file.
+//!
+//! Descriptors come from `protox` (a `.proto` compiler in Rust: no `protoc`
+//! on the machine) and messages are read and written by `prost-reflect`,
+//! whose JSON is the standard Protobuf JSON mapping, with two choices made
+//! for routes: fields under their `.proto` names (`order_id`, not
+//! `orderId`), and 64-bit integers as JSON numbers, as Avro longs are.
+//!
+//! In the wire format a Protobuf value starts with its message indexes: the
+//! path from the file's top-level messages to the one written, as a
+//! zig-zag varint count and that many zig-zag varints; `[0]`, the first
+//! message, is the single byte `0`.
+
+use std::collections::HashMap;
+
+use base64::Engine as _;
+use prost::Message as _;
+use prost_reflect::{DeserializeOptions, DynamicMessage, FileDescriptor, MessageDescriptor, SerializeOptions};
+use serde_json::Value;
+
+/// The name the schema's own file is compiled under when the registry gives
+/// `.proto` text (a descriptor carries its own name).
+const MAIN_FILE: &str = "registered.proto";
+
+/// Nesting of messages a value's indexes may name; a file deeper than this
+/// is not written by hand.
+const MAX_INDEXES: usize = 64;
+
+/// A registered schema: its file, with what it imports.
+pub(crate) struct Schema {
+    file: FileDescriptor,
+}
+
+impl Schema {
+    /// `text` as the registry gives it (`.proto` text, or a base64
+    /// `FileDescriptorProto` where the producer's serializer registered
+    /// one), with the files it imports by name.
+    pub(crate) fn parse(text: &str, imports: &HashMap<String, String>) -> Result<Schema, String> {
+        let main = file(MAIN_FILE, text, false)?;
+        let name = main.name().to_owned();
+        let mut files: HashMap<String, protox::file::File> = HashMap::new();
+        for (n, t) in imports {
+            files.insert(n.clone(), file(n, t, true)?);
+        }
+        files.insert(name.clone(), main);
+        let mut chain = protox::file::ChainFileResolver::new();
+        chain.add(Files(files));
+        chain.add(protox::file::GoogleFileResolver::new());
+        let mut compiler = protox::Compiler::with_file_resolver(chain);
+        compiler.open_file(&name).map_err(|e| flat(&e))?;
+        let pool = compiler.descriptor_pool();
+        let file = pool.get_file_by_name(&name).ok_or_else(|| format!("{name} did not compile to a file"))?;
+        if file.messages().len() == 0 {
+            return Err("the file declares no message".into());
+        }
+        Ok(Schema { file })
+    }
+
+    /// The value of a record: its message indexes, then the message.
+    pub(crate) fn decode(&self, body: &[u8]) -> Result<Value, String> {
+        let (indexes, rest) = indexes(body)?;
+        let desc = self.message(&indexes)?;
+        let msg = DynamicMessage::decode(desc.clone(), rest)
+            .map_err(|e| format!("does not decode as {}: {e}", desc.full_name()))?;
+        let opts = SerializeOptions::new()
+            .stringify_64_bit_integers(false)
+            .use_proto_field_name(true)
+            .skip_default_fields(false);
+        msg.serialize_with_options(serde_json::value::Serializer, &opts)
+            .map_err(|e| format!("{} has no JSON form: {e}", desc.full_name()))
+    }
+
+    /// The message at `indexes` (top-level, then nested).
+    fn message(&self, indexes: &[usize]) -> Result<MessageDescriptor, String> {
+        let no =
+            |at: &[usize]| format!("the value's message indexes {indexes:?} name no message of the schema (at {at:?})");
+        let (first, nested) = indexes.split_first().ok_or_else(|| no(&[]))?;
+        let mut m = self.file.messages().nth(*first).ok_or_else(|| no(&indexes[..1]))?;
+        for (depth, i) in nested.iter().enumerate() {
+            let child = m.child_messages().nth(*i);
+            m = child.ok_or_else(|| no(&indexes[..depth + 2]))?;
+        }
+        Ok(m)
+    }
+
+    /// The first message of the file: the one emits write.
+    pub(crate) fn first_message(&self) -> MessageDescriptor {
+        self.file.messages().next().expect("parse refuses a file without messages")
+    }
+}
+
+/// The file `name` from the registry's `text`; a descriptor keeps its own
+/// name unless `rename` (an import is found by the name it is imported as).
+fn file(name: &str, text: &str, rename: bool) -> Result<protox::file::File, String> {
+    // A descriptor is base64 without spaces; `.proto` text always has some.
+    let trimmed = text.trim();
+    if let Some(bytes) = Some(trimmed)
+        .filter(|t| !t.contains(char::is_whitespace))
+        .and_then(|t| base64::engine::general_purpose::STANDARD.decode(t).ok())
+    {
+        let proto = prost_types::FileDescriptorProto::decode(bytes.as_slice())
+            .map_err(|e| format!("{name}: base64 that is not a FileDescriptorProto ({e})"))?;
+        let mut f = protox::file::File::from_file_descriptor_proto(proto);
+        if rename || f.name().is_empty() {
+            let mut proto = f.file_descriptor_proto().clone();
+            proto.name = Some(name.to_owned());
+            f = protox::file::File::from_file_descriptor_proto(proto);
+        }
+        return Ok(f);
+    }
+    protox::file::File::from_source(name, text).map_err(|e| flat(&e))
+}
+
+/// The files of a schema and its references, by import name.
+struct Files(HashMap<String, protox::file::File>);
+
+impl protox::file::FileResolver for Files {
+    fn open_file(&self, name: &str) -> Result<protox::file::File, protox::Error> {
+        self.0.get(name).cloned().ok_or_else(|| protox::Error::file_not_found(name))
+    }
+}
+
+/// An error of protox on one line: its source spans are for a terminal.
+fn flat(e: &protox::Error) -> String {
+    e.to_string().split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// The message indexes at the start of `body`, and what follows them.
+fn indexes(body: &[u8]) -> Result<(Vec<usize>, &[u8]), String> {
+    let mut rest = body;
+    let count = zigzag(&mut rest).ok_or("the value ends inside its message indexes")?;
+    if count == 0 {
+        return Ok((vec![0], rest));
+    }
+    let count = usize::try_from(count)
+        .ok()
+        .filter(|c| *c <= MAX_INDEXES)
+        .ok_or_else(|| format!("the value claims {count} message indexes (at most {MAX_INDEXES})"))?;
+    let mut out = Vec::with_capacity(count);
+    for _ in 0..count {
+        let i = zigzag(&mut rest).ok_or("the value ends inside its message indexes")?;
+        out.push(usize::try_from(i).map_err(|_| format!("the value has message index {i}, below 0"))?);
+    }
+    Ok((out, rest))
+}
+
+/// A zig-zag varint, consumed from `buf`.
+fn zigzag(buf: &mut &[u8]) -> Option<i64> {
+    let mut v: u64 = 0;
+    for shift in (0..64).step_by(7) {
+        let (&b, rest) = buf.split_first()?;
+        *buf = rest;
+        v |= u64::from(b & 0x7f) << shift;
+        if b & 0x80 == 0 {
+            return Some(((v >> 1) as i64) ^ -((v & 1) as i64));
+        }
+    }
+    None
+}
+
+fn put_zigzag(out: &mut Vec<u8>, v: i64) {
+    let mut u = ((v << 1) ^ (v >> 63)) as u64;
+    while u >= 0x80 {
+        out.push((u as u8) | 0x80);
+        u >>= 7;
+    }
+    out.push(u as u8);
+}
+
+/// The message indexes of `m` as written before its bytes.
+fn put_indexes(out: &mut Vec<u8>, m: &MessageDescriptor) {
+    let mut path = Vec::new();
+    let mut at = m.clone();
+    loop {
+        let (siblings, parent): (Vec<MessageDescriptor>, _) = match at.parent_message() {
+            Some(p) => (p.child_messages().collect(), Some(p)),
+            None => (at.parent_file().messages().collect(), None),
+        };
+        path.push(siblings.iter().position(|s| s.full_name() == at.full_name()).unwrap_or(0) as i64);
+        match parent {
+            Some(p) => at = p,
+            None => break,
+        }
+    }
+    path.reverse();
+    if path == [0] {
+        out.push(0);
+        return;
+    }
+    put_zigzag(out, path.len() as i64);
+    for i in path {
+        put_zigzag(out, i);
+    }
+}
+
+/// JSON into a registered message, in the wire format.
+pub(crate) struct Encoder {
+    id: u32,
+    message: MessageDescriptor,
+    describe: String,
+}
+
+impl Encoder {
+    pub(crate) fn new(id: u32, schema: &Schema, describe: String) -> Encoder {
+        let message = schema.first_message();
+        let describe = format!("{describe}, message {}", message.full_name());
+        Encoder { id, message, describe }
+    }
+}
+
+impl std::fmt::Debug for Encoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe)
+    }
+}
+
+impl relay_core::effects::DataEncoder for Encoder {
+    fn encode(&self, data: &Value) -> Result<Vec<u8>, String> {
+        let opts = DeserializeOptions::new().deny_unknown_fields(true);
+        let mut track = serde_path_to_error::Track::new();
+        let msg = DynamicMessage::deserialize_with_options(
+            self.message.clone(),
+            serde_path_to_error::Deserializer::new(data, &mut track),
+            &opts,
+        )
+        .map_err(|e| {
+            let at: String = track.path().iter().map(segment).collect();
+            let at = if at.is_empty() { "/".to_owned() } else { at };
+            format!("at {at}: {} (message {})", without_values(&e.to_string()), self.message.full_name())
+        })?;
+        let mut v = crate::header(self.id);
+        put_indexes(&mut v, &self.message);
+        msg.encode(&mut v).map_err(|e| e.to_string())?;
+        Ok(v)
+    }
+
+    fn content_type(&self) -> &str {
+        "application/x-protobuf"
+    }
+
+    fn describe(&self) -> String {
+        self.describe.clone()
+    }
+}
+
+fn segment(s: &serde_path_to_error::Segment) -> String {
+    use serde_path_to_error::Segment;
+    match s {
+        Segment::Seq { index } => format!("/{index}"),
+        Segment::Map { key } | Segment::Enum { variant: key } => {
+            format!("/{}", key.replace('~', "~0").replace('/', "~1"))
+        }
+        Segment::Unknown => "/?".into(),
+    }
+}
+
+/// A serde error without the value it quotes (`invalid type: string "4111…"`
+/// becomes `invalid type: string …`): data may hold what must not be
+/// logged. A field's name (`unrecognized field name 'x'`) stays.
+fn without_values(msg: &str) -> String {
+    let names_a_field = ["unknown field", "unrecognized field name", "missing field", "duplicate field"];
+    if names_a_field.iter().any(|p| msg.starts_with(p)) {
+        return msg.to_owned();
+    }
+    let mut out = String::with_capacity(msg.len());
+    let mut quote: Option<char> = None;
+    let mut after_space = true;
+    for c in msg.chars() {
+        let opens = c == '"' || c == '`' || (c == '\'' && after_space);
+        after_space = c.is_whitespace();
+        match quote {
+            Some(q) if c == q => quote = None,
+            Some(_) => {}
+            None if opens => {
+                quote = Some(c);
+                out.push('…');
+            }
+            None => out.push(c),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use relay_core::effects::DataEncoder as _;
+    use serde_json::json;
+
+    const PAYMENTS: &str = r#"
+        syntax = "proto3";
+        package shop;
+        import "google/protobuf/timestamp.proto";
+        import "money.proto";
+        message PaymentRequested {
+          string payment_id = 1;
+          Money amount = 2;
+          int64 attempt = 3;
+          Status status = 4;
+          google.protobuf.Timestamp at = 5;
+          repeated Line lines = 6;
+          bytes token = 7;
+          message Line { string sku = 1; uint32 qty = 2; }
+          enum Status { NEW = 0; HELD = 1; }
+        }
+        message Refund { string payment_id = 1; }
+    "#;
+    const MONEY: &str = r#"syntax = "proto3"; package shop; message Money { int64 minor = 1; string currency = 2; }"#;
+
+    fn schema() -> Schema {
+        Schema::parse(PAYMENTS, &HashMap::from([("money.proto".to_owned(), MONEY.to_owned())])).unwrap()
+    }
+
+    fn encoder() -> Encoder {
+        Encoder::new(7, &schema(), "subject payments-value, schema id 7".into())
+    }
+
+    #[test]
+    fn data_encodes_to_the_message_that_decodes_back_to_it_under_its_proto_names() {
+        let data = json!({
+            "payment_id": "p-1", "amount": {"minor": 1500, "currency": "EUR"}, "attempt": 9_007_199_254_740_993_i64,
+            "status": "HELD", "at": "2026-12-05T10:00:00Z", "lines": [{"sku": "A", "qty": 2}], "token": "AAE="
+        });
+        let bytes = encoder().encode(&data).unwrap();
+        assert_eq!(&bytes[..6], &[0, 0, 0, 0, 7, 0], "header, then the indexes [0] as one zero byte");
+        assert_eq!(schema().decode(&bytes[5..]).unwrap(), data);
+        // Unset fields come out with their defaults, so templates can name them.
+        let bytes = encoder().encode(&json!({"paymentId": "p-2"})).unwrap();
+        let back = schema().decode(&bytes[5..]).unwrap();
+        assert_eq!(back["payment_id"], "p-2");
+        assert_eq!(back["attempt"], 0);
+        assert_eq!(back["status"], "NEW");
+        assert_eq!(back["lines"], json!([]));
+        assert!(back.get("amount").is_none(), "a message field without a value has none: {back}");
+    }
+
+    #[test]
+    fn message_indexes_name_nested_and_later_messages() {
+        let s = schema();
+        let line = s.first_message().child_messages().next().unwrap();
+        let mut out = Vec::new();
+        put_indexes(&mut out, &line);
+        // Two indexes, [0, 0], each a zig-zag varint.
+        assert_eq!(out, [4, 0, 0]);
+        let msg = DynamicMessage::deserialize(line, &json!({"sku": "B", "qty": 3})).unwrap();
+        out.extend(msg.encode_to_vec());
+        assert_eq!(s.decode(&out).unwrap(), json!({"sku": "B", "qty": 3}));
+        let refund = s.file.messages().nth(1).unwrap();
+        let mut out = Vec::new();
+        put_indexes(&mut out, &refund);
+        assert_eq!(out, [2, 2]);
+        out.extend(DynamicMessage::deserialize(refund, &json!({"payment_id": "p"})).unwrap().encode_to_vec());
+        assert_eq!(s.decode(&out).unwrap(), json!({"payment_id": "p"}));
+        for (bytes, says) in [
+            (&[2u8, 4][..], "indexes [2] name no message"),
+            (&[4, 0, 8], "indexes [0, 4] name no message"),
+            (&[0x80], "ends inside its message indexes"),
+            (&[], "ends inside"),
+            (&[2, 1], "below 0"),
+            (&[0xfe, 0x01], "claims 127 message indexes"),
+        ] {
+            let e = s.decode(bytes).unwrap_err();
+            assert!(e.contains(says), "{says:?} in {e}");
+        }
+        let e = s.decode(&[0, 0x0a, 0xff]).unwrap_err();
+        assert!(e.contains("does not decode as shop.PaymentRequested"), "{e}");
+    }
+
+    #[test]
+    fn a_misfit_names_the_field_and_never_the_value() {
+        let e = encoder().encode(&json!({"payment_id": 4111111111111111_i64})).unwrap_err();
+        assert!(e.contains("at /payment_id") && !e.contains("4111"), "{e}");
+        let e = encoder().encode(&json!({"amount": {"minor": "secret-ish"}})).unwrap_err();
+        assert!(e.contains("at /amount/minor") && !e.contains("secret"), "{e}");
+        let e = encoder().encode(&json!({"status": "GONE"})).unwrap_err();
+        assert!(e.contains("at /status") && !e.contains("GONE"), "{e}");
+        let e = encoder().encode(&json!({"payment_id": "p", "surprise": 1})).unwrap_err();
+        assert!(e.contains("unrecognized field name 'surprise'"), "{e}");
+        assert!(e.contains("message shop.PaymentRequested"), "{e}");
+        assert_eq!(encoder().content_type(), "application/x-protobuf");
+        assert!(encoder().describe().ends_with("message shop.PaymentRequested"));
+    }
+
+    #[test]
+    fn a_descriptor_in_base64_is_read_as_the_serializer_registered_it() {
+        let proto = schema().file.file_descriptor_proto().clone();
+        let b64 = base64::engine::general_purpose::STANDARD.encode(proto.encode_to_vec());
+        let money = base64::engine::general_purpose::STANDARD
+            .encode(Schema::parse(MONEY, &HashMap::new()).unwrap().file.file_descriptor_proto().encode_to_vec());
+        let s = Schema::parse(&b64, &HashMap::from([("money.proto".to_owned(), money)])).unwrap();
+        assert_eq!(s.first_message().full_name(), "shop.PaymentRequested");
+    }
+
+    #[test]
+    fn a_schema_that_cannot_be_used_says_why() {
+        let e = Schema::parse(PAYMENTS, &HashMap::new()).err().unwrap();
+        assert!(e.contains("money.proto"), "{e}");
+        let e = Schema::parse("syntax = \"proto3\"; message {", &HashMap::new()).err().unwrap();
+        assert!(!e.contains('\n'), "{e}");
+        let e = Schema::parse("syntax = \"proto3\"; enum E { A = 0; }", &HashMap::new()).err().unwrap();
+        assert!(e.contains("no message"), "{e}");
+    }
+}
