@@ -250,7 +250,7 @@ pub struct IntentHistory {
 }
 
 /// What an operator found out about an uncertain intent from the provider.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum IntentResolution {
     /// The provider applied it: record its `on_success` effects.

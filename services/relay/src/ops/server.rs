@@ -6,6 +6,8 @@
 //!   (503 with the failing checks otherwise);
 //! * `/api/…` — the JSON admin API, behind `Authorization: Bearer <token>`
 //!   (the token comes from the environment variable `admin.token_env`);
+//! * `GET /api/openapi.json` — the OpenAPI description of all of the above,
+//!   generated from the handlers (no token);
 //! * `/` — the web console, static files compiled into the binary, talking to
 //!   the API from the browser (no build step, nothing fetched at run time).
 
@@ -15,7 +17,7 @@ use std::time::Duration;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::get;
 use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -29,6 +31,8 @@ use serde_json::{Value, json};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
+use utoipa::{IntoParams, OpenApi, ToSchema};
+use utoipa_axum::{router::OpenApiRouter, routes};
 
 use crate::ingest::processor::Processor;
 use crate::ops::admin::{DeadLetters, Intents, KeyWindow, Operator, OpsError, Released, ReplayOutcome, Replayed};
@@ -242,14 +246,16 @@ async fn check_readiness(
 }
 
 fn router(state: Shared) -> Router {
+    let (api, _) = api_parts();
+    let api = api.route_layer(axum::middleware::from_fn_with_state(state.clone(), require_token));
+    let (probes, _) = probe_parts();
     Router::new()
         .route("/", get(|| async { ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], INDEX_HTML) }))
         .route("/app.js", get(|| async { ([(header::CONTENT_TYPE, "text/javascript; charset=utf-8")], APP_JS) }))
         .route("/style.css", get(|| async { ([(header::CONTENT_TYPE, "text/css; charset=utf-8")], STYLE_CSS) }))
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .merge(api(state.clone()))
+        .route("/api/openapi.json", get(|| async { ([(header::CONTENT_TYPE, "application/json")], openapi_json()) }))
+        .merge(probes)
+        .merge(api)
         .with_state(state)
         .layer(axum::middleware::map_response(hardened))
 }
@@ -274,30 +280,122 @@ async fn hardened(mut resp: axum::response::Response) -> axum::response::Respons
     resp
 }
 
-/// The operator API: every route behind one bearer-token check.
-fn api(state: Shared) -> Router<Shared> {
-    Router::new()
-        .route("/api/counts", get(counts))
-        .route("/api/dead-letters", get(list_dead_letters))
-        .route("/api/dead-letters/replay", post(replay_dead_letters))
-        .route("/api/dead-letters/purge", post(purge_dead_letters))
-        .route("/api/dead-letters/{id}", get(show_dead_letter).delete(delete_dead_letter))
-        .route("/api/dead-letters/{id}/replay", post(replay_dead_letter))
-        .route("/api/dead-letters/{id}/skip", post(skip_dead_letter))
-        .route("/api/held-keys", get(held_keys))
-        .route("/api/intents", get(list_intents))
-        .route("/api/intents/replay", post(replay_intents))
-        .route("/api/intents/{id}", get(show_intent))
-        .route("/api/intents/{id}/replay", post(replay_intent))
-        .route("/api/intents/{id}/resolve", post(resolve_intent))
-        .route("/api/intents/{id}/skip", post(skip_intent))
-        .route("/api/outbox", get(list_outbox))
-        .route("/api/outbox/{id}", get(show_outbox))
-        .route("/api/outbox/{id}/replay", post(replay_outbox))
-        .route("/api/outbox/{id}/skip", post(skip_outbox))
-        .route("/api/pauses", get(list_pauses).post(pause))
-        .route("/api/pauses/{kind}/{name}", axum::routing::delete(resume))
-        .route_layer(axum::middleware::from_fn_with_state(state, require_token))
+/// The operator API's routes and their OpenAPI description, from one
+/// declaration: `routes!` registers each handler at the path its
+/// `#[utoipa::path]` documents, so the description cannot name a route that
+/// is not served or miss one that is. [`router`] puts them all behind one
+/// bearer-token check.
+fn api_parts() -> (Router<Shared>, utoipa::openapi::OpenApi) {
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(counts))
+        .routes(routes!(list_dead_letters))
+        .routes(routes!(replay_dead_letters))
+        .routes(routes!(purge_dead_letters))
+        .routes(routes!(show_dead_letter, delete_dead_letter))
+        .routes(routes!(replay_dead_letter))
+        .routes(routes!(skip_dead_letter))
+        .routes(routes!(held_keys))
+        .routes(routes!(list_intents))
+        .routes(routes!(replay_intents))
+        .routes(routes!(show_intent))
+        .routes(routes!(replay_intent))
+        .routes(routes!(resolve_intent))
+        .routes(routes!(skip_intent))
+        .routes(routes!(list_outbox))
+        .routes(routes!(show_outbox))
+        .routes(routes!(replay_outbox))
+        .routes(routes!(skip_outbox))
+        .routes(routes!(list_pauses, pause))
+        .routes(routes!(resume))
+        .split_for_parts()
+}
+
+/// The probes and `/metrics`, declared the same way; they answer without
+/// the token.
+fn probe_parts() -> (Router<Shared>, utoipa::openapi::OpenApi) {
+    OpenApiRouter::new().routes(routes!(healthz)).routes(routes!(readyz)).routes(routes!(metrics)).split_for_parts()
+}
+
+/// The admin API's OpenAPI 3 description, as served at `/api/openapi.json`
+/// and checked in at `docs/openapi.json`.
+pub fn openapi_json() -> String {
+    let mut doc = api_parts().1;
+    for (path, mut item) in probe_parts().1.paths.paths {
+        // No token: an empty requirement overrides the document's.
+        for op in [&mut item.get, &mut item.post].into_iter().flatten() {
+            op.security = Some(vec![utoipa::openapi::security::SecurityRequirement::default()]);
+        }
+        doc.paths.paths.insert(path, item);
+    }
+    let mut text = doc.to_pretty_json().expect("the OpenAPI description serializes");
+    text.push('\n');
+    text
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "relay admin API",
+        description = "Operate one relay: counts, dead letters (replay, skip, purge), intents (replay, resolve, \
+                       skip), the outbox, pauses. Every /api route needs `Authorization: Bearer <token>`, the token \
+                       being the value of the variable admin.token_env names (RELAY_ADMIN_TOKEN by default); \
+                       /healthz, /readyz, /metrics and /api/openapi.json do not.",
+        license(name = "Apache-2.0")
+    ),
+    modifiers(&BearerAuth),
+    security(("bearer" = [])),
+    components(schemas(ErrorBody)),
+    tags(
+        (name = "probes", description = "Liveness, readiness and Prometheus metrics"),
+        (name = "overview", description = "Counts of every table by state"),
+        (name = "dead letters", description = "Records and events that could not be applied"),
+        (name = "intents", description = "External calls"),
+        (name = "outbox", description = "Events to publish"),
+        (name = "pauses", description = "Routes and endpoints held on purpose"),
+    )
+)]
+struct ApiDoc;
+
+/// The bearer scheme every `/api` route requires.
+struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        doc.components.get_or_insert_with(Default::default).add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+/// A text schema of `values`: the names an enum bound to SQL stores, taken
+/// from the enum so the description lists what the handler parses.
+fn one_of(values: impl IntoIterator<Item = &'static str>) -> utoipa::openapi::Object {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .enum_values(Some(values.into_iter().collect::<Vec<_>>()))
+        .build()
+}
+
+fn pause_kinds() -> utoipa::openapi::Object {
+    one_of([PauseKind::Route, PauseKind::Endpoint].map(PauseKind::as_str))
+}
+
+fn intent_states() -> utoipa::openapi::Object {
+    one_of(IntentState::ALL.map(IntentState::as_str))
+}
+
+fn outbox_states() -> utoipa::openapi::Object {
+    one_of(relay_store::outbox::OutboxState::ALL.map(relay_store::outbox::OutboxState::as_str))
+}
+
+/// What every failed `/api` call answers (`ApiError::into_response`).
+#[derive(ToSchema)]
+#[allow(dead_code)] // Only described: the answer is built with `json!`.
+struct ErrorBody {
+    /// What went wrong and, where there is one, what to do about it.
+    error: String,
 }
 
 /// The layer in front of every `/api` route.
@@ -332,10 +430,24 @@ fn authorize(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     if ok { Ok(()) } else { Err(ApiError(StatusCode::UNAUTHORIZED, "missing or wrong bearer token".into())) }
 }
 
+#[utoipa::path(get, path = "/healthz", tag = "probes", summary = "Liveness: the process answers",
+    responses((status = 200, description = "Alive", body = String, content_type = "text/plain", example = "ok\n")))]
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+#[utoipa::path(get, path = "/metrics", tag = "probes", summary = "Prometheus metrics",
+    responses((status = 200, description = "The text exposition format", body = String, content_type = "text/plain; version=0.0.4")))]
 async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], s.metrics.render())
 }
 
+#[utoipa::path(get, path = "/readyz", tag = "probes", summary = "Readiness: the database (migrations current) and the broker answer",
+    responses(
+        (status = 200, description = "Ready", body = Object, example = json!({"ready": true, "checks": {"database": "ok", "broker": "ok"}})),
+        (status = 503, description = "Not ready: the checks say why", body = Object,
+         example = json!({"ready": false, "checks": {"database": "migrations are not current: run `relay migrate`", "broker": "ok"}}))
+    ))]
 async fn readyz(State(s): State<Shared>) -> Response {
     let latest = s.readiness.borrow().clone();
     let (ready, checks) = match latest {
@@ -373,21 +485,50 @@ async fn broker_reachable(
     .map_err(|e| e.to_string())?
 }
 
+#[utoipa::path(
+    get,
+    path = "/api/counts",
+    tag = "overview",
+    summary = "Rows of every table by state, and what is paused",
+    responses(
+        (status = 200, description = "Counts", body = Object, example = json!({"stats": {"inbox": 120, "intents": {"pending": 2, "dead": 1}, "outbox": {"pending": 0}, "dead_letters": {"unresolved": 3}}, "estimated": [], "pauses": []})),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn counts(State(s): State<Shared>) -> ApiResult {
     Ok(Json(json!(s.operator.counts().await?)))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 struct DeadLetterQuery {
+    /// Only this error class (e.g. `bad_json`, `schema_invalid`).
     class: Option<String>,
+    /// Only records of this topic.
     topic: Option<String>,
+    /// Resolved ones too (default: unresolved only).
     #[serde(default)]
     all: bool,
+    /// Ids above this one: the last id of the previous page.
     #[serde(default)]
     after: i64,
+    /// Page size, 1 to 1000 (default 100).
     limit: Option<i64>,
 }
 
+#[utoipa::path(
+    get,
+    path = "/api/dead-letters",
+    tag = "dead letters",
+    summary = "Dead letters, oldest first, a page at a time",
+    params(DeadLetterQuery),
+    responses(
+        (status = 200, description = "A page and the total matching", body = Object, example = json!({"items": [{"id": 7, "topic": "orders", "partition": 0, "offset": 42, "error_class": "bad_json", "reason": "…"}], "total": 1})),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn list_dead_letters(State(s): State<Shared>, Query(q): Query<DeadLetterQuery>) -> ApiResult {
     let resolution = if q.all { Resolution::Any } else { Resolution::Unresolved };
     let f = s.operator.filter(q.class, q.topic, resolution);
@@ -396,6 +537,19 @@ async fn list_dead_letters(State(s): State<Shared>, Query(q): Query<DeadLetterQu
     Ok(Json(json!({"items": items, "total": total})))
 }
 
+#[utoipa::path(
+    get,
+    path = "/api/dead-letters/{id}",
+    tag = "dead letters",
+    summary = "One dead letter with its record (key, headers, value as text, first 64 KiB)",
+    params(("id" = i64, Path, description = "Dead letter id")),
+    responses(
+        (status = 200, description = "The dead letter", body = Object, example = json!({"dead_letter": {"id": 7, "error_class": "bad_json"}, "key": "o-1", "headers": [{"name": "ce_type", "value": "order.placed"}], "value": "{…"})),
+        (status = 404, description = "No such dead letter", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn show_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
     let dl = s.operator.dead_letter(id).await?;
     let text =
@@ -422,6 +576,20 @@ fn released_json(r: &Released) -> Value {
            "detail": r.describe()})
 }
 
+#[utoipa::path(
+    post,
+    path = "/api/dead-letters/{id}/replay",
+    tag = "dead letters",
+    summary = "Process a dead letter again, as the consumer would",
+    params(("id" = i64, Path, description = "Dead letter id")),
+    responses(
+        (status = 200, description = "What the replay did", body = Object, example = json!({"id": 7, "outcome": "applied", "detail": "", "resolved": true, "released": null})),
+        (status = 404, description = "No such dead letter", body = ErrorBody),
+        (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn replay_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
     let r = s.operator.replay_releasing(&s.processor, id).await?;
     match r.outcome {
@@ -430,29 +598,61 @@ async fn replay_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> Api
     }
 }
 
+#[utoipa::path(
+    post,
+    path = "/api/dead-letters/{id}/skip",
+    tag = "dead letters",
+    summary = "Resolve a dead letter without applying it, releasing what waits behind it",
+    params(("id" = i64, Path, description = "Dead letter id")),
+    responses(
+        (status = 200, description = "Skipped", body = Object, example = json!({"id": 7, "skipped": true, "released": {"key": "o-1", "replayed": 2, "held_behind": 0, "detail": "…"}})),
+        (status = 404, description = "No such dead letter", body = ErrorBody),
+        (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn skip_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
     let released = s.operator.skip_dead_letter(&s.processor, id).await?;
     info!(dead_letter = id, "dead letter skipped through the admin API");
     Ok(Json(json!({"id": id, "skipped": true, "released": released_json(&released)})))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 struct HeldKeysQuery {
+    /// At most this many, 1 to 1000 (default 200).
     limit: Option<i64>,
 }
 
+#[utoipa::path(
+    get,
+    path = "/api/held-keys",
+    tag = "dead letters",
+    summary = "Keys held behind a dead letter (routes with on_poison = hold_key)",
+    params(HeldKeysQuery),
+    responses(
+        (status = 200, description = "Held keys", body = Object, example = json!({"held_keys": [{"topic": "orders", "partition": 0, "key": "o-1", "dead_letter_id": 7, "waiting": 3}]})),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn held_keys(State(s): State<Shared>, Query(q): Query<HeldKeysQuery>) -> ApiResult {
     let rows = s.operator.held_keys(q.limit.unwrap_or(200).clamp(1, 1000)).await?;
     Ok(Json(json!({"held_keys": rows})))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 struct Bulk {
+    /// These dead letters.
     #[serde(default)]
     ids: Vec<i64>,
+    /// Every matching one instead of `ids`.
     #[serde(default)]
     all: bool,
+    /// With `all`: only this error class.
     class: Option<String>,
+    /// Purge: only resolved ones.
     #[serde(default)]
     resolved: bool,
 }
@@ -468,6 +668,19 @@ impl Bulk {
     }
 }
 
+#[utoipa::path(
+    post,
+    path = "/api/dead-letters/replay",
+    tag = "dead letters",
+    summary = "Replay dead letters by id, or all unresolved ones (of a class)",
+    request_body = Bulk,
+    responses(
+        (status = 200, description = "One result per dead letter", body = Object, example = json!({"results": [{"id": 7, "outcome": "applied", "detail": "", "resolved": true, "released": null}], "resolved": 1})),
+        (status = 400, description = "A malformed id or parameter", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn replay_dead_letters(State(s): State<Shared>, Json(b): Json<Bulk>) -> ApiResult {
     let which = b.select(&s, Resolution::Unresolved);
     let done = s.operator.replay_all(&s.processor, which, |_, _, _, _| {}).await?;
@@ -476,25 +689,72 @@ async fn replay_dead_letters(State(s): State<Shared>, Json(b): Json<Bulk>) -> Ap
     Ok(Json(json!({"results": results, "resolved": resolved})))
 }
 
+#[utoipa::path(
+    delete,
+    path = "/api/dead-letters/{id}",
+    tag = "dead letters",
+    summary = "Delete a resolved dead letter",
+    params(("id" = i64, Path, description = "Dead letter id")),
+    responses(
+        (status = 200, description = "Deleted", body = Object, example = json!({"deleted": 1})),
+        (status = 404, description = "No such dead letter", body = ErrorBody),
+        (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn delete_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
     s.operator.delete_dead_letter(id).await?;
     Ok(Json(json!({"deleted": 1})))
 }
 
+#[utoipa::path(
+    post,
+    path = "/api/dead-letters/purge",
+    tag = "dead letters",
+    summary = "Delete dead letters by id, or all (resolved ones, of a class)",
+    request_body = Bulk,
+    responses(
+        (status = 200, description = "How many were deleted", body = Object, example = json!({"deleted": 12})),
+        (status = 400, description = "A malformed id or parameter", body = ErrorBody),
+        (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn purge_dead_letters(State(s): State<Shared>, Json(b): Json<Bulk>) -> ApiResult {
     let resolution = if b.resolved { Resolution::Resolved } else { Resolution::Any };
     let deleted = s.operator.purge(b.select(&s, resolution), |_| {}).await?;
     Ok(Json(json!({"deleted": deleted})))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 struct IntentQuery {
+    /// Only intents in this state.
+    #[param(schema_with = intent_states)]
     state: Option<String>,
+    /// Only calls to this endpoint.
     endpoint: Option<String>,
+    /// Only those created before this instant (RFC 3339): the next page.
     before: Option<chrono::DateTime<chrono::Utc>>,
+    /// Page size, 1 to 1000 (default 100).
     limit: Option<i64>,
 }
 
+#[utoipa::path(
+    get,
+    path = "/api/intents",
+    tag = "intents",
+    summary = "Intents, newest first",
+    params(IntentQuery),
+    responses(
+        (status = 200, description = "Intents", body = Object, example = json!({"items": [{"id": "0b9c…", "endpoint": "psp", "state": "dead", "attempts": 5, "last_error": "HTTP 500"}]})),
+        (status = 400, description = "A malformed id or parameter", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn list_intents(State(s): State<Shared>, Query(q): Query<IntentQuery>) -> ApiResult {
     let state =
         q.state.map(|st| st.parse::<IntentState>()).transpose().map_err(|e| ApiError(StatusCode::BAD_REQUEST, e))?;
@@ -506,29 +766,77 @@ fn parse_id(id: &str) -> Result<uuid::Uuid, ApiError> {
     id.parse().map_err(|_| ApiError(StatusCode::BAD_REQUEST, format!("{id:?} is not an intent id (a UUID)")))
 }
 
+#[utoipa::path(
+    get,
+    path = "/api/intents/{id}",
+    tag = "intents",
+    summary = "One intent with its attempts, reconciliations and response",
+    params(("id" = String, Path, description = "Intent id (a UUID)")),
+    responses(
+        (status = 200, description = "The intent", body = Object, example = json!({"intent": {"id": "0b9c…", "state": "succeeded"}, "attempts": [], "reconciliations": [], "response": null})),
+        (status = 400, description = "A malformed id or parameter", body = ErrorBody),
+        (status = 404, description = "No such intent", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn show_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
     Ok(Json(json!(s.operator.intent(parse_id(&id)?).await?)))
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, IntoParams)]
+#[into_params(parameter_in = Query)]
 struct ReplayQuery {
     /// Replay even if the attempts could outlive the provider's key window.
     #[serde(default)]
     past_key_window: bool,
 }
 
+#[utoipa::path(
+    post,
+    path = "/api/intents/{id}/replay",
+    tag = "intents",
+    summary = "Queue a dead intent again, with the same idempotency key",
+    params(("id" = String, Path, description = "Intent id (a UUID)"), ReplayQuery),
+    responses(
+        (status = 200, description = "Queued", body = Object, example = json!({"id": "0b9c…", "requeued": true})),
+        (status = 400, description = "A malformed id or parameter", body = ErrorBody),
+        (status = 404, description = "No such intent", body = ErrorBody),
+        (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn replay_intent(State(s): State<Shared>, Path(id): Path<String>, Query(q): Query<ReplayQuery>) -> ApiResult {
     let id = parse_id(&id)?;
     s.operator.requeue(id, KeyWindow::past_allowed(q.past_key_window)).await?;
     Ok(Json(json!({"id": id, "requeued": true})))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 struct Resolve {
+    /// What the provider did.
     resolution: crate::ops::admin::IntentResolution,
+    /// Kept with the intent: who checked, where.
     note: Option<String>,
 }
 
+#[utoipa::path(
+    post,
+    path = "/api/intents/{id}/resolve",
+    tag = "intents",
+    summary = "Say what the provider did with an uncertain intent",
+    params(("id" = String, Path, description = "Intent id (a UUID)")),
+    request_body = Resolve,
+    responses(
+        (status = 200, description = "Resolved", body = Object, example = json!({"id": "0b9c…", "resolved": "succeeded", "effects_not_recorded": []})),
+        (status = 400, description = "A malformed id or parameter", body = ErrorBody),
+        (status = 404, description = "No such intent", body = ErrorBody),
+        (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn resolve_intent(State(s): State<Shared>, Path(id): Path<String>, Json(r): Json<Resolve>) -> ApiResult {
     let id = parse_id(&id)?;
     let dropped = s.operator.resolve(id, r.resolution, r.note.as_deref()).await?;
@@ -536,17 +844,34 @@ async fn resolve_intent(State(s): State<Shared>, Path(id): Path<String>, Json(r)
     Ok(Json(json!({"id": id, "resolved": r.resolution, "effects_not_recorded": dropped})))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 struct IntentBulk {
+    /// These intents.
     #[serde(default)]
     ids: Vec<uuid::Uuid>,
+    /// Every dead intent instead of `ids`.
     #[serde(default)]
     all: bool,
+    /// With `all`: only this endpoint's.
     endpoint: Option<String>,
+    /// Replay even if attempts could outlive the provider's idempotency-key window.
     #[serde(default)]
     past_key_window: bool,
 }
 
+#[utoipa::path(
+    post,
+    path = "/api/intents/replay",
+    tag = "intents",
+    summary = "Queue dead intents again, by id or all (of an endpoint)",
+    request_body = IntentBulk,
+    responses(
+        (status = 200, description = "What was queued and what was not", body = Object, example = json!({"requeued": 3, "asked": 4, "refused": 0, "not_replayed": [{"id": "0b9c…", "why": "past the key window of the provider"}]})),
+        (status = 400, description = "A malformed id or parameter", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn replay_intents(State(s): State<Shared>, Json(b): Json<IntentBulk>) -> ApiResult {
     let which = if b.all { Intents::Dead { endpoint: b.endpoint } } else { Intents::Ids(b.ids) };
     let done = s.operator.requeue_all(which, KeyWindow::past_allowed(b.past_key_window), |_| {}).await?;
@@ -554,14 +879,33 @@ async fn replay_intents(State(s): State<Shared>, Json(b): Json<IntentBulk>) -> A
     Ok(Json(json!({"requeued": done.queued, "asked": done.asked, "refused": done.refused, "not_replayed": past})))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 struct OutboxQuery {
+    /// Only rows in this state.
+    #[param(schema_with = outbox_states)]
     state: Option<String>,
+    /// Only rows for this topic.
     topic: Option<String>,
+    /// Only those created before this instant (RFC 3339): the next page.
     before: Option<chrono::DateTime<chrono::Utc>>,
+    /// Page size, 1 to 1000 (default 100).
     limit: Option<i64>,
 }
 
+#[utoipa::path(
+    get,
+    path = "/api/outbox",
+    tag = "outbox",
+    summary = "Outbox rows, newest first",
+    params(OutboxQuery),
+    responses(
+        (status = 200, description = "Rows", body = Object, example = json!({"items": [{"id": "5d1e…", "topic": "payments", "state": "dead", "attempts": 3}]})),
+        (status = 400, description = "A malformed id or parameter", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn list_outbox(State(s): State<Shared>, Query(q): Query<OutboxQuery>) -> ApiResult {
     let state = q
         .state
@@ -577,10 +921,39 @@ fn parse_outbox_id(id: &str) -> Result<uuid::Uuid, ApiError> {
     id.parse().map_err(|_| ApiError(StatusCode::BAD_REQUEST, format!("{id:?} is not an outbox row id (a UUID)")))
 }
 
+#[utoipa::path(
+    get,
+    path = "/api/outbox/{id}",
+    tag = "outbox",
+    summary = "One outbox row",
+    params(("id" = String, Path, description = "Outbox row id (a UUID)")),
+    responses(
+        (status = 200, description = "The row", body = Object, example = json!({"row": {"id": "5d1e…", "topic": "payments", "state": "published"}})),
+        (status = 400, description = "A malformed id or parameter", body = ErrorBody),
+        (status = 404, description = "No such outbox row", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn show_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
     Ok(Json(json!({"row": s.operator.outbox_row(parse_outbox_id(&id)?).await?})))
 }
 
+#[utoipa::path(
+    post,
+    path = "/api/outbox/{id}/replay",
+    tag = "outbox",
+    summary = "Queue a dead outbox row again",
+    params(("id" = String, Path, description = "Outbox row id (a UUID)")),
+    responses(
+        (status = 200, description = "Queued", body = Object, example = json!({"id": "5d1e…", "requeued": true})),
+        (status = 400, description = "A malformed id or parameter", body = ErrorBody),
+        (status = 404, description = "No such outbox row", body = ErrorBody),
+        (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn replay_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
     let id = parse_outbox_id(&id)?;
     s.operator.outbox_replay(id).await?;
@@ -588,6 +961,21 @@ async fn replay_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiRe
     Ok(Json(json!({"id": id, "requeued": true})))
 }
 
+#[utoipa::path(
+    post,
+    path = "/api/intents/{id}/skip",
+    tag = "intents",
+    summary = "Give up a dead intent, releasing the key it holds",
+    params(("id" = String, Path, description = "Intent id (a UUID)")),
+    responses(
+        (status = 200, description = "Skipped", body = Object, example = json!({"id": "0b9c…", "released_key": "o-1", "waiting": 2})),
+        (status = 400, description = "A malformed id or parameter", body = ErrorBody),
+        (status = 404, description = "No such intent", body = ErrorBody),
+        (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn skip_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
     let id = parse_id(&id)?;
     let (key, waiting) = s.operator.intent_skip(id).await?;
@@ -595,6 +983,21 @@ async fn skip_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiResu
     Ok(Json(json!({"id": id, "released_key": key, "waiting": waiting})))
 }
 
+#[utoipa::path(
+    post,
+    path = "/api/outbox/{id}/skip",
+    tag = "outbox",
+    summary = "Give up a dead outbox row",
+    params(("id" = String, Path, description = "Outbox row id (a UUID)")),
+    responses(
+        (status = 200, description = "Skipped", body = Object, example = json!({"id": "5d1e…", "skipped": true})),
+        (status = 400, description = "A malformed id or parameter", body = ErrorBody),
+        (status = 404, description = "No such outbox row", body = ErrorBody),
+        (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn skip_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
     let id = parse_outbox_id(&id)?;
     s.operator.outbox_skip(id).await?;
@@ -602,23 +1005,65 @@ async fn skip_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResu
     Ok(Json(json!({"id": id, "skipped": true})))
 }
 
+#[utoipa::path(
+    get,
+    path = "/api/pauses",
+    tag = "pauses",
+    summary = "What is paused",
+    responses(
+        (status = 200, description = "Pauses", body = Object, example = json!({"pauses": [{"kind": "endpoint", "name": "psp", "reason": "provider incident", "paused_at": "2026-12-05T10:00:00Z"}]})),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn list_pauses(State(s): State<Shared>) -> ApiResult {
     Ok(Json(json!({"pauses": s.operator.pauses().await?})))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 struct PauseRequest {
+    /// What to pause.
+    #[schema(schema_with = pause_kinds)]
     kind: PauseKind,
+    /// The route's or endpoint's name in the configuration.
     name: String,
+    /// Shown with the pause.
     reason: Option<String>,
 }
 
+#[utoipa::path(
+    post,
+    path = "/api/pauses",
+    tag = "pauses",
+    summary = "Pause a route or an endpoint",
+    request_body = PauseRequest,
+    responses(
+        (status = 200, description = "Paused (already: it was)", body = Object, example = json!({"paused": true, "already": false})),
+        (status = 400, description = "A malformed id or parameter", body = ErrorBody),
+        (status = 404, description = "No such route or endpoint", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn pause(State(s): State<Shared>, Json(p): Json<PauseRequest>) -> ApiResult {
     let done = s.operator.pause(p.kind, &p.name, p.reason.as_deref()).await?;
     info!(kind = p.kind.as_str(), name = %p.name, "paused through the admin API");
     Ok(Json(json!({"paused": true, "already": done == Paused::AlreadyPaused})))
 }
 
+#[utoipa::path(
+    delete,
+    path = "/api/pauses/{kind}/{name}",
+    tag = "pauses",
+    summary = "Resume a route or an endpoint",
+    params(("kind" = String, Path, description = "route or endpoint"), ("name" = String, Path, description = "Name of the route or endpoint")),
+    responses(
+        (status = 200, description = "Resumed (false: it was not paused)", body = Object, example = json!({"resumed": true})),
+        (status = 400, description = "A malformed id or parameter", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
+    )
+)]
 async fn resume(State(s): State<Shared>, Path((kind, name)): Path<(String, String)>) -> ApiResult {
     let kind = match kind.as_str() {
         "route" => PauseKind::Route,
@@ -628,4 +1073,24 @@ async fn resume(State(s): State<Shared>, Path((kind, name)): Path<(String, Strin
     let done = s.operator.resume(kind, &name).await?;
     info!(kind = kind.as_str(), %name, "resumed through the admin API");
     Ok(Json(json!({"resumed": done == Resumed::Resumed})))
+}
+
+#[cfg(test)]
+mod openapi_tests {
+    /// The checked-in description is what the code serves; regenerate it
+    /// with `RELAY_UPDATE_OPENAPI=1 cargo test -p relay openapi`.
+    #[test]
+    fn the_checked_in_openapi_description_is_current() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/openapi.json");
+        let now = super::openapi_json();
+        if std::env::var_os("RELAY_UPDATE_OPENAPI").is_some() {
+            std::fs::write(&path, &now).unwrap();
+        }
+        let checked_in = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            checked_in == now,
+            "docs/openapi.json is not what the handlers describe: regenerate it with \
+             RELAY_UPDATE_OPENAPI=1 cargo test -p relay openapi, and review the diff"
+        );
+    }
 }
