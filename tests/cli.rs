@@ -313,3 +313,128 @@ async fn the_cli_prints_no_control_character_a_record_carried() {
         assert!(stdout.contains("\\u{1b}"), "escaped, still readable: {stdout}");
     }
 }
+
+/// `check-config --explain` renders a route through the consumer's own
+/// decoding, field sources, schema and templates, with nothing to connect
+/// to (the registry and endpoint below do not exist): an example event by
+/// default, a given record value with `--event` (refused as the consumer
+/// would refuse it), and `on_success` templates with `--response`.
+#[test]
+fn check_config_explain_renders_a_route_without_io_and_says_why_an_event_would_be_dead_lettered() {
+    let dir = std::env::temp_dir().join(unique("explain"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let schema = dir.join("order.schema.json");
+    std::fs::write(
+        &schema,
+        r#"{"type":"object","required":["event_id","order_id","cents"],"properties":{
+             "event_id":{"type":"string"},"order_id":{"type":"string","pattern":"^o-"},"cents":{"type":"integer"},
+             "channel":{"enum":["web","store"]}}}"#,
+    )
+    .unwrap();
+    let config = write_config(&format!(
+        r#"
+[schema_registry]
+url = "http://127.0.0.1:1"
+
+[endpoints.psp]
+base_url = "http://127.0.0.1:1/v2"
+
+[topics.orders]
+format = "json"
+fields.id = {{ pointer = "/event_id" }}
+fields.type = {{ value = "order.placed" }}
+fields.aggregate_id = {{ header = "order" }}
+
+[[routes]]
+name = "placed"
+topic = "orders"
+type = "order.placed"
+schema = "{schema}"
+version_guard = false
+
+[[routes.actions]]
+kind = "saga"
+name = "open"
+saga = "order"
+id = "{{{{ data.order_id }}}}"
+start = true
+to = "placed"
+
+[[routes.actions]]
+kind = "call"
+name = "capture"
+endpoint = "psp"
+path = "/captures/{{{{ data.order_id }}}}"
+idempotency_key = "capture:{{{{ data.order_id }}}}"
+body = {{ order_id = "{{{{ data.order_id }}}}", cents = "{{{{ data.cents }}}}", via = "{{{{ data.channel }}}}" }}
+
+[[routes.actions.on_success.emit]]
+name = "captured"
+type = "payment.captured"
+topic = "payments"
+key = "{{{{ data.order_id }}}}"
+data = {{ order_id = "{{{{ data.order_id }}}}", payment_id = "{{{{ response.body.id }}}}" }}
+
+[[routes.actions]]
+kind = "emit"
+name = "seen"
+type = "order.seen"
+topic = "orders.seen"
+format = "avro"
+key = "{{{{ data.order_id }}}}"
+data = {{ order_id = "{{{{ data.order_id }}}}", region = "{{{{ extensions.region | default('eu') }}}}" }}
+"#,
+        schema = schema.display()
+    ));
+    let explain = |extra: &[&std::ffi::OsStr]| {
+        output(relay().arg("--config").arg(&config).args(["check-config", "--explain", "placed"]).args(extra))
+    };
+
+    let (ok, stdout, stderr) = explain(&[]);
+    assert!(ok, "{stderr}");
+    for says in [
+        "rendered against an example event (no I/O",
+        "the templates read: data.cents, data.channel, data.order_id",
+        // The schema's types: an integer, the first enum value.
+        "\"cents\": 1,",
+        "\"channel\": \"web\"",
+        "saga \"open\": order \"example-order_id\" starts at \"placed\"",
+        "call \"capture\" -> endpoint psp: POST http://127.0.0.1:1/v2/captures/example-order_id",
+        "idempotency key \"capture:example-order_id\"",
+        "templates reading `response` stay as written",
+        "emit \"seen\" -> topic \"orders.seen\", key \"example-order_id\", type \"order.seen\", outbox id ",
+        "\"region\": \"eu\"",
+        "written as avro with the latest schema of subject \"orders.seen-value\"",
+    ] {
+        assert!(stdout.contains(says), "{says:?} in:\n{stdout}");
+    }
+
+    // A given record: its own values, the same derived ids as for any run.
+    let event = dir.join("event.json");
+    std::fs::write(&event, r#"{"event_id":"e-1","order_id":"o-1","cents":1250,"channel":"store"}"#).unwrap();
+    let response = dir.join("response.json");
+    std::fs::write(&response, r#"{"status":201,"headers":{},"body":{"id":"pay_9"}}"#).unwrap();
+    let (ok, stdout, stderr) =
+        explain(&["--event".as_ref(), event.as_os_str(), "--response".as_ref(), response.as_os_str()]);
+    assert!(ok, "{stderr}");
+    let intent_id = relay_core::ids::derived_id("relay", "e-1", "capture");
+    for says in [
+        &*format!("intent id {intent_id}, idempotency key \"capture:o-1\""),
+        "POST http://127.0.0.1:1/v2/captures/o-1",
+        "\"cents\": 1250",
+        "on success (with the --response answer)",
+        "\"payment_id\": \"pay_9\"",
+    ] {
+        assert!(stdout.contains(says), "{says:?} in:\n{stdout}");
+    }
+
+    // What the consumer would dead-letter, with its reason.
+    std::fs::write(&event, r#"{"event_id":"e-2","order_id":"x-2","cents":"12"}"#).unwrap();
+    let (ok, stdout, stderr) = explain(&["--event".as_ref(), event.as_os_str()]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("this event would not be applied: dead-lettered as schema_invalid"), "{stdout}");
+    assert!(stdout.contains("/order_id") && stdout.contains("/cents"), "{stdout}");
+
+    let (ok, _, stderr) = output(relay().arg("--config").arg(&config).args(["check-config", "--explain", "nope"]));
+    assert!(!ok && stderr.contains("no route \"nope\"; the routes are: placed"), "{stderr}");
+}

@@ -47,7 +47,19 @@ pub enum Command {
     /// Apply pending database migrations.
     Migrate,
     /// Check the configuration (and the routes' templates and schemas) and print a summary.
-    CheckConfig,
+    CheckConfig {
+        /// Instead, render route ROUTE (its name, or topic/type) against an example event and print the
+        /// saga moves, calls and events it would write, with their ids and keys (a dry run: no I/O).
+        #[arg(long, value_name = "ROUTE")]
+        explain: Option<String>,
+        /// With --explain: render this record value (JSON, as the topic carries it) instead of an example.
+        #[arg(long, value_name = "FILE", requires = "explain")]
+        event: Option<PathBuf>,
+        /// With --explain: the provider's answer ({"status", "headers", "body"}) for on_success templates
+        /// that read `response`.
+        #[arg(long, value_name = "FILE", requires = "explain")]
+        response: Option<PathBuf>,
+    },
     /// Run the inbox consumer.
     Consume,
     /// Run the dispatcher: intent calls and outbox publishing.
@@ -411,7 +423,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             return Ok(());
         }
-        Command::CheckConfig => {
+        Command::CheckConfig { explain: Some(route), event, response } => {
+            let cfg = load(&cli)?;
+            print!("{}", crate::explain::run(&cfg, route, event.as_deref(), response.as_deref())?);
+            return Ok(());
+        }
+        Command::CheckConfig { explain: None, .. } => {
             let cfg = load(&cli)?;
             relay_core::Router::new(&cfg)?;
             println!("configuration is valid");
@@ -573,7 +590,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Migrate | Command::CheckConfig | Command::Demo => unreachable!("handled above"),
+        Command::Migrate | Command::CheckConfig { .. } | Command::Demo => unreachable!("handled above"),
     }
 }
 

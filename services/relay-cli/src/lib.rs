@@ -16,6 +16,7 @@
 
 pub mod cli;
 pub mod demo;
+mod explain;
 mod telemetry;
 pub mod verify;
 

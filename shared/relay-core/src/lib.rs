@@ -19,6 +19,7 @@ pub mod config;
 pub mod disposition;
 pub mod effects;
 pub mod envelope;
+pub mod explain;
 pub mod fuzz;
 pub mod ids;
 pub mod limits;

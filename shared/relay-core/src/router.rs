@@ -5,7 +5,7 @@
 //! configuration, so a permanent failure here is permanent for that record:
 //! it is dead-lettered, never retried.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use serde_json::{Value, json};
@@ -355,6 +355,14 @@ impl Router {
             return Err(missing_guard_field(route, &event, "sequence_guard", "aggregate id and sequence"));
         }
         Ok(Routed::Route(route, event))
+    }
+
+    /// The route at index `i` of the configuration's `routes`, and every
+    /// variable path its templates read (for `relay check-config --explain`).
+    pub fn route_at(&self, cfg: &crate::RelayConfig, i: usize) -> Option<(&CompiledRoute, BTreeSet<String>)> {
+        let r = cfg.routes.get(i)?;
+        let route = self.routes.get(&(r.topic.clone(), r.event_type.clone()))?;
+        Some((route, self.templates.paths_read(&format!("routes[{i}]."))))
     }
 
     /// The template context of an event.

@@ -387,6 +387,16 @@ pub fn pointer_token(key: &str) -> String {
 }
 
 impl Templates {
+    /// Every variable path (`data.order_id`, `aggregate_id`) the templates
+    /// whose configuration key starts with `prefix` read.
+    pub fn paths_read(&self, prefix: &str) -> std::collections::BTreeSet<String> {
+        self.env
+            .templates()
+            .filter(|(name, _)| name.starts_with(prefix))
+            .flat_map(|(_, t)| t.undeclared_variables(true))
+            .collect()
+    }
+
     /// Whether `t` reads the provider's answer, so it is rendered when the
     /// call succeeds ([`Templates::defer`]), not with the event.
     pub fn reads_answer(&self, t: &TextTemplate) -> bool {
