@@ -88,13 +88,15 @@ ensure_python_example_deps() {
   # confluent-kafka with its Avro, JSON Schema and Protobuf serializers: an independent
   # writer (and reader) of the Schema Registry wire format for tests/registry.rs; protoc
   # from grpcio-tools compiles the tests' .proto files into Python classes;
-  # openapi-spec-validator checks the admin API's OpenAPI description (tests/admin.rs).
-  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import psycopg, confluent_kafka.schema_registry.avro, confluent_kafka.schema_registry.json_schema, confluent_kafka.schema_registry.protobuf, grpc_tools.protoc, openapi_spec_validator' 2>/dev/null; then
+  # openapi-spec-validator checks the admin API's OpenAPI description (tests/admin.rs);
+  # kubernetes-validate checks the Helm chart's manifests against Kubernetes' schemas,
+  # which it bundles (tests/helm.rs).
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import psycopg, confluent_kafka.schema_registry.avro, confluent_kafka.schema_registry.json_schema, confluent_kafka.schema_registry.protobuf, grpc_tools.protoc, openapi_spec_validator, kubernetes_validate' 2>/dev/null; then
     command -v python3 >/dev/null || die "Python 3 is needed for the examples/python test (apt-get install python3-venv)"
     say "installing psycopg and confluent-kafka for the Python tests into $venv"
     [ -x "$venv/bin/python" ] || python3 -m venv "$venv" || die "python3 -m venv failed (apt-get install python3-venv)"
     "$venv/bin/pip" install -q --disable-pip-version-check "psycopg[binary]==3.3.9" "confluent-kafka[avro,json,protobuf,schemaregistry]==2.16.0" \
-      "protobuf==7.36.2" "grpcio-tools==1.85.1" "openapi-spec-validator==0.9.0" \
+      "protobuf==7.36.2" "grpcio-tools==1.85.1" "openapi-spec-validator==0.9.0" "kubernetes-validate==1.37.0" \
       || die "could not install the Python test dependencies from PyPI"
   fi
   export RELAY_TEST_PYTHON="$venv/bin/python"
@@ -286,6 +288,22 @@ stop_schema_registry() {
   REGISTRY_PID=""
 }
 
+# Helm for tests/helm.rs, built from its Go module once into $CACHE/bin: the Go
+# module proxy is reachable where Helm's release downloads are not.
+HELM_VERSION=v4.3.2
+ensure_helm() {
+  local bin="$CACHE/bin/helm-$HELM_VERSION"
+  if [ ! -x "$bin" ]; then
+    command -v go >/dev/null || die "Go is needed to build Helm for the chart test (tests/helm.rs); install Go 1.26"
+    say "building Helm $HELM_VERSION from its Go module into $CACHE/bin (about 2 minutes, once)"
+    mkdir -p "$CACHE/bin/build"
+    GOBIN="$CACHE/bin/build" go install "helm.sh/helm/v4/cmd/helm@$HELM_VERSION" \
+      || die "could not build Helm: go install helm.sh/helm/v4/cmd/helm@$HELM_VERSION failed"
+    mv "$CACHE/bin/build/helm" "$bin"
+  fi
+  export RELAY_TEST_HELM="$bin"
+}
+
 # PostgreSQL (started if needed) + a fresh Apache Kafka broker for tests and
 # the soak; exports RELAY_TEST_* and installs a cleanup trap.
 start_test_services() {
@@ -294,6 +312,7 @@ start_test_services() {
   ensure_application_roles
   ensure_python_example_deps
   ensure_example_deps
+  ensure_helm
   export RELAY_TEST_DATABASE_URL="postgres://$TEST_ROLE:$TEST_ROLE@127.0.0.1:5432/postgres"
   export RELAY_TEST_APP_DATABASE_URL="postgres://relay_app:relay_app@127.0.0.1:5432/postgres"
   start_kafka
