@@ -404,7 +404,7 @@ data = {{ order_id = "{{{{ data.order_id }}}}", region = "{{{{ extensions.region
         "templates reading `response` stay as written",
         "emit \"seen\" -> topic \"orders.seen\", key \"example-order_id\", type \"order.seen\", outbox id ",
         "\"region\": \"eu\"",
-        "written as avro with the latest schema of subject \"orders.seen-value\"",
+        "written as avro (subject orders.seen-value) with the subject's latest schema",
     ] {
         assert!(stdout.contains(says), "{says:?} in:\n{stdout}");
     }

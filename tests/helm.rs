@@ -118,7 +118,9 @@ fn the_chart_lints_and_renders_manifests_kubernetes_accepts() {
 
 #[test]
 fn the_deployment_probes_health_reads_secrets_from_secrets_and_has_a_disruption_budget() {
-    let prod = production_values();
+    let mut prod = production_values();
+    // A pod label cannot take the selector's place.
+    prod.extend(["--set".into(), "podLabels.app\\.kubernetes\\.io/instance=other".into()]);
     let (_, docs) = render(&prod.iter().map(String::as_str).collect::<Vec<_>>());
     let deployment = one(&docs, "Deployment");
     assert_eq!(deployment["spec"]["replicas"].as_i64(), Some(3));
@@ -222,5 +224,37 @@ fn values_that_cannot_work_are_refused_naming_what_to_set() {
     for (set, says) in [("role=consumer", "role"), ("surprise=1", "surprise"), ("admin.port=0", "port")] {
         let (ok, _, stderr) = helm(&["template", "r", chart, "--set", "database.existingSecret=db", "--set", set]);
         assert!(!ok && stderr.contains(says), "{set}: {stderr}");
+    }
+}
+
+/// What a pre-install hook uses must exist before the release's own
+/// resources do (Helm creates those after its pre-install hooks): every
+/// ServiceAccount and ConfigMap the migrate Job names is a hook of a lower
+/// weight, or not the release's at all.
+#[test]
+fn the_migration_hook_uses_only_what_exists_before_the_release() {
+    let prod = production_values();
+    for values in [default_values(), prod.iter().map(String::as_str).collect()] {
+        let (_, docs) = render(&values);
+        let weight =
+            |d: &Yaml| d["metadata"]["annotations"]["helm.sh/hook-weight"].as_str().map(|w| w.parse::<i64>().unwrap());
+        let job = one(&docs, "Job");
+        let job_weight = weight(job).expect("the Job is a weighted hook");
+        let spec = &job["spec"]["template"]["spec"];
+        let mut used = vec![("ServiceAccount", text(&spec["serviceAccountName"]))];
+        for v in spec["volumes"].as_vec().unwrap() {
+            if let Some(name) = v["configMap"]["name"].as_str() {
+                used.push(("ConfigMap", name.to_owned()));
+            }
+        }
+        for (kind, name) in used {
+            let Some(found) = of_kind(&docs, kind).into_iter().find(|d| d["metadata"]["name"].as_str() == Some(&*name))
+            else {
+                continue; // Not the release's: the user's, or the namespace's default.
+            };
+            let hook = found["metadata"]["annotations"]["helm.sh/hook"].as_str().unwrap_or_default();
+            assert!(hook.contains("pre-install"), "{kind} {name} is created after the pre-install Job that uses it");
+            assert!(weight(found).is_some_and(|w| w < job_weight), "{kind} {name} comes before the Job");
+        }
     }
 }

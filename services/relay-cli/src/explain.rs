@@ -178,16 +178,11 @@ fn describe(
             line(format!("  data {}", pretty(&s.data, "  ")));
         }
         let format = cfg.routes.iter().flat_map(|r| &r.actions).find_map(|a| match a {
-            relay_core::config::ActionConfig::Emit(em) if em.topic == e.topic => {
-                em.format.map(|f| (f, em.schema_subject()))
-            }
+            relay_core::config::ActionConfig::Emit(em) if em.topic == e.topic => em.emit_format(),
             _ => None,
         });
-        if let Some((f, subject)) = format {
-            line(format!(
-                "  written as {} with the latest schema of subject {subject:?}, checked at ingest (not here: no I/O)",
-                f.as_str()
-            ));
+        if let Some(f) = format {
+            line(format!("  written {f} with the subject's latest schema, checked at ingest (not here: no I/O)"));
         }
     }
     if let Some(c) = &x.effects.counter {

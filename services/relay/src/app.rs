@@ -53,12 +53,15 @@ async fn emit_encoders(
 ) -> anyhow::Result<relay_core::router::Encoders> {
     let mut encoders = relay_core::router::Encoders::new();
     let mut problems = Vec::new();
-    for (topic, format, subject) in router.formatted_topics() {
+    for (topic, format) in router.formatted_topics() {
         let Some(registry) = registry else {
-            problems.push(format!("topic {topic}: emits with format = {:?} need [schema_registry]", format.as_str()));
+            problems.push(format!(
+                "topic {topic}: emits with format = {:?} need [schema_registry]",
+                format.format.as_str()
+            ));
             continue;
         };
-        match registry.encoder(format, &subject).await {
+        match registry.encoder(&format).await {
             Ok(e) => {
                 encoders.insert(topic, e);
             }

@@ -658,12 +658,48 @@ pub struct EmitAction {
     /// The registry subject whose latest schema encodes it; default
     /// `<topic>-value` (the topic name strategy).
     pub schema_subject: Option<String>,
+    /// With `format = "protobuf"`: the message of the subject's `.proto`
+    /// file it writes, by full name (`shop.PaymentRequested`); default the
+    /// file's first message.
+    pub schema_message: Option<String>,
 }
 
 impl EmitAction {
     /// The registry subject of its schema, when it has a format.
     pub fn schema_subject(&self) -> String {
         self.schema_subject.clone().unwrap_or_else(|| format!("{}-value", self.topic))
+    }
+
+    /// How it is written, when it has a format.
+    pub fn emit_format(&self) -> Option<EmitFormat> {
+        self.format.map(|format| EmitFormat {
+            format,
+            subject: self.schema_subject(),
+            message: self.schema_message.clone(),
+        })
+    }
+}
+
+/// How an emit's data is written in a Schema Registry format: what
+/// `relay_registry::Registry::encoder` builds an encoder from, and what
+/// every emit to one topic must agree on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EmitFormat {
+    /// The format.
+    pub format: TopicFormat,
+    /// The subject whose latest schema encodes it.
+    pub subject: String,
+    /// Protobuf: the message written (default the file's first).
+    pub message: Option<String>,
+}
+
+impl std::fmt::Display for EmitFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "as {} (subject {}", self.format.as_str(), self.subject)?;
+        if let Some(m) = &self.message {
+            write!(f, ", message {m}")?;
+        }
+        f.write_str(")")
     }
 }
 
@@ -1327,6 +1363,11 @@ impl RelayConfig {
                 if e.schema_subject.is_some() && e.format.is_none() {
                     p.push(format!("{at}.schema_subject: set, but the emit has no format"));
                 }
+                if e.schema_message.is_some() && e.format != Some(TopicFormat::Protobuf) {
+                    p.push(format!(
+                        "{at}.schema_message: names a Protobuf message, but the emit's format is not \"protobuf\""
+                    ));
+                }
             }
             ActionConfig::Saga(s) => {
                 if s.start && !s.from.is_empty() {
@@ -1467,11 +1508,11 @@ impl RelayConfig {
     /// consumer of the topic reads one encoding (a code handler's emits to
     /// it are encoded the same way, by topic).
     fn check_emit_formats(&self, p: &mut Vec<String>) {
-        let mut by_topic: BTreeMap<String, (String, Option<(TopicFormat, String)>)> = BTreeMap::new();
+        let mut by_topic: BTreeMap<String, (String, Option<EmitFormat>)> = BTreeMap::new();
         let mut see = |at: String, e: &EmitAction| {
-            let this = e.format.map(|f| (f, e.schema_subject()));
-            let describe = |f: &Option<(TopicFormat, String)>| match f {
-                Some((f, subject)) => format!("as {} (subject {subject})", f.as_str()),
+            let this = e.emit_format();
+            let describe = |f: &Option<EmitFormat>| match f {
+                Some(f) => f.to_string(),
                 None => "as JSON".to_owned(),
             };
             match by_topic.get(e.topic.as_str()) {
@@ -1661,6 +1702,8 @@ mod tests {
         assert!(err.contains("format = \"avro\" encodes with a schema from a Schema Registry"), "{err}");
         assert!(emit("format = \"json\"").contains("is how events are written without it"));
         assert!(emit("schema_subject = \"s\"").contains("schema_subject: set, but the emit has no format"));
+        let err = emit("format = \"avro\"\nschema_message = \"shop.X\"");
+        assert!(err.contains("schema_message: names a Protobuf message, but the emit's format is not"), "{err}");
         let outcome = problems_with("format = \"avro\"\n[schema_registry]\nurl = \"http://r\"\n");
         assert!(outcome.contains("outcome emit \"captured\" has a format"), "{outcome}");
         // VALID's outcome emit writes topic "payments" as JSON.

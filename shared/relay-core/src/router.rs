@@ -78,8 +78,8 @@ struct CompiledEmit {
     subject: Option<TextTemplate>,
     data: Option<JsonTemplate>,
     ordered: bool,
-    /// The format its data is encoded in, and the registry subject.
-    format: Option<(TopicFormat, String)>,
+    /// How its data is encoded (format, registry subject, message).
+    format: Option<crate::config::EmitFormat>,
 }
 
 #[derive(Debug)]
@@ -275,16 +275,16 @@ impl Router {
         self
     }
 
-    /// The (topic, format, subject) of every topic a route emit writes
-    /// with a `format`: what [`Router::with_encoders`] needs.
-    pub fn formatted_topics(&self) -> Vec<(String, TopicFormat, String)> {
-        let mut out: Vec<(String, TopicFormat, String)> = Vec::new();
+    /// Every topic a route emit writes with a `format`, and how: what
+    /// [`Router::with_encoders`] needs.
+    pub fn formatted_topics(&self) -> Vec<(String, crate::config::EmitFormat)> {
+        let mut out: Vec<(String, crate::config::EmitFormat)> = Vec::new();
         for route in self.routes.values() {
             for a in &route.actions {
-                if let CompiledAction::Emit(CompiledEmit { topic, format: Some((format, subject)), .. }) = a
-                    && !out.iter().any(|(t, _, _)| t == topic)
+                if let CompiledAction::Emit(CompiledEmit { topic, format: Some(format), .. }) = a
+                    && !out.iter().any(|(t, _)| t == topic)
                 {
-                    out.push((topic.clone(), *format, subject.clone()));
+                    out.push((topic.clone(), format.clone()));
                 }
             }
         }
@@ -741,7 +741,7 @@ fn compile_emit(b: &mut TemplateBuilder, at: &str, e: &EmitAction) -> CompiledEm
         subject: e.subject.as_ref().map(|k| b.text(&format!("{at}.subject"), k)),
         data: e.data.as_ref().map(|d| b.json(&format!("{at}.data"), d)),
         ordered: e.ordered,
-        format: e.format.map(|f| (f, e.schema_subject())),
+        format: e.emit_format(),
     }
 }
 

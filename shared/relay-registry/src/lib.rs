@@ -229,14 +229,14 @@ impl Registry {
         Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
     }
 
-    /// An encoder of data into the latest schema of `subject`, in `format`
-    /// (for emits). Its schema is read once: a start after a new version is
-    /// registered takes that one.
+    /// An encoder of data into the latest schema of the emit's subject, in
+    /// its format (and, for Protobuf, its message). Its schema is read
+    /// once: a start after a new version is registered takes that one.
     pub async fn encoder(
         &self,
-        format: TopicFormat,
-        subject: &str,
+        emit: &relay_core::config::EmitFormat,
     ) -> Result<Arc<dyn relay_core::effects::DataEncoder>, String> {
+        let (format, subject) = (emit.format, emit.subject.as_str());
         let path = format!("subjects/{}/versions/latest", utf8_percent(subject));
         let (status, body) = self.get(&path).await.map_err(|why| {
             format!("the schema registry at {} could not give the latest schema of subject {subject}: {why}", self.base)
@@ -279,7 +279,8 @@ impl Registry {
                     format!("subject {subject}: the schemas its Protobuf schema refers to: {}", e.why())
                 })?;
                 protobuf::Schema::parse(&latest.schema, &imports)
-                    .map(|schema| Arc::new(protobuf::Encoder::new(latest.id, &schema, describe)) as Arc<_>)
+                    .and_then(|schema| protobuf::Encoder::new(latest.id, &schema, emit.message.as_deref(), describe))
+                    .map(|e| Arc::new(e) as Arc<_>)
                     .map_err(|e| format!("subject {subject}: its Protobuf schema cannot be used: {e}"))
             }
             (TopicFormat::JsonSchema, "JSON") => serde_json::from_str::<Value>(&latest.schema)
@@ -296,10 +297,12 @@ impl Registry {
 
     /// The schemas `refs` names and those they name in turn, as text by
     /// the name they are imported under.
+    /// Breadth first, so a name the schema itself refers to takes the
+    /// version it names, whatever version a deeper schema names.
     async fn imports(&self, refs: Vec<Reference>) -> Result<HashMap<String, String>, ImportError> {
         let mut out = HashMap::new();
-        let mut queue = refs;
-        while let Some(r) = queue.pop() {
+        let mut queue: std::collections::VecDeque<Reference> = refs.into();
+        while let Some(r) = queue.pop_front() {
             if out.contains_key(&r.name) {
                 continue;
             }
@@ -574,10 +577,49 @@ mod tests {
                 ),
                 9 => (StatusCode::OK, "x".repeat(MAX_ANSWER_BYTES + 1)),
                 10 => (StatusCode::OK, "not json".into()),
+                // Protobuf with references: a diamond, a missing one, one the registry cannot give now.
+                20..=22 => {
+                    let (main, refs) = match id {
+                        20 => (
+                            "syntax = \"proto3\"; import \"a.proto\"; import \"b.proto\"; message M { A a = 1; B b = 2; }",
+                            serde_json::json!([{"name": "a.proto", "subject": "a", "version": 2},
+                                               {"name": "b.proto", "subject": "b", "version": 1}]),
+                        ),
+                        21 => (
+                            "syntax = \"proto3\"; import \"a.proto\"; message M { A a = 1; }",
+                            serde_json::json!([{"name": "a.proto", "subject": "gone", "version": 1}]),
+                        ),
+                        _ => (
+                            "syntax = \"proto3\"; import \"a.proto\"; message M { A a = 1; }",
+                            serde_json::json!([{"name": "a.proto", "subject": "down", "version": 1}]),
+                        ),
+                    };
+                    let body = serde_json::json!({"schema": main, "schemaType": "PROTOBUF", "references": refs});
+                    (StatusCode::OK, body.to_string())
+                }
                 _ => (StatusCode::OK, serde_json::json!({"schema": "{\"type\": \"nope\"}"}).to_string()),
             }
         }
-        let app = axum::Router::new().route("/schemas/ids/{id}", axum::routing::get(by_id));
+        async fn version(Path((subject, version)): Path<(String, u32)>) -> (StatusCode, String) {
+            let schema = match (subject.as_str(), version) {
+                ("a", 1) => "syntax = \"proto3\"; message A { string old = 1; }",
+                ("a", 2) => "syntax = \"proto3\"; message A { string new = 1; }",
+                ("b", 1) => "syntax = \"proto3\"; import \"a.proto\"; message B { A a = 1; }",
+                ("down", _) => return (StatusCode::SERVICE_UNAVAILABLE, "busy".into()),
+                _ => return (StatusCode::NOT_FOUND, r#"{"error_code":40401}"#.into()),
+            };
+            // b.proto names a.proto at version 1: the schema's own reference (version 2) wins.
+            let refs = if subject == "b" {
+                serde_json::json!([{"name": "a.proto", "subject": "a", "version": 1}])
+            } else {
+                serde_json::json!([])
+            };
+            let body = serde_json::json!({"id": 100 + version, "schema": schema, "schemaType": "PROTOBUF", "references": refs});
+            (StatusCode::OK, body.to_string())
+        }
+        let app = axum::Router::new()
+            .route("/schemas/ids/{id}", axum::routing::get(by_id))
+            .route("/subjects/{subject}/versions/{version}", axum::routing::get(version));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, app).await });
@@ -634,9 +676,22 @@ mod tests {
             Err(Failure::Unavailable(why)) => assert!(why.contains("could not give schema id 1"), "{why}"),
             other => panic!("{other:?}"),
         }
-        // What parsed is kept (ids 1 and 7); what failed is asked again.
+        // References: followed breadth first, a missing one not yet, a registry that cannot answer a wait.
+        let proto = |id: u32, body: Vec<u8>| {
+            let r = &r;
+            async move { r.decode(TopicFormat::Protobuf, "t", Some(&datum(id, &body))).await }
+        };
+        // M { a: A { new: "x" } }: field 1 of M, then field 1 of A.
+        let body = [0u8, 0x0a, 3, 0x0a, 1, b'x'];
+        assert_eq!(proto(20, body.to_vec()).await.unwrap(), serde_json::json!({"a": {"new": "x"}}));
+        assert!(
+            matches!(proto(21, body.to_vec()).await, Err(Failure::NotYet(why)) if why.contains("\"a.proto\" (subject gone")),
+            "a missing reference"
+        );
+        wait(proto(22, body.to_vec()).await, "a schema it refers to");
+        // What parsed is kept (ids 1, 7 and 20); what failed is asked again.
         let mut kept: Vec<u32> = r.schemas.read().unwrap().keys().copied().collect();
         kept.sort_unstable();
-        assert_eq!(kept, [1, 7]);
+        assert_eq!(kept, [1, 7, 20]);
     }
 }

@@ -83,9 +83,25 @@ impl Schema {
         Ok(m)
     }
 
-    /// The first message of the file: the one emits write.
+    /// The first message of the file: the one emits write by default.
     pub(crate) fn first_message(&self) -> MessageDescriptor {
         self.file.messages().next().expect("parse refuses a file without messages")
+    }
+
+    /// The message `name` (a full name) declared in the file itself, at
+    /// any depth: message indexes can only name those.
+    fn declared(&self, name: &str) -> Result<MessageDescriptor, String> {
+        let mut all: Vec<MessageDescriptor> = Vec::new();
+        let mut stack: Vec<MessageDescriptor> = self.file.messages().collect();
+        while let Some(m) = stack.pop() {
+            stack.extend(m.child_messages());
+            all.push(m);
+        }
+        all.iter().find(|m| m.full_name() == name).cloned().ok_or_else(|| {
+            let mut names: Vec<&str> = all.iter().map(MessageDescriptor::full_name).collect();
+            names.sort_unstable();
+            format!("schema_message {name:?} is not a message of its file; it declares {}", names.join(", "))
+        })
     }
 }
 
@@ -201,10 +217,15 @@ pub(crate) struct Encoder {
 }
 
 impl Encoder {
-    pub(crate) fn new(id: u32, schema: &Schema, describe: String) -> Encoder {
-        let message = schema.first_message();
+    /// Writes `message` (default the file's first) of `schema`, registered
+    /// under `id`.
+    pub(crate) fn new(id: u32, schema: &Schema, message: Option<&str>, describe: String) -> Result<Encoder, String> {
+        let message = match message {
+            Some(name) => schema.declared(name)?,
+            None => schema.first_message(),
+        };
         let describe = format!("{describe}, message {}", message.full_name());
-        Encoder { id, message, describe }
+        Ok(Encoder { id, message, describe })
     }
 }
 
@@ -223,10 +244,20 @@ impl relay_core::effects::DataEncoder for Encoder {
             serde_path_to_error::Deserializer::new(data, &mut track),
             &opts,
         )
-        .map_err(|e| {
-            let at: String = track.path().iter().map(segment).collect();
+        .map_err(|_| {
+            // The reason is built from the path and the schema alone: serde's
+            // message quotes the value, and quoting can be escaped from.
+            let path: Vec<String> = track.path().iter().filter_map(key_of).collect();
+            let at: String = path.iter().map(|k| format!("/{}", k.replace('~', "~0").replace('/', "~1"))).collect();
             let at = if at.is_empty() { "/".to_owned() } else { at };
-            format!("at {at}: {} (message {})", without_values(&e.to_string()), self.message.full_name())
+            let why = match unknown_fields(&self.message, &path, data) {
+                Some(names) => format!("the message has no field {}", names.join(", ")),
+                None => match expected_at(&self.message, &path) {
+                    Some(kind) => format!("expected {kind}"),
+                    None => "does not fit".to_owned(),
+                },
+            };
+            format!("at {at}: {why} (message {})", self.message.full_name())
         })?;
         let mut v = crate::header(self.id);
         put_indexes(&mut v, &self.message);
@@ -243,42 +274,90 @@ impl relay_core::effects::DataEncoder for Encoder {
     }
 }
 
-fn segment(s: &serde_path_to_error::Segment) -> String {
+/// A path segment as a key: an object key or a list index.
+fn key_of(s: &serde_path_to_error::Segment) -> Option<String> {
     use serde_path_to_error::Segment;
     match s {
-        Segment::Seq { index } => format!("/{index}"),
-        Segment::Map { key } | Segment::Enum { variant: key } => {
-            format!("/{}", key.replace('~', "~0").replace('/', "~1"))
-        }
-        Segment::Unknown => "/?".into(),
+        Segment::Seq { index } => Some(index.to_string()),
+        Segment::Map { key } | Segment::Enum { variant: key } => Some(key.clone()),
+        Segment::Unknown => None,
     }
 }
 
-/// A serde error without the value it quotes (`invalid type: string "4111…"`
-/// becomes `invalid type: string …`): data may hold what must not be
-/// logged. A field's name (`unrecognized field name 'x'`) stays.
-fn without_values(msg: &str) -> String {
-    let names_a_field = ["unknown field", "unrecognized field name", "missing field", "duplicate field"];
-    if names_a_field.iter().any(|p| msg.starts_with(p)) {
-        return msg.to_owned();
-    }
-    let mut out = String::with_capacity(msg.len());
-    let mut quote: Option<char> = None;
-    let mut after_space = true;
-    for c in msg.chars() {
-        let opens = c == '"' || c == '`' || (c == '\'' && after_space);
-        after_space = c.is_whitespace();
-        match quote {
-            Some(q) if c == q => quote = None,
-            Some(_) => {}
-            None if opens => {
-                quote = Some(c);
-                out.push('…');
+/// The field of `m` called `name` (its `.proto` or its JSON name).
+fn field(m: &MessageDescriptor, name: &str) -> Option<prost_reflect::FieldDescriptor> {
+    m.get_field_by_name(name).or_else(|| m.get_field_by_json_name(name))
+}
+
+/// What the schema expects at `path` under `m`, in words.
+fn expected_at(m: &MessageDescriptor, path: &[String]) -> Option<String> {
+    let mut kind = prost_reflect::Kind::Message(m.clone());
+    let mut list = false;
+    let mut map_value: Option<prost_reflect::Kind> = None;
+    for key in path {
+        if list || map_value.is_some() {
+            // An item of a list, or a value of a map.
+            if let Some(v) = map_value.take() {
+                kind = v;
             }
-            None => out.push(c),
+            list = false;
+            continue;
+        }
+        let prost_reflect::Kind::Message(msg) = &kind else { return None };
+        let f = field(msg, key)?;
+        list = f.is_list();
+        map_value = f.is_map().then(|| match f.kind() {
+            prost_reflect::Kind::Message(entry) => entry.map_entry_value_field().kind(),
+            other => other,
+        });
+        kind = f.kind();
+    }
+    let what = describe(&kind);
+    Some(if list {
+        format!("a list of {what}")
+    } else if let Some(v) = map_value {
+        format!("an object of {}", describe(&v))
+    } else {
+        what
+    })
+}
+
+fn describe(kind: &prost_reflect::Kind) -> String {
+    use prost_reflect::Kind;
+    match kind {
+        Kind::Message(m) => format!("a {} object", m.full_name()),
+        Kind::Enum(e) => {
+            let names: Vec<String> = e.values().take(8).map(|v| v.name().to_owned()).collect();
+            format!("one of {} ({})", names.join(", "), e.full_name())
+        }
+        Kind::String => "text".into(),
+        Kind::Bytes => "base64 text".into(),
+        Kind::Bool => "true or false".into(),
+        Kind::Double | Kind::Float => "a number".into(),
+        other => format!("an integer ({other:?})").to_lowercase(),
+    }
+}
+
+/// The keys of the object at `path` in `data` that are no field of the
+/// message there, if that is what is wrong.
+fn unknown_fields(m: &MessageDescriptor, path: &[String], data: &Value) -> Option<Vec<String>> {
+    let mut here = data;
+    let mut msg = m.clone();
+    for key in path {
+        here = match here {
+            Value::Object(o) => o.get(key)?,
+            Value::Array(a) => a.get(key.parse::<usize>().ok()?)?,
+            _ => return None,
+        };
+        if let Some(f) = field(&msg, key)
+            && let prost_reflect::Kind::Message(next) = f.kind()
+        {
+            msg = next;
         }
     }
-    out
+    let unknown: Vec<String> =
+        here.as_object()?.keys().filter(|k| field(&msg, k).is_none()).map(|k| format!("{k:?}")).collect();
+    (!unknown.is_empty()).then_some(unknown)
 }
 
 #[cfg(test)]
@@ -312,7 +391,7 @@ mod tests {
     }
 
     fn encoder() -> Encoder {
-        Encoder::new(7, &schema(), "subject payments-value, schema id 7".into())
+        Encoder::new(7, &schema(), None, "subject payments-value, schema id 7".into()).unwrap()
     }
 
     #[test]
@@ -375,10 +454,40 @@ mod tests {
         let e = encoder().encode(&json!({"status": "GONE"})).unwrap_err();
         assert!(e.contains("at /status") && !e.contains("GONE"), "{e}");
         let e = encoder().encode(&json!({"payment_id": "p", "surprise": 1})).unwrap_err();
-        assert!(e.contains("unrecognized field name 'surprise'"), "{e}");
+        assert!(e.contains("the message has no field \"surprise\""), "{e}");
+        // Quotes inside a value do not let it out (serde escapes them in its message).
+        for data in [
+            json!({"attempt": "x\" 4111111111111111"}),
+            json!({"amount": {"minor": "x\" 4111111111111111"}}),
+            json!({"status": "a' 4111111111111111"}),
+            json!({"lines": [{"qty": "` 4111111111111111"}]}),
+        ] {
+            let e = encoder().encode(&data).unwrap_err();
+            assert!(!e.contains("4111"), "{e}");
+        }
+        let e = encoder().encode(&json!({"lines": [{"qty": "many"}]})).unwrap_err();
+        assert!(e.contains("at /lines/0/qty: expected an integer (uint32)"), "{e}");
+        let e = encoder().encode(&json!({"status": "GONE"})).unwrap_err();
+        assert!(e.contains("expected one of NEW, HELD"), "{e}");
         assert!(e.contains("message shop.PaymentRequested"), "{e}");
         assert_eq!(encoder().content_type(), "application/x-protobuf");
         assert!(encoder().describe().ends_with("message shop.PaymentRequested"));
+    }
+
+    #[test]
+    fn an_emit_may_name_any_message_the_file_declares_and_its_indexes_say_which() {
+        let s = schema();
+        let refund = Encoder::new(7, &s, Some("shop.Refund"), "d".into()).unwrap();
+        let bytes = refund.encode(&json!({"payment_id": "p-1"})).unwrap();
+        assert_eq!(&bytes[5..7], &[2, 2], "indexes [1]");
+        assert_eq!(s.decode(&bytes[5..]).unwrap(), json!({"payment_id": "p-1"}));
+        let line = Encoder::new(7, &s, Some("shop.PaymentRequested.Line"), "d".into()).unwrap();
+        let bytes = line.encode(&json!({"sku": "A", "qty": 1})).unwrap();
+        assert_eq!(&bytes[5..8], &[4, 0, 0], "indexes [0, 0]");
+        assert!(line.describe().ends_with("message shop.PaymentRequested.Line"));
+        // Money is imported, not declared: no index can name it.
+        let e = Encoder::new(7, &s, Some("shop.Money"), "d".into()).err().unwrap();
+        assert!(e.contains("not a message of its file") && e.contains("shop.Refund"), "{e}");
     }
 
     #[test]

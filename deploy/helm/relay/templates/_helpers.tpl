@@ -7,14 +7,17 @@
 {{- end -}}
 {{- end -}}
 
+{{/* Fixed for the release's life: a Deployment's selector cannot change on
+upgrade, so the role is a label beside it, not part of it. */}}
 {{- define "relay.selectorLabels" -}}
 app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}
-app.kubernetes.io/component: {{ .Values.role }}
+app.kubernetes.io/component: relay
 {{- end -}}
 
 {{- define "relay.labels" -}}
 {{ include "relay.selectorLabels" . }}
+relay.dev/role: {{ .Values.role }}
 app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
@@ -27,6 +30,16 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "relay.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- .Values.serviceAccount.name | default (include "relay.fullname" .) -}}
+{{- else -}}
+{{- .Values.serviceAccount.name | default "default" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The migrate hook's service account: the release's own is created
+only after pre-install hooks, so the hook brings a copy. */}}
+{{- define "relay.migrateServiceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- printf "%s-migrate" (include "relay.fullname" .) -}}
 {{- else -}}
 {{- .Values.serviceAccount.name | default "default" -}}
 {{- end -}}
