@@ -619,13 +619,17 @@ async fn the_served_openapi_description_is_valid_and_names_only_served_routes() 
             .replace("{id}", "00000000-0000-4000-8000-000000000000")
             .replace("{kind}", "route")
             .replace("{name}", "nope");
+        // The same operation with a malformed id, query and body.
+        let malformed =
+            path.replace("{id}", "abc").replace("{kind}", "neither").replace("{name}", "nope") + "?limit=many";
         for (method, op) in item.as_object().unwrap() {
             operations += 1;
             let method: reqwest::Method = method.to_uppercase().parse().unwrap();
-            let call = |token: Option<&str>| {
-                let mut req = admin.http.request(method.clone(), format!("{}{concrete}", admin.url));
+            let documented: Vec<&String> = op["responses"].as_object().unwrap().keys().collect();
+            let call = |url: &str, body: Option<&str>, token: Option<&str>| {
+                let mut req = admin.http.request(method.clone(), format!("{}{url}", admin.url));
                 if method == reqwest::Method::POST {
-                    req = req.json(&json!({}));
+                    req = req.header("content-type", "application/json").body(body.unwrap_or("{}").to_owned());
                 }
                 if let Some(t) = token {
                     req = req.bearer_auth(t);
@@ -633,14 +637,24 @@ async fn the_served_openapi_description_is_valid_and_names_only_served_routes() 
                 req.send()
             };
             let open = op.get("security") == Some(&json!([{}]));
-            let res = call(Some(TOKEN)).await.unwrap();
-            let status = res.status().as_u16();
-            let body = res.text().await.unwrap_or_default();
-            assert_ne!(status, 405, "{method} {path} is not served");
-            // A handler's 404 says what it did not find; the router's is empty.
-            assert!(status != 404 || body.contains("\"error\""), "{method} {path} is not served: 404 {body:?}");
+            for (url, body) in [(&concrete, None), (&malformed, Some("not json")), (&concrete, Some("[1]"))] {
+                let res = call(url, body, Some(TOKEN)).await.unwrap();
+                let status = res.status().as_u16();
+                let text = res.text().await.unwrap_or_default();
+                assert_ne!(status, 405, "{method} {path} is not served");
+                // A handler's 404 says what it did not find; the router's is empty.
+                assert!(status != 404 || text.contains("\"error\""), "{method} {path} is not served: 404 {text:?}");
+                assert!(
+                    documented.iter().any(|d| **d == status.to_string()),
+                    "{method} {url} {body:?} answered {status}, which its description does not list ({documented:?}): {text}"
+                );
+            }
             if !open {
-                assert_eq!(call(None).await.unwrap().status().as_u16(), 401, "{method} {path} without the token");
+                assert_eq!(
+                    call(&concrete, None, None).await.unwrap().status().as_u16(),
+                    401,
+                    "{method} {path} without the token"
+                );
             }
         }
     }

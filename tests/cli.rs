@@ -431,9 +431,32 @@ data = {{ order_id = "{{{{ data.order_id }}}}", region = "{{{{ extensions.region
     // What the consumer would dead-letter, with its reason.
     std::fs::write(&event, r#"{"event_id":"e-2","order_id":"x-2","cents":"12"}"#).unwrap();
     let (ok, stdout, stderr) = explain(&["--event".as_ref(), event.as_os_str()]);
-    assert!(ok, "{stderr}");
+    assert!(!ok && stderr.contains("the event would not be applied"), "a script sees it: {stderr}");
     assert!(stdout.contains("this event would not be applied: dead-lettered as schema_invalid"), "{stdout}");
     assert!(stdout.contains("/order_id") && stdout.contains("/cents"), "{stdout}");
+
+    // The record's key and headers: the aggregate comes from header "order".
+    std::fs::write(&event, r#"{"event_id":"e-3","order_id":"o-3","cents":5}"#).unwrap();
+    let (ok, stdout, stderr) = explain(&[
+        "--event".as_ref(),
+        event.as_os_str(),
+        "--header".as_ref(),
+        "order=o-3".as_ref(),
+        "--key".as_ref(),
+        "k".as_ref(),
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("aggregate \"o-3\""), "{stdout}");
+    let (ok, _, stderr) = explain(&["--event".as_ref(), event.as_os_str(), "--header".as_ref(), "order".as_ref()]);
+    assert!(!ok && stderr.contains("give NAME=VALUE"), "{stderr}");
+
+    // An example the templates cannot take as text says so, not that the route is broken.
+    let looping = write_config(
+        "[[routes]]\nname = \"r\"\ntopic = \"t\"\ntype = \"x\"\n[[routes.actions]]\nkind = \"emit\"\nname = \"e\"\n\
+         type = \"y\"\ntopic = \"o\"\nkey = \"{{ data.items[0].sku }}\"\n",
+    );
+    let (ok, stdout, _) = output(relay().arg("--config").arg(&looping).args(["check-config", "--explain", "r"]));
+    assert!(!ok && stdout.contains("the example could not be rendered") && stdout.contains("--event FILE"), "{stdout}");
 
     let (ok, _, stderr) = output(relay().arg("--config").arg(&config).args(["check-config", "--explain", "nope"]));
     assert!(!ok && stderr.contains("no route \"nope\"; the routes are: placed"), "{stderr}");

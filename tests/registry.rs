@@ -318,8 +318,9 @@ async fn consumed_with(
             let key = v["key"].as_str().unwrap().to_owned();
             let mut value = v["value"].clone();
             if format == "protobuf" {
-                // Read without the registry (consume.py says why): the id is checked here.
+                // Read without the registry (consume.py says why): the id and the message indexes are checked here.
                 value["$schema_id"] = v["schema_id"].clone();
+                value["$message_indexes"] = v["message_indexes"].clone();
             }
             (key, (v["content_type"].as_str().unwrap_or_default().to_owned(), value))
         })
@@ -584,7 +585,7 @@ data = {{ order_id = "{{{{ data.order_id }}}}", cents = "{{% if data.order_id ==
     assert_eq!(
         value,
         &json!({"order_id": "o-1", "cents": "1250", "currency": "EUR", "channel": "STORE",
-                "tags": ["none", "2026-12-05T10:00:00Z"], "$schema_id": out_id})
+                "tags": ["none", "2026-12-05T10:00:00Z"], "$schema_id": out_id, "$message_indexes": [0]})
     );
     assert_eq!(read["o-3"].1["tags"], json!(["gift", ""]), "the newer field reached the route");
 

@@ -45,6 +45,27 @@ def plain(value):
     return value
 
 
+def message_indexes(value: bytes) -> list:
+    """The message indexes after the 5-byte header, read here (zig-zag
+    varints, a single 0 for [0]): without a registry client the deserializer
+    skips them and reads with its own class."""
+    pos = 5
+
+    def varint():
+        nonlocal pos
+        shift, result = 0, 0
+        while True:
+            b = value[pos]
+            pos += 1
+            result |= (b & 0x7F) << shift
+            if not b & 0x80:
+                return (result >> 1) ^ -(result & 1)
+            shift += 7
+
+    count = varint()
+    return [0] if count == 0 else [varint() for _ in range(count)]
+
+
 def main() -> None:
     fmt, bootstrap, registry_url, topic, count = sys.argv[1:6]
     registry = SchemaRegistryClient({"url": registry_url})
@@ -85,6 +106,7 @@ def main() -> None:
                     "key": msg.key().decode(),
                     "content_type": headers.get("content-type"),
                     "schema_id": schema_id,
+                    "message_indexes": message_indexes(msg.value()) if fmt == "protobuf" else None,
                     "value": plain(value),
                 }
             )

@@ -59,6 +59,12 @@ pub enum Command {
         /// that read `response`.
         #[arg(long, value_name = "FILE", requires = "explain")]
         response: Option<PathBuf>,
+        /// With --event: the record's key.
+        #[arg(long, value_name = "KEY", requires = "event")]
+        key: Option<String>,
+        /// With --event: a record header, NAME=VALUE (repeatable).
+        #[arg(long = "header", value_name = "NAME=VALUE", requires = "event")]
+        headers: Vec<String>,
     },
     /// Run the inbox consumer.
     Consume,
@@ -423,9 +429,18 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             return Ok(());
         }
-        Command::CheckConfig { explain: Some(route), event, response } => {
+        Command::CheckConfig { explain: Some(route), event, response, key, headers } => {
             let cfg = load(&cli)?;
-            print!("{}", crate::explain::run(&cfg, route, event.as_deref(), response.as_deref())?);
+            let given = crate::explain::Given {
+                event: event.as_deref(),
+                key: key.as_deref(),
+                headers,
+                response: response.as_deref(),
+            };
+            let (report, applied) = crate::explain::run(&cfg, route, &given)?;
+            print!("{report}");
+            // A script running the dry run sees a dead letter in the exit status.
+            anyhow::ensure!(applied, "route {route}: the event would not be applied (see above)");
             return Ok(());
         }
         Command::CheckConfig { explain: None, .. } => {

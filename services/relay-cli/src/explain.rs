@@ -8,11 +8,24 @@ use relay_core::effects::Outcome;
 use relay_core::explain::{Explained, example_record, explain, find_route, placeholders, without_schema};
 use serde_json::Value;
 
-/// Render route `name` against the record value in `event` (as the topic
-/// carries it), or an example; outcome effects that read the provider's
-/// answer are rendered with `response` ({status, headers, body}) if given.
-/// The report, or why the event would be dead-lettered.
-pub fn run(cfg: &RelayConfig, name: &str, event: Option<&Path>, response: Option<&Path>) -> anyhow::Result<String> {
+/// What the operator gives `--explain` instead of the example.
+#[derive(Debug, Default)]
+pub struct Given<'a> {
+    /// The record value (as the topic carries it).
+    pub event: Option<&'a Path>,
+    /// The record key.
+    pub key: Option<&'a str>,
+    /// Record headers, `NAME=VALUE`.
+    pub headers: &'a [String],
+    /// The provider's answer ({status, headers, body}) for `on_success`.
+    pub response: Option<&'a Path>,
+}
+
+/// Render route `name` against the given record, or an example. The
+/// report, and whether the record would be applied (false: the report ends
+/// with the consumer's dead-letter reason).
+pub fn run(cfg: &RelayConfig, name: &str, given_record: &Given<'_>) -> anyhow::Result<(String, bool)> {
+    let (event, response) = (given_record.event, given_record.response);
     let i = find_route(cfg, name).map_err(anyhow::Error::msg)?;
     let has_schema = cfg.routes[i].schema_document.is_some();
     // An example is not made to fit the route's patterns and formats: only
@@ -41,7 +54,13 @@ pub fn run(cfg: &RelayConfig, name: &str, event: Option<&Path>, response: Option
             let mut rec = example_record(cfg, &router, i).map_err(anyhow::Error::msg)?;
             rec.payload = Some(read(path, "event")?);
             rec.headers.retain(|h| h.name == "content-type");
-            rec.key = None;
+            rec.key = given_record.key.map(|k| k.as_bytes().to_vec());
+            for h in given_record.headers {
+                let (name, value) =
+                    h.split_once('=').ok_or_else(|| anyhow::anyhow!("--header {h:?}: give NAME=VALUE"))?;
+                rec.headers.retain(|x| x.name != name);
+                rec.headers.push(relay_core::envelope::Header::text(name, value));
+            }
             line(format!(
                 "route {}: topic {:?}, type {:?}, rendered against {} (no I/O)",
                 r.display_name(),
@@ -92,13 +111,20 @@ pub fn run(cfg: &RelayConfig, name: &str, event: Option<&Path>, response: Option
     }
     let x = match explain(cfg, &router, i, record) {
         Ok(x) => x,
+        Err(why) if event.is_none() => {
+            line(format!(
+                "the example could not be rendered: {why}\n(its placeholders are text: a loop, a subscript, a number \
+                 filter or a pattern may need a real value; give one with --event FILE)"
+            ));
+            return Ok((out, false));
+        }
         Err(why) => {
             line(format!("this event would not be applied: {why}"));
-            return Ok(out);
+            return Ok((out, false));
         }
     };
     describe(&x, answer.as_ref(), cfg, &mut line)?;
-    Ok(out)
+    Ok((out, true))
 }
 
 fn describe(

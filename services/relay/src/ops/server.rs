@@ -253,7 +253,6 @@ fn router(state: Shared) -> Router {
         .route("/", get(|| async { ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], INDEX_HTML) }))
         .route("/app.js", get(|| async { ([(header::CONTENT_TYPE, "text/javascript; charset=utf-8")], APP_JS) }))
         .route("/style.css", get(|| async { ([(header::CONTENT_TYPE, "text/css; charset=utf-8")], STYLE_CSS) }))
-        .route("/api/openapi.json", get(|| async { ([(header::CONTENT_TYPE, "application/json")], openapi_json()) }))
         .merge(probes)
         .merge(api)
         .with_state(state)
@@ -286,7 +285,7 @@ async fn hardened(mut resp: axum::response::Response) -> axum::response::Respons
 /// is not served or miss one that is. [`router`] puts them all behind one
 /// bearer-token check.
 fn api_parts() -> (Router<Shared>, utoipa::openapi::OpenApi) {
-    OpenApiRouter::with_openapi(ApiDoc::openapi())
+    let (router, mut doc) = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(counts))
         .routes(routes!(list_dead_letters))
         .routes(routes!(replay_dead_letters))
@@ -307,13 +306,60 @@ fn api_parts() -> (Router<Shared>, utoipa::openapi::OpenApi) {
         .routes(routes!(skip_outbox))
         .routes(routes!(list_pauses, pause))
         .routes(routes!(resume))
-        .split_for_parts()
+        .split_for_parts();
+    common_responses(&mut doc);
+    (router, doc)
 }
 
-/// The probes and `/metrics`, declared the same way; they answer without
-/// the token.
+/// The answers every `/api` operation can give besides its own: axum
+/// refuses a malformed path, query or body before the handler runs, in
+/// plain text (400, or 415 / 422 for a body), and an unexpected error is a
+/// 500 with an [`ErrorBody`].
+fn common_responses(doc: &mut utoipa::openapi::OpenApi) {
+    use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
+    let error = |what: &str| {
+        ResponseBuilder::new()
+            .description(what)
+            .content("application/json", ContentBuilder::new().schema(Some(Ref::from_schema_name("ErrorBody"))).build())
+            .content("text/plain", ContentBuilder::new().schema(Some(utoipa::openapi::Object::new())).build())
+            .build()
+    };
+    for (path, item) in doc.paths.paths.iter_mut() {
+        if !path.starts_with("/api/") || path == "/api/openapi.json" {
+            continue;
+        }
+        for op in [&mut item.get, &mut item.post, &mut item.delete].into_iter().flatten() {
+            let r = &mut op.responses.responses;
+            let takes_input = op.parameters.as_ref().is_some_and(|p| !p.is_empty()) || op.request_body.is_some();
+            if takes_input {
+                r.entry("400".into()).or_insert_with(|| {
+                    error("A malformed id or parameter (plain text when axum refuses it before the handler)").into()
+                });
+            }
+            if op.request_body.is_some() {
+                r.insert("415".into(), error("The body is not sent as application/json").into());
+                r.insert("422".into(), error("The body is JSON but not what the operation takes").into());
+            }
+            r.insert("500".into(), error("An unexpected error; the body says which").into());
+        }
+    }
+}
+
+#[utoipa::path(get, path = "/api/openapi.json", tag = "overview", summary = "This description (no token needed)",
+    responses((status = 200, description = "OpenAPI 3.1", body = Object)))]
+async fn openapi() -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "application/json")], openapi_json())
+}
+
+/// The probes, `/metrics` and this description, declared the same way;
+/// they answer without the token.
 fn probe_parts() -> (Router<Shared>, utoipa::openapi::OpenApi) {
-    OpenApiRouter::new().routes(routes!(healthz)).routes(routes!(readyz)).routes(routes!(metrics)).split_for_parts()
+    OpenApiRouter::new()
+        .routes(routes!(healthz))
+        .routes(routes!(readyz))
+        .routes(routes!(metrics))
+        .routes(routes!(openapi))
+        .split_for_parts()
 }
 
 /// The admin API's OpenAPI 3 description, as served at `/api/openapi.json`
