@@ -607,3 +607,68 @@ data = {{ order_id = "{{{{ data.order_id }}}}", cents = "{{% if data.order_id ==
     assert!(bad.iter().any(|r| r.contains("name no message")), "{bad:?}");
     assert!(bad.iter().any(|r| r.contains("does not decode as shop.OrderPlaced")), "{bad:?}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn avro_schemas_that_refer_to_other_subjects_are_read_and_written() {
+    let h = Harness::new(1).await;
+    let registry = registry_url();
+    let money = r#"{"type":"record","name":"Money","namespace":"shop","fields":[
+        {"name":"minor","type":"long"},{"name":"currency","type":"string"}]}"#;
+    let money_subject = unique("shop.Money");
+    register(&registry, &money_subject, "AVRO", money).await;
+    let reference = json!([{"name": "shop.Money", "subject": money_subject, "version": 1}]);
+    let order = r#"{"type":"record","name":"Placed","namespace":"shop","fields":[
+        {"name":"event_id","type":"string"},{"name":"order_id","type":"string"},{"name":"total","type":"shop.Money"}]}"#;
+    produce(
+        &h,
+        &registry,
+        "avro",
+        &json!({"schema": order, "references": reference}).to_string(),
+        json!([{"key": "o-1", "value": {"event_id": "e-1", "order_id": "o-1", "total": {"minor": 1250, "currency": "EUR"}}}]),
+    )
+    .await;
+    // What relay writes uses the same referenced type.
+    let charge = r#"{"type":"record","name":"Charge","namespace":"pay","fields":[
+        {"name":"order_id","type":"string"},{"name":"amount","type":"shop.Money"}]}"#;
+    let registered: Value = reqwest::Client::new()
+        .post(format!("{registry}/subjects/{}-value/versions", h.out))
+        .json(&json!({"schema": charge, "schemaType": "AVRO", "references": reference}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(registered["id"].is_u64(), "{registered}");
+    let cfg = h.config(&format!(
+        r#"
+[schema_registry]
+url = "{registry}"
+
+[topics."{{topic}}"]
+format = "avro"
+fields.id = {{ pointer = "/event_id" }}
+fields.type = {{ value = "order.placed" }}
+
+[[routes]]
+topic = "{{topic}}"
+type = "order.placed"
+
+[[routes.actions]]
+kind = "emit"
+name = "charge"
+type = "payment.charge"
+topic = "{{out}}"
+format = "avro"
+key = "{{{{ data.order_id }}}}"
+data = {{ order_id = "{{{{ data.order_id }}}}", amount = {{ minor = "{{{{ data.total.minor }}}}", currency = "{{{{ data.total.currency }}}}" }} }}
+"#
+    ));
+    let run = h.start(cfg, Components::ALL, no_faults()).await;
+    h.await_inbox(1).await;
+    h.await_published(1).await;
+    run.stop().await.unwrap();
+    assert!(dead_letters(&h).await.is_empty(), "{:?}", dead_letters(&h).await);
+    let read = consumed(&h, &registry, "avro", 1).await;
+    assert_eq!(read["o-1"].1, json!({"order_id": "o-1", "amount": {"minor": 1250, "currency": "EUR"}}));
+}

@@ -20,25 +20,63 @@ use serde_json::{Map, Number, Value};
 /// every legitimate one while a crafted length cannot take the process down.
 const MAX_ALLOCATION_BYTES: usize = 64 * 1024 * 1024;
 
+/// `imports` ordered so that each comes after those it uses (apache-avro
+/// resolves a list front to back; the registry gives references as a set).
+fn resolvable_order(mut imports: Vec<Schema>) -> Result<Vec<Schema>, String> {
+    let mut ordered: Vec<Schema> = Vec::with_capacity(imports.len());
+    while !imports.is_empty() {
+        let next = imports.iter().position(|candidate| {
+            let list: Vec<&Schema> = ordered.iter().chain(std::iter::once(candidate)).collect();
+            apache_avro::schema::ResolvedSchema::new_with_schemata(list).is_ok()
+        });
+        match next {
+            Some(i) => ordered.push(imports.remove(i)),
+            // What is left uses a type none of the references defines.
+            None => {
+                let list: Vec<&Schema> = ordered.iter().chain(&imports).collect();
+                return Err(apache_avro::schema::ResolvedSchema::new_with_schemata(list)
+                    .err()
+                    .map_or_else(|| "the referenced schemas cannot be resolved".into(), |e| e.to_string()));
+            }
+        }
+    }
+    Ok(ordered)
+}
+
 /// A parsed writer schema and its named types (records, enums, fixed).
 pub(crate) struct Decoder {
     schema: Schema,
+    /// The schemas it refers to (schema references), parsed.
+    imports: Vec<Schema>,
     names: HashMap<Name, Schema>,
 }
 
 impl Decoder {
+    #[cfg(test)]
     pub(crate) fn parse(text: &str) -> Result<Decoder, String> {
+        Decoder::parse_with(text, &[])
+    }
+
+    /// The schema `text`, whose named types may come from `imports` (the
+    /// schemas its references name).
+    pub(crate) fn parse_with(text: &str, imports: &[String]) -> Result<Decoder, String> {
         // A bound on what one collection of a record may claim (apache-avro
         // checks it before allocating); global, and the first call sets it.
         apache_avro::util::max_allocation_bytes(MAX_ALLOCATION_BYTES);
-        let schema = Schema::parse_str(text).map_err(|e| e.to_string())?;
-        let names = apache_avro::schema::ResolvedSchema::try_from(&schema)
+        let (schema, imports) = if imports.is_empty() {
+            (Schema::parse_str(text).map_err(|e| e.to_string())?, Vec::new())
+        } else {
+            Schema::parse_str_with_list(text, imports).map_err(|e| e.to_string())?
+        };
+        let imports = resolvable_order(imports)?;
+        let all: Vec<&Schema> = imports.iter().chain(std::iter::once(&schema)).collect();
+        let names = apache_avro::schema::ResolvedSchema::new_with_schemata(all)
             .map_err(|e| e.to_string())?
             .get_names()
             .iter()
             .map(|(n, s)| (n.clone(), (*s).clone()))
             .collect();
-        let d = Decoder { schema, names };
+        let d = Decoder { schema, imports, names };
         // Each level of a recursive type costs a byte of the record and a
         // frame of the decoder's stack: a record of a few hundred KiB would
         // overflow it. Refused until decoding bounds its depth.
@@ -120,10 +158,19 @@ impl Decoder {
         }
     }
 
+    /// The schemas it refers to, then itself: apache-avro resolves a list
+    /// in order.
+    fn all(&self) -> Vec<&Schema> {
+        self.imports.iter().chain(std::iter::once(&self.schema)).collect()
+    }
+
     /// The datum in `body` (all of it) as JSON.
     pub(crate) fn decode(&self, body: &[u8]) -> Result<Value, String> {
-        let reader =
-            apache_avro::reader::datum::GenericDatumReader::builder(&self.schema).build().map_err(|e| e.to_string())?;
+        let reader = apache_avro::reader::datum::GenericDatumReader::builder(&self.schema)
+            .writer_schemata(self.all())
+            .map_err(|e| e.to_string())?
+            .build()
+            .map_err(|e| e.to_string())?;
         let mut rest = body;
         let value = reader.read_value(&mut rest).map_err(|e| e.to_string())?;
         if !rest.is_empty() {
@@ -261,6 +308,8 @@ impl relay_core::effects::DataEncoder for Encoder {
     fn encode(&self, data: &Value) -> Result<Vec<u8>, String> {
         let value = self.schema.avro(data, &self.schema.schema, "", Mode::Data)?;
         let writer = apache_avro::writer::datum::GenericDatumWriter::builder(&self.schema.schema)
+            .schemata(self.schema.all())
+            .map_err(|e| e.to_string())?
             .build()
             .map_err(|e| e.to_string())?;
         let body = writer.write_value_to_vec(value).map_err(|e| e.to_string())?;
@@ -609,6 +658,29 @@ mod tests {
 
     fn encode(schema: &Schema, v: Avro) -> Vec<u8> {
         apache_avro::writer::datum::GenericDatumWriter::builder(schema).build().unwrap().write_value_to_vec(v).unwrap()
+    }
+
+    #[test]
+    fn a_schema_may_use_the_named_types_of_the_schemas_it_refers_to() {
+        // Money uses Currency, and the registry lists them in any order.
+        let money = r#"{"type":"record","name":"Money","namespace":"shop","fields":[
+            {"name":"minor","type":"long"},{"name":"currency","type":"shop.Currency"}]}"#;
+        let currency = r#"{"type":"enum","name":"Currency","namespace":"shop","symbols":["EUR","USD"]}"#;
+        let order = r#"{"type":"record","name":"Order","namespace":"shop","fields":[
+            {"name":"id","type":"string"},{"name":"total","type":"shop.Money"}]}"#;
+        assert!(Decoder::parse(order).is_err(), "alone, shop.Money is unknown");
+        let imports = [money.to_owned(), currency.to_owned()];
+        let d = Decoder::parse_with(order, &imports).unwrap();
+        let data = serde_json::json!({"id": "o-1", "total": {"minor": 1250, "currency": "EUR"}});
+        let e = Encoder::new(3, Decoder::parse_with(order, &imports).unwrap(), "s".into()).unwrap();
+        let e2 = Decoder::parse_with(order, &[money.to_owned()]).err().unwrap();
+        assert!(e2.contains("shop.Currency"), "a missing one is named: {e2}");
+        let bytes = relay_core::effects::DataEncoder::encode(&e, &data).unwrap();
+        assert_eq!(d.decode(&bytes[5..]).unwrap(), data);
+        let err =
+            relay_core::effects::DataEncoder::encode(&e, &serde_json::json!({"id": "o", "total": {"minor": "x"}}))
+                .unwrap_err();
+        assert!(err.contains("/total/minor"), "{err}");
     }
 
     #[test]

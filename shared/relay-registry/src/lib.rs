@@ -109,7 +109,8 @@ struct SchemaById {
     references: Vec<Reference>,
 }
 
-/// A schema another one refers to (a Protobuf import, by its file name).
+/// A schema another one refers to: a Protobuf import by its file name, an
+/// Avro schema by the full name of the type it defines.
 #[derive(Deserialize, Clone)]
 struct Reference {
     name: String,
@@ -263,14 +264,20 @@ impl Registry {
             .map_err(|e| format!("subject {subject}: the registry's answer is not a schema version ({e})"))?;
         let kind = latest.schema_type.as_deref().unwrap_or("AVRO");
         let describe = format!("subject {subject}, schema id {}", latest.id);
-        if !latest.references.is_empty() && kind != "PROTOBUF" {
+        if !latest.references.is_empty() && kind == "JSON" {
             return Err(format!(
-                "subject {subject}: its {kind} schema refers to other schemas; relay follows references of \
+                "subject {subject}: its JSON Schema refers to other schemas; relay follows references of Avro and \
                  Protobuf schemas only (yet)"
             ));
         }
         match (format, kind) {
-            (TopicFormat::Avro, "AVRO") => avro::Decoder::parse(&latest.schema)
+            (TopicFormat::Avro, "AVRO") => self
+                .imports(latest.references)
+                .await
+                .map_err(|e| format!("the schemas it refers to: {}", e.why()))
+                .and_then(|imports| {
+                    avro::Decoder::parse_with(&latest.schema, &imports.into_values().collect::<Vec<_>>())
+                })
                 .and_then(|schema| avro::Encoder::new(latest.id, schema, describe))
                 .map(|e| Arc::new(e) as Arc<_>)
                 .map_err(|e| format!("subject {subject}: its Avro schema cannot be used: {e}")),
@@ -370,27 +377,34 @@ impl Registry {
             .map_err(|e| unavailable(format!("its answer is not a schema ({e}): {}", snippet(&body))))?;
         let kind = found.schema_type.as_deref().unwrap_or("AVRO");
         let poison = |why: String| Failure::Poison(format!("record of topic {topic:?}, schema id {id}: {why}"));
-        if !found.references.is_empty() && kind != "PROTOBUF" {
+        if !found.references.is_empty() && kind == "JSON" {
             return Err(poison(format!(
-                "the {kind} schema refers to {} other schema(s); relay follows references of Protobuf schemas \
-                 only (yet)",
+                "the JSON Schema refers to {} other schema(s); relay follows references of Avro and Protobuf \
+                 schemas only (yet)",
                 found.references.len()
             )));
         }
+        let imported = |e: ImportError| match e {
+            ImportError::Missing(why) => Failure::NotYet(format!(
+                "record of topic {topic:?}, schema id {id}: a schema it refers to is missing: {why}"
+            )),
+            ImportError::Unavailable(why) => unavailable(format!("a schema it refers to: {why}")),
+            ImportError::Invalid(why) => poison(why),
+        };
         match kind {
+            "AVRO" if !found.references.is_empty() => {
+                let imports = self.imports(found.references).await.map_err(imported)?;
+                avro::Decoder::parse_with(&found.schema, &imports.into_values().collect::<Vec<_>>())
+                    .map(Registered::Avro)
+                    .map_err(|e| poison(format!("the registry's Avro schema cannot be used: {e}")))
+            }
             "PROTOBUF" if format == TopicFormat::Protobuf => {
-                let imports = self.imports(found.references).await.map_err(|e| match e {
-                    ImportError::Missing(why) => Failure::NotYet(format!(
-                        "record of topic {topic:?}, schema id {id}: a schema it refers to is missing: {why}"
-                    )),
-                    ImportError::Unavailable(why) => unavailable(format!("a schema it refers to: {why}")),
-                    ImportError::Invalid(why) => poison(why),
-                })?;
+                let imports = self.imports(found.references).await.map_err(imported)?;
                 protobuf::Schema::parse(&found.schema, &imports)
                     .map(Registered::Protobuf)
                     .map_err(|e| poison(format!("the registry's Protobuf schema cannot be used: {e}")))
             }
-            "AVRO" => avro::Decoder::parse(&found.schema)
+            "AVRO" => avro::Decoder::parse_with(&found.schema, &[])
                 .map(Registered::Avro)
                 .map_err(|e| poison(format!("the registry's Avro schema cannot be used: {e}"))),
             "JSON" => serde_json::from_str::<Value>(&found.schema)
