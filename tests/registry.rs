@@ -71,6 +71,35 @@ data = {{ order_id = "{{{{ data.order_id }}}}", cents = "{{{{ data.amount_cents 
     ))
 }
 
+/// A topic of `format` whose route emits `data` (a TOML inline table of
+/// templates) to the out topic in the same format, keyed by the order id.
+fn formatted_route(h: &Harness, registry: &str, format: &str, data: &str) -> relay_core::RelayConfig {
+    h.config(&format!(
+        r#"
+[schema_registry]
+url = "{registry}"
+
+[topics."{{topic}}"]
+format = "{format}"
+fields.id = {{ pointer = "/event_id" }}
+fields.type = {{ value = "order.placed" }}
+
+[[routes]]
+topic = "{{topic}}"
+type = "order.placed"
+
+[[routes.actions]]
+kind = "emit"
+name = "payment"
+type = "payment.requested"
+topic = "{{out}}"
+format = "{format}"
+key = "{{{{ data.order_id }}}}"
+data = {data}
+"#
+    ))
+}
+
 /// Produce `records` ({key, value}) to the input topic with Confluent's
 /// serializer of `format` (`avro`, `json`, `protobuf`: see `produce.py`) and `schema`; the schema id it
 /// registered.
@@ -366,30 +395,12 @@ async fn an_avro_record_comes_out_as_avro_that_confluent_s_deserializer_reads_an
         ]),
     )
     .await;
-    let cfg = h.config(&format!(
-        r#"
-[schema_registry]
-url = "{registry}"
-
-[topics."{{topic}}"]
-format = "avro"
-fields.id = {{ pointer = "/event_id" }}
-fields.type = {{ value = "order.placed" }}
-
-[[routes]]
-topic = "{{topic}}"
-type = "order.placed"
-
-[[routes.actions]]
-kind = "emit"
-name = "payment"
-type = "payment.requested"
-topic = "{{out}}"
-format = "avro"
-key = "{{{{ data.order_id }}}}"
-data = {{ order_id = "{{{{ data.order_id }}}}", amount = "{{{{ data.price }}}}", cents = "{{% if data.order_id == 'o-2' %}}x{{% endif %}}{{{{ data.amount_cents }}}}", note = "for {{{{ data.order_id }}}}", placed = "2026-12-05T10:00:00.250Z" }}
-"#
-    ));
+    let cfg = formatted_route(
+        &h,
+        &registry,
+        "avro",
+        r#"{ order_id = "{{ data.order_id }}", amount = "{{ data.price }}", cents = "{% if data.order_id == 'o-2' %}x{% endif %}{{ data.amount_cents }}", note = "for {{ data.order_id }}", placed = "2026-12-05T10:00:00.250Z" }"#,
+    );
     let run = h.start(cfg, Components::ALL, no_faults()).await;
     h.await_inbox(1).await;
     h.await_published(1).await;
@@ -431,30 +442,12 @@ async fn a_json_schema_emit_is_checked_at_ingest_and_read_by_confluent_s_deseria
         ]),
     )
     .await;
-    let cfg = h.config(&format!(
-        r#"
-[schema_registry]
-url = "{registry}"
-
-[topics."{{topic}}"]
-format = "json-schema"
-fields.id = {{ pointer = "/event_id" }}
-fields.type = {{ value = "order.placed" }}
-
-[[routes]]
-topic = "{{topic}}"
-type = "order.placed"
-
-[[routes.actions]]
-kind = "emit"
-name = "payment"
-type = "payment.requested"
-topic = "{{out}}"
-format = "json-schema"
-key = "{{{{ data.order_id }}}}"
-data = {{ order_id = "{{{{ data.order_id }}}}", cents = "{{{{ data.amount_cents if data.order_id == 'o-1' else 'x' }}}}" }}
-"#
-    ));
+    let cfg = formatted_route(
+        &h,
+        &registry,
+        "json-schema",
+        r#"{ order_id = "{{ data.order_id }}", cents = "{{ data.amount_cents if data.order_id == 'o-1' else 'x' }}" }"#,
+    );
     let run = h.start(cfg, Components::ALL, no_faults()).await;
     h.await_inbox(1).await;
     h.await_published(1).await;
@@ -543,30 +536,12 @@ async fn protobuf_records_from_confluent_s_serializer_come_out_as_protobuf_that_
     h.producer.raw(&h.topic, None, Some(b"o-4"), &[], Some(&framed(&[2, 6]))).await.unwrap();
     h.producer.raw(&h.topic, None, Some(b"o-5"), &[], Some(&framed(&[0, 0x0a, 0x20, b'e']))).await.unwrap();
 
-    let cfg = h.config(&format!(
-        r#"
-[schema_registry]
-url = "{registry}"
-
-[topics."{{topic}}"]
-format = "protobuf"
-fields.id = {{ pointer = "/event_id" }}
-fields.type = {{ value = "order.placed" }}
-
-[[routes]]
-topic = "{{topic}}"
-type = "order.placed"
-
-[[routes.actions]]
-kind = "emit"
-name = "payment"
-type = "payment.requested"
-topic = "{{out}}"
-format = "protobuf"
-key = "{{{{ data.order_id }}}}"
-data = {{ order_id = "{{{{ data.order_id }}}}", cents = "{{% if data.order_id == 'o-2' %}}x{{% endif %}}{{{{ data.total.minor }}}}", currency = "{{{{ data.total.currency }}}}", channel = "STORE", tags = ["{{{{ data.note | default('none') }}}}", "{{{{ data.placed | default('') }}}}"] }}
-"#
-    ));
+    let cfg = formatted_route(
+        &h,
+        &registry,
+        "protobuf",
+        r#"{ order_id = "{{ data.order_id }}", cents = "{% if data.order_id == 'o-2' %}x{% endif %}{{ data.total.minor }}", currency = "{{ data.total.currency }}", channel = "STORE", tags = ["{{ data.note | default('none') }}", "{{ data.placed | default('') }}"] }"#,
+    );
     let run = h.start(cfg.clone(), Components::ALL, no_faults()).await;
     h.await_inbox(2).await;
     h.await_published(2).await;
@@ -640,30 +615,12 @@ async fn avro_schemas_that_refer_to_other_subjects_are_read_and_written() {
         .await
         .unwrap();
     assert!(registered["id"].is_u64(), "{registered}");
-    let cfg = h.config(&format!(
-        r#"
-[schema_registry]
-url = "{registry}"
-
-[topics."{{topic}}"]
-format = "avro"
-fields.id = {{ pointer = "/event_id" }}
-fields.type = {{ value = "order.placed" }}
-
-[[routes]]
-topic = "{{topic}}"
-type = "order.placed"
-
-[[routes.actions]]
-kind = "emit"
-name = "charge"
-type = "payment.charge"
-topic = "{{out}}"
-format = "avro"
-key = "{{{{ data.order_id }}}}"
-data = {{ order_id = "{{{{ data.order_id }}}}", amount = {{ minor = "{{{{ data.total.minor }}}}", currency = "{{{{ data.total.currency }}}}" }} }}
-"#
-    ));
+    let cfg = formatted_route(
+        &h,
+        &registry,
+        "avro",
+        r#"{ order_id = "{{ data.order_id }}", amount = { minor = "{{ data.total.minor }}", currency = "{{ data.total.currency }}" } }"#,
+    );
     let run = h.start(cfg, Components::ALL, no_faults()).await;
     h.await_inbox(1).await;
     h.await_published(1).await;

@@ -311,10 +311,11 @@ fn api_parts() -> (Router<Shared>, utoipa::openapi::OpenApi) {
     (router, doc)
 }
 
-/// The answers every `/api` operation can give besides its own: axum
-/// refuses a malformed path, query or body before the handler runs, in
-/// plain text (400, or 415 / 422 for a body), and an unexpected error is a
-/// 500 with an [`ErrorBody`].
+/// The answers every `/api` operation can give besides its own: 401
+/// without the token, 503 when the API is disabled or the database cannot
+/// be reached, 500 for an unexpected error (each an [`ErrorBody`]); and
+/// axum refuses a malformed path, query or body before the handler runs,
+/// in plain text (400, or 415 / 422 for a body).
 fn common_responses(doc: &mut utoipa::openapi::OpenApi) {
     use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
     let error = |what: &str| {
@@ -322,6 +323,12 @@ fn common_responses(doc: &mut utoipa::openapi::OpenApi) {
             .description(what)
             .content("application/json", ContentBuilder::new().schema(Some(Ref::from_schema_name("ErrorBody"))).build())
             .content("text/plain", ContentBuilder::new().schema(Some(utoipa::openapi::Object::new())).build())
+            .build()
+    };
+    let json_error = |what: &str| {
+        ResponseBuilder::new()
+            .description(what)
+            .content("application/json", ContentBuilder::new().schema(Some(Ref::from_schema_name("ErrorBody"))).build())
             .build()
     };
     for (path, item) in doc.paths.paths.iter_mut() {
@@ -341,6 +348,11 @@ fn common_responses(doc: &mut utoipa::openapi::OpenApi) {
                 r.insert("422".into(), error("The body is JSON but not what the operation takes").into());
             }
             r.insert("500".into(), error("An unexpected error; the body says which").into());
+            r.insert("401".into(), json_error("Missing or wrong bearer token").into());
+            r.insert(
+                "503".into(),
+                json_error("The admin API is disabled (no token set) or the database cannot be reached").into(),
+            );
         }
     }
 }
@@ -538,8 +550,6 @@ async fn broker_reachable(
     summary = "Rows of every table by state, and what is paused",
     responses(
         (status = 200, description = "Counts", body = Object, example = json!({"stats": {"inbox": 120, "intents": {"pending": 2, "dead": 1}, "outbox": {"pending": 0}, "dead_letters": {"unresolved": 3}}, "estimated": [], "pauses": []})),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn counts(State(s): State<Shared>) -> ApiResult {
@@ -571,8 +581,6 @@ struct DeadLetterQuery {
     params(DeadLetterQuery),
     responses(
         (status = 200, description = "A page and the total matching", body = Object, example = json!({"items": [{"id": 7, "topic": "orders", "partition": 0, "offset": 42, "error_class": "bad_json", "reason": "…"}], "total": 1})),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn list_dead_letters(State(s): State<Shared>, Query(q): Query<DeadLetterQuery>) -> ApiResult {
@@ -592,8 +600,6 @@ async fn list_dead_letters(State(s): State<Shared>, Query(q): Query<DeadLetterQu
     responses(
         (status = 200, description = "The dead letter", body = Object, example = json!({"dead_letter": {"id": 7, "error_class": "bad_json"}, "key": "o-1", "headers": [{"name": "ce_type", "value": "order.placed"}], "value": "{…"})),
         (status = 404, description = "No such dead letter", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn show_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
@@ -632,8 +638,6 @@ fn released_json(r: &Released) -> Value {
         (status = 200, description = "What the replay did", body = Object, example = json!({"id": 7, "outcome": "applied", "detail": "", "resolved": true, "released": null})),
         (status = 404, description = "No such dead letter", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn replay_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
@@ -654,8 +658,6 @@ async fn replay_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> Api
         (status = 200, description = "Skipped", body = Object, example = json!({"id": 7, "skipped": true, "released": {"key": "o-1", "replayed": 2, "held_behind": 0, "detail": "…"}})),
         (status = 404, description = "No such dead letter", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn skip_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
@@ -679,8 +681,6 @@ struct HeldKeysQuery {
     params(HeldKeysQuery),
     responses(
         (status = 200, description = "Held keys", body = Object, example = json!({"held_keys": [{"topic": "orders", "partition": 0, "key": "o-1", "dead_letter_id": 7, "waiting": 3}]})),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn held_keys(State(s): State<Shared>, Query(q): Query<HeldKeysQuery>) -> ApiResult {
@@ -723,8 +723,6 @@ impl Bulk {
     responses(
         (status = 200, description = "One result per dead letter", body = Object, example = json!({"results": [{"id": 7, "outcome": "applied", "detail": "", "resolved": true, "released": null}], "resolved": 1})),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn replay_dead_letters(State(s): State<Shared>, Json(b): Json<Bulk>) -> ApiResult {
@@ -745,8 +743,6 @@ async fn replay_dead_letters(State(s): State<Shared>, Json(b): Json<Bulk>) -> Ap
         (status = 200, description = "Deleted", body = Object, example = json!({"deleted": 1})),
         (status = 404, description = "No such dead letter", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn delete_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
@@ -764,8 +760,6 @@ async fn delete_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> Api
         (status = 200, description = "How many were deleted", body = Object, example = json!({"deleted": 12})),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn purge_dead_letters(State(s): State<Shared>, Json(b): Json<Bulk>) -> ApiResult {
@@ -797,8 +791,6 @@ struct IntentQuery {
     responses(
         (status = 200, description = "Intents", body = Object, example = json!({"items": [{"id": "0b9c…", "endpoint": "psp", "state": "dead", "attempts": 5, "last_error": "HTTP 500"}]})),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn list_intents(State(s): State<Shared>, Query(q): Query<IntentQuery>) -> ApiResult {
@@ -822,8 +814,6 @@ fn parse_id(id: &str) -> Result<uuid::Uuid, ApiError> {
         (status = 200, description = "The intent", body = Object, example = json!({"intent": {"id": "0b9c…", "state": "succeeded"}, "attempts": [], "reconciliations": [], "response": null})),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
         (status = 404, description = "No such intent", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn show_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
@@ -849,8 +839,6 @@ struct ReplayQuery {
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
         (status = 404, description = "No such intent", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn replay_intent(State(s): State<Shared>, Path(id): Path<String>, Query(q): Query<ReplayQuery>) -> ApiResult {
@@ -879,8 +867,6 @@ struct Resolve {
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
         (status = 404, description = "No such intent", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn resolve_intent(State(s): State<Shared>, Path(id): Path<String>, Json(r): Json<Resolve>) -> ApiResult {
@@ -914,8 +900,6 @@ struct IntentBulk {
     responses(
         (status = 200, description = "What was queued and what was not", body = Object, example = json!({"requeued": 3, "asked": 4, "refused": 0, "not_replayed": [{"id": "0b9c…", "why": "past the key window of the provider"}]})),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn replay_intents(State(s): State<Shared>, Json(b): Json<IntentBulk>) -> ApiResult {
@@ -948,8 +932,6 @@ struct OutboxQuery {
     responses(
         (status = 200, description = "Rows", body = Object, example = json!({"items": [{"id": "5d1e…", "topic": "payments", "state": "dead", "attempts": 3}]})),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn list_outbox(State(s): State<Shared>, Query(q): Query<OutboxQuery>) -> ApiResult {
@@ -977,8 +959,6 @@ fn parse_outbox_id(id: &str) -> Result<uuid::Uuid, ApiError> {
         (status = 200, description = "The row", body = Object, example = json!({"row": {"id": "5d1e…", "topic": "payments", "state": "published"}})),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
         (status = 404, description = "No such outbox row", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn show_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
@@ -996,8 +976,6 @@ async fn show_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResu
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
         (status = 404, description = "No such outbox row", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn replay_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
@@ -1018,8 +996,6 @@ async fn replay_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiRe
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
         (status = 404, description = "No such intent", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn skip_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
@@ -1040,8 +1016,6 @@ async fn skip_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiResu
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
         (status = 404, description = "No such outbox row", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn skip_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
@@ -1058,8 +1032,6 @@ async fn skip_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResu
     summary = "What is paused",
     responses(
         (status = 200, description = "Pauses", body = Object, example = json!({"pauses": [{"kind": "endpoint", "name": "psp", "reason": "provider incident", "paused_at": "2026-12-05T10:00:00Z"}]})),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn list_pauses(State(s): State<Shared>) -> ApiResult {
@@ -1087,8 +1059,6 @@ struct PauseRequest {
         (status = 200, description = "Paused (already: it was)", body = Object, example = json!({"paused": true, "already": false})),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
         (status = 404, description = "No such route or endpoint", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn pause(State(s): State<Shared>, Json(p): Json<PauseRequest>) -> ApiResult {
@@ -1106,8 +1076,6 @@ async fn pause(State(s): State<Shared>, Json(p): Json<PauseRequest>) -> ApiResul
     responses(
         (status = 200, description = "Resumed (false: it was not paused)", body = Object, example = json!({"resumed": true})),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "The admin API is disabled (no token set) or the database cannot be reached", body = ErrorBody)
     )
 )]
 async fn resume(State(s): State<Shared>, Path((kind, name)): Path<(String, String)>) -> ApiResult {
