@@ -45,6 +45,27 @@ fn avro_config(h: &Harness, registry: &str) -> relay_core::RelayConfig {
 
 /// [`avro_config`] for a topic of `format`.
 fn registry_config(h: &Harness, registry: &str, format: &str) -> relay_core::RelayConfig {
+    let data = r#"{ order_id = "{{ data.order_id }}", cents = "{{ data.amount_cents }}", price = "{{ data.price }}", note = "{{ data.note | default('') }}" }"#;
+    route_config(h, registry, format, None, data)
+}
+
+/// A topic of `format` whose route emits `data` (a TOML inline table of
+/// templates) to the out topic in the same format, keyed by the order id.
+fn formatted_route(h: &Harness, registry: &str, format: &str, data: &str) -> relay_core::RelayConfig {
+    route_config(h, registry, format, Some(format), data)
+}
+
+/// A topic of `format` (ids from `/event_id`, every record an
+/// `order.placed`) whose route emits `data` to the out topic, in
+/// `emit_format` or as JSON.
+fn route_config(
+    h: &Harness,
+    registry: &str,
+    format: &str,
+    emit_format: Option<&str>,
+    data: &str,
+) -> relay_core::RelayConfig {
+    let emit_format = emit_format.map(|f| format!("format = \"{f}\"\n")).unwrap_or_default();
     h.config(&format!(
         r#"
 [schema_registry]
@@ -62,39 +83,10 @@ type = "order.placed"
 
 [[routes.actions]]
 kind = "emit"
-name = "seen"
-type = "order.seen"
-topic = "{{out}}"
-key = "{{{{ data.order_id }}}}"
-data = {{ order_id = "{{{{ data.order_id }}}}", cents = "{{{{ data.amount_cents }}}}", price = "{{{{ data.price }}}}", note = "{{{{ data.note | default('') }}}}" }}
-"#
-    ))
-}
-
-/// A topic of `format` whose route emits `data` (a TOML inline table of
-/// templates) to the out topic in the same format, keyed by the order id.
-fn formatted_route(h: &Harness, registry: &str, format: &str, data: &str) -> relay_core::RelayConfig {
-    h.config(&format!(
-        r#"
-[schema_registry]
-url = "{registry}"
-
-[topics."{{topic}}"]
-format = "{format}"
-fields.id = {{ pointer = "/event_id" }}
-fields.type = {{ value = "order.placed" }}
-
-[[routes]]
-topic = "{{topic}}"
-type = "order.placed"
-
-[[routes.actions]]
-kind = "emit"
 name = "payment"
 type = "payment.requested"
 topic = "{{out}}"
-format = "{format}"
-key = "{{{{ data.order_id }}}}"
+{emit_format}key = "{{{{ data.order_id }}}}"
 data = {data}
 "#
     ))
