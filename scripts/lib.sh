@@ -93,7 +93,7 @@ ensure_python_example_deps() {
   # which it bundles (tests/helm.rs).
   if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import psycopg, confluent_kafka.schema_registry.avro, confluent_kafka.schema_registry.json_schema, confluent_kafka.schema_registry.protobuf, grpc_tools.protoc, openapi_spec_validator, kubernetes_validate' 2>/dev/null; then
     command -v python3 >/dev/null || die "Python 3 is needed for the examples/python test (apt-get install python3-venv)"
-    say "installing psycopg and confluent-kafka for the Python tests into $venv"
+    say "installing the Python test dependencies (psycopg, confluent-kafka, protoc, validators) into $venv"
     [ -x "$venv/bin/python" ] || python3 -m venv "$venv" || die "python3 -m venv failed (apt-get install python3-venv)"
     "$venv/bin/pip" install -q --disable-pip-version-check "psycopg[binary]==3.3.9" "confluent-kafka[avro,json,protobuf,schemaregistry]==2.16.0" \
       "protobuf==7.36.2" "grpcio-tools==1.85.1" "openapi-spec-validator==0.9.0" "kubernetes-validate==1.37.0" \

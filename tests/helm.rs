@@ -119,8 +119,10 @@ fn the_chart_lints_and_renders_manifests_kubernetes_accepts() {
 #[test]
 fn the_deployment_probes_health_reads_secrets_from_secrets_and_has_a_disruption_budget() {
     let mut prod = production_values();
-    // A pod label cannot take the selector's place.
+    // A pod label cannot take the selector's place; the account's annotations
+    // (workload identity) reach the hook's account too.
     prod.extend(["--set".into(), "podLabels.app\\.kubernetes\\.io/instance=other".into()]);
+    prod.extend(["--set".into(), "serviceAccount.annotations.iam\\.example\\.com/role=relay".into()]);
     let (_, docs) = render(&prod.iter().map(String::as_str).collect::<Vec<_>>());
     let deployment = one(&docs, "Deployment");
     assert_eq!(deployment["spec"]["replicas"].as_i64(), Some(3));
@@ -170,6 +172,9 @@ fn the_deployment_probes_health_reads_secrets_from_secrets_and_has_a_disruption_
     let service = one(&docs, "Service");
     assert_eq!(service["spec"]["ports"][0]["targetPort"].as_str(), Some("admin"));
 
+    for account in of_kind(&docs, "ServiceAccount") {
+        assert_eq!(account["metadata"]["annotations"]["iam.example.com/role"].as_str(), Some("relay"), "{account:?}");
+    }
     // Migrations run before an install or upgrade, with the same database secret.
     let job = one(&docs, "Job");
     assert_eq!(job["metadata"]["annotations"]["helm.sh/hook"].as_str(), Some("pre-install,pre-upgrade"));

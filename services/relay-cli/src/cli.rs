@@ -440,7 +440,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             let (report, applied) = crate::explain::run(&cfg, route, &given)?;
             print!("{report}");
             // A script running the dry run sees a dead letter in the exit status.
-            anyhow::ensure!(applied, "route {route}: the event would not be applied (see above)");
+            anyhow::ensure!(applied, "route {route}: nothing would be written for this event (see above)");
             return Ok(());
         }
         Command::CheckConfig { explain: None, .. } => {

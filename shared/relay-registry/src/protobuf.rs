@@ -248,7 +248,7 @@ impl relay_core::effects::DataEncoder for Encoder {
             // The reason is built from the path and the schema alone: serde's
             // message quotes the value, and quoting can be escaped from.
             let path: Vec<String> = track.path().iter().filter_map(key_of).collect();
-            let at: String = path.iter().map(|k| format!("/{}", k.replace('~', "~0").replace('/', "~1"))).collect();
+            let (at, _) = walk(&self.message, &path);
             let at = if at.is_empty() { "/".to_owned() } else { at };
             let why = match unknown_fields(&self.message, &path, data) {
                 Some(names) => format!("the message has no field {}", names.join(", ")),
@@ -325,6 +325,9 @@ fn expected_at(m: &MessageDescriptor, path: &[String]) -> Option<String> {
 fn describe(kind: &prost_reflect::Kind) -> String {
     use prost_reflect::Kind;
     match kind {
+        Kind::Message(m) if m.full_name().starts_with("google.protobuf.") => {
+            format!("{} in its JSON form (e.g. RFC 3339 text for a Timestamp)", m.full_name())
+        }
         Kind::Message(m) => format!("a {} object", m.full_name()),
         Kind::Enum(e) => {
             let names: Vec<String> = e.values().take(8).map(|v| v.name().to_owned()).collect();
@@ -338,22 +341,71 @@ fn describe(kind: &prost_reflect::Kind) -> String {
     }
 }
 
+/// Where a path into the data stands in the schema.
+enum At {
+    /// A message: its keys are fields.
+    Message(MessageDescriptor),
+    /// A list (false) or a map (true) field: its segments are indexes, or
+    /// keys (data).
+    Items(prost_reflect::Kind, bool),
+    /// A scalar, or somewhere the schema does not reach.
+    Other,
+}
+
+/// `path` as a JSON pointer in which a map's keys (data, as much as its
+/// values) are `*`, and where the pointer ends in the schema.
+fn walk(m: &MessageDescriptor, path: &[String]) -> (String, At) {
+    let mut at = At::Message(m.clone());
+    let mut pointer = String::new();
+    for key in path {
+        let (shown, next) = match &at {
+            At::Message(msg) => match field(msg, key) {
+                Some(f) if f.is_map() => (
+                    key.clone(),
+                    At::Items(
+                        match f.kind() {
+                            prost_reflect::Kind::Message(entry) => entry.map_entry_value_field().kind(),
+                            other => other,
+                        },
+                        true,
+                    ),
+                ),
+                Some(f) if f.is_list() => (key.clone(), At::Items(f.kind(), false)),
+                Some(f) => (key.clone(), kind_at(f.kind())),
+                None => ("*".to_owned(), At::Other),
+            },
+            At::Items(kind, map) => {
+                let shown = if *map { "*".to_owned() } else { key.clone() };
+                (shown, kind_at(kind.clone()))
+            }
+            At::Other => ("*".to_owned(), At::Other),
+        };
+        pointer.push('/');
+        pointer.push_str(&shown.replace('~', "~0").replace('/', "~1"));
+        at = next;
+    }
+    (pointer, at)
+}
+
+fn kind_at(kind: prost_reflect::Kind) -> At {
+    match kind {
+        prost_reflect::Kind::Message(m) => At::Message(m),
+        _ => At::Other,
+    }
+}
+
 /// The keys of the object at `path` in `data` that are no field of the
-/// message there, if that is what is wrong.
+/// message there, if that is what is wrong (only where the schema has a
+/// message: a map's keys are data, never listed).
 fn unknown_fields(m: &MessageDescriptor, path: &[String], data: &Value) -> Option<Vec<String>> {
+    let At::Message(msg) = walk(m, path).1 else { return None };
     let mut here = data;
-    let mut msg = m.clone();
     for key in path {
         here = match here {
             Value::Object(o) => o.get(key)?,
             Value::Array(a) => a.get(key.parse::<usize>().ok()?)?,
             _ => return None,
         };
-        if let Some(f) = field(&msg, key)
-            && let prost_reflect::Kind::Message(next) = f.kind()
-        {
-            msg = next;
-        }
     }
     let unknown: Vec<String> =
         here.as_object()?.keys().filter(|k| field(&msg, k).is_none()).map(|k| format!("{k:?}")).collect();
@@ -465,6 +517,25 @@ mod tests {
             let e = encoder().encode(&data).unwrap_err();
             assert!(!e.contains("4111"), "{e}");
         }
+        // Keys are data too where the schema has no message: an object in a
+        // text field, a map's keys; a map value's unknown field is named.
+        let maps = Schema::parse(
+            "syntax = \"proto3\"; message M { string id = 1; map<string, int32> by_card = 2; \
+             map<string, L> lines = 3; message L { string sku = 1; } }",
+            &HashMap::new(),
+        )
+        .unwrap();
+        let maps = Encoder::new(1, &maps, None, "d".into()).unwrap();
+        for data in [
+            json!({"id": {"4111111111111111": 1}}),
+            json!({"by_card": {"4111111111111111": "x"}}),
+            json!({"lines": {"4111111111111111": {"sku": "A", "bogus": 1}}}),
+        ] {
+            let e = maps.encode(&data).unwrap_err();
+            assert!(!e.contains("4111"), "{e}");
+        }
+        let e = maps.encode(&json!({"lines": {"k": {"sku": "A", "bogus": 1}}})).unwrap_err();
+        assert!(e.contains("at /lines/*: the message has no field \"bogus\""), "{e}");
         let e = encoder().encode(&json!({"lines": [{"qty": "many"}]})).unwrap_err();
         assert!(e.contains("at /lines/0/qty: expected an integer (uint32)"), "{e}");
         let e = encoder().encode(&json!({"status": "GONE"})).unwrap_err();
