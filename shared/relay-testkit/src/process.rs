@@ -412,8 +412,13 @@ impl PrivateKafka {
                 // The listener is up; metadata requests may still fail for a moment.
                 return Ok(());
             }
-            if Instant::now() > end {
-                bail!("private Kafka did not start (see {})", self.dir.join("broker.log").display());
+            // The directory goes with the test: say in the failure what the broker said.
+            let exited = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+            if exited.is_some() || Instant::now() > end {
+                let log = std::fs::read_to_string(self.dir.join("broker.log")).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(15).collect::<Vec<_>>().into_iter().rev().collect();
+                let how = exited.map_or_else(|| "within 90 s".to_owned(), |s| format!("(it exited: {s})"));
+                bail!("private Kafka did not start {how}; the end of its log:\n{}", tail.join("\n"));
             }
             #[allow(
                 clippy::disallowed_methods,
