@@ -350,9 +350,14 @@ async fn consumed_with(
 
 /// Register `schema` of `kind` (`AVRO`, `JSON`, `PROTOBUF`) under `subject`; its id.
 async fn register(registry: &str, subject: &str, kind: &str, schema: &str) -> u32 {
+    register_with(registry, subject, kind, schema, json!([])).await
+}
+
+/// [`register`] with schema `references` ([{name, subject, version}]).
+async fn register_with(registry: &str, subject: &str, kind: &str, schema: &str, references: Value) -> u32 {
     let registered: Value = reqwest::Client::new()
         .post(format!("{registry}/subjects/{subject}/versions"))
-        .json(&json!({"schema": schema, "schemaType": kind}))
+        .json(&json!({"schema": schema, "schemaType": kind, "references": references}))
         .send()
         .await
         .unwrap()
@@ -597,16 +602,7 @@ async fn avro_schemas_that_refer_to_other_subjects_are_read_and_written() {
     // What relay writes uses the same referenced type.
     let charge = r#"{"type":"record","name":"Charge","namespace":"pay","fields":[
         {"name":"order_id","type":"string"},{"name":"amount","type":"shop.Money"}]}"#;
-    let registered: Value = reqwest::Client::new()
-        .post(format!("{registry}/subjects/{}-value/versions", h.out))
-        .json(&json!({"schema": charge, "schemaType": "AVRO", "references": reference}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert!(registered["id"].is_u64(), "{registered}");
+    register_with(&registry, &format!("{}-value", h.out), "AVRO", charge, reference).await;
     let cfg = formatted_route(
         &h,
         &registry,
