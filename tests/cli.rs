@@ -372,6 +372,7 @@ body = {{ order_id = "{{{{ data.order_id }}}}", cents = "{{{{ data.cents }}}}", 
 name = "captured"
 type = "payment.captured"
 topic = "payments"
+format = "avro"
 key = "{{{{ data.order_id }}}}"
 data = {{ order_id = "{{{{ data.order_id }}}}", payment_id = "{{{{ response.body.id }}}}" }}
 
@@ -405,6 +406,7 @@ data = {{ order_id = "{{{{ data.order_id }}}}", region = "{{{{ extensions.region
         "emit \"seen\" -> topic \"orders.seen\", key \"example-order_id\", type \"order.seen\", outbox id ",
         "\"region\": \"eu\"",
         "written as avro (subject orders.seen-value) with the subject's latest schema",
+        "on success: emit \"captured\" is written as avro (subject payments-value) with the subject's latest schema",
     ] {
         assert!(stdout.contains(says), "{says:?} in:\n{stdout}");
     }

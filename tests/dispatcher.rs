@@ -1634,11 +1634,11 @@ async fn a_stale_completion_beside_a_fresh_one_of_the_same_intent_records_nothin
     };
     use relay::deliver::outcome::Completion;
     use relay::deliver::outcome::Finished;
-    let batch = [
+    let mut batch = [
         Completion::decided(stale, NextState::Dead, record(AttemptOutcome::Permanent, 422)),
         Completion::decided(fresh, NextState::Retry(Duration::from_secs(1)), record(AttemptOutcome::Retryable, 503)),
     ];
-    assert_eq!(dispatcher.finalize(&batch).await, vec![Finished::LeaseLost, Finished::Retrying]);
+    assert_eq!(dispatcher.finalize(&mut batch).await, vec![Finished::LeaseLost, Finished::Retrying]);
     assert_eq!(h.db.count("outbox", "event_type = 'payment.failed'").await, 0, "the stale outcome was recorded");
     assert_eq!(intent_state(&h, "capture:o-1").await.0, "pending");
 }
@@ -1874,7 +1874,7 @@ async fn an_outcome_whose_effects_the_database_rejects_is_recorded_without_them_
         error: None,
     };
     let completion = relay::deliver::outcome::Completion::decided(claimed, NextState::Succeeded, done);
-    let finished = relay.dispatcher().unwrap().finalize(&[completion]).await;
+    let finished = relay.dispatcher().unwrap().finalize(&mut [completion]).await;
     assert_eq!(finished, vec![relay::deliver::outcome::Finished::Succeeded]);
     assert_eq!(intent_state(&h, "capture:o-1").await.0, "succeeded");
     assert_eq!(h.db.count("outbox", "true").await, 0, "no effect of the rejected outcome was written");

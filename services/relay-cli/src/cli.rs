@@ -967,6 +967,8 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
         }
         IntentCommand::Resolve { id, succeeded, failed: _, note } => {
             let resolution = if succeeded { IntentResolution::Succeeded } else { IntentResolution::Failed };
+            // Outcome events with a `format` are encoded as the dispatcher's are.
+            let ops = ops.clone().with_encoders(relay::app::own_emit_encoders(&cfg).await?);
             let dropped = ops.resolve(id, resolution, note.as_deref()).await?;
             let effects = if succeeded { "on_success" } else { "on_dead" };
             match dropped {

@@ -137,6 +137,7 @@ fn describe(
     if let Some(a) = &x.event.aggregate_id {
         line(format!("  aggregate {a:?}, version {:?}, sequence {:?}", x.event.aggregate_version, x.event.sequence));
     }
+    let formats = cfg.emit_formats();
     if x.effects.sagas.is_empty() && x.effects.intents.is_empty() && x.effects.events.is_empty() {
         line("it writes nothing but its inbox row".into());
     }
@@ -187,6 +188,16 @@ fn describe(
                 )),
                 _ => line(format!("  {when} {}", pretty(stored, "  "))),
             }
+            let emits = serde_json::from_value::<Outcome>(stored.clone()).map(|o| o.emit).unwrap_or_default();
+            for e in emits {
+                if let Some((_, f)) = formats.iter().find(|(t, _)| *t == e.topic) {
+                    line(format!(
+                        "  {when}: emit {:?} is written {f} with the subject's latest schema; its data is checked at \
+                         ingest, or if it reads `response` when the call is done (not here: no I/O)",
+                        e.action
+                    ));
+                }
+            }
         }
     }
     for e in &x.effects.events {
@@ -203,11 +214,7 @@ fn describe(
         if let Some(s) = spec {
             line(format!("  data {}", pretty(&s.data, "  ")));
         }
-        let format = cfg.routes.iter().flat_map(|r| &r.actions).find_map(|a| match a {
-            relay_core::config::ActionConfig::Emit(em) if em.topic == e.topic => em.emit_format(),
-            _ => None,
-        });
-        if let Some(f) = format {
+        if let Some((_, f)) = formats.iter().find(|(t, _)| *t == e.topic) {
             line(format!("  written {f} with the subject's latest schema, checked at ingest (not here: no I/O)"));
         }
     }

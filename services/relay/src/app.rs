@@ -44,16 +44,16 @@ pub struct Relay {
     registry: Option<Arc<relay_registry::Registry>>,
 }
 
-/// An encoder for every topic a route emit writes with a `format`, from
-/// the latest schema of its subject; a start fails naming each one it
-/// cannot make.
-async fn emit_encoders(
-    router: &Router,
+/// An encoder for every topic an emit of `cfg` (a route's own or a call
+/// outcome's) writes with a `format`, from the latest schema of its
+/// subject; a start fails naming each one it cannot make.
+pub async fn emit_encoders(
+    cfg: &RelayConfig,
     registry: Option<&relay_registry::Registry>,
 ) -> anyhow::Result<relay_core::router::Encoders> {
     let mut encoders = relay_core::router::Encoders::new();
     let mut problems = Vec::new();
-    for (topic, format) in router.formatted_topics() {
+    for (topic, format) in cfg.emit_formats() {
         let Some(registry) = registry else {
             problems.push(format!(
                 "topic {topic}: emits with format = {:?} need [schema_registry]",
@@ -70,6 +70,17 @@ async fn emit_encoders(
     }
     anyhow::ensure!(problems.is_empty(), "emits cannot be encoded:\n  {}", problems.join("\n  "));
     Ok(encoders)
+}
+
+/// [`emit_encoders`] with a registry client of its own: for a command that
+/// records outcomes without a running relay (`relay intents resolve`). Asks
+/// the registry only when an emit has a `format`.
+pub async fn own_emit_encoders(cfg: &RelayConfig) -> anyhow::Result<relay_core::router::Encoders> {
+    if cfg.emit_formats().is_empty() {
+        return Ok(Default::default());
+    }
+    let registry = cfg.schema_registry.as_ref().map(relay_registry::Registry::new).transpose()?;
+    emit_encoders(cfg, registry.as_ref()).await
 }
 
 impl Relay {
@@ -111,7 +122,7 @@ impl Relay {
             Some(r) => Some(Arc::new(relay_registry::Registry::new(r)?)),
             None => None,
         };
-        let encoders = emit_encoders(&router, registry.as_deref()).await?;
+        let encoders = emit_encoders(&cfg, registry.as_deref()).await?;
         let router = Arc::new(router.with_encoders(encoders));
         Ok(Relay { cfg, pool, router, handlers, faults, registry })
     }
@@ -135,7 +146,7 @@ impl Relay {
 
     /// The operator actions over this relay's database and configuration.
     pub fn operator(&self) -> Operator {
-        Operator::new(self.pool.clone(), &self.cfg)
+        Operator::new(self.pool.clone(), &self.cfg).with_encoders(self.router.encoders())
     }
 
     /// The inbox consumer.
@@ -165,7 +176,8 @@ impl Relay {
     /// The intent dispatcher.
     pub fn dispatcher(&self) -> anyhow::Result<Dispatcher> {
         let (settings, consumer) = (self.cfg.dispatcher.clone(), &self.cfg.consumer.name);
-        Dispatcher::new(self.pool.clone(), settings, consumer, &self.cfg.endpoints, self.faults.clone())
+        let (endpoints, encoders) = (&self.cfg.endpoints, self.router.encoders());
+        Dispatcher::new(self.pool.clone(), settings, consumer, endpoints, encoders, self.faults.clone())
     }
 
     /// The outbox publisher.

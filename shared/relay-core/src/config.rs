@@ -1317,13 +1317,7 @@ impl RelayConfig {
                         p.push(format!("{at}: outcome emit #{k} has an empty name"));
                     }
                     check_topic_name(&format!("{at}: outcome emit {:?} topic", e.name), &e.topic, p);
-                    if e.format.is_some() {
-                        p.push(format!(
-                            "{at}: outcome emit {:?} has a format; only a route's own emits are encoded with a \
-                             schema yet (their data is checked at ingest), an outcome's data is written as JSON",
-                            e.name
-                        ));
-                    }
+                    self.check_emit_format(&format!("{at}: outcome emit {:?}", e.name), e, p);
                 }
                 // Each outcome's events and moves get ids derived from their
                 // names: a second of one name would be dropped without a word.
@@ -1347,27 +1341,7 @@ impl RelayConfig {
             }
             ActionConfig::Emit(e) => {
                 check_topic_name(&format!("{at}.topic"), &e.topic, p);
-                match e.format {
-                    None => {}
-                    Some(f @ (TopicFormat::Cloudevents | TopicFormat::Json)) => p.push(format!(
-                        "{at}.format: {:?} is how events are written without it; set \"avro\", \"protobuf\" or \
-                         \"json-schema\", or leave it out",
-                        f.as_str()
-                    )),
-                    Some(f) if self.schema_registry.is_none() => p.push(format!(
-                        "{at}.format = {:?} encodes with a schema from a Schema Registry; add [schema_registry]",
-                        f.as_str()
-                    )),
-                    Some(_) => {}
-                }
-                if e.schema_subject.is_some() && e.format.is_none() {
-                    p.push(format!("{at}.schema_subject: set, but the emit has no format"));
-                }
-                if e.schema_message.is_some() && e.format != Some(TopicFormat::Protobuf) {
-                    p.push(format!(
-                        "{at}.schema_message: names a Protobuf message, but the emit's format is not \"protobuf\""
-                    ));
-                }
+                self.check_emit_format(at, e, p);
             }
             ActionConfig::Saga(s) => {
                 if s.start && !s.from.is_empty() {
@@ -1507,6 +1481,50 @@ impl RelayConfig {
     /// Every emit to one topic writes one format with one subject: a
     /// consumer of the topic reads one encoding (a code handler's emits to
     /// it are encoded the same way, by topic).
+    /// The problems of emit `e`'s `format` and its schema settings, a
+    /// route's own or an outcome's alike.
+    fn check_emit_format(&self, at: &str, e: &EmitAction, p: &mut Vec<String>) {
+        match e.format {
+            None => {}
+            Some(f @ (TopicFormat::Cloudevents | TopicFormat::Json)) => p.push(format!(
+                "{at}.format: {:?} is how events are written without it; set \"avro\", \"protobuf\" or \
+                 \"json-schema\", or leave it out",
+                f.as_str()
+            )),
+            Some(f) if self.schema_registry.is_none() => p.push(format!(
+                "{at}.format = {:?} encodes with a schema from a Schema Registry; add [schema_registry]",
+                f.as_str()
+            )),
+            Some(_) => {}
+        }
+        if e.schema_subject.is_some() && e.format.is_none() {
+            p.push(format!("{at}.schema_subject: set, but the emit has no format"));
+        }
+        if e.schema_message.is_some() && e.format != Some(TopicFormat::Protobuf) {
+            p.push(format!("{at}.schema_message: names a Protobuf message, but the emit's format is not \"protobuf\""));
+        }
+    }
+
+    /// Every topic an emit (a route's own or a call outcome's) writes with
+    /// a `format`, and how, by topic: the encoders a process needs. Every
+    /// emit to one topic writes one format ([`RelayConfig::validate`]).
+    pub fn emit_formats(&self) -> Vec<(String, EmitFormat)> {
+        let mut out: BTreeMap<String, EmitFormat> = BTreeMap::new();
+        for a in self.routes.iter().flat_map(|r| &r.actions) {
+            let emits: Vec<&EmitAction> = match a {
+                ActionConfig::Emit(e) => vec![e],
+                ActionConfig::Call(c) => c.on_success.emit.iter().chain(&c.on_dead.emit).collect(),
+                ActionConfig::Saga(_) => vec![],
+            };
+            for e in emits {
+                if let Some(f) = e.emit_format() {
+                    out.entry(e.topic.clone()).or_insert(f);
+                }
+            }
+        }
+        out.into_iter().collect()
+    }
+
     fn check_emit_formats(&self, p: &mut Vec<String>) {
         let mut by_topic: BTreeMap<String, (String, Option<EmitFormat>)> = BTreeMap::new();
         let mut see = |at: String, e: &EmitAction| {
@@ -1704,8 +1722,15 @@ mod tests {
         assert!(emit("schema_subject = \"s\"").contains("schema_subject: set, but the emit has no format"));
         let err = emit("format = \"avro\"\nschema_message = \"shop.X\"");
         assert!(err.contains("schema_message: names a Protobuf message, but the emit's format is not"), "{err}");
-        let outcome = problems_with("format = \"avro\"\n[schema_registry]\nurl = \"http://r\"\n");
-        assert!(outcome.contains("outcome emit \"captured\" has a format"), "{outcome}");
+        // An outcome's emit is checked as a route's own.
+        let outcome = problems_with("format = \"avro\"\nschema_message = \"shop.X\"\n");
+        assert!(outcome.contains("outcome emit \"captured\".format = \"avro\" encodes with a schema"), "{outcome}");
+        assert!(outcome.contains("outcome emit \"captured\".schema_message: names a Protobuf message"), "{outcome}");
+        let cfg =
+            RelayConfig::from_toml(&format!("{VALID}\nformat = \"avro\"\n[schema_registry]\nurl = \"http://r\"\n"))
+                .unwrap();
+        let formats: Vec<String> = cfg.emit_formats().iter().map(|(t, f)| format!("{t} {f}")).collect();
+        assert_eq!(formats, ["payments as avro (subject payments-value)"]);
         // VALID's outcome emit writes topic "payments" as JSON.
         let mixed = problems_with(
             "[[routes.actions]]\nkind = \"emit\"\nname = \"p\"\ntype = \"t\"\ntopic = \"payments\"\nformat = \"avro\"\n\

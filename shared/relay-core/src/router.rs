@@ -78,8 +78,6 @@ struct CompiledEmit {
     subject: Option<TextTemplate>,
     data: Option<JsonTemplate>,
     ordered: bool,
-    /// How its data is encoded (format, registry subject, message).
-    format: Option<crate::config::EmitFormat>,
 }
 
 #[derive(Debug)]
@@ -131,6 +129,17 @@ pub struct Router {
 /// topic (every emit to one topic writes one format: configuration
 /// checks it, and a code handler's emits to it are encoded the same way).
 pub type Encoders = HashMap<String, std::sync::Arc<dyn crate::effects::DataEncoder>>;
+
+/// The data of `emit` encoded with the encoder of its topic in
+/// `encoders`; none if its topic has none. The error names the emit and
+/// the schema, never a value.
+pub fn encode_with(encoders: &Encoders, emit: &EmitSpec) -> Result<Option<crate::effects::EncodedData>, String> {
+    let Some(encoder) = encoders.get(&emit.topic) else { return Ok(None) };
+    let bytes = encoder
+        .encode(&emit.data)
+        .map_err(|why| format!("the data of emit {:?} does not fit {}: {why}", emit.action, encoder.describe()))?;
+    Ok(Some(crate::effects::EncodedData { bytes, content_type: encoder.content_type().to_owned() }))
+}
 
 /// Routes could not be compiled.
 #[derive(Debug, thiserror::Error)]
@@ -268,28 +277,18 @@ impl Router {
     }
 
     /// The same router, encoding the emits to each topic of `encoders`
-    /// with its encoder: one for every topic of [`Router::formatted_topics`]
-    /// (`relay::app` makes them all or fails the start).
+    /// with its encoder: one for every topic of
+    /// [`RelayConfig::emit_formats`] (`relay::app` makes them all or fails
+    /// the start).
     pub fn with_encoders(mut self, encoders: Encoders) -> Router {
         self.encoders = Some(encoders);
         self
     }
 
-    /// Every topic a route emit writes with a `format`, and how: what
-    /// [`Router::with_encoders`] needs.
-    pub fn formatted_topics(&self) -> Vec<(String, crate::config::EmitFormat)> {
-        let mut out: Vec<(String, crate::config::EmitFormat)> = Vec::new();
-        for route in self.routes.values() {
-            for a in &route.actions {
-                if let CompiledAction::Emit(CompiledEmit { topic, format: Some(format), .. }) = a
-                    && !out.iter().any(|(t, _)| t == topic)
-                {
-                    out.push((topic.clone(), format.clone()));
-                }
-            }
-        }
-        out.sort_by(|a, b| a.0.cmp(&b.0));
-        out
+    /// The encoders [`Router::with_encoders`] gave (none if not given):
+    /// what encodes an outcome's events when its call is done.
+    pub fn encoders(&self) -> Encoders {
+        self.encoders.clone().unwrap_or_default()
     }
 
     /// How the records of `topic` are encoded.
@@ -422,11 +421,24 @@ impl Router {
         })?;
         let hold = route.on_poison == crate::config::OnPoison::HoldKey;
         let mut plan = plan;
-        // An outcome's events are written as JSON once the call is done:
-        // nothing encoded is stored with the intent.
+        // An outcome's events are encoded when its call is done (by the
+        // completer, from the data it then has): nothing encoded is stored
+        // with the intent. Data that does not read the provider's answer is
+        // final now, so a misfit is refused here, before any call is made.
         for call in &mut plan.calls {
-            for e in call.on_success.emit.iter_mut().chain(call.on_dead.emit.iter_mut()) {
-                e.encoded = None;
+            for (label, outcome) in [("on_success", &mut call.on_success), ("on_dead", &mut call.on_dead)] {
+                let Outcome { emit, deferred, .. } = outcome;
+                for (i, e) in emit.iter_mut().enumerate() {
+                    e.encoded = None;
+                    let at = format!("/emit/{i}/data");
+                    if deferred.iter().any(|d| d.at == at || d.at.starts_with(&format!("{at}/"))) {
+                        continue;
+                    }
+                    self.encode(e).map_err(|why| {
+                        Poison::new(PoisonClass::SchemaInvalid, format!("call {:?} {label}: {why}", call.action))
+                            .with_identity(Some(&event.id), Some(&event.event_type))
+                    })?;
+                }
             }
         }
         let intents = plan.calls.iter().map(|call| self.intent(event, call, prov, hold)).collect::<Result<_, _>>()?;
@@ -535,11 +547,7 @@ impl Router {
     /// was given encoders and its topic has one; otherwise none, whatever
     /// the plan said (a handler's bytes are never published as given).
     fn encode(&self, emit: &EmitSpec) -> Result<Option<crate::effects::EncodedData>, String> {
-        let Some(encoder) = self.encoders.as_ref().and_then(|e| e.get(&emit.topic)) else { return Ok(None) };
-        let bytes = encoder
-            .encode(&emit.data)
-            .map_err(|why| format!("the data of emit {:?} does not fit {}: {why}", emit.action, encoder.describe()))?;
-        Ok(Some(crate::effects::EncodedData { bytes, content_type: encoder.content_type().to_owned() }))
+        self.encoders.as_ref().map_or(Ok(None), |encoders| encode_with(encoders, emit))
     }
 
     /// Render a text template of an outcome effect, or when it reads the
@@ -741,7 +749,6 @@ fn compile_emit(b: &mut TemplateBuilder, at: &str, e: &EmitAction) -> CompiledEm
         subject: e.subject.as_ref().map(|k| b.text(&format!("{at}.subject"), k)),
         data: e.data.as_ref().map(|d| b.json(&format!("{at}.data"), d)),
         ordered: e.ordered,
-        format: e.emit_format(),
     }
 }
 
@@ -844,6 +851,83 @@ mod tests {
         assert_eq!(call.body, Some(json!({"amount": 5})));
         assert_eq!(call.idempotency_key.as_deref(), Some("cap:o-1"));
         assert_eq!(call.on_success.emit[0].data, json!({"order": "o-1"}));
+    }
+
+    /// Takes data whose `order` is text and whose `payment`, if any,
+    /// starts with `pi_`: a schema's stand-in.
+    #[derive(Debug)]
+    struct StandIn;
+
+    impl crate::effects::DataEncoder for StandIn {
+        fn encode(&self, data: &Value) -> Result<Vec<u8>, String> {
+            if !data["order"].is_string() {
+                return Err("/order is not a string".into());
+            }
+            if data.get("payment").is_some_and(|p| !p.as_str().is_some_and(|p| p.starts_with("pi_"))) {
+                return Err("/payment is not a payment id".into());
+            }
+            Ok(serde_json::to_vec(data).unwrap())
+        }
+        fn content_type(&self) -> &str {
+            "application/x-stand-in"
+        }
+        fn describe(&self) -> String {
+            "the stand-in schema".into()
+        }
+    }
+
+    #[test]
+    fn an_outcome_event_whose_data_is_final_is_checked_against_its_schema_at_ingest() {
+        let extra = r#"
+            [[routes.actions.on_success.emit]]
+            name = "recorded"
+            type = "payment.recorded"
+            topic = "payments"
+            data = { order = "{{ data.order_id }}", payment = "{{ response.body.id }}" }
+            [[routes.actions.on_dead.emit]]
+            name = "failed"
+            type = "payment.failed"
+            topic = "payments"
+            data = { order = "{{ data.order_id }}" }
+        "#;
+        let encoders: Encoders =
+            [("payments".to_owned(), Arc::new(StandIn) as Arc<dyn crate::effects::DataEncoder>)].into_iter().collect();
+        let router = Router::new(&cfg(extra)).unwrap().with_encoders(encoders);
+        let effects = |data: &str| {
+            let rec = record("order.placed", data);
+            let Routed::Route(route, event) = router.route(&rec).unwrap() else { panic!("not routed") };
+            let plan = router.plan(route, &event, &rec).unwrap();
+            router.effects(route, &event, plan, &router.provenance(&event), chrono::Utc::now())
+        };
+        // Fits: the answer's placeholder is not checked, and nothing encoded is kept with the intent.
+        let ok = effects(r#"{"order_id":"o-1","amount":5}"#).unwrap();
+        let stored = ok.intents[0].intent.on_success.to_string();
+        assert!(stored.contains("\"payment\":null") && !stored.contains("encoded"), "{stored}");
+        // Does not fit: refused before the call, naming the call, the outcome and the emit.
+        let err = effects(r#"{"order_id":7,"amount":5}"#).unwrap_err();
+        assert_eq!(err.class, PoisonClass::SchemaInvalid);
+        assert!(
+            err.reason
+                .starts_with("call \"capture\" on_success: the data of emit \"captured\" does not fit the stand-in")
+                && err.reason.contains("/order is not a string"),
+            "{}",
+            err.reason
+        );
+        // The completer encodes with the same encoders, now that the answer is known.
+        let spec = |payment: &str| EmitSpec {
+            action: "recorded".into(),
+            event_type: "payment.recorded".into(),
+            topic: "payments".into(),
+            key: None,
+            subject: None,
+            data: json!({"order": "o-1", "payment": payment}),
+            ordered: false,
+            encoded: None,
+        };
+        let encoded = encode_with(&router.encoders(), &spec("pi_1")).unwrap().unwrap();
+        assert_eq!(encoded.content_type, "application/x-stand-in");
+        let why = encode_with(&router.encoders(), &spec("oops")).unwrap_err();
+        assert!(why.contains("emit \"recorded\"") && why.contains("/payment is not a payment id"), "{why}");
     }
 
     #[test]

@@ -9,6 +9,7 @@ use chrono::Utc;
 use relay_core::effects::encode_event;
 use relay_core::ids::outcome_id;
 use relay_core::retry::BackoffPolicy;
+use relay_core::router::Encoders;
 use relay_core::{Outcome, Provenance};
 use relay_store::FinishPool;
 use relay_store::intents::{self, ClaimedIntent, Finish, NextState};
@@ -41,19 +42,24 @@ pub struct Completer {
     /// Notified when a recorded outcome made intents claimable that no
     /// NOTIFY announces (a retry scheduled, a key's earlier intent finished).
     progress: Arc<Notify>,
+    /// The encoders of the topics outcome events are written to with a
+    /// schema (`format`), by topic.
+    encoders: Encoders,
 }
 
 impl Completer {
-    /// A completer for `worker`'s claims of `lease`, on connections beside `pool`.
+    /// A completer for `worker`'s claims of `lease`, on connections beside
+    /// `pool`, encoding outcome events with `encoders` (`Router::encoders`).
     pub fn new(
         pool: &PgPool,
         worker: &str,
         lease: std::time::Duration,
         faults: Faults,
         progress: Arc<Notify>,
+        encoders: Encoders,
     ) -> Completer {
         let finishes = FinishPool::beside(pool, FINALIZERS as u32);
-        Completer { finishes, worker: worker.to_owned(), lease, faults, progress }
+        Completer { finishes, worker: worker.to_owned(), lease, faults, progress, encoders }
     }
 
     /// Record completions in batches: whatever has arrived while earlier
@@ -78,7 +84,7 @@ impl Completer {
             }
             let me = self.clone();
             writers.spawn(async move {
-                let results = me.finalize(&batch).await;
+                let results = me.finalize(&mut batch).await;
                 let unblocks = |(c, r): (&Completion, &Finished)| {
                     *r == Finished::Retrying || (*r != Finished::LeaseLost && c.intent.intent.ordering_key.is_some())
                 };
@@ -102,26 +108,30 @@ impl Completer {
     /// its state and attempt as they are, and the rejection logged: left to
     /// the rescuer instead, the call would be made again up to the budget and
     /// end uncertain although the provider answered. (What the finalizers
-    /// run; public for tests that hand it a batch.)
-    pub async fn finalize(&self, batch: &[Completion]) -> Vec<Finished> {
+    /// run; public for tests that hand it a batch.) An outcome whose events
+    /// do not fit their topics' schemas is recorded without its effects,
+    /// saying why in the completion ([`Completion::effects_dropped`]).
+    pub async fn finalize(&self, batch: &mut [Completion]) -> Vec<Finished> {
         if self.faults.hit(point::DISPATCHER_BEFORE_FINISH).await.is_err() {
             return vec![Finished::LeaseLost; batch.len()];
         }
+        let effects: Vec<_> = batch.iter_mut().map(|c| self.effects_of(c)).collect();
+        let batch = &*batch;
         let deadline = std::time::Instant::now() + self.lease;
-        match self.finalize_until(batch, Effects::Record, deadline).await {
+        match self.finalize_until(batch, &effects, deadline).await {
             Ok(f) => f,
             Err(_) => {
                 let mut out = Vec::with_capacity(batch.len());
-                for c in batch {
+                for (c, e) in batch.iter().zip(&effects) {
                     let one = std::slice::from_ref(c);
-                    match self.finalize_until(one, Effects::Record, deadline).await {
+                    match self.finalize_until(one, std::slice::from_ref(e), deadline).await {
                         Ok(f) => out.extend(f),
                         Err(e) => {
                             error!(intent_id = %c.intent.id, error = %e, rejection = %relay_store::rejection(&e),
                                    "the database rejected this outcome's effects; the intent is recorded without them \
                                     (its events are not emitted, its sagas not moved): fix the route's effects, then \
                                     move the saga or emit the event by hand");
-                            match self.finalize_until(one, Effects::Drop, deadline).await {
+                            match self.finalize_until(one, &[None], deadline).await {
                                 Ok(f) => {
                                     crate::runtime::metrics::effects_dropped(&c.intent.intent.endpoint);
                                     out.extend(f)
@@ -140,17 +150,44 @@ impl Completer {
         }
     }
 
+    /// What the outcome of `c` records besides the intent's state: its
+    /// stored effects with their events encoded, and the outcome's label.
+    /// None when it records nothing, or when an event does not fit its
+    /// topic's schema: then nothing of it is recorded (an outcome's effects
+    /// are all or none), and `c` says why; data that does not read the
+    /// provider's answer was checked at ingest, so this is an answer (or a
+    /// schema changed since) that does not fit.
+    fn effects_of(&self, c: &mut Completion) -> Option<(Outcome, &'static str)> {
+        let (stored, label, which) = match c.next {
+            NextState::Succeeded => (&c.intent.intent.on_success, "succeeded", "on_success"),
+            NextState::Dead => (&c.intent.intent.on_dead, "dead", "on_dead"),
+            // Nothing is known, so nothing is told: no on_dead, no on_success.
+            NextState::Retry(_) | NextState::Uncertain => return None,
+        };
+        let mut outcome = outcome_effects(&c.intent, stored)?;
+        for e in &mut outcome.emit {
+            match relay_core::router::encode_with(&self.encoders, e) {
+                Ok(encoded) => e.encoded = encoded,
+                Err(why) => {
+                    c.drop_effects(which, &why);
+                    return None;
+                }
+            }
+        }
+        Some((outcome, label))
+    }
+
     /// [`Completer::finalize_once`], retrying transient errors until
     /// `deadline` (then every intent counts as lost); `Err` for a permanent one.
     pub(super) async fn finalize_until(
         &self,
         batch: &[Completion],
-        effects: Effects,
+        outcomes: &[Option<(Outcome, &'static str)>],
         deadline: std::time::Instant,
     ) -> Result<Vec<Finished>, sqlx::Error> {
         let mut attempt = 0u32;
         loop {
-            match self.finalize_once(batch, effects).await {
+            match self.finalize_once(batch, outcomes).await {
                 Ok(f) => return Ok(f),
                 Err(e) if relay_store::classify_error(&e) == relay_store::DbErrorKind::Permanent => return Err(e),
                 Err(e) => {
@@ -168,10 +205,14 @@ impl Completer {
         }
     }
 
+    /// Record `batch` with what each outcome records besides the intent's
+    /// state (`outcomes`: [`Completer::effects_of`] of each, or none when
+    /// the database rejected them), if its lease still holds, in one
+    /// transaction.
     pub(super) async fn finalize_once(
         &self,
         batch: &[Completion],
-        effects: Effects,
+        outcomes: &[Option<(Outcome, &'static str)>],
     ) -> Result<Vec<Finished>, sqlx::Error> {
         let items: Vec<Finish> = batch
             .iter()
@@ -183,19 +224,6 @@ impl Completer {
                 attempt_no: c.intent.attempts,
                 worker: self.worker.clone(),
                 attempted: c.attempted,
-            })
-            .collect();
-        // What each outcome records besides the intent's state, if its lease still holds.
-        let outcomes: Vec<Option<(Outcome, &str)>> = batch
-            .iter()
-            .map(|c| match c.next {
-                _ if effects == Effects::Drop => None,
-                NextState::Succeeded => {
-                    outcome_effects(&c.intent, &c.intent.intent.on_success).map(|o| (o, "succeeded"))
-                }
-                NextState::Dead => outcome_effects(&c.intent, &c.intent.intent.on_dead).map(|o| (o, "dead")),
-                // Nothing is known, so nothing is told: no on_dead, no on_success.
-                NextState::Retry(_) | NextState::Uncertain => None,
             })
             .collect();
         // An outcome counts only under the claim it was made under: fenced by
@@ -228,7 +256,7 @@ impl Completer {
         intents::keep_answers(&mut tx, &answers).await?;
         let now = Utc::now();
         let mut records = Vec::new();
-        for (c, outcome) in batch.iter().zip(&outcomes) {
+        for (c, outcome) in batch.iter().zip(outcomes) {
             let Some((outcome, label)) = outcome.as_ref().filter(|_| mine(c, &ours)) else { continue };
             let source_id = format!("{}:{label}", c.intent.id);
             let prov = Provenance {
@@ -278,15 +306,6 @@ impl Completer {
         }
         Ok(())
     }
-}
-
-/// Whether a batch's outcome effects are recorded with it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Effects {
-    /// As the intent's route declared them.
-    Record,
-    /// Not at all: the database rejected them.
-    Drop,
 }
 
 /// The stored outcome effects of an intent, if any.

@@ -84,13 +84,15 @@ pub(super) struct Inner {
 }
 
 impl Dispatcher {
-    /// A dispatcher of `consumer`'s intents over `endpoints`. Must be called
-    /// inside a tokio runtime.
+    /// A dispatcher of `consumer`'s intents over `endpoints`, writing
+    /// outcome events with a `format` with `encoders` (by topic). Must be
+    /// called inside a tokio runtime.
     pub fn new(
         pool: PgPool,
         settings: DispatcherConfig,
         consumer: &str,
         endpoints: &std::collections::BTreeMap<String, EndpointConfig>,
+        encoders: relay_core::router::Encoders,
         faults: Faults,
     ) -> anyhow::Result<Dispatcher> {
         let worker = settings.worker_id.clone().unwrap_or_else(default_worker_id);
@@ -98,7 +100,8 @@ impl Dispatcher {
         let busy = Arc::new(endpoints.iter().map(|(name, cfg)| (name.clone(), Busy::new(cfg, batch))).collect());
         let executor = Executor::new(endpoints, settings.lease, faults.clone())?;
         let progress = Arc::new(tokio::sync::Notify::new());
-        let completer = Arc::new(Completer::new(&pool, &worker, settings.lease, faults.clone(), progress.clone()));
+        let completer =
+            Arc::new(Completer::new(&pool, &worker, settings.lease, faults.clone(), progress.clone(), encoders));
         // Intent claims wait for the disk (D5): see ClaimCommit. Deliberately
         // wrong when sabotaged.
         let commit = if faults.sabotage().claims_async { ClaimCommit::Async } else { ClaimCommit::Durable };
@@ -371,7 +374,7 @@ impl Dispatcher {
     }
 
     /// Record a batch of outcomes as the completer does (public for tests).
-    pub async fn finalize(&self, batch: &[Completion]) -> Vec<Finished> {
+    pub async fn finalize(&self, batch: &mut [Completion]) -> Vec<Finished> {
         self.inner.completer.finalize(batch).await
     }
 

@@ -36,8 +36,8 @@ pub struct Completion {
     /// The provider's answer its `on_success` read, kept with the intent
     /// ([`Completion::answered`]).
     pub(super) answer: Option<serde_json::Value>,
-    /// Why its `on_success` effects could not be rendered from the answer,
-    /// so the success is recorded without them.
+    /// Why its outcome's effects are not recorded with it (they could not
+    /// be rendered from the answer, or an event does not fit its schema).
     pub(super) effects_dropped: Option<String>,
 }
 
@@ -83,8 +83,16 @@ impl Completion {
                 let why = self.effects_dropped.as_deref().unwrap_or("");
                 emit!(
                     tracing::Level::ERROR,
-                    "call succeeded, but its on_success effects could not be rendered from the provider's answer and \
-                     are not recorded (its events are not emitted, its sagas not moved): {why}"
+                    "call succeeded, but its events are not emitted and its sagas not moved: {why}"
+                )
+            }
+            Finished::Dead if self.effects_dropped.is_some() => {
+                crate::runtime::metrics::effects_dropped(&call.endpoint);
+                let why = self.effects_dropped.as_deref().unwrap_or("");
+                emit!(
+                    tracing::Level::ERROR,
+                    "intent is dead and will not be retried (replay it once the cause is fixed): {error}; its events \
+                     are not emitted and its sagas not moved: {why}"
                 )
             }
             Finished::Succeeded => emit!(tracing::Level::DEBUG, "call succeeded"),
@@ -129,10 +137,24 @@ impl Completion {
         }
     }
 
-    /// Why this success's `on_success` effects are not recorded, if they
-    /// could not be rendered from the provider's answer.
+    /// Why this outcome's effects are not recorded, if they could not be
+    /// rendered from the provider's answer or an event does not fit its
+    /// topic's schema (known once the completer took it).
     pub fn effects_dropped(&self) -> Option<&str> {
         self.effects_dropped.as_deref()
+    }
+
+    /// Record this outcome without its `which` effects (`on_success`,
+    /// `on_dead`) for `why`: kept as its attempt's error, for the log and
+    /// for `relay intents show`, where an operator who emits them by hand
+    /// reads it.
+    pub(super) fn drop_effects(&mut self, which: &str, why: &str) {
+        let why = format!("{which} effects not recorded: {why}");
+        self.attempt.error = Some(match self.attempt.error.take() {
+            Some(e) => format!("{e}; {why}"),
+            None => why.clone(),
+        });
+        self.effects_dropped = Some(why);
     }
 
     /// For a success whose `on_success` reads the provider's answer: its
@@ -166,12 +188,7 @@ impl Completion {
             Ok(effects) => self.intent.intent.on_success = effects,
             Err(why) => {
                 self.intent.intent.on_success = serde_json::json!({});
-                let why = format!("on_success effects not recorded: {why}");
-                self.attempt.error = Some(match self.attempt.error.take() {
-                    Some(e) => format!("{e}; {why}"),
-                    None => why.clone(),
-                });
-                self.effects_dropped = Some(why);
+                self.drop_effects("on_success", &why);
             }
         }
         self

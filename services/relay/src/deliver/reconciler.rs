@@ -229,16 +229,14 @@ impl Dispatcher {
                 let status = answer.status.map(i32::from);
                 let via = if lookup_path.is_some() { "lookup" } else { "resend" };
                 let data = super::outcome::answer_of(&answer, client.config().response_bytes, via);
-                let done = Completion::reconciled(intent, status, said.clone(), data);
-                let dropped = done.effects_dropped().map(str::to_owned);
-                let finished = self.inner.completer.finalize(&[done]).await;
+                let mut done = [Completion::reconciled(intent, status, said.clone(), data)];
+                let finished = self.inner.completer.finalize(&mut done).await;
                 if finished.as_slice() == [Finished::Succeeded]
-                    && let Some(why) = dropped
+                    && let Some(why) = done[0].effects_dropped()
                 {
                     crate::runtime::metrics::effects_dropped(&endpoint);
                     error!(intent_id = %id, endpoint = %endpoint,
-                           "{said}, but its on_success effects could not be rendered from the answer and are not \
-                            recorded (its events are not emitted, its sagas not moved): {why}");
+                           "{said}, but its events are not emitted and its sagas not moved: {why}");
                 } else if finished.as_slice() == [Finished::Succeeded] {
                     info!(intent_id = %id, endpoint = %endpoint, "{said}; its on_success effects are recorded");
                 } else {

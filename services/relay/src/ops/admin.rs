@@ -233,6 +233,9 @@ pub struct Operator {
     replay_rules: HashMap<String, intents::ReplayRules>,
     /// Held records a release replays per transaction.
     release_chunk: i64,
+    /// What encodes the outcome events a resolution records, by topic
+    /// ([`Operator::with_encoders`]).
+    encoders: relay_core::router::Encoders,
 }
 
 /// An intent and what was done about it.
@@ -288,7 +291,17 @@ impl Operator {
                 })
                 .collect(),
             release_chunk: RELEASE_CHUNK,
+            encoders: Default::default(),
         }
+    }
+
+    /// The same operator, encoding the outcome events a resolution records
+    /// with `encoders` (`relay::app::emit_encoders`): needed when an
+    /// outcome emit has a `format`, whose events would otherwise go out as
+    /// JSON.
+    pub fn with_encoders(mut self, encoders: relay_core::router::Encoders) -> Operator {
+        self.encoders = encoders;
+        self
     }
 
     /// The same operator, releasing held keys `n` records per transaction
@@ -758,8 +771,9 @@ impl Operator {
     /// as a call's outcome is (fenced, in one transaction). For an intent
     /// whose attempts ran out after an unknown outcome, once someone asked
     /// the provider; `note` (who, what the provider said) goes into its last
-    /// error. Returns why its `on_success` effects were not recorded, when
-    /// they read the provider's answer, which relay then does not have.
+    /// error. Returns why its outcome's effects were not recorded: its
+    /// `on_success` ones read the provider's answer, which relay then does
+    /// not have, or an event does not fit its topic's schema.
     pub async fn resolve(
         &self,
         id: Uuid,
@@ -790,16 +804,18 @@ impl Operator {
         // The outcome goes the way a call's does: fenced by the operator's
         // lease, its effects recorded in the same transaction.
         let progress = std::sync::Arc::new(tokio::sync::Notify::new());
-        let completer = Completer::new(&self.pool, &worker, lease, crate::Faults::none(), progress);
-        let done = Completion::resolved(intent, next, why);
-        let dropped = done.effects_dropped().map(str::to_owned);
-        match completer.finalize(&[done]).await.as_slice() {
+        let completer =
+            Completer::new(&self.pool, &worker, lease, crate::Faults::none(), progress, self.encoders.clone());
+        let mut done = [Completion::resolved(intent, next, why)];
+        let finished = completer.finalize(&mut done).await;
+        let dropped = done[0].effects_dropped().map(str::to_owned);
+        match finished.as_slice() {
             [Finished::Succeeded | Finished::Dead] => {
                 tracing::info!(intent_id = %id, consumer = %self.consumer, resolution = ?resolution, why = %why_logged,
                                "uncertain intent resolved by an operator");
                 if let Some(why) = &dropped {
                     crate::runtime::metrics::effects_dropped(&endpoint);
-                    tracing::error!(intent_id = %id, "resolved as succeeded, but its on_success effects are not recorded: {why}");
+                    tracing::error!(intent_id = %id, "resolved as {said}, but its events are not emitted and its sagas not moved: {why}");
                 }
                 Ok(dropped)
             }

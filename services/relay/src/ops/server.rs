@@ -152,7 +152,7 @@ pub async fn serve(
     };
     let (ready_tx, readiness) = tokio::sync::watch::channel(None);
     let checker = tokio::spawn(check_readiness(pool.clone(), cfg.kafka.clone(), ready_tx, shutdown.clone()));
-    let operator = Operator::new(pool, &cfg);
+    let operator = Operator::new(pool, &cfg).with_encoders(processor.router().encoders());
     let token_env = cfg.admin.token_env.clone();
     let state = Arc::new(AppState { operator, processor, token, token_env, metrics, readiness });
     let app = router(state);
