@@ -13,6 +13,7 @@ use relay::Components;
 use relay_cli::verify::{VerifyOptions, verify};
 use relay_testkit::{read_topic, unique};
 use serde_json::{Value, json};
+use support::ops::*;
 use support::*;
 
 /// The registry the test scripts started (`start_schema_registry`).
@@ -625,103 +626,122 @@ const CAPTURED: &str = r#"{"type":"record","name":"Captured","namespace":"pay","
   {"name":"status","type":"long"},
   {"name":"cents","type":"long"}]}"#;
 
-/// A call's outcome events in Avro: `on_success` rendered from the
-/// provider's answer and encoded when the call is done, `on_dead` encoded
-/// when an operator resolves the call as failed. Data that does not read
-/// the answer is checked at ingest (before any call); data that does is
-/// checked when the call is done, and a misfit leaves the success recorded
-/// without its effects, saying why.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_call_s_outcome_events_are_written_in_avro_with_the_provider_s_answer() {
-    let h = Harness::new(1).await;
-    let registry = registry_url();
-    let id = register(&registry, &format!("{}-value", h.out), "AVRO", CAPTURED).await;
-    // o-4's provider applies and answers too late: uncertain, its one attempt spent.
-    h.provider.set_faults(vec![example_provider::FaultRule {
-        path_prefix: None,
-        key_prefix: Some("capture:o-4".into()),
-        times: None,
-        kind: example_provider::FaultKind::TimeoutAfterApply { delay_ms: 1500 },
-    }]);
-    let records: Vec<Value> = (1..=4)
-        .map(|n| {
-            json!({"key": format!("o-{n}"), "value": {"event_id": format!("e-{n}"), "order_id": format!("o-{n}"),
-                   "amount_cents": 1250, "price": {"$decimal": "12.50"}}})
-        })
-        .collect();
-    produce(&h, &registry, "avro", ORDER_V1, Value::Array(records)).await;
-    let mut cfg = h.config(&format!(
-        r#"
-[schema_registry]
-url = "{registry}"
-timeout = "2s"
-
-[topics."{{topic}}"]
+/// A capture whose outcomes write Avro: two `on_success` events reading the
+/// provider's answer (o-2's second does not fit once answered), an
+/// `on_dead` one whose data is final at ingest (o-3's does not fit).
+const CAPTURE_IN_AVRO: &str = r#"
+[topics."{topic}"]
 format = "avro"
-fields.id = {{ pointer = "/event_id" }}
-fields.type = {{ value = "order.placed" }}
+fields.id = { pointer = "/event_id" }
+fields.type = { value = "order.placed" }
 
 [[routes]]
-topic = "{{topic}}"
+topic = "{topic}"
 type = "order.placed"
 
 [[routes.actions]]
 kind = "call"
 name = "capture"
 endpoint = "psp"
-path = "/captures/{{{{ data.order_id }}}}"
-idempotency_key = "capture:{{{{ data.order_id }}}}"
+path = "/captures/{{ data.order_id }}"
+idempotency_key = "capture:{{ data.order_id }}"
 
-# o-2's status is made text once answered: checked then, as this data reads the answer.
 [[routes.actions.on_success.emit]]
 name = "captured"
 type = "payment.captured"
-topic = "{{out}}"
+topic = "{out}"
 format = "avro"
-key = "{{{{ data.order_id }}}}"
-data = {{ order_id = "{{{{ data.order_id }}}}", payment_id = "{{{{ response.body.id }}}}", status = "{{% if data.order_id == 'o-2' %}}x{{% endif %}}{{{{ response.status }}}}", cents = "{{{{ data.amount_cents }}}}" }}
+key = "{{ data.order_id }}"
+data = { order_id = "{{ data.order_id }}", payment_id = "{{ response.body.id }}", status = "{{ response.status }}", cents = "{{ data.amount_cents }}" }
 
-# Final at ingest, so checked there: o-3's cents are text.
+[[routes.actions.on_success.emit]]
+name = "noted"
+type = "payment.noted"
+topic = "{out}"
+format = "avro"
+key = "{{ data.order_id }}-noted"
+data = { order_id = "{{ data.order_id }}", payment_id = "{{ response.body.id }}", status = "{% if data.order_id == 'o-2' %}x{% endif %}{{ response.status }}", cents = "{{ data.amount_cents }}" }
+
 [[routes.actions.on_dead.emit]]
 name = "failed"
 type = "payment.failed"
-topic = "{{out}}"
+topic = "{out}"
 format = "avro"
-key = "{{{{ data.order_id }}}}"
-data = {{ order_id = "{{{{ data.order_id }}}}", payment_id = "", status = 0, cents = "{{% if data.order_id == 'o-3' %}}x{{% endif %}}{{{{ data.amount_cents }}}}" }}
-"#
-    ));
-    cfg.endpoints.get_mut("psp").unwrap().max_attempts = 1;
-    let run = h.start(cfg.clone(), Components::ALL, no_faults()).await;
-    eventually("o-3 dead-lettered", DEADLINE, || async { (!dead_letters(&h).await.is_empty()).then_some(()) }).await;
-    h.await_intents_finished(3).await;
-    // The operator asked the provider: o-4 failed. Its on_dead event is Avro too.
-    let o4: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents WHERE source_event_id = 'e-4'")
-        .fetch_one(&h.db.pool)
-        .await
-        .unwrap();
-    let states: Vec<(String, String)> = sqlx::query_as("SELECT source_event_id, state FROM relay.intents ORDER BY 1")
-        .fetch_all(&h.db.pool)
-        .await
-        .unwrap();
-    assert_eq!(h.intents_in("uncertain").await, 1, "{states:?}");
-    let operator = h.relay(cfg, relay::Handlers::default(), no_faults()).await.operator();
-    let dropped = operator
-        .resolve(o4, relay::ops::admin::IntentResolution::Failed, Some("the provider has no capture"))
-        .await
-        .unwrap();
-    assert_eq!(dropped, None);
-    h.await_published(2).await;
-    run.stop().await.unwrap();
+key = "{{ data.order_id }}"
+data = { order_id = "{{ data.order_id }}", payment_id = "", status = 0, cents = "{% if data.order_id == 'o-3' %}x{% endif %}{{ data.amount_cents }}" }
+"#;
 
-    let read = consumed(&h, &registry, "avro", 2).await;
+/// A call's outcome events in Avro, read by Confluent's deserializer:
+/// `on_success` rendered from the provider's answer and encoded when the
+/// call is done; `on_dead` encoded when an operator resolves an uncertain
+/// call as failed, through the admin API and through the CLI. Data that
+/// does not read the answer is checked at ingest (before any call); data
+/// that does is checked when the call is done, and a misfit leaves the
+/// success recorded without any of its effects, saying why.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_call_s_outcome_events_are_written_in_avro_with_the_provider_s_answer() {
+    let h = Harness::new(1).await;
+    let registry = registry_url();
+    let id = register(&registry, &format!("{}-value", h.out), "AVRO", CAPTURED).await;
+    // o-4's and o-5's provider applies and answers too late: uncertain, their one attempt spent.
+    let late = |key: &str| example_provider::FaultRule {
+        path_prefix: None,
+        key_prefix: Some(key.into()),
+        times: None,
+        kind: example_provider::FaultKind::TimeoutAfterApply { delay_ms: 1500 },
+    };
+    h.provider.set_faults(vec![late("capture:o-4"), late("capture:o-5")]);
+    let records: Vec<Value> = (1..=5)
+        .map(|n| {
+            json!({"key": format!("o-{n}"), "value": {"event_id": format!("e-{n}"), "order_id": format!("o-{n}"),
+                   "amount_cents": 1250, "price": {"$decimal": "12.50"}}})
+        })
+        .collect();
+    produce(&h, &registry, "avro", ORDER_V1, Value::Array(records)).await;
+    let routes = format!("[schema_registry]\nurl = \"{registry}\"\ntimeout = \"2s\"\n{CAPTURE_IN_AVRO}");
+    let text = h.config_text(&routes).replace("max_attempts = 5\n", "max_attempts = 1\n");
+    let ((mut p, admin), config) = run_with_admin_config(&h, &text).await;
+    eventually("o-3 dead-lettered", DEADLINE, || async { (!dead_letters(&h).await.is_empty()).then_some(()) }).await;
+    h.await_intents_finished(4).await;
+    let pool = &h.db.pool;
+    let intent = |event: &'static str| async move {
+        sqlx::query_scalar::<_, uuid::Uuid>("SELECT id FROM relay.intents WHERE source_event_id = $1")
+            .bind(event)
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    };
+    let (o4, o5) = (intent("e-4").await, intent("e-5").await);
+    assert_eq!(h.intents_in("uncertain").await, 2);
+
+    // An operator without the encoders refuses rather than write JSON to an Avro topic.
+    let cfg = relay_core::RelayConfig::from_toml(&text).unwrap();
+    let bare = relay::ops::admin::Operator::new(h.db.pool.clone(), &cfg);
+    let refused = bare.resolve(o4, relay::ops::admin::IntentResolution::Failed, None).await.unwrap_err().to_string();
+    assert!(refused.contains(&format!("topic {}", h.out)) && refused.contains("no encoder"), "{refused}");
+    // The provider has no capture of o-4 or o-5: their on_dead events are Avro too.
+    let resolved = admin
+        .api(reqwest::Method::POST, &format!("/api/intents/{o4}/resolve"), Some(json!({"resolution": "failed"})))
+        .await;
+    assert!(resolved["effects_not_recorded"].is_null(), "{resolved}");
+    let (ok, out) = cli(&h, &config, &["intents", "resolve", &o5.to_string(), "--failed"]).await;
+    assert!(ok && out.contains("on_dead effects are recorded"), "{out}");
+    h.await_published(4).await;
+    p.terminate(DEADLINE).unwrap();
+
+    let read = consumed(&h, &registry, "avro", 4).await;
     assert_eq!(read["o-1"].0, "application/avro");
-    let mut o1 = read["o-1"].1.clone();
-    let payment = o1["payment_id"].take();
-    assert!(payment.as_str().is_some_and(|p| p.starts_with("res_")), "the provider's id: {payment}");
-    assert_eq!(o1, json!({"order_id": "o-1", "payment_id": null, "status": 201, "cents": 1250}));
-    assert_eq!(read["o-4"].1, json!({"order_id": "o-4", "payment_id": "", "status": 0, "cents": 1250}));
-    // o-2 was captured; its event does not fit, so the success is recorded without it, saying why.
+    for key in ["o-1", "o-1-noted"] {
+        let mut event = read[key].1.clone();
+        let payment = event["payment_id"].take();
+        assert!(payment.as_str().is_some_and(|p| p.starts_with("res_")), "the provider's id: {payment}");
+        assert_eq!(event, json!({"order_id": "o-1", "payment_id": null, "status": 201, "cents": 1250}));
+    }
+    for o in ["o-4", "o-5"] {
+        assert_eq!(read[o].1, json!({"order_id": o, "payment_id": "", "status": 0, "cents": 1250}));
+    }
+    // o-2 was captured, and its second event does not fit: the success is
+    // recorded without any of its events, saying why (the field, not the value).
     let (state, error): (String, Option<String>) =
         sqlx::query_as("SELECT state, last_error FROM relay.intents WHERE source_event_id = 'e-2'")
             .fetch_one(&h.db.pool)
@@ -731,15 +751,15 @@ data = {{ order_id = "{{{{ data.order_id }}}}", payment_id = "", status = 0, cen
     assert_eq!(state, "succeeded");
     let subject = format!("subject {}-value, schema id {id}", h.out);
     assert!(
-        error.contains("on_success effects not recorded: the data of emit \"captured\" does not fit")
+        error.contains("on_success effects not recorded: the data of emit \"noted\" does not fit")
             && error.contains(&subject)
             && error.contains("/status"),
         "{error}"
     );
     assert!(!error.contains("x201"), "the reason names the field, never the value: {error}");
     let events = h.db.count("outbox", &format!("topic = '{}'", h.out)).await;
-    assert_eq!(events, 2, "o-1's and o-4's events only");
-    // o-3's data was final at ingest: dead-lettered before any call.
+    assert_eq!(events, 4, "o-1's two, o-4's and o-5's; none of o-2's");
+    // o-3's on_dead data was final at ingest: dead-lettered before any call.
     let dead = dead_letters(&h).await;
     assert_eq!(dead.len(), 1, "{dead:?}");
     let (_, class, reason) = &dead[0];

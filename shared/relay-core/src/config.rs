@@ -1478,9 +1478,6 @@ fn check_fields(at: &str, f: &FieldOverrides, p: &mut Vec<String>) {
 }
 
 impl RelayConfig {
-    /// Every emit to one topic writes one format with one subject: a
-    /// consumer of the topic reads one encoding (a code handler's emits to
-    /// it are encoded the same way, by topic).
     /// The problems of emit `e`'s `format` and its schema settings, a
     /// route's own or an outcome's alike.
     fn check_emit_format(&self, at: &str, e: &EmitAction, p: &mut Vec<String>) {
@@ -1510,21 +1507,39 @@ impl RelayConfig {
     /// emit to one topic writes one format ([`RelayConfig::validate`]).
     pub fn emit_formats(&self) -> Vec<(String, EmitFormat)> {
         let mut out: BTreeMap<String, EmitFormat> = BTreeMap::new();
-        for a in self.routes.iter().flat_map(|r| &r.actions) {
-            let emits: Vec<&EmitAction> = match a {
-                ActionConfig::Emit(e) => vec![e],
-                ActionConfig::Call(c) => c.on_success.emit.iter().chain(&c.on_dead.emit).collect(),
-                ActionConfig::Saga(_) => vec![],
-            };
-            for e in emits {
-                if let Some(f) = e.emit_format() {
-                    out.entry(e.topic.clone()).or_insert(f);
-                }
+        for (_, e) in self.emits() {
+            if let Some(f) = e.emit_format() {
+                out.entry(e.topic.clone()).or_insert(f);
             }
         }
         out.into_iter().collect()
     }
 
+    /// Every emit of the routes, their own and their calls' outcomes', with
+    /// where it is configured.
+    fn emits(&self) -> Vec<(String, &EmitAction)> {
+        let mut out = Vec::new();
+        for (i, r) in self.routes.iter().enumerate() {
+            for (j, a) in r.actions.iter().enumerate() {
+                match a {
+                    ActionConfig::Emit(e) => out.push((format!("routes[{i}].actions[{j}]"), e)),
+                    ActionConfig::Call(c) => out.extend(
+                        c.on_success
+                            .emit
+                            .iter()
+                            .chain(&c.on_dead.emit)
+                            .map(|e| (format!("routes[{i}].actions[{j}] outcome emit {:?}", e.name), e)),
+                    ),
+                    ActionConfig::Saga(_) => {}
+                }
+            }
+        }
+        out
+    }
+
+    /// Every emit to one topic writes one format with one subject: a
+    /// consumer of the topic reads one encoding (a code handler's emits to
+    /// it are encoded the same way, by topic).
     fn check_emit_formats(&self, p: &mut Vec<String>) {
         let mut by_topic: BTreeMap<String, (String, Option<EmitFormat>)> = BTreeMap::new();
         let mut see = |at: String, e: &EmitAction| {
@@ -1546,18 +1561,8 @@ impl RelayConfig {
                 }
             }
         };
-        for (i, r) in self.routes.iter().enumerate() {
-            for (j, a) in r.actions.iter().enumerate() {
-                match a {
-                    ActionConfig::Emit(e) => see(format!("routes[{i}].actions[{j}]"), e),
-                    ActionConfig::Call(c) => {
-                        for e in c.on_success.emit.iter().chain(&c.on_dead.emit) {
-                            see(format!("routes[{i}].actions[{j}] outcome emit {:?}", e.name), e);
-                        }
-                    }
-                    ActionConfig::Saga(_) => {}
-                }
-            }
+        for (at, e) in self.emits() {
+            see(at, e);
         }
     }
 }

@@ -729,8 +729,7 @@ fn missing_guard_field(route: &CompiledRoute, event: &InputEvent, guard: &str, w
 /// dead-letter table's reason, the dead-letter topic's header and the console
 /// (R16). A `required` failure names the property, which comes from the schema.
 pub fn schema_failure(e: &jsonschema::ValidationError<'_>) -> String {
-    let at = e.instance_path().to_string();
-    let at = if at.is_empty() { "/".to_owned() } else { at };
+    let at = keyless_path(&e.instance_path().to_string(), &e.evaluation_path().to_string());
     let rule = match e.kind() {
         jsonschema::error::ValidationErrorKind::Required { property } => {
             format!("required property {property} is missing")
@@ -738,6 +737,58 @@ pub fn schema_failure(e: &jsonschema::ValidationError<'_>) -> String {
         kind => format!("fails \"{}\"", kind.keyword()),
     };
     format!("{at} {rule} (schema {})", e.schema_path())
+}
+
+/// Instance path `instance` of a schema failure with every token that is
+/// data shown as `*`: a map's keys (`additionalProperties`,
+/// `patternProperties`) are the data's own, an answer's or an event's, and
+/// may be a card number. Walks the evaluation path (`$ref`s followed)
+/// beside it, so a token is shown only where the schema names it
+/// (`properties/NAME`) or it is an array index; a token the walk cannot
+/// place is shown as `*` too.
+fn keyless_path(instance: &str, schema: &str) -> String {
+    let mut tokens = instance.split('/').skip(1);
+    let mut keywords = schema.split('/').skip(1).peekable();
+    let index = |t: &str| if t.bytes().all(|b| b.is_ascii_digit()) { t.to_owned() } else { "*".to_owned() };
+    let mut out = String::new();
+    while let Some(keyword) = keywords.next() {
+        let shown = match keyword {
+            "properties" => {
+                let name = keywords.next();
+                tokens.next().map(|t| if Some(t) == name { t.to_owned() } else { "*".to_owned() })
+            }
+            "patternProperties" => {
+                keywords.next();
+                tokens.next().map(|_| "*".to_owned())
+            }
+            "additionalProperties" | "unevaluatedProperties" => tokens.next().map(|_| "*".to_owned()),
+            "items" | "prefixItems" => {
+                // An array form (`items/0`, `prefixItems/0`) names its position.
+                if keywords.peek().is_some_and(|k| k.bytes().all(|b| b.is_ascii_digit())) {
+                    keywords.next();
+                }
+                tokens.next().map(index)
+            }
+            "additionalItems" | "unevaluatedItems" | "contains" => tokens.next().map(index),
+            // Keywords whose next token is the schema's, not the data's.
+            "$defs" | "definitions" | "dependentSchemas" | "dependencies" | "allOf" | "anyOf" | "oneOf" => {
+                keywords.next();
+                continue;
+            }
+            _ => continue,
+        };
+        match shown {
+            Some(t) => {
+                out.push('/');
+                out.push_str(&t);
+            }
+            None => break,
+        }
+    }
+    for _ in tokens {
+        out.push_str("/*");
+    }
+    if out.is_empty() { "/".to_owned() } else { out }
 }
 
 fn compile_emit(b: &mut TemplateBuilder, at: &str, e: &EmitAction) -> CompiledEmit {
@@ -1121,6 +1172,29 @@ mod tests {
         let err = router.route(&record("order.placed", &format!(r#"{{"card":"{secret}"}}"#))).unwrap_err();
         assert!(err.reason.contains("/card") && err.reason.contains("type"), "{}", err.reason);
         assert!(err.reason.contains("order_id"), "{}", err.reason);
+    }
+
+    #[test]
+    fn a_schema_reason_shows_a_map_s_keys_as_stars_and_declared_names_as_they_are() {
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "meta": {"type": "object", "additionalProperties": {"type": "integer"}},
+                "tags": {"patternProperties": {"^[0-9]+$": {"type": "string"}}},
+                "lines": {"type": "array", "items": {"$ref": "#/$defs/line"}}
+            },
+            "$defs": {"line": {"type": "object", "properties": {"sku": {"type": "string"}}}}
+        });
+        let v = jsonschema::validator_for(&schema).unwrap();
+        let reasons = |data: Value| v.iter_errors(&data).map(|e| schema_failure(&e)).collect::<Vec<_>>().join("; ");
+        let card = "4111111111111111";
+        let why = reasons(json!({"meta": {card: "x"}, "tags": {card: 5}, "lines": [{"sku": "a"}, {"sku": 7}]}));
+        assert!(!why.contains("4111"), "{why}");
+        for at in ["/meta/* fails \"type\"", "/tags/* fails \"type\"", "/lines/1/sku fails \"type\""] {
+            assert!(why.contains(at), "{at:?} in {why}");
+        }
+        assert_eq!(keyless_path("", "/type"), "/");
+        assert_eq!(keyless_path("/a/b", "/properties/a/unknownKeyword"), "/a/*", "what the walk cannot place");
     }
 
     #[test]

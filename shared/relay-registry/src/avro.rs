@@ -480,7 +480,9 @@ impl Decoder {
                 let entries = v.as_object().ok_or_else(|| want("an object"))?;
                 let mut out = HashMap::with_capacity(entries.len());
                 for (k, x) in entries {
-                    out.insert(k.clone(), self.avro(x, &m.types, &format!("{at}/{}", pointer_token(k)), mode)?);
+                    // A map's keys are data (an answer's, an event's): a
+                    // reason shows them as `*`, never as they are.
+                    out.insert(k.clone(), self.avro(x, &m.types, &format!("{at}/*"), mode)?);
                 }
                 Avro::Map(out)
             }
@@ -812,6 +814,11 @@ mod tests {
         let mut missing = data.clone();
         missing.as_object_mut().unwrap().remove("id");
         assert!(e.encode(&missing).unwrap_err().contains("/id: missing"));
+        // A map's key is data: not in the reason.
+        let m = r#"{"type":"record","name":"M","fields":[{"name":"meta","type":{"type":"map","values":"long"}}]}"#;
+        let m = Encoder::new(1, Decoder::parse(m).unwrap(), String::new()).unwrap();
+        let err = m.encode(&serde_json::json!({"meta": {"4111111111111111": "x"}})).unwrap_err();
+        assert!(err.contains("/meta/*: expected an integer") && !err.contains("4111"), "{err}");
     }
 
     #[test]

@@ -89,10 +89,12 @@ impl Completion {
             Finished::Dead if self.effects_dropped.is_some() => {
                 crate::runtime::metrics::effects_dropped(&call.endpoint);
                 let why = self.effects_dropped.as_deref().unwrap_or("");
+                // A replay is refused for an intent with on_dead effects
+                // (intents::requeue), recorded or not: by hand is the way.
                 emit!(
                     tracing::Level::ERROR,
-                    "intent is dead and will not be retried (replay it once the cause is fixed): {error}; its events \
-                     are not emitted and its sagas not moved: {why}"
+                    "intent is dead and will not be retried: {error}; its events are not emitted and its sagas not \
+                     moved (emit them by hand: a replay is refused as its on_dead effects are declared): {why}"
                 )
             }
             Finished::Succeeded => emit!(tracing::Level::DEBUG, "call succeeded"),

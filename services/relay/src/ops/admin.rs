@@ -236,6 +236,9 @@ pub struct Operator {
     /// What encodes the outcome events a resolution records, by topic
     /// ([`Operator::with_encoders`]).
     encoders: relay_core::router::Encoders,
+    /// The topics the configuration writes with a `format`: each needs an
+    /// encoder before a resolution records anything.
+    formatted: Vec<String>,
 }
 
 /// An intent and what was done about it.
@@ -292,6 +295,7 @@ impl Operator {
                 .collect(),
             release_chunk: RELEASE_CHUNK,
             encoders: Default::default(),
+            formatted: cfg.emit_formats().into_iter().map(|(topic, _)| topic).collect(),
         }
     }
 
@@ -782,6 +786,14 @@ impl Operator {
     ) -> Result<Option<String>, OpsError> {
         use crate::deliver::completer::Completer;
         use crate::deliver::outcome::{Completion, Finished};
+        // Without its encoder, an outcome event would go out as JSON to a
+        // topic its readers decode with a schema: refused before anything changes.
+        if let Some(topic) = self.formatted.iter().find(|t| !self.encoders.contains_key(*t)) {
+            return Err(OpsError::Other(anyhow::anyhow!(
+                "topic {topic} is written with a schema, but this operator has no encoder for it: build it with \
+                 Operator::with_encoders(relay::app::emit_encoders(..)), as `relay intents resolve` does"
+            )));
+        }
         let worker = format!("operator@{}", crate::runtime::claim_loop::default_worker_id());
         let lease = std::time::Duration::from_secs(60);
         let mut conn = self.pool.acquire().await?;
@@ -931,9 +943,10 @@ fn not_replayed_why(r: Requeue) -> String {
 /// Why a dead intent whose `on_dead` effects were recorded is not replayed.
 pub fn on_dead_recorded(id: Uuid) -> String {
     format!(
-        "intent {id} is dead and its on_dead effects were recorded (its failure events were emitted, its saga moved): \
-         a replay that succeeded would tell the opposite story beside them, so it is refused. Handle it as the \
-         failure it was announced as (a new event starts a new call), or see docs/CONTRACT.md, \"Replaying intents\""
+        "intent {id} is dead and its on_dead effects were recorded (its failure events were emitted, its saga moved, \
+         unless its last error says they were not recorded: then emit them by hand): a replay that succeeded would \
+         tell the opposite story beside them, so it is refused. Handle it as the failure it was announced as (a new \
+         event starts a new call), or see docs/CONTRACT.md, \"Replaying intents\""
     )
 }
 

@@ -863,7 +863,7 @@ struct Resolve {
     params(("id" = String, Path, description = "Intent id (a UUID)")),
     request_body = Resolve,
     responses(
-        (status = 200, description = "Resolved", body = Object, example = json!({"id": "0b9c…", "resolved": "succeeded", "effects_not_recorded": []})),
+        (status = 200, description = "Resolved", body = Object, example = json!({"id": "0b9c…", "resolved": "succeeded", "effects_not_recorded": null})),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
         (status = 404, description = "No such intent", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
