@@ -700,6 +700,7 @@ async fn a_call_s_outcome_events_are_written_in_avro_with_the_provider_s_answer(
     produce(&h, &registry, "avro", ORDER_V1, Value::Array(records)).await;
     let routes = format!("[schema_registry]\nurl = \"{registry}\"\ntimeout = \"2s\"\n{CAPTURE_IN_AVRO}");
     let text = h.config_text(&routes).replace("max_attempts = 5\n", "max_attempts = 1\n");
+    assert!(text.contains("max_attempts = 1\n"), "one attempt: {text}");
     let ((mut p, admin), config) = run_with_admin_config(&h, &text).await;
     eventually("o-3 dead-lettered", DEADLINE, || async { (!dead_letters(&h).await.is_empty()).then_some(()) }).await;
     h.await_intents_finished(4).await;
@@ -723,7 +724,7 @@ async fn a_call_s_outcome_events_are_written_in_avro_with_the_provider_s_answer(
     let resolved = admin
         .api(reqwest::Method::POST, &format!("/api/intents/{o4}/resolve"), Some(json!({"resolution": "failed"})))
         .await;
-    assert!(resolved["effects_not_recorded"].is_null(), "{resolved}");
+    assert_eq!(resolved.get("effects_not_recorded"), Some(&Value::Null), "{resolved}");
     let (ok, out) = cli(&h, &config, &["intents", "resolve", &o5.to_string(), "--failed"]).await;
     assert!(ok && out.contains("on_dead effects are recorded"), "{out}");
     h.await_published(4).await;
@@ -738,6 +739,7 @@ async fn a_call_s_outcome_events_are_written_in_avro_with_the_provider_s_answer(
         assert_eq!(event, json!({"order_id": "o-1", "payment_id": null, "status": 201, "cents": 1250}));
     }
     for o in ["o-4", "o-5"] {
+        assert_eq!(read[o].0, "application/avro");
         assert_eq!(read[o].1, json!({"order_id": o, "payment_id": "", "status": 0, "cents": 1250}));
     }
     // o-2 was captured, and its second event does not fit: the success is

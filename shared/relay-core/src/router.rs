@@ -744,50 +744,68 @@ pub fn schema_failure(e: &jsonschema::ValidationError<'_>) -> String {
 /// `patternProperties`) are the data's own, an answer's or an event's, and
 /// may be a card number. Walks the evaluation path (`$ref`s followed)
 /// beside it, so a token is shown only where the schema names it
-/// (`properties/NAME`) or it is an array index; a token the walk cannot
-/// place is shown as `*` too.
+/// (`properties/NAME`) or it is an array index of a few digits. Where the
+/// two paths do not step in lockstep (an evaluation path with a step too
+/// many, seen under nested `$ref`s), no token is shown.
 fn keyless_path(instance: &str, schema: &str) -> String {
-    let mut tokens = instance.split('/').skip(1);
+    /// How the evaluation path steps into the instance.
+    enum Step<'s> {
+        /// A property the schema declares.
+        Name(&'s str),
+        /// A key of the data's own.
+        Key,
+        /// An array's item.
+        Index,
+    }
+    let digits = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit());
+    let mut steps = Vec::new();
     let mut keywords = schema.split('/').skip(1).peekable();
-    let index = |t: &str| if t.bytes().all(|b| b.is_ascii_digit()) { t.to_owned() } else { "*".to_owned() };
-    let mut out = String::new();
     while let Some(keyword) = keywords.next() {
-        let shown = match keyword {
-            "properties" => {
-                let name = keywords.next();
-                tokens.next().map(|t| if Some(t) == name { t.to_owned() } else { "*".to_owned() })
-            }
+        match keyword {
+            "properties" => steps.push(Step::Name(keywords.next().unwrap_or_default())),
             "patternProperties" => {
                 keywords.next();
-                tokens.next().map(|_| "*".to_owned())
+                steps.push(Step::Key);
             }
-            "additionalProperties" | "unevaluatedProperties" => tokens.next().map(|_| "*".to_owned()),
+            "additionalProperties" | "unevaluatedProperties" => steps.push(Step::Key),
             "items" | "prefixItems" => {
                 // An array form (`items/0`, `prefixItems/0`) names its position.
-                if keywords.peek().is_some_and(|k| k.bytes().all(|b| b.is_ascii_digit())) {
+                if keywords.peek().is_some_and(|k| digits(k)) {
                     keywords.next();
                 }
-                tokens.next().map(index)
+                steps.push(Step::Index);
             }
-            "additionalItems" | "unevaluatedItems" | "contains" => tokens.next().map(index),
+            "additionalItems" | "unevaluatedItems" | "contains" => steps.push(Step::Index),
             // Keywords whose next token is the schema's, not the data's.
             "$defs" | "definitions" | "dependentSchemas" | "dependencies" | "allOf" | "anyOf" | "oneOf" => {
                 keywords.next();
-                continue;
             }
-            _ => continue,
-        };
-        match shown {
-            Some(t) => {
-                out.push('/');
-                out.push_str(&t);
-            }
-            None => break,
+            _ => {}
         }
     }
-    for _ in tokens {
-        out.push_str("/*");
+    // A failure of the object or array itself (`additionalProperties:
+    // false`, `contains`) ends with its keyword's step, for no token.
+    let own = [
+        "additionalProperties",
+        "unevaluatedProperties",
+        "items",
+        "prefixItems",
+        "additionalItems",
+        "unevaluatedItems",
+        "contains",
+    ];
+    if schema.rsplit('/').next().is_some_and(|k| own.contains(&k)) {
+        steps.pop();
     }
+    let tokens: Vec<&str> = instance.split('/').skip(1).collect();
+    let lockstep = steps.len() == tokens.len();
+    let shown = tokens.iter().enumerate().map(|(n, t)| match steps.get(n) {
+        Some(Step::Name(name)) if lockstep && t == name => (*t).to_owned(),
+        // An index of a few digits: a card number is not one.
+        Some(Step::Index) if lockstep && digits(t) && t.len() <= 9 => (*t).to_owned(),
+        _ => "*".to_owned(),
+    });
+    let out: String = shown.map(|t| format!("/{t}")).collect();
     if out.is_empty() { "/".to_owned() } else { out }
 }
 
@@ -1194,7 +1212,24 @@ mod tests {
             assert!(why.contains(at), "{at:?} in {why}");
         }
         assert_eq!(keyless_path("", "/type"), "/");
-        assert_eq!(keyless_path("/a/b", "/properties/a/unknownKeyword"), "/a/*", "what the walk cannot place");
+        assert_eq!(keyless_path("/a/b", "/properties/a/unknownKeyword"), "/*/*", "what the walk cannot place");
+        // An evaluation path a step ahead of the instance (nested $refs): nothing shown.
+        let ahead = "/properties/x/$ref/properties/b/$ref/properties/a/$ref/items/additionalProperties/type";
+        assert_eq!(keyless_path("/x/b/0/4111111111111111", ahead), "/*/*/*/*");
+        assert_eq!(keyless_path("/lines/4111111111111111", "/properties/lines/items/type"), "/lines/*");
+        assert_eq!(keyless_path("/meta", "/properties/meta/additionalProperties"), "/meta", "the object's own failure");
+        assert_eq!(keyless_path("/tags/*", "/properties/tags/patternProperties/^[0-9]+$/type"), "/tags/*");
+        let nested = json!({
+            "properties": {"x": {"$ref": "#/$defs/X"}},
+            "$defs": {
+                "X": {"properties": {"a": {"$ref": "#/$defs/M"}, "b": {"$ref": "#/$defs/X/properties/a"}}},
+                "M": {"items": {"additionalProperties": {"type": "string"}}}
+            }
+        });
+        let v = jsonschema::validator_for(&nested).unwrap();
+        let data = json!({"x": {"b": [{card: 5}]}});
+        let why: Vec<String> = v.iter_errors(&data).map(|e| schema_failure(&e)).collect();
+        assert!(!why.is_empty() && why.iter().all(|w| !w.contains("4111")), "{why:?}");
     }
 
     #[test]
