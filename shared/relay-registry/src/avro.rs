@@ -491,7 +491,7 @@ impl Decoder {
                 // A field the record lacks is refused: a misspelt optional
                 // field would otherwise ship its default without a word.
                 if let Some(extra) = fields.keys().find(|k| !r.lookup.contains_key(*k)) {
-                    return Err(format!("{at}/{}: record {} has no such field", pointer_token(extra), r.name));
+                    return Err(format!("{}: record {} has no field {}", here(), r.name, crate::shown_key(extra)));
                 }
                 let mut out = Vec::with_capacity(r.fields.len());
                 for f in &r.fields {
@@ -770,7 +770,7 @@ mod tests {
         for (field, value, says) in [
             ("cents", serde_json::json!("a lot"), "/cents: expected an integer, found text"),
             ("status", serde_json::json!("LOST"), "/status: not a symbol of enum shop.Status"),
-            ("extra", serde_json::json!("typo"), "/extra: record shop.Order has no such field"),
+            ("extra", serde_json::json!("typo"), "/: record shop.Order has no field \"extra\""),
             ("price", serde_json::json!("1.234"), "/price: expected a decimal"),
             ("lines", serde_json::json!([{"sku": 5}]), "/lines/0/ratio: missing"),
         ] {
@@ -819,6 +819,11 @@ mod tests {
         let m = Encoder::new(1, Decoder::parse(m).unwrap(), String::new()).unwrap();
         let err = m.encode(&serde_json::json!({"meta": {"4111111111111111": "x"}})).unwrap_err();
         assert!(err.contains("/meta/*: expected an integer") && !err.contains("4111"), "{err}");
+        // So is a key no field can have, where the record has none of that name.
+        let mut whole = data.clone();
+        whole["4111111111111111"] = serde_json::json!(1);
+        let err = e.encode(&whole).unwrap_err();
+        assert!(err.contains("record shop.Order has no field *") && !err.contains("4111"), "{err}");
     }
 
     #[test]

@@ -484,6 +484,17 @@ fn utf8_percent(s: &str) -> String {
     url::form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>().replace('+', "%20")
 }
 
+/// A key of the data as a reason shows it, quoted: as it is where it could
+/// be a field's name (a letter or `_`, then letters, digits and `_`, as Avro
+/// and Protobuf name fields: a misspelt field is named), else `*`: a key no
+/// field can have came with the data (an answer's object passed whole) and
+/// may be a card number.
+fn shown_key(k: &str) -> String {
+    let mut bytes = k.bytes();
+    let first = bytes.next().is_some_and(|b| b.is_ascii_alphabetic() || b == b'_');
+    if first && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_') { format!("{k:?}") } else { "*".to_owned() }
+}
+
 /// The wire format's header for schema `id`.
 fn header(id: u32) -> Vec<u8> {
     let mut v = Vec::with_capacity(64);

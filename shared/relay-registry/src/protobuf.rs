@@ -408,7 +408,7 @@ fn unknown_fields(m: &MessageDescriptor, path: &[String], data: &Value) -> Optio
         };
     }
     let unknown: Vec<String> =
-        here.as_object()?.keys().filter(|k| field(&msg, k).is_none()).map(|k| format!("{k:?}")).collect();
+        here.as_object()?.keys().filter(|k| field(&msg, k).is_none()).map(|k| crate::shown_key(k)).collect();
     (!unknown.is_empty()).then_some(unknown)
 }
 
@@ -507,6 +507,9 @@ mod tests {
         assert!(e.contains("at /status") && !e.contains("GONE"), "{e}");
         let e = encoder().encode(&json!({"payment_id": "p", "surprise": 1})).unwrap_err();
         assert!(e.contains("the message has no field \"surprise\""), "{e}");
+        // A key no field can have came with the data: not shown.
+        let e = encoder().encode(&json!({"payment_id": "p", "4111111111111111": 1})).unwrap_err();
+        assert!(e.contains("the message has no field *") && !e.contains("4111"), "{e}");
         // Quotes inside a value do not let it out (serde escapes them in its message).
         for data in [
             json!({"attempt": "x\" 4111111111111111"}),
