@@ -892,6 +892,14 @@ mod tests {
         .unwrap()
     }
 
+    /// What `router` writes for an `order.placed` event of `data`.
+    fn effects_of(router: &Router, data: &str) -> Result<Effects, Poison> {
+        let rec = record("order.placed", data);
+        let Routed::Route(route, event) = router.route(&rec).unwrap() else { panic!("not routed") };
+        let plan = router.plan(route, &event, &rec).unwrap();
+        router.effects(route, &event, plan, &router.provenance(&event), chrono::Utc::now())
+    }
+
     fn record(ty: &str, data: &str) -> RawRecord {
         RawRecord {
             topic: "orders".into(),
@@ -962,12 +970,7 @@ mod tests {
         let encoders: Encoders =
             [("payments".to_owned(), Arc::new(StandIn) as Arc<dyn crate::effects::DataEncoder>)].into_iter().collect();
         let router = Router::new(&cfg(extra)).unwrap().with_encoders(encoders);
-        let effects = |data: &str| {
-            let rec = record("order.placed", data);
-            let Routed::Route(route, event) = router.route(&rec).unwrap() else { panic!("not routed") };
-            let plan = router.plan(route, &event, &rec).unwrap();
-            router.effects(route, &event, plan, &router.provenance(&event), chrono::Utc::now())
-        };
+        let effects = |data: &str| effects_of(&router, data);
         // Fits: the answer's placeholder is not checked, and nothing encoded is kept with the intent.
         let ok = effects(r#"{"order_id":"o-1","amount":5}"#).unwrap();
         let stored = ok.intents[0].intent.on_success.to_string();
@@ -1001,13 +1004,7 @@ mod tests {
 
     #[test]
     fn a_key_the_provider_cannot_take_is_poison_at_ingest_naming_why() {
-        let effects = |c: &RelayConfig| {
-            let router = Router::new(c).unwrap();
-            let rec = record("order.placed", r#"{"order_id":"o-1","amount":5}"#);
-            let Routed::Route(route, event) = router.route(&rec).unwrap() else { panic!("not routed") };
-            let plan = router.plan(route, &event, &rec).unwrap();
-            router.effects(route, &event, plan, &router.provenance(&event), chrono::Utc::now()).map(|_| ())
-        };
+        let effects = |c: &RelayConfig| effects_of(&Router::new(c).unwrap(), r#"{"order_id":"o-1","amount":5}"#);
         // The key in a body field: fine in an object body, poison in another.
         let mut c = cfg("");
         c.endpoints.get_mut("psp").unwrap().idempotency.body_field = Some("meta.key".into());

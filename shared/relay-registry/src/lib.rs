@@ -392,7 +392,8 @@ impl Registry {
             ImportError::Invalid(why) => poison(why),
         };
         match kind {
-            "AVRO" if !found.references.is_empty() => {
+            "AVRO" => {
+                // No references: no request.
                 let imports = self.imports(found.references).await.map_err(imported)?;
                 avro::Decoder::parse_with(&found.schema, &imports.into_values().collect::<Vec<_>>())
                     .map(Registered::Avro)
@@ -404,9 +405,6 @@ impl Registry {
                     .map(Registered::Protobuf)
                     .map_err(|e| poison(format!("the registry's Protobuf schema cannot be used: {e}")))
             }
-            "AVRO" => avro::Decoder::parse_with(&found.schema, &[])
-                .map(Registered::Avro)
-                .map_err(|e| poison(format!("the registry's Avro schema cannot be used: {e}"))),
             "JSON" => serde_json::from_str::<Value>(&found.schema)
                 .map_err(|e| e.to_string())
                 .and_then(|doc| jsonschema::validator_for(&doc).map_err(|e| e.to_string()))

@@ -248,11 +248,11 @@ impl relay_core::effects::DataEncoder for Encoder {
             // The reason is built from the path and the schema alone: serde's
             // message quotes the value, and quoting can be escaped from.
             let path: Vec<String> = track.path().iter().filter_map(key_of).collect();
-            let (at, _) = walk(&self.message, &path);
+            let (at, place) = walk(&self.message, &path);
             let at = if at.is_empty() { "/".to_owned() } else { at };
-            let why = match unknown_fields(&self.message, &path, data) {
+            let why = match unknown_fields(&place, &path, data) {
                 Some(names) => format!("the message has no field {}", names.join(", ")),
-                None => match expected_at(&self.message, &path) {
+                None => match expected(place) {
                     Some(kind) => format!("expected {kind}"),
                     None => "does not fit".to_owned(),
                 },
@@ -289,36 +289,14 @@ fn field(m: &MessageDescriptor, name: &str) -> Option<prost_reflect::FieldDescri
     m.get_field_by_name(name).or_else(|| m.get_field_by_json_name(name))
 }
 
-/// What the schema expects at `path` under `m`, in words.
-fn expected_at(m: &MessageDescriptor, path: &[String]) -> Option<String> {
-    let mut kind = prost_reflect::Kind::Message(m.clone());
-    let mut list = false;
-    let mut map_value: Option<prost_reflect::Kind> = None;
-    for key in path {
-        if list || map_value.is_some() {
-            // An item of a list, or a value of a map.
-            if let Some(v) = map_value.take() {
-                kind = v;
-            }
-            list = false;
-            continue;
-        }
-        let prost_reflect::Kind::Message(msg) = &kind else { return None };
-        let f = field(msg, key)?;
-        list = f.is_list();
-        map_value = f.is_map().then(|| match f.kind() {
-            prost_reflect::Kind::Message(entry) => entry.map_entry_value_field().kind(),
-            other => other,
-        });
-        kind = f.kind();
-    }
-    let what = describe(&kind);
-    Some(if list {
-        format!("a list of {what}")
-    } else if let Some(v) = map_value {
-        format!("an object of {}", describe(&v))
-    } else {
-        what
+/// What the schema expects at `place` ([`walk`]), in words.
+fn expected(place: At) -> Option<String> {
+    Some(match place {
+        At::Message(msg) => describe(&prost_reflect::Kind::Message(msg)),
+        At::Scalar(kind) => describe(&kind),
+        At::Items(kind, false) => format!("a list of {}", describe(&kind)),
+        At::Items(kind, true) => format!("an object of {}", describe(&kind)),
+        At::Other => return None,
     })
 }
 
@@ -345,10 +323,12 @@ fn describe(kind: &prost_reflect::Kind) -> String {
 enum At {
     /// A message: its keys are fields.
     Message(MessageDescriptor),
-    /// A list (false) or a map (true) field: its segments are indexes, or
-    /// keys (data).
+    /// A list (false) or a map (true) field of items of this kind: its
+    /// segments are indexes, or keys (data).
     Items(prost_reflect::Kind, bool),
-    /// A scalar, or somewhere the schema does not reach.
+    /// A scalar or an enum: nothing is below it.
+    Scalar(prost_reflect::Kind),
+    /// Somewhere the schema does not reach.
     Other,
 }
 
@@ -378,7 +358,7 @@ fn walk(m: &MessageDescriptor, path: &[String]) -> (String, At) {
                 let shown = if *map { "*".to_owned() } else { key.clone() };
                 (shown, kind_at(kind.clone()))
             }
-            At::Other => ("*".to_owned(), At::Other),
+            At::Scalar(_) | At::Other => ("*".to_owned(), At::Other),
         };
         pointer.push('/');
         pointer.push_str(&shown.replace('~', "~0").replace('/', "~1"));
@@ -390,15 +370,15 @@ fn walk(m: &MessageDescriptor, path: &[String]) -> (String, At) {
 fn kind_at(kind: prost_reflect::Kind) -> At {
     match kind {
         prost_reflect::Kind::Message(m) => At::Message(m),
-        _ => At::Other,
+        other => At::Scalar(other),
     }
 }
 
 /// The keys of the object at `path` in `data` that are no field of the
-/// message there, if that is what is wrong (only where the schema has a
-/// message: a map's keys are data, never listed).
-fn unknown_fields(m: &MessageDescriptor, path: &[String], data: &Value) -> Option<Vec<String>> {
-    let At::Message(msg) = walk(m, path).1 else { return None };
+/// message there (`place`, [`walk`]), if that is what is wrong (only where
+/// the schema has a message: a map's keys are data, never listed).
+fn unknown_fields(place: &At, path: &[String], data: &Value) -> Option<Vec<String>> {
+    let At::Message(msg) = place else { return None };
     let mut here = data;
     for key in path {
         here = match here {
@@ -408,7 +388,7 @@ fn unknown_fields(m: &MessageDescriptor, path: &[String], data: &Value) -> Optio
         };
     }
     let unknown: Vec<String> =
-        here.as_object()?.keys().filter(|k| field(&msg, k).is_none()).map(|k| crate::shown_key(k)).collect();
+        here.as_object()?.keys().filter(|k| field(msg, k).is_none()).map(|k| crate::shown_key(k)).collect();
     (!unknown.is_empty()).then_some(unknown)
 }
 

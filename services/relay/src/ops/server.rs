@@ -318,19 +318,18 @@ fn api_parts() -> (Router<Shared>, utoipa::openapi::OpenApi) {
 /// in plain text (400, or 415 / 422 for a body).
 fn common_responses(doc: &mut utoipa::openapi::OpenApi) {
     use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
-    let error = |what: &str| {
-        ResponseBuilder::new()
-            .description(what)
-            .content("application/json", ContentBuilder::new().schema(Some(Ref::from_schema_name("ErrorBody"))).build())
-            .content("text/plain", ContentBuilder::new().schema(Some(utoipa::openapi::Object::new())).build())
-            .build()
-    };
     let json_error = |what: &str| {
         ResponseBuilder::new()
             .description(what)
             .content("application/json", ContentBuilder::new().schema(Some(Ref::from_schema_name("ErrorBody"))).build())
+    };
+    // What axum may also answer itself, in plain text.
+    let error = |what: &str| {
+        json_error(what)
+            .content("text/plain", ContentBuilder::new().schema(Some(utoipa::openapi::Object::new())).build())
             .build()
     };
+    let json_error = |what: &str| json_error(what).build();
     for (path, item) in doc.paths.paths.iter_mut() {
         if !path.starts_with("/api/") || path == "/api/openapi.json" {
             continue;
@@ -360,7 +359,9 @@ fn common_responses(doc: &mut utoipa::openapi::OpenApi) {
 #[utoipa::path(get, path = "/api/openapi.json", tag = "overview", summary = "This description (no token needed)",
     responses((status = 200, description = "OpenAPI 3.1", body = Object)))]
 async fn openapi() -> impl IntoResponse {
-    ([(header::CONTENT_TYPE, "application/json")], openapi_json())
+    // Built once: it is the same for the life of the process.
+    static DOC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    ([(header::CONTENT_TYPE, "application/json")], DOC.get_or_init(openapi_json).as_str())
 }
 
 /// The probes, `/metrics` and this description, declared the same way;
