@@ -112,6 +112,12 @@ pub struct EndpointClient {
     http: reqwest::Client,
     svc: HttpService,
     limiter: Option<Arc<DefaultDirectRateLimiter>>,
+    /// The line for the rate limiter's tokens, shared by the clones: governor
+    /// wakes its waiters all at once and the first to run wins, so without it
+    /// a call could lose to later ones again and again, and a fair share's
+    /// early slot start behind a burst it was scheduled ahead of (issue 31's CI:
+    /// a small tenant's call claimed among the first 20 started #75).
+    rate_line: Arc<tokio::sync::Mutex<()>>,
     /// The adaptive rate, shared by every process, instead of `limiter`.
     adaptive: Option<Arc<super::throttle::Adaptive>>,
     /// Take the rate token before the concurrency permit (only ever for the
@@ -187,6 +193,7 @@ impl EndpointClient {
             http,
             svc,
             limiter,
+            rate_line: Arc::default(),
             token_first: false,
             slot_kept: false,
             answers_ignored: false,
@@ -224,6 +231,13 @@ impl EndpointClient {
     /// (only ever for the sabotage `key-answers-ignored`, issue 29).
     pub fn key_answers_ignored(self, ignored: bool) -> EndpointClient {
         EndpointClient { answers_ignored: ignored, ..self }
+    }
+
+    /// A token from `limiter`, in the order the calls asked (tokio's mutex
+    /// queues its waiters first come, first served).
+    async fn rate_token(&self, limiter: &DefaultDirectRateLimiter) {
+        let _turn = self.rate_line.lock().await;
+        limiter.until_ready().await;
     }
 
     /// The endpoint's configuration.
@@ -362,7 +376,7 @@ impl EndpointClient {
         let adapted = self.adaptive.as_ref().map(|a| a.limiter());
         let limiter = adapted.as_deref().or(self.limiter.as_deref());
         if let Some(limiter) = limiter.filter(|_| self.token_first) {
-            bounded(send_by, stop, limiter.until_ready()).await?;
+            bounded(send_by, stop, self.rate_token(limiter)).await?;
         }
         let mut svc = match bounded(send_by, stop, self.svc.clone().ready_oneshot()).await {
             Err(NotSent) => return Err(NotSent),
@@ -370,7 +384,7 @@ impl EndpointClient {
             Ok(Err(e)) => return Ok(classify_transport(e, self.cfg.timeout, None)),
         };
         if let Some(limiter) = limiter.filter(|_| !self.token_first) {
-            bounded(send_by, stop, limiter.until_ready()).await?;
+            bounded(send_by, stop, self.rate_token(limiter)).await?;
         }
         // The token before the slot: a wait for the token endpoint holds no
         // slot that another endpoint's calls need (D10).
@@ -393,11 +407,11 @@ impl EndpointClient {
             let free = bounded(send_by, stop, slots.acquire()).await?.expect("the call slots are never closed");
             let Some(limiter) = limiter else { break free };
             if self.slot_kept {
-                bounded(send_by, stop, limiter.until_ready()).await?;
+                bounded(send_by, stop, self.rate_token(limiter)).await?;
                 break free;
             }
             drop(free);
-            bounded(send_by, stop, limiter.until_ready()).await?;
+            bounded(send_by, stop, self.rate_token(limiter)).await?;
         };
         let mut req = req;
         if let Some(t) = &token {
@@ -765,6 +779,33 @@ mod tests {
         let err = EndpointClient::new("psp", &cfg).unwrap_err().to_string();
         assert!(err.contains("endpoints.psp.tls.ca_file") && err.contains("holds no PEM certificate"), "{err}");
         std::fs::remove_file(&path).unwrap();
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn rate_tokens_go_to_calls_in_the_order_they_asked() {
+        let cfg: EndpointConfig = serde_json::from_value(
+            serde_json::json!({"base_url": "http://provider.test/api/", "rate_limit_per_second": 200}),
+        )
+        .unwrap();
+        let client = EndpointClient::new("psp", &cfg).unwrap();
+        let limiter = client.limiter.clone().unwrap();
+        let passed = Arc::new(std::sync::Mutex::new(Vec::new()));
+        // Spawned in order on one thread: each asks in its first poll, in
+        // spawn order, before the next runs.
+        let calls: Vec<_> = (0..30)
+            .map(|n| {
+                let (client, limiter, passed) = (client.clone(), limiter.clone(), passed.clone());
+                tokio::spawn(async move {
+                    client.rate_token(&limiter).await;
+                    passed.lock().unwrap().push(n);
+                })
+            })
+            .collect();
+        for c in calls {
+            c.await.unwrap();
+        }
+        let passed = passed.lock().unwrap().clone();
+        assert_eq!(passed, (0..30).collect::<Vec<_>>(), "tokens in the order asked");
     }
 
     fn client() -> EndpointClient {
