@@ -233,11 +233,21 @@ impl EndpointClient {
         EndpointClient { answers_ignored: ignored, ..self }
     }
 
-    /// A token from `limiter`, in the order the calls asked (tokio's mutex
-    /// queues its waiters first come, first served).
-    async fn rate_token(&self, limiter: &DefaultDirectRateLimiter) {
+    /// Whether calls wait for a rate token.
+    fn rate_limited(&self) -> bool {
+        self.adaptive.is_some() || self.limiter.is_some()
+    }
+
+    /// A rate token, in the order the calls asked (tokio's mutex queues its
+    /// waiters first come, first served). The limiter is read once a call's
+    /// turn comes: an adaptive rate that moved applies to the whole line
+    /// then, not to each call that had read the old one before it queued.
+    async fn rate_token(&self) {
         let _turn = self.rate_line.lock().await;
-        limiter.until_ready().await;
+        let adapted = self.adaptive.as_ref().map(|a| a.limiter());
+        if let Some(limiter) = adapted.as_deref().or(self.limiter.as_deref()) {
+            limiter.until_ready().await;
+        }
     }
 
     /// The endpoint's configuration.
@@ -373,18 +383,17 @@ impl EndpointClient {
                 });
             }
         };
-        let adapted = self.adaptive.as_ref().map(|a| a.limiter());
-        let limiter = adapted.as_deref().or(self.limiter.as_deref());
-        if let Some(limiter) = limiter.filter(|_| self.token_first) {
-            bounded(send_by, stop, self.rate_token(limiter)).await?;
+        let limited = self.rate_limited();
+        if limited && self.token_first {
+            bounded(send_by, stop, self.rate_token()).await?;
         }
         let mut svc = match bounded(send_by, stop, self.svc.clone().ready_oneshot()).await {
             Err(NotSent) => return Err(NotSent),
             Ok(Ok(svc)) => svc,
             Ok(Err(e)) => return Ok(classify_transport(e, self.cfg.timeout, None)),
         };
-        if let Some(limiter) = limiter.filter(|_| !self.token_first) {
-            bounded(send_by, stop, self.rate_token(limiter)).await?;
+        if limited && !self.token_first {
+            bounded(send_by, stop, self.rate_token()).await?;
         }
         // The token before the slot: a wait for the token endpoint holds no
         // slot that another endpoint's calls need (D10).
@@ -405,13 +414,15 @@ impl EndpointClient {
                 break slot;
             }
             let free = bounded(send_by, stop, slots.acquire()).await?.expect("the call slots are never closed");
-            let Some(limiter) = limiter else { break free };
+            if !limited {
+                break free;
+            }
             if self.slot_kept {
-                bounded(send_by, stop, self.rate_token(limiter)).await?;
+                bounded(send_by, stop, self.rate_token()).await?;
                 break free;
             }
             drop(free);
-            bounded(send_by, stop, self.rate_token(limiter)).await?;
+            bounded(send_by, stop, self.rate_token()).await?;
         };
         let mut req = req;
         if let Some(t) = &token {
@@ -788,15 +799,14 @@ mod tests {
         )
         .unwrap();
         let client = EndpointClient::new("psp", &cfg).unwrap();
-        let limiter = client.limiter.clone().unwrap();
         let passed = Arc::new(std::sync::Mutex::new(Vec::new()));
         // Spawned in order on one thread: each asks in its first poll, in
         // spawn order, before the next runs.
         let calls: Vec<_> = (0..30)
             .map(|n| {
-                let (client, limiter, passed) = (client.clone(), limiter.clone(), passed.clone());
+                let (client, passed) = (client.clone(), passed.clone());
                 tokio::spawn(async move {
-                    client.rate_token(&limiter).await;
+                    client.rate_token().await;
                     passed.lock().unwrap().push(n);
                 })
             })
@@ -806,6 +816,32 @@ mod tests {
         }
         let passed = passed.lock().unwrap().clone();
         assert_eq!(passed, (0..30).collect::<Vec<_>>(), "tokens in the order asked");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn calls_in_line_take_an_adaptive_rate_that_rose_while_they_waited() {
+        let adaptive = serde_json::json!({"start": 2.0, "min": 1.0, "max": 1000.0, "increase": 1.0, "decrease": 0.5});
+        let cfg: EndpointConfig =
+            serde_json::from_value(serde_json::json!({"base_url": "http://provider.test/api/", "adaptive": adaptive}))
+                .unwrap();
+        let client = EndpointClient::new("psp", &cfg).unwrap();
+        client.rate_token().await; // the one token a fresh limiter has
+        let started = std::time::Instant::now();
+        let calls: Vec<_> = (0..6)
+            .map(|_| {
+                let client = client.clone();
+                tokio::spawn(async move { client.rate_token().await })
+            })
+            .collect();
+        tokio::task::yield_now().await; // all six in line, the first waiting at 2/s
+        client.adaptive().unwrap().set(1000.0);
+        for c in calls {
+            c.await.unwrap();
+        }
+        // The first waits out its 0.5 s at the old rate; the five behind it
+        // take the new one. Read before queueing, they would wait 0.5 s each.
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(1500), "six tokens took {took:?}");
     }
 
     fn client() -> EndpointClient {
