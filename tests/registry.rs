@@ -462,6 +462,82 @@ async fn a_json_schema_emit_is_checked_at_ingest_and_read_by_confluent_s_deseria
     assert!(reason.contains("/cents fails \"type\""), "{reason}");
 }
 
+/// JSON Schema references as Confluent's serializers write them: the name
+/// is the `$ref`, here one reference of another (money.json names
+/// currency.json). Both directions: records the Python serializer wrote with
+/// them are checked through every level (one that does not fit the
+/// referenced schema is poison naming its field), and what relay writes is
+/// checked against them at ingest and read back by the Python deserializer,
+/// which resolves them itself.
+#[tokio::test(flavor = "multi_thread")]
+async fn json_schemas_that_refer_to_other_subjects_are_read_and_written() {
+    let h = Harness::new(1).await;
+    let registry = registry_url();
+    let currency_subject = unique("currency");
+    // Apicurio takes a schema that is not an object only with its `$schema`.
+    let currency = r#"{"$schema":"http://json-schema.org/draft-07/schema#","type":"string","pattern":"^[A-Z]{3}$"}"#;
+    register(&registry, &currency_subject, "JSON", currency).await;
+    let money_subject = unique("money");
+    let money = r#"{"$schema":"http://json-schema.org/draft-07/schema#","type":"object",
+        "properties":{"minor":{"type":"integer"},"currency":{"$ref":"currency.json"}},
+        "required":["minor","currency"]}"#;
+    let currency = json!([{"name": "currency.json", "subject": currency_subject, "version": 1}]);
+    register_with(&registry, &money_subject, "JSON", money, currency).await;
+    let reference = json!([{"name": "money.json", "subject": money_subject, "version": 1}]);
+    let order = r#"{"type":"object","properties":{"event_id":{"type":"string"},"order_id":{"type":"string"},
+        "total":{"$ref":"money.json"}},"required":["event_id","order_id","total"]}"#;
+    let id = produce(
+        &h,
+        &registry,
+        "json",
+        &json!({"schema": order, "references": reference}).to_string(),
+        json!([
+            {"key": "o-1", "value": {"event_id": "e-1", "order_id": "o-1", "total": {"minor": 1250, "currency": "EUR"}}},
+            {"key": "o-3", "value": {"event_id": "e-3", "order_id": "o-3", "total": {"minor": 7, "currency": "EUR"}}},
+        ]),
+    )
+    .await;
+    // The registered id, but a currency the reference's reference refuses
+    // (the Python serializer would not write it).
+    let mut bad = vec![0];
+    bad.extend(id.to_be_bytes());
+    bad.extend(br#"{"event_id":"e-2","order_id":"o-2","total":{"minor":5,"currency":"euro"}}"#);
+    h.producer.raw(&h.topic, None, Some(b"o-2"), &[], Some(&bad)).await.unwrap();
+    let charge = r#"{"type":"object","properties":{"order_id":{"type":"string"},"amount":{"$ref":"money.json"}},
+        "required":["order_id","amount"]}"#;
+    register_with(&registry, &format!("{}-value", h.out), "JSON", charge, reference).await;
+    // o-3's amount does not fit money.json once written: refused at ingest.
+    let cfg = formatted_route(
+        &h,
+        &registry,
+        "json-schema",
+        r#"{ order_id = "{{ data.order_id }}", amount = { minor = "{{ data.total.minor if data.order_id == 'o-1' else 'x' }}", currency = "{{ data.total.currency }}" } }"#,
+    );
+    let run = h.start(cfg, Components::ALL, no_faults()).await;
+    h.await_inbox(1).await;
+    h.await_published(1).await;
+    eventually("two dead letters", DEADLINE, || async { (dead_letters(&h).await.len() == 2).then_some(()) }).await;
+    run.stop().await.unwrap();
+
+    let read = consumed(&h, &registry, "json", 1).await;
+    assert_eq!(read["o-1"].1, json!({"order_id": "o-1", "amount": {"minor": 1250, "currency": "EUR"}}));
+    let dead: std::collections::HashMap<String, (String, String)> =
+        sqlx::query_as("SELECT convert_from(key, 'UTF8'), error_class, reason FROM relay.dead_letters")
+            .fetch_all(&h.db.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|(k, c, r): (String, String, String)| (k, (c, r)))
+            .collect();
+    let (class, reason) = &dead["o-2"];
+    assert_eq!(class, "bad_encoding");
+    assert!(reason.contains(&format!("schema id {id}")) && reason.contains("/total/currency"), "{reason}");
+    assert!(!reason.contains("euro"), "the reason names the field, never the value: {reason}");
+    let (class, reason) = &dead["o-3"];
+    assert_eq!(class, "schema_invalid");
+    assert!(reason.contains("/amount/minor"), "{reason}");
+}
+
 /// The input's `.proto` files as the producer compiles them (with protoc):
 /// an import the serializer registers as a reference, and a well-known type.
 fn order_proto(with_note: bool) -> String {

@@ -13,9 +13,10 @@ schema id used.
 For protobuf, SCHEMA_FILE holds {"files": {name: .proto text}, "file": name,
 "message": name}: the files are compiled with protoc (grpcio-tools) and the
 serializer registers them as it does in production, imports as references.
-For avro, SCHEMA_FILE may instead hold {"schema": text, "references":
-[{"name", "subject", "version"}]}: a schema using types of schemas already
-registered (schema references).
+For avro and json, SCHEMA_FILE may instead hold {"schema": text,
+"references": [{"name", "subject", "version"}]}: a schema using types (for
+JSON Schema, `$ref`s by name) of schemas already registered (schema
+references).
 
 With RECORDS_JSON "[]" the schema is only registered (for a topic relay
 writes), and its id printed.
@@ -48,14 +49,15 @@ def main() -> None:
 
         def serialize(value, ctx):
             return proto(json_format.ParseDict(value, cls()), ctx)
-    elif fmt == "avro" and '"references"' in schema and "schema" in json.loads(schema):
+    elif fmt in ("avro", "json") and '"references"' in schema and "schema" in json.loads(schema):
         from confluent_kafka.schema_registry import Schema, SchemaReference
 
         spec = json.loads(schema)
         refs = [SchemaReference(r["name"], r["subject"], r["version"]) for r in spec["references"]]
-        serialize = AvroSerializer(
+        serializer, kind = (AvroSerializer, "AVRO") if fmt == "avro" else (JSONSerializer, "JSON")
+        serialize = serializer(
             schema_registry_client=registry,
-            schema_str=Schema(spec["schema"], "AVRO", refs),
+            schema_str=Schema(spec["schema"], kind, refs),
             conf={"auto.register.schemas": True},
         )
     else:

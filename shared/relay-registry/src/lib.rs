@@ -264,12 +264,6 @@ impl Registry {
             .map_err(|e| format!("subject {subject}: the registry's answer is not a schema version ({e})"))?;
         let kind = latest.schema_type.as_deref().unwrap_or("AVRO");
         let describe = format!("subject {subject}, schema id {}", latest.id);
-        if !latest.references.is_empty() && kind == "JSON" {
-            return Err(format!(
-                "subject {subject}: its JSON Schema refers to other schemas; relay follows references of Avro and \
-                 Protobuf schemas only (yet)"
-            ));
-        }
         match (format, kind) {
             (TopicFormat::Avro, "AVRO") => self
                 .imports(latest.references)
@@ -290,11 +284,15 @@ impl Registry {
                     .map(|e| Arc::new(e) as Arc<_>)
                     .map_err(|e| format!("subject {subject}: its Protobuf schema cannot be used: {e}"))
             }
-            (TopicFormat::JsonSchema, "JSON") => serde_json::from_str::<Value>(&latest.schema)
-                .map_err(|e| e.to_string())
-                .and_then(|doc| jsonschema::validator_for(&doc).map_err(|e| e.to_string()))
-                .map(|validator| Arc::new(JsonEncoder { id: latest.id, validator, describe }) as Arc<_>)
-                .map_err(|e| format!("subject {subject}: its JSON Schema cannot be used: {e}")),
+            (TopicFormat::JsonSchema, "JSON") => {
+                let imports = self
+                    .imports(latest.references)
+                    .await
+                    .map_err(|e| format!("subject {subject}: the schemas its JSON Schema refers to: {}", e.why()))?;
+                json_validator(&latest.schema, imports)
+                    .map(|validator| Arc::new(JsonEncoder { id: latest.id, validator, describe }) as Arc<_>)
+                    .map_err(|e| format!("subject {subject}: its JSON Schema cannot be used: {e}"))
+            }
             (format, kind) => Err(format!(
                 "subject {subject}'s latest schema is of type {kind}, and the emit has format = {:?}",
                 format.as_str()
@@ -377,13 +375,6 @@ impl Registry {
             .map_err(|e| unavailable(format!("its answer is not a schema ({e}): {}", snippet(&body))))?;
         let kind = found.schema_type.as_deref().unwrap_or("AVRO");
         let poison = |why: String| Failure::Poison(format!("record of topic {topic:?}, schema id {id}: {why}"));
-        if !found.references.is_empty() && kind == "JSON" {
-            return Err(poison(format!(
-                "the JSON Schema refers to {} other schema(s); relay follows references of Avro and Protobuf \
-                 schemas only (yet)",
-                found.references.len()
-            )));
-        }
         let imported = |e: ImportError| match e {
             ImportError::Missing(why) => Failure::NotYet(format!(
                 "record of topic {topic:?}, schema id {id}: a schema it refers to is missing: {why}"
@@ -405,11 +396,12 @@ impl Registry {
                     .map(Registered::Protobuf)
                     .map_err(|e| poison(format!("the registry's Protobuf schema cannot be used: {e}")))
             }
-            "JSON" => serde_json::from_str::<Value>(&found.schema)
-                .map_err(|e| e.to_string())
-                .and_then(|doc| jsonschema::validator_for(&doc).map_err(|e| e.to_string()))
-                .map(Registered::Json)
-                .map_err(|e| poison(format!("the registry's JSON Schema cannot be used: {e}"))),
+            "JSON" => {
+                let imports = self.imports(found.references).await.map_err(imported)?;
+                json_validator(&found.schema, imports)
+                    .map(Registered::Json)
+                    .map_err(|e| poison(format!("the registry's JSON Schema cannot be used: {e}")))
+            }
             other => {
                 Err(poison(format!("the schema is of type {other}, and the topic has format = {:?}", format.as_str())))
             }
@@ -491,6 +483,34 @@ fn shown_key(k: &str) -> String {
     let mut bytes = k.bytes();
     let first = bytes.next().is_some_and(|b| b.is_ascii_alphabetic() || b == b'_');
     if first && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_') { format!("{k:?}") } else { "*".to_owned() }
+}
+
+/// A validator of JSON Schema `schema`, the schemas it refers to
+/// (`imports`, by reference name) in its registry: as Confluent's
+/// serializers do, a reference's name is the `$ref` that reaches it. A
+/// relative name is found where a `$ref` of it resolves, against the
+/// schema's `$id` or, without one, jsonschema's default base. Nothing is
+/// fetched from anywhere else (the crate's HTTP retrieval is off).
+fn json_validator(schema: &str, imports: HashMap<String, String>) -> Result<jsonschema::Validator, String> {
+    let doc: Value = serde_json::from_str(schema).map_err(|e| e.to_string())?;
+    if imports.is_empty() {
+        return jsonschema::validator_for(&doc).map_err(|e| e.to_string());
+    }
+    let base = doc.get("$id").and_then(Value::as_str).and_then(|id| jsonschema::uri::from_str(id).ok());
+    let mut resources: Vec<(String, Value)> = Vec::with_capacity(imports.len() * 2);
+    for (name, text) in imports {
+        let contents: Value = serde_json::from_str(&text)
+            .map_err(|e| format!("the schema it refers to as {name:?} is not JSON ({e})"))?;
+        if let Some(at) = base.as_ref().and_then(|b| jsonschema::uri::resolve_against(&b.borrow(), &name).ok()) {
+            resources.push((at.to_string(), contents.clone()));
+        }
+        resources.push((name, contents));
+    }
+    let registry = jsonschema::Registry::new()
+        .extend(resources)
+        .and_then(jsonschema::RegistryBuilder::prepare)
+        .map_err(|e| format!("the schemas it refers to: {e}"))?;
+    jsonschema::options().with_registry(&registry).build(&doc).map_err(|e| e.to_string())
 }
 
 /// The wire format's header for schema `id`.
@@ -620,24 +640,40 @@ mod tests {
                     let body = serde_json::json!({"schema": main, "schemaType": "PROTOBUF", "references": refs});
                     (StatusCode::OK, body.to_string())
                 }
+                // JSON Schema with references, one of them nested: by name, and under the schema's `$id`.
+                23 | 24 => {
+                    let id = if id == 24 { r#""$id":"https://schemas.example/shop/order.json","# } else { "" };
+                    let main = format!(
+                        r#"{{{id}"type":"object","properties":{{"total":{{"$ref":"money.json"}}}},"required":["total"]}}"#
+                    );
+                    let refs = serde_json::json!([{"name": "money.json", "subject": "money", "version": 1}]);
+                    let body = serde_json::json!({"schema": main, "schemaType": "JSON", "references": refs});
+                    (StatusCode::OK, body.to_string())
+                }
                 _ => (StatusCode::OK, serde_json::json!({"schema": "{\"type\": \"nope\"}"}).to_string()),
             }
         }
         async fn version(Path((subject, version)): Path<(String, u32)>) -> (StatusCode, String) {
-            let schema = match (subject.as_str(), version) {
-                ("a", 1) => "syntax = \"proto3\"; message A { string old = 1; }",
-                ("a", 2) => "syntax = \"proto3\"; message A { string new = 1; }",
-                ("b", 1) => "syntax = \"proto3\"; import \"a.proto\"; message B { A a = 1; }",
+            let (schema, kind) = match (subject.as_str(), version) {
+                ("a", 1) => ("syntax = \"proto3\"; message A { string old = 1; }", "PROTOBUF"),
+                ("a", 2) => ("syntax = \"proto3\"; message A { string new = 1; }", "PROTOBUF"),
+                ("b", 1) => ("syntax = \"proto3\"; import \"a.proto\"; message B { A a = 1; }", "PROTOBUF"),
+                ("money", 1) => (
+                    r#"{"type":"object","properties":{"minor":{"type":"integer"},"currency":{"$ref":"currency.json"}},"required":["minor"]}"#,
+                    "JSON",
+                ),
+                ("currency", 1) => (r#"{"type":"string","maxLength":3}"#, "JSON"),
                 ("down", _) => return (StatusCode::SERVICE_UNAVAILABLE, "busy".into()),
                 _ => return (StatusCode::NOT_FOUND, r#"{"error_code":40401}"#.into()),
             };
             // b.proto names a.proto at version 1: the schema's own reference (version 2) wins.
-            let refs = if subject == "b" {
-                serde_json::json!([{"name": "a.proto", "subject": "a", "version": 1}])
-            } else {
-                serde_json::json!([])
+            let refs = match subject.as_str() {
+                "b" => serde_json::json!([{"name": "a.proto", "subject": "a", "version": 1}]),
+                "money" => serde_json::json!([{"name": "currency.json", "subject": "currency", "version": 1}]),
+                _ => serde_json::json!([]),
             };
-            let body = serde_json::json!({"id": 100 + version, "schema": schema, "schemaType": "PROTOBUF", "references": refs});
+            let body =
+                serde_json::json!({"id": 100 + version, "schema": schema, "schemaType": kind, "references": refs});
             (StatusCode::OK, body.to_string())
         }
         let app = axum::Router::new()
@@ -716,5 +752,28 @@ mod tests {
         let mut kept: Vec<u32> = r.schemas.read().unwrap().keys().copied().collect();
         kept.sort_unstable();
         assert_eq!(kept, [1, 7, 20]);
+    }
+
+    #[tokio::test]
+    async fn a_json_schema_s_references_are_checked_through_every_level_with_or_without_an_id() {
+        let r = registry(&stand_in().await);
+        for id in [23, 24] {
+            let json = |body: &'static str| {
+                let r = &r;
+                async move { r.decode(TopicFormat::JsonSchema, "t", Some(&datum(id, body.as_bytes()))).await }
+            };
+            let fits = json(r#"{"total":{"minor":5,"currency":"EUR"}}"#).await;
+            assert_eq!(fits.unwrap(), serde_json::json!({"total": {"minor": 5, "currency": "EUR"}}), "id {id}");
+            // money.json's own field, and currency.json's (a reference of the reference).
+            for (body, says) in [
+                (r#"{"total":{"minor":"5"}}"#, "/total/minor"),
+                (r#"{"total":{"minor":5,"currency":"EURO"}}"#, "/total/currency"),
+            ] {
+                match json(body).await {
+                    Err(Failure::Poison(why)) => assert!(why.contains(says), "id {id}: {says:?} in {why}"),
+                    other => panic!("id {id}, {body}: {other:?}"),
+                }
+            }
+        }
     }
 }
