@@ -396,7 +396,7 @@ impl Registry {
                     .map(Registered::Protobuf)
                     .map_err(|e| poison(format!("the registry's Protobuf schema cannot be used: {e}")))
             }
-            "JSON" => {
+            "JSON" if format == TopicFormat::JsonSchema => {
                 let imports = self.imports(found.references).await.map_err(imported)?;
                 json_validator(&found.schema, imports)
                     .map(Registered::Json)
@@ -486,31 +486,60 @@ fn shown_key(k: &str) -> String {
 }
 
 /// A validator of JSON Schema `schema`, the schemas it refers to
-/// (`imports`, by reference name) in its registry: as Confluent's
-/// serializers do, a reference's name is the `$ref` that reaches it. A
-/// relative name is found where a `$ref` of it resolves, against the
-/// schema's `$id` or, without one, jsonschema's default base. Nothing is
-/// fetched from anywhere else (the crate's HTTP retrieval is off).
+/// (`imports`, by reference name) in its registry, read as Confluent's
+/// Python serializer reads them: a reference's name is the `$ref` that
+/// reaches it, and `$ref`s inside it resolve against that name (its own
+/// top-level `$id` is set aside, as `referencing` looks resources up by
+/// the name they were registered under); one without `$schema` is read in
+/// the schema's draft. A relative name is also found against the schema's
+/// own `$id`. Nothing is fetched ([`NoFetch`]).
 fn json_validator(schema: &str, imports: HashMap<String, String>) -> Result<jsonschema::Validator, String> {
+    use jsonschema::Draft;
     let doc: Value = serde_json::from_str(schema).map_err(|e| e.to_string())?;
     if imports.is_empty() {
-        return jsonschema::validator_for(&doc).map_err(|e| e.to_string());
+        return jsonschema::options().with_retriever(NoFetch).build(&doc).map_err(|e| e.to_string());
     }
+    let draft = match Draft::default().detect(&doc) {
+        Draft::Unknown => Draft::default(),
+        known => known,
+    };
     let base = doc.get("$id").and_then(Value::as_str).and_then(|id| jsonschema::uri::from_str(id).ok());
-    let mut resources: Vec<(String, Value)> = Vec::with_capacity(imports.len() * 2);
+    let mut imports: Vec<(String, String)> = imports.into_iter().collect();
+    imports.sort_unstable();
+    let (mut aliases, mut named) = (Vec::new(), Vec::with_capacity(imports.len()));
     for (name, text) in imports {
-        let contents: Value = serde_json::from_str(&text)
+        let mut contents: Value = serde_json::from_str(&text)
             .map_err(|e| format!("the schema it refers to as {name:?} is not JSON ({e})"))?;
-        if let Some(at) = base.as_ref().and_then(|b| jsonschema::uri::resolve_against(&b.borrow(), &name).ok()) {
-            resources.push((at.to_string(), contents.clone()));
+        let draft = draft.detect(&contents);
+        if let Some(top) = contents.as_object_mut() {
+            top.remove(draft.id_keyword());
         }
-        resources.push((name, contents));
+        let resource = draft.create_resource(contents);
+        if let Some(at) = base.as_ref().and_then(|b| jsonschema::uri::resolve_against(&b.borrow(), &name).ok()) {
+            aliases.push((at.to_string(), resource.clone()));
+        }
+        named.push((name, resource));
     }
+    // Added later, a name wins over another's alias at the same address.
     let registry = jsonschema::Registry::new()
-        .extend(resources)
+        .retriever(NoFetch)
+        .extend(aliases.into_iter().chain(named))
         .and_then(jsonschema::RegistryBuilder::prepare)
         .map_err(|e| format!("the schemas it refers to: {e}"))?;
-    jsonschema::options().with_registry(&registry).build(&doc).map_err(|e| e.to_string())
+    jsonschema::options().with_retriever(NoFetch).with_registry(&registry).build(&doc).map_err(|e| e.to_string())
+}
+
+/// What a JSON Schema `$ref` no reference names gets: no schema is fetched
+/// from a URL or a file (Confluent's Python serializer would fetch a URL;
+/// a relay that did would let a registry entry make it call anywhere).
+struct NoFetch;
+
+impl jsonschema::Retrieve for NoFetch {
+    fn retrieve(&self, _uri: &jsonschema::Uri<String>) -> Result<Value, Box<dyn std::error::Error + Send + Sync>> {
+        Err("relay fetches no schema: a $ref reaches only the schema's references, by their names (register the \
+             schema it names and list it among the references)"
+            .into())
+    }
 }
 
 /// The wire format's header for schema `id`.
@@ -650,6 +679,29 @@ mod tests {
                     let body = serde_json::json!({"schema": main, "schemaType": "JSON", "references": refs});
                     (StatusCode::OK, body.to_string())
                 }
+                // A reference with an `$id` of its own; a draft-07 one; a `$ref` no reference names; a reference the registry cannot give now.
+                25..=28 => {
+                    let (main, refs) = match id {
+                        25 => (
+                            r#"{"type":"object","properties":{"total":{"$ref":"money.json"}}}"#,
+                            serde_json::json!([{"name": "money.json", "subject": "money-with-id", "version": 1}]),
+                        ),
+                        26 => (
+                            r#"{"$schema":"http://json-schema.org/draft-07/schema#","type":"object","properties":{"total":{"$ref":"d7.json"}}}"#,
+                            serde_json::json!([{"name": "d7.json", "subject": "d7", "version": 1}]),
+                        ),
+                        27 => (
+                            r#"{"type":"object","properties":{"total":{"$ref":"https://schemas.example/nowhere.json"}}}"#,
+                            serde_json::json!([]),
+                        ),
+                        _ => (
+                            r#"{"type":"object","properties":{"total":{"$ref":"money.json"}}}"#,
+                            serde_json::json!([{"name": "money.json", "subject": "down", "version": 1}]),
+                        ),
+                    };
+                    let body = serde_json::json!({"schema": main, "schemaType": "JSON", "references": refs});
+                    (StatusCode::OK, body.to_string())
+                }
                 _ => (StatusCode::OK, serde_json::json!({"schema": "{\"type\": \"nope\"}"}).to_string()),
             }
         }
@@ -663,13 +715,24 @@ mod tests {
                     "JSON",
                 ),
                 ("currency", 1) => (r#"{"type":"string","maxLength":3}"#, "JSON"),
+                ("money-with-id", 1) => (
+                    r#"{"$id":"https://other.example/m/money.json","type":"object","properties":{"currency":{"$ref":"currency.json"}}}"#,
+                    "JSON",
+                ),
+                // Draft 7 reads no keyword beside a `$ref`: `required` here is not checked.
+                ("d7", 1) => (
+                    r##"{"$ref":"#/definitions/b","definitions":{"b":{"type":"object"}},"required":["currency"]}"##,
+                    "JSON",
+                ),
                 ("down", _) => return (StatusCode::SERVICE_UNAVAILABLE, "busy".into()),
                 _ => return (StatusCode::NOT_FOUND, r#"{"error_code":40401}"#.into()),
             };
             // b.proto names a.proto at version 1: the schema's own reference (version 2) wins.
             let refs = match subject.as_str() {
                 "b" => serde_json::json!([{"name": "a.proto", "subject": "a", "version": 1}]),
-                "money" => serde_json::json!([{"name": "currency.json", "subject": "currency", "version": 1}]),
+                "money" | "money-with-id" => {
+                    serde_json::json!([{"name": "currency.json", "subject": "currency", "version": 1}])
+                }
                 _ => serde_json::json!([]),
             };
             let body =
@@ -748,10 +811,10 @@ mod tests {
             "a missing reference"
         );
         wait(proto(22, body.to_vec()).await, "a schema it refers to");
-        // What parsed is kept (ids 1, 7 and 20); what failed is asked again.
+        // What parsed is kept (ids 1 and 20); what failed, or is of another format, is asked again.
         let mut kept: Vec<u32> = r.schemas.read().unwrap().keys().copied().collect();
         kept.sort_unstable();
-        assert_eq!(kept, [1, 7, 20]);
+        assert_eq!(kept, [1, 20]);
     }
 
     #[tokio::test]
@@ -775,5 +838,27 @@ mod tests {
                 }
             }
         }
+        let decode = |format: TopicFormat, id: u32, body: &'static str| {
+            let r = &r;
+            async move { r.decode(format, "t", Some(&datum(id, body.as_bytes()))).await }
+        };
+        // Inside a reference, `$ref`s resolve against its name, not its own `$id` (as Confluent's Python
+        // serializer reads it), and a reference without `$schema` is read in the schema's draft.
+        let euro = decode(TopicFormat::JsonSchema, 25, r#"{"total":{"currency":"EURO"}}"#).await;
+        assert!(matches!(euro, Err(Failure::Poison(why)) if why.contains("/total/currency")));
+        assert!(decode(TopicFormat::JsonSchema, 25, r#"{"total":{"currency":"EUR"}}"#).await.is_ok());
+        assert!(decode(TopicFormat::JsonSchema, 26, r#"{"total":{"minor":5}}"#).await.is_ok(), "draft 7");
+        // A `$ref` no reference names is not fetched: the schema is refused, saying so.
+        match decode(TopicFormat::JsonSchema, 27, "{}").await {
+            Err(Failure::Poison(why)) => {
+                assert!(why.contains("nowhere.json") && why.contains("relay fetches no schema"), "{why}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // On a topic of another format, a JSON Schema is poison before its references are asked for.
+        let avro = decode(TopicFormat::Avro, 28, "{}").await;
+        assert!(matches!(&avro, Err(Failure::Poison(why)) if why.contains("of type JSON")), "{avro:?}");
+        let json = decode(TopicFormat::JsonSchema, 28, "{}").await;
+        assert!(matches!(&json, Err(Failure::Unavailable(why)) if why.contains("refers to")), "{json:?}");
     }
 }
