@@ -1019,7 +1019,7 @@ async fn a_small_tenant_s_calls_start_within_a_few_slots_of_a_big_tenant_s_burst
     .fetch_one(&h.db.pool)
     .await
     .unwrap();
-    let after_arrival = last_small - usize::try_from(before).unwrap();
+    let after_arrival = last_small.saturating_sub(usize::try_from(before).unwrap());
     // Ten small calls taking turns with the big tenant's: about 20 slots.
     // Without fair shares they would come after all 300 (written last).
     assert!(

@@ -115,8 +115,7 @@ pub struct EndpointClient {
     /// The line for the rate limiter's tokens, shared by the clones: governor
     /// wakes its waiters all at once and the first to run wins, so without it
     /// a call could lose to later ones again and again, and a fair share's
-    /// early slot start behind a burst it was scheduled ahead of (issue 31's CI:
-    /// a small tenant's call claimed among the first 20 started #75).
+    /// early slot start behind a burst it was scheduled ahead of.
     rate_line: Arc<tokio::sync::Mutex<()>>,
     /// The adaptive rate, shared by every process, instead of `limiter`.
     adaptive: Option<Arc<super::throttle::Adaptive>>,
