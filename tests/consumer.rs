@@ -1173,6 +1173,48 @@ async fn a_template_that_references_a_missing_field_dead_letters_the_event_namin
     assert_eq!(h.inbox().await, 1);
 }
 
+/// An event applied before a restart, delivered again after its route
+/// changed so that it no longer renders (as after a crash between the
+/// database commit and the offset commit, with a config or a latest schema
+/// changed meanwhile): a duplicate, not a dead letter holding its key.
+#[tokio::test]
+async fn an_applied_event_delivered_again_after_its_route_changed_is_a_duplicate_not_a_dead_letter() {
+    let h = Harness::new(1).await;
+    h.send(&order("evt-1", "o-1")).await;
+    h.send(&order("evt-2", "o-2")).await;
+    let held = CAPTURE_ROUTE.replace("counter = \"orders\"", "counter = \"orders\"\non_poison = \"hold_key\"");
+    let run = h.start(h.config(&held), CONSUMER_ONLY, no_faults()).await;
+    h.await_inbox(2).await;
+    run.stop().await.unwrap();
+
+    // The path now reads a field these events lack; o-1 gets a new event too.
+    h.send(&order("evt-3", "o-3")).await;
+    let (_, last) = h.send(&order("evt-4", "o-1")).await;
+    let mut cfg =
+        h.config(&held.replace("/captures/{{ data.order_id }}", "/captures/{{ data.order_id }}/{{ data.shop }}"));
+    let group = unique("redelivery-group");
+    cfg.consumer.group_id = Some(group.clone());
+    let run = h.start(cfg, CONSUMER_ONLY, no_faults()).await;
+    eventually("the new group past every record", DEADLINE, || async {
+        let c = relay_testkit::committed_offsets(&h.bootstrap, &group, &h.topic).await.unwrap();
+        (c.get(&0).copied().flatten() == Some(last + 1)).then_some(())
+    })
+    .await;
+    run.stop().await.unwrap();
+    let dead: Vec<String> = sqlx::query_scalar("SELECT event_id FROM relay.dead_letters ORDER BY \"offset\"")
+        .fetch_all(&h.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(dead, ["evt-3", "evt-4"], "only the events never applied are dead-lettered");
+    assert_eq!(h.inbox().await, 2);
+    // evt-4 holds o-1's key as its own dead letter; evt-1, applied, held nothing before it.
+    let held_at: Vec<i64> = sqlx::query_scalar("SELECT head_offset FROM relay.held_keys ORDER BY head_offset")
+        .fetch_all(&h.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(held_at, [last - 1, last], "o-3's and o-1's keys, each held by its own dead letter");
+}
+
 #[tokio::test]
 async fn while_the_database_is_down_nothing_is_committed_and_processing_resumes_when_it_is_back() {
     let h = Harness::new(1).await;

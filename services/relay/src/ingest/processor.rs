@@ -336,7 +336,7 @@ impl Processor {
         view: &View,
     ) -> Result<Processed, sqlx::Error> {
         match self.prepare(record, view) {
-            Prepared::Done(p) => Ok(p),
+            Prepared::Done(p) => self.unless_applied(conn, p).await,
             Prepared::Ready(item) => self.write_alone(conn, item, None).await,
         }
     }
@@ -442,7 +442,7 @@ impl Processor {
             }
             let processed = match next {
                 None => continue,
-                Some(Prepared::Done(p)) => p,
+                Some(Prepared::Done(p)) => self.unless_applied(conn, p).await?,
                 Some(Prepared::Ready(item)) => self.write_alone(conn, item, Some(&mut *held)).await?,
             };
             self.note_hold(conn, &mut holds, &records[i], &processed).await?;
@@ -505,6 +505,25 @@ impl Processor {
             holds.keys.insert(key.clone(), record.offset);
         }
         Ok(())
+    }
+
+    /// `p`, found poison before the inbox was asked, unless its event is in
+    /// the inbox already: then it was applied, and its effects written, by an
+    /// earlier delivery, before the route or the schema it is checked
+    /// against changed (a restart after a crash between the database commit
+    /// and the offset commit). A duplicate then, not a dead letter holding
+    /// its key for a record nothing is left to do for.
+    async fn unless_applied(&self, conn: &mut PgConnection, p: Processed) -> Result<Processed, sqlx::Error> {
+        let (Disposition::DeadLetter(_), Some(id)) = (&p.disposition, &p.info.id) else { return Ok(p) };
+        // PostgreSQL text holds no NUL: such an id was never stored, and
+        // asking would abort the transaction.
+        if id.contains('\0') {
+            return Ok(p);
+        }
+        if inbox::outcome_of(conn, self.router.consumer(), id).await?.is_none() {
+            return Ok(p);
+        }
+        Ok(Processed { disposition: Disposition::Duplicate, ..p })
     }
 
     /// `record`, held behind an earlier dead letter of its key.
