@@ -514,15 +514,23 @@ impl Processor {
     /// and the offset commit). A duplicate then, not a dead letter holding
     /// its key for a record nothing is left to do for.
     async fn unless_applied(&self, conn: &mut PgConnection, p: Processed) -> Result<Processed, sqlx::Error> {
-        let (Disposition::DeadLetter(_), Some(id)) = (&p.disposition, &p.info.id) else { return Ok(p) };
-        // PostgreSQL text holds no NUL: such an id was never stored, and
-        // asking would abort the transaction.
-        if id.contains('\0') {
+        let (Disposition::DeadLetter(poison), Some(id)) = (&p.disposition, &p.info.id) else { return Ok(p) };
+        // Where the id is what was wrong, it names no inbox row: cut to fit
+        // a dead letter (another id may share the cut), or holding a
+        // control character (a NUL would abort the transaction).
+        let id_wrong = matches!(poison.class, PoisonClass::BadField | PoisonClass::MissingId);
+        if id_wrong || relay_core::limits::check_key("event id", id).is_err() {
             return Ok(p);
         }
-        if inbox::outcome_of(conn, self.router.consumer(), id).await?.is_none() {
+        let consumer = self.router.consumer();
+        if inbox::outcome_of(conn, consumer, id).await?.is_none() {
             return Ok(p);
         }
+        // Said, since a change of config or schema made it: the next event
+        // like it is dead-lettered.
+        warn!(consumer, event_id = %id, class = poison.class.as_str(), reason = %poison.reason,
+              "an event applied before no longer passes its route (its config or schema changed since): \
+               counted as a duplicate, not dead-lettered");
         Ok(Processed { disposition: Disposition::Duplicate, ..p })
     }
 
