@@ -202,7 +202,7 @@ async fn an_intent_that_ended_dead_after_an_attempt_that_may_have_been_applied_i
     let key_rule = |times, kind| FaultRule { path_prefix: None, key_prefix: Some("capture:o-1".into()), times, kind };
     h.provider.set_faults(vec![
         key_rule(Some(1), FaultKind::TimeoutBeforeApply { delay_ms: 1500 }),
-        key_rule(None, FaultKind::Status { status: 503, retry_after_secs: None }),
+        key_rule(None, FaultKind::Status { status: 429, retry_after_secs: None }),
     ]);
     h.send(&order("evt-1", "o-1")).await;
     let mut cfg = h.config(CAPTURE_ROUTE);
@@ -216,6 +216,33 @@ async fn an_intent_that_ended_dead_after_an_attempt_that_may_have_been_applied_i
     let r = check(&h, &cfg).await;
     assert_eq!(checks(&r), vec!["dead_after_uncertain"], "{}", r.render());
     assert!(r.violations[0].ids[0].contains("(capture:o-1): attempt 1 was uncertain"), "{:?}", r.violations[0].ids);
+}
+
+#[tokio::test]
+async fn an_intent_that_ended_dead_after_a_5xx_is_reported_whatever_its_attempts_were_recorded_as() {
+    // A provider that applied the capture and replays its stored 500.
+    // Planted bug: the 5xx is read as "not applied" (as before the outcome
+    // table), so the attempts are recorded retryable and the spent budget
+    // ends dead with payment.failed. The check reads the statuses too.
+    let h = Harness::new(1).await;
+    let key_rule = |times, kind| FaultRule { path_prefix: None, key_prefix: Some("capture:o-1".into()), times, kind };
+    h.provider.set_faults(vec![key_rule(None, FaultKind::AppliedThenFail { status: 500 })]);
+    h.send(&order("evt-1", "o-1")).await;
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.endpoints.get_mut("psp").unwrap().max_attempts = 2;
+    let broken = no_faults().with_sabotage(Sabotage { server_errors_certain: true, ..Sabotage::default() });
+    let run = h.start(cfg.clone(), Components::ALL, broken).await;
+    h.await_intents_finished(1).await;
+    h.await_published(1).await;
+    run.stop().await.unwrap();
+
+    let r = check(&h, &cfg).await;
+    assert_eq!(checks(&r), vec!["dead_after_uncertain"], "{}", r.render());
+    assert!(
+        r.violations[0].ids[0].contains("(capture:o-1): attempt 1 was retryable (HTTP 500)"),
+        "{:?}",
+        r.violations[0].ids
+    );
 }
 
 #[tokio::test]

@@ -72,6 +72,13 @@ pub enum FaultKind {
         /// Where to.
         location: String,
     },
+    /// Apply the effect, then fail answering `status` (a 5xx): the failure
+    /// is the stored answer, replayed to every retry with the key, as Stripe
+    /// documents for a 500 ("treat the result as indeterminate").
+    AppliedThenFail {
+        /// HTTP status.
+        status: u16,
+    },
     /// Apply the effect, then answer only once the test calls
     /// [`Provider::release_held`]: stalled requests that all answer at once.
     HoldUntilReleased,
@@ -746,6 +753,7 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
             };
             let mut html = false;
             let mut running = false;
+            let mut failed = None;
             let hold = kind == Some(FaultKind::HoldUntilReleased);
             let delay_after = match kind {
                 Some(FaultKind::Status { status, retry_after_secs }) => {
@@ -771,6 +779,10 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
                     running = true;
                     Some(delay_ms)
                 }
+                Some(FaultKind::AppliedThenFail { status }) => {
+                    failed = Some(status);
+                    None
+                }
                 Some(FaultKind::HoldUntilReleased) | None => None,
             };
             // The effect is applied and its response stored in the same
@@ -785,6 +797,10 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
             inner.stats.applied += 1;
             inner.stats.by_key.entry(key.clone()).or_default().applied += 1;
             inner.stored.insert(key.clone(), (201, resource.clone()));
+            if let Some(status) = failed {
+                let error = json!({"error": {"type": "api_error", "message": "An unknown error occurred"}});
+                inner.stored.insert(key.clone(), (status, error));
+            }
             inner.bodies.insert(key.clone(), body.clone());
             let intent_id = headers.get("x-relay-intent-id").and_then(|v| v.to_str().ok()).map(str::to_owned);
             let traceparent = headers.get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_owned);
@@ -796,7 +812,15 @@ async fn call(State(s): State<AppState>, method: Method, uri: Uri, headers: Head
                 intent_id,
                 traceparent,
             });
-            Plan::Applied { response: resource, delay_after, html, hold, running }
+            match failed {
+                Some(status) => {
+                    // Answered at once: no longer in progress.
+                    *inner.in_progress.entry(key.clone()).or_default() -= 1;
+                    inner.in_flight -= 1;
+                    Plan::Fail(status, None)
+                }
+                None => Plan::Applied { response: resource, delay_after, html, hold, running },
+            }
         }
     };
     match plan {

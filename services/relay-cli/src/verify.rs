@@ -276,7 +276,7 @@ pub async fn verify(cfg: &RelayConfig, pool: &PgPool, opts: &VerifyOptions) -> a
     }
     check_outbox(cfg, pool, &mut report).await?;
     check_stuck(pool, consumer, opts.grace, &mut report).await?;
-    check_failing(pool, consumer, &mut report).await?;
+    check_failing(cfg, pool, &mut report).await?;
     check_counters(cfg, pool, &mut report).await?;
     Ok(report)
 }
@@ -523,8 +523,18 @@ async fn check_stuck(pool: &PgPool, consumer: &str, grace: Duration, report: &mu
 /// No row keeps failing unnoticed, no outbox row is dead, and no intent
 /// ended dead after an attempt that may have been applied (`failing`,
 /// `dead_outbox`, `dead_after_uncertain`).
-async fn check_failing(pool: &PgPool, consumer: &str, report: &mut Report) -> anyhow::Result<()> {
-    let lied = audit::dead_after_uncertain(pool, consumer).await?;
+async fn check_failing(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -> anyhow::Result<()> {
+    let consumer = cfg.consumer.name.as_str();
+    let may_apply: Vec<(String, u16)> = cfg
+        .endpoints
+        .iter()
+        .flat_map(|(name, e)| {
+            relay_core::answers::statuses_that_may_have_applied(&e.profile(), &e.also_retry())
+                .into_iter()
+                .map(move |s| (name.clone(), s))
+        })
+        .collect();
+    let lied = audit::dead_after_uncertain(pool, consumer, &may_apply).await?;
     if !lied.is_empty() {
         report.violate(
             "dead_after_uncertain",

@@ -15,6 +15,7 @@
 //! permanent failure here is permanent for that record (it is dead-lettered,
 //! not retried).
 
+pub mod answers;
 pub mod config;
 pub mod disposition;
 pub mod effects;

@@ -77,7 +77,7 @@ pub struct KeyOverrides {
     #[serde(default, with = "humantime_serde::option")]
     pub window: Option<Duration>,
     /// Statuses meaning "a request with this key is still being processed":
-    /// retried later, and not a new unknown outcome.
+    /// retried later; the call may have been applied.
     pub in_progress: Option<Vec<u16>>,
     /// Answers meaning "this key was used with a different request": never
     /// retried, the intent dead (a bug upstream: two calls share a key).
@@ -245,14 +245,6 @@ impl Profile {
     /// with a key the provider deduplicates on.
     pub fn resends_unknown(&self) -> bool {
         self.key != KeyPlacement::Omitted
-    }
-
-    /// Whether an answer with `status` may come after the call was applied
-    /// although it is not a success: without keys, a 5xx (a gateway's 502 or
-    /// 504 after passing the request on, a provider failing halfway) cannot
-    /// be retried safely, so it is an unknown outcome.
-    pub fn answer_may_have_applied(&self, status: u16) -> bool {
-        self.key == KeyPlacement::Omitted && (500..=599).contains(&status)
     }
 
     /// Whether an answer with `status` is read beyond its first bytes to
@@ -485,14 +477,6 @@ mod tests {
         let p = Profile::resolve(ProfileName::Custom, &o);
         assert_eq!(p.key_answer(409, Some(&json!({"code": "mismatch"}))), Some(KeyAnswer::Mismatch));
         assert_eq!(p.key_answer(409, Some(&json!({"code": "busy"}))), Some(KeyAnswer::InProgress));
-    }
-
-    #[test]
-    fn without_keys_a_5xx_may_come_after_the_call_was_applied() {
-        let none = Profile::builtin(ProfileName::None);
-        assert!(none.answer_may_have_applied(502) && none.answer_may_have_applied(500));
-        assert!(!none.answer_may_have_applied(429) && !none.answer_may_have_applied(400));
-        assert!(!Profile::builtin(ProfileName::Stripe).answer_may_have_applied(502));
     }
 
     #[test]

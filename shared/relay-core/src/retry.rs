@@ -57,8 +57,9 @@ pub enum Verdict {
     Retry {
         /// The provider asked for at least this long.
         retry_after: Option<Duration>,
-        /// The request may have taken effect (timeout after send): recorded as
-        /// an *uncertain* attempt, retried with the same key.
+        /// The request may have taken effect (a timeout after sending, a
+        /// reset, a 5xx, "in progress": [`crate::answers::TABLE`]): recorded
+        /// as an *uncertain* attempt, retried with the same key.
         uncertain: bool,
     },
     /// Never retried: a client error the provider will keep returning.
@@ -68,50 +69,34 @@ pub enum Verdict {
     KeyMismatch,
 }
 
-/// Classify an attempt:
+/// Classify an attempt, by the outcome table ([`crate::answers::TABLE`]):
+/// a success succeeds, a key mismatch is never retried, an answer the table
+/// retries is retried (uncertain when it may have been applied), and every
+/// other answer is permanent.
 ///
-/// | result | verdict |
-/// |---|---|
-/// | 2xx | success |
-/// | the profile's "same key, different request" | key mismatch (never retried) |
-/// | the profile's "same key still in progress" | retry (honouring `Retry-After`), not uncertain |
-/// | 408, 425, 429, 5xx | retry (honouring `Retry-After`) |
-/// | a status in the endpoint's `also_retry` (default: 409) | retry (honouring `Retry-After`) |
-/// | timeout before/after sending | retry (uncertain when after) |
-/// | connection refused / DNS / connect timeout | retry |
-/// | other transport error | retry, uncertain |
-/// | every other status (3xx included: redirects are not followed) | permanent |
-///
-/// Why 409 is retried by default: providers that implement idempotency keys
-/// (the IETF `Idempotency-Key` header draft, Stripe) answer `409 Conflict`
-/// while a request with the same key is *still being processed*, which is
-/// exactly what the relay meets when it retries after a timeout (an uncertain
-/// attempt). Treating that 409 as permanent would declare the call dead, and
-/// record its `on_dead` effects, while the provider is applying it. The 409
-/// itself is not uncertain: every earlier request of the intent that may
-/// have reached the provider already made it so (an unknown outcome, a lost
-/// lease — claims are durable, so no attempt goes unrecorded), and a 409 on
-/// a first attempt is more likely a business conflict ("already refunded")
-/// than our own request. An endpoint whose API uses 409 for business
-/// conflicts sets `retryable_statuses = []`.
-///
-/// 501 is retried like every 5xx, as R8 says: a gateway in front of the
-/// provider answers 501 for a method it has not been told about yet during a
-/// deploy, and a spent budget ends it anyway.
+/// Why 409 is retried by default without a profile: providers that
+/// implement idempotency keys answer `409 Conflict` while a request with the
+/// same key is *still being processed*, which is what the relay meets when
+/// it retries after a timeout. That 409 is not itself an unknown outcome:
+/// the earlier request that may have reached the provider already made the
+/// intent uncertain (a timeout, a reset, a 5xx, a lost lease), and a 409 on a
+/// first attempt is more likely a business conflict ("already refunded").
+/// A profile's own "in progress" answer is different: the provider says a
+/// request with this key reached it, so it may have been applied. An
+/// endpoint whose API uses 409 for business conflicts sets
+/// `retryable_statuses = []`.
 pub fn classify(result: &AttemptResult, also_retry: &[u16]) -> Verdict {
-    match *result {
-        AttemptResult::Response { status, retry_after, key } => match status {
-            200..=299 => Verdict::Success,
-            _ if key == Some(KeyAnswer::Mismatch) => Verdict::KeyMismatch,
-            _ if key == Some(KeyAnswer::InProgress) => Verdict::Retry { retry_after, uncertain: false },
-            s if also_retry.contains(&s) => Verdict::Retry { retry_after, uncertain: false },
-            408 | 425 | 429 => Verdict::Retry { retry_after, uncertain: false },
-            500..=599 => Verdict::Retry { retry_after, uncertain: false },
-            _ => Verdict::Permanent,
-        },
-        AttemptResult::Timeout { sent } => Verdict::Retry { retry_after: None, uncertain: sent },
-        AttemptResult::Connect => Verdict::Retry { retry_after: None, uncertain: false },
-        AttemptResult::Transport => Verdict::Retry { retry_after: None, uncertain: true },
+    let answer = crate::answers::Answer::of(result, also_retry);
+    let meaning = answer.meaning();
+    let retry_after = match *result {
+        AttemptResult::Response { retry_after, .. } => retry_after,
+        _ => None,
+    };
+    match answer {
+        crate::answers::Answer::Success => Verdict::Success,
+        crate::answers::Answer::KeyMismatch => Verdict::KeyMismatch,
+        _ if meaning.retried => Verdict::Retry { retry_after, uncertain: meaning.may_have_applied },
+        _ => Verdict::Permanent,
     }
 }
 
@@ -416,7 +401,17 @@ pub fn decide(
     let outcome = if uncertain { AttemptOutcome::Uncertain } else { AttemptOutcome::Retryable };
     // Past the intent's end any delay is as good as another.
     let left = (budget.expires_at - now).to_std().unwrap_or_default();
-    let delay = policy.delay(budget.attempts.max(1), rng).max(retry_after.unwrap_or_default());
+    let backoff = policy.delay(budget.attempts.max(1), rng);
+    let delay = match retry_after {
+        // The provider's floor, spread over up to half of it again (at most
+        // the backoff's ceiling): intents throttled together would otherwise
+        // all come due in the same instant, and be throttled again.
+        Some(ra) if ra > backoff => {
+            let spread = (ra / 2).min(policy.ceiling(budget.attempts.max(1))).as_millis() as u64;
+            ra.saturating_add(Duration::from_millis(rng.random_range(0..=spread)))
+        }
+        _ => backoff,
+    };
     if budget.attempts >= budget.max_attempts {
         end(uncertain, outcome, format!("retry budget exhausted after {} attempts", budget.attempts))
     } else if delay >= left {
@@ -515,8 +510,13 @@ mod tests {
 
     #[test]
     fn throttling_timeouts_and_server_errors_are_retried() {
-        for s in [408, 425, 429, 500, 501, 502, 503, 504, 599] {
+        for s in [408, 425, 429] {
             assert!(matches!(status(s), Verdict::Retry { uncertain: false, .. }), "{s}");
+        }
+        // A 5xx may follow an applied call (Stripe replays a stored 500 to
+        // every retry with the key): retried, and the intent never ends dead.
+        for s in [500, 501, 502, 503, 504, 599] {
+            assert!(matches!(status(s), Verdict::Retry { uncertain: true, .. }), "{s}");
         }
     }
 
@@ -554,7 +554,8 @@ mod tests {
     #[test]
     fn a_profile_s_key_answers_decide_before_the_status() {
         let answer = |status, key| classify(&AttemptResult::Response { status, retry_after: None, key }, &[]);
-        assert_eq!(answer(409, Some(KeyAnswer::InProgress)), Verdict::Retry { retry_after: None, uncertain: false });
+        // "Still in progress" says a request with the key reached the provider.
+        assert_eq!(answer(409, Some(KeyAnswer::InProgress)), Verdict::Retry { retry_after: None, uncertain: true });
         assert_eq!(answer(422, Some(KeyAnswer::Mismatch)), Verdict::KeyMismatch);
         assert_eq!(answer(400, Some(KeyAnswer::Mismatch)), Verdict::KeyMismatch);
         assert_eq!(answer(200, Some(KeyAnswer::Mismatch)), Verdict::Success, "a 2xx is a success whatever it says");
@@ -662,7 +663,24 @@ mod tests {
     #[test]
     fn decide_a_retry_after_longer_than_the_backoff_is_honoured() {
         let d = decided(&budget(1, 5, 24, false), retry(Some(3600), false));
-        assert_eq!(d.next, NextState::Retry(Duration::from_secs(3600)));
+        let NextState::Retry(delay) = d.next else { panic!("{d:?}") };
+        let ceiling = BackoffPolicy::default().ceiling(1);
+        assert!(delay >= Duration::from_secs(3600) && delay <= Duration::from_secs(3600) + ceiling, "{delay:?}");
+    }
+
+    #[test]
+    fn intents_throttled_together_with_one_retry_after_do_not_all_come_due_at_once() {
+        let policy = BackoffPolicy { max_delay: Duration::from_secs(60), ..BackoffPolicy::default() };
+        let mut rng = StdRng::seed_from_u64(9);
+        let b = budget(6, 10, 24, false);
+        let delays: std::collections::BTreeSet<Duration> = (0..50)
+            .map(|_| match decide(&b, retry(Some(30), false), &policy, at(), &mut rng).next {
+                NextState::Retry(d) => d,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert!(delays.iter().all(|d| *d >= Duration::from_secs(30) && *d <= Duration::from_secs(45)), "{delays:?}");
+        assert!(delays.len() > 40, "spread over 15 s, not one instant: {delays:?}");
     }
 
     #[test]

@@ -77,23 +77,37 @@ pub async fn published_rows(pool: &PgPool, consumer: &str) -> Result<Vec<(Uuid, 
 }
 
 /// Intents that ended dead although an attempt of theirs may have been
-/// applied (its outcome [`relay_core::retry::AttemptOutcome::may_have_applied`]):
-/// their `on_dead` effects announced a failure for a call that may have gone
-/// through. Read from the attempts, not from `ever_uncertain`, so that a
-/// flag that was not set is caught too. An intent an operator resolved as
-/// failed ([`relay_core::retry::ErrorClass::Resolved`]) is not one: the
-/// provider was asked; nor is an attempt a later reconciliation found not
-/// applied ([`relay_core::profile::Reconciled::NotApplied`]). Each as `id (key): attempt n was <outcome>`, the
-/// first such attempt.
-pub async fn dead_after_uncertain(pool: &PgPool, consumer: &str) -> Result<Vec<String>, sqlx::Error> {
+/// applied: its outcome says so ([`relay_core::retry::AttemptOutcome::may_have_applied`]),
+/// or its status is one the outcome table says may follow an applied call
+/// on its endpoint (`may_apply`: endpoint and status pairs, from
+/// [`relay_core::answers::statuses_that_may_have_applied`]), which catches
+/// attempts recorded before that table counted them. Their `on_dead`
+/// effects announced a failure for a call that may have gone through. Read
+/// from the attempts, not from `ever_uncertain`, so that a flag that was
+/// not set is caught too. An intent an operator resolved as failed
+/// ([`relay_core::retry::ErrorClass::Resolved`]) is not one: the provider
+/// was asked; nor is an attempt a later reconciliation found not applied
+/// ([`relay_core::profile::Reconciled::NotApplied`]). Each as
+/// `id (key): attempt n was <outcome> (HTTP status)`, the first such attempt.
+pub async fn dead_after_uncertain(
+    pool: &PgPool,
+    consumer: &str,
+    may_apply: &[(String, u16)],
+) -> Result<Vec<String>, sqlx::Error> {
     use relay_core::retry::{AttemptOutcome, ErrorClass};
     let may: Vec<&str> =
         AttemptOutcome::ALL.into_iter().filter(|o| o.may_have_applied()).map(AttemptOutcome::as_str).collect();
+    let endpoints: Vec<&str> = may_apply.iter().map(|(e, _)| e.as_str()).collect();
+    let statuses: Vec<i32> = may_apply.iter().map(|(_, s)| i32::from(*s)).collect();
     sqlx::query_scalar(
         "SELECT i.id::text || ' (' || i.idempotency_key || '): attempt '
-                || (array_agg(a.attempt::text || ' was ' || a.outcome ORDER BY a.attempt))[1]
+                || (array_agg(a.attempt::text || ' was ' || a.outcome
+                              || coalesce(' (HTTP ' || a.status::text || ')', '') ORDER BY a.attempt))[1]
            FROM relay.intents i JOIN relay.intent_attempts a ON a.intent_id = i.id
-          WHERE i.consumer = $1 AND i.state = 'dead' AND a.outcome = ANY($2)
+          WHERE i.consumer = $1 AND i.state = 'dead'
+            AND (a.outcome = ANY($2)
+                 OR EXISTS (SELECT 1 FROM unnest($5::text[], $6::int[]) AS m(endpoint, status)
+                             WHERE m.endpoint = i.endpoint AND m.status = a.status))
             AND i.last_error_class IS DISTINCT FROM $3
             AND NOT EXISTS (SELECT 1 FROM relay.intent_reconciliations r
                              WHERE r.intent_id = i.id AND r.verdict = $4 AND r.finished_at >= a.finished_at)
@@ -103,6 +117,8 @@ pub async fn dead_after_uncertain(pool: &PgPool, consumer: &str) -> Result<Vec<S
     .bind(may)
     .bind(ErrorClass::Resolved.as_str())
     .bind(relay_core::profile::Reconciled::NotApplied.as_str())
+    .bind(endpoints)
+    .bind(statuses)
     .fetch_all(pool)
     .await
 }

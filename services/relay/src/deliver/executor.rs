@@ -117,7 +117,10 @@ impl Executor {
         let mut budget = intent.budget();
         // Deliberately wrong (issue 29) when sabotaged: re-sent without keys.
         budget.resends_unknown = client.profile().resends_unknown() || self.faults.sabotage().unknown_resent;
-        budget.key_forgotten = client.profile().key_forgotten(intent.created_at, now);
+        // As of the latest moment the request may leave (the lease's end),
+        // not of the claim: the waits before the send may outlast the window.
+        let latest_send = now + chrono::Duration::from_std(self.lease).unwrap_or_default();
+        budget.key_forgotten = client.profile().key_forgotten(intent.created_at, latest_send);
         if self.faults.sabotage().uncertainty_forgotten {
             // Deliberately wrong (D1): only this attempt's outcome counts.
             budget.uncertain_before = false;
@@ -181,10 +184,12 @@ impl Executor {
             );
             self.faults.hit(point::DISPATCHER_AFTER_CALL).await?;
             let mut verdict = classify(&r.attempt, client.also_retry());
-            if let (Verdict::Retry { retry_after, uncertain: false }, Some(status)) = (verdict, r.status)
-                && client.profile().answer_may_have_applied(status)
+            if let Verdict::Retry { retry_after, uncertain: true } = verdict
+                && r.status.is_some()
+                && self.faults.sabotage().server_errors_certain
             {
-                verdict = Verdict::Retry { retry_after, uncertain: true };
+                // Deliberately wrong: an answer is taken as proof that nothing was applied.
+                verdict = Verdict::Retry { retry_after, uncertain: false };
             }
             let keep = client.config().response_bytes;
             let cut = r.body.as_ref().is_some_and(|b| b.len() < keep) && !r.body_complete;

@@ -148,7 +148,10 @@ impl Dispatcher {
                 return self.settle_unasked(id, token, &endpoint, unasked(why), r, client).await;
             }
         };
-        if lookup_path.is_none() && client.profile().key_forgotten(intent.created_at, chrono::Utc::now()) {
+        // As of the latest moment the resend may leave (the lease's end).
+        let latest_send =
+            chrono::Utc::now() + chrono::Duration::from_std(self.inner.settings.lease).unwrap_or_default();
+        if lookup_path.is_none() && client.profile().key_forgotten(intent.created_at, latest_send) {
             // Sent again now, the call would be a new request to the provider.
             let why = format!("not sent again: {}", relay_core::retry::KEY_FORGOTTEN);
             return self.settle_unasked(id, token, &endpoint, unasked(why), r, client).await;
@@ -189,7 +192,15 @@ impl Dispatcher {
             return self.give_back(id, token).await;
         };
         let json = answer.body.as_deref().and_then(|b| serde_json::from_slice(b).ok());
-        let verdict = r.verdict(answer.status, json.as_ref());
+        let mut verdict = r.verdict(answer.status, json.as_ref());
+        // An applied call whose answer was cut off, where on_success reads
+        // it: its effects could not be rendered. Asked again later, as a
+        // call's cut-off answer is.
+        let keep = ANSWER_BYTES.max(client.config().response_bytes);
+        let cut = answer.body.as_ref().is_some_and(|b| b.len() < keep) && !answer.body_complete;
+        if verdict == Reconciled::Succeeded && cut && relay_core::Outcome::reads_answer(&intent.intent.on_success) {
+            verdict = Reconciled::Unknown;
+        }
         let how = if r.resend { "the call sent again with its key" } else { "a lookup" };
         let said = match (verdict, answer.status) {
             (Reconciled::Succeeded, Some(s)) => format!("reconciled by {how}: the provider applied it (HTTP {s})"),

@@ -145,6 +145,9 @@ pub struct Sabotage {
     pub key_answers_ignored: bool,
     /// An unknown outcome re-sent to a provider without keys (issue 29, part 1).
     pub unknown_resent: bool,
+    /// A 5xx or a provider's "in progress" read as "not applied": a spent
+    /// budget then ends dead and announces failures for calls that went through.
+    pub server_errors_certain: bool,
 }
 
 impl Sabotage {
@@ -171,13 +174,15 @@ impl Sabotage {
                 "slot-kept-for-token" => s.slot_kept_for_token = true,
                 "key-answers-ignored" => s.key_answers_ignored = true,
                 "unknown-resent" => s.unknown_resent = true,
+                "server-errors-certain" => s.server_errors_certain = true,
                 other => {
                     return Err(format!(
                         "RELAY_SABOTAGE: unknown item {other:?} (offset-before-commit, no-inbox-dedup, \
                          fresh-idempotency-key, lease-checked-before-wait, null-as-text, ordering-by-insert, \
                          printed-values-only, controls-unchecked, blank-keys-as-keys, uncertainty-forgotten, \
                          lease-clock-after-claim, redirects-followed, fenced-by-id, claims-async, \
-                         token-before-permit, slot-kept-for-token, key-answers-ignored, unknown-resent)"
+                         token-before-permit, slot-kept-for-token, key-answers-ignored, unknown-resent, \
+                         server-errors-certain)"
                     ));
                 }
             }
