@@ -1798,3 +1798,35 @@ async fn a_partition_whose_transaction_hangs_on_a_lock_does_not_stop_the_others(
     run.stop().await.unwrap();
     assert_eq!(h.db.count("inbox", "partition = 0").await, 101, "nothing of the slow partition lost");
 }
+
+// Any role that can connect may take an ordering key's advisory lock, and
+// an application's open transaction that called relay.call with the key
+// holds it. The consumer's batch waited on it without end, in silence; it
+// now gives up after lock_timeout, says why, and retries until it is free.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_waiting_on_a_key_lock_someone_else_holds_says_so_and_retries_until_it_is_free() {
+    use sqlx::Connection;
+    let h = Harness::new(1).await;
+    let route =
+        CAPTURE_ROUTE.replace("idempotency_key = ", "ordering_key = \"{{ data.order_id }}\"\nidempotency_key = ");
+    let mut holder = h.db.conn().await.unwrap().detach();
+    sqlx::query("SELECT pg_advisory_lock(1380273153, hashtext($1 || chr(2) || 'o-1'))")
+        .bind(&h.consumer)
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    h.send(&order("evt-1", "o-1")).await;
+    let config = h.write_config(&h.config_text(&route));
+    let mut run = h.process(&config, &["consume"], &[]);
+    eventually("the consumer to say it waited for a lock", DEADLINE, || async {
+        run.log().contains("waited over 5 s for a lock another transaction holds").then_some(())
+    })
+    .await;
+    assert_eq!(h.outcome("evt-1").await, None, "nothing written while the key is held");
+    holder.close().await.unwrap();
+    eventually("the record applied once the lock is free", DEADLINE, || async {
+        (h.outcome("evt-1").await.as_deref() == Some("applied")).then_some(())
+    })
+    .await;
+    assert!(run.terminate(std::time::Duration::from_secs(30)).unwrap().success(), "{}", run.log());
+}

@@ -12,14 +12,15 @@
 //! before it inserts rows with that key, held until it commits or rolls back:
 //! the next transaction for the key waits for it and draws its `seq` after
 //! that commit, which makes `seq` order the commit order for every key. The
-//! locks of one statement are taken in one order (sorted), so transactions
-//! that lock several keys at once cannot deadlock each other through them
-//! alone. Two can still deadlock, rarely: one that locks in two statements
-//! (two runs of a batch), or one holding a key that waits for an inbox row
-//! the other holds (the same event id delivered on two partitions at once).
-//! PostgreSQL then aborts one of them after `deadlock_timeout` (`40P01`),
-//! and the consumer retries its batch (seen twice in 12 generative
-//! scenarios with duplicates spread over partitions). Only rows with a key
+//! locks of one statement are taken in one order (sorted), and a consumer's
+//! batch takes the keys of all its records in one statement before it writes
+//! anything ([`keys_of`]), so two batches cannot deadlock each other through
+//! them: each waits for the other's keys in one global order. Two can still
+//! deadlock, rarely: a code handler's effects, known only once it ran, lock
+//! later; or one holding a key waits for an inbox row the other holds (the
+//! same event id delivered on two partitions at once). PostgreSQL then
+//! aborts one of them after `deadlock_timeout` (`40P01`), and the consumer
+//! retries its batch. Only rows with a key
 //! pay for this: one round trip more, and a wait behind the other
 //! transaction of that key.
 //!
@@ -47,6 +48,15 @@ pub enum Key<'a> {
         /// The ordering key.
         key: &'a str,
     },
+}
+
+/// The ordering keys of what `effects` writes, intents' and outbox rows'.
+pub fn keys_of(effects: &relay_core::Effects) -> impl Iterator<Item = Key<'_>> {
+    effects
+        .intents
+        .iter()
+        .filter_map(|i| i.intent.ordering_key.as_deref().map(Key::Intent))
+        .chain(crate::outbox::ordering_keys(effects.events.iter()))
 }
 
 /// Lock `keys` of `consumer`'s rows for the rest of the transaction `conn`

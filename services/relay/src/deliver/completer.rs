@@ -247,7 +247,7 @@ impl Completer {
             let ours = intents::finish_many(&mut conn, &items).await?.into_iter().collect();
             return Ok(batch.iter().map(|c| finished(c, &ours)).collect());
         }
-        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        let mut tx = sqlx::Connection::begin_with(&mut *conn, relay_store::BEGIN_BOUNDED).await?;
         let ours: Ours = intents::finish_many(&mut tx, &items).await?.into_iter().collect();
         // Kept also when the effects could not be rendered from it: the
         // operator who emits them by hand reads it in `relay intents show`.

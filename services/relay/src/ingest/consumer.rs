@@ -191,6 +191,12 @@ pub struct InboxConsumer {
     pool: PgPool,
     settings: ConsumerSettings,
     faults: Faults,
+    /// The database is known to be down: a watcher asks it until it answers.
+    db_down: tokio::sync::Notify,
+    /// Bumped each time the database answers again after being down: wakes
+    /// every partition task waiting out a database error at once, instead of
+    /// each at the end of its own backoff (seconds apart).
+    db_back: tokio::sync::watch::Sender<u64>,
 }
 
 struct BatchRun {
@@ -273,6 +279,8 @@ impl InboxConsumer {
             pool,
             settings,
             faults,
+            db_down: tokio::sync::Notify::new(),
+            db_back: tokio::sync::watch::Sender::new(0),
         })
     }
 
@@ -281,13 +289,43 @@ impl InboxConsumer {
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         let me = Arc::new(self);
         me.warn_of_leftover_holds().await;
+        let watcher = tokio::spawn(me.clone().watch_database(shutdown.clone()));
         let result = me.run_loop(&shutdown).await;
+        watcher.abort();
         if result.is_ok() {
             me.commit_all(CommitMode::Sync);
         }
         me.consumer.unsubscribe();
         info!(consumer = %me.settings.name, "inbox consumer stopped");
         result
+    }
+
+    /// Once a partition's task meets the database down, ask it every 250 ms
+    /// until it answers, then wake every task waiting for it (C15: every
+    /// partition moves within seconds of the database's return, however long
+    /// the outage grew their backoffs).
+    async fn watch_database(self: Arc<Self>, shutdown: CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = self.db_down.notified() => {}
+            }
+            loop {
+                let ask = async {
+                    let mut conn = self.pool.acquire().await?;
+                    sqlx::query("SELECT 1").execute(&mut *conn).await
+                };
+                if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(1), ask).await {
+                    info!(consumer = %self.settings.name, "the database answers again; waking the partitions waiting for it");
+                    self.db_back.send_modify(|n| *n += 1);
+                    break;
+                }
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+                }
+            }
+        }
     }
 
     /// Keys held on a topic where no route holds keys any more still hold
@@ -449,7 +487,8 @@ impl InboxConsumer {
     /// goes on past it. For those the consumer stops (the process exits with
     /// the error) before it receives anything after it: a restart meets the
     /// same record again, an operator must look at the partition.
-    /// `check.crcs`, which would skip a batch failing its checksum, is refused.
+    /// A batch failing its checksum (`check.crcs`, always on) is such a bad
+    /// message: it is reported, then skipped.
     fn receive_error(self: &Arc<Self>, e: &KafkaError) -> Option<anyhow::Error> {
         let code = match e {
             KafkaError::MessageConsumption(code) | KafkaError::MessageConsumptionFatal(code) => *code,
@@ -532,14 +571,20 @@ impl InboxConsumer {
                 u.until - 1,
                 u.error
             );
-            if !self.state.lock().expect("partition state lock").unreadable(&u.tp, generation, u.from, why) {
+            if !self.state.lock().expect("partition state lock").unreadable(&u.tp, generation, u.from, u.until, why) {
                 continue;
             }
             error!(consumer = %self.settings.name, topic = %u.tp.0, partition = u.tp.1, from = u.from, until = u.until,
                    "a batch the Kafka client cannot read is parked as a dead letter; the partition goes on after it");
             if let Err(e) = self.consumer.seek(&u.tp.0, u.tp.1, Offset::Offset(u.until), Duration::from_secs(1)) {
-                // librdkafka reports the batch again, and the search runs again.
-                warn!(consumer = %self.settings.name, error = %e, "seeking past an unreadable batch failed");
+                // Paused and sought again every second, as a resume's failed
+                // seek is: the state already stands after the batch.
+                warn!(consumer = %self.settings.name, error = %e, "seeking past an unreadable batch failed; tried again");
+                self.state
+                    .lock()
+                    .expect("partition state lock")
+                    .seek_failed(Resume { tp: u.tp.clone(), seek: Some(u.until) });
+                self.pause(std::slice::from_ref(&u.tp));
             }
         }
     }
@@ -722,6 +767,9 @@ impl InboxConsumer {
         let (mut db_failures, mut registry_failures) = (0u32, 0u32);
         let mut rng = StdRng::from_os_rng();
         while i < records.len() {
+            // A return of the database after this attempt starts wakes its wait.
+            let mut db_back = self.db_back.subscribe();
+            let mut db_wait = false;
             if self.state.lock().expect("partition state lock").revoked_since(&tp, generation) {
                 // R13: stop taking work for it; the new owner starts at the committed offset.
                 debug!(topic = %tp.0, partition = tp.1, left = records.len() - i, "partition revoked; its remaining records are left to the new owner");
@@ -730,7 +778,7 @@ impl InboxConsumer {
             // A stand-in for a batch the client could not read: parked alone.
             let unreadable_at =
                 |r: &RawRecord| self.state.lock().expect("partition state lock").unreadable_at(&tp, r.offset);
-            if let Some(why) = unreadable_at(&records[i]) {
+            if let Some((until, why)) = unreadable_at(&records[i]) {
                 let record = &records[i];
                 match self.park_alone(record, &Poison::new(PoisonClass::Unreadable, why), 1, None).await {
                     Ok(()) => {
@@ -740,7 +788,9 @@ impl InboxConsumer {
                             PoisonClass::Unreadable.as_str(),
                         );
                         i += 1;
-                        self.advance(&tp, generation, record.offset + 1, 0, CommitMode::Async);
+                        // Past the whole batch: a new owner starting inside it
+                        // would park the same loss again.
+                        self.advance(&tp, generation, until, record.size(), CommitMode::Async);
                         continue;
                     }
                     Err(ParkError::Fault(f)) => return Err(f),
@@ -750,6 +800,7 @@ impl InboxConsumer {
                         tokio::select! {
                             _ = shutdown.cancelled() => { run.interrupted = true; return Ok(run); }
                             _ = revoke.cancelled() => {}
+                            _ = db_back.changed() => {}
                             _ = tokio::time::sleep(wait) => {}
                         }
                         continue;
@@ -784,9 +835,17 @@ impl InboxConsumer {
                     // rebalance that gives it back) goes on counting.
                     self.state.lock().expect("partition state lock").not_yet(&tp, record.offset, not_yet);
                     let budget = self.settings.reference_retry;
+                    if not_yet >= budget.max_attempts
+                        && self.state.lock().expect("partition state lock").revoked_since(&tp, generation)
+                    {
+                        // Its new owner may have applied it since: not ours to park.
+                        return Ok(run);
+                    }
                     if not_yet >= budget.max_attempts {
                         match self.park_alone(record, &poison, not_yet, route.as_deref()).await {
                             Ok(()) => {
+                                // The records after it naming the same missing schema need no budget each.
+                                self.processor.gave_up(record);
                                 crate::runtime::metrics::dead_lettered(
                                     &self.settings.name,
                                     &record.topic,
@@ -806,6 +865,7 @@ impl InboxConsumer {
                             Err(ParkError::Fault(f)) => return Err(f),
                             Err(ParkError::Db(e)) => {
                                 db_failures += 1;
+                                db_wait = true;
                                 self.db_unavailable(&e, db_failures, &mut rng)
                             }
                         }
@@ -823,6 +883,7 @@ impl InboxConsumer {
                 Err(BatchError::Fault(f)) => return Err(f),
                 Err(BatchError::Db(e)) => {
                     db_failures += 1;
+                    db_wait = true;
                     self.db_unavailable(&e, db_failures, &mut rng)
                 }
                 Err(BatchError::Registry(why)) => {
@@ -853,6 +914,7 @@ impl InboxConsumer {
                 _ = shutdown.cancelled() => true,
                 // Revoked: the loop's next turn sees it and leaves the records to the new owner.
                 _ = revoke.cancelled() => false,
+                _ = db_back.changed(), if db_wait => false,
                 _ = tokio::time::sleep(wait) => false,
             };
             if interrupted {
@@ -865,6 +927,25 @@ impl InboxConsumer {
 
     fn db_unavailable(&self, e: &sqlx::Error, failures: u32, rng: &mut impl rand::Rng) -> Duration {
         let delay = self.settings.database_backoff.delay(failures, rng).max(Duration::from_millis(50));
+        // The database gone (a connection error, an admin shutdown, no
+        // resources), not a conflict between transactions: watch for its return.
+        let gone = match e {
+            sqlx::Error::Database(db) => db.code().is_some_and(|c| ["08", "53", "57"].iter().any(|p| c.starts_with(p))),
+            _ => true,
+        };
+        if gone {
+            self.db_down.notify_one();
+        }
+        if matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03")) {
+            warn!(
+                consumer = %self.settings.name, error = %e, attempt = failures, retry_in_ms = delay.as_millis() as u64,
+                "this batch waited over 5 s for a lock another transaction holds (an application's open \
+                 transaction that called relay.call or relay.publish with an ordering key, or wrote a row this \
+                 batch writes); rolled back and retried. Set idle_in_transaction_session_timeout for \
+                 application roles"
+            );
+            return delay;
+        }
         let conflict = matches!(e, sqlx::Error::Database(db) if db.code().is_some_and(|c| c.starts_with("40")));
         if conflict {
             // A deadlock or serialization failure with another partition's
@@ -906,7 +987,7 @@ impl InboxConsumer {
         let read_at = Instant::now();
         let gates = relay_store::ops::batch_gates(&mut conn, self.processor.consumer(), &tp.0, tp.1).await?;
         self.processor.set_paused_as_of(gates.paused, read_at);
-        let mut tx = conn.begin().await?;
+        let mut tx = conn.begin_with(relay_store::BEGIN_BOUNDED).await?;
         let started = Instant::now();
         // Intents written already claimed by this process's dispatcher: handed
         // over after the commit, dropped (room given back) if there is none.
@@ -919,7 +1000,7 @@ impl InboxConsumer {
                     // transaction held. Again, with a savepoint around each run.
                     tx.rollback().await?;
                     held.clear();
-                    tx = conn.begin().await?;
+                    tx = conn.begin_with(relay_store::BEGIN_BOUNDED).await?;
                     self.processor.process_batch(&mut tx, records, &views, gates.keys_held, &mut held).await?
                 }
             };
@@ -960,7 +1041,7 @@ impl InboxConsumer {
         route: Option<&str>,
     ) -> Result<(), ParkError> {
         let mut conn = self.pool.acquire().await?;
-        let mut tx = conn.begin().await?;
+        let mut tx = conn.begin_with(relay_store::BEGIN_BOUNDED).await?;
         self.processor.park(&mut tx, record, poison, attempts, route).await?;
         self.faults.hit(point::CONSUMER_BEFORE_DB_COMMIT).await?;
         tx.commit().await?;

@@ -75,6 +75,11 @@ struct Partition {
     paused: Option<Paused>,
     /// The first offset dropped while paused: fetching resumes here.
     resume_at: Option<i64>,
+    /// The next offset the client hands over, as far as this state knows:
+    /// after the last record queued, or where a resume seeks to; `None`
+    /// since an assignment, before anything was received (the client then
+    /// stands at the committed offset).
+    expect: Option<i64>,
     /// Wakes its task out of a retry wait when the partition is revoked.
     revoke: CancellationToken,
     /// A record not processable yet (R19): its offset and the attempts made,
@@ -82,12 +87,21 @@ struct Partition {
     not_yet: Option<(i64, u32)>,
     /// Batches the client could not read: the first offset of each, with
     /// why. Its task parks a stand-in record at that offset.
-    unreadable: HashMap<i64, String>,
+    unreadable: HashMap<i64, (i64, String)>,
 }
 
 impl Partition {
     fn buffered(&self) -> usize {
         self.waiting_bytes + self.running.map_or(0, |(bytes, _)| bytes)
+    }
+
+    /// Resume fetching, from the first offset dropped if any.
+    fn resume(&mut self, tp: &Tp) -> Resume {
+        let seek = self.resume_at.take();
+        if seek.is_some() {
+            self.expect = seek;
+        }
+        Resume { tp: tp.clone(), seek }
     }
 
     /// Drop the waiting records, to fetch them again from their first offset.
@@ -128,6 +142,17 @@ pub(super) struct Resume {
     pub(super) seek: Option<i64>,
 }
 
+/// Fixed defects put back, for the tests that prove the model check catches them.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct PartitionSabotage {
+    /// A partition paused as slow while given back to this member stays
+    /// paused when the old task ends (stalls it for good).
+    pub(super) pause_kept_after_regrant: bool,
+    /// An unreadable batch's stand-in is queued even while records before it
+    /// were dropped or are not fetched yet (commits past them, breaking R1).
+    pub(super) stand_in_before_dropped: bool,
+}
+
 /// Every partition this member was given, and the bounds.
 #[derive(Debug)]
 pub(super) struct Partitions {
@@ -137,11 +162,17 @@ pub(super) struct Partitions {
     limits: Limits,
     /// Partitions assigned (for each one's share of the bound).
     assigned: usize,
+    sabotage: PartitionSabotage,
 }
 
 impl Partitions {
     pub(super) fn new(limits: Limits) -> Partitions {
-        Partitions { generation: 0, parts: HashMap::new(), limits, assigned: 1 }
+        Partitions::sabotaged(limits, PartitionSabotage::default())
+    }
+
+    /// With fixed defects put back.
+    pub(super) fn sabotaged(limits: Limits, sabotage: PartitionSabotage) -> Partitions {
+        Partitions { generation: 0, parts: HashMap::new(), limits, assigned: 1, sabotage }
     }
 
     /// The current revoke generation.
@@ -177,6 +208,7 @@ impl Partitions {
             p.waiting_bytes = 0;
             p.paused = None;
             p.resume_at = None;
+            p.expect = None;
             p.revoke.cancel();
             p.revoke = CancellationToken::new();
             p.unreadable.clear();
@@ -207,6 +239,7 @@ impl Partitions {
             return Filed::Dropped;
         }
         p.waiting_bytes += record.size();
+        p.expect = Some(record.offset + 1);
         p.waiting.push((record, generation));
         Filed::Queued
     }
@@ -311,6 +344,13 @@ impl Partitions {
         let Some(p) = self.parts.get_mut(tp) else { return Done::Nothing };
         p.running = None;
         if revoked {
+            // Given back to this member while this task ran, the partition
+            // may have been paused as slow since: that pause waited for this
+            // task, so it ends with it, or nothing would ever resume it.
+            if p.paused == Some(Paused::Waiting) && !self.sabotage.pause_kept_after_regrant {
+                p.paused = None;
+                return Done::Resume(p.resume(tp));
+            }
             return Done::Nothing;
         }
         match held {
@@ -324,7 +364,7 @@ impl Partitions {
             }
             None if p.paused == Some(Paused::Waiting) => {
                 p.paused = None;
-                Done::Resume(Resume { tp: tp.clone(), seek: p.resume_at.take() })
+                Done::Resume(p.resume(tp))
             }
             None => Done::Nothing,
         }
@@ -364,6 +404,7 @@ impl Partitions {
                 p.paused = None;
                 // Records dropped meanwhile come after `offset`: fetched again from it.
                 p.resume_at = None;
+                p.expect = Some(offset);
                 out.push(Resume { tp: tp.clone(), seek: Some(offset) });
             }
         }
@@ -375,27 +416,41 @@ impl Partitions {
         self.parts.values().any(|p| matches!(p.paused, Some(Paused::Seeking(_))))
     }
 
-    /// The batch of `tp` from `offset` could not be read (`why`): a stand-in
-    /// record at `offset` is queued for its task, which parks it. `false`
-    /// if the partition was revoked since `generation`.
-    pub(super) fn unreadable(&mut self, tp: &Tp, generation: u64, offset: i64, why: String) -> bool {
+    /// The batch of `tp` at offsets `offset..until` could not be read
+    /// (`why`): a stand-in record at `offset` is queued for its task, which
+    /// parks it, and the caller seeks to `until`. `false` if the partition
+    /// was revoked since `generation`, is paused, or the client does not
+    /// stand at `offset` (the search ran while it was held, or sought back):
+    /// records before `offset` are then still to be fetched, and a stand-in
+    /// parked ahead of them would commit past them (R1). Fetching reaches
+    /// the batch again after them, and the search finds it again.
+    pub(super) fn unreadable(&mut self, tp: &Tp, generation: u64, offset: i64, until: i64, why: String) -> bool {
         if self.revoked_since(tp, generation) {
             return false;
         }
         let stand_in =
             RawRecord { topic: tp.0.clone(), partition: tp.1, offset, key: None, payload: None, headers: Vec::new() };
         let p = self.parts.entry(tp.clone()).or_default();
-        p.unreadable.insert(offset, why);
+        let behind = p.paused.is_some()
+            || p.resume_at.is_some_and(|at| at < offset)
+            || p.expect.is_some_and(|next| next != offset);
+        if behind && !self.sabotage.stand_in_before_dropped {
+            return false;
+        }
+        p.expect = Some(until);
+        p.unreadable.insert(offset, (until, why));
         // Again after its first stand-in was dropped (the partition waited):
         // parking twice finds the dead letter there and moves on.
         if !p.waiting.iter().any(|(r, _)| r.offset == offset) {
+            p.waiting_bytes += stand_in.size();
             p.waiting.push((stand_in, generation));
         }
         true
     }
 
-    /// Why the record of `tp` at `offset` could not be read, if it is a stand-in.
-    pub(super) fn unreadable_at(&self, tp: &Tp, offset: i64) -> Option<String> {
+    /// Why the record of `tp` at `offset` could not be read, and the first
+    /// offset after its batch, if it is a stand-in.
+    pub(super) fn unreadable_at(&self, tp: &Tp, offset: i64) -> Option<(i64, String)> {
         self.parts.get(tp).and_then(|p| p.unreadable.get(&offset).cloned())
     }
 
@@ -422,6 +477,7 @@ impl Partitions {
             if let Some(Paused::Held { route, offset }) = &p.paused
                 && !paused_routes.contains(route)
             {
+                p.expect = Some(*offset);
                 out.push(Resume { tp: tp.clone(), seek: Some(*offset) });
                 p.paused = None;
                 p.resume_at = None;
@@ -457,6 +513,9 @@ pub(super) struct PartitionRun {
 }
 
 pub(super) type PartitionResult = Result<PartitionRun, FaultInjected>;
+
+#[cfg(test)]
+mod model;
 
 #[cfg(test)]
 mod tests {
@@ -498,17 +557,18 @@ mod tests {
     // Ingest review D7: running tasks' records were not counted at all.
     #[test]
     fn records_handed_to_a_running_task_count_until_they_are_committed() {
-        let mut s = partitions(10, 1000, 4);
+        let one = record(0, 0, 100).size();
+        let mut s = partitions(10, 10 * one, 4);
         for i in 0..4 {
             s.receive(record(i, 0, 100), 0);
         }
         let started = s.start_ready();
         assert_eq!(started.len(), 4);
-        assert_eq!(s.buffered_bytes(), 400, "handed, not done: still buffered");
-        assert!(s.advance(&tp(0), 0, 1, 100));
-        assert_eq!(s.buffered_bytes(), 300);
+        assert_eq!(s.buffered_bytes(), 4 * one, "handed, not done: still buffered");
+        assert!(s.advance(&tp(0), 0, 1, one));
+        assert_eq!(s.buffered_bytes(), 3 * one);
         assert_eq!(s.task_done(&tp(0), 0, None), Done::Nothing);
-        assert_eq!(s.buffered_bytes(), 300);
+        assert_eq!(s.buffered_bytes(), 3 * one);
     }
 
     // D7: four partitions each blocked in their task hold at most the bound.
@@ -544,20 +604,21 @@ mod tests {
 
     #[test]
     fn a_task_gets_at_most_a_batch_and_a_share_of_the_bound_but_always_one_record() {
-        let mut s = partitions(3, 1000, 4);
+        let one = record(0, 0, 100).size();
+        let mut s = partitions(3, 100 * one, 4);
         for o in 0..5 {
             s.receive(record(0, o, 10), 0);
         }
         let start = s.start_ready().pop().unwrap();
         assert_eq!(start.records.len(), 3, "a batch");
         s.task_done(&tp(0), 0, None);
-        let mut s = partitions(100, 1000, 4);
+        let mut s = partitions(100, 10 * one, 4);
         for o in 0..5 {
             s.receive(record(0, o, 100), 0);
         }
-        assert_eq!(s.start_ready().pop().unwrap().records.len(), 2, "a share: 250 bytes");
-        let mut s = partitions(100, 1000, 4);
-        s.receive(record(0, 0, 900), 0);
+        assert_eq!(s.start_ready().pop().unwrap().records.len(), 2, "a share: two and a half records");
+        let mut s = partitions(100, 10 * one, 4);
+        s.receive(record(0, 0, 9 * one), 0);
         assert_eq!(s.start_ready().pop().unwrap().records.len(), 1, "one record over the share still goes");
     }
 

@@ -208,9 +208,10 @@ pub async fn view_of(
     if !format.uses_registry() {
         return Ok(View::Raw);
     }
-    // The limit is on the record as produced: its JSON may be larger (names
-    // repeated per item, bytes as base64) and is not checked again.
-    let (size, max) = (record.size(), router.max_record_bytes());
+    // The limit is on the record as produced; its JSON may be larger (names
+    // repeated per item, bytes as base64), up to `relay_registry::max_json_bytes`
+    // of the value's size, past which the registry refuses it as oversized.
+    let (size, max) = (record.content_size(), router.max_record_bytes());
     if size > max {
         let why = format!("record is {size} bytes, over consumer.max_record_bytes = {max}");
         return Ok(View::Poison(Poison::new(PoisonClass::Oversized, why)));
@@ -223,9 +224,9 @@ pub async fn view_of(
         ));
     };
     match registry.decode(format, &record.topic, record.payload.as_deref()).await {
-        Ok(value) => {
+        Ok(json) => {
             let mut decoded = record.clone();
-            decoded.payload = Some(serde_json::to_vec(&value).map_err(|e| e.to_string())?);
+            decoded.payload = Some(json);
             // The value is JSON now, whatever the producer declared (no
             // content type reads as JSON too, so none is added).
             if decoded.header("content-type").is_some() {
@@ -237,6 +238,7 @@ pub async fn view_of(
         Err(relay_registry::Failure::Poison(why)) => Ok(View::Poison(Poison::new(PoisonClass::BadEncoding, why))),
         Err(relay_registry::Failure::NotYet(why)) => Ok(View::NotYet(Poison::new(PoisonClass::BadEncoding, why))),
         Err(relay_registry::Failure::Unavailable(why)) => Err(why),
+        Err(relay_registry::Failure::Oversized(why)) => Ok(View::Poison(Poison::new(PoisonClass::Oversized, why))),
     }
 }
 
@@ -251,6 +253,18 @@ impl Processor {
     pub fn with_registry(mut self, registry: Option<Arc<relay_registry::Registry>>) -> Processor {
         self.registry = registry;
         self
+    }
+
+    /// Say that `record` was dead-lettered after its budget for "not yet":
+    /// if the registry did not have its schema, the records naming the same
+    /// id are dead-lettered after one ask for a while
+    /// ([`relay_registry::Registry::gave_up`]).
+    pub fn gave_up(&self, record: &RawRecord) {
+        if let Some(registry) = &self.registry
+            && self.router.topic_format(&record.topic).uses_registry()
+        {
+            registry.gave_up(record.payload.as_deref());
+        }
     }
 
     /// How routing reads each of `records` ([`View`]). `Err` when the
@@ -399,19 +413,34 @@ impl Processor {
     ) -> Result<Option<Vec<Processed>>, sqlx::Error> {
         assert_eq!(records.len(), views.len(), "one view per record");
         let mut out = Vec::with_capacity(records.len());
+        // Each record is routed and planned once, whichever way it goes.
+        let mut prepared: Vec<Option<Prepared<'_, '_>>> =
+            records.iter().zip(views).map(|(r, v)| Some(self.prepare(r, v))).collect();
+        // Every ordering key the batch writes, locked in one statement before
+        // anything is written: batches of two partitions then wait for each
+        // other's keys in one global order instead of deadlocking, as they
+        // did taking each run's keys as it was written.
+        let keys = prepared
+            .iter()
+            .filter_map(|p| match p {
+                Some(Prepared::Ready(item)) => item.effects.as_ref(),
+                _ => None,
+            })
+            .flat_map(relay_store::ordering::keys_of);
+        relay_store::ordering::lock(&mut *conn, self.router.consumer(), keys).await?;
         let mut holds = self.held_keys(conn, records, keys_held).await?;
         let mut i = 0;
         while i < records.len() {
-            // The run from here, and the record that ends it (each record is
-            // routed and planned once, whichever way it goes).
+            // The run from here, and the record that ends it.
             let mut run = Vec::new();
             let mut next = None;
-            for (record, view) in records[i..].iter().zip(&views[i..]) {
+            for (j, (record, view)) in records.iter().zip(views).enumerate().skip(i) {
+                let ready = prepared[j].take().expect("each record is taken once");
                 if holds.holds(record) {
                     next = Some(Prepared::Done(self.held(record, view)));
                     break;
                 }
-                match self.prepare(record, view) {
+                match ready {
                     Prepared::Ready(item) if !self.alone(&item) => run.push(item),
                     other => {
                         next = Some(other);
@@ -1075,6 +1104,72 @@ mod tests {
         };
         assert_eq!((named.event_id.as_deref(), named.event_type.as_deref()), (Some("evt-1"), Some("order.placed")));
         assert_eq!(sanitized(&named).reason, "bad\u{fffd}byte");
+    }
+
+    /// A stand-in registry whose schema id 1 is an order of lines of eight
+    /// fields, none with presence.
+    async fn order_lines_registry() -> String {
+        const SCHEMA: &str = "syntax = \"proto3\"; message Order { string order_id = 1; repeated Line lines = 2; } \
+            message Line { string sku = 1; string name = 2; int64 quantity = 3; int64 unit_minor = 4; \
+            string currency = 5; int64 tax_minor = 6; string warehouse = 7; bool gift = 8; }";
+        let app = axum::Router::new().route(
+            "/schemas/ids/{id}",
+            axum::routing::get(|| async { json!({"schema": SCHEMA, "schemaType": "PROTOBUF"}).to_string() }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        format!("http://{addr}")
+    }
+
+    #[tokio::test]
+    async fn a_registry_value_that_decodes_past_its_bound_is_oversized_poison_and_a_normal_one_its_json() {
+        let cfg = RelayConfig::from_toml(&format!(
+            r#"
+            consumer = {{ name = "c" }}
+            [schema_registry]
+            url = "{}"
+            [topics.orders]
+            format = "protobuf"
+            fields.id = {{ pointer = "/order_id" }}
+            fields.type = {{ value = "order.placed" }}
+            "#,
+            order_lines_registry().await
+        ))
+        .unwrap();
+        let router = Router::new(&cfg).unwrap();
+        let registry = relay_registry::Registry::new(cfg.schema_registry.as_ref().unwrap()).unwrap();
+        // Schema id 1, indexes [0], order_id "o-1", one line with sku "A".
+        let mut value = vec![0, 0, 0, 0, 1, 0, 0x0a, 3, b'o', b'-', b'1', 0x12, 3, 0x0a, 1, b'A'];
+        let normal = RawRecord {
+            topic: "orders".into(),
+            partition: 0,
+            offset: 0,
+            key: None,
+            payload: Some(value.clone()),
+            headers: Vec::new(),
+        };
+        let View::Decoded(decoded) = view_of(&router, Some(&registry), &normal).await.unwrap() else {
+            panic!("a normal value decodes");
+        };
+        let line = json!({"sku": "A", "name": "", "quantity": 0, "unit_minor": 0, "currency": "", "tax_minor": 0,
+                          "warehouse": "", "gift": false});
+        let data: serde_json::Value = serde_json::from_slice(decoded.payload.as_deref().unwrap()).unwrap();
+        assert_eq!(data, json!({"order_id": "o-1", "lines": [line]}));
+        // 100 000 empty lines: 200 kB on the wire, 10 MB of JSON.
+        for _ in 0..100_000 {
+            value.extend([0x12, 0x00]);
+        }
+        let bound = relay_registry::max_json_bytes(value.len());
+        let hostile = RawRecord { payload: Some(value), ..normal };
+        match view_of(&router, Some(&registry), &hostile).await.unwrap() {
+            View::Poison(p) => {
+                assert_eq!(p.class, PoisonClass::Oversized, "{p}");
+                assert!(p.reason.contains(&format!("decodes to more than {bound} bytes of JSON")), "{p}");
+                assert!(p.reason.contains("fewer items per record"), "{p}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     // Review of issue 27: every partition task stores the pause set it read

@@ -78,44 +78,30 @@ pub(super) fn probe(kafka: &KafkaConfig, positions: &[(Tp, Option<i64>)]) -> Vec
 }
 
 /// The first offset after `bad` (which cannot be read) whose record can
-/// be, or `end`: doubling steps, then halving, as a batch's offsets all
-/// read the same. `None` if the broker stops answering.
+/// be, or `end`: one read per offset, in order. A search that jumps ahead
+/// (doubling, then halving) would take two corrupt batches with readable
+/// records between them for one, and park those records, readable from
+/// the topic, as unreadable. Reads of one broken batch fail at once, so
+/// the walk costs a fetch per record of the batch. `None` if the broker
+/// stops answering.
 fn first_readable_after(consumer: &BaseConsumer, tp: &Tp, bad: i64, end: i64) -> Option<i64> {
-    let (mut lo, mut hi, mut first) = (bad, None, end);
-    let mut step = 1;
-    while hi.is_none() {
-        let q = lo + step;
-        if q >= end {
-            hi = Some(end);
-            break;
-        }
-        match read(consumer, tp, q) {
-            Read::Record(at) => {
-                hi = Some(q);
-                first = at;
-            }
-            Read::Unreadable(_) => {
-                lo = q;
-                step *= 2;
-            }
-            Read::End => hi = Some(end),
+    walk_to_readable(bad, end, |offset| read(consumer, tp, offset))
+}
+
+/// [`first_readable_after`] over any reader.
+fn walk_to_readable(bad: i64, end: i64, mut read: impl FnMut(i64) -> Read) -> Option<i64> {
+    let mut q = bad + 1;
+    while q < end {
+        match read(q) {
+            // A record at or after `q`: the first readable one (a batch's
+            // first offsets may be gone to compaction).
+            Read::Record(at) => return Some(at.max(q)),
+            Read::Unreadable(_) => q += 1,
+            Read::End => return Some(q),
             Read::Unknown => return None,
         }
     }
-    let mut hi = hi?;
-    while hi - lo > 1 {
-        let mid = lo + (hi - lo) / 2;
-        match read(consumer, tp, mid) {
-            Read::Record(at) => {
-                hi = mid;
-                first = at;
-            }
-            Read::Unreadable(_) => lo = mid,
-            Read::End => hi = mid,
-            Read::Unknown => return None,
-        }
-    }
-    Some(first.max(lo + 1))
+    Some(end)
 }
 
 /// Read `tp` from `offset`.
@@ -136,4 +122,21 @@ fn read(consumer: &BaseConsumer, tp: &Tp, offset: i64) -> Read {
         }
     }
     Read::Unknown
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Two corrupt batches (100..=109 and 112..=140) with readable records
+    // 110 and 111 between them: the search stops at 110, so 110 and 111 are
+    // fetched and applied, not parked without their bytes.
+    #[test]
+    fn the_search_stops_at_the_first_readable_record_between_two_corrupt_batches() {
+        let broken = |o: i64| (100..=109).contains(&o) || (112..=140).contains(&o);
+        let read = |o: i64| if broken(o) { Read::Unreadable("bad".into()) } else { Read::Record(o) };
+        assert_eq!(walk_to_readable(100, 200, read), Some(110));
+        assert_eq!(walk_to_readable(112, 200, read), Some(141));
+        assert_eq!(walk_to_readable(112, 130, read), Some(130), "up to the end");
+    }
 }
