@@ -282,10 +282,32 @@ async fn a_handler_that_panics_dead_letters_its_record_naming_the_handler_and_th
     assert!(dead[0].1 == "rejected" && dead[0].2.contains("\"panics\" panicked"), "{dead:?}");
 }
 
-/// A private broker holding five records in one zstd batch, then one more
-/// (`evt-after`), with `corrupt` applied to the segment file's bytes while
-/// the broker is stopped; `first_len` is the first batch's length field.
+/// CRC-32C (Castagnoli), as a record batch's checksum.
+fn crc32c(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for b in bytes {
+        crc ^= u32::from(*b);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 { (crc >> 1) ^ 0x82F6_3B78 } else { crc >> 1 };
+        }
+    }
+    !crc
+}
+
+/// Writes the checksum of the record batch at the start of `bytes` (of
+/// length field `len`) again: its bytes were changed on purpose, and the
+/// change must reach what comes after the checksum check.
+fn fix_batch_crc(bytes: &mut [u8], len: usize) {
+    let crc = crc32c(&bytes[21..12 + len]);
+    bytes[17..21].copy_from_slice(&crc.to_be_bytes());
+}
+
+/// A private broker holding five records in one batch, compressed with
+/// zstd or (`codec` = `uncompressed`) not, then one more (`evt-after`),
+/// with `corrupt` applied to the segment file's bytes while the broker is
+/// stopped; `first_len` is the first batch's length field.
 async fn broker_with_a_corrupt_batch(
+    codec: &str,
     corrupt: impl FnOnce(&mut [u8], usize),
 ) -> (relay_testkit::process::PrivateKafka, Harness) {
     use relay_testkit::process::PrivateKafka;
@@ -293,9 +315,11 @@ async fn broker_with_a_corrupt_batch(
     let mut h = Harness::new(1).await;
     h.bootstrap = kafka.bootstrap();
     relay_testkit::create_topics(&h.bootstrap, &[&h.topic, &h.out, &h.dlq], 1).await.unwrap();
+    set_topic_compression(&h.bootstrap, &h.topic, codec).await;
+    let producer_codec = if codec == "uncompressed" { "none" } else { codec };
     let zstd = relay_testkit::TestProducer::with_properties(
         &h.bootstrap,
-        &[("compression.type", "zstd"), ("linger.ms", "200")],
+        &[("compression.type", producer_codec), ("linger.ms", "200")],
     )
     .unwrap();
     let batch: Vec<TestEvent> = (0..5).map(|i| order(&format!("evt-{i}"), &format!("o-{i}")).partition(0)).collect();
@@ -323,10 +347,12 @@ async fn broker_with_a_corrupt_batch(
 // it without its position and fetches it again and again.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_batch_the_client_cannot_decode_is_dead_lettered_and_its_partition_goes_on_after_it() {
-    let (_kafka, h) = broker_with_a_corrupt_batch(|bytes, len| {
+    let (_kafka, h) = broker_with_a_corrupt_batch("zstd", |bytes, len| {
         for b in &mut bytes[61 + 4..12 + len - 4] {
             *b ^= 0x5a;
         }
+        // A batch that passes its checksum and still does not decompress.
+        fix_batch_crc(bytes, len);
     })
     .await;
     let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
@@ -351,7 +377,7 @@ async fn a_batch_the_client_cannot_decode_is_dead_lettered_and_its_partition_goe
 // past it; the consumer stops before it receives anything after it.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_batch_the_client_would_skip_stops_the_consumer_before_anything_after_it_is_committed() {
-    let (_kafka, h) = broker_with_a_corrupt_batch(|bytes, _| bytes[16] = 3).await;
+    let (_kafka, h) = broker_with_a_corrupt_batch("zstd", |bytes, _| bytes[16] = 3).await;
     let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
     let mut run = h.process(&config, &["consume"], &[]);
     let status = run.wait(DEADLINE).expect("the consumer stops by itself");
@@ -359,4 +385,64 @@ async fn a_batch_the_client_would_skip_stops_the_consumer_before_anything_after_
     assert!(run.log().contains("the consumer stops rather than commit past it"), "{}", run.log());
     assert_eq!(h.committed().await.get(&0).copied().flatten().unwrap_or(0), 0, "nothing committed past it");
     assert_eq!(h.outcome("evt-after").await, None, "the record after it was not applied");
+}
+
+// A digit flipped on a broker's disk in an uncompressed batch still parses:
+// without checksums it was applied as the producer's data (here another
+// order). The batch fails its checksum, and the consumer stops before it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_failing_its_checksum_stops_the_consumer_before_its_records_are_applied() {
+    let (_kafka, h) = broker_with_a_corrupt_batch("uncompressed", |bytes, len| {
+        let batch = &mut bytes[..12 + len];
+        let at = batch.windows(3).position(|w| w == b"o-0").expect("the first order's id in the batch");
+        batch[at + 2] = b'7';
+    })
+    .await;
+    let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
+    let mut run = h.process(&config, &["consume"], &[]);
+    let status = run.wait(DEADLINE).expect("the consumer stops by itself");
+    assert!(!status.success());
+    assert!(run.log().contains("the consumer stops rather than commit past it"), "{}", run.log());
+    assert_eq!(h.outcome("evt-0").await, None, "the corrupted record was not applied");
+    assert_eq!(h.db.count("intents", "idempotency_key = 'capture:o-7'").await, 0, "a flipped order was applied");
+}
+
+/// Sets `compression.type` of `topic`.
+async fn set_topic_compression(bootstrap: &str, topic: &str, codec: &str) {
+    use rdkafka::admin::{AdminClient, AdminOptions, AlterConfig, ResourceSpecifier};
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> =
+        rdkafka::ClientConfig::new().set("bootstrap.servers", bootstrap).create().unwrap();
+    let change = AlterConfig::new(ResourceSpecifier::Topic(topic)).set("compression.type", codec);
+    for r in admin.alter_configs([&change], &AdminOptions::new()).await.unwrap() {
+        r.unwrap();
+    }
+}
+
+// librdkafka inflates gzip and lz4 batches without a cap (one 1 MB gzip
+// batch is about 1 GB inflated, before relay sees a record), so an input
+// topic that keeps them is refused at start, naming it and the fix.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_input_topic_that_keeps_gzip_or_lz4_batches_is_refused_at_start_naming_it() {
+    let h = Harness::new(1).await;
+    set_topic_compression(&h.bootstrap, &h.topic, "gzip").await;
+    let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
+    let mut run = h.process(&config, &["run"], &[]);
+    let status = run.wait(DEADLINE).expect("the start is refused");
+    assert!(!status.success());
+    let log = run.log();
+    assert!(
+        log.contains(&format!("{} (compression.type = gzip)", h.topic)) && log.contains("compression.type = zstd"),
+        "{log}"
+    );
+    // Kafka's default keeps what producers sent: refused too, unless the
+    // deployment asks to be warned only.
+    set_topic_compression(&h.bootstrap, &h.topic, "producer").await;
+    let warned = h.config_text(CAPTURE_ROUTE).replace("[kafka]\n", "[kafka]\non_unbounded_compression = \"warn\"\n");
+    let config = h.write_config(&warned);
+    h.send(&order("evt-1", "o-1")).await;
+    let mut run = h.process(&config, &["run"], &[]);
+    h.await_committed(0, 1).await;
+    assert!(run.terminate(std::time::Duration::from_secs(30)).unwrap().success(), "{}", run.log());
+    assert!(run.log().contains("(compression.type = producer)"), "{}", run.log());
+    assert_eq!(h.outcome("evt-1").await.as_deref(), Some("applied"));
 }

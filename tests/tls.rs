@@ -236,6 +236,37 @@ async fn a_wrong_ca_for_kafka_or_postgresql_fails_the_start_naming_the_ca_file_a
     );
 }
 
+// A client without a certificate on a listener that requires one is
+// refused by the broker, which librdkafka may report as a transport error
+// ("alert bad certificate"): the start must fail all the same, naming the
+// settings, rather than start anyway and retry for ever.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_without_the_certificate_the_brokers_require_fails_the_start_naming_the_settings() {
+    let s = Secure::start().await;
+    let without_cert: String = s
+        .mutual_tls()
+        .lines()
+        .filter(|l| !l.contains("ssl.certificate.location") && !l.contains("ssl.key.location"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let db = s.database_url(&s.pki.ca());
+    relay_store::migrate(&sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&db).await.unwrap())
+        .await
+        .unwrap();
+    let config = s.h.write_config(&s.config(&without_cert));
+    for _ in 0..3 {
+        let mut run = s.h.process(&config, &["run"], &[("DATABASE_URL", &db)]);
+        let status = run.wait(DEADLINE).expect("relay run must stop by itself");
+        let log = run.log();
+        assert!(!status.success(), "{log}");
+        assert!(!log.contains("starting anyway"), "{log}");
+        assert!(
+            log.contains("ssl.certificate.location") && log.contains(&s.kafka.ssl_bootstrap().unwrap()),
+            "the error names the client certificate setting and the broker:\n{log}"
+        );
+    }
+}
+
 // Issue 28, L7: an endpoint on a private PKI with mutual TLS. The endpoint
 // trusts only its `ca_file` and presents its client certificate; without
 // the certificate, or trusting another CA, no request reaches a route.

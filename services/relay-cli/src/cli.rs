@@ -517,6 +517,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 Command::Dispatch { intents_only, outbox_only } => {
                     Components { consumer: false, dispatcher: !outbox_only, publisher: !intents_only }
                 }
+                // Without input topics (an [application] front door alone)
+                // `run` serves what there is: the intents and the outbox.
+                _ if cfg.subscribed_topics().is_empty() => {
+                    tracing::info!("no input topics configured: running the dispatcher and the publisher only");
+                    Components { consumer: false, ..Components::ALL }
+                }
                 _ => Components::ALL,
             };
             let relay = Relay::new(cfg, Handlers::default(), faults).await?;

@@ -78,7 +78,8 @@ fn inputs() -> Vec<Input> {
         let order = format!("order-{}", 1000 + i);
         v.push(order_placed(&format!("evt-{i}"), &order, &format!("cust-{i}"), 1000 * i, &format!("place:{order}")));
     }
-    // The provider will refuse this one (422): its intent dies, payment.failed is emitted.
+    // The provider declines this one's card (402, a business decline, never
+    // retried): its intent dies and payment.failed is emitted.
     v.push(order_placed("evt-6", "order-1006", "cust-6", 999_999, "place:order-1006"));
     // Duplicates: the same event ids again, at later offsets.
     let mut dup = order_placed("evt-2", "order-1002", "cust-2", 2000, "place:order-1002");
@@ -142,7 +143,12 @@ pub async fn run() -> anyhow::Result<()> {
         path_prefix: None,
         key_prefix: Some("capture:order-1006".into()),
         times: None,
-        kind: FaultKind::Status { status: 422, retry_after_secs: None },
+        kind: FaultKind::Body {
+            status: 402,
+            body:
+                json!({"error": {"type": "card_error", "code": "card_declined", "message": "Your card was declined."}})
+                    .to_string(),
+        },
     }]);
     println!("* example payment provider at {}", provider.url());
 
@@ -259,6 +265,12 @@ async fn report(pool: &sqlx::PgPool, provider: &Provider, s: &Stats) -> anyhow::
             "  dead: {key} (HTTP {}) {}",
             status.map_or("-".into(), |s| s.to_string()),
             err.as_deref().unwrap_or("")
+        );
+    }
+    if !dead.is_empty() {
+        println!(
+            "  (the provider declined order-1006's card, a business decline: the call is not retried, and its\n   \
+             route's on_dead announces payment.failed)"
         );
     }
     let published = audit::published_by_type(pool).await?;

@@ -195,6 +195,9 @@ impl Relay {
         if which.consumer || which.publisher {
             crate::runtime::kafka::preflight(&self.cfg.kafka).await?;
         }
+        if which.consumer {
+            crate::runtime::kafka::check_input_compression(&self.cfg).await?;
+        }
         // Every process that deletes inbox rows checks first (R15): the
         // consumer, and the dispatcher, beside which cleanup runs.
         let checked = if which.consumer || which.dispatcher {

@@ -350,7 +350,7 @@ impl PrivateKafka {
                  inter.broker.listener.name=PLAINTEXT\nlog.dirs={}\nnum.partitions=1\n\
                  offsets.topic.replication.factor=1\noffsets.topic.num.partitions=2\n\
                  transaction.state.log.replication.factor=1\ntransaction.state.log.min.isr=1\n\
-                 group.initial.rebalance.delay.ms=0\n{tls}",
+                 group.initial.rebalance.delay.ms=0\ncompression.type=zstd\n{tls}",
                 dir.join("data").display()
             ),
         )?;

@@ -34,11 +34,11 @@ fn required(role: Role) -> &'static [(&'static str, &'static str)] {
             ("enable.auto.commit", "false"),
             ("enable.auto.offset.store", "false"),
             ("isolation.level", "read_committed"),
-            // With CRC checks on, librdkafka skips a batch failing its
-            // checksum and goes on: its records would be passed over by the
-            // next offset commit. Off, a batch it cannot read is fetched and
-            // reported again, and its partition stops there.
-            ("check.crcs", "false"),
+            // A batch failing its checksum (bytes flipped on a broker's disk)
+            // is reported as a bad message before librdkafka skips it, and
+            // the consumer stops there; unchecked, a flipped digit in an
+            // uncompressed value would be applied as the producer's data.
+            ("check.crcs", "true"),
         ],
         // Idempotent producer, acks from all in-sync replicas (R10).
         Role::Producer => &[("enable.idempotence", "true"), ("acks", "all")],
@@ -135,22 +135,55 @@ struct Probe {
     last: Mutex<Option<String>>,
 }
 
-impl ClientContext for Probe {
-    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
-        forward_log("preflight", level, fac, log_message);
+/// Whether a client error or log line says the brokers refused our TLS or
+/// SASL settings, and which, however librdkafka reports it: a refused client
+/// certificate can arrive as a transport error ("alert bad certificate",
+/// a disconnect in the SSL handshake) rather than as an SSL error, and
+/// which one depends on timing.
+fn refusal(code: Option<RDKafkaErrorCode>, reason: &str) -> Option<RDKafkaErrorCode> {
+    if let Some(c @ (RDKafkaErrorCode::SSL | RDKafkaErrorCode::Authentication)) = code {
+        return Some(c);
     }
+    // Told by the failure, not by the broker's address (`sasl_ssl://…`).
+    let r = reason.to_ascii_lowercase();
+    if ["ssl handshake", "handshake failed", "alert", "certificate", "ssl_handshake", "ssl listener"]
+        .iter()
+        .any(|w| r.contains(w))
+    {
+        Some(RDKafkaErrorCode::SSL)
+    } else if r.contains("sasl authentication") || r.contains("authentication failed") {
+        Some(RDKafkaErrorCode::Authentication)
+    } else {
+        None
+    }
+}
 
-    fn error(&self, error: KafkaError, reason: &str) {
-        let code = error.rdkafka_error_code();
-        match code {
-            Some(c @ (RDKafkaErrorCode::SSL | RDKafkaErrorCode::Authentication)) => {
+impl Probe {
+    fn note(&self, code: Option<RDKafkaErrorCode>, reason: &str) {
+        match refusal(code, reason) {
+            Some(c) => {
                 self.fatal
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .get_or_insert((c, reason.to_owned()));
             }
-            _ => *self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(reason.to_owned()),
+            None => *self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(reason.to_owned()),
         }
+    }
+}
+
+impl ClientContext for Probe {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        forward_log("preflight", level, fac, log_message);
+        // A connection's failure is logged (facility FAIL) even when no
+        // error callback follows it before the wait ends.
+        if fac == "FAIL" {
+            self.note(None, log_message);
+        }
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        self.note(error.rdkafka_error_code(), reason);
     }
 }
 
@@ -203,6 +236,71 @@ pub async fn preflight(cfg: &KafkaConfig) -> anyhow::Result<()> {
         if !said_waiting && started.elapsed() > Duration::from_secs(2) {
             info!(brokers = %cfg.bootstrap_servers, "waiting for the Kafka brokers to answer");
             said_waiting = true;
+        }
+    }
+}
+
+/// Input topic codecs whose batches librdkafka inflates without a cap:
+/// gzip (inflated once to learn its size, then again), lz4 (grown by
+/// realloc), and `producer`, which keeps whatever a producer sent. Only zstd
+/// is capped (by `receive.message.max.bytes`); snappy cannot grow more
+/// than a few dozen times.
+const UNBOUNDED_CODECS: &[&str] = &["producer", "gzip", "lz4"];
+
+/// Refuse (or warn about, per `kafka.on_unbounded_compression`) input
+/// topics whose batches the client would inflate without a cap: one 1 MB
+/// gzip batch inflates to about 1 GB before relay sees a record, which
+/// kills the process, and every member after it, on every restart.
+/// A broker that will not say (no DescribeConfigs, an ACL) is warned about.
+pub async fn check_input_compression(cfg: &relay_core::RelayConfig) -> anyhow::Result<()> {
+    use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
+    use rdkafka::client::DefaultClientContext;
+    let topics = cfg.subscribed_topics();
+    if topics.is_empty() {
+        return Ok(());
+    }
+    let admin: AdminClient<DefaultClientContext> = client_config(&cfg.kafka, Role::Consumer)?.create()?;
+    let specs: Vec<ResourceSpecifier<'_>> = topics.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
+    let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
+    let results = match admin.describe_configs(&specs, &opts).await {
+        Ok(r) => r,
+        Err(e) => {
+            warn!(error = %e, "cannot read the input topics' compression.type from the brokers; if a topic keeps \
+                   gzip or lz4 batches, one small hostile batch can inflate to gigabytes in the Kafka client: \
+                   set compression.type = zstd on the input topics");
+            return Ok(());
+        }
+    };
+    let mut unbounded = Vec::new();
+    for (topic, result) in topics.iter().zip(results) {
+        match result {
+            Ok(resource) => {
+                let codec = resource.get("compression.type").and_then(|e| e.value.as_deref()).unwrap_or("producer");
+                if UNBOUNDED_CODECS.contains(&codec) {
+                    unbounded.push(format!("{topic} (compression.type = {codec})"));
+                }
+            }
+            Err(e) => warn!(topic = %topic, error = %e, "cannot read this input topic's compression.type"),
+        }
+    }
+    if unbounded.is_empty() {
+        return Ok(());
+    }
+    let msg = format!(
+        "input topic(s) {} may hold gzip or lz4 batches, which the Kafka client inflates without any cap before \
+         relay sees a record: one hostile 1 MB batch can take gigabytes and crash every member that fetches it. \
+         Set compression.type = zstd on each (kafka-configs.sh --alter --entity-type topics --entity-name TOPIC \
+         --add-config compression.type=zstd): the broker then stores new batches as zstd, whose output the client \
+         caps at receive.message.max.bytes (batches written before the change keep their codec)",
+        unbounded.join(", ")
+    );
+    match cfg.kafka.on_unbounded_compression {
+        relay_core::config::Shortfall::Refuse => {
+            anyhow::bail!("{msg}; or set kafka.on_unbounded_compression = \"warn\" to start anyway")
+        }
+        relay_core::config::Shortfall::Warn => {
+            warn!("{msg}");
+            Ok(())
         }
     }
 }
@@ -306,13 +404,40 @@ mod tests {
         cfg.consumer_properties.insert("isolation.level".into(), "read_uncommitted".into());
         let err = client_config(&cfg, Role::Consumer).unwrap_err().to_string();
         assert!(err.contains("isolation.level") && err.contains("read_committed"), "{err}");
-        // Issue 27: CRC checks make librdkafka skip a corrupt batch.
+        // Without CRC checks a corrupted value would be applied as it reads.
         let mut cfg = KafkaConfig::default();
-        cfg.properties.insert("check.crcs".into(), "true".into());
+        cfg.properties.insert("check.crcs".into(), "false".into());
         let err = client_config(&cfg, Role::Consumer).unwrap_err().to_string();
         assert!(err.contains("check.crcs"), "{err}");
         let c = client_config(&KafkaConfig::default(), Role::Consumer).unwrap();
         assert_eq!(c.get("isolation.level"), Some("read_committed"));
+    }
+
+    #[test]
+    fn a_refused_certificate_or_login_is_told_from_a_broker_that_is_down_however_it_is_reported() {
+        use RDKafkaErrorCode as C;
+        let transport = Some(C::BrokerTransportFailure);
+        for reason in [
+            "ssl://127.0.0.1:9093/bootstrap: SSL handshake failed: ssl/record/rec_layer_s3.c:1605: error:0A000412:SSL \
+             routines::sslv3 alert bad certificate: SSL alert number 42",
+            "ssl://127.0.0.1:9093/bootstrap: Disconnected while requesting ApiVersion: might be caused by incorrect \
+             security.protocol configuration (connecting to a SSL listener?)",
+            "ssl://127.0.0.1:9093/bootstrap: SSL handshake failed: error:0A000086:SSL routines::certificate verify failed",
+            "sasl_ssl://127.0.0.1:9094/bootstrap: SSL handshake failed: error:0A000086:SSL routines::certificate \
+             verify failed: broker certificate could not be verified (after 174ms in state SSL_HANDSHAKE)",
+        ] {
+            assert_eq!(refusal(transport, reason), Some(C::SSL), "{reason}");
+        }
+        let sasl = "sasl_ssl://127.0.0.1:9094/bootstrap: SASL authentication error: Authentication failed during \
+                    authentication due to invalid credentials with SASL mechanism SCRAM-SHA-512";
+        assert_eq!(refusal(transport, sasl), Some(C::Authentication));
+        assert_eq!(refusal(Some(C::SSL), "anything"), Some(C::SSL));
+        for down in [
+            "127.0.0.1:9092/bootstrap: Connect to ipv4#127.0.0.1:9092 failed: Connection refused (after 0ms in state CONNECT)",
+            "1/1 brokers are down",
+        ] {
+            assert_eq!(refusal(transport, down), None, "{down}");
+        }
     }
 
     #[test]
