@@ -205,6 +205,53 @@ async fn avro_records_from_confluent_s_serializer_are_routed_and_undecodable_one
     }
 }
 
+/// Records naming an id the registry does not have: the first spends the
+/// reference budget, the ones after it are dead-lettered after one more ask
+/// each, and the partition goes on.
+#[tokio::test(flavor = "multi_thread")]
+async fn records_naming_an_id_the_registry_does_not_have_are_dead_lettered_without_a_budget_each() {
+    let h = Harness::new(1).await;
+    let registry = registry_url();
+    let unknown = [0, 0x7f, 0xff, 0xff, 0xf0, 2, 4];
+    for n in 0..20 {
+        h.producer.raw(&h.topic, None, Some(format!("o-{n}").as_bytes()), &[], Some(&unknown)).await.unwrap();
+    }
+    produce(
+        &h,
+        &registry,
+        "avro",
+        ORDER_V1,
+        json!([{"key": "o-ok", "value": {"event_id": "e-ok", "order_id": "o-ok", "amount_cents": 5, "price": {"$decimal": "0.05"}}}]),
+    )
+    .await;
+    let mut cfg = avro_config(&h, &registry);
+    // The default budget: 8 asks over about 8 s.
+    cfg.consumer.reference_retry = relay_core::config::RetryBudget::default();
+    let started = std::time::Instant::now();
+    let run = h.start(cfg, Components::ALL, no_faults()).await;
+    // The first record's budget takes up to 16 s; twenty budgets would take minutes.
+    let within = std::time::Duration::from_secs(45);
+    loop {
+        let (dead, inbox) = (dead_letters(&h).await.len(), h.inbox().await);
+        if dead == 20 && inbox == 1 {
+            break;
+        }
+        assert!(started.elapsed() < within, "after {within:?}: {dead} of 20 dead-lettered, {inbox} applied");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    run.stop().await.unwrap();
+    let dead = dead_letters(&h).await;
+    for (i, (_, class, reason)) in dead.iter().enumerate() {
+        assert_eq!(class, "bad_encoding");
+        assert!(
+            reason.contains(&h.topic) && reason.contains("schema id 2147483632") && reason.contains("40403"),
+            "{reason}"
+        );
+        assert_eq!(i > 0, reason.contains("dead-lettered at once"), "record {i}: {reason}");
+    }
+    assert_eq!(h.outcome("e-ok").await.as_deref(), Some("applied"));
+}
+
 /// A stand-in in front of the real registry that answers 503 until `up`.
 async fn flaky_registry(real: String, up: Arc<AtomicBool>, asked: Arc<AtomicU32>) -> String {
     use axum::extract::{Path, State};

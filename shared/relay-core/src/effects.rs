@@ -383,6 +383,9 @@ pub mod dlq_headers {
     /// Set when the original key, value and headers were left out of the
     /// copy (too large for it): how many bytes; the dead-letter table keeps them.
     pub const OMITTED: &str = "relay_dlq_omitted_bytes";
+    /// Set when some of the original headers were left out of the copy (more
+    /// than the relay reads): how many, or `unknown` when they could not be read.
+    pub const OMITTED_HEADERS: &str = "relay_dlq_omitted_headers";
 }
 
 /// Encode the dead-letter copy of `record`: the original key, value and
@@ -394,6 +397,10 @@ pub mod dlq_headers {
 /// [`dlq_headers::OMITTED`] saying how much was left out: the copy of an
 /// oversized record could never be published (the broker's and the
 /// producer's size limits), and the dead-letter table keeps it whole.
+///
+/// At most [`MAX_HEADERS`](crate::limits::MAX_HEADERS) of the record's
+/// headers are copied, with [`dlq_headers::OMITTED_HEADERS`] saying how many
+/// were left out.
 pub fn encode_dead_letter(
     consumer: &str,
     topic: &str,
@@ -402,9 +409,22 @@ pub fn encode_dead_letter(
     attempts: u32,
     max_bytes: usize,
 ) -> OutboxRecord {
-    let size = record.size();
+    use crate::envelope::LeftOut;
+    use crate::limits::MAX_HEADERS;
+    let size = record.content_size();
     let whole = size <= max_bytes;
-    let mut headers = if whole { record.headers.clone() } else { Vec::new() };
+    let mut headers: Vec<Header> = Vec::new();
+    let mut omitted_headers = None;
+    if whole {
+        headers.extend(record.read_headers().take(MAX_HEADERS).cloned());
+        let read = record.read_headers().count();
+        omitted_headers = match record.headers_left_out() {
+            Some(LeftOut::Unreadable) => Some("unknown".to_owned()),
+            Some(LeftOut::Headers(n)) => Some((read + n - headers.len()).to_string()),
+            None if read > headers.len() => Some((read - headers.len()).to_string()),
+            None => None,
+        };
+    }
     headers.push(Header::text(dlq_headers::TOPIC, &record.topic));
     headers.push(Header::text(dlq_headers::PARTITION, record.partition.to_string()));
     headers.push(Header::text(dlq_headers::OFFSET, record.offset.to_string()));
@@ -417,6 +437,9 @@ pub fn encode_dead_letter(
     headers.push(Header::text(dlq_headers::CONSUMER, consumer));
     if !whole {
         headers.push(Header::text(dlq_headers::OMITTED, size.to_string()));
+    }
+    if let Some(n) = omitted_headers {
+        headers.push(Header::text(dlq_headers::OMITTED_HEADERS, n));
     }
     OutboxRecord {
         id: crate::ids::dead_letter_id(consumer, &record.topic, record.partition, record.offset),
@@ -517,6 +540,38 @@ mod tests {
         assert_eq!(header(&r, dlq_headers::EVENT_ID), Some("e-1"));
     }
 
+    #[test]
+    fn a_dead_letter_copy_keeps_at_most_max_headers_of_the_record_s_and_says_how_many_it_left_out() {
+        use crate::envelope::LeftOut;
+        use crate::limits::MAX_HEADERS;
+        let rec = RawRecord {
+            topic: "orders".into(),
+            partition: 0,
+            offset: 1,
+            key: None,
+            payload: Some(b"{}".to_vec()),
+            headers: (0..MAX_HEADERS + 88).map(|i| Header::text(format!("h{i}"), "v")).collect(),
+        };
+        let poison = Poison::new(PoisonClass::BadHeader, "too many headers");
+        let r = encode_dead_letter("c", "orders.dlq", &rec, &poison, 1, 1 << 20);
+        let copied = r.headers.iter().filter(|h| !h.name.starts_with("relay_dlq_")).count();
+        assert!(copied <= MAX_HEADERS, "{copied} of the record's {} headers copied", rec.headers.len());
+        assert_eq!(header(&r, dlq_headers::OMITTED_HEADERS), Some("88"));
+        assert_eq!(header(&r, dlq_headers::CLASS), Some("bad_header"));
+        // As read off the wire: the first MAX_HEADERS, then the entry saying how many more.
+        let mut read = rec.clone();
+        read.headers.truncate(MAX_HEADERS);
+        read.headers.push(Header::left_out(LeftOut::Headers(299_488)));
+        let r = encode_dead_letter("c", "orders.dlq", &read, &poison, 1, 1 << 20);
+        assert_eq!(r.headers.iter().filter(|h| !h.name.starts_with("relay_dlq_")).count(), MAX_HEADERS);
+        assert_eq!(header(&r, dlq_headers::OMITTED_HEADERS), Some("299488"));
+        assert!(r.headers.iter().all(|h| h.as_left_out().is_none() && !h.name.contains('\0')), "nothing of ours");
+        read.headers = vec![Header::left_out(LeftOut::Unreadable)];
+        let r = encode_dead_letter("c", "orders.dlq", &read, &poison, 1, 1 << 20);
+        assert_eq!(header(&r, dlq_headers::OMITTED_HEADERS), Some("unknown"));
+        assert!(r.headers.iter().all(|h| h.name.starts_with("relay_dlq_")));
+    }
+
     // Security review L9: the 1 MiB default was above what the default
     // producer sends (message.max.bytes = 1 000 000), so the copy of any
     // record between the two could never be published.
@@ -535,7 +590,7 @@ mod tests {
             payload: Some(vec![b'x'; max - used]),
             headers,
         };
-        assert_eq!(rec.size(), max);
+        assert_eq!(rec.content_size(), max);
         let poison = Poison::new(PoisonClass::Rejected, "r".repeat(10 * MAX_REASON_BYTES))
             .with_identity(Some(&"i".repeat(10 * MAX_KEY_BYTES)), Some(&"t".repeat(10 * MAX_KEY_BYTES)));
         let copy = encode_dead_letter(&"c".repeat(200), "dlq", &rec, &poison, u32::MAX, max);

@@ -79,7 +79,67 @@ impl Header {
     pub fn name_bytes(&self) -> &[u8] {
         self.raw_name.as_deref().unwrap_or(self.name.as_bytes())
     }
+
+    /// The entry that stands for headers a reader of the wire did not copy
+    /// ([`LeftOut`]), put after the ones it copied.
+    pub fn left_out(what: LeftOut) -> Self {
+        let value = match what {
+            LeftOut::Headers(n) => Some(n.to_string().into_bytes()),
+            LeftOut::Unreadable => None,
+        };
+        Header::new(LEFT_OUT, value)
+    }
+
+    /// What this entry stands for, if it is [`Header::left_out`]'s.
+    pub fn as_left_out(&self) -> Option<LeftOut> {
+        if self.name != LEFT_OUT || self.raw_name.is_some() {
+            return None;
+        }
+        match &self.value {
+            None => Some(LeftOut::Unreadable),
+            Some(v) => std::str::from_utf8(v).ok()?.parse().ok().map(LeftOut::Headers),
+        }
+    }
 }
+
+/// Headers of a record that were not copied into memory: a record may carry
+/// any number, and a few bytes each on the wire cost far more as [`Header`]s.
+/// A record missing some is `bad_header` poison; its header list ends with
+/// one entry saying so ([`Header::left_out`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeftOut {
+    /// This many headers after the [`MAX_HEADERS`] copied.
+    Headers(usize),
+    /// None could be read: librdkafka refuses a record of more than 100 000
+    /// headers, or a header list it cannot parse.
+    Unreadable,
+}
+
+/// The headers of a record as a reader of the wire copies them: of its
+/// `count` headers, the `i`th given by `nth` (`None`: it cannot be read, and
+/// neither can the rest), the first `keep` at most ([`MAX_HEADERS`] when
+/// reading records), then, if some were not copied, one [`LeftOut`] entry
+/// saying how many. Without the lower `keep` a record of many tiny headers
+/// would hold many times its size in memory (the budget tests raise it).
+pub fn copy_headers<'w>(
+    count: usize,
+    keep: usize,
+    mut nth: impl FnMut(usize) -> Option<(&'w [u8], Option<&'w [u8]>)>,
+) -> Vec<Header> {
+    let mut out = Vec::with_capacity(count.min(keep.saturating_add(1)));
+    for idx in 0..count.min(keep) {
+        let Some((name, value)) = nth(idx) else { break };
+        out.push(Header::from_wire(name, value.map(<[u8]>::to_vec)));
+    }
+    if count > out.len() {
+        out.push(Header::left_out(LeftOut::Headers(count - out.len())));
+    }
+    out
+}
+
+/// The name of the [`LeftOut`] entry. No name read off the wire holds a NUL
+/// byte (librdkafka hands names over as C strings), so none is taken for it.
+const LEFT_OUT: &str = "\0relay:headers-left-out";
 
 /// A Kafka record, independent of the client library, as the consumer hands
 /// it to the processor and as a dead letter stores it for replay.
@@ -100,10 +160,31 @@ pub struct RawRecord {
 }
 
 impl RawRecord {
-    /// Size counted against `max_record_bytes`: key, value and headers.
+    /// Bytes it holds in memory, as the consumer's buffer bound counts them:
+    /// [`RawRecord::content_size`] plus what each header and the record cost
+    /// besides (a header with an empty name and no value is a few bytes on
+    /// the wire and still a [`Header`] here).
     pub fn size(&self) -> usize {
+        let headers = self.headers.len() * std::mem::size_of::<Header>()
+            + self.headers.iter().map(|h| h.raw_name.as_ref().map_or(0, Vec::len)).sum::<usize>();
+        std::mem::size_of::<RawRecord>() + self.topic.len() + headers + self.content_size()
+    }
+
+    /// Size counted against `max_record_bytes`: key, value, and each
+    /// header's name and value.
+    pub fn content_size(&self) -> usize {
         let headers: usize = self.headers.iter().map(|h| h.name.len() + h.value.as_ref().map_or(0, Vec::len)).sum();
         self.key.as_ref().map_or(0, Vec::len) + self.payload.as_ref().map_or(0, Vec::len) + headers
+    }
+
+    /// The headers left out of it when it was read, if any ([`LeftOut`]).
+    pub fn headers_left_out(&self) -> Option<LeftOut> {
+        self.headers.iter().find_map(Header::as_left_out)
+    }
+
+    /// Its headers as read, without the [`LeftOut`] entry.
+    pub fn read_headers(&self) -> impl Iterator<Item = &Header> {
+        self.headers.iter().filter(|h| h.as_left_out().is_none())
     }
 
     /// The last header named `name` (Kafka allows repeats; the last one wins).
@@ -400,7 +481,7 @@ pub struct DecodeOptions<'a> {
 /// Decode a record to an [`InputEvent`] with its guard fields still empty
 /// (see [`resolve`]), or say exactly why it is poison.
 pub fn decode(record: &RawRecord, opts: &DecodeOptions<'_>) -> Result<InputEvent, Poison> {
-    let size = record.size();
+    let size = record.content_size();
     // A registry format's limit was checked on the record as produced,
     // before its value was decoded to the JSON here.
     if size > opts.max_record_bytes && !opts.format.uses_registry() {
@@ -408,6 +489,28 @@ pub fn decode(record: &RawRecord, opts: &DecodeOptions<'_>) -> Result<InputEvent
             PoisonClass::Oversized,
             format!("record is {size} bytes, over consumer.max_record_bytes = {}", opts.max_record_bytes),
         ));
+    }
+    match record.headers_left_out() {
+        Some(LeftOut::Headers(n)) => {
+            let count = record.headers.len() - 1 + n;
+            return Err(Poison::new(
+                PoisonClass::BadHeader,
+                format!(
+                    "record has {count} headers, more than the {MAX_HEADERS} the relay reads \
+                     (the first {MAX_HEADERS} are kept)"
+                ),
+            ));
+        }
+        Some(LeftOut::Unreadable) => {
+            return Err(Poison::new(
+                PoisonClass::BadHeader,
+                format!(
+                    "record's headers could not be read: more than librdkafka reads (100000), or not a \
+                     valid header list; the relay reads at most {MAX_HEADERS} headers"
+                ),
+            ));
+        }
+        None => {}
     }
     if record.headers.len() > MAX_HEADERS {
         return Err(Poison::new(
@@ -1077,6 +1180,36 @@ mod tests {
         let e = decode(&binary(&repeated, b"{}"), &opts(&FieldOverrides::default())).unwrap();
         assert_eq!(e.subject.as_deref(), Some("last"));
         assert!(started.elapsed() < std::time::Duration::from_secs(2), "{:?}", started.elapsed());
+    }
+
+    #[test]
+    fn size_counts_what_a_record_holds_in_memory_for_each_header_and_for_the_record() {
+        let many = record((0..1_000).map(|_| Header::new("", None)).collect(), None);
+        let least = 1_000 * std::mem::size_of::<Header>() + std::mem::size_of::<RawRecord>();
+        assert!(many.size() >= least, "1000 empty headers counted as {} bytes, held in at least {least}", many.size());
+        assert_eq!(many.content_size(), "order-1".len(), "max_record_bytes still limits the bytes produced");
+    }
+
+    #[test]
+    fn a_record_whose_reader_left_headers_out_is_bad_header_naming_how_many_it_had() {
+        let none = FieldOverrides::default();
+        let mut rec = record(vec![Header::text("content-type", STRUCTURED_CONTENT_TYPE)], Some(b"{}"));
+        rec.headers.extend((1..MAX_HEADERS).map(|i| Header::text(format!("h{i}"), "v")));
+        rec.headers.push(Header::left_out(LeftOut::Headers(299_488)));
+        assert_eq!(rec.headers_left_out(), Some(LeftOut::Headers(299_488)));
+        assert_eq!(rec.read_headers().count(), MAX_HEADERS);
+        let err = decode(&rec, &opts(&none)).unwrap_err();
+        assert_eq!(err.class, PoisonClass::BadHeader);
+        assert!(err.reason.contains("record has 300000 headers, more than the 512"), "{err}");
+        // Wherever the entry is (a decoded registry value gets its content type again after it).
+        rec.headers.rotate_right(1);
+        assert_eq!(decode(&rec, &opts(&none)).unwrap_err().class, PoisonClass::BadHeader);
+        let unreadable = record(vec![Header::left_out(LeftOut::Unreadable)], Some(b"{}"));
+        let err = decode(&unreadable, &opts(&none)).unwrap_err();
+        assert_eq!(err.class, PoisonClass::BadHeader);
+        assert!(err.reason.contains("headers could not be read"), "{err}");
+        // A header of that name with another value is no such entry.
+        assert_eq!(Header::new(Header::left_out(LeftOut::Unreadable).name, Some(b"x".to_vec())).as_left_out(), None);
     }
 
     #[test]

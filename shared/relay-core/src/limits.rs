@@ -26,6 +26,19 @@ pub const MAX_REASON_BYTES: usize = 1024;
 /// copy fits the producer's size limit.
 pub const MAX_HEADERS: usize = 512;
 
+/// The memory budget of one input relay takes from outside (a record, a row
+/// read back, an answer): at most this many bytes held per byte of it on
+/// the wire, plus [`MEMORY_PER_INPUT`]. Every JSON input becomes a
+/// serde_json tree, which takes 32 bytes per value, 48 while its array
+/// grows: `[0,0,…]` is 2 bytes a value on the wire. 64 is one such tree
+/// plus the input. Measured by `shared/relay-budget`.
+pub const MEMORY_PER_WIRE_BYTE: usize = 64;
+
+/// Memory any one input may take besides [`MEMORY_PER_WIRE_BYTE`] per byte:
+/// what a small input costs whatever its size, such as the dead letter of
+/// a record of [`MAX_HEADERS`] headers, stored as JSON objects.
+pub const MEMORY_PER_INPUT: usize = 1024 * 1024;
+
 /// `text` cut to at most `max` bytes (on a character boundary), saying how
 /// long it was.
 pub fn bounded(text: &str, max: usize) -> Cow<'_, str> {

@@ -17,19 +17,32 @@ use std::os::raw::{c_char, c_void};
 use rdkafka::bindings as rdsys;
 use rdkafka::message::BorrowedMessage;
 use relay_core::Header;
+use relay_core::envelope::{LeftOut, copy_headers};
+use relay_core::limits::MAX_HEADERS;
 
-/// Every header of `message`, in wire order, names as bytes.
+/// The headers of `message`, in wire order, names as bytes: at most
+/// [`MAX_HEADERS`] of them, then, if it has more, one entry saying how many
+/// were left out ([`LeftOut`]). A record of many tiny headers costs a few
+/// bytes each on the wire and far more each as a [`Header`]; it is
+/// `bad_header` poison anyway, so only what its dead letter keeps is copied.
 pub fn headers(message: &BorrowedMessage<'_>) -> Vec<Header> {
     let mut hdrs: *mut rdsys::rd_kafka_headers_t = std::ptr::null_mut();
     // SAFETY: `message.ptr()` is the live `rd_kafka_message_t` the borrow
     // keeps alive; librdkafka only writes the out pointer, which then points
     // into the message (owned by it, not to be freed here).
     let err = unsafe { rdsys::rd_kafka_message_headers(message.ptr(), &mut hdrs) };
-    if err != rdsys::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR || hdrs.is_null() {
+    if err == rdsys::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR__NOENT {
         return Vec::new();
     }
-    let mut out = Vec::new();
-    for idx in 0.. {
+    // Any other error is a header list librdkafka refuses to parse: more
+    // than 100 000 headers, or malformed. Read as none, it would be a
+    // record without headers, poison for the wrong reason.
+    if err != rdsys::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR || hdrs.is_null() {
+        return vec![Header::left_out(LeftOut::Unreadable)];
+    }
+    // SAFETY: `hdrs` belongs to the message, alive for this borrow.
+    let count = unsafe { rdsys::rd_kafka_header_cnt(hdrs) };
+    copy_headers(count, MAX_HEADERS, |idx| {
         let mut name: *const c_char = std::ptr::null();
         let mut value: *const c_void = std::ptr::null();
         let mut size: usize = 0;
@@ -38,19 +51,114 @@ pub fn headers(message: &BorrowedMessage<'_>) -> Vec<Header> {
         // returns an error and writes nothing.
         let err = unsafe { rdsys::rd_kafka_header_get_all(hdrs, idx, &mut name, &mut value, &mut size) };
         if err != rdsys::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR || name.is_null() {
-            break;
+            return None;
         }
         // SAFETY: librdkafka keeps header names NUL-terminated, and the name
-        // lives as long as the headers; it is copied before the borrow ends.
+        // lives as long as the headers; `copy_headers` copies it before the
+        // borrow ends.
         let name = unsafe { CStr::from_ptr(name) }.to_bytes();
         let value = if value.is_null() {
             None
         } else {
             // SAFETY: a non-null value points at `size` bytes owned by the
-            // headers, copied here before the borrow ends.
-            Some(unsafe { std::slice::from_raw_parts(value.cast::<u8>(), size) }.to_vec())
+            // headers, copied by `copy_headers` before the borrow ends.
+            Some(unsafe { std::slice::from_raw_parts(value.cast::<u8>(), size) })
         };
-        out.push(Header::from_wire(name, value));
+        Some((name, value))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use rdkafka::ClientConfig;
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::message::{Header as KHeader, OwnedHeaders};
+    use rdkafka::mocking::MockCluster;
+    use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+    use rdkafka::{Offset, TopicPartitionList};
+    use relay_core::envelope::{DecodeOptions, FieldOverrides, PoisonClass, RawRecord, decode};
+
+    use super::*;
+
+    /// Records produced to a librdkafka mock cluster, each with `counts[i]`
+    /// headers (an empty name and a null value) then a structured-mode
+    /// content type, read back through [`headers`].
+    fn produced_and_read(counts: &[usize]) -> Vec<RawRecord> {
+        let mock = MockCluster::new(1).unwrap();
+        mock.create_topic("t", 1, 1).unwrap();
+        let bootstrap = mock.bootstrap_servers();
+        let producer: BaseProducer = ClientConfig::new().set("bootstrap.servers", &bootstrap).create().unwrap();
+        let body = br#"{"specversion":"1.0","id":"e-1","type":"t","source":"/s","data":{}}"#;
+        for &n in counts {
+            let mut hs = OwnedHeaders::new_with_capacity(n + 1);
+            for _ in 0..n {
+                hs = hs.insert(KHeader { key: "", value: None::<&[u8]> });
+            }
+            hs = hs.insert(KHeader { key: "content-type", value: Some("application/cloudevents+json") });
+            producer
+                .send(BaseRecord::<[u8], [u8]>::to("t").payload(&body[..]).headers(hs))
+                .map_err(|(e, _)| e)
+                .unwrap();
+        }
+        producer.flush(Duration::from_secs(30)).unwrap();
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &bootstrap)
+            .set("group.id", "g")
+            .set("enable.auto.commit", "false")
+            .create()
+            .unwrap();
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset("t", 0, Offset::Beginning).unwrap();
+        consumer.assign(&tpl).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut out = Vec::new();
+        while out.len() < counts.len() {
+            assert!(Instant::now() < deadline, "read {} of {} records", out.len(), counts.len());
+            let Some(m) = consumer.poll(Duration::from_millis(200)) else { continue };
+            let m = m.unwrap();
+            out.push(RawRecord {
+                topic: "t".into(),
+                partition: 0,
+                offset: rdkafka::Message::offset(&m),
+                key: None,
+                payload: rdkafka::Message::payload(&m).map(<[u8]>::to_vec),
+                headers: headers(&m),
+            });
+        }
+        out
     }
-    out
+
+    #[test]
+    fn a_record_with_more_headers_than_the_relay_reads_is_bad_header_and_not_copied_whole() {
+        let fields = FieldOverrides::default();
+        let opts = DecodeOptions {
+            max_record_bytes: 960 * 1024,
+            format: relay_core::envelope::TopicFormat::Cloudevents,
+            fields: &fields,
+        };
+        // Under librdkafka's own limit (100 000), over it, and a normal record.
+        let records = produced_and_read(&[5_000, 300_000, 3]);
+        for (record, n) in records.iter().zip([5_000, 300_000]) {
+            assert!(
+                record.headers.len() <= MAX_HEADERS + 1,
+                "{n} headers on the wire: {} copied into memory",
+                record.headers.len()
+            );
+            let err = decode(record, &opts).unwrap_err();
+            assert_eq!(err.class, PoisonClass::BadHeader, "{n} headers: {err}");
+            assert!(err.reason.contains("headers"), "{n} headers: {err}");
+        }
+        // Under librdkafka's limit the count is known; over it, only that there were too many.
+        assert_eq!(records[0].headers_left_out(), Some(LeftOut::Headers(5_000 + 1 - MAX_HEADERS)));
+        let err = decode(&records[0], &opts).unwrap_err();
+        assert!(err.reason.contains("record has 5001 headers, more than the 512"), "{err}");
+        assert_eq!(records[1].headers, [Header::left_out(LeftOut::Unreadable)]);
+        let err = decode(&records[1], &opts).unwrap_err();
+        assert!(err.reason.contains("headers could not be read"), "{err}");
+        let normal = decode(&records[2], &opts).unwrap();
+        assert_eq!(normal.id, "e-1");
+        assert_eq!(records[2].headers.len(), 4);
+    }
 }

@@ -8,17 +8,28 @@
 
 use std::collections::HashMap;
 
-use apache_avro::schema::{Name, Schema};
+use apache_avro::schema::{FixedSchema, Name, Schema};
 use apache_avro::types::Value as Avro;
 use base64::Engine as _;
 use chrono::{DateTime, NaiveDate, NaiveTime};
-use serde_json::{Map, Number, Value};
+use serde_json::{Number, Value};
+
+use crate::Undecoded;
 
 /// What one array or map of a record may claim when decoded (its items ×
 /// the size of a decoded value): records are at most
 /// `consumer.max_record_bytes` (960 KiB by default), so this leaves room for
 /// every legitimate one while a crafted length cannot take the process down.
 const MAX_ALLOCATION_BYTES: usize = 64 * 1024 * 1024;
+
+/// The largest `fixed` relay decodes: larger than any record it reads
+/// (`consumer.max_record_bytes` is 960 KiB by default).
+const MAX_FIXED_BYTES: usize = 1024 * 1024;
+
+/// The most digits a decimal's precision or scale may ask for: a 38-digit
+/// SQL decimal is the common largest, and a scale of two billion wrote two
+/// billion zeros for a one-byte value.
+const MAX_DECIMAL_SCALE: usize = 1000;
 
 /// `imports` ordered so that each comes after those it uses (apache-avro
 /// resolves a list front to back; the registry gives references as a set).
@@ -89,7 +100,53 @@ impl Decoder {
                  a few bytes of a record could claim any number of them, so relay refuses the schema"
             ));
         }
+        if let Some(why) = d.oversized(&d.schema, &mut Vec::new()) {
+            return Err(format!("{why}, so relay refuses the schema"));
+        }
         Ok(d)
+    }
+
+    /// Where `schema` makes a decoder allocate more than its record could
+    /// hold, whatever the record's bytes, if anywhere: a `fixed` larger
+    /// than a record (its buffer is made before a byte is read), or a
+    /// decimal whose scale prints more digits than a record could carry
+    /// (its text is written whole before any bound on the JSON applies).
+    fn oversized<'s>(&'s self, schema: &'s Schema, seen: &mut Vec<&'s Name>) -> Option<String> {
+        let fixed = |f: &FixedSchema| {
+            (f.size > MAX_FIXED_BYTES)
+                .then(|| format!("fixed {} is {} bytes, over the {MAX_FIXED_BYTES} relay reads", f.name, f.size))
+        };
+        match schema {
+            Schema::Fixed(f) | Schema::Duration(f) => fixed(f),
+            Schema::Decimal(d) if d.scale > MAX_DECIMAL_SCALE || d.precision > MAX_DECIMAL_SCALE => Some(format!(
+                "a decimal of precision {} and scale {} prints more digits than the {MAX_DECIMAL_SCALE} relay writes",
+                d.precision, d.scale
+            )),
+            Schema::Decimal(d) => match &d.inner {
+                apache_avro::schema::InnerDecimalSchema::Fixed(f) => fixed(f),
+                apache_avro::schema::InnerDecimalSchema::Bytes => None,
+            },
+            Schema::Array(a) => self.oversized(&a.items, seen),
+            Schema::Map(m) => self.oversized(&m.types, seen),
+            Schema::Union(u) => u.variants().iter().find_map(|v| self.oversized(v, seen)),
+            Schema::Record(r) => {
+                if seen.contains(&&r.name) {
+                    return None;
+                }
+                seen.push(&r.name);
+                r.fields
+                    .iter()
+                    .find_map(|f| self.oversized(&f.schema, seen).map(|w| format!("field {:?}: {w}", f.name)))
+            }
+            Schema::Ref { name } => match self.names.get(name) {
+                Some(s) if !seen.contains(&name) => {
+                    seen.push(name);
+                    self.oversized(s, seen)
+                }
+                _ => None,
+            },
+            _ => None,
+        }
     }
 
     /// Where `schema` has an array or a map whose items encode in zero
@@ -164,90 +221,68 @@ impl Decoder {
         self.imports.iter().chain(std::iter::once(&self.schema)).collect()
     }
 
-    /// The datum in `body` (all of it) as JSON.
-    pub(crate) fn decode(&self, body: &[u8]) -> Result<Value, String> {
+    /// The datum in `body` (all of it) as JSON text of at most `limit` bytes.
+    /// Read through [`StrictEnd`], so each item of a block costs bytes.
+    pub(crate) fn decode(&self, body: &[u8], limit: usize) -> Result<Vec<u8>, Undecoded> {
         let reader = apache_avro::reader::datum::GenericDatumReader::builder(&self.schema)
             .writer_schemata(self.all())
             .map_err(|e| e.to_string())?
             .build()
             .map_err(|e| e.to_string())?;
         let mut rest = body;
-        let value = reader.read_value(&mut rest).map_err(|e| e.to_string())?;
+        let value = reader.read_value(&mut StrictEnd(&mut rest)).map_err(|e| e.to_string())?;
         if !rest.is_empty() {
-            return Err(format!("{} byte(s) left after the datum", rest.len()));
+            return Err(format!("{} byte(s) left after the datum", rest.len()).into());
         }
-        Ok(self.json(value, Some(&self.schema)))
+        let datum = Datum { decoder: self, value: &value, schema: Some(&self.schema) };
+        crate::json_text(limit, |out| serde::Serialize::serialize(&datum, out))
     }
 
-    /// `schema` is the value's schema where known (a reference resolved),
-    /// which decimals need for their scale.
-    fn json(&self, value: Avro, schema: Option<&Schema>) -> Value {
-        let schema = match schema {
+    /// [`Decoder::decode`] within the bound of its size, read back as a value.
+    #[cfg(test)]
+    pub(crate) fn decode_value(&self, body: &[u8]) -> Result<Value, String> {
+        let text = self.decode(body, crate::max_json_bytes(body.len())).map_err(|e| e.to_string())?;
+        Ok(serde_json::from_slice(&text).expect("decoded to JSON"))
+    }
+
+    /// `schema` with a reference resolved to the type it names.
+    fn resolved<'s>(&'s self, schema: Option<&'s Schema>) -> Option<&'s Schema> {
+        match schema {
             Some(Schema::Ref { name }) => self.names.get(name),
             other => other,
-        };
+        }
+    }
+
+    /// A value that holds no other as JSON. `schema` is its schema where
+    /// known (a reference resolved), which decimals need for their scale.
+    fn scalar(value: &Avro, schema: Option<&Schema>) -> Value {
         match value {
             Avro::Null => Value::Null,
-            Avro::Boolean(b) => Value::Bool(b),
-            Avro::Int(i) => i.into(),
-            Avro::Long(i) => i.into(),
+            Avro::Boolean(b) => Value::Bool(*b),
+            Avro::Int(i) => (*i).into(),
+            Avro::Long(i) => (*i).into(),
             // Through its shortest text, so 0.1f32 reads 0.1, not 0.10000000149011612.
-            Avro::Float(f) => float(f.to_string().parse().unwrap_or(f64::from(f))),
-            Avro::Double(f) => float(f),
+            Avro::Float(f) => float(f.to_string().parse().unwrap_or(f64::from(*f))),
+            Avro::Double(f) => float(*f),
             Avro::Bytes(b) | Avro::Fixed(_, b) => base64::engine::general_purpose::STANDARD.encode(b).into(),
-            Avro::String(s) => s.into(),
-            Avro::Enum(_, symbol) => symbol.into(),
-            Avro::Union(i, v) => {
-                let branch = match schema {
-                    Some(Schema::Union(u)) => usize::try_from(i).ok().and_then(|i| u.variants().get(i)),
-                    _ => None,
-                };
-                self.json(*v, branch)
-            }
-            Avro::Array(items) => {
-                let item = match schema {
-                    Some(Schema::Array(a)) => Some(&*a.items),
-                    _ => None,
-                };
-                items.into_iter().map(|v| self.json(v, item)).collect()
-            }
-            Avro::Map(entries) => {
-                let item = match schema {
-                    Some(Schema::Map(m)) => Some(&*m.types),
-                    _ => None,
-                };
-                Value::Object(entries.into_iter().map(|(k, v)| (k, self.json(v, item))).collect())
-            }
-            Avro::Record(fields) => {
-                let record = match schema {
-                    Some(Schema::Record(r)) => Some(r),
-                    _ => None,
-                };
-                let mut out = Map::with_capacity(fields.len());
-                for (name, v) in fields {
-                    let field = record.and_then(|r| r.lookup.get(&name).map(|&i| &r.fields[i].schema));
-                    let v = self.json(v, field);
-                    out.insert(name, v);
-                }
-                Value::Object(out)
-            }
+            Avro::String(s) | Avro::Enum(_, s) => s.as_str().into(),
             Avro::Date(days) => NaiveDate::from_ymd_opt(1970, 1, 1)
-                .and_then(|epoch| epoch.checked_add_signed(chrono::Duration::days(i64::from(days))))
-                .map_or_else(|| days.into(), |d| d.to_string().into()),
-            Avro::TimeMillis(ms) => time(i64::from(ms) * 1_000_000).unwrap_or_else(|| ms.into()),
-            Avro::TimeMicros(us) => time(us.saturating_mul(1_000)).unwrap_or_else(|| us.into()),
-            Avro::TimestampMillis(ms) => timestamp(DateTime::from_timestamp_millis(ms), ms),
-            Avro::TimestampMicros(us) => timestamp(DateTime::from_timestamp_micros(us), us),
-            Avro::TimestampNanos(ns) => timestamp(Some(DateTime::from_timestamp_nanos(ns)), ns),
-            Avro::LocalTimestampMillis(ms) => local(DateTime::from_timestamp_millis(ms), ms),
-            Avro::LocalTimestampMicros(us) => local(DateTime::from_timestamp_micros(us), us),
-            Avro::LocalTimestampNanos(ns) => local(Some(DateTime::from_timestamp_nanos(ns)), ns),
+                .and_then(|epoch| epoch.checked_add_signed(chrono::Duration::days(i64::from(*days))))
+                .map_or_else(|| (*days).into(), |d| d.to_string().into()),
+            Avro::TimeMillis(ms) => time(i64::from(*ms) * 1_000_000).unwrap_or_else(|| (*ms).into()),
+            Avro::TimeMicros(us) => time(us.saturating_mul(1_000)).unwrap_or_else(|| (*us).into()),
+            Avro::TimestampMillis(ms) => timestamp(DateTime::from_timestamp_millis(*ms), *ms),
+            Avro::TimestampMicros(us) => timestamp(DateTime::from_timestamp_micros(*us), *us),
+            Avro::TimestampNanos(ns) => timestamp(Some(DateTime::from_timestamp_nanos(*ns)), *ns),
+            Avro::LocalTimestampMillis(ms) => local(DateTime::from_timestamp_millis(*ms), *ms),
+            Avro::LocalTimestampMicros(us) => local(DateTime::from_timestamp_micros(*us), *us),
+            Avro::LocalTimestampNanos(ns) => local(Some(DateTime::from_timestamp_nanos(*ns)), *ns),
             Avro::Decimal(d) => {
                 let scale = match schema {
                     Some(Schema::Decimal(d)) => d.scale,
                     _ => 0,
                 };
-                let unscaled: num_bigint::BigInt = d.into();
+                let unscaled: num_bigint::BigInt = d.clone().into();
                 decimal_text(&unscaled.to_string(), scale).into()
             }
             Avro::BigDecimal(d) => d.to_string().into(),
@@ -257,6 +292,74 @@ impl Decoder {
                 "millis": u32::from(d.millis()),
             }),
             Avro::Uuid(u) => u.to_string().into(),
+            // Written by `Datum`, never passed here.
+            Avro::Union(..) | Avro::Array(_) | Avro::Map(_) | Avro::Record(_) => Value::Null,
+        }
+    }
+}
+
+/// A decoded datum as JSON, written as it is serialized rather than built as
+/// a `serde_json::Value` first: its JSON is bounded while it is written
+/// ([`crate::json_text`]). Bytes are base64 text, decimals exact decimal text,
+/// logical times RFC 3339 / ISO 8601 text, a union its branch's value, an
+/// enum its symbol.
+struct Datum<'a> {
+    decoder: &'a Decoder,
+    value: &'a Avro,
+    /// Its schema where known.
+    schema: Option<&'a Schema>,
+}
+
+impl serde::Serialize for Datum<'_> {
+    fn serialize<S: serde::Serializer>(&self, out: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::{SerializeMap as _, SerializeSeq as _};
+        let d = self.decoder;
+        let schema = d.resolved(self.schema);
+        let inner = |value, schema| Datum { decoder: d, value, schema };
+        match self.value {
+            Avro::Union(i, v) => {
+                let branch = match schema {
+                    Some(Schema::Union(u)) => usize::try_from(*i).ok().and_then(|i| u.variants().get(i)),
+                    _ => None,
+                };
+                inner(v, branch).serialize(out)
+            }
+            Avro::Array(items) => {
+                let item = match schema {
+                    Some(Schema::Array(a)) => Some(&*a.items),
+                    _ => None,
+                };
+                let mut seq = out.serialize_seq(Some(items.len()))?;
+                for v in items {
+                    seq.serialize_element(&inner(v, item))?;
+                }
+                seq.end()
+            }
+            Avro::Map(entries) => {
+                let item = match schema {
+                    Some(Schema::Map(m)) => Some(&*m.types),
+                    _ => None,
+                };
+                let mut map = out.serialize_map(Some(entries.len()))?;
+                for (k, v) in entries {
+                    map.serialize_entry(k, &inner(v, item))?;
+                }
+                map.end()
+            }
+            Avro::Record(fields) => {
+                let record = match schema {
+                    Some(Schema::Record(r)) => Some(r),
+                    _ => None,
+                };
+                let mut map = out.serialize_map(Some(fields.len()))?;
+                for (name, v) in fields {
+                    let field = record.and_then(|r| r.lookup.get(name).map(|&i| &r.fields[i].schema));
+                    map.serialize_entry(name, &inner(v, field))?;
+                }
+                map.end()
+            }
+            Avro::String(text) | Avro::Enum(_, text) => out.serialize_str(text),
+            other => Decoder::scalar(other, schema).serialize(out),
         }
     }
 }
@@ -640,9 +743,59 @@ fn decimal_text(digits: &str, scale: usize) -> String {
     format!("{sign}{int}.{frac}")
 }
 
+/// A reader that fails, rather than reports the end, when a datum reads past
+/// its bytes. apache-avro takes the end of the input where a union's branch
+/// or a string is due as a null, so a block claiming a million such items
+/// cost nothing on the wire and gigabytes decoded; a datum that fits its
+/// schema never reads past its end.
+struct StrictEnd<'a, 'b>(&'a mut &'b [u8]);
+
+impl std::io::Read for StrictEnd<'_, '_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if !buf.is_empty() && self.0.is_empty() {
+            return Err(std::io::Error::other("the value ends before its schema does"));
+        }
+        self.0.read(buf)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // A schema's types can ask for memory no record holds: a decimal's scale
+    // is printed as that many digits (2 GB for a one-byte value), a fixed's
+    // buffer is made before a byte is read.
+    #[test]
+    fn a_schema_whose_types_ask_for_more_than_a_record_holds_is_refused() {
+        let decimal = r#"{"type":"bytes","logicalType":"decimal","precision":2000000000,"scale":1999999999}"#;
+        let err = Decoder::parse(decimal).err().expect("refused");
+        assert!(err.contains("scale 1999999999") && err.contains("refuses the schema"), "{err}");
+        let fixed = r#"{"type":"record","name":"R","fields":[{"name":"f","type":{"type":"fixed","name":"Big","size":2000000000}}]}"#;
+        let err = Decoder::parse(fixed).err().expect("refused");
+        assert!(err.contains("field \"f\"") && err.contains("2000000000 bytes"), "{err}");
+        let money = r#"{"type":"bytes","logicalType":"decimal","precision":38,"scale":9}"#;
+        assert!(Decoder::parse(money).is_ok());
+    }
+
+    // A block of 100 000 items of a union, and not one byte for them: each
+    // decoded as a null at the end of the input (1 000 000 optional records
+    // from 15 bytes took 1.3 GB).
+    #[test]
+    fn a_block_claiming_items_its_bytes_do_not_hold_is_refused() {
+        let schema = r#"{"type": "array", "items": ["null", "long"]}"#;
+        let decoder = Decoder::parse(schema).unwrap();
+        // Zig-zag varint of 100 000 items, then nothing.
+        let mut body = Vec::new();
+        let mut n = 200_000u64;
+        while n >= 0x80 {
+            body.push((n as u8) | 0x80);
+            n >>= 7;
+        }
+        body.push(n as u8);
+        let err = decoder.decode(&body, 1 << 30).unwrap_err().to_string();
+        assert!(err.contains("ends before its schema does"), "{err}");
+    }
 
     const ORDER: &str = r#"{"type":"record","name":"Order","namespace":"shop","fields":[
         {"name":"id","type":"string"},
@@ -678,7 +831,7 @@ mod tests {
         let e2 = Decoder::parse_with(order, &[money.to_owned()]).err().unwrap();
         assert!(e2.contains("shop.Currency"), "a missing one is named: {e2}");
         let bytes = relay_core::effects::DataEncoder::encode(&e, &data).unwrap();
-        assert_eq!(d.decode(&bytes[5..]).unwrap(), data);
+        assert_eq!(d.decode_value(&bytes[5..]).unwrap(), data);
         let err =
             relay_core::effects::DataEncoder::encode(&e, &serde_json::json!({"id": "o", "total": {"minor": "x"}}))
                 .unwrap_err();
@@ -706,7 +859,7 @@ mod tests {
             ),
             ("again".into(), Avro::Enum(0, "NEW".into())),
         ]);
-        let json = d.decode(&encode(&d.schema, v)).unwrap();
+        let json = d.decode_value(&encode(&d.schema, v)).unwrap();
         assert_eq!(
             json,
             serde_json::json!({
@@ -720,8 +873,8 @@ mod tests {
     #[test]
     fn bytes_that_are_not_a_datum_of_the_schema_are_refused() {
         let d = Decoder::parse(r#"{"type":"record","name":"R","fields":[{"name":"a","type":"long"}]}"#).unwrap();
-        assert!(d.decode(&[]).is_err(), "nothing to read");
-        assert!(d.decode(&[2, 2]).unwrap_err().contains("left after"), "trailing bytes");
+        assert!(d.decode_value(&[]).is_err(), "nothing to read");
+        assert!(d.decode_value(&[2, 2]).unwrap_err().contains("left after"), "trailing bytes");
     }
 
     #[test]
@@ -758,7 +911,7 @@ mod tests {
         });
         let bytes = e.encode(&data).unwrap();
         assert_eq!(&bytes[..5], &[0, 0, 0, 0, 7]);
-        let back = e.schema.decode(&bytes[5..]).unwrap();
+        let back = e.schema.decode_value(&bytes[5..]).unwrap();
         assert_eq!(
             back,
             serde_json::json!({
@@ -795,7 +948,7 @@ mod tests {
         .unwrap();
         let out = u.encode(&serde_json::json!({"a": "01234", "b": 5})).unwrap();
         assert_eq!(
-            u.schema.decode(&out[5..]).unwrap(),
+            u.schema.decode_value(&out[5..]).unwrap(),
             serde_json::json!({"a": "01234", "b": 5, "c": null, "d": "/w=="}),
             "text stays text, a number a number; a bytes default is code points"
         );
@@ -824,6 +977,40 @@ mod tests {
         whole["4111111111111111"] = serde_json::json!(1);
         let err = e.encode(&whole).unwrap_err();
         assert!(err.contains("record shop.Order has no field *") && !err.contains("4111"), "{err}");
+    }
+
+    #[test]
+    fn a_value_whose_field_names_expand_past_the_bound_is_refused_as_oversized() {
+        // Eight optional fields per item: a null is one byte (its branch), its
+        // JSON the field's name.
+        let fields: Vec<String> = (0..8)
+            .map(|i| format!(r#"{{"name":"optional_measurement_{i}","type":["null","long"],"default":null}}"#))
+            .collect();
+        let schema = format!(
+            r#"{{"type":"record","name":"Batch","fields":[{{"name":"readings","type":{{"type":"array","items":
+               {{"type":"record","name":"Reading","fields":[{}]}}}}}}]}}"#,
+            fields.join(",")
+        );
+        let d = Decoder::parse(&schema).unwrap();
+        let items = 20_000;
+        let mut body = Vec::new();
+        // One block of `items` (a zig-zag varint), each eight zero bytes, then the end.
+        let mut n = (items as u64) << 1;
+        while n >= 0x80 {
+            body.push((n as u8) | 0x80);
+            n >>= 7;
+        }
+        body.push(n as u8);
+        body.extend(std::iter::repeat_n(0u8, items * 8));
+        body.push(0);
+        match d.decode_value(&body) {
+            Err(e) => assert!(e.contains("oversized"), "{e}"),
+            Ok(v) => panic!(
+                "a value of {} bytes decoded to {} bytes of JSON",
+                body.len(),
+                serde_json::to_vec(&v).unwrap().len()
+            ),
+        }
     }
 
     #[test]

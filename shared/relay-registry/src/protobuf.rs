@@ -18,6 +18,8 @@ use prost::Message as _;
 use prost_reflect::{DeserializeOptions, DynamicMessage, FileDescriptor, MessageDescriptor, SerializeOptions};
 use serde_json::Value;
 
+use crate::Undecoded;
+
 /// The name the schema's own file is compiled under when the registry gives
 /// `.proto` text (a descriptor carries its own name).
 const MAIN_FILE: &str = "registered.proto";
@@ -56,8 +58,9 @@ impl Schema {
         Ok(Schema { file })
     }
 
-    /// The value of a record: its message indexes, then the message.
-    pub(crate) fn decode(&self, body: &[u8]) -> Result<Value, String> {
+    /// The value of a record (its message indexes, then the message) as
+    /// JSON text of at most `limit` bytes.
+    pub(crate) fn decode(&self, body: &[u8], limit: usize) -> Result<Vec<u8>, Undecoded> {
         let (indexes, rest) = indexes(body)?;
         let desc = self.message(&indexes)?;
         let msg = DynamicMessage::decode(desc.clone(), rest)
@@ -66,8 +69,19 @@ impl Schema {
             .stringify_64_bit_integers(false)
             .use_proto_field_name(true)
             .skip_default_fields(false);
-        msg.serialize_with_options(serde_json::value::Serializer, &opts)
-            .map_err(|e| format!("{} has no JSON form: {e}", desc.full_name()))
+        // Written out as it is serialized: every default of each item of a
+        // repeated field makes a few bytes of the record many of JSON.
+        crate::json_text(limit, |out| msg.serialize_with_options(out, &opts)).map_err(|e| match e {
+            Undecoded::Invalid(why) => Undecoded::Invalid(format!("{} has no JSON form: {why}", desc.full_name())),
+            too_large => too_large,
+        })
+    }
+
+    /// [`Schema::decode`] within the bound of its size, read back as a value.
+    #[cfg(test)]
+    fn decode_value(&self, body: &[u8]) -> Result<Value, String> {
+        let text = self.decode(body, crate::max_json_bytes(body.len())).map_err(|e| e.to_string())?;
+        Ok(serde_json::from_slice(&text).expect("decoded to JSON"))
     }
 
     /// The message at `indexes` (top-level, then nested).
@@ -434,10 +448,10 @@ mod tests {
         });
         let bytes = encoder().encode(&data).unwrap();
         assert_eq!(&bytes[..6], &[0, 0, 0, 0, 7, 0], "header, then the indexes [0] as one zero byte");
-        assert_eq!(schema().decode(&bytes[5..]).unwrap(), data);
+        assert_eq!(schema().decode_value(&bytes[5..]).unwrap(), data);
         // Unset fields come out with their defaults, so templates can name them.
         let bytes = encoder().encode(&json!({"paymentId": "p-2"})).unwrap();
-        let back = schema().decode(&bytes[5..]).unwrap();
+        let back = schema().decode_value(&bytes[5..]).unwrap();
         assert_eq!(back["payment_id"], "p-2");
         assert_eq!(back["attempt"], 0);
         assert_eq!(back["status"], "NEW");
@@ -455,13 +469,13 @@ mod tests {
         assert_eq!(out, [4, 0, 0]);
         let msg = DynamicMessage::deserialize(line, &json!({"sku": "B", "qty": 3})).unwrap();
         out.extend(msg.encode_to_vec());
-        assert_eq!(s.decode(&out).unwrap(), json!({"sku": "B", "qty": 3}));
+        assert_eq!(s.decode_value(&out).unwrap(), json!({"sku": "B", "qty": 3}));
         let refund = s.file.messages().nth(1).unwrap();
         let mut out = Vec::new();
         put_indexes(&mut out, &refund);
         assert_eq!(out, [2, 2]);
         out.extend(DynamicMessage::deserialize(refund, &json!({"payment_id": "p"})).unwrap().encode_to_vec());
-        assert_eq!(s.decode(&out).unwrap(), json!({"payment_id": "p"}));
+        assert_eq!(s.decode_value(&out).unwrap(), json!({"payment_id": "p"}));
         for (bytes, says) in [
             (&[2u8, 4][..], "indexes [2] name no message"),
             (&[4, 0, 8], "indexes [0, 4] name no message"),
@@ -470,10 +484,10 @@ mod tests {
             (&[2, 1], "below 0"),
             (&[0xfe, 0x01], "claims 127 message indexes"),
         ] {
-            let e = s.decode(bytes).unwrap_err();
+            let e = s.decode_value(bytes).unwrap_err();
             assert!(e.contains(says), "{says:?} in {e}");
         }
-        let e = s.decode(&[0, 0x0a, 0xff]).unwrap_err();
+        let e = s.decode_value(&[0, 0x0a, 0xff]).unwrap_err();
         assert!(e.contains("does not decode as shop.PaymentRequested"), "{e}");
     }
 
@@ -534,7 +548,7 @@ mod tests {
         let refund = Encoder::new(7, &s, Some("shop.Refund"), "d".into()).unwrap();
         let bytes = refund.encode(&json!({"payment_id": "p-1"})).unwrap();
         assert_eq!(&bytes[5..7], &[2, 2], "indexes [1]");
-        assert_eq!(s.decode(&bytes[5..]).unwrap(), json!({"payment_id": "p-1"}));
+        assert_eq!(s.decode_value(&bytes[5..]).unwrap(), json!({"payment_id": "p-1"}));
         let line = Encoder::new(7, &s, Some("shop.PaymentRequested.Line"), "d".into()).unwrap();
         let bytes = line.encode(&json!({"sku": "A", "qty": 1})).unwrap();
         assert_eq!(&bytes[5..8], &[4, 0, 0], "indexes [0, 0]");
@@ -552,6 +566,55 @@ mod tests {
             .encode(Schema::parse(MONEY, &HashMap::new()).unwrap().file.file_descriptor_proto().encode_to_vec());
         let s = Schema::parse(&b64, &HashMap::from([("money.proto".to_owned(), money)])).unwrap();
         assert_eq!(s.first_message().full_name(), "shop.PaymentRequested");
+    }
+
+    /// An order whose lines have eight fields, none with presence: each
+    /// empty line (two bytes on the wire) is written out with every default.
+    const ORDER_LINES: &str = r#"
+        syntax = "proto3";
+        message Order { string order_id = 1; repeated Line lines = 2; }
+        message Line { string sku = 1; string name = 2; int64 quantity = 3; int64 unit_minor = 4;
+                       string currency = 5; int64 tax_minor = 6; string warehouse = 7; bool gift = 8; }
+    "#;
+
+    #[test]
+    fn a_value_whose_defaults_expand_past_the_bound_is_refused_as_oversized() {
+        let s = Schema::parse(ORDER_LINES, &HashMap::new()).unwrap();
+        // Indexes [0], order_id "o-1", then 100 000 empty lines.
+        let mut body = vec![0u8, 0x0a, 3, b'o', b'-', b'1'];
+        for _ in 0..100_000 {
+            body.extend([0x12, 0x00]);
+        }
+        match s.decode_value(&body) {
+            Err(e) => assert!(e.contains("oversized"), "{e}"),
+            Ok(v) => panic!(
+                "a value of {} bytes decoded to {} bytes of JSON",
+                body.len(),
+                serde_json::to_vec(&v).unwrap().len()
+            ),
+        }
+    }
+
+    #[test]
+    fn the_json_written_is_the_json_of_the_value_it_was_built_as_before() {
+        let s = Schema::parse(
+            "syntax = \"proto3\"; message F { float f = 1; double d = 2; map<int32, string> m = 3; \
+             uint64 u = 4; repeated float fs = 5; bytes b = 6; }",
+            &HashMap::new(),
+        )
+        .unwrap();
+        let data = json!({"f": 0.1, "d": 0.1, "m": {"7": "x"}, "u": 18_446_744_073_709_551_615_u64,
+                          "fs": [1.5, 0.3, "NaN"], "b": "AP8="});
+        let msg = DynamicMessage::deserialize(s.first_message(), &data).unwrap();
+        let opts = SerializeOptions::new()
+            .stringify_64_bit_integers(false)
+            .use_proto_field_name(true)
+            .skip_default_fields(false);
+        let built = msg.serialize_with_options(serde_json::value::Serializer, &opts).unwrap();
+        let mut body = vec![0];
+        body.extend(msg.encode_to_vec());
+        assert_eq!(s.decode_value(&body).unwrap(), built);
+        assert_eq!(built["f"], json!(0.10000000149011612), "as before: an f32 widened");
     }
 
     #[test]

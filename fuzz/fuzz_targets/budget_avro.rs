@@ -1,0 +1,29 @@
+//! Any Avro value of the Schema Registry, decoded to an event or
+//! dead-lettered, holds no more than Avro may (`relay_budget::allowed`).
+//! Not in `scripts/fuzz.sh` yet: apache-avro trusts a block's item count,
+//! so a few bytes claim up to 64 MiB of items (relay-budget's ignored test).
+#![no_main]
+
+use std::sync::OnceLock;
+
+use libfuzzer_sys::fuzz_target;
+use relay_budget::targets::{Registered, SCHEMAS};
+use relay_core::envelope::TopicFormat;
+
+#[global_allocator]
+static ALLOCATOR: relay_budget::Counting = relay_budget::Counting;
+
+fn registered() -> &'static Registered {
+    static R: OnceLock<Registered> = OnceLock::new();
+    R.get_or_init(|| Registered::new(Registered::client()))
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&pick, body)) = data.split_first() else { return };
+    let schemas: Vec<_> = SCHEMAS.iter().filter(|(_, format, _)| *format == TopicFormat::Avro).collect();
+    let (id, format, _) = schemas[usize::from(pick) % schemas.len()];
+    let m = registered().measure(*format, *id, body, &|_, _| {});
+    if let Err(why) = m.check(&format!("a value of schema {id}")) {
+        panic!("{why}");
+    }
+});
