@@ -130,10 +130,10 @@ async fn rows_an_application_enqueues_are_sent_once_if_committed_and_never_if_ro
     }
     let stats = h.provider.stats();
     for order in committed {
-        assert_eq!(stats.applied_for(&format!("capture:{order}")), 1, "{order} captured once");
+        assert_eq!(stats.applied_for(&format!("app:capture:{order}")), 1, "{order} captured once");
     }
     for order in ["o-psql-rolled-back", "o-py-rb"] {
-        assert_eq!(stats.applied_for(&format!("capture:{order}")), 0, "{order} was rolled back");
+        assert_eq!(stats.applied_for(&format!("app:capture:{order}")), 0, "{order} was rolled back");
     }
     let report = verify(
         &cfg,
@@ -234,7 +234,9 @@ async fn the_front_door_refuses_what_could_never_be_sent_naming_the_field() {
         "SELECT relay.call('psp', 'POST', '/x', '{}', id => 'a', idempotency_key => 'far-too-long')",
     )
     .await;
-    assert!(long.starts_with("relay.call: idempotency_key: 12 characters; endpoint 'psp'"), "{long}");
+    let sent = "relay.call: idempotency_key: 16 characters as sent (the key given with relay's app: prefix); \
+                endpoint 'psp'";
+    assert!(long.starts_with(sent), "{long}");
     let default_key = refused(&mut conn, "SELECT relay.call('psp', 'POST', '/x', '{}', id => 'a')").await;
     assert!(default_key.contains("36 characters"), "the default key is the call's id: {default_key}");
 }
@@ -474,9 +476,11 @@ async fn the_front_door_takes_the_key_locks_relay_s_own_writers_take() {
         .unwrap();
     let keys = [
         (Key::Outbox { topic: &h.out, key: "k-1" }, true),
-        (Key::Intent("o-1"), true),
+        (Key::Intent("app:o-1"), true),
         (Key::Outbox { topic: &h.out, key: "k-2" }, false),
-        (Key::Intent("o-2"), false),
+        (Key::Intent("app:o-2"), false),
+        // A route's ordering key of the same text is not the application's.
+        (Key::Intent("o-1"), false),
     ];
     for (key, held) in keys {
         let mut writer = h.db.pool.begin().await.unwrap();
@@ -572,7 +576,7 @@ async fn the_database_derives_the_ids_relay_derives_and_a_retried_transaction_en
             .fetch_one(&h.db.pool)
             .await
             .unwrap();
-    assert_eq!((max_attempts, idempotency_key, ordering_key.as_deref()), (5, ids[0].1.to_string(), Some("o-1")));
+    assert_eq!((max_attempts, idempotency_key, ordering_key.as_deref()), (5, ids[0].1.to_string(), Some("app:o-1")));
 }
 
 #[tokio::test]
@@ -600,6 +604,7 @@ async fn the_enqueue_role_can_enqueue_and_do_nothing_else() {
         "SELECT relay.app_check_text('publish', 'id', 'x', 1)",
         "SELECT relay.app_check_key('publish', 'key', 'x')",
         "SELECT relay.app_reused('publish', 'id', 'x')",
+        "SELECT relay.app_check_depth('call', 'body', '[]')",
         "INSERT INTO relay.app_sagas (consumer, saga_type) VALUES ('c', 'order')",
         "UPDATE relay.app_front_doors SET role = 'relay_app'",
     ];
@@ -879,7 +884,7 @@ async fn a_python_service_s_rows_are_sent_once_across_relay_kills_and_a_postgres
     assert_eq!((ids.len(), &keys), (30, &orders), "each committed event on the topic (a republish keeps its id)");
     let stats = h.provider.stats();
     for order in &orders {
-        assert_eq!(stats.applied_for(&format!("capture:{order}")), 1, "{order}");
+        assert_eq!(stats.applied_for(&format!("app:capture:{order}")), 1, "{order}");
     }
     assert!(stats.double_applied().is_empty());
     assert_eq!(stats.applied, 30, "nothing rolled back was captured");
@@ -984,7 +989,268 @@ async fn every_language_s_example_enqueues_in_its_own_transaction_and_each_commi
     assert_eq!(keys, committed);
     let stats = h.provider.stats();
     for order in &committed {
-        assert_eq!(stats.applied_for(&format!("capture:{order}")), 1, "{order}");
+        assert_eq!(stats.applied_for(&format!("app:capture:{order}")), 1, "{order}");
     }
     assert_eq!(stats.applied, 8, "nothing rolled back was captured");
+}
+
+/// JSON nested `n` deep: arrays within arrays.
+fn nested(n: usize) -> String {
+    format!("'{}1{}'::jsonb", "[".repeat(n), "]".repeat(n))
+}
+
+#[tokio::test]
+async fn a_call_s_json_is_bounded_in_depth_and_its_outcomes_count_in_its_size() {
+    // A body or outcome data nested deeper than the dispatcher's JSON reader
+    // takes (128 levels) made every claim that met it fail; outcomes of any
+    // size were taken, and a claim of such calls could exhaust the
+    // dispatcher's memory.
+    let h = Harness::new(1).await;
+    let mut cfg = h.config(FRONT_DOOR);
+    cfg.application.as_mut().unwrap().max_payload_bytes = 65_536;
+    h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
+    let mut conn = PgConnection::connect(&app_url(&h)).await.unwrap();
+    let out = &h.out;
+    let emit = |data: &str| {
+        format!(
+            "jsonb_build_object('emit', jsonb_build_array(jsonb_build_object('name', 'x', 'type', 't', \
+             'topic', '{out}', 'key', 'k', 'data', {data})))"
+        )
+    };
+    let call = |args: &str| format!("SELECT relay.call('psp', 'POST', '/x', {args})");
+    let huge = "jsonb_build_object('pad', repeat('x', 100000))";
+    let cases = [
+        (call(&format!("{}, id => 'a'", nested(200))), "relay.call: body: nested more than 64 levels deep"),
+        (call(&format!("{}, id => 'a'", nested(65))), "relay.call: body: nested more than 64 levels deep"),
+        (
+            call(&format!("'{{}}', id => 'a', on_success => {}", emit(&nested(200)))),
+            "relay.call: on_success.emit[0].data: nested more than 64 levels deep",
+        ),
+        (
+            call(&format!("'{{}}', id => 'a', on_dead => {}", emit(&nested(65)))),
+            "relay.call: on_dead.emit[0].data: nested more than 64 levels deep",
+        ),
+        (call(&format!("'{{}}', id => 'a', on_success => {}", emit(huge))), "relay.call: on_success: the call is "),
+        (call(&format!("'{{}}', id => 'a', on_dead => {}", emit(huge))), "relay.call: on_dead: the call is "),
+    ];
+    for (sql, expected) in &cases {
+        let message = refused(&mut conn, sql).await;
+        assert!(message.starts_with(expected), "{sql}\n  said: {message}\n  not: {expected}…");
+        assert!(
+            message.contains("64 levels") || message.contains("more than the 65536 bytes relay accepts"),
+            "names the limit: {message}"
+        );
+    }
+    assert_eq!(h.db.count("intents", "true").await, 0, "nothing enqueued");
+    // At the limit, the call is taken, and the dispatcher reads it back.
+    sqlx::query(&call(&format!("{}, id => 'deep-ok', on_success => {}", nested(64), emit(&nested(64)))))
+        .execute(&mut conn)
+        .await
+        .expect("64 levels are taken");
+    let run = h.start(cfg, DELIVERY, no_faults()).await;
+    h.await_intents_finished(1).await;
+    h.await_published(1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.intents_in("succeeded").await, 1);
+}
+
+/// The example's capture route: the order's saga waits for the payment,
+/// which the capture's outcome moves to paid or payment_failed.
+const CAPTURE_WITH_SAGA: &str = r#"
+[[routes]]
+name = "order-placed"
+topic = "{topic}"
+type = "order.placed"
+
+[[routes.actions]]
+kind = "saga"
+name = "start-order"
+saga = "order"
+id = "{{ data.order_id }}"
+start = true
+to = "payment_pending"
+
+[[routes.actions]]
+kind = "call"
+name = "capture"
+endpoint = "psp"
+path = "/captures/{{ data.order_id }}"
+idempotency_key = "capture:{{ data.order_id }}"
+ordering_key = "{{ data.customer }}"
+body = { order_id = "{{ data.order_id }}", amount = "{{ data.amount }}" }
+
+[[routes.actions.on_success.saga]]
+name = "order-paid"
+saga = "order"
+id = "{{ data.order_id }}"
+from = ["payment_pending"]
+to = "paid"
+
+[[routes.actions.on_dead.emit]]
+name = "failed"
+type = "payment.failed"
+topic = "{out}"
+key = "{{ data.order_id }}"
+data = { order_id = "{{ data.order_id }}" }
+
+[[routes.actions.on_dead.saga]]
+name = "order-payment-failed"
+saga = "order"
+id = "{{ data.order_id }}"
+from = ["payment_pending"]
+to = "payment_failed"
+
+[application]
+topics = ["{out}"]
+endpoints = ["psp"]
+"#;
+
+/// A harness whose provider answers as the IETF draft (422: a key reused
+/// with another body), and its configuration with that profile.
+async fn ietf_harness() -> (Harness, relay_core::RelayConfig) {
+    let h = Harness::with_provider(
+        1,
+        example_provider::Settings { dialect: example_provider::Dialect::Ietf, ..Default::default() },
+    )
+    .await;
+    let text = h.config_text(CAPTURE_WITH_SAGA).replace("[endpoints.psp]\n", "[endpoints.psp]\nprofile = \"ietf\"\n");
+    let mut cfg = relay_core::RelayConfig::from_toml(&text).unwrap();
+    cfg.database.url = Some(h.db.url.clone().into());
+    (h, cfg)
+}
+
+/// An order event of `customer` (the route's ordering key).
+fn order_of(id: &str, order: &str, customer: &str) -> relay_testkit::TestEvent {
+    let data = serde_json::json!({"order_id": order, "amount": 100, "customer": customer});
+    relay_testkit::TestEvent::new(id, "order.placed", data).key(order)
+}
+
+/// State and last error of the intent of input event `source_event`, once written.
+async fn intent_of(h: &Harness, source_event: &str) -> Option<(String, Option<String>)> {
+    sqlx::query_as("SELECT state, last_error FROM relay.intents WHERE source_event_id = $1")
+        .bind(source_event)
+        .fetch_optional(&h.db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn an_application_s_idempotency_key_never_is_the_key_a_route_sends() {
+    // The application sends the key the route will render for the order,
+    // with another body, before the order's event arrives: the provider
+    // would take the route's capture for a key reused with another request
+    // (422), the capture would die and the order's saga go to payment_failed.
+    let (h, cfg) = ietf_harness().await;
+    h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
+    let mut app = PgConnection::connect(&app_url(&h)).await.unwrap();
+    sqlx::query(
+        "SELECT relay.call('psp', 'POST', '/captures/o-42', '{\"order_id\": \"o-42\", \"amount_cents\": 1}',
+                           id => 'app-capture-o-42', idempotency_key => 'capture:o-42')",
+    )
+    .execute(&mut app)
+    .await
+    .unwrap();
+    let run = h.start(cfg.clone(), DELIVERY, no_faults()).await;
+    h.await_intents_finished(1).await;
+    run.stop().await.unwrap();
+
+    h.send(&order_of("evt-42", "o-42", "cust-17")).await;
+    let run = h.start(cfg.clone(), relay::Components::ALL, no_faults()).await;
+    h.await_intents_finished(2).await;
+    run.stop().await.unwrap();
+    let (state, error) = intent_of(&h, "evt-42").await.expect("the route's intent");
+    assert_eq!(state, "succeeded", "the route's capture: {error:?}");
+    let saga: String =
+        sqlx::query_scalar("SELECT state FROM relay.sagas WHERE saga_id = 'o-42'").fetch_one(&h.db.pool).await.unwrap();
+    assert_eq!(saga, "paid");
+    assert_eq!(h.db.count("outbox", "event_type = 'payment.failed'").await, 0);
+    // The provider saw two keys, each applied once.
+    let stats = h.provider.stats();
+    assert_eq!((stats.applied_for("capture:o-42"), stats.applied_for("app:capture:o-42")), (1, 1), "{stats:?}");
+    let stored: String = sqlx::query_scalar("SELECT idempotency_key FROM relay.intents WHERE action = 'application'")
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, "app:capture:o-42");
+}
+
+#[tokio::test]
+async fn an_application_s_ordering_key_never_holds_a_route_s() {
+    // An application's call on ordering key cust-17 that ends uncertain
+    // held the key the route renders for customer cust-17: the route's
+    // captures for that customer waited until an operator acted.
+    let (h, cfg) = ietf_harness().await;
+    h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
+    let mut app = PgConnection::connect(&app_url(&h)).await.unwrap();
+    sqlx::query("SELECT relay.call('psp', 'POST', '/notes', '{}', id => 'note-1', ordering_key => 'cust-17')")
+        .execute(&mut app)
+        .await
+        .unwrap();
+    // As if it had ended uncertain: it holds its key until an operator acts.
+    sqlx::query("UPDATE relay.intents SET state = 'uncertain', ever_uncertain = true, finished_at = now()")
+        .execute(&h.db.pool)
+        .await
+        .unwrap();
+    h.send(&order_of("evt-7", "o-7", "cust-17")).await;
+    let run = h.start(cfg.clone(), relay::Components::ALL, no_faults()).await;
+    eventually("the route's capture for cust-17", DEADLINE, || async {
+        intent_of(&h, "evt-7").await.filter(|(state, _)| state == "succeeded")
+    })
+    .await;
+    run.stop().await.unwrap();
+    let key: String = sqlx::query_scalar("SELECT ordering_key FROM relay.intents WHERE action = 'application'")
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(key, "app:cust-17");
+}
+
+// A configuration with only [application] (the classic outbox, no input
+// topic) passed check-config, and `relay run` then exited with "no topics to
+// consume": only `relay dispatch` served it. `relay run` serves what the
+// configuration asks for.
+#[tokio::test(flavor = "multi_thread")]
+async fn relay_run_with_only_an_application_front_door_publishes_what_applications_enqueue() {
+    let h = Harness::new(1).await;
+    let config = h.write_config(&h.config_text(FRONT_DOOR));
+    let mut run = h.process(&config, &["run"], &[]);
+    let mut app = PgConnection::connect(&app_url(&h)).await.unwrap();
+    // The front door is registered as the process starts.
+    let publish = format!("SELECT relay.publish('{}', 'k-1', 'order.placed', '{{\"order\": 1}}', id => 'o-1')", h.out);
+    eventually("the front door open", DEADLINE, || async {
+        sqlx::query(&publish).execute(&mut PgConnection::connect(&app_url(&h)).await.ok()?).await.ok()
+    })
+    .await;
+    let _ = sqlx::query(&publish).execute(&mut app).await;
+    h.await_published(1).await;
+    assert!(run.terminate(Duration::from_secs(30)).unwrap().success(), "{}", run.log());
+    assert!(!run.log().contains("no topics to consume"), "{}", run.log());
+    assert_eq!(read_topic(&h.bootstrap, &h.out, 1).await.unwrap().len(), 1);
+}
+
+// The producer counts an event's headers and key with its data against its
+// message.max.bytes: a limit on the data alone let 64 headers of 8 KiB
+// through, a record that could never be published (its dead row then held
+// its key for every later event).
+#[tokio::test]
+async fn an_event_s_headers_and_key_count_with_its_data_in_the_size_relay_accepts() {
+    let h = Harness::new(1).await;
+    let mut cfg = h.config(FRONT_DOOR);
+    cfg.application.as_mut().unwrap().max_payload_bytes = 65_536;
+    h.relay(cfg, Handlers::default(), no_faults()).await;
+    let mut conn = PgConnection::connect(&app_url(&h)).await.unwrap();
+    let headers: serde_json::Map<String, serde_json::Value> =
+        (0..64).map(|n| (format!("x-h{n}"), serde_json::Value::String("v".repeat(8000)))).collect();
+    let sql = format!(
+        "SELECT relay.publish('{}', 'k', 'x', '{{\"a\": 1}}', id => 'big', headers => '{}'::jsonb)",
+        h.out,
+        serde_json::Value::Object(headers)
+    );
+    let why = refused(&mut conn, &sql).await;
+    assert!(why.contains("headers") && why.contains("together") && why.contains("65536"), "{why}");
+    let small = format!(
+        "SELECT relay.publish('{}', 'k', 'x', '{{\"a\": 1}}', id => 'small', headers => '{{\"x-h\": \"v\"}}')",
+        h.out
+    );
+    sqlx::query(&small).execute(&mut conn).await.unwrap();
 }

@@ -242,7 +242,8 @@ async fn server_errors_and_throttling_are_retried_with_backoff_until_the_call_su
     assert_eq!(stats.requests_for("capture:o-503"), 3);
     assert_eq!(
         attempts(&h, "capture:o-503").await,
-        vec![("retryable".into(), Some(503)), ("retryable".into(), Some(503)), ("succeeded".into(), Some(201))]
+        // A 5xx may follow an applied call: recorded uncertain, retried with the key.
+        vec![("uncertain".into(), Some(503)), ("uncertain".into(), Some(503)), ("succeeded".into(), Some(201))]
     );
     assert_eq!(
         attempts(&h, "capture:o-429").await,
@@ -256,10 +257,12 @@ async fn server_errors_and_throttling_are_retried_with_backoff_until_the_call_su
 #[tokio::test]
 async fn a_permanent_client_error_or_a_spent_budget_leaves_the_intent_dead_with_its_error() {
     let h = Harness::new(1).await;
-    // C13: 422 is permanent; 503 forever spends the 5-attempt budget.
+    // C13: 422 is permanent; 429 forever (throttled, never taken on)
+    // spends the 5-attempt budget. A 5xx forever would end uncertain: it
+    // may follow an applied call.
     h.provider.set_faults(vec![
         rule("capture:o-422", None, FaultKind::Status { status: 422, retry_after_secs: None }),
-        rule("capture:o-down", None, FaultKind::Status { status: 503, retry_after_secs: None }),
+        rule("capture:o-down", None, FaultKind::Status { status: 429, retry_after_secs: None }),
     ]);
     h.send(&order("evt-1", "o-422")).await;
     h.send(&order("evt-2", "o-down")).await;
@@ -273,9 +276,9 @@ async fn a_permanent_client_error_or_a_spent_budget_leaves_the_intent_dead_with_
     assert_eq!((state.as_str(), attempts_made, status), ("dead", 1, Some(422)));
     assert!(error.unwrap().contains("422"));
     let (state, attempts_made, status, error) = intent_state(&h, "capture:o-down").await;
-    assert_eq!((state.as_str(), attempts_made, status), ("dead", 5, Some(503)));
+    assert_eq!((state.as_str(), attempts_made, status), ("dead", 5, Some(429)));
     let error = error.unwrap();
-    assert!(error.contains("budget exhausted after 5 attempts") && error.contains("503"), "{error}");
+    assert!(error.contains("budget exhausted after 5 attempts") && error.contains("429"), "{error}");
     assert_eq!(h.provider.stats().requests_for("capture:o-down"), 5, "nothing is retried forever");
     assert_eq!(intent_state(&h, "capture:o-fine").await.0, "succeeded");
 
@@ -450,7 +453,7 @@ async fn what_a_dispatcher_s_own_outcomes_make_due_is_claimed_at_once_not_at_the
     let order: Vec<String> = h.provider.applied().into_iter().map(|a| a.key).collect();
     let expected: Vec<String> = (1..=chain).map(|i| format!("capture:o-{i}")).collect();
     assert_eq!(order, expected, "per-key order kept");
-    assert_eq!(h.db.count("intent_attempts", "outcome = 'retryable'").await, 1, "o-1 failed once, then was retried");
+    assert_eq!(h.db.count("intent_attempts", "outcome = 'uncertain'").await, 1, "o-1 failed once, then was retried");
 }
 
 const SAGA_OUTCOME_ROUTE: &str = r#"
@@ -519,7 +522,7 @@ async fn outbox_rows_are_marked_published_only_after_the_ack_and_a_crash_republi
     // share before the other's failure stops it.
     let faults = Faults::new(&[(point::PUBLISHER_AFTER_ACK, FaultAction::Fail, 0)]);
     let mut cfg = h.config(CAPTURE_ROUTE);
-    cfg.publisher.lease = Duration::from_secs(6);
+    cfg.publisher.lease = Duration::from_secs(7);
     cfg.publisher.delivery_timeout = Duration::from_secs(5);
     let crashed =
         h.start(cfg.clone(), Components { consumer: false, dispatcher: false, publisher: true }, faults).await;
@@ -803,7 +806,7 @@ async fn an_error_page_that_never_ends_is_read_only_as_far_as_the_error_text_nee
     run.stop().await.unwrap();
     assert_eq!(
         attempts(&h, "capture:o-1").await,
-        vec![("retryable".into(), Some(503)), ("succeeded".into(), Some(201))]
+        vec![("uncertain".into(), Some(503)), ("succeeded".into(), Some(201))]
     );
     let (error, took): (String, f64) = sqlx::query_as(
         "SELECT error, extract(epoch FROM finished_at - started_at)::float8 FROM relay.intent_attempts WHERE attempt = 1",
@@ -832,7 +835,7 @@ async fn provider_answers_that_are_not_json_are_classified_by_status_alone() {
     assert_eq!(intent_state(&h, "capture:o-page").await.0, "succeeded", "a 2xx HTML page is still a success");
     assert_eq!(
         attempts(&h, "capture:o-gateway").await,
-        vec![("retryable".into(), Some(502)), ("retryable".into(), Some(502)), ("succeeded".into(), Some(201))]
+        vec![("uncertain".into(), Some(502)), ("uncertain".into(), Some(502)), ("succeeded".into(), Some(201))]
     );
     let (state, _, status, error) = intent_state(&h, "capture:o-forbidden").await;
     assert_eq!((state.as_str(), status), ("dead", Some(403)));
@@ -1492,7 +1495,7 @@ async fn once_an_attempt_may_have_been_applied_the_intent_never_ends_dead_whatev
     assert_eq!(ending(&h, "capture:o-1").await, ("uncertain".into(), Some(503), true));
     assert_eq!(
         attempts(&h, "capture:o-1").await,
-        vec![("uncertain".into(), None), ("retryable".into(), Some(503)), ("retryable".into(), Some(503))]
+        vec![("uncertain".into(), None), ("uncertain".into(), Some(503)), ("uncertain".into(), Some(503))]
     );
     // A replay that meets only 503s again ends uncertain again: the timeout
     // stays as possible as it was.
@@ -1769,6 +1772,21 @@ async fn a_throttled_call_waiting_for_its_token_leaves_the_only_call_slot_to_a_f
     // 3 s of calls (3.2 s measured); a slot held for each throttled call's
     // token wait made it 8.4 s.
     assert!(took < 6.0, "30 fast calls took {took:.2} s beside a 1/s endpoint on one slot");
+    // And the throttled endpoint kept its pace meanwhile: a call that gave
+    // its slot back for a fresher token went to the queue's end each time,
+    // and none was made while the fast endpoint kept waiters.
+    let throttled_meanwhile = sqlx::query_scalar::<_, i64>(
+        "SELECT count(*) FROM relay.intent_attempts a JOIN relay.intents i ON i.id = a.intent_id
+          WHERE i.endpoint = 'throttled' AND a.started_at <= (SELECT max(b.started_at) FROM relay.intent_attempts b
+                 JOIN relay.intents j ON j.id = b.intent_id WHERE j.endpoint = 'psp')",
+    )
+    .fetch_one(&h.db.pool)
+    .await
+    .unwrap();
+    assert!(
+        throttled_meanwhile >= 2,
+        "{throttled_meanwhile} throttled calls in the {took:.2} s the fast calls took at 1/s"
+    );
 }
 
 #[tokio::test]
@@ -1989,6 +2007,35 @@ async fn a_throttled_endpoint_does_not_hold_up_a_fast_one_when_intents_are_claim
 }
 
 #[tokio::test]
+async fn a_provider_that_applied_a_call_and_replays_its_500_leaves_the_intent_uncertain_without_on_dead() {
+    // A Stripe-like provider applies the capture, fails answering 500, and
+    // replays that stored 500 to every retry with the key ("treat the
+    // result of a 500 as indeterminate"). Before the outcome table counted
+    // a 5xx as "may have applied", the spent budget ended it dead and
+    // published payment.failed for a capture that had gone through.
+    let h = Harness::new(1).await;
+    h.provider.set_faults(vec![rule("capture:o-1", None, FaultKind::AppliedThenFail { status: 500 })]);
+    h.send(&order("evt-1", "o-1")).await;
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.endpoints.get_mut("psp").unwrap().max_attempts = 3;
+    let run = h.start(cfg.clone(), Components::ALL, no_faults()).await;
+    h.await_intents_finished(1).await;
+    run.stop().await.unwrap();
+    assert_eq!(ending(&h, "capture:o-1").await, ("uncertain".into(), Some(500), true));
+    assert_eq!(h.provider.stats().requests_for("capture:o-1"), 3, "retried with its key");
+    assert_eq!(h.provider.applied().len(), 1, "applied once, by the first request");
+    assert_eq!(h.db.count("outbox", "event_type = 'payment.failed'").await, 0, "on_dead was recorded");
+    let report = relay_cli::verify::verify(
+        &cfg,
+        &h.db.pool,
+        &relay_cli::verify::VerifyOptions { effects: None, grace: Duration::from_secs(30) },
+    )
+    .await
+    .unwrap();
+    assert!(!report.violations.iter().any(|v| v.check == "dead_after_uncertain"), "{}", report.render());
+}
+
+#[tokio::test]
 async fn an_operator_resolves_an_uncertain_intent_as_the_provider_says_it_ended() {
     // Review of issue 28's first increment, F3: an uncertain intent could
     // only end by succeeding; one the provider never applied (a claim lost
@@ -2077,4 +2124,173 @@ async fn a_resolution_cut_off_leaves_the_intent_uncertain_never_pending_to_be_ca
         intents::Fenced::Done
     );
     assert_eq!(row_of(&db, row.id).await.0, "uncertain");
+}
+
+/// A row whose stored JSON the dispatcher cannot read, written by hand as a
+/// client that bypassed the front door could: an `on_success` nested 200
+/// deep (serde_json reads at most 128 levels), due before the others.
+async fn insert_unreadable_intent(h: &Harness) -> uuid::Uuid {
+    sqlx::query_scalar(
+        "INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path, body,
+                                    idempotency_key, max_attempts, expires_at, emit_source, next_attempt_at,
+                                    on_success)
+         VALUES (gen_random_uuid(), $1, 'deep', 'application', 'psp', 'POST', '/captures/deep', '{}', 'deep', 5,
+                 now() + interval '1 day', $1, now() - interval '1 minute',
+                 jsonb_build_object('emit', jsonb_build_array(jsonb_build_object(
+                     'action', 'x', 'event_type', 't', 'topic', 't', 'key', null, 'subject', null, 'ordered', false,
+                     'data', (repeat('[', 200) || repeat(']', 200))::jsonb)), 'saga', '[]'::jsonb))
+         RETURNING id",
+    )
+    .bind(&h.consumer)
+    .fetch_one(&h.db.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_row_whose_json_cannot_be_read_ends_dead_and_the_rest_of_its_claim_is_called() {
+    // One undecodable row failed the whole claim after it had committed: the
+    // claim's other rows stayed running until their lease ran out, came back
+    // "may have been applied", and the same claim failed again, for ever.
+    let h = Harness::new(1).await;
+    let deep = insert_unreadable_intent(&h).await;
+    relay_testkit::seed::pending_intents(&h.db.pool, &h.consumer, "psp", "p-", 5).await.unwrap();
+    let run = h.start(h.config(CAPTURE_ROUTE), DISPATCH, no_faults()).await;
+    let healthy = "source_event_id <> 'deep'";
+    eventually("the healthy intents called", DEADLINE, || async {
+        let done = h.db.count("intents", &format!("{healthy} AND state = 'succeeded'")).await;
+        let state: String = sqlx::query_scalar("SELECT state FROM relay.intents WHERE id = $1")
+            .bind(deep)
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap();
+        (done == 5 && state == "dead").then_some(())
+    })
+    .await;
+    run.stop().await.unwrap();
+    assert_eq!(
+        h.db.count("intents", &format!("{healthy} AND state = 'succeeded' AND attempts = 1 AND NOT ever_uncertain"))
+            .await,
+        5,
+        "each called once, on its first claim, and never taken for maybe applied"
+    );
+    assert_eq!(h.db.count("intent_attempts", "outcome = 'lease_expired'").await, 0, "no lease ran out");
+    let (error, class, uncertain): (Option<String>, Option<String>, bool) =
+        sqlx::query_as("SELECT last_error, last_error_class, ever_uncertain FROM relay.intents WHERE id = $1")
+            .bind(deep)
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap();
+    let error = error.unwrap_or_default();
+    assert!(
+        error.contains(&deep.to_string()) && error.contains("on_success") && error.contains("recursion"),
+        "{error}"
+    );
+    assert_eq!((class.as_deref(), uncertain), (Some("request"), false));
+    let stats = h.provider.stats();
+    assert_eq!((stats.requests, stats.requests_for("deep")), (5, 0), "the unreadable one was never sent");
+}
+
+#[tokio::test]
+async fn an_uncertain_row_whose_json_cannot_be_read_is_left_uncertain_and_the_others_are_reconciled() {
+    // The reconciler's take and an operator's take read the same columns as
+    // a claim: one unreadable row must neither fail the others' take nor
+    // stay running until its lease runs out.
+    let db = relay_testkit::TestDb::new().await.unwrap();
+    let rows = [new_intent(1, "psp", None), new_intent(2, "psp", None), new_intent(3, "psp", None)];
+    let mut conn = db.conn().await.unwrap();
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    relay_store::effects::insert(&mut tx, "c", &rows, None, &[], &[]).await.unwrap();
+    tx.commit().await.unwrap();
+    sqlx::query(
+        "UPDATE relay.intents SET state = 'uncertain', attempts = 1, ever_uncertain = true,
+                finished_at = now() - interval '1 minute'",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let deep = "(repeat('[', 200) || repeat(']', 200))::jsonb";
+    sqlx::query(&format!("UPDATE relay.intents SET body = {deep} WHERE id = ANY($1)"))
+        .bind(vec![rows[0].id, rows[2].id])
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let lease = Duration::from_secs(60);
+    let taken = relay_store::reconciliations::take_due(&mut conn, "c", "psp", Duration::ZERO, 3, 10, "w", lease)
+        .await
+        .expect("the readable row is taken");
+    assert_eq!(taken.iter().map(|t| t.id).collect::<Vec<_>>(), vec![rows[1].id]);
+    for unreadable in [rows[0].id, rows[2].id] {
+        let (state, reconciles, error): (String, i32, Option<String>) = sqlx::query_as(
+            "SELECT i.state, i.reconciles, r.error FROM relay.intents i
+               LEFT JOIN relay.intent_reconciliations r ON r.intent_id = i.id WHERE i.id = $1",
+        )
+        .bind(unreadable)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!((state.as_str(), reconciles), ("uncertain", 3), "left to an operator, asked no more");
+        let error = error.unwrap_or_default();
+        assert!(error.contains(&unreadable.to_string()) && error.contains("body"), "{error}");
+    }
+    let again =
+        relay_store::reconciliations::take_due(&mut conn, "c", "psp", Duration::ZERO, 3, 10, "w", lease).await.unwrap();
+    assert!(again.is_empty(), "not taken again: {:?}", again.iter().map(|t| t.id).collect::<Vec<_>>());
+
+    // An operator's take says why, and leaves it uncertain at once.
+    let err = intents::take_uncertain(&mut conn, "c", rows[0].id, "operator@test", lease).await.unwrap_err();
+    assert!(err.to_string().contains("body"), "{err}");
+    assert_eq!(row_of(&db, rows[0].id).await.0, "uncertain", "not left running under the operator's lease");
+}
+
+// An uncertain intent resolved as failed by an operator was sent; on a
+// hold_key route it holds its key like any dead one, whatever its attempt
+// count. With one attempt it was taken for one that died never sent, and
+// released the key: the key's later calls went without the operator's skip.
+#[tokio::test]
+async fn an_uncertain_intent_resolved_failed_after_one_attempt_keeps_holding_its_key() {
+    use relay::ops::admin::IntentResolution;
+    let h = Harness::new(1).await;
+    relay_testkit::seed::pending_intents(&h.db.pool, &h.consumer, "psp", "r-", 1).await.unwrap();
+    sqlx::query(
+        "UPDATE relay.intents SET state = 'uncertain', ever_uncertain = true, attempts = 1, finished_at = now(),
+                ordering_key = 'k', holds_key = true",
+    )
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents").fetch_one(&h.db.pool).await.unwrap();
+    let relay = h.relay(h.config(CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
+    relay.operator().resolve(id, IntentResolution::Failed, Some("the provider has no capture")).await.unwrap();
+    let (state, holds): (String, bool) = sqlx::query_as("SELECT state, holds_key FROM relay.intents WHERE id = $1")
+        .bind(id)
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    assert_eq!((state.as_str(), holds), ("dead", true), "resolved failed after one attempt, it let its key go");
+}
+
+// An uncertain intent whose key the provider has forgotten is never sent
+// again (sent, it would be a new request): "replay --past-key-window" said
+// it was queued, then the claim found the key forgotten and left it
+// uncertain again without a request. It is refused, pointing to resolve.
+#[tokio::test]
+async fn an_uncertain_intent_past_its_key_window_is_not_replayed_even_past_the_window() {
+    use relay::ops::admin::KeyWindow;
+    let h = Harness::new(1).await;
+    relay_testkit::seed::pending_intents(&h.db.pool, &h.consumer, "psp", "w-", 1).await.unwrap();
+    sqlx::query(
+        "UPDATE relay.intents SET state = 'uncertain', ever_uncertain = true, attempts = 1, finished_at = now(),
+                created_at = now() - interval '2 days'",
+    )
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents").fetch_one(&h.db.pool).await.unwrap();
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.endpoints.get_mut("psp").unwrap().profile = Some(relay_core::profile::ProfileName::Stripe);
+    let relay = h.relay(cfg, relay::Handlers::default(), no_faults()).await;
+    let err = relay.operator().requeue(id, KeyWindow::PastAllowed).await.unwrap_err().to_string();
+    assert!(err.contains("key window has closed") && err.contains("relay intents resolve"), "{err}");
+    assert_eq!(h.db.count("intents", "state = 'uncertain'").await, 1);
 }

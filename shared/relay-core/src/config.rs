@@ -118,7 +118,8 @@ pub struct ApplicationConfig {
     /// CloudEvents `source` of the events applications publish (and of the
     /// outcome events of their calls); default `/relay/CONSUMER/application`.
     pub source: Option<String>,
-    /// The largest `data` or call body accepted, in bytes.
+    /// The largest event `data` accepted, in bytes; for a call, its body,
+    /// headers and outcomes together.
     #[serde(default = "default_application_max_payload_bytes")]
     pub max_payload_bytes: u32,
     /// The database role allowed to enqueue: it gets EXECUTE on the two
@@ -128,9 +129,20 @@ pub struct ApplicationConfig {
     pub role: String,
 }
 
+/// 900 KiB: an event this large, with its CloudEvents headers, still fits
+/// the producer's default `message.max.bytes` (1 000 000). A larger one
+/// would end a dead outbox row holding its key for every later event.
 fn default_application_max_payload_bytes() -> u32 {
-    1024 * 1024
+    900 * 1024
 }
+
+/// The producer's largest record unless `message.max.bytes` says otherwise
+/// (librdkafka's default).
+const PRODUCER_MESSAGE_MAX_BYTES: u64 = 1_000_000;
+
+/// Room an application event's record needs beside its data: CloudEvents
+/// headers, its key, the outbox id header.
+const APPLICATION_RECORD_HEADROOM: u64 = 64 * 1024;
 
 fn default_application_role() -> String {
     "relay_enqueue".into()
@@ -384,6 +396,12 @@ pub struct KafkaConfig {
     pub producer_properties: BTreeMap<String, String>,
     /// librdkafka property → name of the environment variable holding its value.
     pub secret_properties: BTreeMap<String, String>,
+    /// What to do when an input topic keeps batches compressed with gzip or
+    /// lz4 (its `compression.type` is `gzip`, `lz4` or `producer`): the
+    /// Kafka client inflates those without a cap, so one small hostile
+    /// batch can take gigabytes. Refused by default; set the topics'
+    /// `compression.type = zstd`, whose output the client caps.
+    pub on_unbounded_compression: Shortfall,
 }
 
 impl Default for KafkaConfig {
@@ -394,6 +412,7 @@ impl Default for KafkaConfig {
             consumer_properties: BTreeMap::new(),
             producer_properties: BTreeMap::new(),
             secret_properties: BTreeMap::new(),
+            on_unbounded_compression: Shortfall::Refuse,
         }
     }
 }
@@ -453,7 +472,8 @@ impl Default for DispatcherConfig {
 pub struct PublisherConfig {
     /// Most rows claimed and produced per round.
     pub batch_size: u32,
-    /// How long a claim is ours; must exceed `delivery_timeout`.
+    /// How long a claim is ours; must exceed `delivery_timeout` and a
+    /// quarter of it more ([`PublisherConfig::in_flight_bound`]).
     #[serde(with = "humantime_serde")]
     pub lease: Duration,
     /// librdkafka `message.timeout.ms`: give up on a delivery after this.
@@ -464,6 +484,21 @@ pub struct PublisherConfig {
     pub poll_interval: Duration,
     /// Delay before a failed publish is tried again.
     pub backoff: BackoffPolicy,
+}
+
+impl PublisherConfig {
+    /// How long a record may wait for room in the producer's local queue
+    /// before its delivery even starts: a quarter of `delivery_timeout`.
+    pub fn queue_wait(&self) -> Duration {
+        self.delivery_timeout / 4
+    }
+
+    /// The longest a claimed row can be in flight: the queue wait, then the
+    /// delivery. The lease must outlast it, or a second publisher could
+    /// claim and publish a row the first is still delivering.
+    pub fn in_flight_bound(&self) -> Duration {
+        self.queue_wait() + self.delivery_timeout
+    }
 }
 
 impl Default for PublisherConfig {
@@ -1131,6 +1166,23 @@ impl RelayConfig {
             if app.max_payload_bytes == 0 {
                 p.push("application.max_payload_bytes: must be at least 1".into());
             }
+            let producer_max = self
+                .kafka
+                .producer_properties
+                .get("message.max.bytes")
+                .or_else(|| self.kafka.properties.get("message.max.bytes"))
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(PRODUCER_MESSAGE_MAX_BYTES);
+            if u64::from(app.max_payload_bytes) + APPLICATION_RECORD_HEADROOM > producer_max {
+                p.push(format!(
+                    "application.max_payload_bytes ({}) with {} bytes of headers and key does not fit the \
+                     producer's message.max.bytes ({producer_max}): an event that large could never be published, \
+                     and its dead outbox row would hold its key for every later event; lower it to at most {}",
+                    app.max_payload_bytes,
+                    APPLICATION_RECORD_HEADROOM,
+                    producer_max.saturating_sub(APPLICATION_RECORD_HEADROOM)
+                ));
+            }
             if app.role.is_empty() || app.role.len() > 63 {
                 p.push("application.role: must be a role name of 1 to 63 bytes".into());
             }
@@ -1141,11 +1193,14 @@ impl RelayConfig {
         if self.dispatcher.claim_batch == 0 {
             p.push("dispatcher.claim_batch: must be at least 1".into());
         }
-        if self.publisher.lease <= self.publisher.delivery_timeout {
+        if self.publisher.lease <= self.publisher.in_flight_bound() {
             p.push(format!(
-                "publisher.lease ({:?}) must be longer than publisher.delivery_timeout ({:?}), or a \
-                 second publisher could claim a row that is still being delivered",
-                self.publisher.lease, self.publisher.delivery_timeout
+                "publisher.lease ({:?}) must be longer than publisher.delivery_timeout ({:?}) and the quarter of \
+                 it a record may wait for room in the producer's queue ({:?} in all), or a second publisher could \
+                 claim a row that is still being delivered",
+                self.publisher.lease,
+                self.publisher.delivery_timeout,
+                self.publisher.in_flight_bound()
             ));
         }
         let subscribed = self.subscribed_topics();
@@ -1647,6 +1702,28 @@ mod tests {
         assert!(err.contains("routes[0].actions[1].endpoint"), "{err}");
         assert!(err.contains("\"pps\""), "{err}");
         assert!(err.contains("defined: psp"), "{err}");
+    }
+
+    // `send`'s queue wait comes before the delivery timeout starts: a lease
+    // covering the delivery alone let a second publisher claim a row still
+    // in flight.
+    #[test]
+    fn a_publisher_lease_must_outlast_the_queue_wait_and_the_delivery() {
+        let text = format!("{VALID}\n[publisher]\nlease = \"35s\"\ndelivery_timeout = \"30s\"\n");
+        let err = RelayConfig::from_toml(&text).unwrap_err().to_string();
+        assert!(err.contains("publisher.lease") && err.contains("37.5s"), "{err}");
+        let text = format!("{VALID}\n[publisher]\nlease = \"38s\"\ndelivery_timeout = \"30s\"\n");
+        assert!(RelayConfig::from_toml(&text).is_ok());
+    }
+
+    // An application event over the producer's limit could never be
+    // published, and its dead row held its key for every later event.
+    #[test]
+    fn an_application_payload_limit_over_the_producer_s_is_refused() {
+        let with = |extra: &str| format!("{VALID}\n[application]\ntopics = [\"payments\"]\n{extra}");
+        assert!(RelayConfig::from_toml(&with("")).is_ok(), "the default fits");
+        let err = RelayConfig::from_toml(&with("max_payload_bytes = 1048576\n")).unwrap_err().to_string();
+        assert!(err.contains("application.max_payload_bytes") && err.contains("at most 934464"), "{err}");
     }
 
     #[test]

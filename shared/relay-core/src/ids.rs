@@ -42,6 +42,11 @@ pub fn outcome_id(intent_id: Uuid, outcome: &str, action: &str) -> Uuid {
     Uuid::new_v5(&NAMESPACE, name(&["outcome", &intent_id, outcome, action]).as_bytes())
 }
 
+/// What `relay.call` puts before an idempotency key or ordering key an
+/// application gives (migration 0029), and what no route's call may render
+/// its keys with: an application's call never shares a key with a route's.
+pub const APP_KEY_PREFIX: &str = "app:";
+
 /// Id of a row an application enqueued through `relay.publish` (`kind`
 /// `publish`) or `relay.call` (`call`) with business key `key`, for
 /// `consumer`. PostgreSQL computes it (`relay.app_id`, migration 0027),

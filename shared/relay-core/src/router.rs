@@ -701,11 +701,15 @@ fn check_plan(plan: &Plan) -> Result<(), String> {
                 ));
             }
         }
-        if let Some(k) = &c.idempotency_key {
-            key(format!("{at} idempotency key"), k)?;
-        }
-        if let Some(k) = &c.ordering_key {
-            key(format!("{at} ordering key"), k)?;
+        for (what, k) in [("idempotency key", &c.idempotency_key), ("ordering key", &c.ordering_key)] {
+            let Some(k) = k else { continue };
+            key(format!("{at} {what}"), k)?;
+            if k.starts_with(crate::ids::APP_KEY_PREFIX) {
+                return Err(format!(
+                    "{at} {what} starts with {:?}, which only keys applications give relay.call start with",
+                    crate::ids::APP_KEY_PREFIX
+                ));
+            }
         }
         if let Some(k) = &c.fairness_key {
             key(format!("{at} fairness key"), k)?;
@@ -928,6 +932,28 @@ mod tests {
         assert_eq!(call.body, Some(json!({"amount": 5})));
         assert_eq!(call.idempotency_key.as_deref(), Some("cap:o-1"));
         assert_eq!(call.on_success.emit[0].data, json!({"order": "o-1"}));
+    }
+
+    #[test]
+    fn a_route_s_call_never_renders_a_key_in_the_applications_key_space() {
+        let extra = r#"
+            [[routes.actions]]
+            kind = "call"
+            name = "note"
+            endpoint = "psp"
+            path = "/notes"
+            idempotency_key = "{{ data.order_id }}"
+            ordering_key = "{{ data.customer }}"
+        "#;
+        let router = Router::new(&cfg(extra)).unwrap();
+        assert!(effects_of(&router, r#"{"order_id":"o-1","customer":"c-1","amount":5}"#).is_ok());
+        for (data, what) in [
+            (r#"{"order_id":"app:o-1","customer":"c-1","amount":5}"#, "idempotency key"),
+            (r#"{"order_id":"o-1","customer":"app:c-1","amount":5}"#, "ordering key"),
+        ] {
+            let poison = effects_of(&router, data).unwrap_err();
+            assert!(poison.reason.contains(what) && poison.reason.contains("\"app:\""), "{}", poison.reason);
+        }
     }
 
     /// Takes data whose `order` is text and whose `payment`, if any,

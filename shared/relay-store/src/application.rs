@@ -1,5 +1,5 @@
 //! The front door for applications (`relay.publish`, `relay.call`,
-//! migrations 0027 and 0028): what a deployment takes from them, written from its
+//! migrations 0027, 0028 and 0029): what a deployment takes from them, written from its
 //! `[application]` section so the functions check it in the caller's
 //! transaction, and the grants of the enqueue role.
 

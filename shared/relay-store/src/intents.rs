@@ -22,7 +22,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{FromRow, PgConnection, Row};
 use uuid::Uuid;
 
-use crate::{Claim, ClaimConnection, Position};
+use crate::{Claim, ClaimConnection, Position, Unreadable};
 
 pub use relay_core::effects::{Intent, NewIntent};
 
@@ -338,7 +338,10 @@ pub const FINISH: &str = "WITH u AS (
                     -- One that dies never sent (its budget ran out while it
                     -- waited behind its key) releases the key: it holds
                     -- nothing back, and the ones after it would each die too.
-                    holds_key = i.holds_key AND NOT (u.state = 'dead' AND NOT u.attempted AND i.attempts <= 1),
+                    -- One that may have been sent (an uncertain one an
+                    -- operator resolved as failed) was sent: it holds it.
+                    holds_key = i.holds_key AND NOT (u.state = 'dead' AND NOT u.attempted AND i.attempts <= 1
+                                                     AND NOT i.ever_uncertain),
                     lease_token = NULL, locked_until = NULL, locked_by = NULL
                FROM u
               WHERE i.id = u.id AND i.lease_token = u.token
@@ -424,6 +427,38 @@ pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Ve
         .await
 }
 
+/// Finish claimed intents whose stored columns cannot be read
+/// ([`Claim::unreadable`]) as dead, fenced by their lease tokens, with
+/// [`Unreadable::reason`] as their last error (class `request`: a request
+/// that cannot be expressed); their `on_dead` effects, which are among
+/// what cannot be read, are not recorded. One an earlier attempt of which
+/// may have been applied (sent from the consumer's hand-over before it was
+/// ever read back) ends uncertain instead: never dead after such an attempt. Dead,
+/// such a row holds its ordering key only if its route said so
+/// (`on_poison = "hold_key"`, released by `relay intents skip`). Runs in
+/// its own transaction: `conn` must not be in one. Returns how many it
+/// finished (a row whose lease was lost meanwhile is left as it is).
+pub async fn finish_unreadable(conn: &mut PgConnection, rows: &[Unreadable]) -> Result<u64, sqlx::Error> {
+    if rows.is_empty() {
+        return Ok(0);
+    }
+    let finish = sqlx::query(
+        "UPDATE relay.intents i
+            SET state = CASE WHEN i.ever_uncertain THEN 'uncertain' ELSE 'dead' END, finished_at = now(),
+                last_error = u.error || CASE WHEN i.ever_uncertain
+                    THEN '; an earlier attempt may have been applied: left uncertain, on_dead not recorded'
+                    ELSE '' END,
+                last_error_class = $4, lease_token = NULL, locked_until = NULL, locked_by = NULL
+           FROM unnest($1::uuid[], $2::uuid[], $3::text[]) AS u(id, token, error)
+          WHERE i.id = u.id AND i.lease_token = u.token",
+    )
+    .bind(rows.iter().map(|u| u.id).collect::<Vec<_>>())
+    .bind(rows.iter().map(|u| u.lease_token).collect::<Vec<_>>())
+    .bind(rows.iter().map(Unreadable::reason).collect::<Vec<_>>())
+    .bind(ErrorClass::Request.as_str());
+    Ok(crate::execute_by_key(conn, finish).await?.rows_affected())
+}
+
 /// Give back a claim whose attempt was never started: pending again, the
 /// attempt not counted (fenced). Runs in its own transaction
 /// ([`crate::begin_by_key`]): `conn` must not be in one.
@@ -451,6 +486,9 @@ pub async fn finish(conn: &mut PgConnection, item: Finish) -> Result<Fenced, sql
 /// An uncertain intent an operator's resolution took ([`take_uncertain`]:
 /// the only running rows that keep their `finished_at`) goes back to
 /// uncertain, never to pending: a resolution cut off must not become a call.
+///
+/// Only ids are read here, never the JSON columns a claim decodes: no row
+/// can make a rescue fail.
 pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<Vec<Uuid>, sqlx::Error> {
     let lost = AttemptOutcome::LeaseExpired;
     sqlx::query_scalar(
@@ -820,6 +858,8 @@ pub async fn pending_elsewhere(
 /// `None` if it is not one of the consumer's uncertain intents. Its
 /// `finished_at` is kept: that is how the rescuer knows to return it to
 /// uncertain ([`rescue_expired`]), and [`give_back_uncertain`] does at once.
+/// One whose stored columns cannot be read is given back at once, and the
+/// error says why ([`Unreadable::reason`]).
 pub async fn take_uncertain(
     conn: &mut PgConnection,
     consumer: &str,
@@ -827,7 +867,7 @@ pub async fn take_uncertain(
     worker: &str,
     lease: Duration,
 ) -> Result<Option<ClaimedIntent>, sqlx::Error> {
-    sqlx::query_as(concat!(
+    let taken = sqlx::query(concat!(
         "UPDATE relay.intents
             SET state = 'running', lease_token = gen_random_uuid(), locked_by = $3,
                 locked_until = now() + make_interval(secs => $4)
@@ -839,8 +879,16 @@ pub async fn take_uncertain(
     .bind(consumer)
     .bind(worker)
     .bind(lease.as_secs_f64())
-    .fetch_optional(conn)
-    .await
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(row) = taken else { return Ok(None) };
+    match crate::decode_claimed(&row)? {
+        Ok(intent) => Ok(Some(intent)),
+        Err(unreadable) => {
+            give_back_uncertain(conn, unreadable.id, unreadable.lease_token).await?;
+            Err(sqlx::Error::Decode(unreadable.reason().into()))
+        }
+    }
 }
 
 /// Return an uncertain intent taken for a resolution that could not be
@@ -880,6 +928,10 @@ pub enum Requeue {
     /// Left uncertain: its provider keeps no idempotency keys, so sending
     /// it again could apply it twice; ask the provider and resolve it.
     UncertainWithoutKeys,
+    /// Left uncertain: the provider has forgotten its key already, so no
+    /// attempt would be sent (sent, it would be a new request); allowing a
+    /// replay past the window changes nothing: ask the provider and resolve it.
+    UncertainKeyForgotten,
 }
 
 /// What [`skip`] did.
@@ -937,11 +989,14 @@ pub struct ReplayRules {
     /// The endpoint's max age: the replay's attempts run this long from
     /// now (`None`: as long as the intent's first budget did).
     pub max_age: Option<std::time::Duration>,
+    /// How long the provider remembers a key, if known, whether or not the
+    /// replay respects it: an uncertain intent past it is never sent again.
+    pub window: Option<std::time::Duration>,
 }
 
 impl ReplayRules {
     /// No window to respect, keys deduplicated: any dead or uncertain intent is replayed.
-    pub const ANY: ReplayRules = ReplayRules { key_window: None, keys: true, max_age: None };
+    pub const ANY: ReplayRules = ReplayRules { key_window: None, keys: true, max_age: None, window: None };
 }
 
 /// Give a dead (or uncertain) intent of `consumer` a new budget and queue it
@@ -993,6 +1048,13 @@ pub async fn requeue(
     let runs_until = now.checked_add_signed(budget).unwrap_or(expires_at);
     if state == IntentState::Uncertain.as_str() && !rules.keys {
         return Ok(Requeue::UncertainWithoutKeys);
+    }
+    let forgotten = rules
+        .window
+        .and_then(|w| chrono::Duration::from_std(w).ok())
+        .is_some_and(|w| created_at.checked_add_signed(w).is_some_and(|closes| now > closes));
+    if state == IntentState::Uncertain.as_str() && forgotten {
+        return Ok(Requeue::UncertainKeyForgotten);
     }
     let past = rules.key_window.and_then(|w| relay_core::profile::replay_past_window(created_at, runs_until, w));
     if let Some(why) = past {

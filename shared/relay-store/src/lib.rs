@@ -58,6 +58,14 @@ pub use session::{
 
 pub use sqlx::{PgConnection, Postgres, Transaction};
 
+/// `BEGIN` for the transactions that wait on locks anyone may hold: the
+/// per-key advisory locks an application's `relay.call` also takes, rows an
+/// application may have written and not committed. A wait past it fails
+/// the transaction with 55P03, retried like any outage, and says so,
+/// instead of stalling a partition (or the outcomes) for as long as one
+/// open application transaction lasts. One round trip, as a plain `BEGIN`.
+pub const BEGIN_BOUNDED: &str = "BEGIN; SET LOCAL lock_timeout = '5s'";
+
 /// What one claim took, in claim order, and — when it took fewer rows than it
 /// asked for — when the next pending row that is not due yet comes due, for
 /// the claimer's sleep (`None`: nothing scheduled, or the claim came back full
@@ -66,6 +74,9 @@ pub use sqlx::{PgConnection, Postgres, Transaction};
 pub struct Claim<T> {
     /// The rows claimed.
     pub rows: Vec<T>,
+    /// Rows claimed (running under the claim's lease) whose columns could
+    /// not be read; the claimer must finish or release each of them.
+    pub unreadable: Vec<Unreadable>,
     /// When the earliest pending row not yet due comes due.
     pub next_due: Option<DateTime<Utc>>,
     /// The last of the claimed rows in the claim's scan order, for a claim
@@ -77,6 +88,49 @@ pub struct Claim<T> {
     /// pending row, when it stopped at its window ([`outbox::WINDOW`])
     /// before filling its batch; the next claim may go on after it.
     pub passed: Option<i64>,
+}
+
+/// A claimed row whose columns could not be decoded: JSON nested deeper
+/// than serde_json reads (128 levels), or any other value its type cannot
+/// take. Its id and lease token are read first, so it can be finished alone
+/// while the rest of its claim goes on.
+#[derive(Debug, Clone)]
+pub struct Unreadable {
+    /// The row's id.
+    pub id: uuid::Uuid,
+    /// The lease token its claim (or take) gave it.
+    pub lease_token: uuid::Uuid,
+    /// What could not be read, as the decoder says (it names the column).
+    pub error: String,
+}
+
+impl Unreadable {
+    /// Why the row is finished without being sent, for its `last_error`
+    /// and the log: its id and the cause.
+    pub fn reason(&self) -> String {
+        format!(
+            "row {} cannot be read ({}): relay cannot send it, and recorded none of its effects",
+            self.id, self.error
+        )
+    }
+}
+
+/// Decode a row of a claim or take as `T`: `Ok(Err(_))` for a row whose
+/// id and lease token were read but not the rest; an error only when even
+/// those could not be.
+pub(crate) fn decode_claimed<T>(row: &sqlx::postgres::PgRow) -> Result<Result<T, Unreadable>, sqlx::Error>
+where
+    T: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow>,
+{
+    use sqlx::Row;
+    match T::from_row(row) {
+        Ok(t) => Ok(Ok(t)),
+        Err(e) => {
+            let id = row.try_get("id")?;
+            let lease_token = row.try_get("lease_token")?;
+            Ok(Err(Unreadable { id, lease_token, error: e.to_string() }))
+        }
+    }
 }
 
 /// A place in the order intents are claimed in (`intents_due`: when due,
@@ -108,6 +162,11 @@ pub struct Position {
 ///
 /// `positioned`: the claimed rows carry `due_at` and `seq`, and
 /// [`Claim::last`] is the greatest of them.
+///
+/// Rows are decoded one by one: one that cannot be read goes to
+/// [`Claim::unreadable`] and the others are returned as usual. The claim
+/// has committed by now, so failing it whole would leave every row it took
+/// running until its lease ran out, to be claimed, and fail, again.
 pub(crate) async fn fetch_claim<T>(
     conn: &mut PgConnection,
     query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
@@ -117,7 +176,7 @@ where
     T: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow>,
 {
     use sqlx::Row;
-    let mut claim = Claim { rows: Vec::new(), next_due: None, last: None, passed: None };
+    let mut claim = Claim { rows: Vec::new(), unreadable: Vec::new(), next_due: None, last: None, passed: None };
     for row in query.fetch_all(conn).await? {
         claim.next_due = row.try_get("next_due")?;
         if !positioned {
@@ -128,7 +187,13 @@ where
                 let here = Position { due: row.try_get("due_at")?, seq: row.try_get("seq")? };
                 claim.last = claim.last.max(Some(here));
             }
-            claim.rows.push(T::from_row(&row)?);
+            match decode_claimed(&row)? {
+                Ok(t) => claim.rows.push(t),
+                Err(u) => {
+                    tracing::error!(row = %u.id, error = %u.error, "a claimed row cannot be read; the rest of its claim goes on");
+                    claim.unreadable.push(u);
+                }
+            }
         }
     }
     Ok(claim)

@@ -19,6 +19,11 @@ use crate::intents::{ClaimedIntent, Fenced, claimed_columns};
 /// a lease of `lease` for `worker`, as [`crate::intents::take_uncertain`]
 /// leaves them: `finished_at` is kept, so a lost lease returns them to
 /// uncertain, never to pending.
+///
+/// One whose stored columns cannot be read is not returned: it goes back
+/// to uncertain at once, asked `max` times (so no reconciler takes it
+/// again: an operator resolves it), its question recorded unasked with
+/// [`crate::Unreadable::reason`]. The others are taken as usual.
 #[allow(clippy::too_many_arguments)]
 pub async fn take_due(
     conn: &mut PgConnection,
@@ -30,7 +35,7 @@ pub async fn take_due(
     worker: &str,
     lease: Duration,
 ) -> Result<Vec<ClaimedIntent>, sqlx::Error> {
-    sqlx::query_as(concat!(
+    let rows = sqlx::query(concat!(
         "UPDATE relay.intents
             SET state = 'running', lease_token = gen_random_uuid(), locked_by = $6,
                 locked_until = now() + make_interval(secs => $7)
@@ -51,8 +56,40 @@ pub async fn take_due(
     .bind(limit)
     .bind(worker)
     .bind(lease.as_secs_f64())
-    .fetch_all(conn)
-    .await
+    .fetch_all(&mut *conn)
+    .await?;
+    let (mut taken, mut unreadable) = (Vec::with_capacity(rows.len()), Vec::new());
+    for row in &rows {
+        match crate::decode_claimed::<ClaimedIntent>(row)? {
+            Ok(intent) => taken.push(intent),
+            Err(u) => unreadable.push(u),
+        }
+    }
+    if !unreadable.is_empty() {
+        tracing::error!(intents = ?unreadable.iter().map(|u| u.id).collect::<Vec<_>>(),
+                        "uncertain intents cannot be read; left uncertain, for an operator to resolve");
+        sqlx::query(
+            "WITH moved AS (
+                 UPDATE relay.intents i
+                    SET state = 'uncertain', lease_token = NULL, locked_until = NULL, locked_by = NULL,
+                        reconciles = greatest(i.reconciles + 1, $4), next_reconcile_at = NULL
+                   FROM unnest($1::uuid[], $2::uuid[], $3::text[]) AS u(id, token, error)
+                  WHERE i.id = u.id AND i.lease_token = u.token
+                 RETURNING i.id, i.reconciles, u.error
+             )
+             INSERT INTO relay.intent_reconciliations (intent_id, n, worker, verdict, error)
+             SELECT id, reconciles, $5, $6, error FROM moved",
+        )
+        .bind(unreadable.iter().map(|u| u.id).collect::<Vec<_>>())
+        .bind(unreadable.iter().map(|u| u.lease_token).collect::<Vec<_>>())
+        .bind(unreadable.iter().map(crate::Unreadable::reason).collect::<Vec<_>>())
+        .bind(i32::try_from(max).unwrap_or(i32::MAX))
+        .bind(worker)
+        .bind(Reconciled::Unknown.as_str())
+        .execute(&mut *conn)
+        .await?;
+    }
+    Ok(taken)
 }
 
 /// One question to the provider and what its answer said.

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use relay_core::config::{DispatcherConfig, EndpointConfig};
 use relay_core::retry::BackoffPolicy;
 use relay_store::intents::{self, ClaimedIntent, Scope};
-use relay_store::{Claim, ClaimCommit, ClaimPool, Claimer, Position};
+use relay_store::{Claim, ClaimCommit, ClaimPool, Claimer, Position, Unreadable};
 use sqlx::PgPool;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
@@ -97,8 +97,15 @@ impl Dispatcher {
     ) -> anyhow::Result<Dispatcher> {
         let worker = settings.worker_id.clone().unwrap_or_else(default_worker_id);
         let batch = settings.claim_batch as usize;
-        let busy = Arc::new(endpoints.iter().map(|(name, cfg)| (name.clone(), Busy::new(cfg, batch))).collect());
         let executor = Executor::new(endpoints, settings.lease, faults.clone())?;
+        let adaptive: HashMap<&str, Arc<super::throttle::Adaptive>> =
+            executor.adaptive().map(|(name, a)| (name, a.clone())).collect();
+        let busy = Arc::new(
+            endpoints
+                .iter()
+                .map(|(name, cfg)| (name.clone(), Busy::new(cfg, batch, adaptive.get(name.as_str()).cloned())))
+                .collect(),
+        );
         let progress = Arc::new(tokio::sync::Notify::new());
         let completer =
             Arc::new(Completer::new(&pool, &worker, settings.lease, faults.clone(), progress.clone(), encoders));
@@ -222,21 +229,24 @@ impl Dispatcher {
             // database's lease starts at the statement, and every moment the
             // claim takes to come back is a moment less of it.
             let claimed_at = std::time::Instant::now();
-            let Claim { rows: claimed, next_due, last, .. } = match self.claim(&mut claimer, want, after).await {
-                Ok(c) => {
-                    failures = 0;
-                    c
-                }
-                Err(e) => {
-                    resume.back_to(None);
-                    failures += 1;
-                    let delay = s.poll_interval.min(BackoffPolicy::DATABASE.delay(failures, &mut rand::rng()));
-                    error!(worker = %self.inner.worker, error = %e, "claiming intents failed; retrying");
-                    tokio::select! { _ = shutdown.cancelled() => break Ok(()), _ = tokio::time::sleep(delay) => {} }
-                    continue;
-                }
-            };
-            let n = claimed.len();
+            let Claim { rows: claimed, unreadable, next_due, last, .. } =
+                match self.claim(&mut claimer, want, after).await {
+                    Ok(c) => {
+                        failures = 0;
+                        c
+                    }
+                    Err(e) => {
+                        resume.back_to(None);
+                        failures += 1;
+                        let delay = s.poll_interval.min(BackoffPolicy::DATABASE.delay(failures, &mut rand::rng()));
+                        error!(worker = %self.inner.worker, error = %e, "claiming intents failed; retrying");
+                        tokio::select! { _ = shutdown.cancelled() => break Ok(()), _ = tokio::time::sleep(delay) => {} }
+                        continue;
+                    }
+                };
+            // Rows that cannot be read count as claimed: a claim that took
+            // `want` rows was full, whatever it could read of them.
+            let n = claimed.len() + unreadable.len();
             if n > 0 {
                 crate::runtime::metrics::claimed("claim", n as u64);
                 if let Err(f) = self.inner.faults.hit(point::DISPATCHER_AFTER_CLAIM).await {
@@ -251,6 +261,9 @@ impl Dispatcher {
             };
             for intent in claimed {
                 self.start(&mut tasks, intent, claimed_at, None, &done_tx, &permits);
+            }
+            if !unreadable.is_empty() {
+                self.finish_unreadable(&unreadable).await;
             }
             if n == want {
                 // A full claim has rows, so a last one.
@@ -417,6 +430,26 @@ impl Dispatcher {
         }
     }
 
+    /// Record claimed intents whose stored columns cannot be read as dead,
+    /// never sent: one such row must not hold up the rest of its claim, nor
+    /// be claimed again and again. If that fails, their lease runs out and
+    /// the next claim to take them tries again.
+    async fn finish_unreadable(&self, unreadable: &[Unreadable]) {
+        for u in unreadable {
+            error!(worker = %self.inner.worker, intent_id = %u.id, error = %u.error,
+                   "a claimed intent cannot be read: it ends dead, never sent, without its on_dead effects");
+        }
+        let finished = match self.inner.pool.acquire().await {
+            Ok(mut conn) => intents::finish_unreadable(&mut conn, unreadable).await,
+            Err(e) => Err(e),
+        };
+        match finished {
+            Ok(_) => self.inner.progress.notify_one(),
+            Err(e) => warn!(worker = %self.inner.worker, error = %e,
+                            "recording unreadable intents dead failed; they are claimed again when their lease expires"),
+        }
+    }
+
     /// Claim up to `limit` intents; a short claim also says when the next one
     /// not due yet comes due, for the sleep after it (at most the poll
     /// interval; NOTIFY wakes us earlier for new intents, and `progress` for
@@ -433,7 +466,7 @@ impl Dispatcher {
             // Every endpoint is full: a claim could take nothing, and would
             // read every due row to find that out. A call ending wakes the
             // loop (Busy).
-            return Ok(Claim { rows: Vec::new(), next_due: None, last: None, passed: None });
+            return Ok(Claim { rows: Vec::new(), unreadable: Vec::new(), next_due: None, last: None, passed: None });
         }
         let scope = Scope { consumer: &self.inner.consumer, endpoints: &endpoints };
         claimer.claim(async |conn| intents::claim_after(conn, &scope, worker, limit as i64, lease, after).await).await
@@ -473,25 +506,41 @@ impl Dispatcher {
 
 /// An endpoint's calls started and not ended in this dispatcher. Once there
 /// are as many as it can make at once and a claim batch more — or, rate
-/// limited, as many as it may start in two seconds — claims leave its
-/// intents out: more of them would only wait at its limits while other
-/// endpoints' intents stay unclaimed behind them (D10). A call ending at the
-/// bound wakes the claim loop.
+/// limited (a fixed or an adaptive rate), as many as it may start in two
+/// seconds at its rate now — claims leave its intents out: more of them
+/// would only wait at its limits while other endpoints' intents stay
+/// unclaimed behind them (D10). A call ending at the bound wakes the claim loop.
 #[derive(Debug)]
 pub(super) struct Busy {
     now: Arc<std::sync::atomic::AtomicUsize>,
-    most: usize,
+    /// The bound, as last computed (an adaptive rate moves it).
+    most: Arc<std::sync::atomic::AtomicUsize>,
+    at_once: usize,
     rate_limited: bool,
+    adaptive: Option<Arc<super::throttle::Adaptive>>,
+}
+
+/// As many calls as start in two seconds at `rate` calls/s: at least one
+/// and at most `at_once`, twice.
+fn two_seconds_at(rate: f64, at_once: usize) -> usize {
+    (rate.ceil().clamp(1.0, at_once as f64) as usize).saturating_mul(2)
 }
 
 impl Busy {
-    fn new(cfg: &EndpointConfig, claim_batch: usize) -> Busy {
+    fn new(cfg: &EndpointConfig, claim_batch: usize, adaptive: Option<Arc<super::throttle::Adaptive>>) -> Busy {
         let at_once = cfg.concurrency.max(1);
-        let most = match cfg.rate_limit_per_second {
-            Some(r) => usize::try_from(r).unwrap_or(usize::MAX).clamp(1, at_once).saturating_mul(2),
-            None => at_once.saturating_add(claim_batch),
+        let most = match (cfg.rate_limit_per_second, &adaptive) {
+            (Some(r), _) => two_seconds_at(r as f64, at_once),
+            (None, Some(a)) => two_seconds_at(a.share(), at_once),
+            (None, None) => at_once.saturating_add(claim_batch),
         };
-        Busy { now: Arc::default(), most, rate_limited: cfg.rate_limit_per_second.is_some() }
+        Busy {
+            now: Arc::default(),
+            most: Arc::new(most.into()),
+            at_once,
+            rate_limited: cfg.rate_limit_per_second.is_some() || adaptive.is_some(),
+            adaptive,
+        }
     }
 
     fn has_room(&self) -> bool {
@@ -500,14 +549,18 @@ impl Busy {
 
     /// How many more calls may start before the endpoint is full.
     fn room(&self) -> usize {
-        self.most.saturating_sub(self.now.load(std::sync::atomic::Ordering::Relaxed))
+        use std::sync::atomic::Ordering::Relaxed;
+        if let Some(a) = &self.adaptive {
+            self.most.store(two_seconds_at(a.share(), self.at_once), Relaxed);
+        }
+        self.most.load(Relaxed).saturating_sub(self.now.load(Relaxed))
     }
 
     /// Count one call of this endpoint in until the returned guard is
     /// dropped, which notifies `progress` if the endpoint was full.
     fn enter(&self, progress: &Arc<tokio::sync::Notify>) -> BusyGuard {
         self.now.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        BusyGuard { now: self.now.clone(), most: self.most, progress: progress.clone() }
+        BusyGuard { now: self.now.clone(), most: self.most.clone(), progress: progress.clone() }
     }
 }
 
@@ -515,13 +568,14 @@ impl Busy {
 /// the claim loop if the endpoint was full until then.
 pub(super) struct BusyGuard {
     now: Arc<std::sync::atomic::AtomicUsize>,
-    most: usize,
+    most: Arc<std::sync::atomic::AtomicUsize>,
     progress: Arc<tokio::sync::Notify>,
 }
 
 impl Drop for BusyGuard {
     fn drop(&mut self) {
-        if self.now.fetch_sub(1, std::sync::atomic::Ordering::Relaxed) == self.most {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.now.fetch_sub(1, Relaxed) >= self.most.load(Relaxed) {
             self.progress.notify_one();
         }
     }
@@ -532,5 +586,32 @@ async fn handed_over(desk: &mut Option<Desk>) -> Vec<Handed> {
     match desk {
         Some(d) => d.recv().await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn endpoint(extra: serde_json::Value) -> EndpointConfig {
+        let mut v = serde_json::json!({"base_url": "http://provider.test/", "concurrency": 16});
+        v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn a_throttled_adaptive_endpoint_counts_as_rate_limited_at_its_rate_now() {
+        let cfg = endpoint(serde_json::json!({"adaptive": {"start": 50, "min": 1, "max": 50}}));
+        let adaptive = Arc::new(super::super::throttle::Adaptive::new(cfg.adaptive.unwrap()));
+        let busy = Busy::new(&cfg, 64, Some(adaptive.clone()));
+        assert!(busy.rate_limited, "its calls wait at its rate line: no hand-over room beyond its own");
+        assert_eq!(busy.room(), 32, "two seconds at 50/s, at most its concurrency (16), twice");
+        adaptive.set(1.0);
+        assert_eq!(busy.room(), 2, "throttled down to 1/s: two seconds' calls, not 16 + a claim batch");
+        let unlimited = Busy::new(&endpoint(serde_json::json!({})), 64, None);
+        assert!(!unlimited.rate_limited);
+        assert_eq!(unlimited.room(), 16 + 64);
+        let fixed = Busy::new(&endpoint(serde_json::json!({"rate_limit_per_second": 5})), 64, None);
+        assert_eq!((fixed.rate_limited, fixed.room()), (true, 10));
     }
 }

@@ -104,6 +104,12 @@ pub struct EndpointClient {
     profile: Profile,
     /// [`EndpointConfig::also_retry`], computed once.
     also_retry: Vec<u16>,
+    /// The headers the endpoint sets itself, as configured now (its static
+    /// headers and the key's): a call's own value of one is not sent beside
+    /// the endpoint's. An application's call is checked against the
+    /// endpoint's headers when it is queued; one queued before a credential
+    /// header was added would otherwise send two values of it.
+    own_headers: Vec<String>,
     token: Option<SecretString>,
     /// OAuth2 client credentials, shared by the clones (one token, one refresh).
     oauth2: Option<Arc<super::auth::OAuth2>>,
@@ -185,6 +191,13 @@ impl EndpointClient {
             cfg: cfg.clone(),
             profile,
             also_retry: cfg.also_retry(),
+            own_headers: {
+                let mut names: Vec<String> = cfg.headers.keys().map(|h| h.to_ascii_lowercase()).collect();
+                if let KeyPlacement::Header(h) = &cfg.profile().key {
+                    names.push(h.to_ascii_lowercase());
+                }
+                names
+            },
             token,
             oauth2,
             signer,
@@ -302,6 +315,12 @@ impl EndpointClient {
         }
         if let Some(obj) = r.headers.as_object() {
             for (k, v) in obj {
+                if is_reserved(&self.own_headers, k) {
+                    tracing::warn!(intent_id = %r.intent_id, header = %k,
+                                   "the endpoint sets this header itself now (a configured header, or the key's): \
+                                    the call's own value of it is not sent");
+                    continue;
+                }
                 let name = HeaderName::from_bytes(k.as_bytes()).map_err(|e| format!("header name {k:?}: {e}"))?;
                 let value =
                     HeaderValue::from_str(v.as_str().unwrap_or_default()).map_err(|e| format!("header {k}: {e}"))?;
@@ -367,8 +386,7 @@ impl EndpointClient {
             }
         }
         let keep_body = request.keep_body;
-        // A signature's message id stays the same across attempts, as receivers dedup on it.
-        let message_id = request.idempotency_key.map_or_else(|| request.intent_id.to_string(), str::to_owned);
+        let message_id = message_id(&request);
         let req = match self.request(request) {
             Ok(r) => r,
             Err(e) => {
@@ -403,25 +421,24 @@ impl EndpointClient {
                 Err(why) => return Ok(unauthenticated(why, None)),
             },
         };
-        // The slot: at once if one is free. Otherwise, for a rate-limited
-        // endpoint, wait for one without holding it, then take a fresh token
-        // (calls that queued for slots with their tokens would all go at once
-        // when slots free up) and try again: a call never waits for a token
-        // while holding a slot another endpoint needs.
-        let _slot = loop {
-            if let Ok(slot) = slots.try_acquire() {
-                break slot;
+        // The slot, with the token taken before it: a call never waits for a
+        // token while holding a slot another endpoint needs, and the slots'
+        // queue is first come, first served, so a throttled call gets its
+        // turn however busy the other endpoints keep it. (Giving the slot
+        // back to wait for a fresher token sent the call to the queue's end
+        // each time: it was never made while other endpoints kept waiters.)
+        // Calls that waited for slots together may then go close together:
+        // at most the endpoint's `concurrency`, whose permits they hold.
+        let _slot = match slots.try_acquire() {
+            Ok(slot) => slot,
+            Err(_) => {
+                let free = bounded(send_by, stop, slots.acquire()).await?.expect("the call slots are never closed");
+                if limited && self.slot_kept {
+                    // Deliberately wrong: a second token waited for while holding the slot.
+                    bounded(send_by, stop, self.rate_token()).await?;
+                }
+                free
             }
-            let free = bounded(send_by, stop, slots.acquire()).await?.expect("the call slots are never closed");
-            if !limited {
-                break free;
-            }
-            if self.slot_kept {
-                bounded(send_by, stop, self.rate_token()).await?;
-                break free;
-            }
-            drop(free);
-            bounded(send_by, stop, self.rate_token()).await?;
         };
         let mut req = req;
         if let Some(t) = &token {
@@ -549,6 +566,16 @@ impl EndpointClient {
             Err(e) => classify_transport(e, self.cfg.timeout, started_at),
         })
     }
+}
+
+/// A signature's message id (Standard Webhooks `webhook-id`): the
+/// idempotency key, the same on every attempt and across versions of relay
+/// (receivers deduplicate on it: one changed between two attempts would be
+/// taken as a new message), else the intent's id. An application's keys
+/// are stored as `app:KEY`, which no route key may start with, so an
+/// application cannot choose the id of a route's call.
+fn message_id(request: &Request<'_>) -> String {
+    request.idempotency_key.map_or_else(|| request.intent_id.to_string(), str::to_owned)
 }
 
 /// The HTTP client settings of endpoint `name` but for redirects: timeouts,
@@ -880,6 +907,23 @@ mod tests {
         assert_eq!(req.body().and_then(|b| b.as_bytes()), Some(&br#"{"amount":5}"#[..]));
     }
 
+    // An application's call queued before the endpoint got a credential
+    // header of its own: sent as queued, it carried two values of it.
+    #[tokio::test]
+    async fn a_call_s_own_header_reserved_by_its_endpoint_since_is_not_sent() {
+        let cfg: EndpointConfig = serde_json::from_value(serde_json::json!({
+            "base_url": "http://provider.test/api/", "headers": {"X-Api-Key": "from-the-endpoint"},
+        }))
+        .unwrap();
+        let headers = serde_json::json!({"x-api-key": "from-the-call", "x-tenant": "t-1"});
+        let req = EndpointClient::new("psp", &cfg).unwrap().request(request(&headers, None)).unwrap();
+        let values = |name: &str| -> Vec<String> {
+            req.headers().get_all(name).iter().map(|v| v.to_str().unwrap().to_owned()).collect()
+        };
+        assert_eq!(values("x-api-key"), ["from-the-endpoint"]);
+        assert_eq!(values("x-tenant"), ["t-1"]);
+    }
+
     #[tokio::test]
     async fn every_header_relay_puts_on_a_request_is_reserved_from_applications() {
         let none = serde_json::json!({});
@@ -958,6 +1002,15 @@ mod tests {
         let long = "k".repeat(65);
         let err = adyen.request(Request { idempotency_key: Some(&long), ..request(&none, None) }).unwrap_err();
         assert!(err.contains("at most 64"), "{err}");
+    }
+
+    #[test]
+    fn a_signature_s_message_id_is_the_key_every_attempt_sends() {
+        let none = serde_json::json!({});
+        let r = Request { intent_id: uuid::Uuid::from_u128(7), ..request(&none, None) };
+        assert_eq!(message_id(&r), "capture:o-1");
+        let keyless = Request { idempotency_key: None, ..r };
+        assert_eq!(message_id(&keyless), "00000000-0000-0000-0000-000000000007");
     }
 
     #[tokio::test]

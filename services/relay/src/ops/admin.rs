@@ -289,6 +289,7 @@ impl Operator {
                         key_window: p.window,
                         keys: p.resends_unknown(),
                         max_age: Some(e.max_age),
+                        window: p.window,
                     };
                     (n.clone(), rules)
                 })
@@ -714,7 +715,7 @@ impl Operator {
                 self.consumer
             ))),
             Requeue::OnDeadRecorded => Err(OpsError::Conflict(on_dead_recorded(id))),
-            r @ (Requeue::PastKeyWindow(_) | Requeue::UncertainWithoutKeys) => {
+            r @ (Requeue::PastKeyWindow(_) | Requeue::UncertainWithoutKeys | Requeue::UncertainKeyForgotten) => {
                 Err(OpsError::Conflict(format!("intent {id} not replayed: {}", not_replayed_why(r))))
             }
         }
@@ -759,7 +760,7 @@ impl Operator {
                 }
                 Requeue::NotDeadOrUncertain => done.left.push(*id),
                 Requeue::OnDeadRecorded => done.refused.push(*id),
-                r @ (Requeue::PastKeyWindow(_) | Requeue::UncertainWithoutKeys) => {
+                r @ (Requeue::PastKeyWindow(_) | Requeue::UncertainWithoutKeys | Requeue::UncertainKeyForgotten) => {
                     done.not_replayed.push((*id, not_replayed_why(r)))
                 }
             }
@@ -929,12 +930,18 @@ impl Operator {
 pub const UNCERTAIN_WITHOUT_KEYS: &str = "its provider keeps no idempotency keys (profile none), so sending it again \
      could apply it twice; ask the provider, then `relay intents resolve ID --succeeded` or `--failed`";
 
+/// Why an uncertain intent whose key the provider has forgotten is not replayed.
+pub const UNCERTAIN_KEY_FORGOTTEN: &str = "the provider's key window has closed since the intent was written, so no \
+     attempt would be sent (sent again, it would be taken for a new request), with or without --past-key-window; ask \
+     the provider, then `relay intents resolve ID --succeeded` or `--failed`";
+
 /// Why a replay left an intent as it was, for the refusals that come
 /// from its provider (its key window, or no keys at all).
 fn not_replayed_why(r: Requeue) -> String {
     match r {
         Requeue::PastKeyWindow(why) => why,
         Requeue::UncertainWithoutKeys => UNCERTAIN_WITHOUT_KEYS.into(),
+        Requeue::UncertainKeyForgotten => UNCERTAIN_KEY_FORGOTTEN.into(),
         // Not a provider's refusal; the callers match those themselves.
         other => format!("{other:?}"),
     }

@@ -295,7 +295,9 @@ impl Publisher {
             record = record.payload(p.as_slice());
         }
         self.producer
-            .send(record, Timeout::After(self.settings.delivery_timeout))
+            // The queue wait is bounded apart from the delivery: both are in
+            // the row's lease (`PublisherConfig::in_flight_bound`).
+            .send(record, Timeout::After(self.settings.queue_wait()))
             .await
             .map(|d| (d.partition, d.offset))
             .map_err(|(e, _)| e)
