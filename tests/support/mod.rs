@@ -323,9 +323,11 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
             .collect()
     }
 
-    /// Committed offset of our group on the input topic, per partition.
+    /// Committed offset of our group on the input topic, per partition;
+    /// a coordinator still loading (`NotCoordinator` on a broker just
+    /// started) is asked again until it answers.
     pub async fn committed(&self) -> std::collections::HashMap<i32, Option<i64>> {
-        self.try_committed().await.expect("committed offsets")
+        eventually("the group coordinator to answer", DEADLINE, || async { self.try_committed().await.ok() }).await
     }
 
     /// Committed offsets, or the broker's error: right after a broker

@@ -289,7 +289,10 @@ impl InboxConsumer {
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         let me = Arc::new(self);
         me.warn_of_leftover_holds().await;
-        let watcher = tokio::spawn(me.clone().watch_database(shutdown.clone()));
+        // Holds the consumer only while it looks: a consumer whose task was
+        // dropped (aborted) must not stay in the group, its partitions
+        // assigned and never fetched, through a watcher that outlived it.
+        let watcher = tokio::spawn(Self::watch_database(Arc::downgrade(&me), shutdown.clone()));
         let result = me.run_loop(&shutdown).await;
         watcher.abort();
         if result.is_ok() {
@@ -304,20 +307,26 @@ impl InboxConsumer {
     /// until it answers, then wake every task waiting for it (C15: every
     /// partition moves within seconds of the database's return, however long
     /// the outage grew their backoffs).
-    async fn watch_database(self: Arc<Self>, shutdown: CancellationToken) {
+    async fn watch_database(me: std::sync::Weak<Self>, shutdown: CancellationToken) {
         loop {
-            tokio::select! {
+            let Some(this) = me.upgrade() else { return };
+            let down = tokio::select! {
                 _ = shutdown.cancelled() => return,
-                _ = self.db_down.notified() => {}
+                _ = this.db_down.notified() => true,
+                // Let go of the consumer now and then: it may be gone.
+                _ = tokio::time::sleep(Duration::from_secs(1)) => false,
+            };
+            if !down {
+                continue;
             }
             loop {
                 let ask = async {
-                    let mut conn = self.pool.acquire().await?;
+                    let mut conn = this.pool.acquire().await?;
                     sqlx::query("SELECT 1").execute(&mut *conn).await
                 };
                 if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(1), ask).await {
-                    info!(consumer = %self.settings.name, "the database answers again; waking the partitions waiting for it");
-                    self.db_back.send_modify(|n| *n += 1);
+                    info!(consumer = %this.settings.name, "the database answers again; waking the partitions waiting for it");
+                    this.db_back.send_modify(|n| *n += 1);
                     break;
                 }
                 tokio::select! {
