@@ -372,7 +372,7 @@ async fn run(s: &Scenario, faults: Faults) -> Vec<String> {
     let h = Harness::new(s.partitions).await;
     // Header names that are not UTF-8 reach relay only from a topic keeping
     // what producers send (a broker re-encoding a batch replaces them).
-    keep_producer_batches(&h).await;
+    h.set_topic_compression(&h.topic, "producer").await;
     let cfg = config(&h, s);
     let mut conn = h.db.conn().await.unwrap();
     use relay_store::ops::{self, PauseKind};
@@ -744,15 +744,4 @@ async fn reintroducing_empty_idempotency_keys_as_keys_is_caught() {
     let sabotage = Sabotage { blank_keys_as_keys: true, ..Sabotage::default() };
     let wrong = run(&s, Faults::none().with_sabotage(sabotage)).await;
     assert!(wrong.iter().any(|w| w.contains("intents (key → path)")), "the checks missed it: {wrong:?}");
-}
-
-/// Sets the input topic's `compression.type` to `producer`.
-async fn keep_producer_batches(h: &Harness) {
-    use rdkafka::admin::{AdminClient, AdminOptions, AlterConfig, ResourceSpecifier};
-    let admin: AdminClient<rdkafka::client::DefaultClientContext> =
-        rdkafka::ClientConfig::new().set("bootstrap.servers", &h.bootstrap).create().unwrap();
-    let change = AlterConfig::new(ResourceSpecifier::Topic(&h.topic)).set("compression.type", "producer");
-    for r in admin.alter_configs([&change], &AdminOptions::new()).await.unwrap() {
-        r.unwrap();
-    }
 }

@@ -40,7 +40,7 @@ async fn a_header_name_that_is_not_utf8_is_dead_lettered_with_its_bytes_and_the_
     // A broker that re-encodes a batch (into the topic's codec) reads header
     // names as UTF-8 and replaces these bytes: only a topic keeping what
     // producers send hands them to relay as written.
-    set_topic_compression(&h.bootstrap, &h.topic, "producer").await;
+    h.set_topic_compression(&h.topic, "producer").await;
     let mut cfg = h.config(CAPTURE_ROUTE);
     cfg.kafka.on_unbounded_compression = relay_core::config::Shortfall::Warn;
     let mut headers = ce_headers("evt-bad");
@@ -321,7 +321,7 @@ async fn broker_with_a_corrupt_batch(
     let mut h = Harness::new(1).await;
     h.bootstrap = kafka.bootstrap();
     relay_testkit::create_topics(&h.bootstrap, &[&h.topic, &h.out, &h.dlq], 1).await.unwrap();
-    set_topic_compression(&h.bootstrap, &h.topic, codec).await;
+    h.set_topic_compression(&h.topic, codec).await;
     let producer_codec = if codec == "uncompressed" { "none" } else { codec };
     let zstd = relay_testkit::TestProducer::with_properties(
         &h.bootstrap,
@@ -413,24 +413,13 @@ async fn a_batch_failing_its_checksum_stops_the_consumer_before_its_records_are_
     assert_eq!(h.db.count("intents", "idempotency_key = 'capture:o-7'").await, 0, "a flipped order was applied");
 }
 
-/// Sets `compression.type` of `topic`.
-async fn set_topic_compression(bootstrap: &str, topic: &str, codec: &str) {
-    use rdkafka::admin::{AdminClient, AdminOptions, AlterConfig, ResourceSpecifier};
-    let admin: AdminClient<rdkafka::client::DefaultClientContext> =
-        rdkafka::ClientConfig::new().set("bootstrap.servers", bootstrap).create().unwrap();
-    let change = AlterConfig::new(ResourceSpecifier::Topic(topic)).set("compression.type", codec);
-    for r in admin.alter_configs([&change], &AdminOptions::new()).await.unwrap() {
-        r.unwrap();
-    }
-}
-
 // librdkafka inflates gzip and lz4 batches without a cap (one 1 MB gzip
 // batch is about 1 GB inflated, before relay sees a record), so an input
 // topic that keeps them is refused at start, naming it and the fix.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_input_topic_that_keeps_gzip_or_lz4_batches_is_refused_at_start_naming_it() {
     let h = Harness::new(1).await;
-    set_topic_compression(&h.bootstrap, &h.topic, "gzip").await;
+    h.set_topic_compression(&h.topic, "gzip").await;
     let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
     let mut run = h.process(&config, &["run"], &[]);
     let status = run.wait(DEADLINE).expect("the start is refused");
@@ -442,7 +431,7 @@ async fn an_input_topic_that_keeps_gzip_or_lz4_batches_is_refused_at_start_namin
     );
     // Kafka's default keeps what producers sent: refused too, unless the
     // deployment asks to be warned only.
-    set_topic_compression(&h.bootstrap, &h.topic, "producer").await;
+    h.set_topic_compression(&h.topic, "producer").await;
     let warned = h.config_text(CAPTURE_ROUTE).replace("[kafka]\n", "[kafka]\non_unbounded_compression = \"warn\"\n");
     let config = h.write_config(&warned);
     h.send(&order("evt-1", "o-1")).await;

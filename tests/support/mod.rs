@@ -323,6 +323,17 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
             .collect()
     }
 
+    /// Sets `compression.type` of `topic` (the input topic, or another).
+    pub async fn set_topic_compression(&self, topic: &str, codec: &str) {
+        use rdkafka::admin::{AdminClient, AdminOptions, AlterConfig, ResourceSpecifier};
+        let admin: AdminClient<rdkafka::client::DefaultClientContext> =
+            rdkafka::ClientConfig::new().set("bootstrap.servers", &self.bootstrap).create().unwrap();
+        let change = AlterConfig::new(ResourceSpecifier::Topic(topic)).set("compression.type", codec);
+        for r in admin.alter_configs([&change], &AdminOptions::new()).await.unwrap() {
+            r.unwrap();
+        }
+    }
+
     /// Committed offset of our group on the input topic, per partition;
     /// a coordinator still loading (`NotCoordinator` on a broker just
     /// started) is asked again until it answers.

@@ -118,6 +118,14 @@ pub const OVER_BUDGET: &[(&str, usize)] = &[
     (targets::TEMPLATE, 768),
 ];
 
+/// apache-avro reserves room for the items a block claims, up to its
+/// allocation cap (64 MiB, `relay-registry`'s `MAX_ALLOCATION_BYTES`), before
+/// it reads one: room a legitimate 960 KiB array of small longs needs; a
+/// map's hash table rounds its room up to a power of two, so up to twice
+/// that. Read to its end only, a value claiming items it does not hold then
+/// fails at once (each item must cost bytes), instead of decoding a million nulls.
+pub const AVRO_RESERVATION: usize = 2 * 64 * 1024 * 1024;
+
 /// The most `target` may hold for an input of `wire` bytes: [`budget`], or
 /// for a target in [`OVER_BUDGET`] its own factor.
 pub fn allowed(target: &str, wire: usize) -> usize {

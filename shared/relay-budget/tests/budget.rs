@@ -707,13 +707,7 @@ fn claiming_values() -> Vec<Value> {
         .into()
 }
 
-/// apache-avro reserves room for the items a block claims, up to its
-/// allocation cap (64 MiB, `relay-registry`'s `MAX_ALLOCATION_BYTES`), before
-/// it reads one: room a legitimate 960 KiB array of small longs needs; a
-/// map's hash table rounds its room up to a power of two, so up to twice
-/// that. Read to its end only, a value claiming items it does not hold then
-/// fails at once (each item must cost bytes), instead of decoding a million nulls.
-const AVRO_RESERVATION: usize = 2 * 64 * 1024 * 1024;
+use relay_budget::AVRO_RESERVATION;
 
 #[test]
 fn avro_values_claiming_items_they_do_not_hold_are_refused_within_the_reservation_cap() {
