@@ -23,7 +23,7 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
 fi
 export RUSTC_BOOTSTRAP=1
 budget_secs=$(( secs * 2 / 3 > 0 ? secs * 2 / 3 : 1 ))
-for target in envelope template budget_record budget_registry budget_avro budget_template budget_jsonb; do
+for target in envelope template budget_record budget_registry budget_template budget_jsonb; do
   t=$secs
   [[ "$target" == budget_* ]] && t=$budget_secs
   say "fuzzing $target for ${t}s"
