@@ -507,8 +507,8 @@ async fn c15_sabotaged_offsets_committed_before_the_data_are_caught_by_the_crash
 
 #[tokio::test(flavor = "multi_thread")]
 async fn c16_the_broker_killed_and_restarted_mid_run_is_reconnected_to_by_consumer_and_publisher_and_nothing_is_lost() {
+    let mut h = Harness::alone(1).await;
     let mut kafka = PrivateKafka::start().unwrap();
-    let mut h = Harness::new(1).await;
     h.bootstrap = kafka.bootstrap();
     create_topics(&h.bootstrap, &[&h.topic, &h.out, &h.dlq], 2).await.unwrap();
     h.producer = TestProducer::new(&h.bootstrap).unwrap();
@@ -647,7 +647,7 @@ fn deadlocks(log: &str) -> usize {
 #[tokio::test(flavor = "multi_thread")]
 async fn c15_after_a_postgresql_outage_every_partition_moves_within_5s_of_the_database_answering() {
     let partitions = 6;
-    let h = Harness::new(partitions).await;
+    let h = Harness::alone(partitions).await;
     let (pg, pool) = private_postgres().await;
     // The defaults a user has (the harness shortens the database backoff).
     let text = h
@@ -692,8 +692,8 @@ async fn c15_after_a_postgresql_outage_every_partition_moves_within_5s_of_the_da
 #[tokio::test(flavor = "multi_thread")]
 async fn c16_after_a_broker_restart_every_partition_moves_within_20s_of_the_broker_serving() {
     let partitions = 6;
+    let mut h = Harness::alone(1).await;
     let mut kafka = PrivateKafka::start().unwrap();
-    let mut h = Harness::new(1).await;
     h.bootstrap = kafka.bootstrap();
     create_topics(&h.bootstrap, &[&h.topic, &h.out, &h.dlq], partitions).await.unwrap();
     h.producer = TestProducer::new(&h.bootstrap).unwrap();

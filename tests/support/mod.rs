@@ -88,6 +88,22 @@ pub struct Harness {
     pub group: String,
     /// A producer to the test broker.
     pub producer: TestProducer,
+    /// This test's share of the machine: see [`Harness::alone`].
+    _share: Share,
+}
+
+/// Tests of a binary run two at a time (one per core). A test that bounds
+/// how long recovery takes runs alone: on two cores another test's relay
+/// processes or JVM start would be measured with it, and the bound would
+/// say more about the neighbour than about the relay.
+static MACHINE: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+/// Held for a harness's life. The lock is fair: once a timed test waits, new
+/// tests wait behind it, so it is not starved by a stream of short ones (and
+/// a test must not build a second harness while it holds one).
+enum Share {
+    Shared(#[allow(dead_code)] tokio::sync::RwLockReadGuard<'static, ()>),
+    Alone(#[allow(dead_code)] tokio::sync::RwLockWriteGuard<'static, ()>),
 }
 
 /// A relay running in-process (a task of the test's runtime).
@@ -130,8 +146,20 @@ impl Harness {
         Harness::with_provider(partitions, Settings::default()).await
     }
 
+    /// [`Harness::new`] for a test that measures how long something takes:
+    /// no other test of this binary runs while it holds the harness.
+    pub async fn alone(partitions: i32) -> Harness {
+        let share = Share::Alone(MACHINE.write().await);
+        Harness::build(partitions, Settings::default(), share).await
+    }
+
     /// [`Harness::new`] with a provider of these `settings` (its [`example_provider::Dialect`]).
     pub async fn with_provider(partitions: i32, settings: Settings) -> Harness {
+        let share = Share::Shared(MACHINE.read().await);
+        Harness::build(partitions, settings, share).await
+    }
+
+    async fn build(partitions: i32, settings: Settings, share: Share) -> Harness {
         init_logs();
         let bootstrap = kafka_bootstrap();
         let topic = unique("orders");
@@ -149,6 +177,7 @@ impl Harness {
             dlq,
             consumer: unique("consumer"),
             group: unique("group"),
+            _share: share,
         }
     }
 

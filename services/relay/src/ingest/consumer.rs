@@ -298,9 +298,23 @@ impl InboxConsumer {
         if result.is_ok() {
             me.commit_all(CommitMode::Sync);
         }
-        me.consumer.unsubscribe();
+        me.leave_group().await;
         info!(consumer = %me.settings.name, "inbox consumer stopped");
         result
+    }
+
+    /// Unsubscribe and serve the revocation before the consumer is dropped.
+    /// Closing with the unassignment still in flight can trip librdkafka's
+    /// assertion that nothing is assigned at termination
+    /// (`rd_kafka_cgrp_terminated`, librdkafka issue 4027): an abort on an
+    /// orderly stop. Records received meanwhile are dropped: nothing after
+    /// the last commit is acknowledged, so they come again.
+    async fn leave_group(&self) {
+        self.consumer.unsubscribe();
+        let end = tokio::time::Instant::now() + Duration::from_secs(10);
+        while self.consumer.assignment().is_ok_and(|a| a.count() > 0) && tokio::time::Instant::now() < end {
+            let _ = tokio::time::timeout(Duration::from_millis(100), self.consumer.recv()).await;
+        }
     }
 
     /// Once a partition's task meets the database down, ask it every 250 ms
