@@ -10,6 +10,7 @@
 --   an idempotency key sent) as app:KEY; relay refuses keys starting with
 --   app: where its routes render them, so an application's call can neither
 --   reuse a route call's key at the provider nor hold a route's ordering key.
+--   Its ordering-key lock has a name space of its own (relay_store::ordering).
 SET LOCAL lock_timeout = '5s';
 
 -- Refuse `value` if arrays and objects nest in it more than `max_depth`
@@ -301,9 +302,12 @@ BEGIN
     died := relay.app_outcome(door.consumer, 'on_dead', call.on_dead);
     -- relay_store::ordering: the key's intents take seq in commit order. An
     -- application's ordering key is stored as app:KEY, as its idempotency
-    -- key, so that it never orders (or holds) a route's calls.
+    -- key, so that it never orders (or holds) a route's calls; and it is
+    -- locked in the applications' own name space (APP_INTENTS), so that a
+    -- key chosen to collide with a route's in hashtext cannot make the
+    -- route's writers wait on an application's open transaction.
     IF call.ordering_key IS NOT NULL THEN
-        PERFORM pg_advisory_xact_lock(1380273153, hashtext(door.consumer || chr(2) || stored_ordering_key));
+        PERFORM pg_advisory_xact_lock(1380273156, hashtext(door.consumer || chr(2) || stored_ordering_key));
     END IF;
     INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path, body, request_headers,
                                idempotency_key, ordering_key, max_attempts, expires_at, on_success, on_dead,
@@ -342,4 +346,4 @@ REVOKE ALL ON FUNCTION relay.app_check_depth(text, text, jsonb, integer) FROM PU
 -- them (ordering keys are never sent). Their idempotency keys stay as they
 -- were sent: a retry must send the same one.
 UPDATE relay.intents SET ordering_key = 'app:' || ordering_key
- WHERE action = 'application' AND ordering_key IS NOT NULL AND ordering_key NOT LIKE 'app:%';
+ WHERE action = 'application' AND ordering_key IS NOT NULL;

@@ -3,6 +3,10 @@
 -- against its message.max.bytes, and relay checks at start that the limit
 -- fits it. A limit on the data alone let 64 headers of 8 KiB each through,
 -- and such a record ended a dead outbox row holding its key.
+--
+-- An event's ordering key is stored as app:KEY, in the applications' key
+-- space, as a call's is (migration 29): a route's ordered events of the same
+-- Kafka key are not held by it.
 SET LOCAL lock_timeout = '5s';
 
 CREATE OR REPLACE FUNCTION relay.publish(
@@ -25,6 +29,7 @@ AS $$
 DECLARE
     door relay.app_front_doors := relay.app_front_door('publish', publish.consumer);
     in_order boolean := coalesce(publish.ordered, publish.key IS NOT NULL);
+    ordering text := 'app:' || publish.key;
     row_id uuid;
     key_bytes bytea := convert_to(publish.key, 'UTF8');
     payload bytea;
@@ -104,14 +109,17 @@ BEGIN
             hs := hs || jsonb_build_array(jsonb_build_object('name', h.name, 'text', h.value #>> '{}'));
         END LOOP;
     END IF;
-    -- relay_store::ordering: the key's rows take seq in commit order.
+    -- relay_store::ordering: the key's rows take seq in commit order. The
+    -- ordering key is stored as app:KEY, so that an application's event
+    -- (one that ends dead, say) never holds a route's events of its Kafka
+    -- key, and locked in the applications' own name space (APP_OUTBOX).
     IF in_order THEN
-        PERFORM pg_advisory_xact_lock(1380273154,
-            hashtext(door.consumer || chr(2) || publish.topic || chr(1) || publish.key));
+        PERFORM pg_advisory_xact_lock(1380273157,
+            hashtext(door.consumer || chr(2) || publish.topic || chr(1) || ordering));
     END IF;
     INSERT INTO relay.outbox (id, consumer, source_id, action, topic, key, headers, payload, event_type, ordering_key)
     VALUES (row_id, door.consumer, publish.id, 'application', publish.topic, key_bytes, hs,
-            payload, publish.type, CASE WHEN in_order THEN publish.key END)
+            payload, publish.type, CASE WHEN in_order THEN ordering END)
     ON CONFLICT ON CONSTRAINT outbox_pkey DO NOTHING;
     IF NOT FOUND THEN
         -- A retried transaction gives the same event (its time and tracing
@@ -124,7 +132,7 @@ BEGIN
           INTO prior FROM relay.outbox o WHERE o.id = row_id;
         IF FOUND AND (prior.topic IS DISTINCT FROM publish.topic OR prior.key IS DISTINCT FROM key_bytes
                       OR prior.payload IS DISTINCT FROM payload OR prior.event_type IS DISTINCT FROM publish.type
-                      OR prior.ordering_key IS DISTINCT FROM CASE WHEN in_order THEN publish.key END
+                      OR prior.ordering_key IS DISTINCT FROM CASE WHEN in_order THEN ordering END
                       OR prior.headers IS DISTINCT FROM (
                           SELECT jsonb_agg(x.h ORDER BY x.n) FROM jsonb_array_elements(hs) WITH ORDINALITY x(h, n)
                            WHERE x.h ->> 'name' NOT IN ('ce_time', 'ce_traceparent', 'ce_correlationid',
@@ -135,3 +143,9 @@ BEGIN
     RETURN row_id;
 END
 $$;
+
+-- Applications' events stored before their ordering keys were prefixed take
+-- the prefix, so an event published after this migration still waits
+-- behind them (an ordering key is never sent: the Kafka key is `key`).
+UPDATE relay.outbox SET ordering_key = 'app:' || ordering_key
+ WHERE action = 'application' AND ordering_key IS NOT NULL;

@@ -475,12 +475,13 @@ async fn the_front_door_takes_the_key_locks_relay_s_own_writers_take() {
         .await
         .unwrap();
     let keys = [
-        (Key::Outbox { topic: &h.out, key: "k-1" }, true),
+        (Key::Outbox { topic: &h.out, key: "app:k-1" }, true),
         (Key::Intent("app:o-1"), true),
-        (Key::Outbox { topic: &h.out, key: "k-2" }, false),
+        (Key::Outbox { topic: &h.out, key: "app:k-2" }, false),
         (Key::Intent("app:o-2"), false),
         // A route's ordering key of the same text is not the application's.
         (Key::Intent("o-1"), false),
+        (Key::Outbox { topic: &h.out, key: "k-1" }, false),
     ];
     for (key, held) in keys {
         let mut writer = h.db.pool.begin().await.unwrap();
@@ -494,6 +495,141 @@ async fn the_front_door_takes_the_key_locks_relay_s_own_writers_take() {
         writer.rollback().await.unwrap();
     }
     tx.rollback().await.unwrap();
+}
+
+/// Two names, `{app}{i}` and `{route}{j}` after `prefix`, whose `hashtext`
+/// is the same: the advisory lock of one is the other's when both are
+/// locked in one name space. Found by grouping 2×200 000 names by hash
+/// (about nine 32-bit collisions between the two sides expected).
+async fn colliding(h: &Harness, prefix: &str, app: &str, route: &str) -> (String, String) {
+    sqlx::query_as(
+        "SELECT $2 || min(n) FILTER (WHERE app), $3 || min(n) FILTER (WHERE NOT app)
+           FROM (SELECT true AS app, n, hashtext($1 || $2 || n) AS h FROM generate_series(1, 200000) n
+                 UNION ALL
+                 SELECT false, n, hashtext($1 || $3 || n) FROM generate_series(1, 200000) n) t
+          GROUP BY h HAVING bool_or(app) AND NOT bool_and(app)
+          LIMIT 1",
+    )
+    .bind(prefix)
+    .bind(app)
+    .bind(route)
+    .fetch_one(&h.db.pool)
+    .await
+    .expect("a hashtext collision among 2×200 000 names")
+}
+
+// An application could choose an ordering key whose lock collided in
+// hashtext with a route's, hold its transaction open, and so stop every
+// batch writing that route key (each waits, then fails on lock_timeout).
+#[tokio::test]
+async fn an_application_s_key_chosen_to_collide_with_a_route_s_lock_does_not_stop_the_route() {
+    use relay_store::ordering::{Key, lock};
+    let h = Harness::new(1).await;
+    h.relay(h.config(FRONT_DOOR), Handlers::default(), no_faults()).await;
+    let c = &h.consumer;
+    // relay.call stores app:KEY and locks consumer U+0002 app:KEY.
+    let (call_key, route_call_key) = colliding(&h, &format!("{c}\u{2}"), "app:a", "r").await;
+    let call_key = call_key.strip_prefix("app:").unwrap().to_owned();
+    let (event_key, route_event_key) = colliding(&h, &format!("{c}\u{2}{}\u{1}", h.out), "app:e", "r").await;
+    let event_key = event_key.strip_prefix("app:").unwrap().to_owned();
+    let mut app = PgConnection::connect(&app_url(&h)).await.unwrap();
+    let mut tx = app.begin().await.unwrap();
+    sqlx::query("SELECT relay.call('psp', 'POST', '/x', '{}', id => 'c-1', ordering_key => $1)")
+        .bind(&call_key)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("SELECT relay.publish($1, $2, 'x', '{}', id => 'e-1')")
+        .bind(&h.out)
+        .bind(&event_key)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    for key in [Key::Intent(&route_call_key), Key::Outbox { topic: &h.out, key: &route_event_key }] {
+        let mut writer = h.db.pool.begin().await.unwrap();
+        sqlx::query("SET LOCAL lock_timeout = '200ms'").execute(&mut *writer).await.unwrap();
+        let taken = lock(&mut writer, &h.consumer, [key]).await;
+        assert!(taken.is_ok(), "{key:?} waits on the application's transaction: {taken:?}");
+        writer.rollback().await.unwrap();
+    }
+    tx.rollback().await.unwrap();
+}
+
+// An application's ordered event on a topic a route also emits to, with
+// the route's Kafka key, held the route's events of that key once it ended
+// dead (too big for the broker, say): they waited for an operator.
+#[tokio::test]
+async fn an_application_s_dead_event_never_holds_a_route_s_events_of_its_key() {
+    let h = Harness::new(1).await;
+    let cfg = h.config(&format!("{FRONT_DOOR}{CAPTURE_ROUTE}"));
+    h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
+    let mut app = PgConnection::connect(&app_url(&h)).await.unwrap();
+    sqlx::query("SELECT relay.publish($1, 'o-7', 'order.noted', '{}', id => 'note-7')")
+        .bind(&h.out)
+        .execute(&mut app)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE relay.outbox SET state = 'dead', last_error = 'too big' WHERE action = 'application'")
+        .execute(&h.db.pool)
+        .await
+        .unwrap();
+    let data = serde_json::json!({"order_id": "o-7", "amount": 100});
+    h.send(&relay_testkit::TestEvent::new("evt-7", "order.placed", data).key("o-7")).await;
+    let run = h.start(cfg, relay::Components::ALL, no_faults()).await;
+    eventually("the route's payment.captured of o-7 published", DEADLINE, || async {
+        let state: Option<String> =
+            sqlx::query_scalar("SELECT state FROM relay.outbox WHERE event_type = 'payment.captured'")
+                .fetch_optional(&h.db.pool)
+                .await
+                .unwrap();
+        (state.as_deref() == Some("published")).then_some(())
+    })
+    .await;
+    run.stop().await.unwrap();
+    let key: String = sqlx::query_scalar("SELECT ordering_key FROM relay.outbox WHERE action = 'application'")
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(key, "app:o-7");
+}
+
+// A claim took up to claim_batch (64) intents whatever their size, and a
+// dispatcher held them decoded, with the ones claimed ahead: 128 bodies of
+// 900 KiB each, and the JSON trees they decode to, at once.
+#[tokio::test]
+async fn a_dispatcher_holds_no_more_claimed_json_than_its_byte_room() {
+    let h = Harness::new(1).await;
+    h.provider.set_faults(vec![example_provider::FaultRule {
+        path_prefix: None,
+        key_prefix: None,
+        times: None,
+        kind: example_provider::FaultKind::HoldUntilReleased,
+    }]);
+    let mut cfg = h.config(FRONT_DOOR);
+    // Two of the calls below fit, not three.
+    cfg.dispatcher.max_claimed_bytes = 2 * 1024 * 1024;
+    h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
+    let mut app = PgConnection::connect(&app_url(&h)).await.unwrap();
+    for i in 0..8 {
+        sqlx::query(
+            "SELECT relay.call('psp', 'POST', '/big', jsonb_build_object('pad', repeat('x', 700000)), id => $1)",
+        )
+        .bind(format!("big-{i}"))
+        .execute(&mut app)
+        .await
+        .unwrap();
+    }
+    let run = h.start(cfg, DELIVERY, no_faults()).await;
+    eventually("two calls at the provider", DEADLINE, || async { (h.provider.stats().requests >= 2).then_some(()) })
+        .await;
+    let running = h.db.count("intents", "state = 'running'").await;
+    assert_eq!(running, 2, "intents claimed while two calls of 700 KB each hold the 2 MiB room");
+    h.provider.release_held();
+    eventually("every call made", DEADLINE, || async {
+        (h.db.count("intents", "state = 'succeeded'").await == 8).then_some(())
+    })
+    .await;
+    run.stop().await.unwrap();
 }
 
 #[tokio::test]

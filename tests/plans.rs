@@ -82,6 +82,8 @@ async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_
         .bind(0_i64)
         .bind(vec!["psp"])
         .bind("plans")
+        .bind(i64::MAX)
+        .bind(true)
         .fetch_one(claims.as_conn())
         .await
         .unwrap();
@@ -112,7 +114,7 @@ async fn claims_after_a_position_start_reading_the_index_there_and_one_from_the_
     insert_backlog(&db.pool, ROWS).await;
     let mut claims = ClaimPool::beside(&db.pool, 1, ClaimCommit::Async).acquire().await.unwrap();
     let lease = Duration::from_secs(30);
-    let first = intents::claim_after(&mut claims, &PLANS, "worker", 3, lease, None).await.unwrap();
+    let first = intents::claim_after(&mut claims, &PLANS, "worker", 3, lease, None, intents::Room::ANY).await.unwrap();
     let mut ids: Vec<&str> = first.rows.iter().map(|c| c.intent.source_event_id.as_str()).collect();
     ids.sort();
     assert_eq!(ids, ["e-1", "e-2", "e-3"]);
@@ -133,6 +135,8 @@ async fn claims_after_a_position_start_reading_the_index_there_and_one_from_the_
         .bind(last.seq)
         .bind(vec!["psp"])
         .bind("plans")
+        .bind(i64::MAX)
+        .bind(true)
         .fetch_one(claims.as_conn())
         .await
         .unwrap();
@@ -150,11 +154,12 @@ async fn claims_after_a_position_start_reading_the_index_there_and_one_from_the_
     let e2 = first.rows.iter().find(|c| c.intent.source_event_id == "e-2").unwrap();
     let mut conn = db.conn().await.unwrap();
     intents::release(&mut conn, e2.id, e2.lease_token).await.unwrap();
-    let after = intents::claim_after(&mut claims, &PLANS, "worker", 2, lease, Some(last)).await.unwrap();
+    let after =
+        intents::claim_after(&mut claims, &PLANS, "worker", 2, lease, Some(last), intents::Room::ANY).await.unwrap();
     let mut ids: Vec<&str> = after.rows.iter().map(|c| c.intent.source_event_id.as_str()).collect();
     ids.sort();
     assert_eq!(ids, ["e-4", "e-5"]);
-    let again = intents::claim_after(&mut claims, &PLANS, "worker", 1, lease, None).await.unwrap();
+    let again = intents::claim_after(&mut claims, &PLANS, "worker", 1, lease, None, intents::Room::ANY).await.unwrap();
     assert_eq!(again.rows.iter().map(|c| c.intent.source_event_id.as_str()).collect::<Vec<_>>(), ["e-2"]);
 
     // The outbox claim the same way, its position a seq.
@@ -410,7 +415,7 @@ async fn a_plan_cached_while_the_table_was_small_still_probes_keys_once_it_has_g
     // its plan is made and cached now.
     let execute = |name: &str, which: On| {
         let args = match name {
-            "claim_intents" => "(2, 'worker', 30, NULL, 0, '{psp}', 'plans')",
+            "claim_intents" => "(2, 'worker', 30, NULL, 0, '{psp}', 'plans', 9223372036854775807, true)",
             "claim_outbox" => "(2, 30, -9223372036854775808, 'plans', 8)",
             "finish_intents" => "('{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}')",
             _ => "('{}', '{}')",

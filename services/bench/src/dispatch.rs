@@ -105,8 +105,16 @@ pub(super) async fn dispatch_database_only(
             let mut resume: Resume<relay_store::Position> = Resume::default();
             loop {
                 let (after, back) = resume.next(Duration::MAX);
-                let claim =
-                    intents::claim_after(&mut claims, &BENCH, &worker, 256, Duration::from_secs(30), after).await?;
+                let claim = intents::claim_after(
+                    &mut claims,
+                    &BENCH,
+                    &worker,
+                    256,
+                    Duration::from_secs(30),
+                    after,
+                    relay_store::intents::Room::ANY,
+                )
+                .await?;
                 if claim.rows.is_empty() && after.is_none() {
                     return anyhow::Ok(());
                 }

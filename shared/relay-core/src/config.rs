@@ -432,6 +432,11 @@ pub struct DispatcherConfig {
     /// more leases ahead of the calls, which other dispatcher processes then
     /// cannot take.
     pub claim_batch: u32,
+    /// Most JSON (bodies, headers and outcomes, as text) of the intents this
+    /// process has claimed and not finished, taken together: a claim takes
+    /// rows while they fit, and one row alone when nothing is held, however
+    /// large. Decoded, they take a few times this in memory.
+    pub max_claimed_bytes: u64,
     /// How long a claim is ours: at least every endpoint's
     /// [`EndpointConfig::min_lease`] (its timeout + 2 s).
     #[serde(with = "humantime_serde")]
@@ -458,6 +463,7 @@ impl Default for DispatcherConfig {
             worker_id: None,
             concurrency: 64,
             claim_batch: 64,
+            max_claimed_bytes: 32 * 1024 * 1024,
             lease: Duration::from_secs(60),
             poll_interval: Duration::from_secs(1),
             rescue_interval: Duration::from_secs(5),

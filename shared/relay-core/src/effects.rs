@@ -260,6 +260,34 @@ pub struct Intent {
     pub traceparent: Option<String>,
 }
 
+impl Intent {
+    /// The length of its JSON values (body, headers, outcomes) as compact
+    /// JSON text: what a claimed intent holds in memory, within a small
+    /// factor (the claim's byte room counts the same values, as PostgreSQL
+    /// prints them).
+    pub fn json_bytes(&self) -> usize {
+        /// Counts what is written; serde_json has no length-only serializer.
+        struct Count(usize);
+        impl std::io::Write for Count {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0 += buf.len();
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let mut n = Count(0);
+        for v in
+            [self.body.as_ref(), Some(&self.headers), Some(&self.on_success), Some(&self.on_dead)].into_iter().flatten()
+        {
+            // Writing a Value to a sink that never fails cannot fail.
+            let _ = serde_json::to_writer(&mut n, v);
+        }
+        n.0
+    }
+}
+
 /// An intent to insert: its derived id (R7) and its age budget, which the
 /// row stores as a deadline.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -358,7 +386,7 @@ pub fn encode_event(id: Uuid, spec: &EmitSpec, prov: &Provenance, now: DateTime<
             None => serde_json::to_vec(&spec.data).unwrap_or_default(),
         }),
         event_type: Some(spec.event_type.clone()),
-        ordering_key: if spec.ordered { key } else { None },
+        ordering_key: if spec.ordered { key.as_deref().map(crate::ids::route_event_ordering_key) } else { None },
     }
 }
 

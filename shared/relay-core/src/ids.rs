@@ -43,9 +43,19 @@ pub fn outcome_id(intent_id: Uuid, outcome: &str, action: &str) -> Uuid {
 }
 
 /// What `relay.call` puts before an idempotency key or ordering key an
-/// application gives (migration 0029), and what no route's call may render
-/// its keys with: an application's call never shares a key with a route's.
+/// application gives (migration 0029), and `relay.publish` before an
+/// event's ordering key (0030); what no route's call may render its keys
+/// with: an application's row never shares a key with a route's.
 pub const APP_KEY_PREFIX: &str = "app:";
+
+/// The ordering key a route's ordered event is stored under, from its Kafka
+/// key: the key itself, or, when it starts with [`APP_KEY_PREFIX`] or `\`,
+/// the key after a `\` (one-to-one, so two keys stay two). A route's Kafka
+/// key is the user's data and is not refused as a call's keys are; stored
+/// so, it is never an application's `app:KEY`.
+pub fn route_event_ordering_key(key: &str) -> String {
+    if key.starts_with(APP_KEY_PREFIX) || key.starts_with('\\') { format!("\\{key}") } else { key.to_owned() }
+}
 
 /// Id of a row an application enqueued through `relay.publish` (`kind`
 /// `publish`) or `relay.call` (`call`) with business key `key`, for
@@ -69,6 +79,16 @@ pub fn app_id(consumer: &str, kind: &str, key: &str) -> Uuid {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_route_event_s_ordering_key_is_never_an_application_s_and_stays_one_to_one() {
+        let keys = ["o-1", "app:o-1", "\\app:o-1", "\\", "", "ap", "\\\\x"];
+        let stored: Vec<String> = keys.iter().map(|k| route_event_ordering_key(k)).collect();
+        assert_eq!(stored[0], "o-1", "an ordinary key is stored as it is");
+        assert!(stored.iter().all(|k| !k.starts_with(APP_KEY_PREFIX)), "{stored:?}");
+        let distinct: std::collections::BTreeSet<&String> = stored.iter().collect();
+        assert_eq!(distinct.len(), keys.len(), "{stored:?}");
+    }
 
     #[test]
     fn the_same_input_and_action_always_yield_the_same_id() {

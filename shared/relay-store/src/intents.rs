@@ -171,7 +171,25 @@ pub async fn claim(
     limit: i64,
     lease: Duration,
 ) -> Result<Claim<ClaimedIntent>, sqlx::Error> {
-    claim_after(conn, scope, worker, limit, lease, None).await
+    claim_after(conn, scope, worker, limit, lease, None, Room::ANY).await
+}
+
+/// How much JSON a claim may take: its rows' body, headers and outcomes,
+/// as PostgreSQL prints them, in total. A dispatcher holds what it claimed
+/// until the calls end, decoded; a count of rows alone would let 64 rows of
+/// 900 KiB each, and the trees they decode to, be claimed at once.
+#[derive(Debug, Clone, Copy)]
+pub struct Room {
+    /// Bytes the claimed rows may take together.
+    pub bytes: u64,
+    /// Take the first due row even if it alone is larger (the claimer holds
+    /// nothing else): a row larger than the room is still called, alone.
+    pub first_always: bool,
+}
+
+impl Room {
+    /// No bound.
+    pub const ANY: Room = Room { bytes: u64::MAX, first_always: true };
 }
 
 /// Which intents a dispatcher may claim: those its consumer wrote, for
@@ -208,6 +226,7 @@ pub async fn claim_after(
     limit: i64,
     lease: Duration,
     after: Option<Position>,
+    room: Room,
 ) -> Result<Claim<ClaimedIntent>, sqlx::Error> {
     let claim = sqlx::query(CLAIM)
         .bind(limit)
@@ -216,21 +235,28 @@ pub async fn claim_after(
         .bind(after.map(|p| p.due))
         .bind(after.map_or(0, |p| p.seq))
         .bind(scope.endpoints)
-        .bind(scope.consumer);
+        .bind(scope.consumer)
+        .bind(i64::try_from(room.bytes).unwrap_or(i64::MAX))
+        .bind(room.first_always);
     crate::fetch_claim(conn.as_conn(), claim, true).await
 }
 
 /// The claim statement ([`claim`]); public so a test can check its plan.
 /// `$1` limit, `$2` worker, `$3` lease in seconds, `$4` and `$5` the
 /// position to claim after (`$4` null: from the start), `$6` the endpoints
-/// and `$7` the consumer of the [`Scope`]. Its rows are the
-/// claimed intents, each with `next_due`; when it claims fewer than `$1`,
-/// `next_due` is when the earliest pending intent not due yet comes due,
-/// and at least one row comes back (all columns but `next_due` null when
-/// none was claimed), which [`claim`] sorts out.
+/// and `$7` the consumer of the [`Scope`], `$8` and `$9` the [`Room`]. Its
+/// rows are the claimed intents, each with `next_due` and `cut`; when it
+/// claims fewer than `$1`, `next_due` is when the earliest pending intent
+/// not due yet comes due, and at least one row comes back (all columns but
+/// `next_due` and `cut` null when none was claimed), which [`claim`] sorts
+/// out. Rows locked by `due` past the room are not updated; their locks
+/// end with the statement's commit.
 pub const CLAIM: &str = concat!(
     "WITH due AS (
-             SELECT i.id FROM relay.intents i
+             SELECT i.id, i.next_attempt_at, i.seq,
+                    coalesce(octet_length(i.body::text), 0) + octet_length(i.request_headers::text)
+                    + octet_length(i.on_success::text) + octet_length(i.on_dead::text) AS bytes
+               FROM relay.intents i
               WHERE i.state = 'pending' AND i.next_attempt_at <= now()
                 AND (i.next_attempt_at, i.seq) > (COALESCE($4::timestamptz, '-infinity'), $5::int8)
                 AND i.consumer = $7::text AND i.endpoint = ANY($6::text[])
@@ -243,21 +269,27 @@ pub const CLAIM: &str = concat!(
               ORDER BY i.next_attempt_at, i.seq
               LIMIT $1
               FOR UPDATE SKIP LOCKED
+         ), fits AS (
+             SELECT id FROM (
+                 SELECT id, sum(bytes) OVER w AS upto, row_number() OVER w AS n
+                   FROM due WINDOW w AS (ORDER BY next_attempt_at, seq ROWS UNBOUNDED PRECEDING)) d
+              WHERE upto <= $8 OR (n = 1 AND $9)
          ), claimed AS (
              UPDATE relay.intents i
                 SET state = 'running', attempts = i.attempts + 1, lease_token = gen_random_uuid(),
                     locked_by = $2, locked_until = now() + make_interval(secs => $3)
-               FROM due WHERE i.id = due.id
+               FROM fits WHERE i.id = fits.id
              RETURNING i.*
          ), next AS (
              SELECT CASE WHEN (SELECT count(*) FROM claimed) < $1 THEN (
                         SELECT min(next_attempt_at) FROM relay.intents
                          WHERE state = 'pending' AND next_attempt_at > now()
-                           AND consumer = $7::text AND endpoint = ANY($6::text[])) END AS next_due
+                           AND consumer = $7::text AND endpoint = ANY($6::text[])) END AS next_due,
+                    (SELECT count(*) FROM due) > (SELECT count(*) FROM fits) AS cut
          )
          SELECT ",
     claimed_columns!(),
-    ", next_attempt_at AS due_at, seq, next.next_due
+    ", next_attempt_at AS due_at, seq, next.next_due, next.cut
            FROM next LEFT JOIN claimed c ON true"
 );
 

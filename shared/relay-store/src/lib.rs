@@ -88,6 +88,11 @@ pub struct Claim<T> {
     /// pending row, when it stopped at its window ([`outbox::WINDOW`])
     /// before filling its batch; the next claim may go on after it.
     pub passed: Option<i64>,
+    /// For intent claims: the claim stopped at its byte room
+    /// ([`intents::claim_after`]) with due rows left over. Short, but not
+    /// because nothing more is due: the claimer claims again once some of
+    /// what it holds has finished.
+    pub cut: bool,
 }
 
 /// A claimed row whose columns could not be decoded: JSON nested deeper
@@ -176,10 +181,13 @@ where
     T: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow>,
 {
     use sqlx::Row;
-    let mut claim = Claim { rows: Vec::new(), unreadable: Vec::new(), next_due: None, last: None, passed: None };
+    let mut claim =
+        Claim { rows: Vec::new(), unreadable: Vec::new(), next_due: None, last: None, passed: None, cut: false };
     for row in query.fetch_all(conn).await? {
         claim.next_due = row.try_get("next_due")?;
-        if !positioned {
+        if positioned {
+            claim.cut = row.try_get("cut")?;
+        } else {
             claim.passed = row.try_get("passed")?;
         }
         if row.try_get::<Option<uuid::Uuid>, _>("id")?.is_some() {

@@ -24,17 +24,27 @@
 //! pay for this: one round trip more, and a wait behind the other
 //! transaction of that key.
 //!
-//! Intents' and outbox rows' keys are locked in two name spaces (the first
-//! argument of `pg_advisory_xact_lock(int4, int4)`); an outbox key is
-//! ordered per topic. A hash collision only makes two keys wait for each
-//! other.
+//! Intents' and outbox rows' keys are locked in name spaces of their own
+//! (the first argument of `pg_advisory_xact_lock(int4, int4)`); an outbox
+//! key is ordered per topic. A hash collision only makes two keys wait for
+//! each other, so the keys applications give (stored as `app:KEY`, written
+//! by the front door's SQL functions) are locked in two more name spaces:
+//! a key an application chose to collide with a route's could otherwise make
+//! the route's batches wait on the application's open transaction.
 
+use relay_core::ids::APP_KEY_PREFIX;
 use sqlx::PgConnection;
 
-/// The name space of intents' ordering keys.
+/// The name space of routes' intents' ordering keys.
 const INTENTS: i32 = 0x5245_4c01;
-/// The name space of outbox rows' ordering keys (per topic).
+/// The name space of routes' outbox rows' ordering keys (per topic).
 const OUTBOX: i32 = 0x5245_4c02;
+/// The name space of applications' intents' ordering keys (`relay.call`,
+/// migration 29, takes it by its decimal value 1380273156).
+const APP_INTENTS: i32 = 0x5245_4c04;
+/// The name space of applications' outbox rows' ordering keys
+/// (`relay.publish`, migration 30: 1380273157).
+const APP_OUTBOX: i32 = 0x5245_4c05;
 
 /// An ordering key about to get a row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -73,11 +83,11 @@ pub async fn lock<'a>(
             // Namespaced by consumer, as the claims compare keys: two
             // deployments sharing a database do not wait on each other's keys.
             Key::Intent(k) => {
-                spaces.push(INTENTS);
+                spaces.push(if k.starts_with(APP_KEY_PREFIX) { APP_INTENTS } else { INTENTS });
                 names.push(format!("{consumer}\u{2}{k}"));
             }
             Key::Outbox { topic, key } => {
-                spaces.push(OUTBOX);
+                spaces.push(if key.starts_with(APP_KEY_PREFIX) { APP_OUTBOX } else { OUTBOX });
                 // Kafka topic names hold only [a-zA-Z0-9._-], so the first U+0001 ends the topic.
                 names.push(format!("{consumer}\u{2}{topic}\u{1}{key}"));
             }

@@ -26,10 +26,11 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use relay_core::config::{DispatcherConfig, EndpointConfig};
 use relay_core::retry::BackoffPolicy;
-use relay_store::intents::{self, ClaimedIntent, Scope};
+use relay_store::intents::{self, ClaimedIntent, Room, Scope};
 use relay_store::{Claim, ClaimCommit, ClaimPool, Claimer, Position, Unreadable};
 use sqlx::PgPool;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
@@ -81,6 +82,18 @@ pub(super) struct Inner {
     pub(super) desk: std::sync::Mutex<Option<Desk>>,
     /// The endpoints that reconcile uncertain intents, if any do.
     pub(super) reconcilers: Option<Arc<Reconcilers>>,
+    /// JSON bytes ([`relay_core::Intent::json_bytes`]) of the intents whose
+    /// tasks run, bounded by `max_claimed_bytes` through each claim's room.
+    pub(super) held_bytes: Arc<AtomicU64>,
+}
+
+/// An intent's bytes in [`Inner::held_bytes`], given back when its task ends.
+struct Held(Arc<AtomicU64>, u64);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.fetch_sub(self.1, Ordering::Relaxed);
+    }
 }
 
 impl Dispatcher {
@@ -129,6 +142,7 @@ impl Dispatcher {
             progress,
             desk,
             reconcilers,
+            held_bytes: Arc::default(),
         };
         Ok(Dispatcher { inner: Arc::new(inner) })
     }
@@ -181,6 +195,7 @@ impl Dispatcher {
         let mut claimer = self.inner.claims.claimer();
         // Where the next claim may start (see `crate::runtime::claim_loop`).
         let mut resume: Resume<Position> = Resume::default();
+        let mut out_of_room = false;
         let result = 'claiming: loop {
             if shutdown.is_cancelled() {
                 break Ok(());
@@ -206,8 +221,10 @@ impl Dispatcher {
             // for every call or two that ends cost a statement and a commit
             // each (at concurrency 1: 0.25 commits per call, 0.12 with this;
             // 9 800 → 16 800 calls/s in one bench run, BENCHMARKS.md).
+            // And claim only what fits in the byte room: after a claim cut
+            // short by it, wait for a call to end first.
             let free = (s.concurrency + s.claim_batch as usize).saturating_sub(tasks.len());
-            if free < (s.claim_batch as usize / 4).max(1) {
+            if free < (s.claim_batch as usize / 4).max(1) || (out_of_room && !tasks.is_empty()) {
                 tokio::select! {
                     _ = shutdown.cancelled() => break Ok(()),
                     done = tasks.join_next() => {
@@ -215,6 +232,7 @@ impl Dispatcher {
                     }
                     handed = handed_over(&mut desk) => self.start_handed(&mut tasks, handed, &done_tx, &permits),
                 }
+                out_of_room = false;
                 continue;
             }
             let want = free.min(s.claim_batch as usize);
@@ -229,7 +247,7 @@ impl Dispatcher {
             // database's lease starts at the statement, and every moment the
             // claim takes to come back is a moment less of it.
             let claimed_at = std::time::Instant::now();
-            let Claim { rows: claimed, unreadable, next_due, last, .. } =
+            let Claim { rows: claimed, unreadable, next_due, last, cut, .. } =
                 match self.claim(&mut claimer, want, after).await {
                     Ok(c) => {
                         failures = 0;
@@ -265,11 +283,13 @@ impl Dispatcher {
             if !unreadable.is_empty() {
                 self.finish_unreadable(&unreadable).await;
             }
-            if n == want {
-                // A full claim has rows, so a last one.
+            if n == want || cut {
+                // A full claim has rows, so a last one (one cut by its room
+                // may have none).
                 if let Some(last) = last {
                     resume.claimed(back, last);
                 }
+                out_of_room = cut;
                 continue; // more may be due right now
             }
             // Nothing more after the position either: the next claim looks
@@ -340,8 +360,11 @@ impl Dispatcher {
     ) {
         let (me, done_tx, permits) = (self.clone(), done_tx.clone(), permits.clone());
         let busy = self.inner.busy.get(&intent.intent.endpoint).map(|b| b.enter(&self.inner.progress));
+        let bytes = intent.intent.json_bytes() as u64;
+        self.inner.held_bytes.fetch_add(bytes, Ordering::Relaxed);
+        let held = Held(self.inner.held_bytes.clone(), bytes);
         tasks.spawn(async move {
-            let _room = room;
+            let (_room, _held) = (room, held);
             let completion = {
                 let _busy = busy;
                 let send_by = me.inner.executor.send_by(&intent, claimed_at);
@@ -466,10 +489,21 @@ impl Dispatcher {
             // Every endpoint is full: a claim could take nothing, and would
             // read every due row to find that out. A call ending wakes the
             // loop (Busy).
-            return Ok(Claim { rows: Vec::new(), unreadable: Vec::new(), next_due: None, last: None, passed: None });
+            return Ok(Claim {
+                rows: Vec::new(),
+                unreadable: Vec::new(),
+                next_due: None,
+                last: None,
+                passed: None,
+                cut: false,
+            });
         }
         let scope = Scope { consumer: &self.inner.consumer, endpoints: &endpoints };
-        claimer.claim(async |conn| intents::claim_after(conn, &scope, worker, limit as i64, lease, after).await).await
+        let held = self.inner.held_bytes.load(Ordering::Relaxed);
+        let room = Room { bytes: self.inner.settings.max_claimed_bytes.saturating_sub(held), first_always: held == 0 };
+        claimer
+            .claim(async |conn| intents::claim_after(conn, &scope, worker, limit as i64, lease, after, room).await)
+            .await
     }
 
     /// The endpoints whose intents the next claim may take: ours, less those
