@@ -270,10 +270,11 @@ pub const CLAIM: &str = concat!(
               LIMIT $1
               FOR UPDATE SKIP LOCKED
          ), fits AS (
-             SELECT id FROM (
-                 SELECT id, sum(bytes) OVER w AS upto, row_number() OVER w AS n
-                   FROM due WINDOW w AS (ORDER BY next_attempt_at, seq ROWS UNBOUNDED PRECEDING)) d
-              WHERE upto <= $8 OR (n = 1 AND $9)
+             SELECT d.id FROM due d
+              WHERE (SELECT sum(e.bytes) FROM due e
+                      WHERE (e.next_attempt_at, e.seq) <= (d.next_attempt_at, d.seq)) <= $8
+                 OR ($9 AND NOT EXISTS (SELECT 1 FROM due e
+                                         WHERE (e.next_attempt_at, e.seq) < (d.next_attempt_at, d.seq)))
          ), claimed AS (
              UPDATE relay.intents i
                 SET state = 'running', attempts = i.attempts + 1, lease_token = gen_random_uuid(),
