@@ -75,6 +75,18 @@ BEGIN
     IF outcome ? 'saga' AND jsonb_typeof(outcome -> 'saga') <> 'array' THEN
         PERFORM relay.app_refuse('call', field || '.saga', 'an array of saga moves');
     END IF;
+    -- Each ordered event takes an advisory lock when the call ends, all of
+    -- one completer batch in one statement, and each saga move a statement:
+    -- thousands in one outcome would fill PostgreSQL's lock table (53200)
+    -- and fail every call finished beside it.
+    IF jsonb_array_length(coalesce(outcome -> 'emit', '[]'::jsonb)) > 64 THEN
+        PERFORM relay.app_refuse('call', field || '.emit', format('%s events; an outcome has at most 64',
+            jsonb_array_length(outcome -> 'emit')), 'publish the rest with relay.publish, or from a consumer of the first');
+    END IF;
+    IF jsonb_array_length(coalesce(outcome -> 'saga', '[]'::jsonb)) > 64 THEN
+        PERFORM relay.app_refuse('call', field || '.saga', format('%s saga moves; an outcome has at most 64',
+            jsonb_array_length(outcome -> 'saga')));
+    END IF;
     n := 0;
     FOR e IN SELECT x.value FROM jsonb_array_elements(coalesce(outcome -> 'emit', '[]'::jsonb)) x LOOP
         at := format('%s.emit[%s]', field, n);
@@ -268,21 +280,20 @@ BEGIN
     row_id := relay.app_id(door.consumer, 'call', call.id);
     -- A key the application gives is sent as app:KEY, a prefix relay refuses
     -- in the keys its routes render: no application call can share a key
-    -- with a route's call. The default, the call's id, is in the
-    -- applications' id space already.
-    key := CASE WHEN call.idempotency_key IS NULL THEN row_id::text
-                WHEN call.idempotency_key = '' THEN ''
-                ELSE 'app:' || call.idempotency_key END;
-    IF ep.sends_key AND key = '' THEN
-        PERFORM relay.app_refuse('call', 'idempotency_key', 'empty: the provider could not deduplicate retries');
+    -- with a route's call. So is the default, the call's id: a route whose
+    -- key renders a whole field of its input could otherwise be fed it. An
+    -- empty key is refused, whatever the endpoint: sent, or signed as a
+    -- webhook-id, it would be every such call's one key.
+    IF call.idempotency_key = '' THEN
+        PERFORM relay.app_refuse('call', 'idempotency_key', 'empty: give a key, or leave it out and the call''s '
+            'id is its key');
     END IF;
-    IF key <> '' THEN
-        PERFORM relay.app_check_key('call', 'idempotency_key', coalesce(call.idempotency_key, key));
-    END IF;
+    key := 'app:' || coalesce(call.idempotency_key, row_id::text);
+    PERFORM relay.app_check_key('call', 'idempotency_key', coalesce(call.idempotency_key, key));
     IF ep.key_max_length IS NOT NULL AND char_length(key) > ep.key_max_length THEN
         PERFORM relay.app_refuse('call', 'idempotency_key', format('%s characters as sent (%s with relay''s app: '
             'prefix); endpoint %L (its profile, or idempotency.max_length) accepts at most %s', char_length(key),
-            CASE WHEN call.idempotency_key IS NULL THEN 'the call''s id, without' ELSE 'the key given' END,
+            CASE WHEN call.idempotency_key IS NULL THEN 'the call''s id' ELSE 'the key given' END,
             call.endpoint, ep.key_max_length));
     END IF;
     IF call.ordering_key = '' THEN

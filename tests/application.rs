@@ -238,7 +238,10 @@ async fn the_front_door_refuses_what_could_never_be_sent_naming_the_field() {
                 endpoint 'psp'";
     assert!(long.starts_with(sent), "{long}");
     let default_key = refused(&mut conn, "SELECT relay.call('psp', 'POST', '/x', '{}', id => 'a')").await;
-    assert!(default_key.contains("36 characters"), "the default key is the call's id: {default_key}");
+    assert!(
+        default_key.contains("40 characters as sent (the call's id with relay's app: prefix)"),
+        "the default key is the call's id, in the applications' key space: {default_key}"
+    );
 }
 
 /// A role the DBA created for a second deployment; relay_app is not in it
@@ -853,6 +856,12 @@ async fn a_call_s_outcomes_given_by_the_application_are_recorded_once_when_it_en
     assert_eq!(state, "paid");
     assert_eq!(h.intents_in("succeeded").await, 1);
     assert_eq!(h.intents_in("dead").await, 1);
+    // Ordered in the applications' key space, as relay.publish's events:
+    // dead, one would otherwise hold a route's events of its Kafka key.
+    let mut keys: Vec<String> =
+        sqlx::query_scalar("SELECT ordering_key FROM relay.outbox").fetch_all(&h.db.pool).await.unwrap();
+    keys.sort();
+    assert_eq!(keys, ["app:o-1", "app:o-2"]);
 
     // Outcomes that could never be recorded are refused, naming the place.
     let cases = [
@@ -878,6 +887,20 @@ async fn a_call_s_outcomes_given_by_the_application_are_recorded_once_when_it_en
             serde_json::json!({"emit": [{"name": "x", "type": "t", "topic": h.out, "key": "k", "data": 1},
                                         {"name": "x", "type": "t", "topic": h.out, "key": "k", "data": 2}]}),
             "relay.call: on_success.emit[1].name: 'x' twice",
+        ),
+        (
+            // Each ordered event locks its key when the call ends: thousands
+            // would fill PostgreSQL's lock table and fail the calls beside it.
+            serde_json::json!({"emit": (0..65).map(|i| serde_json::json!(
+                {"name": format!("e-{i}"), "type": "t", "topic": h.out, "key": format!("k-{i}"), "data": 1}
+            )).collect::<Vec<_>>()}),
+            "relay.call: on_success.emit: 65 events; an outcome has at most 64",
+        ),
+        (
+            serde_json::json!({"saga": (0..65).map(|i| serde_json::json!(
+                {"name": format!("m-{i}"), "saga": "order", "id": format!("o-{i}"), "to": "x"}
+            )).collect::<Vec<_>>()}),
+            "relay.call: on_success.saga: 65 saga moves; an outcome has at most 64",
         ),
         (
             serde_json::json!({"saga": [{"name": "m", "saga": "order", "id": "o", "from": [1], "to": "x"}]}),

@@ -661,6 +661,70 @@ async fn the_next_event_of_a_key_is_published_as_soon_as_the_earlier_one_is_not_
     }
 }
 
+// A dead row holds its key (until an operator acts) and the rows after it
+// wait. Each claim passes a window of them; a sweep sent back to the start
+// every poll interval never got past a backlog longer than one interval's
+// claims cover, and nothing after it, on any topic, was published.
+#[tokio::test]
+async fn a_backlog_waiting_behind_a_dead_row_does_not_keep_the_rows_after_it_from_being_published() {
+    let h = Harness::new(1).await;
+    let insert = "INSERT INTO relay.outbox (id, consumer, source_id, action, topic, key, payload, ordering_key, state)
+                  SELECT gen_random_uuid(), $2, 'e-' || g, 'accepted', $1, convert_to('k', 'UTF8'),
+                         convert_to('x', 'UTF8'), $3, $4
+                    FROM generate_series(1, $5) g";
+    for (key, state, n) in [(Some("k"), "dead", 1), (Some("k"), "pending", 50_000), (None, "pending", 1)] {
+        sqlx::query(insert)
+            .bind(&h.out)
+            .bind(&h.consumer)
+            .bind(key)
+            .bind(state)
+            .bind(n)
+            .execute(&h.db.pool)
+            .await
+            .unwrap();
+    }
+    let mut cfg = h.config(KEYED_EMIT_ROUTE);
+    cfg.publisher.batch_size = 10;
+    cfg.publisher.poll_interval = Duration::from_millis(100);
+    let only_publisher = Components { consumer: false, dispatcher: false, publisher: true };
+    let publisher = h.start(cfg, only_publisher, no_faults()).await;
+    eventually("the row after the backlog published", Duration::from_secs(30), || async {
+        (h.db.count("outbox", "ordering_key IS NULL AND state = 'published'").await == 1).then_some(())
+    })
+    .await;
+    publisher.stop().await.unwrap();
+    assert_eq!(h.db.count("outbox", "state = 'pending'").await, 50_000, "the key's rows wait for its dead row");
+}
+
+// A claimed outbox row that could not be read (JSON nested deeper than the
+// reader goes) was left out of its batch and left running: rescued when its
+// lease expired, claimed again, and so on for ever.
+#[tokio::test]
+async fn an_outbox_row_that_cannot_be_read_ends_dead_saying_why() {
+    let h = Harness::new(1).await;
+    sqlx::query(
+        "INSERT INTO relay.outbox (id, consumer, source_id, action, topic, payload, headers)
+         VALUES (gen_random_uuid(), $2, 'e-1', 'accepted', $1, convert_to('x', 'UTF8'),
+                 (repeat('[', 200) || repeat(']', 200))::jsonb)",
+    )
+    .bind(&h.out)
+    .bind(&h.consumer)
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    let only_publisher = Components { consumer: false, dispatcher: false, publisher: true };
+    let publisher = h.start(h.config(KEYED_EMIT_ROUTE), only_publisher, no_faults()).await;
+    let error: String = eventually("the row to end dead", DEADLINE, || async {
+        sqlx::query_scalar("SELECT last_error FROM relay.outbox WHERE state = 'dead'")
+            .fetch_optional(&h.db.pool)
+            .await
+            .unwrap()
+    })
+    .await;
+    publisher.stop().await.unwrap();
+    assert!(error.contains("cannot be read"), "{error}");
+}
+
 #[tokio::test]
 async fn the_next_event_of_a_key_passed_over_by_a_full_claim_is_published_next_not_after_the_drain() {
     // A1 is claimed with B1 in a full claim of 2 that passes over A2 (A1 is
@@ -2004,6 +2068,72 @@ async fn a_throttled_endpoint_does_not_hold_up_a_fast_one_when_intents_are_claim
     run.stop().await.unwrap();
     assert!(took < Duration::from_secs(8), "the fast endpoint waited {took:?} behind the throttled one");
     assert!(throttled < 15, "the throttled endpoint kept to about 1 call/s: {throttled} in {took:?}");
+}
+
+const SLOW_AND_KEYED: &str = r#"
+[[routes]]
+name = "placed"
+topic = "{topic}"
+type = "order.placed"
+[[routes.actions]]
+kind = "call"
+name = "capture"
+endpoint = "slow"
+path = "/slow/{{ data.order_id }}"
+idempotency_key = "capture:{{ data.order_id }}"
+
+[[routes]]
+name = "refund"
+topic = "{topic}"
+type = "refund.requested"
+[[routes.actions]]
+kind = "call"
+name = "refund"
+endpoint = "psp"
+path = "/refunds/{{ data.order_id }}"
+idempotency_key = "refund:{{ data.order_id }}"
+ordering_key = "{{ data.order_id }}"
+"#;
+
+// Intents of a slow endpoint without a rate limit, handed over at ingest
+// faster than it answered, filled the claim loop's room: claims stopped,
+// and every intent only a claim starts (an ordering key, a retry, one given
+// back) waited until the handed calls gave up at their lease.
+#[tokio::test]
+async fn a_slow_endpoint_s_handed_over_calls_do_not_stop_the_claims_of_keyed_intents() {
+    let h = Harness::new(1).await;
+    h.provider.set_faults(vec![FaultRule {
+        path_prefix: Some("/slow/".into()),
+        key_prefix: None,
+        times: None,
+        kind: FaultKind::HoldUntilReleased,
+    }]);
+    h.send_orders(150).await;
+    for i in 0..5 {
+        h.send(&TestEvent::new(&format!("refund-{i}"), "refund.requested", json!({"order_id": format!("r-{i}")})))
+            .await;
+    }
+    let text = format!(
+        "{}\n[endpoints.slow]\nbase_url = \"{}\"\ntimeout = \"30s\"\nconcurrency = 2\n",
+        // Handed calls give up at 60 s - 30 s - 1 s.
+        h.config_text(SLOW_AND_KEYED).replace("[dispatcher]\nlease = \"3s\"", "[dispatcher]\nlease = \"60s\""),
+        h.provider.url()
+    );
+    let mut cfg = relay_core::RelayConfig::from_toml(&text).unwrap();
+    cfg.database.url = Some(h.db.url.clone().into());
+    // The hand-over's room (8 + the consumer's batch of 50) is more than
+    // the claim loop's (16 + 8).
+    cfg.dispatcher.claim_batch = 8;
+    let started = std::time::Instant::now();
+    let run = h.start(cfg, Components::ALL, no_faults()).await;
+    eventually("the keyed refunds", DEADLINE, || async {
+        (h.db.count("intents", "endpoint = 'psp' AND state = 'succeeded'").await == 5).then_some(())
+    })
+    .await;
+    let took = started.elapsed();
+    h.provider.release_held();
+    run.stop().await.unwrap();
+    assert!(took < Duration::from_secs(10), "the keyed refunds waited {took:?} behind the slow endpoint's calls");
 }
 
 #[tokio::test]

@@ -205,6 +205,40 @@ async fn avro_records_from_confluent_s_serializer_are_routed_and_undecodable_one
     }
 }
 
+/// A value whose JSON is many times its bytes: an array of booleans is a
+/// byte each in Avro and `false,` in JSON.
+const FLAGS: &str = r#"{"type":"record","name":"Flags","namespace":"shop","fields":[
+  {"name":"event_id","type":"string"},
+  {"name":"order_id","type":"string"},
+  {"name":"flags","type":{"type":"array","items":"boolean"}}]}"#;
+
+// A batch held every record's decoded JSON at once, bounded only by record
+// (16 times its bytes and more): 200 records under 1 MiB each could hold
+// gigabytes. The decoded JSON now counts against the partition's share of
+// max_buffered_bytes, and a batch ends where it is spent.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_holds_no_more_decoded_json_than_its_partition_s_share_of_the_buffer() {
+    let h = Harness::new(1).await;
+    let registry = registry_url();
+    // 12 records of about 1.5 KB, each about 9 KB as JSON: their bytes
+    // (18 KB) fit one batch under a 32 KiB buffer, their JSON does not.
+    // (Small, as the producer takes them as one command-line argument.)
+    let records: Vec<Value> = (0..12)
+        .map(|i| json!({"key": format!("o-{i}"), "value": {"event_id": format!("e-{i}"), "order_id": format!("o-{i}"), "flags": vec![false; 1_500]}}))
+        .collect();
+    produce(&h, &registry, "avro", FLAGS, Value::Array(records)).await;
+    let mut cfg = route_config(&h, &registry, "avro", None, r#"{ order_id = "{{ data.order_id }}" }"#);
+    cfg.consumer.max_record_bytes = 16 * 1024;
+    cfg.consumer.max_buffered_bytes = 32 * 1024;
+    let run = h.start(cfg, Components::ALL, no_faults()).await;
+    h.await_inbox(12).await;
+    run.stop().await.unwrap();
+    // One transaction per batch: the inbox rows of a batch share their xmin.
+    let batches: i64 =
+        sqlx::query_scalar("SELECT count(DISTINCT xmin::text) FROM relay.inbox").fetch_one(&h.db.pool).await.unwrap();
+    assert!(batches >= 3, "12 records of 9 KB of JSON in {batches} batches under a 32 KiB share");
+}
+
 /// Records naming an id the registry does not have: the first spends the
 /// reference budget, the ones after it are dead-lettered after one more ask
 /// each, and the partition goes on.

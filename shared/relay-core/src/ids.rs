@@ -48,6 +48,17 @@ pub fn outcome_id(intent_id: Uuid, outcome: &str, action: &str) -> Uuid {
 /// with: an application's row never shares a key with a route's.
 pub const APP_KEY_PREFIX: &str = "app:";
 
+/// The `action` of the rows applications write through `relay.call` and
+/// `relay.publish` (migration 0027).
+pub const APPLICATION_ACTION: &str = "application";
+
+/// The ordering key an application's ordered event is stored under (one of
+/// `relay.publish`, or of a `relay.call`'s outcome): its Kafka key in the
+/// applications' key space.
+pub fn app_event_ordering_key(key: &str) -> String {
+    format!("{APP_KEY_PREFIX}{key}")
+}
+
 /// The ordering key a route's ordered event is stored under, from its Kafka
 /// key: the key itself, or, when it starts with [`APP_KEY_PREFIX`] or `\`,
 /// the key after a `\` (one-to-one, so two keys stay two). A route's Kafka

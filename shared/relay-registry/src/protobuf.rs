@@ -15,7 +15,9 @@ use std::collections::HashMap;
 
 use base64::Engine as _;
 use prost::Message as _;
-use prost_reflect::{DeserializeOptions, DynamicMessage, FileDescriptor, MessageDescriptor, SerializeOptions};
+use prost_reflect::{
+    DeserializeOptions, DynamicMessage, FileDescriptor, MessageDescriptor, ReflectMessage as _, SerializeOptions,
+};
 use serde_json::Value;
 
 use crate::Undecoded;
@@ -27,6 +29,58 @@ const MAIN_FILE: &str = "registered.proto";
 /// Nesting of messages a value's indexes may name; a file deeper than this
 /// is not written by hand.
 const MAX_INDEXES: usize = 64;
+
+/// Most `google.protobuf.Any` values a value may hold one inside another.
+/// Its JSON form unpacks each Any, and prost-reflect's serializer recurses
+/// once per level with no bound but the thread's stack (each unpacking
+/// decodes afresh, so prost's own nesting limit starts again at every
+/// level): a chain of Anys of about 26 bytes a level would overflow it, an
+/// abort no batch can park.
+const MAX_ANY_DEPTH: usize = 8;
+
+/// The full name of the type whose values carry another message.
+const ANY: &str = "google.protobuf.Any";
+
+/// Refuse a value holding Anys nested deeper than [`MAX_ANY_DEPTH`], by
+/// unpacking them as the serializer will, one level at a time on a stack of
+/// its own (no recursion): at most that many times the value's bytes.
+fn check_any_depth(msg: &DynamicMessage) -> Result<(), String> {
+    use prost_reflect::Value as V;
+    let mut stack: Vec<(DynamicMessage, usize)> = vec![(msg.clone(), 0)];
+    while let Some((m, depth)) = stack.pop() {
+        if m.descriptor().full_name() == ANY {
+            if depth == MAX_ANY_DEPTH {
+                return Err(format!("holds {ANY} values nested more than {MAX_ANY_DEPTH} deep"));
+            }
+            let url = m.get_field_by_name("type_url");
+            let value = m.get_field_by_name("value");
+            let (Some(V::String(url)), Some(V::Bytes(value))) = (url.as_deref(), value.as_deref()) else { continue };
+            // A type the schema does not know fails the serializer, saying so.
+            let Some(desc) =
+                url.rsplit_once('/').and_then(|(_, name)| m.descriptor().parent_pool().get_message_by_name(name))
+            else {
+                continue;
+            };
+            let inner =
+                DynamicMessage::decode(desc, value.as_ref()).map_err(|e| format!("an {ANY} does not decode: {e}"))?;
+            stack.push((inner, depth + 1));
+            continue;
+        }
+        for (_, value) in m.fields() {
+            let items: Box<dyn Iterator<Item = &V>> = match value {
+                V::List(items) => Box::new(items.iter()),
+                V::Map(entries) => Box::new(entries.values()),
+                other => Box::new(std::iter::once(other)),
+            };
+            for item in items {
+                if let V::Message(inner) = item {
+                    stack.push((inner.clone(), depth));
+                }
+            }
+        }
+    }
+    Ok(())
+}
 
 /// A registered schema: its file, with what it imports.
 pub(crate) struct Schema {
@@ -65,6 +119,7 @@ impl Schema {
         let desc = self.message(&indexes)?;
         let msg = DynamicMessage::decode(desc.clone(), rest)
             .map_err(|e| format!("does not decode as {}: {e}", desc.full_name()))?;
+        check_any_depth(&msg).map_err(|why| format!("{} {why}", desc.full_name()))?;
         let opts = SerializeOptions::new()
             .stringify_64_bit_integers(false)
             .use_proto_field_name(true)
@@ -411,6 +466,47 @@ mod tests {
     use super::*;
     use relay_core::effects::DataEncoder as _;
     use serde_json::json;
+
+    /// A value of `message E { google.protobuf.Any p = 1; }` whose `p` is an
+    /// Any of an Any … `levels` deep, the innermost an empty `E`.
+    fn anys(levels: usize) -> Vec<u8> {
+        fn delimited(tag: u8, bytes: &[u8], out: &mut Vec<u8>) {
+            out.push(tag);
+            prost::encoding::encode_varint(bytes.len() as u64, out);
+            out.extend_from_slice(bytes);
+        }
+        let any = |url: &[u8], inner: &[u8]| {
+            let mut a = Vec::new();
+            delimited(0x0a, url, &mut a);
+            delimited(0x12, inner, &mut a);
+            a
+        };
+        let mut v = any(b"type.googleapis.com/E", b"");
+        for _ in 1..levels {
+            v = any(b"type.googleapis.com/google.protobuf.Any", &v);
+        }
+        let mut body = vec![0];
+        delimited(0x0a, &v, &mut body);
+        body
+    }
+
+    #[test]
+    fn anys_nested_past_a_few_levels_are_refused_before_their_json_is_written() {
+        let schema = Schema::parse(
+            "syntax = \"proto3\";\nimport \"google/protobuf/any.proto\";\nmessage E { google.protobuf.Any p = 1; }",
+            &HashMap::new(),
+        )
+        .unwrap();
+        let shallow = schema.decode_value(&anys(3)).unwrap();
+        assert_eq!(shallow["p"]["@type"], "type.googleapis.com/google.protobuf.Any", "{shallow}");
+        // 3 000 levels (78 KB) overflowed the stack of the thread decoding it
+        // (an abort); 35 000 fit one record under the default limit.
+        let deep = anys(3_000);
+        match schema.decode(&deep, crate::max_json_bytes(deep.len())) {
+            Err(Undecoded::Invalid(why)) => assert!(why.contains("nested more than 8 deep"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+    }
 
     const PAYMENTS: &str = r#"
         syntax = "proto3";

@@ -26,7 +26,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use relay_core::config::{DispatcherConfig, EndpointConfig};
 use relay_core::retry::BackoffPolicy;
@@ -85,6 +85,18 @@ pub(super) struct Inner {
     /// JSON bytes ([`relay_core::Intent::json_bytes`]) of the intents whose
     /// tasks run, bounded by `max_claimed_bytes` through each claim's room.
     pub(super) held_bytes: Arc<AtomicU64>,
+    /// Tasks of intents handed over at ingest, running: bounded by the
+    /// hand-over's room, and not by the claim loop's (see `run`).
+    pub(super) handed_running: Arc<AtomicUsize>,
+}
+
+/// A handed-over intent's place in [`Inner::handed_running`], given back when its task ends.
+struct HandedRunning(Arc<AtomicUsize>);
+
+impl Drop for HandedRunning {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// An intent's bytes in [`Inner::held_bytes`], given back when its task ends.
@@ -143,6 +155,7 @@ impl Dispatcher {
             desk,
             reconcilers,
             held_bytes: Arc::default(),
+            handed_running: Arc::default(),
         };
         Ok(Dispatcher { inner: Arc::new(inner) })
     }
@@ -223,7 +236,12 @@ impl Dispatcher {
             // 9 800 → 16 800 calls/s in one bench run, BENCHMARKS.md).
             // And claim only what fits in the byte room: after a claim cut
             // short by it, wait for a call to end first.
-            let free = (s.concurrency + s.claim_batch as usize).saturating_sub(tasks.len());
+            // Handed-over calls do not count: they have a room of their own,
+            // and intents of one slow endpoint handed over faster than it
+            // answers would otherwise fill this one and stop every claim —
+            // keyed intents, retries and the other endpoints' with them.
+            let claimed = tasks.len().saturating_sub(self.inner.handed_running.load(Ordering::Relaxed));
+            let free = (s.concurrency + s.claim_batch as usize).saturating_sub(claimed);
             if free < (s.claim_batch as usize / 4).max(1) || (out_of_room && !tasks.is_empty()) {
                 tokio::select! {
                     _ = shutdown.cancelled() => break Ok(()),
@@ -363,8 +381,12 @@ impl Dispatcher {
         let bytes = intent.intent.json_bytes() as u64;
         self.inner.held_bytes.fetch_add(bytes, Ordering::Relaxed);
         let held = Held(self.inner.held_bytes.clone(), bytes);
+        let handed = room.is_some().then(|| {
+            self.inner.handed_running.fetch_add(1, Ordering::Relaxed);
+            HandedRunning(self.inner.handed_running.clone())
+        });
         tasks.spawn(async move {
-            let (_room, _held) = (room, held);
+            let (_room, _held, _handed) = (room, held, handed);
             let completion = {
                 let _busy = busy;
                 let send_by = me.inner.executor.send_by(&intent, claimed_at);

@@ -573,9 +573,10 @@ impl EndpointClient {
 /// (receivers deduplicate on it: one changed between two attempts would be
 /// taken as a new message), else the intent's id. An application's keys
 /// are stored as `app:KEY`, which no route key may start with, so an
-/// application cannot choose the id of a route's call.
+/// application cannot choose the id of a route's call. An empty key is no
+/// key: as an id it would make every such message one.
 fn message_id(request: &Request<'_>) -> String {
-    request.idempotency_key.map_or_else(|| request.intent_id.to_string(), str::to_owned)
+    request.idempotency_key.filter(|k| !k.is_empty()).map_or_else(|| request.intent_id.to_string(), str::to_owned)
 }
 
 /// The HTTP client settings of endpoint `name` but for redirects: timeouts,

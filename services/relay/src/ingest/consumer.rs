@@ -1001,8 +1001,13 @@ impl InboxConsumer {
     /// One transaction over `records` (one partition, in order).
     async fn run_batch(&self, tp: &Tp, generation: u64, records: &[RawRecord]) -> Result<BatchRun, BatchError> {
         // Values in a Schema Registry format are decoded first, with no
-        // connection or transaction held while the registry is asked.
-        let views = self.processor.views(records).await.map_err(BatchError::Registry)?;
+        // connection or transaction held while the registry is asked; the
+        // JSON they decode to counts against the partition's share of
+        // max_buffered_bytes, as their bytes did, and the batch ends where
+        // it is spent (the loop goes on with the rest).
+        let share = self.state.lock().expect("partition state lock").share();
+        let views = self.processor.views_within(records, share).await.map_err(BatchError::Registry)?;
+        let records = &records[..views.len()];
         let mut conn = self.pool.acquire().await?;
         // A pause applies to every batch that starts after it was recorded:
         // read on the batch's own connection, in its task (never in the

@@ -185,7 +185,9 @@ impl Partitions {
         self.assigned = n.max(1);
     }
 
-    fn share(&self) -> usize {
+    /// A partition's share of the bound: of the bytes received, and of the
+    /// JSON its batch decodes them to ([`crate::ingest::processor::Processor::views_within`]).
+    pub(super) fn share(&self) -> usize {
         (self.limits.max_buffered_bytes / self.assigned).max(1)
     }
 

@@ -270,9 +270,28 @@ impl Processor {
     /// How routing reads each of `records` ([`View`]). `Err` when the
     /// registry could not be asked: nothing is decided, the partition waits.
     pub async fn views(&self, records: &[RawRecord]) -> Result<Vec<View>, String> {
+        self.views_within(records, usize::MAX).await
+    }
+
+    /// [`Processor::views`] of the records from the start of `records`
+    /// whose decoded values take `budget` bytes together, and always of the
+    /// first. A value in a Schema Registry format is held as JSON for the
+    /// whole batch, up to `relay_registry::max_json_bytes` of its size (16
+    /// times and more): bounded by record, a batch of 200 records under 1
+    /// MiB each could hold gigabytes. The record that does not fit is
+    /// decoded again by the next batch.
+    pub async fn views_within(&self, records: &[RawRecord], budget: usize) -> Result<Vec<View>, String> {
         let mut out = Vec::with_capacity(records.len());
+        let mut held = 0usize;
         for record in records {
-            out.push(self.view(record).await?);
+            let view = self.view(record).await?;
+            if let View::Decoded(r) = &view {
+                held = held.saturating_add(r.payload.as_ref().map_or(0, Vec::len));
+            }
+            if held > budget && !out.is_empty() {
+                break;
+            }
+            out.push(view);
         }
         Ok(out)
     }

@@ -205,12 +205,30 @@ impl Publisher {
         let claim =
             claimer.claim(async |conn| outbox::claim_after(conn, &self.consumer, limit, lease, after).await).await?;
         match outbox::resume_after(&claim, self.settings.batch_size as usize) {
+            Some(at) if claim.passed.is_some() => self.resume().passed(back, at),
             Some(at) => self.resume().claimed(back, at),
             None => self.resume().back_to(None),
         }
-        let Claim { rows, next_due, passed, .. } = claim;
-        let mut batch =
-            Batch { claimed: rows.len(), unblocked: None, retry_at: None, next_due, swept: passed.is_some() };
+        let Claim { rows, unreadable, next_due, passed, .. } = claim;
+        let mut batch = Batch {
+            claimed: rows.len() + unreadable.len(),
+            unblocked: None,
+            retry_at: None,
+            next_due,
+            swept: passed.is_some(),
+        };
+        if !unreadable.is_empty() {
+            // Left running, a row that cannot be read would be rescued and
+            // claimed again every lease, forever: it ends dead, saying why,
+            // where an operator sees it (`relay outbox list --state dead`).
+            let mut conn = self.marks.acquire().await?;
+            for u in &unreadable {
+                error!(outbox_id = %u.id, error = %u.error,
+                       "a claimed outbox row cannot be read: it ends dead, never published, and the later rows of \
+                        its key wait for it; `relay outbox skip ID` lets them go");
+                outbox::mark_dead(&mut conn, u.id, u.lease_token, &u.reason()).await?;
+            }
+        }
         if rows.is_empty() {
             return Ok(batch);
         }

@@ -34,11 +34,14 @@ pub struct Resume<P> {
     back: u64,
     /// When a claim last started from the start.
     from_start: Instant,
+    /// A sweep past rows waiting behind their keys is under way
+    /// ([`Resume::passed`]): it goes on to its end, poll interval or not.
+    sweeping: bool,
 }
 
 impl<P> Default for Resume<P> {
     fn default() -> Self {
-        Resume { after: None, back: 0, from_start: Instant::now() }
+        Resume { after: None, back: 0, from_start: Instant::now(), sweeping: false }
     }
 }
 
@@ -46,7 +49,7 @@ impl<P: Copy + Ord> Resume<P> {
     /// Where to claim after now, and the count of moves back to hand to
     /// [`Resume::claimed`].
     pub fn next(&mut self, poll_interval: Duration) -> (Option<P>, u64) {
-        if self.from_start.elapsed() >= poll_interval {
+        if self.from_start.elapsed() >= poll_interval && !self.sweeping {
             self.after = None;
         }
         if self.after.is_none() {
@@ -60,13 +63,28 @@ impl<P: Copy + Ord> Resume<P> {
     pub fn claimed(&mut self, back: u64, last: P) {
         if self.back == back {
             self.after = Some(last);
+            self.sweeping = false;
+        }
+    }
+
+    /// A short claim that began at `back` examined its whole window, up to
+    /// `edge`, and found rows waiting behind earlier rows of their keys: the
+    /// next claim goes on after `edge`, and the sweep is not sent back to
+    /// the start by the poll interval before it reaches the end. Sent back
+    /// every interval, a sweep of a blocked backlog longer than one
+    /// interval's claims cover never reached the rows after it.
+    pub fn passed(&mut self, back: u64, edge: P) {
+        if self.back == back {
+            self.after = Some(edge);
+            self.sweeping = true;
         }
     }
 
     /// Move back so the next claim takes the rows after `to` (`None`: from
-    /// the start), if it would not already.
+    /// the start, which also ends a sweep), if it would not already.
     pub fn back_to(&mut self, to: Option<P>) {
         self.after = to.and_then(|to| self.after.map(|a| a.min(to)));
+        self.sweeping &= self.after.is_some();
         self.back += 1;
     }
 }

@@ -80,7 +80,14 @@ pub fn client_config(cfg: &KafkaConfig, role: Role) -> Result<ClientConfig, Conf
     };
     let mut problems = Vec::new();
     for (k, v) in cfg.properties.iter().chain(role_props) {
-        if role == Role::Consumer && k == "auto.offset.reset" && !SAFE_OFFSET_RESETS.contains(&v.as_str()) {
+        // librdkafka passes a property it does not know globally to the
+        // default topic configuration, without a `topic.` prefix: set so,
+        // a guarded property would pass the checks below and race the
+        // relay's own value (which wins depends on a map's order).
+        // (Compared without it; set as given: `topic.metadata.refresh.interval.ms`
+        // is a global property of its own.)
+        let name = k.strip_prefix("topic.").unwrap_or(k);
+        if role == Role::Consumer && name == "auto.offset.reset" && !SAFE_OFFSET_RESETS.contains(&v.as_str()) {
             problems.push(format!(
                 "kafka property auto.offset.reset = {v:?}: a partition without a committed offset (a new \
                  group, or offsets expired while the relay was down) would skip its unprocessed records; \
@@ -89,7 +96,7 @@ pub fn client_config(cfg: &KafkaConfig, role: Role) -> Result<ClientConfig, Conf
             ));
             continue;
         }
-        if let Some((_, want)) = required(role).iter().find(|(rk, _)| rk == k) {
+        if let Some((_, want)) = required(role).iter().find(|(rk, _)| *rk == name) {
             if v != want {
                 problems.push(format!(
                     "kafka property {k} = {v:?}: the relay needs {k} = {want} for its delivery guarantees"
@@ -395,6 +402,14 @@ mod tests {
         let mut cfg = KafkaConfig::default();
         cfg.properties.insert("auto.offset.reset".into(), "error".into());
         assert_eq!(client_config(&cfg, Role::Consumer).unwrap().get("auto.offset.reset"), Some("error"));
+        // The topic-level name librdkafka takes for the same field.
+        for at in ["properties", "consumer_properties"] {
+            let mut cfg = KafkaConfig::default();
+            let props = if at == "properties" { &mut cfg.properties } else { &mut cfg.consumer_properties };
+            props.insert("topic.auto.offset.reset".into(), "latest".into());
+            let err = client_config(&cfg, Role::Consumer).unwrap_err().to_string();
+            assert!(err.contains("auto.offset.reset") && err.contains("earliest"), "{at}: {err}");
+        }
     }
 
     // Ingest review D9: read_uncommitted would apply records of aborted transactions.
