@@ -715,7 +715,11 @@ async fn the_database_derives_the_ids_relay_derives_and_a_retried_transaction_en
             .fetch_one(&h.db.pool)
             .await
             .unwrap();
-    assert_eq!((max_attempts, idempotency_key, ordering_key.as_deref()), (5, ids[0].1.to_string(), Some("app:o-1")));
+    // The default key is the call's id, in the applications' key space.
+    assert_eq!(
+        (max_attempts, idempotency_key, ordering_key.as_deref()),
+        (5, format!("app:{}", ids[0].1), Some("app:o-1"))
+    );
 }
 
 #[tokio::test]
