@@ -2081,6 +2081,7 @@ name = "capture"
 endpoint = "slow"
 path = "/slow/{{ data.order_id }}"
 idempotency_key = "capture:{{ data.order_id }}"
+body = { pad = "{{ data.pad }}" }
 
 [[routes]]
 name = "refund"
@@ -2096,9 +2097,10 @@ ordering_key = "{{ data.order_id }}"
 "#;
 
 // Intents of a slow endpoint without a rate limit, handed over at ingest
-// faster than it answered, filled the claim loop's room: claims stopped,
-// and every intent only a claim starts (an ordering key, a retry, one given
-// back) waited until the handed calls gave up at their lease.
+// faster than it answered, filled the claim loop's room, first its count
+// and then its bytes: claims stopped, and every intent only a claim starts
+// (an ordering key, a retry, one given back) waited until the handed calls
+// gave up at their lease.
 #[tokio::test]
 async fn a_slow_endpoint_s_handed_over_calls_do_not_stop_the_claims_of_keyed_intents() {
     let h = Harness::new(1).await;
@@ -2108,7 +2110,12 @@ async fn a_slow_endpoint_s_handed_over_calls_do_not_stop_the_claims_of_keyed_int
         times: None,
         kind: FaultKind::HoldUntilReleased,
     }]);
-    h.send_orders(150).await;
+    // 150 calls of 40 KB each: the handed-over ones alone are more than the
+    // 1 MiB byte room below.
+    for i in 0..150 {
+        let data = json!({"order_id": format!("o-{i}"), "amount": 100, "pad": "x".repeat(40_000)});
+        h.send(&TestEvent::new(&format!("evt-{i}"), "order.placed", data).key(&format!("o-{i}"))).await;
+    }
     for i in 0..5 {
         h.send(&TestEvent::new(&format!("refund-{i}"), "refund.requested", json!({"order_id": format!("r-{i}")})))
             .await;
@@ -2122,8 +2129,9 @@ async fn a_slow_endpoint_s_handed_over_calls_do_not_stop_the_claims_of_keyed_int
     let mut cfg = relay_core::RelayConfig::from_toml(&text).unwrap();
     cfg.database.url = Some(h.db.url.clone().into());
     // The hand-over's room (8 + the consumer's batch of 50) is more than
-    // the claim loop's (16 + 8).
+    // the claim loop's (16 + 8), and its bytes more than the claims'.
     cfg.dispatcher.claim_batch = 8;
+    cfg.dispatcher.max_claimed_bytes = 1024 * 1024;
     let started = std::time::Instant::now();
     let run = h.start(cfg, Components::ALL, no_faults()).await;
     eventually("the keyed refunds", DEADLINE, || async {

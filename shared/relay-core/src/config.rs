@@ -435,7 +435,8 @@ pub struct DispatcherConfig {
     /// Most JSON (bodies, headers and outcomes, as text) of the intents this
     /// process has claimed and not finished, taken together: a claim takes
     /// rows while they fit, and one row alone when nothing is held, however
-    /// large. Decoded, they take a few times this in memory.
+    /// large. Decoded, they take a few times this in memory. Intents handed
+    /// over at ingest (`claim_at_ingest`) are bounded by their count instead.
     pub max_claimed_bytes: u64,
     /// How long a claim is ours: at least every endpoint's
     /// [`EndpointConfig::min_lease`] (its timeout + 2 s).

@@ -921,7 +921,7 @@ fn json_validator(schema: &str, imports: HashMap<String, String>) -> Result<json
     use jsonschema::Draft;
     let doc: Value = serde_json::from_str(schema).map_err(|e| e.to_string())?;
     if imports.is_empty() {
-        return jsonschema::options().with_retriever(NoFetch).build(&doc).map_err(|e| e.to_string());
+        return options().build(&doc).map_err(|e| e.to_string());
     }
     let draft = match Draft::default().detect(&doc) {
         Draft::Unknown => Draft::default(),
@@ -950,7 +950,21 @@ fn json_validator(schema: &str, imports: HashMap<String, String>) -> Result<json
         .extend(aliases.into_iter().chain(named))
         .and_then(jsonschema::RegistryBuilder::prepare)
         .map_err(|e| format!("the schemas it refers to: {e}"))?;
-    jsonschema::options().with_retriever(NoFetch).with_registry(&registry).build(&doc).map_err(|e| e.to_string())
+    options().with_registry(&registry).build(&doc).map_err(|e| e.to_string())
+}
+
+/// Most backtracking steps a `pattern` may take on one string. Patterns
+/// keep the backtracking engine (a schema Confluent's validators take may
+/// use lookarounds and backreferences), but its default of 1 000 000 steps
+/// a match let a value of tens of thousands of strings, each just under
+/// it, hold a worker thread for minutes; past this a string does not match.
+const PATTERN_BACKTRACK_LIMIT: usize = 10_000;
+
+/// How every validator is built: nothing fetched, patterns bounded.
+fn options() -> jsonschema::ValidationOptions<'static> {
+    jsonschema::options()
+        .with_retriever(NoFetch)
+        .with_pattern_options(jsonschema::PatternOptions::fancy_regex().backtrack_limit(PATTERN_BACKTRACK_LIMIT))
 }
 
 /// What a JSON Schema `$ref` no reference names gets: no schema is fetched
@@ -1307,6 +1321,22 @@ mod tests {
         let line = serde_json::json!({"sku": "", "name": "", "quantity": 0, "unit_minor": 0, "currency": "",
                                       "tax_minor": 0, "warehouse": "", "gift": false});
         assert_eq!(json, serde_json::json!({"order_id": "o-1", "lines": [line, line]}));
+    }
+
+    #[test]
+    fn a_pattern_that_backtracks_past_its_limit_does_not_match() {
+        // Exponentially many paths to a match: a string that takes up to the
+        // engine's default of 1 000 000 steps matches, and a value may hold
+        // tens of thousands of such strings.
+        let schema = r#"{"type": "array", "items": {"type": "string", "pattern": "^(?:(a|a)*\\1b|a*)$"}}"#;
+        let bounded = json_validator(schema, HashMap::new()).unwrap();
+        assert!(bounded.is_valid(&serde_json::json!(["aaa"])), "a short string still matches");
+        let engine_default = jsonschema::options().build(&serde_json::from_str(schema).unwrap()).unwrap();
+        let refused = (8..24).find(|&n| {
+            let value = serde_json::json!(["a".repeat(n)]);
+            engine_default.is_valid(&value) && !bounded.is_valid(&value)
+        });
+        assert!(refused.is_some(), "no string the engine's default matches after many steps is refused");
     }
 
     #[test]

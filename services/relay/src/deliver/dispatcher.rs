@@ -82,8 +82,9 @@ pub(super) struct Inner {
     pub(super) desk: std::sync::Mutex<Option<Desk>>,
     /// The endpoints that reconcile uncertain intents, if any do.
     pub(super) reconcilers: Option<Arc<Reconcilers>>,
-    /// JSON bytes ([`relay_core::Intent::json_bytes`]) of the intents whose
-    /// tasks run, bounded by `max_claimed_bytes` through each claim's room.
+    /// JSON bytes ([`relay_core::Intent::json_bytes`]) of the claimed
+    /// intents whose tasks run, bounded by `max_claimed_bytes` through each
+    /// claim's room.
     pub(super) held_bytes: Arc<AtomicU64>,
     /// Tasks of intents handed over at ingest, running: bounded by the
     /// hand-over's room, and not by the claim loop's (see `run`).
@@ -378,15 +379,20 @@ impl Dispatcher {
     ) {
         let (me, done_tx, permits) = (self.clone(), done_tx.clone(), permits.clone());
         let busy = self.inner.busy.get(&intent.intent.endpoint).map(|b| b.enter(&self.inner.progress));
-        let bytes = intent.intent.json_bytes() as u64;
-        self.inner.held_bytes.fetch_add(bytes, Ordering::Relaxed);
-        let held = Held(self.inner.held_bytes.clone(), bytes);
+        // What was claimed counts against the claims' room; what was handed
+        // over has the hand-over's own (counted in intents), and counted here
+        // too, a slow endpoint's handed calls would leave no room for claims.
+        let claimed = room.is_none().then(|| {
+            let bytes = intent.intent.json_bytes() as u64;
+            self.inner.held_bytes.fetch_add(bytes, Ordering::Relaxed);
+            Held(self.inner.held_bytes.clone(), bytes)
+        });
         let handed = room.is_some().then(|| {
             self.inner.handed_running.fetch_add(1, Ordering::Relaxed);
             HandedRunning(self.inner.handed_running.clone())
         });
         tasks.spawn(async move {
-            let (_room, _held, _handed) = (room, held, handed);
+            let (_room, _claimed, _handed) = (room, claimed, handed);
             let completion = {
                 let _busy = busy;
                 let send_by = me.inner.executor.send_by(&intent, claimed_at);

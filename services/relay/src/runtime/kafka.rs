@@ -107,6 +107,16 @@ pub fn client_config(cfg: &KafkaConfig, role: Role) -> Result<ClientConfig, Conf
         c.set(k, v);
     }
     for (k, v) in crate::config::kafka_secrets(cfg)? {
+        // A secret is for credentials: one of the properties guarded above
+        // would go round their checks.
+        let name = k.strip_prefix("topic.").unwrap_or(&k);
+        if name == "auto.offset.reset" || required(role).iter().any(|(rk, _)| *rk == name) {
+            problems.push(format!(
+                "kafka secret_properties sets {k}, a property the relay guards: set it (if at all) in \
+                 [kafka].properties, where its value is checked"
+            ));
+            continue;
+        }
         c.set(k, v.expose_secret());
     }
     for (k, v) in required(role) {
@@ -461,5 +471,10 @@ mod tests {
         cfg.secret_properties.insert("sasl.password".into(), "RELAY_TEST_NOT_SET_ANYWHERE".into());
         let err = client_config(&cfg, Role::Producer).unwrap_err().to_string();
         assert!(err.contains("RELAY_TEST_NOT_SET_ANYWHERE"), "{err}");
+        // Nor can a secret set what the checks guard (PATH is set wherever tests run).
+        let mut cfg = KafkaConfig::default();
+        cfg.secret_properties.insert("auto.offset.reset".into(), "PATH".into());
+        let err = client_config(&cfg, Role::Consumer).unwrap_err().to_string();
+        assert!(err.contains("sets auto.offset.reset, a property the relay guards"), "{err}");
     }
 }
