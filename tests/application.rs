@@ -1277,8 +1277,7 @@ async fn ietf_harness() -> (Harness, relay_core::RelayConfig) {
     )
     .await;
     let text = h.config_text(CAPTURE_WITH_SAGA).replace("[endpoints.psp]\n", "[endpoints.psp]\nprofile = \"ietf\"\n");
-    let mut cfg = relay_core::RelayConfig::from_toml(&text).unwrap();
-    cfg.database.url = Some(h.db.url.clone().into());
+    let cfg = h.config_of(&text);
     (h, cfg)
 }
 

@@ -2033,6 +2033,15 @@ path = "/refunds/{{ data.order_id }}"
 idempotency_key = "refund:{{ data.order_id }}"
 "#;
 
+/// Refunds `r-0` … `r-{n-1}` (events `refund-…`), for the `refund` route of
+/// [`THROTTLED_AND_FAST`] and [`SLOW_AND_KEYED`].
+async fn send_refunds(h: &Harness, n: usize) {
+    for i in 0..n {
+        h.send(&TestEvent::new(&format!("refund-{i}"), "refund.requested", json!({"order_id": format!("r-{i}")})))
+            .await;
+    }
+}
+
 #[tokio::test]
 async fn a_throttled_endpoint_does_not_hold_up_a_fast_one_when_intents_are_claimed_at_ingest() {
     // Review of issue 28's first increment, F2: with consumer and dispatcher
@@ -2041,17 +2050,13 @@ async fn a_throttled_endpoint_does_not_hold_up_a_fast_one_when_intents_are_claim
     // fast endpoint's intents waited behind them.
     let h = Harness::new(1).await;
     h.send_orders(100).await;
-    for i in 0..5 {
-        h.send(&TestEvent::new(&format!("refund-{i}"), "refund.requested", json!({"order_id": format!("r-{i}")})))
-            .await;
-    }
+    send_refunds(&h, 5).await;
     let text = format!(
         "{}\n[endpoints.throttled]\nbase_url = \"{}\"\ntimeout = \"1s\"\nrate_limit_per_second = 1\n",
         h.config_text(THROTTLED_AND_FAST),
         h.provider.url()
     );
-    let mut cfg = relay_core::RelayConfig::from_toml(&text).unwrap();
-    cfg.database.url = Some(h.db.url.clone().into());
+    let mut cfg = h.config_of(&text);
     cfg.dispatcher.lease = Duration::from_secs(30);
     // A hand-over room (claim batch + consumer batch = 58) smaller than the
     // throttled backlog, as in production (64 + 500 against any backlog).
@@ -2116,18 +2121,14 @@ async fn a_slow_endpoint_s_handed_over_calls_do_not_stop_the_claims_of_keyed_int
         let data = json!({"order_id": format!("o-{i}"), "amount": 100, "pad": "x".repeat(40_000)});
         h.send(&TestEvent::new(&format!("evt-{i}"), "order.placed", data).key(&format!("o-{i}"))).await;
     }
-    for i in 0..5 {
-        h.send(&TestEvent::new(&format!("refund-{i}"), "refund.requested", json!({"order_id": format!("r-{i}")})))
-            .await;
-    }
+    send_refunds(&h, 5).await;
     let text = format!(
         "{}\n[endpoints.slow]\nbase_url = \"{}\"\ntimeout = \"30s\"\nconcurrency = 2\n",
         // Handed calls give up at 60 s - 30 s - 1 s.
         h.config_text(SLOW_AND_KEYED).replace("[dispatcher]\nlease = \"3s\"", "[dispatcher]\nlease = \"60s\""),
         h.provider.url()
     );
-    let mut cfg = relay_core::RelayConfig::from_toml(&text).unwrap();
-    cfg.database.url = Some(h.db.url.clone().into());
+    let mut cfg = h.config_of(&text);
     // The hand-over's room (8 + the consumer's batch of 50) is more than
     // the claim loop's (16 + 8), and its bytes more than the claims'.
     cfg.dispatcher.claim_batch = 8;

@@ -351,8 +351,7 @@ async fn an_intent_whose_provider_cannot_say_stays_uncertain_once_its_reconcilia
     ]);
     h.send(&order("evt-1", "o-1")).await;
     let text = format!("{}\n{LOOKUP}", config_with(&h, CAPTURE_ROUTE, "profile = \"none\""));
-    let mut cfg = relay_core::RelayConfig::from_toml(&text).unwrap();
-    cfg.database.url = Some(h.db.url.clone().into());
+    let cfg = h.config_of(&text);
     let run = h.start(cfg, Components::ALL, no_faults()).await;
     let spent = eventually("three reconciliations", DEADLINE, || async {
         let r = reconciliations(&h, "evt-1").await;
@@ -435,8 +434,7 @@ async fn a_paused_endpoint_s_uncertain_intents_are_not_asked_about() {
     // Not asked by the running relay within the test: `after` is an hour.
     let lookup = LOOKUP.replace("after = \"200ms\"", "after = \"1h\"");
     let text = format!("{}\n{lookup}", config_with(&h, CAPTURE_ROUTE, "profile = \"none\""));
-    let mut cfg = relay_core::RelayConfig::from_toml(&text).unwrap();
-    cfg.database.url = Some(h.db.url.clone().into());
+    let cfg = h.config_of(&text);
     let run = h.start(cfg, Components::ALL, no_faults()).await;
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();

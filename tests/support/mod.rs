@@ -183,8 +183,13 @@ impl Harness {
 
     /// The base configuration plus `routes` ({topic}, {out} substituted).
     pub fn config(&self, routes: &str) -> RelayConfig {
-        let text = self.config_text(routes);
-        let mut cfg = RelayConfig::from_toml(&text).unwrap_or_else(|e| panic!("test config: {e}\n{text}"));
+        self.config_of(&self.config_text(routes))
+    }
+
+    /// `text` (a whole configuration, e.g. [`Harness::config_text`] with
+    /// more added) parsed, against this harness's database.
+    pub fn config_of(&self, text: &str) -> RelayConfig {
+        let mut cfg = RelayConfig::from_toml(text).unwrap_or_else(|e| panic!("test config: {e}\n{text}"));
         cfg.database.url = Some(self.db.url.clone().into());
         cfg
     }
