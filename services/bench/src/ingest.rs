@@ -194,7 +194,13 @@ pub(super) async fn ingest_limit(
                 traceparent: None,
                 aggregate_id: None,
             };
-            encode_event(relay_core::ids::derived_id(CONSUMER, id, "accepted"), &spec, &prov, now)
+            encode_event(
+                relay_core::ids::derived_id(CONSUMER, id, "accepted"),
+                &spec,
+                &prov,
+                relay_core::ids::KeySpace::Routes,
+                now,
+            )
         })
         .collect();
     // Each writer's records, in its own connection, as a partition's would be.

@@ -354,8 +354,15 @@ pub struct OutboxRecord {
     pub ordering_key: Option<String>,
 }
 
-/// Encode an event as a CloudEvents binary-mode Kafka record with id `id`.
-pub fn encode_event(id: Uuid, spec: &EmitSpec, prov: &Provenance, now: DateTime<Utc>) -> OutboxRecord {
+/// Encode an event as a CloudEvents binary-mode Kafka record with id `id`,
+/// ordered (if it is) in `space`.
+pub fn encode_event(
+    id: Uuid,
+    spec: &EmitSpec,
+    prov: &Provenance,
+    space: crate::ids::KeySpace,
+    now: DateTime<Utc>,
+) -> OutboxRecord {
     let mut headers = vec![
         Header::text("ce_specversion", "1.0"),
         Header::text("ce_id", id.to_string()),
@@ -386,7 +393,7 @@ pub fn encode_event(id: Uuid, spec: &EmitSpec, prov: &Provenance, now: DateTime<
             None => serde_json::to_vec(&spec.data).unwrap_or_default(),
         }),
         event_type: Some(spec.event_type.clone()),
-        ordering_key: if spec.ordered { key.as_deref().map(crate::ids::route_event_ordering_key) } else { None },
+        ordering_key: if spec.ordered { key.as_deref().map(|k| space.event_ordering_key(k)) } else { None },
     }
 }
 
@@ -515,7 +522,7 @@ mod tests {
             traceparent: None,
             aggregate_id: Some("o-1".into()),
         };
-        let r = encode_event(id, &spec, &prov, Utc::now());
+        let r = encode_event(id, &spec, &prov, crate::ids::KeySpace::Routes, Utc::now());
         assert_eq!(header(&r, "ce_id"), Some(id.to_string().as_str()));
         assert_eq!(header(&r, "ce_causationid"), Some("evt-1"));
         assert_eq!(header(&r, "ce_type"), Some("order.accepted"));

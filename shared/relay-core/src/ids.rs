@@ -52,20 +52,36 @@ pub const APP_KEY_PREFIX: &str = "app:";
 /// `relay.publish` (migration 0027).
 pub const APPLICATION_ACTION: &str = "application";
 
-/// The ordering key an application's ordered event is stored under (one of
-/// `relay.publish`, or of a `relay.call`'s outcome): its Kafka key in the
-/// applications' key space.
-pub fn app_event_ordering_key(key: &str) -> String {
-    format!("{APP_KEY_PREFIX}{key}")
+/// Whose rows' keys these are: a route's, or an application's (written by
+/// `relay.call` and `relay.publish`, or the outcome of an application's
+/// call). The two never share an ordering key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeySpace {
+    /// Rows a route writes (and the outcomes of its calls).
+    Routes,
+    /// Rows an application writes (and the outcomes of its calls).
+    Applications,
 }
 
-/// The ordering key a route's ordered event is stored under, from its Kafka
-/// key: the key itself, or, when it starts with [`APP_KEY_PREFIX`] or `\`,
-/// the key after a `\` (one-to-one, so two keys stay two). A route's Kafka
-/// key is the user's data and is not refused as a call's keys are; stored
-/// so, it is never an application's `app:KEY`.
-pub fn route_event_ordering_key(key: &str) -> String {
-    if key.starts_with(APP_KEY_PREFIX) || key.starts_with('\\') { format!("\\{key}") } else { key.to_owned() }
+impl KeySpace {
+    /// The space of the rows an intent of `action` leads to.
+    pub fn of_action(action: &str) -> KeySpace {
+        if action == APPLICATION_ACTION { KeySpace::Applications } else { KeySpace::Routes }
+    }
+
+    /// The ordering key an ordered event of Kafka key `key` is stored under.
+    /// An application's is `app:KEY`, as `relay.publish` stores it. A
+    /// route's is the key itself or, when it starts with [`APP_KEY_PREFIX`]
+    /// or `\`, the key after a `\` (one-to-one, so two keys stay two): a
+    /// route's Kafka key is the user's data and is not refused as a call's
+    /// keys are, and stored so it is never an application's `app:KEY`.
+    pub fn event_ordering_key(self, key: &str) -> String {
+        match self {
+            KeySpace::Applications => format!("{APP_KEY_PREFIX}{key}"),
+            KeySpace::Routes if key.starts_with(APP_KEY_PREFIX) || key.starts_with('\\') => format!("\\{key}"),
+            KeySpace::Routes => key.to_owned(),
+        }
+    }
 }
 
 /// Id of a row an application enqueued through `relay.publish` (`kind`
@@ -94,7 +110,7 @@ mod tests {
     #[test]
     fn a_route_event_s_ordering_key_is_never_an_application_s_and_stays_one_to_one() {
         let keys = ["o-1", "app:o-1", "\\app:o-1", "\\", "", "ap", "\\\\x"];
-        let stored: Vec<String> = keys.iter().map(|k| route_event_ordering_key(k)).collect();
+        let stored: Vec<String> = keys.iter().map(|k| KeySpace::Routes.event_ordering_key(k)).collect();
         assert_eq!(stored[0], "o-1", "an ordinary key is stored as it is");
         assert!(stored.iter().all(|k| !k.starts_with(APP_KEY_PREFIX)), "{stored:?}");
         let distinct: std::collections::BTreeSet<&String> = stored.iter().collect();

@@ -17,7 +17,7 @@ use crate::effects::{
 use crate::envelope::{
     DecodeOptions, FieldOverrides, InputEvent, Poison, PoisonClass, RawRecord, TopicFormat, decode, resolve,
 };
-use crate::ids::derived_id;
+use crate::ids::{KeySpace, derived_id};
 use crate::template::{CompileError, JsonTemplate, TemplateBuilder, Templates, TextTemplate, context};
 
 /// A route ready to apply.
@@ -450,7 +450,7 @@ impl Router {
         let events = plan
             .emits
             .iter()
-            .map(|emit| encode_event(derived_id(consumer, &event.id, &emit.action), emit, prov, now))
+            .map(|emit| encode_event(derived_id(consumer, &event.id, &emit.action), emit, prov, KeySpace::Routes, now))
             .collect();
         Ok(Effects { sagas: plan.sagas, intents, events, counter: route.counter.clone() })
     }

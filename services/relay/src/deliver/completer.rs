@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use chrono::Utc;
 use relay_core::effects::encode_event;
-use relay_core::ids::{APPLICATION_ACTION, app_event_ordering_key, outcome_id};
+use relay_core::ids::{KeySpace, outcome_id};
 use relay_core::retry::BackoffPolicy;
 use relay_core::router::Encoders;
 use relay_core::{Outcome, Provenance};
@@ -266,14 +266,10 @@ impl Completer {
                 traceparent: c.intent.intent.traceparent.clone(),
                 aggregate_id: c.intent.intent.aggregate_id.clone(),
             };
+            // An application's call's events are ordered with its own, never a route's.
+            let space = KeySpace::of_action(&c.intent.intent.action);
             for emit in &outcome.emit {
-                let mut record = encode_event(outcome_id(c.intent.id, label, &emit.action), emit, &prov, now);
-                if c.intent.intent.action == APPLICATION_ACTION
-                    && let Some(key) = record.key.as_deref().filter(|_| record.ordering_key.is_some())
-                {
-                    // Ordered with the application's own events, never a route's.
-                    record.ordering_key = Some(app_event_ordering_key(&String::from_utf8_lossy(key)));
-                }
+                let record = encode_event(outcome_id(c.intent.id, label, &emit.action), emit, &prov, space, now);
                 records.push((c.intent.intent.consumer.as_str(), source_id.clone(), record));
             }
             for m in &outcome.saga {

@@ -26,7 +26,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use relay_core::config::{DispatcherConfig, EndpointConfig};
 use relay_core::retry::BackoffPolicy;
@@ -88,22 +88,21 @@ pub(super) struct Inner {
     pub(super) held_bytes: Arc<AtomicU64>,
     /// Tasks of intents handed over at ingest, running: bounded by the
     /// hand-over's room, and not by the claim loop's (see `run`).
-    pub(super) handed_running: Arc<AtomicUsize>,
+    pub(super) handed_running: Arc<AtomicU64>,
 }
 
-/// A handed-over intent's place in [`Inner::handed_running`], given back when its task ends.
-struct HandedRunning(Arc<AtomicUsize>);
+/// A task's share of a count ([`Inner::held_bytes`], [`Inner::handed_running`]),
+/// given back when the task ends.
+struct Counted(Arc<AtomicU64>, u64);
 
-impl Drop for HandedRunning {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+impl Counted {
+    fn add(count: &Arc<AtomicU64>, n: u64) -> Counted {
+        count.fetch_add(n, Ordering::Relaxed);
+        Counted(count.clone(), n)
     }
 }
 
-/// An intent's bytes in [`Inner::held_bytes`], given back when its task ends.
-struct Held(Arc<AtomicU64>, u64);
-
-impl Drop for Held {
+impl Drop for Counted {
     fn drop(&mut self) {
         self.0.fetch_sub(self.1, Ordering::Relaxed);
     }
@@ -241,7 +240,8 @@ impl Dispatcher {
             // and intents of one slow endpoint handed over faster than it
             // answers would otherwise fill this one and stop every claim —
             // keyed intents, retries and the other endpoints' with them.
-            let claimed = tasks.len().saturating_sub(self.inner.handed_running.load(Ordering::Relaxed));
+            let handed = usize::try_from(self.inner.handed_running.load(Ordering::Relaxed)).unwrap_or(usize::MAX);
+            let claimed = tasks.len().saturating_sub(handed);
             let free = (s.concurrency + s.claim_batch as usize).saturating_sub(claimed);
             if free < (s.claim_batch as usize / 4).max(1) || (out_of_room && !tasks.is_empty()) {
                 tokio::select! {
@@ -382,17 +382,12 @@ impl Dispatcher {
         // What was claimed counts against the claims' room; what was handed
         // over has the hand-over's own (counted in intents), and counted here
         // too, a slow endpoint's handed calls would leave no room for claims.
-        let claimed = room.is_none().then(|| {
-            let bytes = intent.intent.json_bytes() as u64;
-            self.inner.held_bytes.fetch_add(bytes, Ordering::Relaxed);
-            Held(self.inner.held_bytes.clone(), bytes)
-        });
-        let handed = room.is_some().then(|| {
-            self.inner.handed_running.fetch_add(1, Ordering::Relaxed);
-            HandedRunning(self.inner.handed_running.clone())
-        });
+        let counted = match room {
+            None => Counted::add(&self.inner.held_bytes, intent.intent.json_bytes() as u64),
+            Some(_) => Counted::add(&self.inner.handed_running, 1),
+        };
         tasks.spawn(async move {
-            let (_room, _claimed, _handed) = (room, claimed, handed);
+            let (_room, _counted) = (room, counted);
             let completion = {
                 let _busy = busy;
                 let send_by = me.inner.executor.send_by(&intent, claimed_at);

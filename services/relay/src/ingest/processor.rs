@@ -267,15 +267,10 @@ impl Processor {
         }
     }
 
-    /// How routing reads each of `records` ([`View`]). `Err` when the
-    /// registry could not be asked: nothing is decided, the partition waits.
-    pub async fn views(&self, records: &[RawRecord]) -> Result<Vec<View>, String> {
-        self.views_within(records, usize::MAX).await
-    }
-
-    /// [`Processor::views`] of the records from the start of `records`
-    /// whose decoded values take `budget` bytes together, and always of the
-    /// first. A value in a Schema Registry format is held as JSON for the
+    /// How routing reads each record ([`View`]) from the start of `records`
+    /// while their decoded values take `budget` bytes together, and always
+    /// the first. `Err` when the registry could not be asked: nothing is
+    /// decided, the partition waits. A value in a Schema Registry format is held as JSON for the
     /// whole batch, up to `relay_registry::max_json_bytes` of its size (16
     /// times and more): bounded by record, a batch of 200 records under 1
     /// MiB each could hold gigabytes. The record that does not fit is
@@ -296,7 +291,7 @@ impl Processor {
         Ok(out)
     }
 
-    /// [`Processor::views`] of one record.
+    /// [`Processor::views_within`] of one record.
     pub async fn view(&self, record: &RawRecord) -> Result<View, String> {
         view_of(&self.router, self.registry.as_deref(), record).await
     }
@@ -376,7 +371,7 @@ impl Processor {
 
     /// Process the records of one partition, in order, inside the caller's
     /// transaction, and return one [`Processed`] per record handled, each
-    /// routed as its `views` entry reads it ([`Processor::views`]). Stops
+    /// routed as its `views` entry reads it ([`Processor::views_within`]). Stops
     /// after the first [`Disposition::RetryLater`] or [`Disposition::Paused`] (the records
     /// after it are left to the caller). `Err` only for transient database errors.
     ///

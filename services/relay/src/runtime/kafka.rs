@@ -80,13 +80,7 @@ pub fn client_config(cfg: &KafkaConfig, role: Role) -> Result<ClientConfig, Conf
     };
     let mut problems = Vec::new();
     for (k, v) in cfg.properties.iter().chain(role_props) {
-        // librdkafka passes a property it does not know globally to the
-        // default topic configuration, without a `topic.` prefix: set so,
-        // a guarded property would pass the checks below and race the
-        // relay's own value (which wins depends on a map's order).
-        // (Compared without it; set as given: `topic.metadata.refresh.interval.ms`
-        // is a global property of its own.)
-        let name = k.strip_prefix("topic.").unwrap_or(k);
+        let name = guarded_name(k);
         if role == Role::Consumer && name == "auto.offset.reset" && !SAFE_OFFSET_RESETS.contains(&v.as_str()) {
             problems.push(format!(
                 "kafka property auto.offset.reset = {v:?}: a partition without a committed offset (a new \
@@ -109,7 +103,7 @@ pub fn client_config(cfg: &KafkaConfig, role: Role) -> Result<ClientConfig, Conf
     for (k, v) in crate::config::kafka_secrets(cfg)? {
         // A secret is for credentials: one of the properties guarded above
         // would go round their checks.
-        let name = k.strip_prefix("topic.").unwrap_or(&k);
+        let name = guarded_name(&k);
         if name == "auto.offset.reset" || required(role).iter().any(|(rk, _)| *rk == name) {
             problems.push(format!(
                 "kafka secret_properties sets {k}, a property the relay guards: set it (if at all) in \
@@ -123,6 +117,16 @@ pub fn client_config(cfg: &KafkaConfig, role: Role) -> Result<ClientConfig, Conf
         c.set(*k, *v);
     }
     if problems.is_empty() { Ok(c) } else { Err(ConfigError::Invalid { problems }) }
+}
+
+/// The name property `k` is checked under. librdkafka passes a property it
+/// does not know globally to the default topic configuration, without a
+/// `topic.` prefix: set so, a guarded property would pass the checks and
+/// race the relay's own value (which wins depends on a map's order). It is
+/// set as given: `topic.metadata.refresh.interval.ms` is a global property
+/// of its own.
+fn guarded_name(k: &str) -> &str {
+    k.strip_prefix("topic.").unwrap_or(k)
 }
 
 /// Forward one librdkafka log line to tracing, at its level, naming the
