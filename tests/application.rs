@@ -1416,3 +1416,87 @@ async fn an_event_s_headers_and_key_count_with_its_data_in_the_size_relay_accept
     );
     sqlx::query(&small).execute(&mut conn).await.unwrap();
 }
+
+// An application's open transaction that published with an ordering key
+// holds the key until it ends. The completer recorded up to 256 outcomes in
+// one transaction and waited for every key in it: one outcome whose event
+// had that key made the whole batch wait, fail on lock_timeout, lose its
+// leases, and be called again. Now only that outcome waits, its lease kept
+// meanwhile, and it is recorded, after the application's event, once the
+// transaction ends.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_application_holding_an_event_s_key_delays_only_the_outcome_with_that_key() {
+    let h = Harness::new(1).await;
+    let cfg = h.config(FRONT_DOOR);
+    h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
+    let mut app = PgConnection::connect(&app_url(&h)).await.unwrap();
+    for n in 1..=20 {
+        let order = format!("o-{n}");
+        let on_success = serde_json::json!({"emit": [{"name": "captured", "type": "payment.captured", "topic": h.out,
+                                                     "key": order, "data": {"order_id": order}}]});
+        sqlx::query(
+            "SELECT relay.call('psp', 'POST', '/captures/' || $1, '{}', id => 'capture-' || $1, on_success => $2)",
+        )
+        .bind(&order)
+        .bind(&on_success)
+        .execute(&mut app)
+        .await
+        .unwrap();
+    }
+    let mut holder = PgConnection::connect(&app_url(&h)).await.unwrap();
+    let mut held = holder.begin().await.unwrap();
+    sqlx::query("SELECT relay.publish($1, 'o-1', 'order.noted', '{}', id => 'note-o-1')")
+        .bind(&h.out)
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    let run = h.start(cfg, DELIVERY, no_faults()).await;
+    eventually("the 19 calls whose keys are free recorded", DEADLINE, || async {
+        (h.intents_in("succeeded").await == 19).then_some(())
+    })
+    .await;
+    // Held for twice the dispatcher's lease (3 s): the waiting outcome keeps its claim.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(h.intents_in("running").await, 1, "o-1's outcome waits for its key, claimed");
+    held.commit().await.unwrap();
+    h.await_intents_finished(20).await;
+    h.await_published(21).await;
+    let records = read_topic(&h.bootstrap, &h.out, 21).await.unwrap();
+    run.stop().await.unwrap();
+    assert_eq!(h.intents_in("succeeded").await, 20);
+    let stats = h.provider.stats();
+    assert_eq!((stats.requests, stats.applied), (20, 20), "each call made once: {stats:?}");
+    let o1: Vec<String> = records
+        .iter()
+        .filter(|r| r.key.as_deref() == Some(b"o-1".as_slice()))
+        .map(|r| r.headers.get("ce_type").cloned().unwrap_or_default())
+        .collect();
+    assert_eq!(o1, ["order.noted", "payment.captured"], "the application's event first, as committed");
+}
+
+// pg_advisory_lock may be called by any role that can connect: one that
+// computed a key's lock (consumer, U+0002, the key, hashed by hashtext)
+// held it and stalled every batch of the key's partition. A key's lock is
+// now a row of a table relay owns, which only relay's roles may lock.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_role_that_is_not_relay_s_cannot_hold_a_route_s_ordering_key() {
+    let h = Harness::new(1).await;
+    let route =
+        CAPTURE_ROUTE.replace("idempotency_key = ", "ordering_key = \"{{ data.order_id }}\"\nidempotency_key = ");
+    let mut intruder = PgConnection::connect(&app_url(&h)).await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock(1380273153, hashtext($1 || chr(2) || 'o-1'))")
+        .bind(&h.consumer)
+        .execute(&mut intruder)
+        .await
+        .unwrap();
+    h.send(&order("evt-1", "o-1")).await;
+    let run = h.start(h.config_of(&h.config_text(&route)), Components::ALL, no_faults()).await;
+    h.await_intents_finished(1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.outcome("evt-1").await.as_deref(), Some("applied"));
+    let mut tx = intruder.begin().await.unwrap();
+    let refused = sqlx::query("SELECT 1 FROM relay.key_locks FOR UPDATE").execute(&mut *tx).await.unwrap_err();
+    assert_eq!(refused.as_database_error().and_then(|d| d.code()).as_deref(), Some("42501"), "{refused}");
+    tx.rollback().await.unwrap();
+    intruder.close().await.unwrap();
+}

@@ -1799,22 +1799,17 @@ async fn a_partition_whose_transaction_hangs_on_a_lock_does_not_stop_the_others(
     assert_eq!(h.db.count("inbox", "partition = 0").await, 101, "nothing of the slow partition lost");
 }
 
-// Any role that can connect may take an ordering key's advisory lock, and
-// an application's open transaction that called relay.call with the key
-// holds it. The consumer's batch waited on it without end, in silence; it
-// now gives up after lock_timeout, says why, and retries until it is free.
+// Another of relay's writers holding an ordering key's lock for long (a
+// stalled batch of another process, say): the consumer's batch waited on it
+// without end, in silence; it now gives up after lock_timeout, says why,
+// and retries until it is free.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_batch_waiting_on_a_key_lock_someone_else_holds_says_so_and_retries_until_it_is_free() {
-    use sqlx::Connection;
     let h = Harness::new(1).await;
     let route =
         CAPTURE_ROUTE.replace("idempotency_key = ", "ordering_key = \"{{ data.order_id }}\"\nidempotency_key = ");
-    let mut holder = h.db.conn().await.unwrap().detach();
-    sqlx::query("SELECT pg_advisory_lock(1380273153, hashtext($1 || chr(2) || 'o-1'))")
-        .bind(&h.consumer)
-        .execute(&mut holder)
-        .await
-        .unwrap();
+    let mut holder = h.db.pool.begin().await.unwrap();
+    relay_store::ordering::lock(&mut holder, &h.consumer, [relay_store::ordering::Key::Intent("o-1")]).await.unwrap();
     h.send(&order("evt-1", "o-1")).await;
     let config = h.write_config(&h.config_text(&route));
     let mut run = h.process(&config, &["consume"], &[]);
@@ -1823,7 +1818,7 @@ async fn a_batch_waiting_on_a_key_lock_someone_else_holds_says_so_and_retries_un
     })
     .await;
     assert_eq!(h.outcome("evt-1").await, None, "nothing written while the key is held");
-    holder.close().await.unwrap();
+    holder.rollback().await.unwrap();
     eventually("the record applied once the lock is free", DEADLINE, || async {
         (h.outcome("evt-1").await.as_deref() == Some("applied")).then_some(())
     })

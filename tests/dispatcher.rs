@@ -1710,6 +1710,52 @@ async fn a_stale_completion_beside_a_fresh_one_of_the_same_intent_records_nothin
     assert_eq!(intent_state(&h, "capture:o-1").await.0, "pending");
 }
 
+// The completer recorded a batch of outcomes in one transaction that
+// waited for every ordering key of their events: one key another
+// transaction held made every outcome of the batch wait, fail on
+// lock_timeout and lose its lease, to be called again.
+#[tokio::test]
+async fn an_outcome_whose_event_key_is_held_waits_alone_and_the_rest_of_its_batch_is_recorded() {
+    use relay::deliver::outcome::{Completion, Finished};
+    use relay_store::ordering::{Key, lock};
+    let h = Harness::new(1).await;
+    h.send(&order("evt-1", "o-1")).await;
+    h.send(&order("evt-2", "o-2")).await;
+    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    h.await_inbox(2).await;
+    ingest.stop().await.unwrap();
+    let mut claims = ClaimPool::beside(&h.db.pool, 1, ClaimCommit::Durable).acquire().await.unwrap();
+    let scope = Scope { consumer: &h.consumer, endpoints: &["psp"] };
+    let lease = Duration::from_secs(60);
+    let mut claimed = intents::claim(&mut claims, &scope, "worker", 2, lease).await.unwrap().rows;
+    claimed.sort_by_key(|c| c.intent.idempotency_key.clone());
+    let done = || AttemptRecord {
+        started_at: Some(chrono::Utc::now()),
+        outcome: AttemptOutcome::Succeeded,
+        status: Some(201),
+        error_class: None,
+        error: None,
+    };
+    let mut batch: Vec<Completion> =
+        claimed.into_iter().map(|c| Completion::decided(c, NextState::Succeeded, done())).collect();
+    let mut holder = h.db.pool.begin().await.unwrap();
+    lock(&mut holder, &h.consumer, [Key::Outbox { topic: &h.out, key: "o-1" }]).await.unwrap();
+
+    let relay = h.relay(h.config(CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
+    let dispatcher = relay.dispatcher().unwrap();
+    let started = std::time::Instant::now();
+    assert_eq!(dispatcher.finalize(&mut batch).await, vec![Finished::KeyHeld, Finished::Succeeded]);
+    assert!(started.elapsed() < Duration::from_secs(2), "waited {:?} for the held key", started.elapsed());
+    assert_eq!(intent_state(&h, "capture:o-1").await.0, "running", "o-1 keeps its claim");
+    assert_eq!(intent_state(&h, "capture:o-2").await.0, "succeeded");
+    assert_eq!(h.db.count("outbox", "true").await, 1, "o-2's payment.captured alone");
+
+    holder.rollback().await.unwrap();
+    assert_eq!(dispatcher.finalize(&mut batch[..1]).await, vec![Finished::Succeeded]);
+    assert_eq!(intent_state(&h, "capture:o-1").await.0, "succeeded");
+    assert_eq!(h.db.count("outbox", "event_type = 'payment.captured'").await, 2);
+}
+
 #[tokio::test]
 async fn a_dead_intent_whose_failure_was_announced_is_not_replayed_into_a_success() {
     // Issue 28 D4: replaying a dead intent whose payment.failed was emitted

@@ -213,7 +213,7 @@ impl Relay {
             );
         }
         if let Some(checked) = checked.filter(|_| which.dispatcher) {
-            // Retention cleanup runs beside dispatchers; an advisory lock keeps it to one at a time.
+            // Retention cleanup runs beside dispatchers; a row lock keeps it to one at a time.
             let (pool, retention, consumer, t) =
                 (self.pool.clone(), self.cfg.retention.clone(), self.cfg.consumer.name.clone(), inner.clone());
             tokio::spawn(crate::ops::retention::run(pool, retention, consumer, checked, t));

@@ -211,7 +211,7 @@ async fn write_and_grant(
     sqlx::query("SET LOCAL lock_timeout = '10s'").execute(&mut *tx).await?;
     // Two deployments registering at once would GRANT on the same functions,
     // and concurrent GRANTs fail ("tuple concurrently updated").
-    sqlx::query("SELECT pg_advisory_xact_lock(1380273155, 0)").execute(&mut *tx).await?;
+    crate::ordering::lock_singleton(&mut tx, crate::ordering::Singleton::Registration).await?;
     // The role registered now, read again under the lock: another start may
     // have changed it since the read above.
     let held: Option<Option<String>> =

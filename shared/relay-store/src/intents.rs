@@ -496,6 +496,35 @@ pub async fn finish_unreadable(conn: &mut PgConnection, rows: &[Unreadable]) -> 
     Ok(crate::execute_by_key(conn, finish).await?.rows_affected())
 }
 
+/// Extend the leases of claims (`(id, lease token)` pairs) to `lease` from
+/// now, fenced by their tokens: an outcome that waits to be recorded (its
+/// events' ordering keys are held) keeps its claim meanwhile, so that its
+/// call is not rescued and made again. Returns the pairs whose leases were
+/// still held. Runs in its own transaction: `conn` must not be in one.
+pub async fn extend_leases(
+    conn: &mut PgConnection,
+    claims: &[(Uuid, Uuid)],
+    lease: std::time::Duration,
+) -> Result<Vec<(Uuid, Uuid)>, sqlx::Error> {
+    if claims.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut tx = crate::begin_by_key(conn).await?;
+    let held = sqlx::query_as(
+        "UPDATE relay.intents i SET locked_until = now() + make_interval(secs => $3)
+           FROM unnest($1::uuid[], $2::uuid[]) AS c(id, token)
+          WHERE i.id = c.id AND i.lease_token = c.token AND i.state = 'running'
+          RETURNING i.id, i.lease_token",
+    )
+    .bind(claims.iter().map(|c| c.0).collect::<Vec<_>>())
+    .bind(claims.iter().map(|c| c.1).collect::<Vec<_>>())
+    .bind(lease.as_secs_f64())
+    .fetch_all(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(held)
+}
+
 /// Give back a claim whose attempt was never started: pending again, the
 /// attempt not counted (fenced). Runs in its own transaction
 /// ([`crate::begin_by_key`]): `conn` must not be in one.

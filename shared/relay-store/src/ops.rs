@@ -222,9 +222,3 @@ pub fn delete_sql(what: Cleanup, limit: i64) -> String {
          SELECT count(*) FROM gone"
     )
 }
-
-/// Take transaction-level advisory lock `key` if no other session holds it
-/// (`false`: another does): one cleaner at a time across processes.
-pub async fn try_lock(conn: &mut PgConnection, key: i64) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)").bind(key).fetch_one(conn).await
-}

@@ -8,43 +8,43 @@
 //! committed later, with the lower `seq`, then looked "earlier" than a row
 //! already running, so both ran at once, in the wrong order.
 //!
-//! So a transaction takes a transaction-scoped advisory lock per ordering key
-//! before it inserts rows with that key, held until it commits or rolls back:
-//! the next transaction for the key waits for it and draws its `seq` after
-//! that commit, which makes `seq` order the commit order for every key. The
-//! locks of one statement are taken in one order (sorted), and a consumer's
-//! batch takes the keys of all its records in one statement before it writes
-//! anything ([`keys_of`]), so two batches cannot deadlock each other through
-//! them: each waits for the other's keys in one global order. Two can still
+//! So a transaction locks each ordering key before it inserts rows with
+//! that key, held until it commits or rolls back: the next transaction for
+//! the key waits for it and draws its `seq` after that commit, which makes
+//! `seq` order the commit order for every key. The locks of one statement
+//! are taken in one order (sorted), and a consumer's batch takes the keys of
+//! all its records in one statement before it writes anything
+//! ([`keys_of`]), so two batches cannot deadlock each other through them:
+//! each waits for the other's keys in one global order. Two can still
 //! deadlock, rarely: a code handler's effects, known only once it ran, lock
 //! later; or one holding a key waits for an inbox row the other holds (the
 //! same event id delivered on two partitions at once). PostgreSQL then
 //! aborts one of them after `deadlock_timeout` (`40P01`), and the consumer
-//! retries its batch. Only rows with a key
-//! pay for this: one round trip more, and a wait behind the other
-//! transaction of that key.
+//! retries its batch. Only rows with a key pay for this: one round trip
+//! more, and a wait behind the other transaction of that key.
 //!
-//! Intents' and outbox rows' keys are locked in name spaces of their own
-//! (the first argument of `pg_advisory_xact_lock(int4, int4)`); an outbox
-//! key is ordered per topic. A hash collision only makes two keys wait for
-//! each other, so the keys applications give (stored as `app:KEY`, written
-//! by the front door's SQL functions) are locked in two more name spaces:
-//! a key an application chose to collide with a route's could otherwise make
-//! the route's batches wait on the application's open transaction.
+//! A key's lock is a row of `relay.key_locks` (migration 31), locked
+//! `FOR UPDATE`: a table relay owns, so no other role can take a key's lock
+//! and stall its partition, as any role could take an advisory lock. The
+//! table holds a fixed set of slots, 65 536 per space ([`Key::slot`]): two
+//! keys that share a slot wait for each other, which costs a wait and
+//! nothing else. Intents' and outbox rows' keys have spaces of their own,
+//! and the keys applications give (stored as `app:KEY`, locked by the front
+//! door's SQL functions) two more: a key an application chose to share a
+//! route key's slot could otherwise make the route's batches wait on the
+//! application's open transaction.
+
+use std::collections::HashSet;
 
 use relay_core::ids::APP_KEY_PREFIX;
 use sqlx::PgConnection;
 
-/// The name space of routes' intents' ordering keys.
-const INTENTS: i32 = 0x5245_4c01;
-/// The name space of routes' outbox rows' ordering keys (per topic).
-const OUTBOX: i32 = 0x5245_4c02;
-/// The name space of applications' intents' ordering keys (`relay.call`,
-/// migration 29, takes it by its decimal value 1380273156).
-const APP_INTENTS: i32 = 0x5245_4c04;
-/// The name space of applications' outbox rows' ordering keys
-/// (`relay.publish`, migration 30: 1380273157).
-const APP_OUTBOX: i32 = 0x5245_4c05;
+/// The slot spaces ([`Key::slot`]); `relay.call` locks its keys in
+/// [`APP_INTENTS`] and `relay.publish` in [`APP_OUTBOX`] by these numbers.
+const INTENTS: i32 = 0;
+const OUTBOX: i32 = 1;
+const APP_INTENTS: i32 = 2;
+const APP_OUTBOX: i32 = 3;
 
 /// An ordering key about to get a row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -69,39 +69,98 @@ pub fn keys_of(effects: &relay_core::Effects) -> impl Iterator<Item = Key<'_>> {
         .chain(crate::outbox::ordering_keys(effects.events.iter()))
 }
 
+impl Key<'_> {
+    /// This key's slot in `relay.key_locks` for `consumer`: its space, then
+    /// 16 bits of the SHA-256 of its name, as `relay.key_slot` computes it.
+    pub fn slot(&self, consumer: &str) -> i32 {
+        use sha2::{Digest, Sha256};
+        // Namespaced by consumer, as the claims compare keys: two
+        // deployments sharing a database do not wait on each other's keys.
+        let (space, name) = match *self {
+            Key::Intent(k) => {
+                (if k.starts_with(APP_KEY_PREFIX) { APP_INTENTS } else { INTENTS }, format!("{consumer}\u{2}{k}"))
+            }
+            // Kafka topic names hold only [a-zA-Z0-9._-], so the first U+0001 ends the topic.
+            Key::Outbox { topic, key } => (
+                if key.starts_with(APP_KEY_PREFIX) { APP_OUTBOX } else { OUTBOX },
+                format!("{consumer}\u{2}{topic}\u{1}{key}"),
+            ),
+        };
+        let d = Sha256::digest(name.as_bytes());
+        (space << 16) | (i32::from(d[0]) << 8) | i32::from(d[1])
+    }
+}
+
 /// Lock `keys` of `consumer`'s rows for the rest of the transaction `conn`
-/// is in (nothing to do and no round trip when there are none). Call it
-/// before inserting the rows.
+/// is in (nothing to do and no round trip when there are none), waiting for
+/// a transaction that holds one. Call it before inserting the rows.
 pub async fn lock<'a>(
     conn: &mut PgConnection,
     consumer: &str,
     keys: impl IntoIterator<Item = Key<'a>>,
 ) -> Result<(), sqlx::Error> {
-    let (mut spaces, mut names) = (Vec::new(), Vec::new());
-    for key in keys {
-        match key {
-            // Namespaced by consumer, as the claims compare keys: two
-            // deployments sharing a database do not wait on each other's keys.
-            Key::Intent(k) => {
-                spaces.push(if k.starts_with(APP_KEY_PREFIX) { APP_INTENTS } else { INTENTS });
-                names.push(format!("{consumer}\u{2}{k}"));
-            }
-            Key::Outbox { topic, key } => {
-                spaces.push(if key.starts_with(APP_KEY_PREFIX) { APP_OUTBOX } else { OUTBOX });
-                // Kafka topic names hold only [a-zA-Z0-9._-], so the first U+0001 ends the topic.
-                names.push(format!("{consumer}\u{2}{topic}\u{1}{key}"));
-            }
-        }
-    }
-    if names.is_empty() || crate::sabotage::is(consumer, crate::sabotage::Broken::OrderingByInsert) {
+    let slots = slots(consumer, keys);
+    if slots.is_empty() || crate::sabotage::is(consumer, crate::sabotage::Broken::OrderingByInsert) {
         return Ok(());
     }
-    sqlx::query(LOCK).bind(&spaces).bind(&names).execute(conn).await?;
+    sqlx::query(LOCK).bind(&slots).execute(conn).await?;
     Ok(())
 }
 
-/// `$1` name spaces, `$2` names. `pg_advisory_xact_lock` is volatile, so it
-/// is evaluated row by row after the sort, in the sorted order.
-pub const LOCK: &str = "SELECT pg_advisory_xact_lock(s, h)
-           FROM (SELECT DISTINCT s, hashtext(n) AS h FROM unnest($1::int4[], $2::text[]) AS t(s, n)) k
-          ORDER BY s, h";
+/// Lock those of `slots` ([`Key::slot`]) that no other transaction holds,
+/// without waiting, for the rest of the transaction `conn` is in; returns
+/// the slots it locked. A writer that must not wait (one batch of many keys,
+/// any of which an application may hold for as long as its transaction
+/// stays open) writes the rows of the keys it got and leaves the others for
+/// later.
+pub async fn try_lock_slots(conn: &mut PgConnection, slots: &[i32]) -> Result<HashSet<i32>, sqlx::Error> {
+    let mut slots = slots.to_vec();
+    slots.sort_unstable();
+    slots.dedup();
+    if slots.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let got: Vec<i32> = sqlx::query_scalar(TRY_LOCK).bind(&slots).fetch_all(conn).await?;
+    Ok(got.into_iter().collect())
+}
+
+/// The distinct slots of `keys`, sorted.
+fn slots<'a>(consumer: &str, keys: impl IntoIterator<Item = Key<'a>>) -> Vec<i32> {
+    let mut slots: Vec<i32> = keys.into_iter().map(|k| k.slot(consumer)).collect();
+    slots.sort_unstable();
+    slots.dedup();
+    slots
+}
+
+/// `$1` slots. The rows are sorted before they are locked, so they are
+/// locked in the sorted order.
+const LOCK: &str = "SELECT 1 FROM relay.key_locks WHERE slot = ANY($1) ORDER BY slot FOR UPDATE";
+/// [`LOCK`], skipping the slots another transaction holds.
+const TRY_LOCK: &str = "SELECT slot FROM relay.key_locks WHERE slot = ANY($1) ORDER BY slot FOR UPDATE SKIP LOCKED";
+
+/// The singletons' rows of `relay.key_locks`: what only one relay process
+/// may do at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Singleton {
+    /// Registering the front door (concurrent GRANTs on one function fail).
+    Registration = -1,
+    /// The retention cleaner.
+    Retention = -2,
+}
+
+/// Take `which` for the rest of the transaction, waiting for its holder.
+pub async fn lock_singleton(conn: &mut PgConnection, which: Singleton) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT 1 FROM relay.key_locks WHERE slot = $1 FOR UPDATE").bind(which as i32).execute(conn).await?;
+    Ok(())
+}
+
+/// Take `which` for the rest of the transaction if no other holds it
+/// (`false`: another does).
+pub async fn try_lock_singleton(conn: &mut PgConnection, which: Singleton) -> Result<bool, sqlx::Error> {
+    let got: Option<i32> =
+        sqlx::query_scalar("SELECT slot FROM relay.key_locks WHERE slot = $1 FOR UPDATE SKIP LOCKED")
+            .bind(which as i32)
+            .fetch_optional(conn)
+            .await?;
+    Ok(got.is_some())
+}

@@ -425,6 +425,19 @@ pub async fn insert_many(
         return Ok(Vec::new());
     }
     crate::ordering::lock(&mut *conn, consumer, ordering_keys(rows.iter().map(|(_, r)| *r))).await?;
+    insert_locked(conn, consumer, rows).await
+}
+
+/// [`insert_many`] by a caller that holds the rows' ordering keys already
+/// ([`crate::ordering::try_lock_slots`]).
+pub async fn insert_locked(
+    conn: &mut PgConnection,
+    consumer: &str,
+    rows: &[(&str, &OutboxRecord)],
+) -> Result<Vec<Uuid>, sqlx::Error> {
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
     let rows = bind_many(sqlx::query(INSERT_MANY), consumer, rows).fetch_all(conn).await?;
     rows.iter().map(|r| r.try_get(0)).collect()
 }
@@ -459,7 +472,7 @@ pub(crate) fn bind_many<'q>(
 }
 
 /// The ordering keys of `rows` ([`crate::ordering`]).
-pub(crate) fn ordering_keys<'a>(
+pub fn ordering_keys<'a>(
     rows: impl Iterator<Item = &'a OutboxRecord>,
 ) -> impl Iterator<Item = crate::ordering::Key<'a>> {
     rows.filter_map(|r| r.ordering_key.as_deref().map(|key| crate::ordering::Key::Outbox { topic: &r.topic, key }))

@@ -13,8 +13,8 @@ use relay_core::router::Encoders;
 use relay_core::{Outcome, Provenance};
 use relay_store::FinishPool;
 use relay_store::intents::{self, ClaimedIntent, Finish, NextState};
-use relay_store::outbox;
 use relay_store::sagas::{self, Transition};
+use relay_store::{ordering, outbox};
 use sqlx::PgConnection;
 use sqlx::PgPool;
 use tokio::sync::{Notify, Semaphore, mpsc};
@@ -26,6 +26,13 @@ use crate::runtime::faults::{Faults, point};
 
 /// How many batches of outcomes are written at once ([`Completer::run`]).
 pub(super) const FINALIZERS: usize = 2;
+
+/// An outcome on its way to be recorded, with how many times its events'
+/// ordering keys were found held ([`Finished::KeyHeld`]).
+struct Held {
+    completion: Completion,
+    tries: u32,
+}
 
 /// Records the outcomes the executor hands over, for one worker: its own
 /// connections, and a signal to the claim loop when an outcome made other
@@ -70,35 +77,114 @@ impl Completer {
     /// batch; more writers would each take what had arrived the moment they
     /// were free, so batches shrink and per-statement costs dominate
     /// (measured: BENCHMARKS.md, "What was done to make it fast").
+    ///
+    /// An outcome whose events' ordering keys another transaction holds
+    /// ([`Finished::KeyHeld`]) comes back here after a pause, its lease
+    /// extended meanwhile, and goes into a later batch: a batch never waits
+    /// for a key, so one held key delays its own outcomes and no others.
     pub(super) async fn run(self: Arc<Self>, mut rx: mpsc::Receiver<Completion>) {
         let slots = Arc::new(Semaphore::new(FINALIZERS));
         let mut writers = JoinSet::new();
-        while let Some(first) = rx.recv().await {
+        let (again_tx, mut again) = mpsc::unbounded_channel::<Held>();
+        loop {
+            let first = tokio::select! {
+                c = rx.recv() => match c {
+                    Some(c) => Held { completion: c, tries: 0 },
+                    None => break,
+                },
+                Some(h) = again.recv() => h,
+            };
             let slot = slots.clone().acquire_owned().await.expect("semaphore never closed");
             let mut batch = vec![first];
             while batch.len() < 256 {
-                match rx.try_recv() {
-                    Ok(c) => batch.push(c),
+                match again.try_recv() {
+                    Ok(h) => batch.push(h),
                     Err(_) => break,
                 }
             }
-            let me = self.clone();
+            while batch.len() < 256 {
+                match rx.try_recv() {
+                    Ok(c) => batch.push(Held { completion: c, tries: 0 }),
+                    Err(_) => break,
+                }
+            }
+            let (me, again_tx) = (self.clone(), again_tx.clone());
             writers.spawn(async move {
+                let tries: Vec<u32> = batch.iter().map(|h| h.tries).collect();
+                let mut batch: Vec<Completion> = batch.into_iter().map(|h| h.completion).collect();
                 let results = me.finalize(&mut batch).await;
+                drop(slot);
                 let unblocks = |(c, r): (&Completion, &Finished)| {
-                    *r == Finished::Retrying || (*r != Finished::LeaseLost && c.intent.intent.ordering_key.is_some())
+                    *r == Finished::Retrying
+                        || (!matches!(r, Finished::LeaseLost | Finished::KeyHeld)
+                            && c.intent.intent.ordering_key.is_some())
                 };
                 if batch.iter().zip(&results).any(unblocks) {
                     me.progress.notify_one();
                 }
-                for (c, r) in batch.iter().zip(results) {
-                    c.log(&me.worker, r);
+                let mut held = Vec::new();
+                for ((c, r), tries) in batch.into_iter().zip(results).zip(tries) {
+                    match r {
+                        Finished::KeyHeld => held.push(Held { completion: c, tries: tries + 1 }),
+                        r => c.log(&me.worker, r),
+                    }
                 }
-                drop(slot);
+                me.hold(held, &again_tx).await;
             });
             while writers.try_join_next().is_some() {}
         }
+        // Closed: what is still held is left to its lease (rescued, and sent
+        // again with the same idempotency key).
+        drop(again_tx);
         while writers.join_next().await.is_some() {}
+        while let Ok(h) = again.try_recv() {
+            warn!(intent_id = %h.completion.intent.id,
+                  "stopping with this outcome's ordering key held elsewhere; rescued when its lease expires");
+        }
+    }
+
+    /// Keep the claims of outcomes whose events' keys are held, then hand
+    /// them back to [`Completer::run`] after a pause that doubles with each
+    /// try (10 ms up to a second, and never a quarter of the lease). One
+    /// whose lease was lost meanwhile ends there.
+    async fn hold(&self, held: Vec<Held>, again: &mpsc::UnboundedSender<Held>) {
+        if held.is_empty() {
+            return;
+        }
+        let claims: Vec<_> = held.iter().map(|h| (h.completion.intent.id, h.completion.intent.lease_token)).collect();
+        let kept: HashSet<(uuid::Uuid, uuid::Uuid)> = match self.finishes.acquire().await {
+            Ok(mut conn) => match intents::extend_leases(&mut conn, &claims, self.lease).await {
+                Ok(kept) => kept.into_iter().collect(),
+                Err(e) => {
+                    warn!(intents = held.len(), error = %e, "could not extend the leases of outcomes waiting for a key");
+                    claims.iter().copied().collect()
+                }
+            },
+            Err(e) => {
+                warn!(intents = held.len(), error = %e, "could not extend the leases of outcomes waiting for a key");
+                claims.iter().copied().collect()
+            }
+        };
+        let tries = held.iter().map(|h| h.tries).max().unwrap_or(1);
+        let pause = std::time::Duration::from_millis(10u64 << tries.min(7))
+            .min(std::time::Duration::from_secs(1))
+            .min(self.lease / 4);
+        tokio::time::sleep(pause).await;
+        for h in held {
+            let c = &h.completion;
+            if !kept.contains(&(c.intent.id, c.intent.lease_token)) {
+                c.log(&self.worker, Finished::LeaseLost);
+            } else {
+                if h.tries % 50 == 0 {
+                    warn!(intent_id = %c.intent.id, tries = h.tries,
+                          "an ordering key of this outcome's events is still held by another transaction \
+                           (an application's open transaction that publishes with the key?); recorded once it is free");
+                }
+                if let Err(mpsc::error::SendError(h)) = again.send(h) {
+                    h.completion.log(&self.worker, Finished::LeaseLost);
+                }
+            }
+        }
     }
 
     /// Record a batch, retrying database errors until the leases would
@@ -247,31 +333,43 @@ impl Completer {
             let ours = intents::finish_many(&mut conn, &items).await?.into_iter().collect();
             return Ok(batch.iter().map(|c| finished(c, &ours)).collect());
         }
+        // Each outcome's events, and the slots of their ordering keys.
+        let now = Utc::now();
+        let events: Vec<Vec<(String, relay_core::OutboxRecord)>> = batch
+            .iter()
+            .zip(outcomes)
+            .map(|(c, o)| o.as_ref().map_or_else(Vec::new, |o| events_of(c, o, now)))
+            .collect();
+        let key_slots: Vec<Vec<i32>> = batch
+            .iter()
+            .zip(&events)
+            .map(|(c, rows)| {
+                let consumer = c.intent.intent.consumer.as_str();
+                outbox::ordering_keys(rows.iter().map(|r| &r.1)).map(|k| k.slot(consumer)).collect()
+            })
+            .collect();
         let mut tx = sqlx::Connection::begin_with(&mut *conn, relay_store::BEGIN_BOUNDED).await?;
+        // Keys another transaction holds are skipped, never waited for: an
+        // outcome with such a key waits for a later batch (KeyHeld), and the
+        // others are recorded now.
+        let all: Vec<i32> = key_slots.iter().flatten().copied().collect();
+        let got = ordering::try_lock_slots(&mut tx, &all).await?;
+        let held: Vec<bool> = key_slots.iter().map(|s| !s.iter().all(|s| got.contains(s))).collect();
+        let items: Vec<Finish> = items.into_iter().zip(&held).filter(|(_, h)| !**h).map(|(f, _)| f).collect();
         let ours: Ours = intents::finish_many(&mut tx, &items).await?.into_iter().collect();
+        let recorded = |i: usize| !held[i] && mine(&batch[i], &ours);
         // Kept also when the effects could not be rendered from it: the
         // operator who emits them by hand reads it in `relay intents show`.
-        let answers: Vec<_> =
-            batch.iter().filter(|c| mine(c, &ours)).filter_map(|c| Some((c.intent.id, c.answer.as_ref()?))).collect();
+        let answers: Vec<_> = (0..batch.len())
+            .filter(|&i| recorded(i))
+            .filter_map(|i| Some((batch[i].intent.id, batch[i].answer.as_ref()?)))
+            .collect();
         intents::keep_answers(&mut tx, &answers).await?;
-        let now = Utc::now();
         let mut records = Vec::new();
-        for (c, outcome) in batch.iter().zip(outcomes) {
-            let Some((outcome, label)) = outcome.as_ref().filter(|_| mine(c, &ours)) else { continue };
+        for (i, c) in batch.iter().enumerate() {
+            let Some((outcome, label)) = outcomes[i].as_ref().filter(|_| recorded(i)) else { continue };
             let source_id = format!("{}:{label}", c.intent.id);
-            let prov = Provenance {
-                source: c.intent.intent.emit_source.clone(),
-                correlation_id: c.intent.intent.correlation_id.clone(),
-                causation_id: c.intent.intent.causation_id.clone(),
-                traceparent: c.intent.intent.traceparent.clone(),
-                aggregate_id: c.intent.intent.aggregate_id.clone(),
-            };
-            // An application's call's events are ordered with its own, never a route's.
-            let space = KeySpace::of_action(&c.intent.intent.action);
-            for emit in &outcome.emit {
-                let record = encode_event(outcome_id(c.intent.id, label, &emit.action), emit, &prov, space, now);
-                records.push((c.intent.intent.consumer.as_str(), source_id.clone(), record));
-            }
+            records.extend(events[i].iter().map(|(source_id, r)| (c.intent.intent.consumer.as_str(), source_id, r)));
             for m in &outcome.saga {
                 self.move_saga(&mut tx, &c.intent, m, &source_id, label).await?;
             }
@@ -282,11 +380,15 @@ impl Completer {
         consumers.dedup();
         for consumer in consumers {
             let rows: Vec<(&str, &relay_core::OutboxRecord)> =
-                records.iter().filter(|r| r.0 == consumer).map(|r| (r.1.as_str(), &r.2)).collect();
-            outbox::insert_many(&mut tx, consumer, &rows).await?;
+                records.iter().filter(|r| r.0 == consumer).map(|r| (r.1.as_str(), r.2)).collect();
+            outbox::insert_locked(&mut tx, consumer, &rows).await?;
         }
         tx.commit().await?;
-        Ok(batch.iter().map(|c| finished(c, &ours)).collect())
+        Ok(batch
+            .iter()
+            .enumerate()
+            .map(|(i, c)| if held[i] { Finished::KeyHeld } else { finished(c, &ours) })
+            .collect())
     }
 
     pub(super) async fn move_saga(
@@ -305,6 +407,32 @@ impl Completer {
         }
         Ok(())
     }
+}
+
+/// The outbox rows of `outcome`'s events, with their source ids.
+fn events_of(
+    c: &Completion,
+    (outcome, label): &(Outcome, &'static str),
+    now: chrono::DateTime<Utc>,
+) -> Vec<(String, relay_core::OutboxRecord)> {
+    let source_id = format!("{}:{label}", c.intent.id);
+    let call = &c.intent.intent;
+    let prov = Provenance {
+        source: call.emit_source.clone(),
+        correlation_id: call.correlation_id.clone(),
+        causation_id: call.causation_id.clone(),
+        traceparent: call.traceparent.clone(),
+        aggregate_id: call.aggregate_id.clone(),
+    };
+    // An application's call's events are ordered with its own, never a route's.
+    let space = KeySpace::of_action(&call.action);
+    outcome
+        .emit
+        .iter()
+        .map(|emit| {
+            (source_id.clone(), encode_event(outcome_id(c.intent.id, label, &emit.action), emit, &prov, space, now))
+        })
+        .collect()
 }
 
 /// The stored outcome effects of an intent, if any.

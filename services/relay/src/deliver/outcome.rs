@@ -20,6 +20,10 @@ pub enum Finished {
     Uncertain,
     /// The lease was lost before the outcome was recorded.
     LeaseLost,
+    /// Not recorded yet: another transaction holds an ordering key of its
+    /// events (an application's open transaction, say). The completer
+    /// records it once the key is free, keeping its lease meanwhile.
+    KeyHeld,
 }
 
 /// An attempt's outcome on its way to the finalizer.
@@ -52,6 +56,7 @@ impl Completion {
             Finished::Dead => "dead",
             Finished::Uncertain => "uncertain",
             Finished::LeaseLost => "lease_lost",
+            Finished::KeyHeld => "key_held",
         };
         // The attempt's outcome as classified when it ended (`uncertain` for a
         // timeout after sending, even when it left the intent dead).
@@ -113,6 +118,10 @@ impl Completion {
             Finished::LeaseLost => emit!(
                 tracing::Level::WARN,
                 "lease lost before the outcome was recorded; another worker owns this intent now, nothing recorded"
+            ),
+            Finished::KeyHeld => emit!(
+                tracing::Level::DEBUG,
+                "another transaction holds an ordering key of this outcome's events; recorded once it is free"
             ),
         }
     }

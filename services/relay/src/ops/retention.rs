@@ -4,8 +4,9 @@
 //!
 //! Each batch is one short transaction that deletes at most
 //! `retention.batch_size` of the oldest rows through an index, so cleanup never
-//! holds locks that ingestion waits on for long; a transaction-level advisory
-//! lock keeps two relay processes from cleaning the same table at once.
+//! holds locks that ingestion waits on for long; a row lock relay's own
+//! (`ordering::Singleton::Retention`) keeps two relay processes from
+//! cleaning the same table at once.
 
 use std::time::Duration;
 
@@ -14,14 +15,12 @@ use rdkafka::client::DefaultClientContext;
 use relay_core::RelayConfig;
 use relay_core::config::{RetentionConfig, Shortfall};
 use relay_store::ops::{self, Cleanup};
+use relay_store::ordering;
 use sqlx::{Connection, PgPool};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::runtime::kafka::{Role, client_config};
-
-/// Advisory lock key of the cleaner ("relay" in ASCII).
-const CLEANUP_LOCK: i64 = 0x72_65_6c_61_79;
 
 /// What one cleanup pass deleted, per kind of row.
 pub type Deleted = Vec<(Cleanup, u64)>;
@@ -63,7 +62,7 @@ pub async fn cleanup_once(
         loop {
             let mut conn = pool.acquire().await?;
             let mut tx = conn.begin().await?;
-            if !ops::try_lock(&mut tx, CLEANUP_LOCK).await? {
+            if !ordering::try_lock_singleton(&mut tx, ordering::Singleton::Retention).await? {
                 return Ok(None);
             }
             let n = ops::delete_batch(&mut tx, what, consumer, keep, i64::from(cfg.batch_size)).await?;
