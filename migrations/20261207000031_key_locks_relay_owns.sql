@@ -30,13 +30,22 @@ AS $$
     SELECT ($1 << 16) | (get_byte(d, 0) << 8) | get_byte(d, 1) FROM (SELECT sha256(convert_to($2, 'UTF8')) AS d) h
 $$;
 
--- Lock the slot of `name` in `space` until the transaction ends.
+-- Lock the slot of `name` in `space` until the transaction ends. Called
+-- by the front door in an application's transaction: a slot another
+-- transaction holds for long fails the call after 5 s, saying so, rather
+-- than leave it waiting without end.
 CREATE FUNCTION relay.lock_key(space integer, name text) RETURNS void
     LANGUAGE plpgsql VOLATILE
     SET search_path = pg_catalog, pg_temp
+    SET lock_timeout = '5s'
 AS $$
 BEGIN
     PERFORM 1 FROM relay.key_locks k WHERE k.slot = relay.key_slot(lock_key.space, lock_key.name) FOR UPDATE;
+EXCEPTION WHEN lock_not_available THEN
+    RAISE EXCEPTION 'relay: waited 5 s for an ordering key another transaction holds'
+        USING ERRCODE = 'lock_not_available',
+              HINT = 'another transaction that publishes or calls with this key (or one sharing its lock) is still '
+                     'open: commit it, or retry this transaction later';
 END
 $$;
 

@@ -1500,3 +1500,46 @@ async fn a_role_that_is_not_relay_s_cannot_hold_a_route_s_ordering_key() {
     tx.rollback().await.unwrap();
     intruder.close().await.unwrap();
 }
+
+// An outcome held behind a key another transaction holds stopped counting
+// against the claims' byte room once its call ended: claims went on, and
+// held outcomes, each with its JSON, piled up without bound for as long as
+// the application's transaction stayed open.
+#[tokio::test(flavor = "multi_thread")]
+async fn outcomes_held_behind_a_key_count_against_the_claims_byte_room() {
+    let h = Harness::new(1).await;
+    let mut cfg = h.config(FRONT_DOOR);
+    // Two of the outcomes below fit, not three.
+    cfg.dispatcher.max_claimed_bytes = 2 * 1024 * 1024;
+    h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
+    let mut app = PgConnection::connect(&app_url(&h)).await.unwrap();
+    let on_success = serde_json::json!({"emit": [{"name": "done", "type": "big.done", "topic": h.out, "key": "k",
+                                                 "data": {"pad": "x".repeat(700_000)}}]});
+    for i in 0..8 {
+        sqlx::query("SELECT relay.call('psp', 'POST', '/big', '{}', id => $1, on_success => $2)")
+            .bind(format!("big-{i}"))
+            .bind(&on_success)
+            .execute(&mut app)
+            .await
+            .unwrap();
+    }
+    let mut holder = PgConnection::connect(&app_url(&h)).await.unwrap();
+    let mut held = holder.begin().await.unwrap();
+    sqlx::query("SELECT relay.publish($1, 'k', 'note', '{}', id => 'note-k')")
+        .bind(&h.out)
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    let run = h.start(cfg, DELIVERY, no_faults()).await;
+    eventually("two calls made", DEADLINE, || async { (h.provider.stats().requests >= 2).then_some(()) }).await;
+    // Long enough for many claims (the poll interval is 100 ms): none may start a third call.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(h.provider.stats().requests, 2, "calls made while two held outcomes fill the 2 MiB room");
+    held.commit().await.unwrap();
+    eventually("every call made and recorded", DEADLINE, || async {
+        (h.db.count("intents", "state = 'succeeded'").await == 8).then_some(())
+    })
+    .await;
+    run.stop().await.unwrap();
+    assert_eq!(h.provider.stats().requests, 8);
+}

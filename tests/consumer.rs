@@ -1825,3 +1825,30 @@ async fn a_batch_waiting_on_a_key_lock_someone_else_holds_says_so_and_retries_un
     .await;
     assert!(run.terminate(std::time::Duration::from_secs(30)).unwrap().success(), "{}", run.log());
 }
+
+// A dead letter was unique per position alone: after a topic was created
+// again (or the group moved to a mirror whose offsets start again), a new
+// record at a parked one's position was taken for its redelivery and
+// dropped unseen, its offset committed.
+#[tokio::test]
+async fn another_record_at_a_parked_record_s_position_is_parked_too_and_a_redelivery_is_not() {
+    use relay_core::{Poison, PoisonClass};
+    use relay_store::dead_letters;
+    let db = relay_testkit::TestDb::new().await.unwrap();
+    let mut conn = db.conn().await.unwrap();
+    let poison = Poison::new(PoisonClass::Rejected, "a reason");
+    let first = TestEvent::new("evt-1", "order.placed", json!({"order_id": "o-1"})).record("orders", 7);
+    let again = first.clone();
+    let other = TestEvent::new("evt-2", "order.placed", json!({"order_id": "o-2"})).record("orders", 7);
+    assert_eq!((first.partition, first.offset), (other.partition, other.offset), "one position");
+    assert!(dead_letters::insert(&mut conn, "c", &first, &poison, 1, false).await.unwrap().is_some());
+    assert!(
+        dead_letters::insert(&mut conn, "c", &again, &poison, 1, false).await.unwrap().is_none(),
+        "the same record redelivered is parked once"
+    );
+    assert!(
+        dead_letters::insert(&mut conn, "c", &other, &poison, 1, false).await.unwrap().is_some(),
+        "another record at the same position is parked too"
+    );
+    assert_eq!(db.count("dead_letters", "true").await, 2);
+}

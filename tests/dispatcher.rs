@@ -1756,6 +1756,34 @@ async fn an_outcome_whose_event_key_is_held_waits_alone_and_the_rest_of_its_batc
     assert_eq!(h.db.count("outbox", "event_type = 'payment.captured'").await, 2);
 }
 
+// The age budget ran from the insert: an intent relay itself kept unsent
+// (its key behind an uncertain intent, its endpoint paused) past max_age
+// died at its first claim, and its on_dead announced payment.failed for a
+// call never made.
+#[tokio::test]
+async fn an_intent_kept_unsent_past_its_max_age_is_sent_at_its_first_claim() {
+    let h = Harness::new(1).await;
+    h.send(&order("evt-1", "o-1")).await;
+    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    h.await_inbox(1).await;
+    ingest.stop().await.unwrap();
+    // Written two days ago and never claimed since.
+    sqlx::query(
+        "UPDATE relay.intents SET created_at = created_at - interval '2 days',
+                expires_at = expires_at - interval '2 days', next_attempt_at = next_attempt_at - interval '2 days'",
+    )
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    h.await_intents_finished(1).await;
+    run.stop().await.unwrap();
+    let (state, _, status, error) = intent_state(&h, "capture:o-1").await;
+    assert_eq!((state.as_str(), status), ("succeeded", Some(201)), "{error:?}");
+    assert_eq!(h.provider.stats().applied, 1);
+    assert_eq!(h.db.count("outbox", "event_type = 'payment.failed'").await, 0);
+}
+
 #[tokio::test]
 async fn a_dead_intent_whose_failure_was_announced_is_not_replayed_into_a_success() {
     // Issue 28 D4: replaying a dead intent whose payment.failed was emitted

@@ -9,8 +9,10 @@ use sqlx::{FromRow, PgConnection};
 
 use crate::headers;
 
-/// Park a record. `None` when the same position was parked already (a
-/// redelivery after a crash between the DB commit and the offset commit).
+/// Park a record. `None` when the same record at the same position was
+/// parked already (a redelivery after a crash between the DB commit and the
+/// offset commit); another record at a parked one's position (the topic
+/// created again since) is parked beside it.
 /// `held`: it is parked behind the hold of its key ([`crate::holds`]).
 pub async fn insert(
     conn: &mut PgConnection,
@@ -28,7 +30,7 @@ pub async fn insert(
                    CASE WHEN $13 THEN (SELECT id FROM relay.held_keys h
                                         WHERE h.consumer = $1 AND h.topic = $2 AND h.partition = $3
                                           AND sha256(h.key) = sha256($7) AND h.key = $7) END)
-           ON CONFLICT (consumer, topic, partition, "offset") DO NOTHING
+           ON CONFLICT (consumer, topic, partition, "offset", fingerprint) DO NOTHING
            RETURNING id"#,
     )
     .bind(consumer)

@@ -254,6 +254,12 @@ pub async fn claim_after(
 /// claim's own rows, correlated rather than a window function (which made
 /// concurrent claims take seconds), and skipped when the whole claim fits,
 /// as it mostly does: row by row it costs a claim quadratic time.
+///
+/// An intent's first claim starts its age budget again (`max_age`, the
+/// difference its insert left between `expires_at` and `created_at`): time
+/// relay kept it from being sent (its key held behind an uncertain intent,
+/// its endpoint paused, a fair share's delay) must not end it dead, with
+/// its `on_dead` effects, before it was ever sent.
 pub const CLAIM: &str = concat!(
     "WITH due AS (
              SELECT i.id, i.next_attempt_at, i.seq,
@@ -282,7 +288,10 @@ pub const CLAIM: &str = concat!(
          ), claimed AS (
              UPDATE relay.intents i
                 SET state = 'running', attempts = i.attempts + 1, lease_token = gen_random_uuid(),
-                    locked_by = $2, locked_until = now() + make_interval(secs => $3)
+                    locked_by = $2, locked_until = now() + make_interval(secs => $3),
+                    expires_at = CASE WHEN i.attempts = 0
+                                      THEN greatest(i.expires_at, now() + (i.expires_at - i.created_at))
+                                      ELSE i.expires_at END
                FROM fits WHERE i.id = fits.id
              RETURNING i.*
          ), next AS (

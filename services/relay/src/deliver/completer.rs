@@ -34,6 +34,12 @@ struct Held {
     tries: u32,
 }
 
+impl Held {
+    fn new(completion: Completion) -> Held {
+        Held { completion, tries: 0 }
+    }
+}
+
 /// Records the outcomes the executor hands over, for one worker: its own
 /// connections, and a signal to the claim loop when an outcome made other
 /// intents due.
@@ -52,6 +58,9 @@ pub struct Completer {
     /// The encoders of the topics outcome events are written to with a
     /// schema (`format`), by topic.
     encoders: Encoders,
+    /// The dispatcher's count of claimed JSON bytes, which held outcomes
+    /// join ([`Held`]).
+    held_bytes: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Completer {
@@ -64,9 +73,10 @@ impl Completer {
         faults: Faults,
         progress: Arc<Notify>,
         encoders: Encoders,
+        held_bytes: Arc<std::sync::atomic::AtomicU64>,
     ) -> Completer {
         let finishes = FinishPool::beside(pool, FINALIZERS as u32);
-        Completer { finishes, worker: worker.to_owned(), lease, faults, progress, encoders }
+        Completer { finishes, worker: worker.to_owned(), lease, faults, progress, encoders, held_bytes }
     }
 
     /// Record completions in batches: whatever has arrived while earlier
@@ -89,7 +99,7 @@ impl Completer {
         loop {
             let first = tokio::select! {
                 c = rx.recv() => match c {
-                    Some(c) => Held { completion: c, tries: 0 },
+                    Some(c) => Held::new(c),
                     None => break,
                 },
                 Some(h) = again.recv() => h,
@@ -104,7 +114,7 @@ impl Completer {
             }
             while batch.len() < 256 {
                 match rx.try_recv() {
-                    Ok(c) => batch.push(Held { completion: c, tries: 0 }),
+                    Ok(c) => batch.push(Held::new(c)),
                     Err(_) => break,
                 }
             }
@@ -125,7 +135,7 @@ impl Completer {
                 let mut held = Vec::new();
                 for ((c, r), tries) in batch.into_iter().zip(results).zip(tries) {
                     match r {
-                        Finished::KeyHeld => held.push(Held { completion: c, tries: tries + 1 }),
+                        Finished::KeyHeld => held.push(me.held(c, tries)),
                         r => c.log(&me.worker, r),
                     }
                 }
@@ -141,6 +151,22 @@ impl Completer {
             warn!(intent_id = %h.completion.intent.id,
                   "stopping with this outcome's ordering key held elsewhere; rescued when its lease expires");
         }
+    }
+
+    /// `c`, found with a key of its events held once more (`tries` times
+    /// before). Its JSON counts against the claims' byte room until it is
+    /// recorded, or claims would go on while held outcomes pile up; the
+    /// request's body and headers, sent already, are not kept.
+    fn held(&self, mut c: Completion, tries: u32) -> Held {
+        if tries == 0 {
+            c.intent.intent.body = None;
+            c.intent.intent.headers = serde_json::Value::Null;
+            // The smaller count is taken before the first is given back, so
+            // the room never looks empty in between.
+            let smaller = super::dispatcher::Counted::add(&self.held_bytes, c.intent.intent.json_bytes() as u64);
+            c.counted = Some(smaller);
+        }
+        Held { completion: c, tries: tries + 1 }
     }
 
     /// Keep the claims of outcomes whose events' keys are held, then hand

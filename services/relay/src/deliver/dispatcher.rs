@@ -91,12 +91,13 @@ pub(super) struct Inner {
     pub(super) handed_running: Arc<AtomicU64>,
 }
 
-/// A task's share of a count ([`Inner::held_bytes`], [`Inner::handed_running`]),
-/// given back when the task ends.
-struct Counted(Arc<AtomicU64>, u64);
+/// A share of a count ([`Inner::held_bytes`], [`Inner::handed_running`]),
+/// given back when it is dropped: when its task ends, or when the outcome
+/// the completer holds is recorded.
+pub(super) struct Counted(Arc<AtomicU64>, u64);
 
 impl Counted {
-    fn add(count: &Arc<AtomicU64>, n: u64) -> Counted {
+    pub(super) fn add(count: &Arc<AtomicU64>, n: u64) -> Counted {
         count.fetch_add(n, Ordering::Relaxed);
         Counted(count.clone(), n)
     }
@@ -132,8 +133,16 @@ impl Dispatcher {
                 .collect(),
         );
         let progress = Arc::new(tokio::sync::Notify::new());
-        let completer =
-            Arc::new(Completer::new(&pool, &worker, settings.lease, faults.clone(), progress.clone(), encoders));
+        let held_bytes = Arc::<AtomicU64>::default();
+        let completer = Arc::new(Completer::new(
+            &pool,
+            &worker,
+            settings.lease,
+            faults.clone(),
+            progress.clone(),
+            encoders,
+            held_bytes.clone(),
+        ));
         // Intent claims wait for the disk (D5): see ClaimCommit. Deliberately
         // wrong when sabotaged.
         let commit = if faults.sabotage().claims_async { ClaimCommit::Async } else { ClaimCommit::Durable };
@@ -154,7 +163,7 @@ impl Dispatcher {
             progress,
             desk,
             reconcilers,
-            held_bytes: Arc::default(),
+            held_bytes,
             handed_running: Arc::default(),
         };
         Ok(Dispatcher { inner: Arc::new(inner) })
@@ -386,9 +395,11 @@ impl Dispatcher {
             None => Counted::add(&self.inner.held_bytes, intent.intent.json_bytes() as u64),
             Some(_) => Counted::add(&self.inner.handed_running, 1),
         };
+        // A claimed intent's bytes stay counted until its outcome is recorded.
+        let keeps_bytes = room.is_none();
         tasks.spawn(async move {
-            let (_room, _counted) = (room, counted);
-            let completion = {
+            let _room = room;
+            let mut completion = {
                 let _busy = busy;
                 let send_by = me.inner.executor.send_by(&intent, claimed_at);
                 match me.inner.executor.execute(intent, send_by, &permits).await? {
@@ -406,6 +417,9 @@ impl Dispatcher {
             // busy with a slow commit holds up the outcomes, not the
             // next calls. This task still counts against the claim
             // loop's bound until its outcome is handed over.
+            if keeps_bytes {
+                completion.counted = Some(counted);
+            }
             me.hand_over(completion, &done_tx).await;
             Ok(())
         });

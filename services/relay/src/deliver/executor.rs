@@ -212,8 +212,17 @@ impl Executor {
         let attempted = matches!(tried, Tried::Attempt(_));
         let answer = reads_answer.then(|| super::outcome::answer_of(&result, client.config().response_bytes, "call"));
         let next = decision.next;
-        let done =
-            Completion { intent, next, attempt, attempted, result, started, answer: None, effects_dropped: None };
+        let done = Completion {
+            intent,
+            next,
+            attempt,
+            attempted,
+            result,
+            started,
+            answer: None,
+            effects_dropped: None,
+            counted: None,
+        };
         Ok(Ok(done.answered(answer.flatten())))
     }
 }

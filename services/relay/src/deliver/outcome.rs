@@ -43,6 +43,9 @@ pub struct Completion {
     /// Why its outcome's effects are not recorded with it (they could not
     /// be rendered from the answer, or an event does not fit its schema).
     pub(super) effects_dropped: Option<String>,
+    /// Its claimed JSON's share of the claims' byte room, given back once
+    /// the outcome is recorded (or dropped).
+    pub(super) counted: Option<super::dispatcher::Counted>,
 }
 
 impl Completion {
@@ -145,6 +148,7 @@ impl Completion {
             started: std::time::Instant::now(),
             answer: None,
             effects_dropped: None,
+            counted: None,
         }
     }
 

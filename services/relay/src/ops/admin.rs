@@ -817,8 +817,15 @@ impl Operator {
         // The outcome goes the way a call's does: fenced by the operator's
         // lease, its effects recorded in the same transaction.
         let progress = std::sync::Arc::new(tokio::sync::Notify::new());
-        let completer =
-            Completer::new(&self.pool, &worker, lease, crate::Faults::none(), progress, self.encoders.clone());
+        let completer = Completer::new(
+            &self.pool,
+            &worker,
+            lease,
+            crate::Faults::none(),
+            progress,
+            self.encoders.clone(),
+            Default::default(),
+        );
         let mut done = [Completion::resolved(intent, next, why)];
         let finished = completer.finalize(&mut done).await;
         let dropped = done[0].effects_dropped().map(str::to_owned);
