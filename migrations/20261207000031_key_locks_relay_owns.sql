@@ -6,50 +6,63 @@
 -- can be locked only by a role with UPDATE on the table: relay's own, and
 -- the front door's functions, which run as relay.
 --
--- A key's slot is 16 bits of the SHA-256 of its name, in one of four
--- spaces (route intents, route outbox rows, application intents,
--- application outbox rows); relay_store::ordering computes the same slot.
--- The table holds every slot from the start (4 × 65 536 rows, about 10 MB
--- with its index): a slot inserted on first use would make the first
--- writers of a key wait on each other's uncommitted inserts, and a writer
--- that must never wait (the completer, which skips locked slots) could not
--- skip those. Two keys that share a slot only wait for each other.
+-- A key's lock is the row (deployment, slot): the slot is 20 bits of the
+-- SHA-256 of the key's name, in one of four spaces (route intents, route
+-- outbox rows, application intents, application outbox rows), as
+-- relay_store::ordering computes it. Rows are written on a slot's first
+-- use and kept, so a deployment has at most 4 × 2^20 of them; two keys that
+-- share a slot only wait for each other, rarely: two batches of 200 keys
+-- share one about once in 25. A deployment's rows are its own, so an
+-- application can hold no other deployment's keys.
 SET LOCAL lock_timeout = '5s';
 
-CREATE TABLE relay.key_locks (slot integer NOT NULL) WITH (fillfactor = 100);
--- Slots below zero are the singletons: -1 the front door's registration,
--- -2 the retention cleaner.
-INSERT INTO relay.key_locks (slot) SELECT g FROM generate_series(-2, 4 * 65536 - 1) g;
-ALTER TABLE relay.key_locks ADD PRIMARY KEY (slot);
+CREATE TABLE relay.key_locks (
+    consumer text    COLLATE "C" NOT NULL,
+    slot     integer NOT NULL,
+    CONSTRAINT key_locks_pkey PRIMARY KEY (consumer, slot)
+);
+-- The singletons, of no deployment: -1 the front door's registration, -2
+-- the retention cleaner.
+INSERT INTO relay.key_locks (consumer, slot) VALUES ('', -1), ('', -2);
 REVOKE ALL ON relay.key_locks FROM PUBLIC;
 
 -- The slot of `name` in `space` (0 to 3).
 CREATE FUNCTION relay.key_slot(space integer, name text) RETURNS integer
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
 AS $$
-    SELECT ($1 << 16) | (get_byte(d, 0) << 8) | get_byte(d, 1) FROM (SELECT sha256(convert_to($2, 'UTF8')) AS d) h
+    SELECT ($1 << 20) | (get_byte(d, 0) << 12) | (get_byte(d, 1) << 4) | (get_byte(d, 2) >> 4)
+      FROM (SELECT sha256(convert_to($2, 'UTF8')) AS d) h
 $$;
 
--- Lock the slot of `name` in `space` until the transaction ends. Called
--- by the front door in an application's transaction: a slot another
--- transaction holds for long fails the call after 5 s, saying so, rather
--- than leave it waiting without end.
-CREATE FUNCTION relay.lock_key(space integer, name text) RETURNS void
+-- Lock `slots` of `consumer` until the transaction ends: a slot's row is
+-- written if it is new (a writer of the same new slot waits for this
+-- transaction, as for a lock), then every row is locked, in one order.
+CREATE FUNCTION relay.lock_keys(consumer text, slots integer[]) RETURNS void
     LANGUAGE plpgsql VOLATILE
     SET search_path = pg_catalog, pg_temp
-    SET lock_timeout = '5s'
 AS $$
 BEGIN
-    PERFORM 1 FROM relay.key_locks k WHERE k.slot = relay.key_slot(lock_key.space, lock_key.name) FOR UPDATE;
-EXCEPTION WHEN lock_not_available THEN
-    RAISE EXCEPTION 'relay: waited 5 s for an ordering key another transaction holds'
-        USING ERRCODE = 'lock_not_available',
-              HINT = 'another transaction that publishes or calls with this key (or one sharing its lock) is still '
-                     'open: commit it, or retry this transaction later';
+    INSERT INTO relay.key_locks (consumer, slot)
+    SELECT lock_keys.consumer, u.s FROM (SELECT DISTINCT s FROM unnest(lock_keys.slots) s) u ORDER BY u.s
+    ON CONFLICT DO NOTHING;
+    PERFORM 1 FROM relay.key_locks k WHERE k.consumer = lock_keys.consumer AND k.slot = ANY(lock_keys.slots)
+      ORDER BY k.slot FOR UPDATE;
 END
 $$;
 
-REVOKE ALL ON FUNCTION relay.key_slot(integer, text), relay.lock_key(integer, text) FROM PUBLIC;
+-- Lock the key `name` in `space` of `consumer`, as the front door does in
+-- an application's transaction: a key another transaction holds for long
+-- fails the call after 5 s rather than leave it waiting without end.
+CREATE FUNCTION relay.lock_key(consumer text, space integer, name text) RETURNS void
+    LANGUAGE sql VOLATILE
+    SET search_path = pg_catalog, pg_temp
+    SET lock_timeout = '5s'
+AS $$
+    SELECT relay.lock_keys($1, ARRAY[relay.key_slot($2, $3)])
+$$;
+
+REVOKE ALL ON FUNCTION relay.key_slot(integer, text), relay.lock_keys(text, integer[]),
+    relay.lock_key(text, integer, text) FROM PUBLIC;
 
 CREATE OR REPLACE FUNCTION relay.call(
     endpoint        text,
@@ -180,7 +193,7 @@ BEGIN
     -- to share a route key's slot cannot make the route's writers wait on an
     -- application's open transaction.
     IF call.ordering_key IS NOT NULL THEN
-        PERFORM relay.lock_key(2, door.consumer || chr(2) || stored_ordering_key);
+        PERFORM relay.lock_key(door.consumer, 2, door.consumer || chr(2) || stored_ordering_key);
     END IF;
     INSERT INTO relay.intents (id, consumer, source_event_id, action, endpoint, method, path, body, request_headers,
                                idempotency_key, ordering_key, max_attempts, expires_at, on_success, on_dead,
@@ -317,7 +330,7 @@ BEGIN
     -- (one that ends dead, say) never holds a route's events of its Kafka
     -- key, and locked in the applications' own space of slots.
     IF in_order THEN
-        PERFORM relay.lock_key(3, door.consumer || chr(2) || publish.topic || chr(1) || ordering);
+        PERFORM relay.lock_key(door.consumer, 3, door.consumer || chr(2) || publish.topic || chr(1) || ordering);
     END IF;
     INSERT INTO relay.outbox (id, consumer, source_id, action, topic, key, headers, payload, event_type, ordering_key)
     VALUES (row_id, door.consumer, publish.id, 'application', publish.topic, key_bytes, hs,

@@ -220,11 +220,12 @@ async fn the_console_shows_a_dead_intent_and_replaying_it_makes_it_succeed() {
         let poison = relay_core::Poison::new(relay_core::PoisonClass::TemplateError, "no order id (seeded)");
         let head = TestEvent::new("evt-head", "order.placed", json!({})).key("k-1").record(&h.topic, 1000);
         let head_id =
-            relay_store::dead_letters::insert(&mut conn, &h.consumer, &head, &poison, 1, false).await.unwrap();
+            relay_store::dead_letters::insert(&mut conn, &h.consumer, &head, &poison, 1, false, 1 << 20).await.unwrap();
         relay_store::holds::open(&mut conn, &h.consumer, &head).await.unwrap();
         let held = order("evt-held", "o-held").key("k-1").record(&h.topic, 1001);
         let why = relay_core::Poison::new(relay_core::PoisonClass::Held, "held (seeded)");
-        let held_id = relay_store::dead_letters::insert(&mut conn, &h.consumer, &held, &why, 1, true).await.unwrap();
+        let held_id =
+            relay_store::dead_letters::insert(&mut conn, &h.consumer, &held, &why, 1, true, 1 << 20).await.unwrap();
         (head_id.unwrap().to_string(), held_id.unwrap().to_string())
     };
     let rows: Vec<String> =

@@ -1543,3 +1543,34 @@ async fn outcomes_held_behind_a_key_count_against_the_claims_byte_room() {
     run.stop().await.unwrap();
     assert_eq!(h.provider.stats().requests, 8);
 }
+
+// Key locks were 65 536 slots shared by every deployment of the database:
+// an application of one deployment holding a slot (or all of them, in one
+// open transaction) made another deployment's writers of keys in those
+// slots wait. A deployment's slots are now rows of its own.
+#[tokio::test]
+async fn a_deployment_s_key_slots_are_its_own_and_computed_alike_in_rust_and_sql() {
+    use relay_store::ordering::{Key, lock};
+    let db = relay_testkit::TestDb::new().await.unwrap();
+    let key = Key::Outbox { topic: "orders.events", key: "app:o-1" };
+    let slot = key.slot("b");
+    let in_sql: i32 =
+        sqlx::query_scalar("SELECT relay.key_slot(3, 'b' || chr(2) || 'orders.events' || chr(1) || 'app:o-1')")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(slot, in_sql, "relay.key_slot and Key::slot agree");
+    let mut a = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT relay.lock_keys('a', ARRAY[$1])").bind(slot).execute(&mut *a).await.unwrap();
+    let mut b = db.pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL lock_timeout = '200ms'").execute(&mut *b).await.unwrap();
+    lock(&mut b, "b", [key]).await.expect("deployment b's key waits on no slot of deployment a");
+    b.rollback().await.unwrap();
+    let mut again = db.pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL lock_timeout = '200ms'").execute(&mut *again).await.unwrap();
+    let held = sqlx::query("SELECT relay.lock_keys('a', ARRAY[$1])").bind(slot).execute(&mut *again).await;
+    let refused = held.expect_err("deployment a's slot is held");
+    assert_eq!(refused.as_database_error().and_then(|d| d.code()).as_deref(), Some("55P03"));
+    again.rollback().await.unwrap();
+    a.rollback().await.unwrap();
+}

@@ -299,7 +299,10 @@ async fn the_cli_prints_no_control_character_a_record_carried() {
     let poison = relay_core::Poison::new(relay_core::PoisonClass::BadField, format!("reason {evil}"))
         .with_identity(Some(&format!("evt{evil}")), Some("order.placed"));
     let mut conn = db.conn().await.unwrap();
-    let id = relay_store::dead_letters::insert(&mut conn, "shop", &record, &poison, 1, false).await.unwrap().unwrap();
+    let id = relay_store::dead_letters::insert(&mut conn, "shop", &record, &poison, 1, false, 1 << 20)
+        .await
+        .unwrap()
+        .unwrap();
     let config = write_config("[consumer]\nname = \"shop\"\n[kafka]\nbootstrap_servers = \"127.0.0.1:1\"\n");
     let cli = |args: &[&str]| output(relay().env("DATABASE_URL", &db.url).arg("--config").arg(&config).args(args));
     for args in [vec!["dead-letters", "list"], vec!["dead-letters", "show", &id.to_string()]] {

@@ -1841,14 +1841,28 @@ async fn another_record_at_a_parked_record_s_position_is_parked_too_and_a_redeli
     let again = first.clone();
     let other = TestEvent::new("evt-2", "order.placed", json!({"order_id": "o-2"})).record("orders", 7);
     assert_eq!((first.partition, first.offset), (other.partition, other.offset), "one position");
-    assert!(dead_letters::insert(&mut conn, "c", &first, &poison, 1, false).await.unwrap().is_some());
+    assert!(dead_letters::insert(&mut conn, "c", &first, &poison, 1, false, 1024).await.unwrap().is_some());
     assert!(
-        dead_letters::insert(&mut conn, "c", &again, &poison, 1, false).await.unwrap().is_none(),
+        dead_letters::insert(&mut conn, "c", &again, &poison, 1, false, 1024).await.unwrap().is_none(),
         "the same record redelivered is parked once"
     );
     assert!(
-        dead_letters::insert(&mut conn, "c", &other, &poison, 1, false).await.unwrap().is_some(),
+        dead_letters::insert(&mut conn, "c", &other, &poison, 1, false, 1024).await.unwrap().is_some(),
         "another record at the same position is parked too"
     );
     assert_eq!(db.count("dead_letters", "true").await, 2);
+
+    // A record over the limit (a compressed batch inflated far past it) is
+    // stored cut to the limit, saying so: whole, it filled the disk at a
+    // thousand times the rate it came in.
+    let mut big = TestEvent::new("evt-3", "order.placed", json!({"order_id": "o-3"})).record("orders", 8);
+    big.payload = Some(vec![b'x'; 5000]);
+    dead_letters::insert(&mut conn, "c", &big, &poison, 1, false, 1024).await.unwrap().unwrap();
+    let (stored, reason): (i32, String) =
+        sqlx::query_as("SELECT octet_length(payload), reason FROM relay.dead_letters WHERE \"offset\" = 8")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(stored, 1024);
+    assert!(reason.ends_with("stored: the first 1024 bytes of its key (0 bytes) and payload (5000 bytes)"), "{reason}");
 }

@@ -126,6 +126,8 @@ fn the_deployment_probes_health_reads_secrets_from_secrets_and_has_a_disruption_
     let (_, docs) = render(&prod.iter().map(String::as_str).collect::<Vec<_>>());
     let deployment = one(&docs, "Deployment");
     assert_eq!(deployment["spec"]["replicas"].as_i64(), Some(3));
+    // Old pods stop before new ones start: relay's upgrades do not mix versions.
+    assert_eq!(deployment["spec"]["strategy"]["type"].as_str(), Some("Recreate"));
     let pod = &deployment["spec"]["template"];
     let container = &pod["spec"]["containers"][0];
     assert_eq!(container["image"].as_str(), Some("registry.example.com/payments/relay:0.1.0"));

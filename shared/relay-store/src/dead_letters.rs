@@ -14,6 +14,11 @@ use crate::headers;
 /// offset commit); another record at a parked one's position (the topic
 /// created again since) is parked beside it.
 /// `held`: it is parked behind the hold of its key ([`crate::holds`]).
+/// Of its key and payload at most `keep` bytes each are stored, the reason
+/// saying so: a record over the limit (a compressed batch inflated to
+/// hundreds of megabytes, say) is never processed as it is, and stored
+/// whole it would fill the database's disk at a thousand times the rate it
+/// came in.
 pub async fn insert(
     conn: &mut PgConnection,
     consumer: &str,
@@ -21,7 +26,23 @@ pub async fn insert(
     poison: &Poison,
     attempts: i32,
     held: bool,
+    keep: usize,
 ) -> Result<Option<i64>, sqlx::Error> {
+    fn cut(b: &Option<Vec<u8>>, keep: usize) -> Option<&[u8]> {
+        b.as_deref().map(|b| &b[..b.len().min(keep)])
+    }
+    let (key, payload) = (cut(&record.key, keep), cut(&record.payload, keep));
+    let len = |b: &Option<Vec<u8>>| b.as_ref().map_or(0, Vec::len);
+    let reason = if len(&record.key) > keep || len(&record.payload) > keep {
+        format!(
+            "{}; stored: the first {keep} bytes of its key ({} bytes) and payload ({} bytes)",
+            poison.reason,
+            len(&record.key),
+            len(&record.payload)
+        )
+    } else {
+        poison.reason.clone()
+    };
     sqlx::query_scalar(
         r#"INSERT INTO relay.dead_letters
                (consumer, topic, partition, "offset", event_id, event_type, key, payload, headers,
@@ -39,11 +60,11 @@ pub async fn insert(
     .bind(record.offset)
     .bind(&poison.event_id)
     .bind(&poison.event_type)
-    .bind(&record.key)
-    .bind(&record.payload)
+    .bind(key)
+    .bind(payload)
     .bind(headers::to_json(&record.headers))
     .bind(poison.class.as_str())
-    .bind(&poison.reason)
+    .bind(reason)
     .bind(attempts)
     .bind(held)
     .fetch_optional(conn)

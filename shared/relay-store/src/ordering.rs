@@ -25,16 +25,18 @@
 //!
 //! A key's lock is a row of `relay.key_locks` (migration 31), locked
 //! `FOR UPDATE`: a table relay owns, so no other role can take a key's lock
-//! and stall its partition, as any role could take an advisory lock. The
-//! table holds a fixed set of slots, 65 536 per space ([`Key::slot`]): two
-//! keys that share a slot wait for each other, which costs a wait and
-//! nothing else. Intents' and outbox rows' keys have spaces of their own,
-//! and the keys applications give (stored as `app:KEY`, locked by the front
-//! door's SQL functions) two more: a key an application chose to share a
-//! route key's slot could otherwise make the route's batches wait on the
-//! application's open transaction.
+//! and stall its partition, as any role could take an advisory lock. A row
+//! is a deployment's slot ([`Key::slot`]: 2^20 per space), written on the
+//! slot's first use and kept: two keys that share a slot wait for each
+//! other, which costs a wait and nothing else. Intents' and outbox rows'
+//! keys have spaces of their own, and the keys applications give (stored as
+//! `app:KEY`, locked by the front door's SQL functions) two more: a key an
+//! application chose to share a route key's slot could otherwise make the
+//! route's batches wait on the application's open transaction.
 
 use std::collections::HashSet;
+
+use sqlx::Connection;
 
 use relay_core::ids::APP_KEY_PREFIX;
 use sqlx::PgConnection;
@@ -71,7 +73,7 @@ pub fn keys_of(effects: &relay_core::Effects) -> impl Iterator<Item = Key<'_>> {
 
 impl Key<'_> {
     /// This key's slot in `relay.key_locks` for `consumer`: its space, then
-    /// 16 bits of the SHA-256 of its name, as `relay.key_slot` computes it.
+    /// 20 bits of the SHA-256 of its name, as `relay.key_slot` computes it.
     pub fn slot(&self, consumer: &str) -> i32 {
         use sha2::{Digest, Sha256};
         // Namespaced by consumer, as the claims compare keys: two
@@ -87,7 +89,7 @@ impl Key<'_> {
             ),
         };
         let d = Sha256::digest(name.as_bytes());
-        (space << 16) | (i32::from(d[0]) << 8) | i32::from(d[1])
+        (space << 20) | (i32::from(d[0]) << 12) | (i32::from(d[1]) << 4) | (i32::from(d[2]) >> 4)
     }
 }
 
@@ -103,24 +105,63 @@ pub async fn lock<'a>(
     if slots.is_empty() || crate::sabotage::is(consumer, crate::sabotage::Broken::OrderingByInsert) {
         return Ok(());
     }
-    sqlx::query(LOCK).bind(&slots).execute(conn).await?;
+    sqlx::query("SELECT relay.lock_keys($1, $2)").bind(consumer).bind(&slots).execute(conn).await?;
     Ok(())
 }
 
-/// Lock those of `slots` ([`Key::slot`]) that no other transaction holds,
-/// without waiting, for the rest of the transaction `conn` is in; returns
-/// the slots it locked. A writer that must not wait (one batch of many keys,
-/// any of which an application may hold for as long as its transaction
-/// stays open) writes the rows of the keys it got and leaves the others for
-/// later.
-pub async fn try_lock_slots(conn: &mut PgConnection, slots: &[i32]) -> Result<HashSet<i32>, sqlx::Error> {
+/// A deployment's slot ([`Key::slot`]).
+pub type Slot<'a> = (&'a str, i32);
+
+/// Write the rows of `slots` that are new, each in a transaction of its
+/// own, before [`try_lock_slots`] (which cannot lock a row that does not
+/// exist). A new slot another transaction wrote and has not committed is
+/// waited for at most 100 ms and then left out: that transaction holds it.
+/// Transient errors are returned; a slot left out is found held.
+pub async fn write_slots(conn: &mut PgConnection, slots: &[Slot<'_>]) -> Result<(), sqlx::Error> {
+    async fn write(conn: &mut PgConnection, slots: &[Slot<'_>]) -> Result<bool, sqlx::Error> {
+        let mut tx = conn.begin_with("BEGIN; SET LOCAL lock_timeout = '100ms'").await?;
+        let written = sqlx::query(WRITE)
+            .bind(slots.iter().map(|s| s.0).collect::<Vec<_>>())
+            .bind(slots.iter().map(|s| s.1).collect::<Vec<_>>())
+            .execute(&mut *tx)
+            .await;
+        match written {
+            Ok(_) => tx.commit().await.map(|()| true),
+            Err(e) if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("55P03") => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
     let mut slots = slots.to_vec();
     slots.sort_unstable();
     slots.dedup();
+    if slots.is_empty() || write(conn, &slots).await? {
+        return Ok(());
+    }
+    // One new slot is held: the others, one by one, are not.
+    for slot in &slots {
+        write(conn, std::slice::from_ref(slot)).await?;
+    }
+    Ok(())
+}
+
+/// Lock those of `slots` that no other transaction holds, without
+/// waiting, for the rest of the transaction `conn` is in; returns the slots
+/// it locked (a slot whose row does not exist is not: [`write_slots`]
+/// first). A writer that must not wait (one batch of many keys, any of
+/// which an application may hold for as long as its transaction stays open)
+/// writes the rows of the keys it got and leaves the others for later.
+pub async fn try_lock_slots(
+    conn: &mut PgConnection,
+    slots: &[Slot<'_>],
+) -> Result<HashSet<(String, i32)>, sqlx::Error> {
     if slots.is_empty() {
         return Ok(HashSet::new());
     }
-    let got: Vec<i32> = sqlx::query_scalar(TRY_LOCK).bind(&slots).fetch_all(conn).await?;
+    let got: Vec<(String, i32)> = sqlx::query_as(TRY_LOCK)
+        .bind(slots.iter().map(|s| s.0).collect::<Vec<_>>())
+        .bind(slots.iter().map(|s| s.1).collect::<Vec<_>>())
+        .fetch_all(conn)
+        .await?;
     Ok(got.into_iter().collect())
 }
 
@@ -132,11 +173,15 @@ fn slots<'a>(consumer: &str, keys: impl IntoIterator<Item = Key<'a>>) -> Vec<i32
     slots
 }
 
-/// `$1` slots. The rows are sorted before they are locked, so they are
-/// locked in the sorted order.
-const LOCK: &str = "SELECT 1 FROM relay.key_locks WHERE slot = ANY($1) ORDER BY slot FOR UPDATE";
-/// [`LOCK`], skipping the slots another transaction holds.
-const TRY_LOCK: &str = "SELECT slot FROM relay.key_locks WHERE slot = ANY($1) ORDER BY slot FOR UPDATE SKIP LOCKED";
+/// `$1` consumers, `$2` slots: the rows that are new.
+const WRITE: &str = "INSERT INTO relay.key_locks (consumer, slot)
+     SELECT c, s FROM unnest($1::text[], $2::int4[]) AS t(c, s) ORDER BY c, s
+     ON CONFLICT DO NOTHING";
+/// `$1` consumers, `$2` slots, locked in one order, skipping the rows
+/// another transaction holds.
+const TRY_LOCK: &str = "SELECT k.consumer, k.slot FROM relay.key_locks k
+      JOIN unnest($1::text[], $2::int4[]) AS t(c, s) ON k.consumer = t.c AND k.slot = t.s
+     ORDER BY k.consumer, k.slot FOR UPDATE OF k SKIP LOCKED";
 
 /// The singletons' rows of `relay.key_locks`: what only one relay process
 /// may do at a time.
@@ -150,7 +195,10 @@ pub enum Singleton {
 
 /// Take `which` for the rest of the transaction, waiting for its holder.
 pub async fn lock_singleton(conn: &mut PgConnection, which: Singleton) -> Result<(), sqlx::Error> {
-    sqlx::query("SELECT 1 FROM relay.key_locks WHERE slot = $1 FOR UPDATE").bind(which as i32).execute(conn).await?;
+    sqlx::query("SELECT 1 FROM relay.key_locks WHERE consumer = '' AND slot = $1 FOR UPDATE")
+        .bind(which as i32)
+        .execute(conn)
+        .await?;
     Ok(())
 }
 
@@ -158,7 +206,7 @@ pub async fn lock_singleton(conn: &mut PgConnection, which: Singleton) -> Result
 /// (`false`: another does).
 pub async fn try_lock_singleton(conn: &mut PgConnection, which: Singleton) -> Result<bool, sqlx::Error> {
     let got: Option<i32> =
-        sqlx::query_scalar("SELECT slot FROM relay.key_locks WHERE slot = $1 FOR UPDATE SKIP LOCKED")
+        sqlx::query_scalar("SELECT slot FROM relay.key_locks WHERE consumer = '' AND slot = $1 FOR UPDATE SKIP LOCKED")
             .bind(which as i32)
             .fetch_optional(conn)
             .await?;

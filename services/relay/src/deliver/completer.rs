@@ -366,21 +366,23 @@ impl Completer {
             .zip(outcomes)
             .map(|(c, o)| o.as_ref().map_or_else(Vec::new, |o| events_of(c, o, now)))
             .collect();
-        let key_slots: Vec<Vec<i32>> = batch
+        let key_slots: Vec<Vec<ordering::Slot<'_>>> = batch
             .iter()
             .zip(&events)
             .map(|(c, rows)| {
                 let consumer = c.intent.intent.consumer.as_str();
-                outbox::ordering_keys(rows.iter().map(|r| &r.1)).map(|k| k.slot(consumer)).collect()
+                outbox::ordering_keys(rows.iter().map(|r| &r.1)).map(|k| (consumer, k.slot(consumer))).collect()
             })
             .collect();
-        let mut tx = sqlx::Connection::begin_with(&mut *conn, relay_store::BEGIN_BOUNDED).await?;
         // Keys another transaction holds are skipped, never waited for: an
         // outcome with such a key waits for a later batch (KeyHeld), and the
         // others are recorded now.
-        let all: Vec<i32> = key_slots.iter().flatten().copied().collect();
+        let all: Vec<ordering::Slot<'_>> = key_slots.iter().flatten().copied().collect();
+        ordering::write_slots(&mut conn, &all).await?;
+        let mut tx = sqlx::Connection::begin_with(&mut *conn, relay_store::BEGIN_BOUNDED).await?;
         let got = ordering::try_lock_slots(&mut tx, &all).await?;
-        let held: Vec<bool> = key_slots.iter().map(|s| !s.iter().all(|s| got.contains(s))).collect();
+        let held: Vec<bool> =
+            key_slots.iter().map(|s| !s.iter().all(|&(c, s)| got.contains(&(c.to_owned(), s)))).collect();
         let items: Vec<Finish> = items.into_iter().zip(&held).filter(|(_, h)| !**h).map(|(f, _)| f).collect();
         let ours: Ours = intents::finish_many(&mut tx, &items).await?.into_iter().collect();
         let recorded = |i: usize| !held[i] && mine(&batch[i], &ours);

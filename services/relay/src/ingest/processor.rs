@@ -925,7 +925,8 @@ impl Processor {
         let clean = sanitized(poison);
         let attempts_i32 = i32::try_from(attempts).unwrap_or(i32::MAX);
         let held = poison.class == PoisonClass::Held;
-        let parked = dead_letters::insert(conn, consumer, record, &clean, attempts_i32, held).await?;
+        let keep = self.router.max_record_bytes();
+        let parked = dead_letters::insert(conn, consumer, record, &clean, attempts_i32, held, keep).await?;
         if !held && self.router.holds_key(&record.topic, route) {
             if record.key.is_some() {
                 // Also when it was parked already (a redelivery, or hold_key

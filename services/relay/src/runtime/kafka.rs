@@ -45,6 +45,10 @@ fn required(role: Role) -> &'static [(&'static str, &'static str)] {
     }
 }
 
+/// The most a consumer's compressed batch inflates to, and the most one
+/// fetch response holds.
+pub const MAX_INFLATED_BATCH: usize = 8 * 1024 * 1024;
+
 /// `auto.offset.reset` values that never skip records: librdkafka's names for
 /// the earliest offset, and `error` (no reset at all).
 const SAFE_OFFSET_RESETS: &[&str] = &["earliest", "smallest", "beginning", "error"];
@@ -68,6 +72,16 @@ pub fn client_config(cfg: &KafkaConfig, role: Role) -> Result<ClientConfig, Conf
             // raise it (kafka.consumer_properties) for large records over a
             // slow link.
             c.set("max.partition.fetch.bytes", "65536");
+            // librdkafka inflates a zstd batch up to receive.message.max.bytes
+            // (100 MB by default) before relay sees any of its records, and a
+            // fetch of 64 KiB can carry twenty small batches that each inflate
+            // that far: gigabytes per partition from one hostile producer.
+            // 8 MiB per batch, and a fetch response (fetch.max.bytes) within
+            // it, as librdkafka requires. A batch that inflates past it is
+            // unreadable and parked; raise both for producers whose batches
+            // are larger uncompressed.
+            c.set("fetch.max.bytes", MAX_INFLATED_BATCH.to_string());
+            c.set("receive.message.max.bytes", (MAX_INFLATED_BATCH + 512).to_string());
         }
         Role::Producer => {
             c.set("linger.ms", "5");
@@ -480,5 +494,16 @@ mod tests {
         cfg.secret_properties.insert("auto.offset.reset".into(), "PATH".into());
         let err = client_config(&cfg, Role::Consumer).unwrap_err().to_string();
         assert!(err.contains("sets auto.offset.reset, a property the relay guards"), "{err}");
+    }
+
+    #[test]
+    fn a_consumer_inflates_a_batch_to_8_mib_at_most_and_librdkafka_accepts_it() {
+        let cfg = KafkaConfig { bootstrap_servers: "127.0.0.1:1".into(), ..KafkaConfig::default() };
+        let c = client_config(&cfg, Role::Consumer).unwrap();
+        assert_eq!(c.get("receive.message.max.bytes"), Some("8389120"));
+        assert_eq!(c.get("fetch.max.bytes"), Some("8388608"));
+        // librdkafka checks the two against each other and message.max.bytes.
+        let consumer: Result<rdkafka::consumer::BaseConsumer, _> = c.clone().set("group.id", "g").create();
+        assert!(consumer.is_ok(), "{:?}", consumer.err());
     }
 }
