@@ -6,7 +6,7 @@
 //! here bytes are base64 text, decimals exact decimal text, logical times
 //! RFC 3339 / ISO 8601 text, a union its branch's value, an enum its symbol.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use apache_avro::schema::{FixedSchema, Name, Schema};
 use apache_avro::types::Value as Avro;
@@ -30,6 +30,97 @@ const MAX_FIXED_BYTES: usize = 1024 * 1024;
 /// SQL decimal is the common largest, and a scale of two billion wrote two
 /// billion zeros for a one-byte value.
 const MAX_DECIMAL_SCALE: usize = 1000;
+
+/// The most levels of records, arrays, maps and unions a schema may nest,
+/// counting through named types: each level is a few frames of the
+/// decoder's stack and of relay's own walks of the schema.
+const MAX_SCHEMA_DEPTH: usize = 64;
+
+/// Refuse `schema` if it nests deeper than `max` levels or contains itself
+/// (a recursive type: each level costs a byte of the record and frames of
+/// the decoder's stack, so a record of a few hundred KiB would overflow
+/// it). Computed without recursion over the named types, each once: a walk
+/// that followed every path of shared types took exponential time.
+fn depth_within(schema: &Schema, names: &HashMap<Name, Schema>, max: usize) -> Result<(), String> {
+    /// The levels inside one definition, and the named types it uses with
+    /// the level each is used at. Recursion here is bounded by the nesting
+    /// of one definition's JSON (serde_json stops at 128 levels).
+    fn local<'s>(schema: &'s Schema, level: usize, top: bool, uses: &mut Vec<(&'s Name, usize)>) -> usize {
+        match schema {
+            Schema::Record(r) if !top => {
+                uses.push((&r.name, level));
+                level
+            }
+            Schema::Record(r) => {
+                r.fields.iter().map(|f| local(&f.schema, level + 1, false, uses)).max().unwrap_or(level)
+            }
+            Schema::Ref { name } => {
+                uses.push((name, level));
+                level
+            }
+            Schema::Array(a) => local(&a.items, level + 1, false, uses),
+            Schema::Map(m) => local(&m.types, level + 1, false, uses),
+            Schema::Union(u) => u.variants().iter().map(|v| local(v, level + 1, false, uses)).max().unwrap_or(level),
+            _ => level,
+        }
+    }
+    /// A named type on the walk: its own depth so far, what it uses, and
+    /// how far through them the walk is.
+    struct Frame<'s> {
+        name: &'s Name,
+        depth: usize,
+        uses: Vec<(&'s Name, usize)>,
+        next: usize,
+    }
+    let mut depth: HashMap<&Name, usize> = HashMap::new();
+    let mut on_walk: HashSet<&Name> = HashSet::new();
+    for start in names.keys() {
+        if depth.contains_key(start) {
+            continue;
+        }
+        let mut stack: Vec<Frame<'_>> = Vec::new();
+        fn begin<'s>(name: &'s Name, names: &'s HashMap<Name, Schema>) -> Frame<'s> {
+            let mut uses = Vec::new();
+            let own = names.get(name).map_or(0, |s| local(s, 0, true, &mut uses));
+            Frame { name, depth: own, uses, next: 0 }
+        }
+        on_walk.insert(start);
+        stack.push(begin(start, names));
+        while let Some(top) = stack.last_mut() {
+            if let Some(&(used, at)) = top.uses.get(top.next) {
+                top.next += 1;
+                if let Some(d) = depth.get(used) {
+                    top.depth = top.depth.max(at + d);
+                } else if on_walk.contains(used) {
+                    return Err(format!(
+                        "type {used} contains itself (a recursive schema), which relay does not decode yet"
+                    ));
+                } else if names.contains_key(used) {
+                    on_walk.insert(used);
+                    stack.push(begin(used, names));
+                }
+                continue;
+            }
+            let done = stack.pop().expect("a frame on top");
+            on_walk.remove(done.name);
+            if done.depth > max {
+                return Err(format!("type {} nests {} levels deep, more than the {max} relay decodes", done.name, done.depth));
+            }
+            depth.insert(done.name, done.depth);
+            if let Some(parent) = stack.last_mut() {
+                let at = parent.uses[parent.next - 1].1;
+                parent.depth = parent.depth.max(at + done.depth);
+            }
+        }
+    }
+    let mut uses = Vec::new();
+    let own = local(schema, 0, true, &mut uses);
+    let deepest = uses.iter().map(|(n, at)| at + depth.get(n).copied().unwrap_or(0)).max().unwrap_or(0).max(own);
+    if deepest > max {
+        return Err(format!("the schema nests {deepest} levels deep, more than the {max} relay decodes"));
+    }
+    Ok(())
+}
 
 /// `imports` ordered so that each comes after those it uses (apache-avro
 /// resolves a list front to back; the registry gives references as a set).
@@ -88,19 +179,18 @@ impl Decoder {
             .map(|(n, s)| (n.clone(), (*s).clone()))
             .collect();
         let d = Decoder { schema, imports, names };
-        // Each level of a recursive type costs a byte of the record and a
-        // frame of the decoder's stack: a record of a few hundred KiB would
-        // overflow it. Refused until decoding bounds its depth.
-        if let Some(name) = d.names.keys().find(|n| d.reaches(&d.names[*n], n, &mut Vec::new())) {
-            return Err(format!("type {name} contains itself (a recursive schema), which relay does not decode yet"));
-        }
-        if let Some(at) = d.free_items(&d.schema, &mut Vec::new()) {
+        // Before any check that walks the schema by recursion: a chain of
+        // named types, each the field of the next, is flat in the schema's
+        // JSON and as deep as it is long, and thousands of links overflowed
+        // the stack of those checks and of the decoder.
+        depth_within(&d.schema, &d.names, MAX_SCHEMA_DEPTH)?;
+        if let Some(at) = d.free_items(&d.schema, &mut HashSet::new()) {
             return Err(format!(
                 "{at} holds items encoded in zero bytes (null, fixed of size 0, or records of only those): \
                  a few bytes of a record could claim any number of them, so relay refuses the schema"
             ));
         }
-        if let Some(why) = d.oversized(&d.schema, &mut Vec::new()) {
+        if let Some(why) = d.oversized(&d.schema, &mut HashSet::new()) {
             return Err(format!("{why}, so relay refuses the schema"));
         }
         Ok(d)
@@ -111,7 +201,7 @@ impl Decoder {
     /// than a record (its buffer is made before a byte is read), or a
     /// decimal whose scale prints more digits than a record could carry
     /// (its text is written whole before any bound on the JSON applies).
-    fn oversized<'s>(&'s self, schema: &'s Schema, seen: &mut Vec<&'s Name>) -> Option<String> {
+    fn oversized<'s>(&'s self, schema: &'s Schema, seen: &mut HashSet<&'s Name>) -> Option<String> {
         let fixed = |f: &FixedSchema| {
             (f.size > MAX_FIXED_BYTES)
                 .then(|| format!("fixed {} is {} bytes, over the {MAX_FIXED_BYTES} relay reads", f.name, f.size))
@@ -130,17 +220,17 @@ impl Decoder {
             Schema::Map(m) => self.oversized(&m.types, seen),
             Schema::Union(u) => u.variants().iter().find_map(|v| self.oversized(v, seen)),
             Schema::Record(r) => {
-                if seen.contains(&&r.name) {
+                if seen.contains(&r.name) {
                     return None;
                 }
-                seen.push(&r.name);
+                seen.insert(&r.name);
                 r.fields
                     .iter()
                     .find_map(|f| self.oversized(&f.schema, seen).map(|w| format!("field {:?}: {w}", f.name)))
             }
             Schema::Ref { name } => match self.names.get(name) {
-                Some(s) if !seen.contains(&name) => {
-                    seen.push(name);
+                Some(s) if !seen.contains(name) => {
+                    seen.insert(name);
                     self.oversized(s, seen)
                 }
                 _ => None,
@@ -151,63 +241,41 @@ impl Decoder {
 
     /// Where `schema` has an array or a map whose items encode in zero
     /// bytes, if anywhere. `seen`: named types on the way (recursion).
-    fn free_items<'s>(&'s self, schema: &'s Schema, seen: &mut Vec<&'s Name>) -> Option<String> {
+    fn free_items<'s>(&'s self, schema: &'s Schema, seen: &mut HashSet<&'s Name>) -> Option<String> {
         match schema {
-            Schema::Array(a) if self.zero_size(&a.items, &mut Vec::new()) => Some("an array".into()),
-            Schema::Map(m) if self.zero_size(&m.types, &mut Vec::new()) => Some("a map".into()),
+            Schema::Array(a) if self.zero_size(&a.items, &mut HashSet::new()) => Some("an array".into()),
+            Schema::Map(m) if self.zero_size(&m.types, &mut HashSet::new()) => Some("a map".into()),
             Schema::Array(a) => self.free_items(&a.items, seen),
             Schema::Map(m) => self.free_items(&m.types, seen),
             Schema::Union(u) => u.variants().iter().find_map(|v| self.free_items(v, seen)),
             Schema::Record(r) => {
-                if seen.contains(&&r.name) {
+                if seen.contains(&r.name) {
                     return None;
                 }
-                seen.push(&r.name);
+                seen.insert(&r.name);
                 r.fields.iter().find_map(|f| {
                     self.free_items(&f.schema, seen).map(|at| format!("field {:?} of {}: {at}", f.name, r.name))
                 })
             }
             Schema::Ref { name } => match self.names.get(name) {
-                Some(s) if !seen.contains(&name) => self.free_items(s, seen),
+                Some(s) if !seen.contains(name) => self.free_items(s, seen),
                 _ => None,
             },
             _ => None,
         }
     }
 
-    /// Whether `schema` refers to the named type `target`.
-    fn reaches<'s>(&'s self, schema: &'s Schema, target: &Name, seen: &mut Vec<&'s Name>) -> bool {
-        let children: Vec<&Schema> = match schema {
-            Schema::Array(a) => vec![&a.items],
-            Schema::Map(m) => vec![&m.types],
-            Schema::Union(u) => u.variants().iter().collect(),
-            Schema::Record(r) => r.fields.iter().map(|f| &f.schema).collect(),
-            Schema::Ref { name } => {
-                if name == target {
-                    return true;
-                }
-                if seen.contains(&name) {
-                    return false;
-                }
-                seen.push(name);
-                return self.names.get(name).is_some_and(|s| self.reaches(s, target, seen));
-            }
-            _ => Vec::new(),
-        };
-        children.into_iter().any(|c| self.reaches(c, target, seen))
-    }
-
     /// Whether a value of `schema` encodes in zero bytes.
-    fn zero_size<'s>(&'s self, schema: &'s Schema, seen: &mut Vec<&'s Name>) -> bool {
+    fn zero_size<'s>(&'s self, schema: &'s Schema, seen: &mut HashSet<&'s Name>) -> bool {
         match schema {
             Schema::Null => true,
             Schema::Fixed(f) => f.size == 0,
             Schema::Record(r) => {
                 // A record that contains itself cannot be all zero-size and finite.
-                if seen.contains(&&r.name) {
+                if seen.contains(&r.name) {
                     return false;
                 }
-                seen.push(&r.name);
+                seen.insert(&r.name);
                 r.fields.iter().all(|f| self.zero_size(&f.schema, seen))
             }
             Schema::Ref { name } => self.names.get(name).is_some_and(|s| self.zero_size(s, seen)),
@@ -382,7 +450,7 @@ impl Encoder {
     /// not write, or a default that does not fit (found now, not on each
     /// event).
     pub(crate) fn new(id: u32, schema: Decoder, describe: String) -> Result<Encoder, String> {
-        schema.writable(&schema.schema, "", &mut Vec::new())?;
+        schema.writable(&schema.schema, "", &mut HashSet::new())?;
         Ok(Encoder { id, schema, describe })
     }
 }
@@ -433,16 +501,16 @@ impl relay_core::effects::DataEncoder for Encoder {
 impl Decoder {
     /// Where `schema` has a type the encoder does not write, or a field
     /// default that does not fit its type.
-    fn writable<'s>(&'s self, schema: &'s Schema, at: &str, seen: &mut Vec<&'s Name>) -> Result<(), String> {
+    fn writable<'s>(&'s self, schema: &'s Schema, at: &str, seen: &mut HashSet<&'s Name>) -> Result<(), String> {
         match schema {
             Schema::Array(a) => self.writable(&a.items, &format!("{at}/0"), seen),
             Schema::Map(m) => self.writable(&m.types, &format!("{at}/*"), seen),
             Schema::Union(u) => u.variants().iter().try_for_each(|v| self.writable(v, at, seen)),
             Schema::Record(r) => {
-                if seen.contains(&&r.name) {
+                if seen.contains(&r.name) {
                     return Ok(());
                 }
-                seen.push(&r.name);
+                seen.insert(&r.name);
                 for f in &r.fields {
                     let path = format!("{at}/{}", pointer_token(&f.name));
                     self.writable(&f.schema, &path, seen)?;
@@ -898,6 +966,38 @@ mod tests {
         assert!(err.contains("type Node contains itself"), "{err}");
         let shared = r#"{"type":"record","name":"R","fields":[{"name":"a","type":{"type":"record","name":"P","fields":[{"name":"x","type":"long"}]}},{"name":"b","type":"P"}]}"#;
         assert!(Decoder::parse(shared).is_ok(), "a named type used twice is not recursive");
+    }
+
+    /// A schema of `links` records defined side by side in one record, each
+    /// `a{k}` with `fields_per_link` fields of type `a{k-1}`: flat in JSON,
+    /// as deep as it is long.
+    fn chain(links: usize, fields_per_link: usize) -> String {
+        let mut defs = vec![r#"{"name":"d0","type":{"type":"record","name":"a0","fields":[]}}"#.to_owned()];
+        for k in 1..links {
+            let fields: Vec<String> =
+                (0..fields_per_link).map(|f| format!(r#"{{"name":"x{f}","type":"a{}"}}"#, k - 1)).collect();
+            defs.push(format!(
+                r#"{{"name":"d{k}","type":{{"type":"record","name":"a{k}","fields":[{}]}}}}"#,
+                fields.join(",")
+            ));
+        }
+        format!(r#"{{"type":"record","name":"top","fields":[{}]}}"#, defs.join(","))
+    }
+
+    // A chain of 12 000 named types, each the field of the next, overflowed
+    // the stack of the checks above (an abort: every member that took the
+    // partition died on the same record); a chain of types each used twice
+    // by the next took exponential time to walk.
+    #[test]
+    fn a_schema_nested_deeper_than_64_levels_through_named_types_is_refused_in_linear_time() {
+        let started = std::time::Instant::now();
+        let err = Decoder::parse(&chain(12_000, 1)).err().expect("refused");
+        assert!(err.contains("levels deep, more than the 64 relay decodes"), "{err}");
+        assert!(Decoder::parse(&chain(60, 1)).is_ok(), "60 levels are read");
+        let err = Decoder::parse(&chain(200, 2)).err().expect("refused");
+        assert!(err.contains("more than the 64"), "{err}");
+        assert!(Decoder::parse(&chain(60, 2)).is_ok(), "shared types are walked once");
+        assert!(started.elapsed() < std::time::Duration::from_secs(10), "took {:?}", started.elapsed());
     }
 
     #[test]
