@@ -801,8 +801,9 @@ async fn a_call_s_outcomes_given_by_the_application_are_recorded_once_when_it_en
     cfg.application.as_mut().unwrap().sagas = vec!["order".into()];
     h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
     sqlx::query(
-        "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-1', 'pending', 's')",
+        "INSERT INTO relay.sagas (consumer, saga_type, saga_id, state, last_event_id) VALUES ($1, 'order', 'o-1', 'pending', 's')",
     )
+    .bind(&h.consumer)
     .execute(&h.db.pool)
     .await
     .unwrap();

@@ -526,7 +526,8 @@ async fn an_event_for_an_aggregate_that_never_appears_is_retried_then_parked_and
     assert_eq!(h.inbox().await, 0);
 
     // The aggregate shows up; the operator replays the dead letter: same event id, same guards.
-    sqlx::query("INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-missing', 'pending', 'seed')")
+    sqlx::query("INSERT INTO relay.sagas (consumer, saga_type, saga_id, state, last_event_id) VALUES ($1, 'order', 'o-missing', 'pending', 'seed')")
+        .bind(&h.consumer)
         .execute(&h.db.pool)
         .await
         .unwrap();
@@ -583,8 +584,9 @@ async fn a_parked_record_holds_its_key_and_a_replay_releases_the_held_records_in
     let h = Harness::new(1).await;
     let ev = |id: &str, ty: &str, order: &str, key: &str| TestEvent::new(id, ty, json!({"order_id": order})).key(key);
     sqlx::query(
-        "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-2', 'pending', 's')",
+        "INSERT INTO relay.sagas (consumer, saga_type, saga_id, state, last_event_id) VALUES ($1, 'order', 'o-2', 'pending', 's')",
     )
+    .bind(&h.consumer)
     .execute(&h.db.pool)
     .await
     .unwrap();
@@ -633,7 +635,8 @@ async fn a_parked_record_holds_its_key_and_a_replay_releases_the_held_records_in
     assert_eq!(h.outcome("s-1").await, None);
 
     // o-1 appears; replaying its head applies it, then what was held, in order.
-    sqlx::query("INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-1', 'pending', 's'), ('order', 'o-3', 'pending', 's')")
+    sqlx::query("INSERT INTO relay.sagas (consumer, saga_type, saga_id, state, last_event_id) VALUES ($1, 'order', 'o-1', 'pending', 's'), ($1, 'order', 'o-3', 'pending', 's')")
+        .bind(&h.consumer)
         .execute(&h.db.pool)
         .await
         .unwrap();
@@ -711,9 +714,10 @@ async fn lock_waiters(h: &Harness, n: i64, table: &str) {
 
 /// Order saga `id`, in `state`.
 async fn order_saga(h: &Harness, id: &str, state: &str) {
-    sqlx::query("INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', $1, $2, 's')")
+    sqlx::query("INSERT INTO relay.sagas (consumer, saga_type, saga_id, state, last_event_id) VALUES ($3, 'order', $1, $2, 's')")
         .bind(id)
         .bind(state)
+        .bind(&h.consumer)
         .execute(&h.db.pool)
         .await
         .unwrap();
@@ -1087,7 +1091,8 @@ async fn a_skipped_head_is_never_applied_by_a_later_replay_or_a_redelivery() {
 #[tokio::test]
 async fn saga_moves_are_guarded_and_every_no_op_is_classified() {
     let h = Harness::new(1).await;
-    sqlx::query("INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ('order', 'o-1', 'pending', 's'), ('order', 'o-2', 'shipped', 's')")
+    sqlx::query("INSERT INTO relay.sagas (consumer, saga_type, saga_id, state, last_event_id) VALUES ($1, 'order', 'o-1', 'pending', 's'), ($1, 'order', 'o-2', 'shipped', 's')")
+        .bind(&h.consumer)
         .execute(&h.db.pool)
         .await
         .unwrap();
@@ -1865,4 +1870,30 @@ async fn another_record_at_a_parked_record_s_position_is_parked_too_and_a_redeli
             .unwrap();
     assert_eq!(stored, 1024);
     assert!(reason.ends_with("stored: the first 1024 bytes of its key (0 bytes) and payload (5000 bytes)"), "{reason}");
+}
+
+// A saga was one per type and id in the database: a deployment's route or
+// application moved (or first started) another deployment's saga of the
+// same name.
+#[tokio::test]
+async fn a_saga_is_its_deployment_s_and_another_deployment_s_move_finds_none() {
+    use relay_store::sagas::{self, Transition};
+    let db = relay_testkit::TestDb::new().await.unwrap();
+    let mut conn = db.conn().await.unwrap();
+    let start: relay_core::SagaMove = serde_json::from_value(
+        json!({"action": "open", "saga_type": "order", "saga_id": "o-42", "from": [], "to": "pending", "start": true}),
+    )
+    .unwrap();
+    let pay: relay_core::SagaMove = serde_json::from_value(
+        json!({"action": "pay", "saga_type": "order", "saga_id": "o-42", "from": ["pending"], "to": "paid", "start": false}),
+    )
+    .unwrap();
+    let detail = json!({});
+    assert_eq!(sagas::apply(&mut conn, "a", &start, "e-1", "saga", &detail).await.unwrap(), Transition::Applied);
+    assert_eq!(sagas::apply(&mut conn, "b", &pay, "e-2", "saga", &detail).await.unwrap(), Transition::Missing);
+    assert_eq!(sagas::state(&mut conn, "a", "order", "o-42").await.unwrap().as_deref(), Some("pending"));
+    assert_eq!(sagas::apply(&mut conn, "b", &start, "e-3", "saga", &detail).await.unwrap(), Transition::Applied);
+    assert_eq!(sagas::apply(&mut conn, "b", &pay, "e-4", "saga", &detail).await.unwrap(), Transition::Applied);
+    assert_eq!(sagas::state(&mut conn, "a", "order", "o-42").await.unwrap().as_deref(), Some("pending"));
+    assert_eq!(sagas::state(&mut conn, "b", "order", "o-42").await.unwrap().as_deref(), Some("paid"));
 }

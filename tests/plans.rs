@@ -559,7 +559,7 @@ fn assert_probes_the_key(what: &str, plan: &[String], key: &str, leases: &str) {
 #[tokio::test]
 async fn console_counts_estimate_big_history_tables_and_count_small_ones_exactly() {
     let db = TestDb::new().await.unwrap();
-    sqlx::query(
+    sqlx::raw_sql(
         "INSERT INTO relay.inbox (consumer, event_id, event_type, topic, partition, \"offset\", outcome)
          SELECT 'plans', 'e-' || g, 'order.placed', 'in', 0, g, CASE WHEN g <= 3 THEN 'stale' ELSE 'applied' END
            FROM generate_series(1, 1003) g",
@@ -691,6 +691,43 @@ async fn dead_outbox_rows_an_earlier_version_left_behind_published_ones_are_skip
         .await
         .unwrap();
     assert!(why.contains("later rows of its key were already published"), "{why}");
+}
+
+#[tokio::test]
+async fn sagas_an_earlier_version_shared_go_to_each_deployment_that_moved_them_at_the_upgrade() {
+    let db = TestDb::migrated_up_to(20261207000032).await.unwrap();
+    sqlx::raw_sql(
+        "INSERT INTO relay.inbox (consumer, event_id, event_type, topic, partition, \"offset\", outcome)
+         VALUES ('a', 'e-1', 't', 'x', 0, 1, 'applied'), ('b', 'e-2', 't', 'x', 0, 2, 'applied');
+         INSERT INTO relay.history (consumer, source_id, action, kind, subject)
+         VALUES ('a', 'e-1', 'open', 'saga', 'order/o-1'), ('a', 'e-3', 'pay', 'saga', 'order/o-2'),
+                ('b', 'e-2', 'pay', 'saga', 'order/o-2');
+         INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id)
+         VALUES ('order', 'o-1', 'pending', 'e-1'), ('order', 'o-2', 'paid', 'e-2'), ('order', 'o-3', 'new', 'e-0')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    relay_store::migrate(&db.pool).await.unwrap();
+    let owners: Vec<(String, String, String)> =
+        sqlx::query_as("SELECT consumer, saga_id, state FROM relay.sagas ORDER BY saga_id, consumer")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let owners: Vec<(&str, &str, &str)> = owners.iter().map(|(a, b, c)| (a.as_str(), b.as_str(), c.as_str())).collect();
+    assert_eq!(
+        owners,
+        [
+            // Moved by a alone.
+            ("a", "o-1", "pending"),
+            // Moved by both: a copy each.
+            ("a", "o-2", "paid"),
+            ("b", "o-2", "paid"),
+            // Its history gone: every deployment that wrote to the database.
+            ("a", "o-3", "new"),
+            ("b", "o-3", "new"),
+        ]
+    );
 }
 
 #[tokio::test]

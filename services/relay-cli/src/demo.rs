@@ -175,6 +175,7 @@ pub async fn run() -> anyhow::Result<()> {
     relay_store::migrate(&pool).await?;
     println!("* PostgreSQL migrated");
 
+    let consumer = cfg.consumer.name.clone();
     let relay = Relay::new(cfg, Handlers::default(), Faults::none()).await?;
     let shutdown = CancellationToken::new();
     let running = {
@@ -228,10 +229,10 @@ pub async fn run() -> anyhow::Result<()> {
     shutdown.cancel();
     running.await??;
 
-    report(&pool, &provider, &snapshot).await
+    report(&pool, &consumer, &provider, &snapshot).await
 }
 
-async fn report(pool: &sqlx::PgPool, provider: &Provider, s: &Stats) -> anyhow::Result<()> {
+async fn report(pool: &sqlx::PgPool, consumer: &str, provider: &Provider, s: &Stats) -> anyhow::Result<()> {
     println!("\ninbox (one row per unique event id, with what the guards decided):");
     for (outcome, n) in &s.inbox {
         println!("  {outcome:<22} {n}");
@@ -284,7 +285,7 @@ async fn report(pool: &sqlx::PgPool, provider: &Provider, s: &Stats) -> anyhow::
         let reason: String = reason.chars().take(90).collect();
         println!("  #{id} {topic}[{part}]@{off} {class}: {reason}");
     }
-    let sagas = audit::sagas_of(pool, "order").await?;
+    let sagas = audit::sagas_of(pool, consumer, "order").await?;
     println!("\norder sagas:");
     let by_state: BTreeMap<&str, Vec<&str>> = sagas.iter().fold(BTreeMap::new(), |mut m, (id, st)| {
         m.entry(st.as_str()).or_insert_with(Vec::new).push(id.as_str());

@@ -104,7 +104,10 @@ fn depth_within(schema: &Schema, names: &HashMap<Name, Schema>, max: usize) -> R
             let done = stack.pop().expect("a frame on top");
             on_walk.remove(done.name);
             if done.depth > max {
-                return Err(format!("type {} nests {} levels deep, more than the {max} relay decodes", done.name, done.depth));
+                return Err(format!(
+                    "type {} nests {} levels deep, more than the {max} relay decodes",
+                    done.name, done.depth
+                ));
             }
             depth.insert(done.name, done.depth);
             if let Some(parent) = stack.last_mut() {

@@ -210,10 +210,11 @@ pub async fn dead_letters_brief(pool: &PgPool) -> Result<Vec<(i64, String, i32, 
         .await
 }
 
-/// The sagas of `saga_type`: `(id, state)`.
-pub async fn sagas_of(pool: &PgPool, saga_type: &str) -> Result<Vec<(String, String)>, sqlx::Error> {
-    sqlx::query_as("SELECT saga_id, state FROM relay.sagas WHERE saga_type = $1 ORDER BY saga_id")
+/// `consumer`'s sagas of `saga_type`: `(id, state)`.
+pub async fn sagas_of(pool: &PgPool, consumer: &str, saga_type: &str) -> Result<Vec<(String, String)>, sqlx::Error> {
+    sqlx::query_as("SELECT saga_id, state FROM relay.sagas WHERE consumer = $2 AND saga_type = $1 ORDER BY saga_id")
         .bind(saga_type)
+        .bind(consumer)
         .fetch_all(pool)
         .await
 }

@@ -35,14 +35,14 @@ pub async fn apply(
 ) -> Result<Transition, sqlx::Error> {
     let moved = if m.start {
         sqlx::query(
-            "INSERT INTO relay.sagas (saga_type, saga_id, state, last_event_id) VALUES ($1, $2, $4, $5)
-             ON CONFLICT (saga_type, saga_id) DO NOTHING",
+            "INSERT INTO relay.sagas (consumer, saga_type, saga_id, state, last_event_id) VALUES ($6, $1, $2, $4, $5)
+             ON CONFLICT (consumer, saga_type, saga_id) DO NOTHING",
         )
     } else {
         sqlx::query(
             "UPDATE relay.sagas
                 SET state = $4, version = version + 1, last_event_id = $5, updated_at = now()
-              WHERE saga_type = $1 AND saga_id = $2 AND state = ANY($3)",
+              WHERE consumer = $6 AND saga_type = $1 AND saga_id = $2 AND state = ANY($3)",
         )
     }
     .bind(&m.saga_type)
@@ -50,12 +50,13 @@ pub async fn apply(
     .bind(&m.from)
     .bind(&m.to)
     .bind(source_id)
+    .bind(consumer)
     .execute(&mut *conn)
     .await?
     .rows_affected()
         == 1;
     if !moved {
-        return classify(conn, &m.saga_type, &m.saga_id, &m.to).await;
+        return classify(conn, consumer, &m.saga_type, &m.saga_id, &m.to).await;
     }
     let subject = format!("{}/{}", m.saga_type, m.saga_id);
     crate::inbox::record_history(conn, consumer, source_id, &m.action, kind, Some(&subject), detail).await?;
@@ -64,22 +65,29 @@ pub async fn apply(
 
 async fn classify(
     conn: &mut PgConnection,
+    consumer: &str,
     saga_type: &str,
     saga_id: &str,
     to: &str,
 ) -> Result<Transition, sqlx::Error> {
-    Ok(match state(conn, saga_type, saga_id).await? {
+    Ok(match state(conn, consumer, saga_type, saga_id).await? {
         None => Transition::Missing,
         Some(s) if s == to => Transition::AlreadyThere,
         Some(current) => Transition::Invalid { current },
     })
 }
 
-/// The saga's current state.
-pub async fn state(conn: &mut PgConnection, saga_type: &str, saga_id: &str) -> Result<Option<String>, sqlx::Error> {
-    sqlx::query_scalar("SELECT state FROM relay.sagas WHERE saga_type = $1 AND saga_id = $2")
+/// The current state of `consumer`'s saga.
+pub async fn state(
+    conn: &mut PgConnection,
+    consumer: &str,
+    saga_type: &str,
+    saga_id: &str,
+) -> Result<Option<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT state FROM relay.sagas WHERE consumer = $3 AND saga_type = $1 AND saga_id = $2")
         .bind(saga_type)
         .bind(saga_id)
+        .bind(consumer)
         .fetch_optional(conn)
         .await
 }
