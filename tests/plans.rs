@@ -59,6 +59,35 @@ fn assert_index_order(what: &str, plan: &[String], index: &str) {
     assert!(!plan.iter().any(|n| n.contains("Sort")), "{what} sorts its candidates (reads them all); plan: {plan:?}");
 }
 
+/// Assert the plan reads `index` with no sort of what it reads unbounded:
+/// a claim that reads each endpoint's rows apart sorts what their scans
+/// gave, each scan stopped at the claim's limit.
+fn assert_limited_scans(what: &str, plan: &Value, index: &str) {
+    fn walk(node: &Value, sorted: bool, index: &str, found: &mut bool) -> Result<(), String> {
+        let kind = node["Node Type"].as_str().unwrap_or("?");
+        if kind.starts_with("Seq Scan") && node["Relation Name"].as_str() != Some("pauses") {
+            return Err(format!("reads a whole table ({:?})", node["Relation Name"]));
+        }
+        if node["Index Name"].as_str() == Some(index) {
+            *found = true;
+            if sorted {
+                return Err(format!("sorts what it reads of {index} with no limit between"));
+            }
+        }
+        let sorted = match kind {
+            "Sort" => true,
+            "Limit" => false,
+            _ => sorted,
+        };
+        node["Plans"].as_array().into_iter().flatten().try_for_each(|c| walk(c, sorted, index, found))
+    }
+    let mut found = false;
+    if let Err(why) = walk(&plan[0]["Plan"], false, index, &mut found) {
+        panic!("{what} {why}; plan: {:?}", nodes(plan));
+    }
+    assert!(found, "{what} should read the index {index}; plan: {:?}", nodes(plan));
+}
+
 /// `n` pending intents (events e-1 … e-`n`) and `n` pending outbox rows, due now.
 async fn insert_backlog(pool: &sqlx::PgPool, n: i64) {
     seed::pending_intents(pool, "plans", "psp", "", n as usize).await.unwrap();
@@ -87,7 +116,7 @@ async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_
         .fetch_one(claims.as_conn())
         .await
         .unwrap();
-    assert_index_order("the intent claim", &nodes(&plan), "intents_due");
+    assert_limited_scans("the intent claim", &plan, "intents_due");
     let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {}", outbox::CLAIM))
         .bind(50_i64)
         .bind(30.0_f64)
@@ -106,6 +135,49 @@ async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_
     assert_eq!(ids, ["e-1", "e-2", "e-3"]);
     let rows = outbox::claim(&mut claims, "plans", 3, Duration::from_secs(30)).await.unwrap().rows;
     assert_eq!(rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [1, 2, 3]);
+}
+
+// A claim read the due intents in one run, whatever their endpoint or
+// deployment: a paused endpoint's backlog, or another deployment's, was
+// read again by every claim before the rows it could take.
+#[tokio::test]
+async fn a_claim_reads_no_due_row_of_a_paused_endpoint_or_another_deployment() {
+    let db = TestDb::new().await.unwrap();
+    seed::pending_intents(&db.pool, "plans", "paused", "p-", ROWS as usize).await.unwrap();
+    seed::pending_intents(&db.pool, "elsewhere", "psp", "x-", ROWS as usize).await.unwrap();
+    seed::pending_intents(&db.pool, "plans", "psp", "", 3).await.unwrap();
+    sqlx::query("INSERT INTO relay.pauses (kind, name) VALUES ('endpoint', 'paused')").execute(&db.pool).await.unwrap();
+    sqlx::query("ANALYZE relay.intents").execute(&db.pool).await.unwrap();
+    let mut claims = ClaimPool::beside(&db.pool, 1, ClaimCommit::Async).acquire().await.unwrap();
+    let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", intents::CLAIM))
+        .bind(50_i64)
+        .bind("worker")
+        .bind(30.0_f64)
+        .bind(None::<chrono::DateTime<chrono::Utc>>)
+        .bind(0_i64)
+        .bind(vec!["paused", "psp"])
+        .bind("plans")
+        .bind(i64::MAX)
+        .bind(true)
+        .fetch_one(claims.as_conn())
+        .await
+        .unwrap();
+    /// Rows the plan's scans of `relay.intents` and its index produced or
+    /// filtered out.
+    fn read(node: &Value) -> f64 {
+        let scans =
+            node["Relation Name"].as_str() == Some("intents") || node["Index Name"].as_str() == Some("intents_due");
+        let here = if scans {
+            let loops = node["Actual Loops"].as_f64().unwrap_or(1.0);
+            (node["Actual Rows"].as_f64().unwrap_or(0.0) + node["Rows Removed by Filter"].as_f64().unwrap_or(0.0))
+                * loops
+        } else {
+            0.0
+        };
+        here + node["Plans"].as_array().into_iter().flatten().map(read).sum::<f64>()
+    }
+    let rows = read(&plan[0]["Plan"]);
+    assert!(rows < 100.0, "the claim read {rows} intents' rows to take 3; plan: {}", plan[0]["Plan"]);
 }
 
 #[tokio::test]
@@ -440,9 +512,12 @@ async fn a_plan_cached_while_the_table_was_small_still_probes_keys_once_it_has_g
         let plan: Value =
             sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {sql}")).fetch_one(&mut *tx).await.unwrap();
         tx.rollback().await.unwrap();
-        let plan = nodes(&plan);
+        let tree = plan;
+        let plan = nodes(&tree);
         assert!(!plan.iter().any(|n| n.starts_with("Hash")), "{sql} hashes a whole table; plan: {plan:?}");
-        if *which == On::Claims {
+        if *which == On::Claims && index == "intents_due" {
+            assert_limited_scans(sql, &tree, index);
+        } else if *which == On::Claims {
             assert_index_order(sql, &plan, index);
         } else {
             let (key, leases) = if sql.contains("intents") {

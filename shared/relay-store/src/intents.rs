@@ -255,29 +255,45 @@ pub async fn claim_after(
 /// concurrent claims take seconds), and skipped when the whole claim fits,
 /// as it mostly does: row by row it costs a claim quadratic time.
 ///
+/// Each endpoint's due rows are read apart, through `intents_due`, which
+/// leads with the consumer and the endpoint, and a paused endpoint's not at
+/// all: read in one run of due rows, a paused or busy endpoint's backlog, or
+/// another deployment's, was read again by every claim before the rows it
+/// could take (a million rows: seconds a claim). Each endpoint locks at most
+/// `$1` rows; those past the first `$1` of all are not updated, and their
+/// locks end with the statement.
+///
 /// An intent's first claim starts its age budget again (`max_age`, the
 /// difference its insert left between `expires_at` and `created_at`): time
 /// relay kept it from being sent (its key held behind an uncertain intent,
 /// its endpoint paused, a fair share's delay) must not end it dead, with
 /// its `on_dead` effects, before it was ever sent.
 pub const CLAIM: &str = concat!(
-    "WITH due AS (
-             SELECT i.id, i.next_attempt_at, i.seq,
-                    coalesce(octet_length(i.body::text), 0) + octet_length(i.request_headers::text)
-                    + octet_length(i.on_success::text) + octet_length(i.on_dead::text) AS bytes
-               FROM relay.intents i
-              WHERE i.state = 'pending' AND i.next_attempt_at <= now()
-                AND (i.next_attempt_at, i.seq) > (COALESCE($4::timestamptz, '-infinity'), $5::int8)
-                AND i.consumer = $7::text AND i.endpoint = ANY($6::text[])
-                AND NOT EXISTS (SELECT 1 FROM relay.pauses p WHERE p.kind = 'endpoint' AND p.name = i.endpoint)
-                AND (i.ordering_key IS NULL OR NOT EXISTS (
-                        SELECT 1 FROM relay.intents e
-                         WHERE e.ordering_key = i.ordering_key AND e.consumer = i.consumer
-                           AND (e.state IN ('pending', 'running', 'uncertain') OR (e.state = 'dead' AND e.holds_key))
-                           AND (e.seq < i.seq OR e.state = 'running')))
-              ORDER BY i.next_attempt_at, i.seq
+    "WITH ready AS MATERIALIZED (
+             SELECT u.name FROM unnest($6::text[]) AS u(name)
+              WHERE NOT EXISTS (SELECT 1 FROM relay.pauses p WHERE p.kind = 'endpoint' AND p.name = u.name)
+         ), due AS (
+             SELECT d.id, d.next_attempt_at, d.seq, d.bytes
+               FROM ready AS ep
+              CROSS JOIN LATERAL (
+                    SELECT i.id, i.next_attempt_at, i.seq,
+                           coalesce(octet_length(i.body::text), 0) + octet_length(i.request_headers::text)
+                           + octet_length(i.on_success::text) + octet_length(i.on_dead::text) AS bytes
+                      FROM relay.intents i
+                     WHERE i.consumer = $7::text AND i.endpoint = ep.name
+                       AND i.state = 'pending' AND i.next_attempt_at <= now()
+                       AND (i.next_attempt_at, i.seq) > (COALESCE($4::timestamptz, '-infinity'), $5::int8)
+                       AND (i.ordering_key IS NULL OR NOT EXISTS (
+                               SELECT 1 FROM relay.intents e
+                                WHERE e.ordering_key = i.ordering_key AND e.consumer = i.consumer
+                                  AND (e.state IN ('pending', 'running', 'uncertain')
+                                       OR (e.state = 'dead' AND e.holds_key))
+                                  AND (e.seq < i.seq OR e.state = 'running')))
+                     ORDER BY i.next_attempt_at, i.seq
+                     LIMIT $1
+                     FOR UPDATE OF i SKIP LOCKED) d
+              ORDER BY d.next_attempt_at, d.seq
               LIMIT $1
-              FOR UPDATE SKIP LOCKED
          ), fits AS (
              SELECT d.id FROM due d
               WHERE (SELECT sum(bytes) FROM due) <= $8
@@ -296,9 +312,12 @@ pub const CLAIM: &str = concat!(
              RETURNING i.*
          ), next AS (
              SELECT CASE WHEN (SELECT count(*) FROM claimed) < $1 THEN (
-                        SELECT min(next_attempt_at) FROM relay.intents
-                         WHERE state = 'pending' AND next_attempt_at > now()
-                           AND consumer = $7::text AND endpoint = ANY($6::text[])) END AS next_due,
+                        SELECT min(n.next_attempt_at) FROM unnest($6::text[]) AS ep(name)
+                         CROSS JOIN LATERAL (
+                               SELECT i.next_attempt_at FROM relay.intents i
+                                WHERE i.consumer = $7::text AND i.endpoint = ep.name
+                                  AND i.state = 'pending' AND i.next_attempt_at > now()
+                                ORDER BY i.next_attempt_at LIMIT 1) n) END AS next_due,
                     (SELECT count(*) FROM due) > (SELECT count(*) FROM fits) AS cut
          )
          SELECT ",

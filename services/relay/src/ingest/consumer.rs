@@ -1020,18 +1020,21 @@ impl InboxConsumer {
         // Intents written already claimed by this process's dispatcher: handed
         // over after the commit, dropped (room given back) if there is none.
         let mut held = Vec::new();
-        let processed =
-            match self.processor.process_batch_first(&mut tx, records, &views, gates.keys_held, &mut held).await? {
-                Some(processed) => processed,
-                None => {
-                    // The batch's first run was rejected; it was all the
-                    // transaction held. Again, with a savepoint around each run.
-                    tx.rollback().await?;
-                    held.clear();
-                    tx = conn.begin_with(relay_store::BEGIN_BOUNDED).await?;
-                    self.processor.process_batch(&mut tx, records, &views, gates.keys_held, &mut held).await?
-                }
-            };
+        let processed = match self
+            .processor
+            .process_batch_first(&mut tx, records, &views, share, gates.keys_held, &mut held)
+            .await?
+        {
+            Some(processed) => processed,
+            None => {
+                // The batch's first run was rejected; it was all the
+                // transaction held. Again, with a savepoint around each run.
+                tx.rollback().await?;
+                held.clear();
+                tx = conn.begin_with(relay_store::BEGIN_BOUNDED).await?;
+                self.processor.process_batch(&mut tx, records, &views, share, gates.keys_held, &mut held).await?
+            }
+        };
         let (mut stopped, mut paused) = (None, None);
         for (record, p) in records.iter().zip(&processed) {
             match &p.disposition {

@@ -129,6 +129,22 @@ enum Prepared<'a, 'r> {
     Done(Processed),
 }
 
+impl Prepared<'_, '_> {
+    /// About what it holds until its batch ends, in bytes: its effects'
+    /// JSON, and the data a code handler will read, as trees.
+    fn holds(&self) -> usize {
+        use relay_core::limits::MEMORY_PER_WIRE_BYTE;
+        let Prepared::Ready(item) = self else { return 0 };
+        let data = if item.event.data.is_null() { 0 } else { item.record.size() };
+        let effects = item.effects.as_ref().map_or(0, |e| {
+            let intents: usize = e.intents.iter().map(|i| i.intent.json_bytes()).sum();
+            let events: usize = e.events.iter().map(|r| r.payload.as_ref().map_or(0, Vec::len)).sum();
+            intents.saturating_mul(MEMORY_PER_WIRE_BYTE).saturating_add(events)
+        });
+        data.saturating_mul(MEMORY_PER_WIRE_BYTE).saturating_add(effects)
+    }
+}
+
 /// The held keys of one partition batch, each with its head's offset: those
 /// found held when the batch began, and those a record of it held since.
 #[derive(Debug, Default)]
@@ -386,10 +402,11 @@ impl Processor {
         conn: &mut PgConnection,
         records: &[RawRecord],
         views: &[View],
+        budget: usize,
         keys_held: bool,
         held: &mut Vec<Handed>,
     ) -> Result<Vec<Processed>, sqlx::Error> {
-        let done = self.batch(conn, records, views, false, keys_held, held).await?;
+        let done = self.batch(conn, records, views, budget, false, keys_held, held).await?;
         Ok(done.expect("only a run written without a savepoint comes back rejected"))
     }
 
@@ -408,19 +425,44 @@ impl Processor {
         conn: &mut PgConnection,
         records: &[RawRecord],
         views: &[View],
+        budget: usize,
         keys_held: bool,
         held: &mut Vec<Handed>,
     ) -> Result<Option<Vec<Processed>>, sqlx::Error> {
-        self.batch(conn, records, views, true, keys_held, held).await
+        self.batch(conn, records, views, budget, true, keys_held, held).await
+    }
+
+    /// `records` routed and planned from the start while what they hold
+    /// (their effects' JSON, and the data a code handler will read, counted
+    /// as the trees they are: [`relay_core::limits::MEMORY_PER_WIRE_BYTE`]
+    /// a byte) fits `budget`, and always the first. A batch prepares its
+    /// records before it writes any, so each one's effects live until the
+    /// batch ends: a call body that renders a large part of the data would
+    /// otherwise hold a tree per record. The records left out go into the
+    /// next batch.
+    fn prepared_within<'r>(&self, records: &'r [RawRecord], views: &[View], budget: usize) -> Vec<Prepared<'_, 'r>> {
+        let mut out = Vec::with_capacity(records.len());
+        let mut holds = 0usize;
+        for (record, view) in records.iter().zip(views) {
+            let p = self.prepare(record, view);
+            holds = holds.saturating_add(p.holds());
+            if holds > budget && !out.is_empty() {
+                break;
+            }
+            out.push(p);
+        }
+        out
     }
 
     /// `bare`: write a run that starts the batch without a savepoint, and
     /// return `None` if the database rejects it.
+    #[allow(clippy::too_many_arguments)]
     async fn batch(
         &self,
         conn: &mut PgConnection,
         records: &[RawRecord],
         views: &[View],
+        budget: usize,
         bare: bool,
         keys_held: bool,
         held: &mut Vec<Handed>,
@@ -429,7 +471,8 @@ impl Processor {
         let mut out = Vec::with_capacity(records.len());
         // Each record is routed and planned once, whichever way it goes.
         let mut prepared: Vec<Option<Prepared<'_, '_>>> =
-            records.iter().zip(views).map(|(r, v)| Some(self.prepare(r, v))).collect();
+            self.prepared_within(records, views, budget).into_iter().map(Some).collect();
+        let (records, views) = (&records[..prepared.len()], &views[..prepared.len()]);
         // Every ordering key the batch writes, locked in one statement before
         // anything is written: batches of two partitions then wait for each
         // other's keys in one global order instead of deadlocking, as they
@@ -1087,6 +1130,18 @@ mod tests {
         assert_eq!(ready(p.prepare(&plain, &View::Raw)).event.data, serde_json::Value::Null);
         assert_eq!(ready(p.prepare(&unrouted, &View::Raw)).event.data, serde_json::Value::Null);
         assert_eq!(ready(p.prepare(&coded, &View::Raw)).event.data, json!({"order_id": "o-1"}));
+    }
+
+    #[test]
+    fn a_batch_prepares_records_while_their_effects_fit_its_budget_and_always_the_first() {
+        let p = processor();
+        let records: Vec<RawRecord> = (0..10).map(|n| record("order.placed", &format!("evt-{n}"), &[])).collect();
+        let views = vec![View::Raw; records.len()];
+        let one = p.prepare(&records[0], &View::Raw).holds();
+        assert!(one > 0, "a planned call holds its JSON");
+        assert_eq!(p.prepared_within(&records, &views, one * 5 / 2).len(), 2);
+        assert_eq!(p.prepared_within(&records, &views, 0).len(), 1, "the first always");
+        assert_eq!(p.prepared_within(&records, &views, usize::MAX).len(), 10);
     }
 
     #[test]
