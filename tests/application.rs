@@ -1503,20 +1503,23 @@ async fn a_role_that_is_not_relay_s_cannot_hold_a_route_s_ordering_key() {
 }
 
 // An outcome held behind a key another transaction holds stopped counting
-// against the claims' byte room once its call ended: claims went on, and
-// held outcomes, each with its JSON, piled up without bound for as long as
-// the application's transaction stayed open.
+// against any room once its call ended: claims went on, and held outcomes,
+// each with its JSON, piled up without bound for as long as the
+// application's transaction stayed open. Counted in the claims' room
+// instead, they let one application stop every call of the deployment.
+// They have a room of their own now: once it is full, applications' calls
+// wait, and the others go on.
 #[tokio::test(flavor = "multi_thread")]
-async fn outcomes_held_behind_a_key_count_against_the_claims_byte_room() {
+async fn outcomes_held_behind_a_key_stop_applications_calls_once_they_fill_their_room_and_no_other() {
     let h = Harness::new(1).await;
     let mut cfg = h.config(FRONT_DOOR);
-    // Two of the outcomes below fit, not three.
+    // Two of the outcomes below fill the 2 MiB room, and a third goes past.
     cfg.dispatcher.max_claimed_bytes = 2 * 1024 * 1024;
     h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
     let mut app = PgConnection::connect(&app_url(&h)).await.unwrap();
     let on_success = serde_json::json!({"emit": [{"name": "done", "type": "big.done", "topic": h.out, "key": "k",
                                                  "data": {"pad": "x".repeat(700_000)}}]});
-    for i in 0..8 {
+    for i in 0..12 {
         sqlx::query("SELECT relay.call('psp', 'POST', '/big', '{}', id => $1, on_success => $2)")
             .bind(format!("big-{i}"))
             .bind(&on_success)
@@ -1532,17 +1535,25 @@ async fn outcomes_held_behind_a_key_count_against_the_claims_byte_room() {
         .await
         .unwrap();
     let run = h.start(cfg, DELIVERY, no_faults()).await;
-    eventually("two calls made", DEADLINE, || async { (h.provider.stats().requests >= 2).then_some(()) }).await;
-    // Long enough for many claims (the poll interval is 100 ms): none may start a third call.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(h.provider.stats().requests, 2, "calls made while two held outcomes fill the 2 MiB room");
+    eventually("three calls made", DEADLINE, || async { (h.provider.stats().requests >= 3).then_some(()) }).await;
+    // Calls of the deployment's routes go on meanwhile.
+    relay_testkit::seed::pending_intents(&h.db.pool, &h.consumer, "psp", "r-", 5).await.unwrap();
+    eventually("the route's calls made while the application's wait", DEADLINE, || async {
+        (h.db.count("intents", "action = 'capture' AND state = 'succeeded'").await == 5).then_some(())
+    })
+    .await;
+    assert_eq!(h.db.count("intents", "action = 'application' AND state = 'succeeded'").await, 0);
+    // The room filled, at most the calls then in flight (the claims' own
+    // room: two more) went out after it.
+    let made = h.provider.stats().requests - 5;
+    assert!((3..=5).contains(&made), "{made} of 12 application calls made while their outcomes wait");
     held.commit().await.unwrap();
     eventually("every call made and recorded", DEADLINE, || async {
-        (h.db.count("intents", "state = 'succeeded'").await == 8).then_some(())
+        (h.db.count("intents", "state = 'succeeded'").await == 17).then_some(())
     })
     .await;
     run.stop().await.unwrap();
-    assert_eq!(h.provider.stats().requests, 8);
+    assert_eq!(h.provider.stats().requests, 17);
 }
 
 // Key locks were 65 536 slots shared by every deployment of the database:

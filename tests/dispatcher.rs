@@ -1789,6 +1789,34 @@ async fn an_intent_kept_unsent_past_its_max_age_is_sent_at_its_first_claim() {
     assert_eq!(h.db.count("outbox", "event_type = 'payment.failed'").await, 0);
 }
 
+// Relay's sessions searched `public` for functions: one planted there
+// with an exact argument type (`unnest(text[])`) was chosen over
+// pg_catalog's `unnest(anyarray)` in every claim, and ran as relay's role.
+// Who may create in `public` (the database's owner, on PostgreSQL 15) could
+// so grant itself every relay table.
+#[tokio::test]
+async fn a_function_planted_in_public_is_never_called_by_relay() {
+    let h = Harness::new(1).await;
+    sqlx::raw_sql(
+        "CREATE TABLE public.planted (at timestamptz);
+         CREATE FUNCTION public.unnest(a text[]) RETURNS SETOF text LANGUAGE plpgsql AS $$
+         BEGIN
+             INSERT INTO public.planted VALUES (now());
+             RETURN QUERY SELECT x FROM pg_catalog.unnest(a) x;
+         END $$;",
+    )
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    h.send(&order("evt-1", "o-1")).await;
+    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    h.await_intents_finished(1).await;
+    run.stop().await.unwrap();
+    assert_eq!(intent_state(&h, "capture:o-1").await.0, "succeeded");
+    let ran: i64 = sqlx::query_scalar("SELECT count(*) FROM public.planted").fetch_one(&h.db.pool).await.unwrap();
+    assert_eq!(ran, 0, "the planted function ran in relay's sessions");
+}
+
 #[tokio::test]
 async fn a_dead_intent_whose_failure_was_announced_is_not_replayed_into_a_success() {
     // Issue 28 D4: replaying a dead intent whose payment.failed was emitted

@@ -113,6 +113,7 @@ async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_
         .bind("plans")
         .bind(i64::MAX)
         .bind(true)
+        .bind(true)
         .fetch_one(claims.as_conn())
         .await
         .unwrap();
@@ -158,6 +159,7 @@ async fn a_claim_reads_no_due_row_of_a_paused_endpoint_or_another_deployment() {
         .bind(vec!["paused", "psp"])
         .bind("plans")
         .bind(i64::MAX)
+        .bind(true)
         .bind(true)
         .fetch_one(claims.as_conn())
         .await
@@ -208,6 +210,7 @@ async fn claims_after_a_position_start_reading_the_index_there_and_one_from_the_
         .bind(vec!["psp"])
         .bind("plans")
         .bind(i64::MAX)
+        .bind(true)
         .bind(true)
         .fetch_one(claims.as_conn())
         .await
@@ -487,7 +490,7 @@ async fn a_plan_cached_while_the_table_was_small_still_probes_keys_once_it_has_g
     // its plan is made and cached now.
     let execute = |name: &str, which: On| {
         let args = match name {
-            "claim_intents" => "(2, 'worker', 30, NULL, 0, '{psp}', 'plans', 9223372036854775807, true)",
+            "claim_intents" => "(2, 'worker', 30, NULL, 0, '{psp}', 'plans', 9223372036854775807, true, true)",
             "claim_outbox" => "(2, 30, -9223372036854775808, 'plans', 8)",
             "finish_intents" => "('{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}')",
             _ => "('{}', '{}')",

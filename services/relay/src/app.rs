@@ -274,8 +274,18 @@ impl Relay {
 /// fails its next statement instead, which every caller already treats as a
 /// transient error and retries — as it must for a statement in flight when
 /// the server goes away.
+///
+/// Its sessions search `pg_catalog` alone for functions and operators:
+/// with `public` (the default) on the path, a function planted there with
+/// an exact argument type (`public.unnest(text[])`) would be chosen over
+/// the built-in one and run as relay's role in every claim. Relay names
+/// its own objects with their schema.
 pub async fn connect(cfg: &RelayConfig) -> anyhow::Result<PgPool> {
     let url = cfg.database.url()?;
+    let options = url
+        .parse::<sqlx::postgres::PgConnectOptions>()
+        .map_err(|e| anyhow::anyhow!("{}", cannot_connect(url, &e)))?
+        .options([("search_path", "pg_catalog,pg_temp")]);
     PgPoolOptions::new()
         .max_connections(cfg.database.max_connections)
         .acquire_timeout(cfg.database.acquire_timeout)
@@ -288,7 +298,7 @@ pub async fn connect(cfg: &RelayConfig) -> anyhow::Result<PgPool> {
                 Ok(true)
             })
         })
-        .connect(url)
+        .connect_with(options)
         .await
         .map_err(|e| anyhow::anyhow!("{}", cannot_connect(url, &e)))
 }

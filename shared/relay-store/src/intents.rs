@@ -185,11 +185,15 @@ pub struct Room {
     /// Take the first due row even if it alone is larger (the claimer holds
     /// nothing else): a row larger than the room is still called, alone.
     pub first_always: bool,
+    /// Take applications' calls (`relay.call`): not while the outcomes of
+    /// earlier ones wait in memory for keys an application holds, past
+    /// their own room.
+    pub applications: bool,
 }
 
 impl Room {
     /// No bound.
-    pub const ANY: Room = Room { bytes: u64::MAX, first_always: true };
+    pub const ANY: Room = Room { bytes: u64::MAX, first_always: true, applications: true };
 }
 
 /// Which intents a dispatcher may claim: those its consumer wrote, for
@@ -237,14 +241,15 @@ pub async fn claim_after(
         .bind(scope.endpoints)
         .bind(scope.consumer)
         .bind(i64::try_from(room.bytes).unwrap_or(i64::MAX))
-        .bind(room.first_always);
+        .bind(room.first_always)
+        .bind(room.applications);
     crate::fetch_claim(conn.as_conn(), claim, true).await
 }
 
 /// The claim statement ([`claim`]); public so a test can check its plan.
 /// `$1` limit, `$2` worker, `$3` lease in seconds, `$4` and `$5` the
 /// position to claim after (`$4` null: from the start), `$6` the endpoints
-/// and `$7` the consumer of the [`Scope`], `$8` and `$9` the [`Room`]. Its
+/// and `$7` the consumer of the [`Scope`], `$8` to `$10` the [`Room`]. Its
 /// rows are the claimed intents, each with `next_due` and `cut`; when it
 /// claims fewer than `$1`, `next_due` is when the earliest pending intent
 /// not due yet comes due, and at least one row comes back (all columns but
@@ -282,6 +287,7 @@ pub const CLAIM: &str = concat!(
                       FROM relay.intents i
                      WHERE i.consumer = $7::text AND i.endpoint = ep.name
                        AND i.state = 'pending' AND i.next_attempt_at <= now()
+                       AND ($10 OR i.action <> 'application')
                        AND (i.next_attempt_at, i.seq) > (COALESCE($4::timestamptz, '-infinity'), $5::int8)
                        AND (i.ordering_key IS NULL OR NOT EXISTS (
                                SELECT 1 FROM relay.intents e

@@ -210,23 +210,37 @@ where
 /// The relay's migrations (`migrations/` at the workspace root), embedded.
 pub static MIGRATOR: Migrator = sqlx::migrate!("../../migrations");
 
-/// Apply pending migrations.
+/// The search path of the migrator's own table, `_sqlx_migrations`, which
+/// sqlx names without a schema: the database's default.
+const MIGRATIONS_PATH: &str = r#"SET search_path = "$user", public"#;
+
+/// Apply pending migrations. The relay's sessions may search `pg_catalog`
+/// alone (`relay::app::connect`); the migrator's table is found on the
+/// database's default path, on a connection closed afterwards.
 pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
-    MIGRATOR.run(pool).await
+    let mut conn = pool.acquire().await?;
+    sqlx::query(MIGRATIONS_PATH).execute(&mut *conn).await?;
+    let done = MIGRATOR.run(&mut *conn).await;
+    // Not back into the pool with the default path.
+    let _ = conn.close().await;
+    done
 }
 
 /// Whether every embedded migration has been applied to this database, as
 /// it is embedded: one changed after it was applied (same version, another
 /// checksum) leaves the schema not current, and `relay migrate` says which.
 pub async fn migrations_current(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query(&MIGRATIONS_PATH.replacen("SET", "SET LOCAL", 1)).execute(&mut *tx).await?;
     let applied: Vec<(i64, Vec<u8>)> =
         sqlx::query_as("SELECT version, checksum FROM _sqlx_migrations WHERE success ORDER BY version")
-            .fetch_all(pool)
+            .fetch_all(&mut *tx)
             .await
             .or_else(|e| match &e {
                 sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Ok(Vec::new()),
                 _ => Err(e),
             })?;
+    tx.rollback().await?;
     Ok(MIGRATOR.iter().all(|m| applied.iter().any(|(v, sum)| *v == m.version && sum[..] == m.checksum[..])))
 }
 

@@ -58,8 +58,8 @@ pub struct Completer {
     /// The encoders of the topics outcome events are written to with a
     /// schema (`format`), by topic.
     encoders: Encoders,
-    /// The dispatcher's count of claimed JSON bytes, which held outcomes
-    /// join ([`Held`]).
+    /// The dispatcher's count of the JSON of outcomes held for a key
+    /// ([`Completer::held`]).
     held_bytes: Arc<std::sync::atomic::AtomicU64>,
 }
 
@@ -129,7 +129,9 @@ impl Completer {
                         || (!matches!(r, Finished::LeaseLost | Finished::KeyHeld)
                             && c.intent.intent.ordering_key.is_some())
                 };
-                if batch.iter().zip(&results).any(unblocks) {
+                // An outcome recorded gives its bytes back to the claims' room.
+                let freed = batch.iter().zip(&results).any(|(c, r)| c.counted.is_some() && *r != Finished::KeyHeld);
+                if freed || batch.iter().zip(&results).any(unblocks) {
                     me.progress.notify_one();
                 }
                 let mut held = Vec::new();
@@ -154,9 +156,11 @@ impl Completer {
     }
 
     /// `c`, found with a key of its events held once more (`tries` times
-    /// before). Its JSON counts against the claims' byte room until it is
-    /// recorded, or claims would go on while held outcomes pile up; the
-    /// request's body and headers, sent already, are not kept.
+    /// before). Its JSON moves from the claims' room to the held outcomes'
+    /// until it is recorded: claims of applications' calls stop while those
+    /// fill it (the dispatcher's `held_outcomes`), or they would pile up in
+    /// memory for as long as an application holds the key; the request's
+    /// body and headers, sent already, are not kept.
     fn held(&self, mut c: Completion, tries: u32) -> Held {
         if tries == 0 {
             c.intent.intent.body = None;

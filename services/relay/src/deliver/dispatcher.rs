@@ -86,6 +86,11 @@ pub(super) struct Inner {
     /// intents whose tasks run, bounded by `max_claimed_bytes` through each
     /// claim's room.
     pub(super) held_bytes: Arc<AtomicU64>,
+    /// JSON bytes of outcomes the completer holds for an ordering key another
+    /// transaction holds (an application's): a room of their own, which only
+    /// applications' calls can fill, so that one application holding a key
+    /// stops its own calls once it is full, and no one else's.
+    pub(super) held_outcomes: Arc<AtomicU64>,
     /// Tasks of intents handed over at ingest, running: bounded by the
     /// hand-over's room, and not by the claim loop's (see `run`).
     pub(super) handed_running: Arc<AtomicU64>,
@@ -133,7 +138,7 @@ impl Dispatcher {
                 .collect(),
         );
         let progress = Arc::new(tokio::sync::Notify::new());
-        let held_bytes = Arc::<AtomicU64>::default();
+        let (held_bytes, held_outcomes) = (Arc::<AtomicU64>::default(), Arc::<AtomicU64>::default());
         let completer = Arc::new(Completer::new(
             &pool,
             &worker,
@@ -141,7 +146,7 @@ impl Dispatcher {
             faults.clone(),
             progress.clone(),
             encoders,
-            held_bytes.clone(),
+            held_outcomes.clone(),
         ));
         // Intent claims wait for the disk (D5): see ClaimCommit. Deliberately
         // wrong when sabotaged.
@@ -164,6 +169,7 @@ impl Dispatcher {
             desk,
             reconcilers,
             held_bytes,
+            held_outcomes,
             handed_running: Arc::default(),
         };
         Ok(Dispatcher { inner: Arc::new(inner) })
@@ -249,6 +255,21 @@ impl Dispatcher {
             // and intents of one slow endpoint handed over faster than it
             // answers would otherwise fill this one and stop every claim —
             // keyed intents, retries and the other endpoints' with them.
+            if out_of_room && tasks.is_empty() {
+                // The room is held by outcomes the completer has not recorded
+                // yet (waiting for a commit, or for a key another transaction
+                // holds): no call of ours will end to free it, so wait for
+                // an outcome to be recorded, or the poll interval, rather
+                // than claim again at once, and again.
+                tokio::select! {
+                    _ = shutdown.cancelled() => break Ok(()),
+                    _ = self.inner.progress.notified() => resume.back_to(None),
+                    _ = tokio::time::sleep(s.poll_interval) => {}
+                    handed = handed_over(&mut desk) => self.start_handed(&mut tasks, handed, &done_tx, &permits),
+                }
+                out_of_room = false;
+                continue;
+            }
             let handed = usize::try_from(self.inner.handed_running.load(Ordering::Relaxed)).unwrap_or(usize::MAX);
             let claimed = tasks.len().saturating_sub(handed);
             let free = (s.concurrency + s.claim_batch as usize).saturating_sub(claimed);
@@ -537,7 +558,9 @@ impl Dispatcher {
         }
         let scope = Scope { consumer: &self.inner.consumer, endpoints: &endpoints };
         let held = self.inner.held_bytes.load(Ordering::Relaxed);
-        let room = Room { bytes: self.inner.settings.max_claimed_bytes.saturating_sub(held), first_always: held == 0 };
+        let max = self.inner.settings.max_claimed_bytes;
+        let waiting = self.inner.held_outcomes.load(Ordering::Relaxed);
+        let room = Room { bytes: max.saturating_sub(held), first_always: held == 0, applications: waiting < max };
         claimer
             .claim(async |conn| intents::claim_after(conn, &scope, worker, limit as i64, lease, after, room).await)
             .await
