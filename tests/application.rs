@@ -296,6 +296,27 @@ async fn text_that_becomes_a_key_a_header_or_a_url_is_bounded_and_clean() {
             call("'POST', '/x', '{}', id => 'a', headers => '{\"Authorization\": \"Bearer app\"}'"),
             "relay.call: headers: 'Authorization' is relay's to set",
         ),
+        // Sent as HTTP headers, which carry printable ASCII only: such a
+        // call could never be built, and ended dead with its on_dead.
+        (
+            call("'POST', '/x', '{}', id => 'a', headers => '{\"x-note\": \"café\"}'"),
+            "relay.call: headers.x-note: holds 'é' at character 4; it is sent as an HTTP header",
+        ),
+        (
+            call("'POST', '/x', '{}', id => 'a', idempotency_key => 'clé-1'"),
+            "relay.call: idempotency_key: holds 'é' at character 3",
+        ),
+        (
+            call("'POST', '/x', '{}', id => 'a', correlation_id => 'ü'"),
+            "relay.call: correlation_id: holds 'ü' at character 1",
+        ),
+        // An event's Kafka headers carry any text.
+        (
+            publish(
+                "'k', 'x', '{}', id => 'a', correlation_id => 'ü', headers => '{\"x-note\": \"é\"}', subject => repeat('s', 2000)",
+            ),
+            "relay.publish: subject",
+        ),
         (
             call("'POST', '/x', '{}', id => 'a', headers => '{\"Idempotency-Key\": \"mine\"}'"),
             "relay.call: headers: 'Idempotency-Key' is relay's to set",

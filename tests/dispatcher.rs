@@ -1813,6 +1813,14 @@ async fn a_function_planted_in_public_is_never_called_by_relay() {
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
     assert_eq!(intent_state(&h, "capture:o-1").await.0, "succeeded");
+    // And a transaction a frozen relay leaves open ends after five minutes.
+    let relay = h.relay(h.config(CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
+    let (path, idle): (String, String) =
+        sqlx::query_as("SELECT current_setting('search_path'), current_setting('idle_in_transaction_session_timeout')")
+            .fetch_one(relay.pool())
+            .await
+            .unwrap();
+    assert_eq!((path.as_str(), idle.as_str()), ("pg_catalog,pg_temp", "5min"));
     let ran: i64 = sqlx::query_scalar("SELECT count(*) FROM public.planted").fetch_one(&h.db.pool).await.unwrap();
     assert_eq!(ran, 0, "the planted function ran in relay's sessions");
 }

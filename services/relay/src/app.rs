@@ -279,13 +279,23 @@ impl Relay {
 /// with `public` (the default) on the path, a function planted there with
 /// an exact argument type (`public.unnest(text[])`) would be chosen over
 /// the built-in one and run as relay's role in every claim. Relay names
-/// its own objects with their schema.
+/// its own objects with their schema. A transaction left idle for five
+/// minutes is ended by the server.
 pub async fn connect(cfg: &RelayConfig) -> anyhow::Result<PgPool> {
     let url = cfg.database.url()?;
     let options = url
         .parse::<sqlx::postgres::PgConnectOptions>()
         .map_err(|e| anyhow::anyhow!("{}", cannot_connect(url, &e)))?
-        .options([("search_path", "pg_catalog,pg_temp")]);
+        .options([
+            ("search_path", "pg_catalog,pg_temp"),
+            // A relay that froze or lost its network mid-batch leaves its
+            // transaction open, holding the batch's inbox rows and key
+            // locks, until the server notices the connection is gone (two
+            // hours of TCP keepalive by default); the partition's next
+            // owner waits on them. The server ends such a transaction
+            // after five minutes idle: relay's own never idle that long.
+            ("idle_in_transaction_session_timeout", "300s"),
+        ]);
     PgPoolOptions::new()
         .max_connections(cfg.database.max_connections)
         .acquire_timeout(cfg.database.acquire_timeout)

@@ -36,6 +36,10 @@ const MAX_DECIMAL_SCALE: usize = 1000;
 /// decoder's stack and of relay's own walks of the schema.
 const MAX_SCHEMA_DEPTH: usize = 64;
 
+/// The most memory an item of an array or a map may decode to for each byte
+/// it takes on the wire ([`Decoder::heavy_items`]).
+const MAX_TREE_PER_BYTE: usize = 256;
+
 /// Refuse `schema` if it nests deeper than `max` levels or contains itself
 /// (a recursive type: each level costs a byte of the record and frames of
 /// the decoder's stack, so a record of a few hundred KiB would overflow
@@ -196,7 +200,90 @@ impl Decoder {
         if let Some(why) = d.oversized(&d.schema, &mut HashSet::new()) {
             return Err(format!("{why}, so relay refuses the schema"));
         }
+        if let Some(why) = d.heavy_items(&d.schema, &mut HashMap::new(), &mut HashSet::new()) {
+            return Err(format!("{why}, so relay refuses the schema"));
+        }
         Ok(d)
+    }
+
+    /// The fewest bytes a value of `schema` takes on the wire, and about
+    /// the most memory apache-avro's decoded value of it takes (it copies an
+    /// enum's symbol and a record's field names into every value). Named
+    /// types are costed once (`memo`); the schema is known not to contain
+    /// itself ([`depth_within`]).
+    fn cost<'s>(&'s self, schema: &'s Schema, memo: &mut HashMap<&'s Name, (usize, usize)>) -> (usize, usize) {
+        const VALUE: usize = 48;
+        const STRING: usize = 24;
+        match schema {
+            Schema::Null => (0, VALUE),
+            Schema::Fixed(f) => (f.size, VALUE + f.size),
+            Schema::Duration(_) => (12, VALUE),
+            Schema::Enum(e) => (1, VALUE + e.symbols.iter().map(String::len).max().unwrap_or(0)),
+            Schema::Record(r) => {
+                let (mut bytes, mut mem) = (0usize, VALUE + STRING);
+                for f in &r.fields {
+                    let (b, m) = self.cost(&f.schema, memo);
+                    bytes = bytes.saturating_add(b);
+                    mem = mem.saturating_add(STRING + f.name.len()).saturating_add(m);
+                }
+                (bytes, mem)
+            }
+            Schema::Union(u) => {
+                let costs: Vec<(usize, usize)> = u.variants().iter().map(|v| self.cost(v, memo)).collect();
+                let bytes = costs.iter().map(|c| c.0).min().unwrap_or(0);
+                (1 + bytes, VALUE + costs.iter().map(|c| c.1).max().unwrap_or(0))
+            }
+            Schema::Array(_) | Schema::Map(_) => (1, VALUE + STRING),
+            Schema::Ref { name } => {
+                if let Some(&c) = memo.get(name) {
+                    return c;
+                }
+                let c = self.names.get(name).map_or((1, VALUE), |s| self.cost(s, memo));
+                memo.insert(name, c);
+                c
+            }
+            _ => (1, VALUE),
+        }
+    }
+
+    /// Where `schema` has an array or a map whose items decode to more than
+    /// [`MAX_TREE_PER_BYTE`] bytes of memory for each byte they take on the
+    /// wire, if anywhere: a few bytes of such a record could claim gigabytes
+    /// before any bound on its JSON applies (an enum whose symbol is a
+    /// megabyte, one byte an item).
+    fn heavy_items<'s>(
+        &'s self,
+        schema: &'s Schema,
+        memo: &mut HashMap<&'s Name, (usize, usize)>,
+        seen: &mut HashSet<&'s Name>,
+    ) -> Option<String> {
+        let items = |s: &'s Schema, memo: &mut HashMap<&'s Name, (usize, usize)>| {
+            let (bytes, mem) = self.cost(s, memo);
+            (mem > MAX_TREE_PER_BYTE * bytes.max(1)).then(|| {
+                format!(
+                    "items that take {bytes} byte(s) on the wire decode to about {mem} bytes of memory, more than the \
+                     {MAX_TREE_PER_BYTE} per byte relay allows"
+                )
+            })
+        };
+        match schema {
+            Schema::Array(a) => items(&a.items, memo).or_else(|| self.heavy_items(&a.items, memo, seen)),
+            Schema::Map(m) => items(&m.types, memo).or_else(|| self.heavy_items(&m.types, memo, seen)),
+            Schema::Union(u) => u.variants().iter().find_map(|v| self.heavy_items(v, memo, seen)),
+            Schema::Record(r) => {
+                if !seen.insert(&r.name) {
+                    return None;
+                }
+                r.fields
+                    .iter()
+                    .find_map(|f| self.heavy_items(&f.schema, memo, seen).map(|w| format!("field {:?}: {w}", f.name)))
+            }
+            Schema::Ref { name } => match self.names.get(name) {
+                Some(s) if seen.insert(name) => self.heavy_items(s, memo, seen),
+                _ => None,
+            },
+            _ => None,
+        }
     }
 
     /// Where `schema` makes a decoder allocate more than its record could
@@ -985,6 +1072,28 @@ mod tests {
             ));
         }
         format!(r#"{{"type":"record","name":"top","fields":[{}]}}"#, defs.join(","))
+    }
+
+    // apache-avro decodes a value to a tree that copies an enum's symbol
+    // into every item: a 1 MiB symbol and a 1 KiB array of its indexes took
+    // a gigabyte before relay's bound on the JSON applied.
+    #[test]
+    fn a_schema_whose_items_decode_to_far_more_memory_than_their_bytes_is_refused() {
+        let symbol = "s".repeat(1 << 20);
+        let bomb = format!(r#"{{"type":"array","items":{{"type":"enum","name":"E","symbols":["{symbol}","b"]}}}}"#);
+        let err = Decoder::parse(&bomb).err().expect("refused");
+        assert!(err.contains("more than the 256 per byte relay allows"), "{err}");
+        let names = format!(
+            r#"{{"type":"map","values":{{"type":"record","name":"R","fields":[{{"name":"{}","type":"int"}}]}}}}"#,
+            "n".repeat(4096)
+        );
+        assert!(Decoder::parse(&names).err().expect("refused").contains("per byte"));
+        // Ordinary names and symbols pass.
+        let ordinary = r#"{"type":"array","items":{"type":"record","name":"Line","fields":[
+            {"name":"sku","type":"string"},{"name":"quantity","type":"int"},{"name":"unit_price_cents","type":"long"},
+            {"name":"status","type":{"type":"enum","name":"Status","symbols":["PENDING_FULFILMENT","SHIPPED"]}},
+            {"name":"gift","type":["null","boolean"]}]}}"#;
+        assert!(Decoder::parse(ordinary).is_ok());
     }
 
     // A chain of 12 000 named types, each the field of the next, overflowed

@@ -83,6 +83,11 @@ pub struct Processed {
     pub info: EventInfo,
 }
 
+/// The search path a code handler's SQL runs with: PostgreSQL's default.
+const HANDLER_SEARCH_PATH: &str = r#"SET LOCAL search_path = "$user", public"#;
+/// The search path of relay's own statements (`app::connect`).
+const RELAY_SEARCH_PATH: &str = "SET LOCAL search_path = pg_catalog, pg_temp";
+
 /// A record routed and planned, ready to write.
 struct Item<'a, 'r> {
     record: &'r RawRecord,
@@ -867,8 +872,15 @@ impl Processor {
             );
             // A panic is this record's, like an error: unwinding out of the
             // consumer would crash-loop every member given the partition.
+            // A handler's SQL finds its own tables on the database's default
+            // path; relay's statements search pg_catalog alone
+            // (app::connect), and do so again after it (a savepoint rolled
+            // back undoes the change too).
+            sqlx::query(HANDLER_SEARCH_PATH).execute(&mut *tx).await?;
             let handled = std::panic::AssertUnwindSafe(handler.handle(tx, &item.event)).catch_unwind();
-            let Ok(handled) = handled.instrument(span).await else {
+            let handled = handled.instrument(span).await;
+            let _ = sqlx::query(RELAY_SEARCH_PATH).execute(&mut *tx).await;
+            let Ok(handled) = handled else {
                 let why = format!("handler {name:?} panicked; its message is in the process log");
                 return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
             };
