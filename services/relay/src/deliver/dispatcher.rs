@@ -96,9 +96,9 @@ pub(super) struct Inner {
     pub(super) handed_running: Arc<AtomicU64>,
 }
 
-/// A share of a count ([`Inner::held_bytes`], [`Inner::handed_running`]),
-/// given back when it is dropped: when its task ends, or when the outcome
-/// the completer holds is recorded.
+/// A share of a count ([`Inner::held_bytes`], [`Inner::held_outcomes`],
+/// [`Inner::handed_running`]), given back when it is dropped: when its task
+/// ends, or when the outcome it travels with is recorded.
 pub(super) struct Counted(Arc<AtomicU64>, u64);
 
 impl Counted {
@@ -437,7 +437,8 @@ impl Dispatcher {
             // The call slot is free before the hand-over: a finalizer
             // busy with a slow commit holds up the outcomes, not the
             // next calls. This task still counts against the claim
-            // loop's bound until its outcome is handed over.
+            // loop's bound until its outcome is handed over, and its
+            // bytes against the claims' room until the outcome is recorded.
             if keeps_bytes {
                 completion.counted = Some(counted);
             }
