@@ -42,6 +42,11 @@ fn record(p: i32, offset: i64) -> RawRecord {
     }
 }
 
+/// What `Partitions::unreadable` files for an unreadable batch.
+fn stand_in(p: i32) -> RawRecord {
+    RawRecord { payload: None, ..record(p, BAD) }
+}
+
 #[derive(Debug, Clone, Copy)]
 enum Op {
     /// The client hands over `p`'s next record, if `p` is fetched.
@@ -307,7 +312,10 @@ impl World {
                 ));
             }
         }
-        let bound = self.s.limits.max_buffered_bytes + record(0, 0).size();
+        // A search for an unreadable batch starts while there is room and its
+        // stand-in (no payload) lands when it answers, room or not: one per
+        // partition beyond the bound.
+        let bound = self.s.limits.max_buffered_bytes + record(0, 0).size() + PARTS as usize * stand_in(0).size();
         if self.s.buffered_bytes() > bound {
             return Err(format!("step {step}: {} bytes buffered over the bound of {bound}", self.s.buffered_bytes()));
         }
@@ -377,6 +385,19 @@ fn partitions_keep_r1_and_the_bound_and_never_stay_paused() {
     if let Err(e) = check_all(PartitionSabotage::default(), cases()) {
         panic!("{e}");
     }
+}
+
+/// Found by the search: two searches under way while the other partition
+/// fills the buffer, both answering once it is full.
+#[test]
+fn stand_ins_found_once_the_buffer_is_full_stay_within_the_bound() {
+    use Op::*;
+    let ops = [
+        Fetch(1), Fetch(0), Fetch(0), Start, Fetch(0), Step(0), Step(0), FetchLate(1), Fetch(0), Finish(0),
+        Step(1), Start, Fetch(1), Finish(1), Step(0), Step(0), Fetch(1), Fetch(0), Fetch(1), Start, Fetch(1),
+        Fetch(0), Fetch(1), Fetch(0), ProbeFound(1), Fetch(1), ProbeFound(0),
+    ];
+    run(&ops, PartitionSabotage::default()).unwrap();
 }
 
 #[test]
