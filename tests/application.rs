@@ -656,13 +656,36 @@ async fn a_dispatcher_holds_no_more_claimed_json_than_its_byte_room() {
     run.stop().await.unwrap();
 }
 
+// sqlx names its migrations table without a schema, and it was found on
+// the default path, "$user", public: once a schema named like relay's login
+// existed (relay's own, for the README's login `relay`), the next `relay
+// migrate` made an empty table there and ran migration 1 again, which failed
+// for good. The table is relay's now, wherever the path points.
+#[tokio::test]
+async fn migrating_again_finds_relay_s_migrations_whatever_schema_is_named_like_its_login() {
+    let db = relay_testkit::TestDb::new().await.unwrap();
+    let login = current_user(&db.pool).await;
+    sqlx::raw_sql(&format!("CREATE SCHEMA \"{login}\"")).execute(&db.pool).await.unwrap();
+    relay_store::migrate(&db.pool).await.expect("migrating again applies nothing");
+    assert!(relay_store::migrations_current(&db.pool).await.unwrap());
+    let strays: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_class WHERE relname = '_sqlx_migrations'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(strays, 1, "one migrations table, relay's");
+}
+
+async fn current_user(pool: &sqlx::PgPool) -> String {
+    sqlx::query_scalar("SELECT current_user::text").fetch_one(pool).await.unwrap()
+}
+
 #[tokio::test]
 async fn a_migration_changed_after_it_was_applied_leaves_the_schema_not_current() {
     let h = Harness::new(1).await;
     assert!(relay_store::migrations_current(&h.db.pool).await.unwrap());
     sqlx::query(
-        "UPDATE _sqlx_migrations SET checksum = decode('00', 'hex')
-          WHERE version = (SELECT max(version) FROM _sqlx_migrations)",
+        "UPDATE relay._sqlx_migrations SET checksum = decode('00', 'hex')
+          WHERE version = (SELECT max(version) FROM relay._sqlx_migrations)",
     )
     .execute(&h.db.pool)
     .await
@@ -1439,6 +1462,22 @@ async fn an_event_s_headers_and_key_count_with_its_data_in_the_size_relay_accept
     sqlx::query(&small).execute(&mut conn).await.unwrap();
 }
 
+/// An application's connection in an open transaction that published an
+/// event of type `ty` with ordering key `key` to the harness's output topic,
+/// holding the key until `COMMIT`.
+async fn hold_key(h: &Harness, key: &str, ty: &str) -> PgConnection {
+    let mut held = PgConnection::connect(&app_url(h)).await.unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut held).await.unwrap();
+    sqlx::query("SELECT relay.publish($1, $2, $3, '{}', id => 'note-' || $2)")
+        .bind(&h.out)
+        .bind(key)
+        .bind(ty)
+        .execute(&mut held)
+        .await
+        .unwrap();
+    held
+}
+
 // An application's open transaction that published with an ordering key
 // holds the key until it ends. The completer recorded up to 256 outcomes in
 // one transaction and waited for every key in it: one outcome whose event
@@ -1465,13 +1504,7 @@ async fn an_application_holding_an_event_s_key_delays_only_the_outcome_with_that
         .await
         .unwrap();
     }
-    let mut holder = PgConnection::connect(&app_url(&h)).await.unwrap();
-    let mut held = holder.begin().await.unwrap();
-    sqlx::query("SELECT relay.publish($1, 'o-1', 'order.noted', '{}', id => 'note-o-1')")
-        .bind(&h.out)
-        .execute(&mut *held)
-        .await
-        .unwrap();
+    let mut held = hold_key(&h, "o-1", "order.noted").await;
     let run = h.start(cfg, DELIVERY, no_faults()).await;
     eventually("the 19 calls whose keys are free recorded", DEADLINE, || async {
         (h.intents_in("succeeded").await == 19).then_some(())
@@ -1480,7 +1513,7 @@ async fn an_application_holding_an_event_s_key_delays_only_the_outcome_with_that
     // Held for twice the dispatcher's lease (3 s): the waiting outcome keeps its claim.
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(h.intents_in("running").await, 1, "o-1's outcome waits for its key, claimed");
-    held.commit().await.unwrap();
+    sqlx::raw_sql("COMMIT").execute(&mut held).await.unwrap();
     h.await_intents_finished(20).await;
     h.await_published(21).await;
     let records = read_topic(&h.bootstrap, &h.out, 21).await.unwrap();
@@ -1548,13 +1581,7 @@ async fn outcomes_held_behind_a_key_stop_applications_calls_once_they_fill_their
             .await
             .unwrap();
     }
-    let mut holder = PgConnection::connect(&app_url(&h)).await.unwrap();
-    let mut held = holder.begin().await.unwrap();
-    sqlx::query("SELECT relay.publish($1, 'k', 'note', '{}', id => 'note-k')")
-        .bind(&h.out)
-        .execute(&mut *held)
-        .await
-        .unwrap();
+    let mut held = hold_key(&h, "k", "note").await;
     let run = h.start(cfg, DELIVERY, no_faults()).await;
     eventually("three calls made", DEADLINE, || async { (h.provider.stats().requests >= 3).then_some(()) }).await;
     // Calls of the deployment's routes go on meanwhile.
@@ -1568,7 +1595,7 @@ async fn outcomes_held_behind_a_key_stop_applications_calls_once_they_fill_their
     // room: two more) went out after it.
     let made = h.provider.stats().requests - 5;
     assert!((3..=5).contains(&made), "{made} of 12 application calls made while their outcomes wait");
-    held.commit().await.unwrap();
+    sqlx::raw_sql("COMMIT").execute(&mut held).await.unwrap();
     eventually("every call made and recorded", DEADLINE, || async {
         (h.db.count("intents", "state = 'succeeded'").await == 17).then_some(())
     })

@@ -11,7 +11,7 @@ use std::time::Duration;
 use relay_store::intents::Scope;
 use relay_store::ops::{self, Cleanup};
 use relay_store::stats;
-use relay_store::{ClaimCommit, ClaimPool, FinishPool, begin_by_key, intents, outbox};
+use relay_store::{ClaimCommit, ClaimConnection, ClaimPool, FinishPool, Position, begin_by_key, intents, outbox};
 use relay_testkit::{TestDb, seed};
 use serde_json::Value;
 use sqlx::{Connection, PgConnection};
@@ -94,6 +94,46 @@ async fn insert_backlog(pool: &sqlx::PgPool, n: i64) {
     seed::pending_outbox(pool, "plans", "out", n as usize).await.unwrap();
 }
 
+/// The plan of the intent claim for 50 rows of deployment `plans`, from the
+/// start or after `after`, over `endpoints`.
+async fn explain_claim(
+    claims: &mut ClaimConnection,
+    analyze: bool,
+    after: Option<Position>,
+    endpoints: &[&str],
+) -> Value {
+    let explain = if analyze { "ANALYZE, FORMAT JSON" } else { "FORMAT JSON" };
+    sqlx::query_scalar(&format!("EXPLAIN ({explain}) {}", intents::CLAIM))
+        .bind(50_i64)
+        .bind("worker")
+        .bind(30.0_f64)
+        .bind(after.map(|p| p.due))
+        .bind(after.map_or(0, |p| p.seq))
+        .bind(endpoints)
+        .bind("plans")
+        .bind(i64::MAX)
+        .bind(true)
+        .bind(true)
+        .fetch_one(claims.as_conn())
+        .await
+        .unwrap()
+}
+
+/// The plan of the outbox claim for `limit` rows of deployment `plans`,
+/// from the start or after seq `after`.
+async fn explain_outbox_claim(claims: &mut ClaimConnection, analyze: bool, limit: i64, after: Option<i64>) -> Value {
+    let explain = if analyze { "ANALYZE, FORMAT JSON" } else { "FORMAT JSON" };
+    sqlx::query_scalar(&format!("EXPLAIN ({explain}) {}", outbox::CLAIM))
+        .bind(limit)
+        .bind(30.0_f64)
+        .bind(after.unwrap_or(i64::MIN))
+        .bind("plans")
+        .bind(limit * outbox::WINDOW)
+        .fetch_one(claims.as_conn())
+        .await
+        .unwrap()
+}
+
 #[tokio::test]
 async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_is_empty() {
     let db = TestDb::new().await.unwrap();
@@ -103,30 +143,9 @@ async fn claims_take_rows_in_index_order_even_when_the_statistics_say_the_table_
     insert_backlog(&db.pool, ROWS).await;
 
     let mut claims = ClaimPool::beside(&db.pool, 1, ClaimCommit::Async).acquire().await.unwrap();
-    let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {}", intents::CLAIM))
-        .bind(50_i64)
-        .bind("worker")
-        .bind(30.0_f64)
-        .bind(None::<chrono::DateTime<chrono::Utc>>)
-        .bind(0_i64)
-        .bind(vec!["psp"])
-        .bind("plans")
-        .bind(i64::MAX)
-        .bind(true)
-        .bind(true)
-        .fetch_one(claims.as_conn())
-        .await
-        .unwrap();
+    let plan: Value = explain_claim(&mut claims, false, None, &["psp"]).await;
     assert_limited_scans("the intent claim", &plan, "intents_due");
-    let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {}", outbox::CLAIM))
-        .bind(50_i64)
-        .bind(30.0_f64)
-        .bind(i64::MIN)
-        .bind("plans")
-        .bind(50 * outbox::WINDOW)
-        .fetch_one(claims.as_conn())
-        .await
-        .unwrap();
+    let plan: Value = explain_outbox_claim(&mut claims, false, 50, None).await;
     assert_index_order("the outbox claim", &nodes(&plan), "outbox_pending_by_seq");
 
     // And the claims do take the oldest rows first.
@@ -150,20 +169,7 @@ async fn a_claim_reads_no_due_row_of_a_paused_endpoint_or_another_deployment() {
     sqlx::query("INSERT INTO relay.pauses (kind, name) VALUES ('endpoint', 'paused')").execute(&db.pool).await.unwrap();
     sqlx::query("ANALYZE relay.intents").execute(&db.pool).await.unwrap();
     let mut claims = ClaimPool::beside(&db.pool, 1, ClaimCommit::Async).acquire().await.unwrap();
-    let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", intents::CLAIM))
-        .bind(50_i64)
-        .bind("worker")
-        .bind(30.0_f64)
-        .bind(None::<chrono::DateTime<chrono::Utc>>)
-        .bind(0_i64)
-        .bind(vec!["paused", "psp"])
-        .bind("plans")
-        .bind(i64::MAX)
-        .bind(true)
-        .bind(true)
-        .fetch_one(claims.as_conn())
-        .await
-        .unwrap();
+    let plan: Value = explain_claim(&mut claims, true, None, &["paused", "psp"]).await;
     /// Rows the plan's scans of `relay.intents` and its index produced or
     /// filtered out.
     fn read(node: &Value) -> f64 {
@@ -201,20 +207,7 @@ async fn claims_after_a_position_start_reading_the_index_there_and_one_from_the_
 
     // The position bounds the index scan (an Index Cond, where the scan
     // starts), not a filter over every entry before it.
-    let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {}", intents::CLAIM))
-        .bind(50_i64)
-        .bind("worker")
-        .bind(30.0_f64)
-        .bind(Some(last.due))
-        .bind(last.seq)
-        .bind(vec!["psp"])
-        .bind("plans")
-        .bind(i64::MAX)
-        .bind(true)
-        .bind(true)
-        .fetch_one(claims.as_conn())
-        .await
-        .unwrap();
+    let plan: Value = explain_claim(&mut claims, false, Some(last), &["psp"]).await;
     fn index_cond(node: &Value, index: &str) -> Option<String> {
         if node["Index Name"].as_str() == Some(index) {
             return node["Index Cond"].as_str().map(str::to_owned);
@@ -240,15 +233,7 @@ async fn claims_after_a_position_start_reading_the_index_there_and_one_from_the_
     // The outbox claim the same way, its position a seq.
     let first = outbox::claim_after(&mut claims, "plans", 3, lease, None).await.unwrap();
     assert_eq!(first.rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [1, 2, 3]);
-    let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {}", outbox::CLAIM))
-        .bind(50_i64)
-        .bind(30.0_f64)
-        .bind(3_i64)
-        .bind("plans")
-        .bind(50 * outbox::WINDOW)
-        .fetch_one(claims.as_conn())
-        .await
-        .unwrap();
+    let plan: Value = explain_outbox_claim(&mut claims, false, 50, Some(3)).await;
     let cond = index_cond(&plan[0]["Plan"], "outbox_pending_by_seq").expect("the claim reads outbox_pending_by_seq");
     assert!(cond.contains("seq >"), "the position is no scan bound: {cond}");
     let two = &first.rows[1];
@@ -299,15 +284,7 @@ async fn an_outbox_claim_examines_its_window_not_every_row_waiting_behind_its_ke
     let next = outbox::claim_after(&mut claims, "plans", 10, lease, blocked.passed).await.unwrap();
     assert_eq!(next.passed, Some(64 + 20 * outbox::WINDOW));
     // As the claim connection plans it (every row waits: it claims nothing).
-    let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", outbox::CLAIM))
-        .bind(10_i64)
-        .bind(30.0_f64)
-        .bind(i64::MIN)
-        .bind("plans")
-        .bind(10 * outbox::WINDOW)
-        .fetch_one(claims.as_conn())
-        .await
-        .unwrap();
+    let plan: Value = explain_outbox_claim(&mut claims, true, 10, None).await;
     let read = rows_read(&plan[0]["Plan"], "outbox_pending_by_seq");
     assert!(
         read <= 3.0 * 10.0 * outbox::WINDOW as f64,
@@ -710,6 +687,11 @@ async fn intents_an_earlier_version_left_are_claimed_and_replayed_after_the_upgr
     .await
     .unwrap();
     relay_store::migrate(&db.pool).await.unwrap();
+    // The earlier version's migrations table, in `public`, moved into relay's schema.
+    assert!(relay_store::migrations_current(&db.pool).await.unwrap());
+    let left: Option<String> =
+        sqlx::query_scalar("SELECT to_regclass('public._sqlx_migrations')::text").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(left, None, "the earlier migrations table is moved, not left beside relay's");
     let mut claims = ClaimPool::beside(&db.pool, 1, ClaimCommit::Durable).acquire().await.unwrap();
     let claimed = intents::claim(&mut claims, &PLANS, "worker", 10, Duration::from_secs(30)).await.unwrap().rows;
     assert_eq!(claimed.iter().map(|c| c.intent.source_event_id.as_str()).collect::<Vec<_>>(), ["e-1"]);

@@ -210,18 +210,40 @@ where
 /// The relay's migrations (`migrations/` at the workspace root), embedded.
 pub static MIGRATOR: Migrator = sqlx::migrate!("../../migrations");
 
-/// The search path of the migrator's own table, `_sqlx_migrations`, which
-/// sqlx names without a schema: the database's default.
-const MIGRATIONS_PATH: &str = r#"SET search_path = "$user", public"#;
+/// Before the migrator runs: relay's schema exists, and the migrator's own
+/// table, which sqlx names without a schema, is relay's. Found through
+/// `"$user", public` it was another table once a schema named like relay's
+/// login existed (relay's own, for a login named `relay`: the second
+/// `relay migrate` then met an empty table and ran migration 1 again), and
+/// the owner of `public` could drop it or put a view of its own there. A
+/// table earlier releases left in `public` is moved, if relay's role owns it.
+const PREPARE_MIGRATIONS: &str = r#"
+SET search_path = pg_catalog, pg_temp;
+CREATE SCHEMA IF NOT EXISTS relay;
+DO $$
+DECLARE
+    earlier regclass := to_regclass('public._sqlx_migrations');
+BEGIN
+    IF to_regclass('relay._sqlx_migrations') IS NULL AND earlier IS NOT NULL THEN
+        IF (SELECT relkind <> 'r' OR relowner <> current_user::regrole FROM pg_class WHERE oid = earlier) THEN
+            RAISE EXCEPTION 'public._sqlx_migrations is not a table relay''s role % owns, so relay does not take '
+                'it for its migrations (kept in relay._sqlx_migrations): inspect it (who made it, which versions '
+                'it lists), then move it as its owner (ALTER TABLE public._sqlx_migrations SET SCHEMA relay) '
+                'or, on a database relay never migrated, drop it', current_user;
+        END IF;
+        ALTER TABLE public._sqlx_migrations SET SCHEMA relay;
+    END IF;
+END $$;
+SET search_path = relay, pg_catalog, pg_temp;
+"#;
 
-/// Apply pending migrations. The relay's sessions may search `pg_catalog`
-/// alone (`relay::app::connect`); the migrator's table is found on the
-/// database's default path, on a connection closed afterwards.
+/// Apply pending migrations, keeping sqlx's table in relay's schema
+/// ([`PREPARE_MIGRATIONS`]). On a connection closed afterwards, so that its
+/// search path goes back to no pool.
 pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
     let mut conn = pool.acquire().await?;
-    sqlx::query(MIGRATIONS_PATH).execute(&mut *conn).await?;
+    sqlx::raw_sql(PREPARE_MIGRATIONS).execute(&mut *conn).await?;
     let done = MIGRATOR.run(&mut *conn).await;
-    // Not back into the pool with the default path.
     let _ = conn.close().await;
     done
 }
@@ -229,18 +251,17 @@ pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
 /// Whether every embedded migration has been applied to this database, as
 /// it is embedded: one changed after it was applied (same version, another
 /// checksum) leaves the schema not current, and `relay migrate` says which.
+/// The table is read in relay's schema only: one of the same name that
+/// another role made elsewhere says nothing.
 pub async fn migrations_current(pool: &PgPool) -> Result<bool, sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    sqlx::query(&MIGRATIONS_PATH.replacen("SET", "SET LOCAL", 1)).execute(&mut *tx).await?;
     let applied: Vec<(i64, Vec<u8>)> =
-        sqlx::query_as("SELECT version, checksum FROM _sqlx_migrations WHERE success ORDER BY version")
-            .fetch_all(&mut *tx)
+        sqlx::query_as("SELECT version, checksum FROM relay._sqlx_migrations WHERE success ORDER BY version")
+            .fetch_all(pool)
             .await
             .or_else(|e| match &e {
                 sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Ok(Vec::new()),
                 _ => Err(e),
             })?;
-    tx.rollback().await?;
     Ok(MIGRATOR.iter().all(|m| applied.iter().any(|(v, sum)| *v == m.version && sum[..] == m.checksum[..])))
 }
 
