@@ -8,14 +8,21 @@
 //! headers are read through librdkafka's C API as bytes, and the relay
 //! decides what such a record is (`bad_header` poison).
 //!
+//! It also polls a consumer for what a fetch met, failures included, with
+//! their position ([`poll_fetched`]): rdkafka's `KafkaError` drops the
+//! partition and offset of a record it could not read.
+//!
 //! This is the only crate of the workspace that allows `unsafe`; nothing
 //! else in it is written by hand.
 
 use std::ffi::CStr;
 use std::os::raw::{c_char, c_void};
+use std::time::Duration;
 
 use rdkafka::bindings as rdsys;
+use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::BorrowedMessage;
+use rdkafka::types::RDKafkaErrorCode;
 use relay_core::Header;
 use relay_core::envelope::{LeftOut, copy_headers};
 use relay_core::limits::MAX_HEADERS;
@@ -66,6 +73,104 @@ pub fn headers(message: &BorrowedMessage<'_>) -> Vec<Header> {
         };
         Some((name, value))
     })
+}
+
+/// What one poll of a consumer met.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fetched {
+    /// A record of `partition` at `offset`.
+    Record {
+        /// The record's partition.
+        partition: i32,
+        /// The record's offset.
+        offset: i64,
+    },
+    /// The end of `partition`'s log (with `enable.partition.eof`).
+    End {
+        /// The partition.
+        partition: i32,
+    },
+    /// A fetch of `partition` failed with `code` at `offset`: for a batch
+    /// that does not decompress, the batch's first offset (librdkafka's
+    /// msgset reader reports its `BaseOffset`), whichever offset was asked
+    /// for. librdkafka hands these over as error events, or as messages
+    /// with an error; both are read.
+    Failed {
+        /// The partition.
+        partition: i32,
+        /// Where librdkafka says it failed.
+        offset: i64,
+        /// Why.
+        code: RDKafkaErrorCode,
+    },
+    /// Nothing within the timeout, or something else than a fetch (a log
+    /// line, a client error without a partition).
+    Nothing,
+}
+
+/// Poll `consumer` (created with a `group.id`, so that its events come on
+/// the consumer queue) once, for at most `timeout`. For a consumer that
+/// assigns partitions by hand: a rebalance event would be dropped here.
+pub fn poll_fetched(consumer: &BaseConsumer, timeout: Duration) -> Fetched {
+    let rk = consumer.client().native_ptr();
+    // SAFETY: `rk` is the live handle `consumer` owns; the queue returned is
+    // a new reference, destroyed below.
+    let queue = unsafe { rdsys::rd_kafka_queue_get_consumer(rk) };
+    if queue.is_null() {
+        return Fetched::Nothing;
+    }
+    let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+    // SAFETY: `queue` is the valid reference taken above.
+    let event = unsafe { rdsys::rd_kafka_queue_poll(queue, ms) };
+    // SAFETY: taken above and not used after; an event polled from it
+    // keeps what it needs.
+    unsafe { rdsys::rd_kafka_queue_destroy(queue) };
+    if event.is_null() {
+        return Fetched::Nothing;
+    }
+    // SAFETY: `event` is the live event polled above.
+    let fetched = if unsafe { rdsys::rd_kafka_event_type(event) } == rdsys::RD_KAFKA_EVENT_FETCH {
+        // SAFETY: a fetch event holds one message, owned by the event, read
+        // here before the event is destroyed.
+        let message = unsafe { rdsys::rd_kafka_event_message_next(event).as_ref() };
+        match message {
+            None => Fetched::Nothing,
+            Some(m) if m.err == rdsys::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR => {
+                Fetched::Record { partition: m.partition, offset: m.offset }
+            }
+            Some(m) if m.err == rdsys::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR__PARTITION_EOF => {
+                Fetched::End { partition: m.partition }
+            }
+            Some(m) => Fetched::Failed { partition: m.partition, offset: m.offset, code: m.err.into() },
+        }
+    // SAFETY: `event` is the live event polled above.
+    } else if unsafe { rdsys::rd_kafka_event_type(event) } == rdsys::RD_KAFKA_EVENT_ERROR {
+        // A consumer's error (a batch that does not decompress among them)
+        // comes as an error event carrying its partition and offset.
+        // SAFETY: `event` is live; the error code is a plain value.
+        let code = unsafe { rdsys::rd_kafka_event_error(event) };
+        // SAFETY: `event` is live; the partition returned is a new
+        // allocation (or null), copied and destroyed here.
+        let at = unsafe { rdsys::rd_kafka_event_topic_partition(event) };
+        // SAFETY: null or the allocation above, read before it is destroyed.
+        let place = unsafe { at.as_ref() }.map(|tp| (tp.partition, tp.offset));
+        if !at.is_null() {
+            // SAFETY: allocated by librdkafka for this call, destroyed once.
+            unsafe { rdsys::rd_kafka_topic_partition_destroy(at) };
+        }
+        match place {
+            Some((partition, _)) if code == rdsys::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR__PARTITION_EOF => {
+                Fetched::End { partition }
+            }
+            Some((partition, offset)) => Fetched::Failed { partition, offset, code: code.into() },
+            None => Fetched::Nothing,
+        }
+    } else {
+        Fetched::Nothing
+    };
+    // SAFETY: polled above, destroyed once; nothing read from it is kept.
+    unsafe { rdsys::rd_kafka_event_destroy(event) };
+    fetched
 }
 
 #[cfg(test)]

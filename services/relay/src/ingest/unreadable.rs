@@ -5,9 +5,10 @@
 //! without its partition or offset (rdkafka's `KafkaError` drops them), and
 //! fetches it again and again. This probes, with a client of its own, each
 //! assigned partition from the consumer's position: the one whose position
-//! cannot be read holds the batch, and reading from later offsets finds the
-//! first one that can be (the batch's end). The consumer then parks the
-//! offsets in between as one dead letter and fetches on from there.
+//! cannot be read holds the batch, and reads from later offsets, which fail
+//! naming the batch's first offset while they fall in it, find its end. The
+//! consumer then parks the offsets in between as one dead letter and
+//! fetches on from there.
 //!
 //! Written here because no crate does it: it is a question about one
 //! broker's log, answered with the same client the consumer uses.
@@ -17,8 +18,9 @@ use std::time::Duration;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
 use rdkafka::types::RDKafkaErrorCode;
-use rdkafka::{Message, Offset, TopicPartitionList};
+use rdkafka::{Offset, TopicPartitionList};
 use relay_core::config::KafkaConfig;
+use relay_kafka_raw::Fetched;
 use tracing::warn;
 
 use crate::ingest::partitions::Tp;
@@ -40,8 +42,8 @@ pub(super) struct Unreadable {
 enum Read {
     /// A record, at this offset (at or after the one asked for).
     Record(i64),
-    /// The batch there cannot be read.
-    Unreadable(String),
+    /// The batch there cannot be read; it starts at `base`.
+    Unreadable { base: i64, error: String },
     /// Nothing there yet: the end of the partition.
     End,
     /// No answer in time.
@@ -69,39 +71,67 @@ pub(super) fn probe(kafka: &KafkaConfig, positions: &[(Tp, Option<i64>)]) -> Vec
     for (tp, from) in positions {
         let Ok((low, end)) = consumer.fetch_watermarks(&tp.0, tp.1, Duration::from_secs(10)) else { continue };
         let from = from.unwrap_or(low).max(low);
-        let Read::Unreadable(error) = read(&consumer, tp, from) else { continue };
-        if let Some(until) = first_readable_after(&consumer, tp, from, end) {
+        let Read::Unreadable { base, error } = read(&consumer, tp, from) else { continue };
+        if let Some(until) = first_readable_after(&consumer, tp, base, from, end) {
             found.push(Unreadable { tp: tp.clone(), from, until, error });
         }
     }
     found
 }
 
-/// The first offset after `bad` (which cannot be read) whose record can
-/// be, or `end`: one read per offset, in order. A search that jumps ahead
-/// (doubling, then halving) would take two corrupt batches with readable
-/// records between them for one, and park those records, readable from
-/// the topic, as unreadable. Reads of one broken batch fail at once, so
-/// the walk costs a fetch per record of the batch. `None` if the broker
-/// stops answering.
-fn first_readable_after(consumer: &BaseConsumer, tp: &Tp, bad: i64, end: i64) -> Option<i64> {
-    walk_to_readable(bad, end, |offset| read(consumer, tp, offset))
+/// The first offset after `bad` (in the batch starting at `base`, which
+/// cannot be read) that is not in that batch, or `end`. A read anywhere in
+/// a batch fails naming the batch's first offset, so "fails naming `base`"
+/// holds up to the batch's end and not after it: the search doubles its
+/// step until it leaves the batch, then halves back to the end, in about
+/// 2 log2(n) reads for a batch of n records (one batch can hold hundreds of
+/// thousands). It never passes the batch's end, so readable records after
+/// it, and a corrupt batch after those, are not taken into it. `None` if
+/// the broker stops answering.
+fn first_readable_after(consumer: &BaseConsumer, tp: &Tp, base: i64, bad: i64, end: i64) -> Option<i64> {
+    search_batch_end(base, bad, end, |offset| read(consumer, tp, offset))
 }
 
 /// [`first_readable_after`] over any reader.
-fn walk_to_readable(bad: i64, end: i64, mut read: impl FnMut(i64) -> Read) -> Option<i64> {
-    let mut q = bad + 1;
-    while q < end {
+fn search_batch_end(base: i64, bad: i64, end: i64, mut read: impl FnMut(i64) -> Read) -> Option<i64> {
+    // Where the batch's end lies: after `inside`, at or before `outside`.
+    let mut inside = bad;
+    let mut outside = None;
+    let mut step = 1;
+    // Whether the read at `q` left the batch, and what it found there.
+    let mut left = |q: i64| -> Option<Option<i64>> {
         match read(q) {
-            // A record at or after `q`: the first readable one (a batch's
-            // first offsets may be gone to compaction).
-            Read::Record(at) => return Some(at.max(q)),
-            Read::Unreadable(_) => q += 1,
-            Read::End => return Some(q),
-            Read::Unknown => return None,
+            Read::Unreadable { base: b, .. } if b == base => Some(None),
+            // A record at or after `q` (a batch's first offsets may be
+            // gone to compaction), or another batch that fails: where it starts.
+            Read::Record(at) => Some(Some(at.max(q))),
+            Read::Unreadable { .. } | Read::End => Some(Some(q)),
+            Read::Unknown => None,
+        }
+    };
+    while outside.is_none() {
+        let q = inside.saturating_add(step);
+        if q >= end {
+            outside = Some((end, end));
+            break;
+        }
+        match left(q)? {
+            None => {
+                inside = q;
+                step = step.saturating_mul(2);
+            }
+            Some(found) => outside = Some((q, found)),
         }
     }
-    Some(end)
+    let (mut hi, mut found) = outside.expect("set before the loop ends");
+    while hi - inside > 1 {
+        let mid = inside + (hi - inside) / 2;
+        match left(mid)? {
+            None => inside = mid,
+            Some(f) => (hi, found) = (mid, f),
+        }
+    }
+    Some(found)
 }
 
 /// Read `tp` from `offset`.
@@ -112,12 +142,14 @@ fn read(consumer: &BaseConsumer, tp: &Tp, offset: i64) -> Read {
     }
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while std::time::Instant::now() < deadline {
-        match consumer.poll(Duration::from_millis(500)) {
-            Some(Ok(m)) if m.partition() == tp.1 && m.offset() >= offset => return Read::Record(m.offset()),
-            Some(Err(e @ KafkaError::MessageConsumption(RDKafkaErrorCode::BadCompression))) => {
-                return Read::Unreadable(e.to_string());
+        match relay_kafka_raw::poll_fetched(consumer, Duration::from_millis(500)) {
+            Fetched::Record { partition, offset: at } if partition == tp.1 && at >= offset => return Read::Record(at),
+            Fetched::Failed { partition, offset: base, code: code @ RDKafkaErrorCode::BadCompression }
+                if partition == tp.1 =>
+            {
+                return Read::Unreadable { base, error: KafkaError::MessageConsumption(code).to_string() };
             }
-            Some(Err(KafkaError::PartitionEOF(p))) if p == tp.1 => return Read::End,
+            Fetched::End { partition } if partition == tp.1 => return Read::End,
             _ => {}
         }
     }
@@ -128,15 +160,42 @@ fn read(consumer: &BaseConsumer, tp: &Tp, offset: i64) -> Read {
 mod tests {
     use super::*;
 
+    /// A reader over corrupt batches (first offset, first offset after),
+    /// every other offset readable, counting its reads.
+    fn reader(batches: &[(i64, i64)], reads: &mut usize) -> impl FnMut(i64) -> Read {
+        move |o: i64| {
+            *reads += 1;
+            match batches.iter().find(|(from, until)| (*from..*until).contains(&o)) {
+                Some(&(base, _)) => Read::Unreadable { base, error: "bad".into() },
+                None => Read::Record(o),
+            }
+        }
+    }
+
     // Two corrupt batches (100..=109 and 112..=140) with readable records
     // 110 and 111 between them: the search stops at 110, so 110 and 111 are
     // fetched and applied, not parked without their bytes.
     #[test]
     fn the_search_stops_at_the_first_readable_record_between_two_corrupt_batches() {
-        let broken = |o: i64| (100..=109).contains(&o) || (112..=140).contains(&o);
-        let read = |o: i64| if broken(o) { Read::Unreadable("bad".into()) } else { Read::Record(o) };
-        assert_eq!(walk_to_readable(100, 200, read), Some(110));
-        assert_eq!(walk_to_readable(112, 200, read), Some(141));
-        assert_eq!(walk_to_readable(112, 130, read), Some(130), "up to the end");
+        let batches = [(100, 110), (112, 141)];
+        let mut n = 0;
+        assert_eq!(search_batch_end(100, 100, 200, reader(&batches, &mut n)), Some(110));
+        assert_eq!(search_batch_end(112, 112, 200, reader(&batches, &mut n)), Some(141));
+        assert_eq!(search_batch_end(112, 112, 130, reader(&batches, &mut n)), Some(130), "up to the end");
+        assert_eq!(search_batch_end(100, 104, 200, reader(&batches, &mut n)), Some(110), "from inside the batch");
+        // Two corrupt batches back to back: the first ends where the second starts.
+        let touching = [(100, 110), (110, 300)];
+        assert_eq!(search_batch_end(100, 100, 400, reader(&touching, &mut n)), Some(110));
+    }
+
+    // One read per offset: a ~1 MB zstd batch of tiny records spans
+    // hundreds of thousands of offsets, and a read costs a fetch of the
+    // whole batch, so the walk stalled its partition for hours.
+    #[test]
+    fn the_end_of_a_batch_of_a_million_records_is_found_in_a_few_dozen_reads() {
+        let mut reads = 0;
+        let found = search_batch_end(100, 100, 5_000_000, reader(&[(100, 1_000_100)], &mut reads));
+        assert_eq!(found, Some(1_000_100));
+        assert!(reads <= 64, "{reads} reads");
     }
 }
