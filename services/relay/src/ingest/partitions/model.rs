@@ -392,6 +392,7 @@ fn partitions_keep_r1_and_the_bound_and_never_stay_paused() {
 #[test]
 fn stand_ins_found_once_the_buffer_is_full_stay_within_the_bound() {
     use Op::*;
+    #[rustfmt::skip]
     let ops = [
         Fetch(1), Fetch(0), Fetch(0), Start, Fetch(0), Step(0), Step(0), FetchLate(1), Fetch(0), Finish(0),
         Step(1), Start, Fetch(1), Finish(1), Step(0), Step(0), Fetch(1), Fetch(0), Fetch(1), Start, Fetch(1),
