@@ -188,6 +188,39 @@ async fn a_claim_reads_no_due_row_of_a_paused_endpoint_or_another_deployment() {
     assert!(rows < 100.0, "the claim read {rows} intents' rows to take 3; plan: {}", plan[0]["Plan"]);
 }
 
+// The first claim restarts an intent's age budget, and a give-back set
+// `attempts` back to 0, so every claim after one restarted it again, each
+// from the budget the last had grown: an intent given back while throttled
+// kept living (and at last died, announcing on_dead) long after max_age.
+#[tokio::test]
+async fn a_claim_after_a_give_back_keeps_the_age_budget_the_first_claim_set() {
+    let db = TestDb::new().await.unwrap();
+    seed::pending_intents(&db.pool, "plans", "psp", "", 1).await.unwrap();
+    sqlx::query(
+        "UPDATE relay.intents SET created_at = now() - interval '1 hour', expires_at = now() + interval '1 hour'",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut claims = ClaimPool::beside(&db.pool, 1, ClaimCommit::Durable).acquire().await.unwrap();
+    let lease = Duration::from_secs(30);
+    let expires = || async {
+        sqlx::query_scalar::<_, chrono::DateTime<chrono::Utc>>("SELECT expires_at FROM relay.intents")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+    };
+    let mut set = None;
+    for _ in 0..3 {
+        let claim = intents::claim(&mut claims, &PLANS, "worker", 1, lease).await.unwrap().rows;
+        let at = expires().await;
+        let first = *set.get_or_insert(at);
+        assert_eq!(at, first, "the budget the first claim set (two hours from it) stays");
+        let mut conn = db.conn().await.unwrap();
+        intents::release(&mut conn, claim[0].id, claim[0].lease_token).await.unwrap();
+    }
+}
+
 #[tokio::test]
 async fn claims_after_a_position_start_reading_the_index_there_and_one_from_the_start_finds_what_they_passed() {
     let db = TestDb::new().await.unwrap();

@@ -311,7 +311,7 @@ pub const CLAIM: &str = concat!(
              UPDATE relay.intents i
                 SET state = 'running', attempts = i.attempts + 1, lease_token = gen_random_uuid(),
                     locked_by = $2, locked_until = now() + make_interval(secs => $3),
-                    expires_at = CASE WHEN i.attempts = 0
+                    expires_at = CASE WHEN i.attempts = 0 AND i.locked_by IS NULL
                                       THEN greatest(i.expires_at, now() + (i.expires_at - i.created_at))
                                       ELSE i.expires_at END
                FROM fits WHERE i.id = fits.id
@@ -560,12 +560,15 @@ pub async fn extend_leases(
 }
 
 /// Give back a claim whose attempt was never started: pending again, the
-/// attempt not counted (fenced). Runs in its own transaction
-/// ([`crate::begin_by_key`]): `conn` must not be in one.
+/// attempt not counted (fenced). `locked_by` stays, marking the intent as
+/// claimed before: the age budget restarts at a first claim only, not at
+/// every claim after a give-back, or throttled calls would carry it on
+/// for ever. Runs in its own transaction ([`crate::begin_by_key`]): `conn`
+/// must not be in one.
 pub async fn release(conn: &mut PgConnection, id: Uuid, token: Uuid) -> Result<Fenced, sqlx::Error> {
     let release = sqlx::query(
         "UPDATE relay.intents
-            SET state = 'pending', attempts = attempts - 1, lease_token = NULL, locked_until = NULL, locked_by = NULL
+            SET state = 'pending', attempts = attempts - 1, lease_token = NULL, locked_until = NULL
           WHERE id = $1 AND lease_token = $2",
     )
     .bind(id)
