@@ -673,6 +673,18 @@ async fn migrating_again_finds_relay_s_migrations_whatever_schema_is_named_like_
         .await
         .unwrap();
     assert_eq!(strays, 1, "one migrations table, relay's");
+
+    // A database an earlier release left so (the full table in public, an
+    // empty one in schema relay) is repaired, not refused.
+    sqlx::raw_sql(
+        "ALTER TABLE relay._sqlx_migrations SET SCHEMA public;
+         CREATE TABLE relay._sqlx_migrations (LIKE public._sqlx_migrations INCLUDING ALL)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    relay_store::migrate(&db.pool).await.expect("the earlier table found again");
+    assert!(relay_store::migrations_current(&db.pool).await.unwrap());
 }
 
 async fn current_user(pool: &sqlx::PgPool) -> String {

@@ -216,14 +216,22 @@ pub static MIGRATOR: Migrator = sqlx::migrate!("../../migrations");
 /// login existed (relay's own, for a login named `relay`: the second
 /// `relay migrate` then met an empty table and ran migration 1 again), and
 /// the owner of `public` could drop it or put a view of its own there. A
-/// table earlier releases left in `public` is moved, if relay's role owns it.
+/// table earlier releases left in `public` is moved, if relay's role owns it,
+/// over an empty one that second `relay migrate` left in schema relay.
 const PREPARE_MIGRATIONS: &str = r#"
 SET search_path = pg_catalog, pg_temp;
 CREATE SCHEMA IF NOT EXISTS relay;
 DO $$
 DECLARE
     earlier regclass := to_regclass('public._sqlx_migrations');
+    empty boolean;
 BEGIN
+    IF earlier IS NOT NULL AND to_regclass('relay._sqlx_migrations') IS NOT NULL THEN
+        EXECUTE 'SELECT NOT EXISTS (SELECT 1 FROM relay._sqlx_migrations)' INTO empty;
+        IF empty THEN
+            DROP TABLE relay._sqlx_migrations;
+        END IF;
+    END IF;
     IF to_regclass('relay._sqlx_migrations') IS NULL AND earlier IS NOT NULL THEN
         IF (SELECT relkind <> 'r' OR relowner <> current_user::regrole FROM pg_class WHERE oid = earlier) THEN
             RAISE EXCEPTION 'public._sqlx_migrations is not a table relay''s role % owns, so relay does not take '
