@@ -859,7 +859,7 @@ async fn a_release_cut_short_between_chunks_is_taken_up_by_replaying_or_skipping
     sqlx::query("DELETE FROM relay.inbox WHERE event_id IN ('p-1', 'pay-a')").execute(&h.db.pool).await.unwrap();
     let mut conn = h.db.pool.acquire().await.unwrap();
     let paid = format!("{}/payment.confirmed", h.topic);
-    relay_store::ops::pause(&mut conn, relay_store::ops::PauseKind::Route, &paid, None).await.unwrap();
+    relay_store::ops::pause(&mut conn, &h.consumer, relay_store::ops::PauseKind::Route, &paid, None).await.unwrap();
     for (event, letter) in [("p-1", p1), ("pay-a", dead_letter_of(&h, "pay-a").await)] {
         let again = ops.replay_releasing(&relay.processor(), letter).await.unwrap();
         assert_eq!((again.outcome, again.released), (ReplayOutcome::Duplicate, None), "{event}");
@@ -871,7 +871,7 @@ async fn a_release_cut_short_between_chunks_is_taken_up_by_replaying_or_skipping
             .unwrap();
         assert_eq!(stored.as_deref(), Some("applied"), "{event} stays resolved");
     }
-    relay_store::ops::resume(&mut conn, relay_store::ops::PauseKind::Route, &paid).await.unwrap();
+    relay_store::ops::resume(&mut conn, &h.consumer, relay_store::ops::PauseKind::Route, &paid).await.unwrap();
 
     // The same with a skip, taken up by skipping again.
     let cut = Faults::new(&[(relay::runtime::faults::point::RELEASE_AFTER_CHUNK, FaultAction::Fail, 1)]);
@@ -980,7 +980,7 @@ async fn a_release_stops_at_a_held_record_of_a_paused_route_until_it_is_resumed(
     order_saga(&h, "o-1", "pending").await;
     let shipped = format!("{}/order.shipped", h.topic);
     let mut conn = h.db.conn().await.unwrap();
-    ops::pause(&mut conn, PauseKind::Route, &shipped, None).await.unwrap();
+    ops::pause(&mut conn, &h.consumer, PauseKind::Route, &shipped, None).await.unwrap();
 
     let relay = h.relay(cfg, Handlers::default(), no_faults()).await;
     let ops_ = relay.operator();
@@ -999,7 +999,7 @@ async fn a_release_stops_at_a_held_record_of_a_paused_route_until_it_is_resumed(
     assert!(reason.contains(&shipped) && reason.contains("paused"), "{reason}");
     assert_eq!(h.db.count("held_keys", &format!("head = {s1}")).await, 1, "s-1 holds the key now");
 
-    ops::resume(&mut conn, PauseKind::Route, &shipped).await.unwrap();
+    ops::resume(&mut conn, &h.consumer, PauseKind::Route, &shipped).await.unwrap();
     let r = ops_.replay_releasing(&relay.processor(), s1).await.unwrap();
     assert_eq!((r.outcome, r.released.map(|r| r.replayed)), (ReplayOutcome::Applied, Some(0)));
     assert_eq!(h.outcome("s-1").await.as_deref(), Some("applied"));
@@ -1489,7 +1489,7 @@ async fn a_partition_held_at_a_paused_route_flows_again_after_a_rebalance_and_a_
     use relay_store::ops::{self, PauseKind};
     let h = Harness::new(1).await;
     let mut conn = h.db.conn().await.unwrap();
-    ops::pause(&mut conn, PauseKind::Route, "order-placed", None).await.unwrap();
+    ops::pause(&mut conn, &h.consumer, PauseKind::Route, "order-placed", None).await.unwrap();
     h.send(&TestEvent::new("first", "something.else", json!({}))).await;
     h.send(&order("evt-1", "o-1")).await;
     let run = h.start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, no_faults()).await;
@@ -1497,7 +1497,7 @@ async fn a_partition_held_at_a_paused_route_flows_again_after_a_rebalance_and_a_
     h.await_committed(0, 1).await;
     // Another member joins the group: ours gets its partition again.
     let _other = another_member_joins(&h).await;
-    ops::resume(&mut conn, PauseKind::Route, "order-placed").await.unwrap();
+    ops::resume(&mut conn, &h.consumer, PauseKind::Route, "order-placed").await.unwrap();
     let (_, last) = h.send(&order("evt-2", "o-2")).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
@@ -1542,11 +1542,11 @@ idempotency_key = "capture:{{ id }}"
 
     // Its own consumer, with the route paused: the replay waits like the partition would.
     let relay = h.relay(h.config(FIXED), Handlers::default(), no_faults()).await;
-    ops::pause(&mut conn, PauseKind::Route, "order-placed", None).await.unwrap();
+    ops::pause(&mut conn, &h.consumer, PauseKind::Route, "order-placed", None).await.unwrap();
     let paused = relay.operator().replay(&relay.processor(), id).await.unwrap();
     assert!(matches!(&paused, ReplayOutcome::StillFailing(why) if why.contains("paused")), "{paused:?}");
     assert_eq!(h.inbox().await, 0, "nothing applied through a paused route");
-    ops::resume(&mut conn, PauseKind::Route, "order-placed").await.unwrap();
+    ops::resume(&mut conn, &h.consumer, PauseKind::Route, "order-placed").await.unwrap();
     assert_eq!(relay.operator().replay(&relay.processor(), id).await.unwrap(), ReplayOutcome::Applied);
     assert_eq!(h.inbox().await, 1);
 }

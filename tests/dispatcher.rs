@@ -1099,7 +1099,7 @@ async fn an_intent_claimed_at_ingest_is_written_running_unless_it_is_keyed_or_it
     let mut listener = sqlx::postgres::PgListener::connect_with(&db.pool).await.unwrap();
     listener.listen("relay_intents").await.unwrap();
     let mut conn = db.conn().await.unwrap();
-    relay_store::ops::pause(&mut conn, relay_store::ops::PauseKind::Endpoint, "paused", None).await.unwrap();
+    relay_store::ops::pause(&mut conn, "c", relay_store::ops::PauseKind::Endpoint, "paused", None).await.unwrap();
     let lease = Duration::from_secs(30);
 
     // All held: written running, no wake-up.

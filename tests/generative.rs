@@ -377,7 +377,7 @@ async fn run(s: &Scenario, faults: Faults) -> Vec<String> {
     let mut conn = h.db.conn().await.unwrap();
     use relay_store::ops::{self, PauseKind};
     if s.pause_first {
-        ops::pause(&mut conn, PauseKind::Route, "order-placed", Some("generative")).await.unwrap();
+        ops::pause(&mut conn, &h.consumer, PauseKind::Route, "order-placed", Some("generative")).await.unwrap();
     }
     let half = s.inputs.len() / 2;
     produce(&h, s, &s.inputs[..half]).await;
@@ -391,7 +391,7 @@ async fn run(s: &Scenario, faults: Faults) -> Vec<String> {
     }
     produce(&h, s, &s.inputs[half..]).await;
     if s.pause_first {
-        ops::resume(&mut conn, PauseKind::Route, "order-placed").await.unwrap();
+        ops::resume(&mut conn, &h.consumer, PauseKind::Route, "order-placed").await.unwrap();
     }
     if let Some(second) = second {
         second.stop().await.unwrap();

@@ -244,7 +244,7 @@ async fn a_paused_route_holds_its_schema_invalid_events_too() {
     std::fs::write(&schema, r#"{"type":"object","required":["order_id"]}"#).unwrap();
     let cfg = h.config(&SCHEMA_ROUTE.replace("SCHEMA", &schema.display().to_string()));
     let mut conn = h.db.conn().await.unwrap();
-    ops::pause(&mut conn, PauseKind::Route, "order-placed", None).await.unwrap();
+    ops::pause(&mut conn, &h.consumer, PauseKind::Route, "order-placed", None).await.unwrap();
     h.send(&TestEvent::new("first", "something.else", json!({}))).await;
     h.send(&TestEvent::new("evt-invalid", "order.placed", json!({"amount": 1}))).await;
     let (_, last) = h.send(&order("evt-1", "o-1")).await;
@@ -252,7 +252,7 @@ async fn a_paused_route_holds_its_schema_invalid_events_too() {
     // Offset 0 is processed; its batch stopped at offset 1, held at the pause.
     h.await_committed(0, 1).await;
     assert_eq!(dead_letters(&h).await.len(), 0, "nothing dead-lettered through a paused route");
-    ops::resume(&mut conn, PauseKind::Route, "order-placed").await.unwrap();
+    ops::resume(&mut conn, &h.consumer, PauseKind::Route, "order-placed").await.unwrap();
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
     let dead = dead_letters(&h).await;

@@ -166,7 +166,10 @@ async fn a_claim_reads_no_due_row_of_a_paused_endpoint_or_another_deployment() {
     seed::pending_intents(&db.pool, "plans", "paused", "p-", ROWS as usize).await.unwrap();
     seed::pending_intents(&db.pool, "elsewhere", "psp", "x-", ROWS as usize).await.unwrap();
     seed::pending_intents(&db.pool, "plans", "psp", "", 3).await.unwrap();
-    sqlx::query("INSERT INTO relay.pauses (kind, name) VALUES ('endpoint', 'paused')").execute(&db.pool).await.unwrap();
+    sqlx::query("INSERT INTO relay.pauses (consumer, kind, name) VALUES ('plans', 'endpoint', 'paused')")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     sqlx::query("ANALYZE relay.intents").execute(&db.pool).await.unwrap();
     let mut claims = ClaimPool::beside(&db.pool, 1, ClaimCommit::Async).acquire().await.unwrap();
     let plan: Value = explain_claim(&mut claims, true, None, &["paused", "psp"]).await;
@@ -219,6 +222,28 @@ async fn a_claim_after_a_give_back_keeps_the_age_budget_the_first_claim_set() {
         let mut conn = db.conn().await.unwrap();
         intents::release(&mut conn, claim[0].id, claim[0].lease_token).await.unwrap();
     }
+}
+
+// Pauses were one per kind and name in the database: two deployments
+// sharing it, each with an endpoint `psp`, paused each other's, and one's
+// operator resumed the other's incident pause.
+#[tokio::test]
+async fn a_pause_is_its_deployment_s_and_another_deployment_neither_meets_nor_lifts_it() {
+    use relay_store::ops::{self, PauseKind, Resumed};
+    let db = TestDb::new().await.unwrap();
+    seed::pending_intents(&db.pool, "plans", "psp", "", 2).await.unwrap();
+    let mut conn = db.conn().await.unwrap();
+    ops::pause(&mut conn, "other", PauseKind::Endpoint, "psp", Some("other's incident")).await.unwrap();
+    let mut claims = ClaimPool::beside(&db.pool, 1, ClaimCommit::Durable).acquire().await.unwrap();
+    let lease = Duration::from_secs(30);
+    let taken = intents::claim(&mut claims, &PLANS, "worker", 1, lease).await.unwrap().rows;
+    assert_eq!(taken.len(), 1, "another deployment's pause of its own psp stops nothing here");
+    assert_eq!(ops::resume(&mut conn, "plans", PauseKind::Endpoint, "psp").await.unwrap(), Resumed::NotPaused);
+    assert_eq!(ops::pauses(&mut conn, "other").await.unwrap().len(), 1, "its pause stands");
+    assert!(ops::pauses(&mut conn, "plans").await.unwrap().is_empty());
+    ops::pause(&mut conn, "plans", PauseKind::Endpoint, "psp", None).await.unwrap();
+    let taken = intents::claim(&mut claims, &PLANS, "worker", 1, lease).await.unwrap().rows;
+    assert!(taken.is_empty(), "its own pause holds its calls");
 }
 
 #[tokio::test]

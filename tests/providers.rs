@@ -440,9 +440,9 @@ async fn a_paused_endpoint_s_uncertain_intents_are_not_asked_about() {
     run.stop().await.unwrap();
     assert_eq!(due_now(&h).await, 1);
     let mut conn = h.db.pool.acquire().await.unwrap();
-    ops::pause(&mut conn, PauseKind::Endpoint, "psp", Some("provider incident")).await.unwrap();
+    ops::pause(&mut conn, &h.consumer, PauseKind::Endpoint, "psp", Some("provider incident")).await.unwrap();
     assert_eq!(due_now(&h).await, 0, "paused: neither a lookup nor a resend goes out");
-    ops::resume(&mut conn, PauseKind::Endpoint, "psp").await.unwrap();
+    ops::resume(&mut conn, &h.consumer, PauseKind::Endpoint, "psp").await.unwrap();
     assert_eq!(due_now(&h).await, 1);
 
     // An answer recorded after the take's lease was lost records nothing,

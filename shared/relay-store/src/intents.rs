@@ -276,7 +276,8 @@ pub async fn claim_after(
 pub const CLAIM: &str = concat!(
     "WITH ready AS MATERIALIZED (
              SELECT u.name FROM unnest($6::text[]) AS u(name)
-              WHERE NOT EXISTS (SELECT 1 FROM relay.pauses p WHERE p.kind = 'endpoint' AND p.name = u.name)
+              WHERE NOT EXISTS (SELECT 1 FROM relay.pauses p
+                                 WHERE p.kind = 'endpoint' AND p.name = u.name AND p.consumer IN ('', $7::text))
          ), due AS (
              SELECT d.id, d.next_attempt_at, d.seq, d.bytes
                FROM ready AS ep
@@ -743,7 +744,8 @@ pub(crate) const INSERT_MANY: &str = "INSERT INTO relay.intents
                      fairness_key, delay)
           CROSS JOIN LATERAL (
                 SELECT t.take AND t.ordering_key IS NULL AND t.fairness_key IS NULL AND NOT EXISTS (
-                           SELECT 1 FROM relay.pauses p WHERE p.kind = 'endpoint' AND p.name = t.endpoint) AS held
+                           SELECT 1 FROM relay.pauses p
+                            WHERE p.kind = 'endpoint' AND p.name = t.endpoint AND p.consumer IN ('', t.consumer)) AS held
           ) h
          ON CONFLICT (id) DO NOTHING
          RETURNING id, lease_token, expires_at, created_at";

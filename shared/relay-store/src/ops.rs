@@ -55,35 +55,53 @@ pub enum Resumed {
     NotPaused,
 }
 
-/// Pause `name`.
+/// Pause `consumer`'s route or endpoint `name`: its pause, no other
+/// deployment's.
 pub async fn pause(
     conn: &mut PgConnection,
+    consumer: &str,
     kind: PauseKind,
     name: &str,
     reason: Option<&str>,
 ) -> Result<Paused, sqlx::Error> {
-    let done = sqlx::query("INSERT INTO relay.pauses (kind, name, reason) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
-        .bind(kind.as_str())
-        .bind(name)
-        .bind(reason)
-        .execute(conn)
-        .await?;
+    let done = sqlx::query(
+        "INSERT INTO relay.pauses (consumer, kind, name, reason) VALUES ($4, $1, $2, $3) ON CONFLICT DO NOTHING",
+    )
+    .bind(kind.as_str())
+    .bind(name)
+    .bind(reason)
+    .bind(consumer)
+    .execute(conn)
+    .await?;
     Ok(if done.rows_affected() == 1 { Paused::Paused } else { Paused::AlreadyPaused })
 }
 
-/// Resume `name`.
-pub async fn resume(conn: &mut PgConnection, kind: PauseKind, name: &str) -> Result<Resumed, sqlx::Error> {
-    let done = sqlx::query("DELETE FROM relay.pauses WHERE kind = $1 AND name = $2")
+/// Resume `consumer`'s `name` (and a pause taken before pauses were a
+/// deployment's, which was every deployment's).
+pub async fn resume(
+    conn: &mut PgConnection,
+    consumer: &str,
+    kind: PauseKind,
+    name: &str,
+) -> Result<Resumed, sqlx::Error> {
+    let done = sqlx::query("DELETE FROM relay.pauses WHERE consumer IN ('', $3) AND kind = $1 AND name = $2")
         .bind(kind.as_str())
         .bind(name)
+        .bind(consumer)
         .execute(conn)
         .await?;
-    Ok(if done.rows_affected() == 1 { Resumed::Resumed } else { Resumed::NotPaused })
+    Ok(if done.rows_affected() >= 1 { Resumed::Resumed } else { Resumed::NotPaused })
 }
 
-/// Every pause.
-pub async fn pauses(conn: &mut PgConnection) -> Result<Vec<Pause>, sqlx::Error> {
-    sqlx::query_as("SELECT kind, name, reason, paused_at FROM relay.pauses ORDER BY kind, name").fetch_all(conn).await
+/// Every pause of `consumer` (with those taken for every deployment).
+pub async fn pauses(conn: &mut PgConnection, consumer: &str) -> Result<Vec<Pause>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT DISTINCT ON (kind, name) kind, name, reason, paused_at FROM relay.pauses
+          WHERE consumer IN ('', $1) ORDER BY kind, name, consumer DESC",
+    )
+    .bind(consumer)
+    .fetch_all(conn)
+    .await
 }
 
 /// What a consumer batch reads before its transaction begins.
@@ -109,7 +127,7 @@ pub async fn batch_gates(
     partition: i32,
 ) -> Result<BatchGates, sqlx::Error> {
     sqlx::query_as(
-        "SELECT ARRAY(SELECT name FROM relay.pauses WHERE kind = 'route') AS paused,
+        "SELECT ARRAY(SELECT name FROM relay.pauses WHERE kind = 'route' AND consumer IN ('', $1)) AS paused,
                 EXISTS(SELECT 1 FROM relay.held_keys WHERE consumer = $1 AND topic = $2 AND partition = $3) AS keys_held",
     )
     .bind(consumer)
@@ -119,9 +137,12 @@ pub async fn batch_gates(
     .await
 }
 
-/// Names of paused routes.
-pub async fn paused_routes(conn: &mut PgConnection) -> Result<Vec<String>, sqlx::Error> {
-    sqlx::query_scalar("SELECT name FROM relay.pauses WHERE kind = 'route'").fetch_all(conn).await
+/// Names of `consumer`'s paused routes.
+pub async fn paused_routes(conn: &mut PgConnection, consumer: &str) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT name FROM relay.pauses WHERE kind = 'route' AND consumer IN ('', $1)")
+        .bind(consumer)
+        .fetch_all(conn)
+        .await
 }
 
 /// Which table a cleanup step works on.

@@ -43,7 +43,8 @@ pub async fn take_due(
                         WHERE state = 'uncertain' AND consumer = $1 AND endpoint = $2 AND reconciles < $4
                           AND coalesce(next_reconcile_at, finished_at + make_interval(secs => $3)) <= now()
                           AND NOT EXISTS (SELECT 1 FROM relay.pauses p
-                                           WHERE p.kind = 'endpoint' AND p.name = relay.intents.endpoint)
+                                           WHERE p.kind = 'endpoint' AND p.name = relay.intents.endpoint
+                                             AND p.consumer IN ('', relay.intents.consumer))
                         ORDER BY finished_at LIMIT $5
                         FOR UPDATE SKIP LOCKED)
          RETURNING ",

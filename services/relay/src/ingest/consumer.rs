@@ -714,7 +714,7 @@ impl InboxConsumer {
         // Bounded, so a database that is down never holds up the loop.
         let read = async {
             let mut conn = self.pool.acquire().await?;
-            relay_store::ops::paused_routes(&mut conn).await
+            relay_store::ops::paused_routes(&mut conn, &self.settings.name).await
         };
         let routes: Vec<String> = match tokio::time::timeout(Duration::from_millis(500), read).await {
             Ok(Ok(routes)) => routes.into_iter().collect(),

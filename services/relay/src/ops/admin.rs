@@ -331,7 +331,7 @@ impl Operator {
     pub async fn counts(&self) -> Result<Counts, OpsError> {
         let mut conn = self.pool.acquire().await?;
         let (stats, estimated) = stats::overview(&mut conn, stats::EXACT_UP_TO).await?;
-        Ok(Counts { stats, estimated, pauses: ops::pauses(&mut conn).await? })
+        Ok(Counts { stats, estimated, pauses: ops::pauses(&mut conn, &self.consumer).await? })
     }
 
     /// Dead letters matching `f` with ids after `after`, oldest first.
@@ -395,7 +395,7 @@ impl Operator {
             // short. Go on with it; the head itself was applied (or skipped)
             // once, and its inbox row may be gone by now.
             (Some(outcome), Some(h)) if h.head == id => {
-                processor.set_paused(ops::paused_routes(&mut tx).await?);
+                processor.set_paused(ops::paused_routes(&mut tx, &self.consumer).await?);
                 let released = Some(self.release(tx, processor, h).await?);
                 Ok(Replayed { outcome, released })
             }
@@ -417,7 +417,7 @@ impl Operator {
                     return Ok(Replayed { outcome: ReplayOutcome::NotFound, released: None });
                 };
                 // The pauses as they are now, not as a consumer of this process last read them (if any does).
-                processor.set_paused(ops::paused_routes(&mut tx).await?);
+                processor.set_paused(ops::paused_routes(&mut tx, &self.consumer).await?);
                 let view = processor.view(&dl.record).await.map_err(OpsError::Unavailable)?;
                 let processed = processor.process(&mut tx, &dl.record, &view).await?;
                 let outcome = replay_outcome(processed.disposition);
@@ -485,7 +485,7 @@ impl Operator {
             }
         };
         // The pauses as they are now, for the release's first chunk.
-        processor.set_paused(ops::paused_routes(&mut tx).await?);
+        processor.set_paused(ops::paused_routes(&mut tx, &self.consumer).await?);
         match state {
             // Applied by a replay, or skipped, before the release was cut
             // short: only the release is taken up.
@@ -603,7 +603,7 @@ impl Operator {
                 .await
                 .map_err(anyhow::Error::from)?;
             tx = self.pool.begin().await?;
-            processor.set_paused(ops::paused_routes(&mut tx).await?);
+            processor.set_paused(ops::paused_routes(&mut tx, &self.consumer).await?);
             match holds::lock(&mut tx, hold.id).await? {
                 // Another release of the key (taken up beside this one)
                 // finished it, or moved it to a record that failed.
@@ -908,7 +908,7 @@ impl Operator {
 
     /// Every pause.
     pub async fn pauses(&self) -> Result<Vec<Pause>, OpsError> {
-        Ok(ops::pauses(&mut *self.pool.acquire().await?).await?)
+        Ok(ops::pauses(&mut *self.pool.acquire().await?, &self.consumer).await?)
     }
 
     /// Pause route or endpoint `name`, which the configuration must know.
@@ -924,12 +924,13 @@ impl Operator {
                 known.join(", ")
             )));
         }
-        Ok(ops::pause(&mut *self.pool.acquire().await?, kind, name, reason).await?)
+        Ok(ops::pause(&mut *self.pool.acquire().await?, &self.consumer, kind, name, reason).await?)
     }
 
-    /// Resume route or endpoint `name`.
+    /// Resume route or endpoint `name` of this deployment: another
+    /// deployment's pause of the same name stays.
     pub async fn resume(&self, kind: PauseKind, name: &str) -> Result<Resumed, OpsError> {
-        Ok(ops::resume(&mut *self.pool.acquire().await?, kind, name).await?)
+        Ok(ops::resume(&mut *self.pool.acquire().await?, &self.consumer, kind, name).await?)
     }
 }
 
