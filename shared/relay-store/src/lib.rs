@@ -245,9 +245,10 @@ END $$;
 SET search_path = relay, pg_catalog, pg_temp;
 "#;
 
-/// Apply pending migrations, keeping sqlx's table in relay's schema
-/// ([`PREPARE_MIGRATIONS`]). On a connection closed afterwards, so that its
-/// search path goes back to no pool.
+/// Apply pending migrations, keeping sqlx's table in relay's schema (made
+/// first if need be; a table earlier releases left in `public` moved
+/// there). On a connection closed afterwards, so that its search path goes
+/// back to no pool.
 pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
     let mut conn = pool.acquire().await?;
     sqlx::raw_sql(PREPARE_MIGRATIONS).execute(&mut *conn).await?;
