@@ -1161,10 +1161,12 @@ async fn intents_handed_over_but_not_started_go_back_to_pending_uncounted_when_t
     // Handed over, then the dispatcher stops before starting it.
     handoff.send(&db.pool, vec![handed.remove(0)]).await;
     desk.close(&db.pool).await;
-    assert_eq!(row_of(&db, rows[0].id).await, ("pending".into(), 0, None, None));
+    // Given back, the worker kept: claimed once, its age budget is not restarted again.
+    let given_back = ("pending".to_string(), 0, Some("w-1".to_string()), None);
+    assert_eq!(row_of(&db, rows[0].id).await, given_back);
     // Handed over after the dispatcher stopped: the consumer's side gives it back.
     handoff.send(&db.pool, handed).await;
-    assert_eq!(row_of(&db, rows[1].id).await, ("pending".into(), 0, None, None));
+    assert_eq!(row_of(&db, rows[1].id).await, given_back);
     assert_eq!(handoff.reserve(10).map(|r| r.len()), Some(3), "all room back once nothing is held");
 }
 
