@@ -85,8 +85,9 @@ pub struct Processed {
 
 /// The search path a code handler's SQL runs with: PostgreSQL's default.
 const HANDLER_SEARCH_PATH: &str = r#"SET LOCAL search_path = "$user", public"#;
-/// The search path of relay's own statements (`app::connect`).
-const RELAY_SEARCH_PATH: &str = "SET LOCAL search_path = pg_catalog, pg_temp";
+/// Back to the search path of relay's own statements: the session's, set
+/// when `app::connect` opened it, so it is written in one place.
+const RELAY_SEARCH_PATH: &str = "SET LOCAL search_path TO DEFAULT";
 
 /// A record routed and planned, ready to write.
 struct Item<'a, 'r> {
