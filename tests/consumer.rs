@@ -1889,11 +1889,23 @@ async fn a_saga_is_its_deployment_s_and_another_deployment_s_move_finds_none() {
     )
     .unwrap();
     let detail = json!({});
-    assert_eq!(sagas::apply(&mut conn, "a", &start, "e-1", "saga", &detail).await.unwrap(), Transition::Applied);
-    assert_eq!(sagas::apply(&mut conn, "b", &pay, "e-2", "saga", &detail).await.unwrap(), Transition::Missing);
+    assert_eq!(
+        sagas::apply(&mut conn, "a", &start, "e-1", relay_core::HistoryKind::Saga, &detail).await.unwrap(),
+        Transition::Applied
+    );
+    assert_eq!(
+        sagas::apply(&mut conn, "b", &pay, "e-2", relay_core::HistoryKind::Saga, &detail).await.unwrap(),
+        Transition::Missing
+    );
     assert_eq!(sagas::state(&mut conn, "a", "order", "o-42").await.unwrap().as_deref(), Some("pending"));
-    assert_eq!(sagas::apply(&mut conn, "b", &start, "e-3", "saga", &detail).await.unwrap(), Transition::Applied);
-    assert_eq!(sagas::apply(&mut conn, "b", &pay, "e-4", "saga", &detail).await.unwrap(), Transition::Applied);
+    assert_eq!(
+        sagas::apply(&mut conn, "b", &start, "e-3", relay_core::HistoryKind::Saga, &detail).await.unwrap(),
+        Transition::Applied
+    );
+    assert_eq!(
+        sagas::apply(&mut conn, "b", &pay, "e-4", relay_core::HistoryKind::Saga, &detail).await.unwrap(),
+        Transition::Applied
+    );
     assert_eq!(sagas::state(&mut conn, "a", "order", "o-42").await.unwrap().as_deref(), Some("pending"));
     assert_eq!(sagas::state(&mut conn, "b", "order", "o-42").await.unwrap().as_deref(), Some("paid"));
 }

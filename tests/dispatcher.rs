@@ -1424,7 +1424,7 @@ async fn an_oversized_record_is_dead_lettered_with_a_copy_the_broker_takes_and_a
     run.stop().await.unwrap();
     assert!(error.contains("permanent"), "{error}");
     let stats = relay_store::stats::gauges(&mut conn).await.unwrap();
-    assert_eq!(relay_store::stats::Stats::count(&stats.backlog.outbox, "dead"), 1);
+    assert_eq!(relay_store::stats::Stats::count(&stats.backlog.outbox, relay_core::OutboxState::Dead), 1);
 }
 
 #[tokio::test]
@@ -2043,7 +2043,7 @@ async fn a_dead_outbox_row_holds_its_key_until_an_operator_replays_or_skips_it()
     })
     .await;
     run.stop().await.unwrap();
-    assert_eq!(ops.outbox_row(e.id).await.unwrap().state, "skipped");
+    assert_eq!(ops.outbox_row(e.id).await.unwrap().state, relay_core::OutboxState::Skipped);
 }
 
 #[tokio::test]

@@ -710,20 +710,24 @@ async fn console_counts_estimate_big_history_tables_and_count_small_ones_exactly
 
     let (exact, estimated) = stats::overview(&mut conn, 100_000).await.unwrap();
     assert!(estimated.is_empty(), "{estimated:?}");
-    assert_eq!(exact.inbox, [("applied".to_owned(), 1000), ("stale".to_owned(), 3)]);
-    assert_eq!(stats::Stats::count(&exact.intents, "succeeded"), 4);
-    assert_eq!(stats::Stats::count(&exact.intents, "pending"), 6);
+    assert_eq!(exact.inbox, [(relay_core::InboxOutcome::Applied, 1000), (relay_core::InboxOutcome::Stale, 3)]);
+    assert_eq!(stats::Stats::count(&exact.intents, relay_core::IntentState::Succeeded), 4);
+    assert_eq!(stats::Stats::count(&exact.intents, relay_core::IntentState::Pending), 6);
 
     let (big_inbox, estimated) = stats::overview(&mut conn, 500).await.unwrap();
     assert_eq!(estimated, ["inbox"]);
-    assert_eq!(big_inbox.inbox, [("all".to_owned(), 1003)]);
+    assert_eq!((big_inbox.inbox.as_slice(), big_inbox.inbox_estimated), ([].as_slice(), Some(1003)));
 
     let (all_big, estimated) = stats::overview(&mut conn, 5).await.unwrap();
     assert_eq!(estimated, ["inbox", "intents.succeeded", "outbox.published"]);
-    assert_eq!(stats::Stats::count(&all_big.intents, "succeeded"), 4, "10 live rows less 6 pending");
-    assert_eq!(stats::Stats::count(&all_big.intents, "pending"), 6, "the backlog stays exact");
-    assert_eq!(stats::Stats::count(&all_big.outbox, "published"), 0);
-    assert_eq!(stats::Stats::count(&all_big.outbox, "pending"), 10);
+    assert_eq!(
+        stats::Stats::count(&all_big.intents, relay_core::IntentState::Succeeded),
+        4,
+        "10 live rows less 6 pending"
+    );
+    assert_eq!(stats::Stats::count(&all_big.intents, relay_core::IntentState::Pending), 6, "the backlog stays exact");
+    assert_eq!(stats::Stats::count(&all_big.outbox, relay_core::OutboxState::Published), 0);
+    assert_eq!(stats::Stats::count(&all_big.outbox, relay_core::OutboxState::Pending), 10);
 }
 
 #[tokio::test]
@@ -849,33 +853,51 @@ async fn sagas_an_earlier_version_shared_go_to_each_deployment_that_moved_them_a
 }
 
 #[tokio::test]
-async fn the_stored_names_of_outcomes_and_error_classes_are_the_types_names() {
-    // AttemptOutcome, ErrorClass, Reconciled and InboxOutcome decide what a stored name means; the
-    // CHECK constraints must accept exactly those names.
+async fn every_check_constraint_on_names_accepts_exactly_its_enum_s_names() {
+    // Each enum of stored names decides what a stored name means; the CHECK
+    // constraint of its column must accept exactly those names, and a CHECK
+    // on a list of names that no enum answers for fails this test.
+    use relay_core::retry::{AttemptOutcome, ErrorClass};
+    use relay_core::{HistoryKind, InboxOutcome, IntentState, OutboxState, PauseKind, profile::Reconciled};
+    fn names<T: std::fmt::Display>(all: impl IntoIterator<Item = T>) -> Vec<String> {
+        let mut v: Vec<String> = all.into_iter().map(|x| x.to_string()).collect();
+        v.sort();
+        v
+    }
+    let mut attempt_outcomes = names(AttemptOutcome::ALL);
+    attempt_outcomes.push("running".into()); // the default of a row being written, never an outcome
+    attempt_outcomes.sort();
+    let expected: std::collections::BTreeMap<&str, Vec<String>> = [
+        ("intents_state_known", names(IntentState::ALL)),
+        ("outbox_state_known", names(OutboxState::ALL)),
+        ("intent_attempts_error_class_known", names(ErrorClass::ALL)),
+        ("intents_last_error_class_known", names(ErrorClass::ALL)),
+        ("intent_attempts_outcome_known", attempt_outcomes),
+        ("intent_reconciliations_verdict_known", names(Reconciled::ALL)),
+        ("inbox_outcome_known", names(InboxOutcome::ALL)),
+        ("pauses_kind_known", names(PauseKind::ALL)),
+        ("history_kind_known", names(HistoryKind::ALL)),
+    ]
+    .into_iter()
+    .collect();
     let db = TestDb::new().await.unwrap();
-    let allowed = async |constraint: &str| -> Vec<String> {
-        let def: String = sqlx::query_scalar("SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conname = $1")
-            .bind(constraint)
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
-        let mut names: Vec<String> = def.split('\'').skip(1).step_by(2).map(str::to_owned).collect();
-        names.sort();
-        names
-    };
-    let mut classes: Vec<String> = intents::ErrorClass::ALL.iter().map(|c| c.as_str().to_owned()).collect();
-    classes.sort();
-    assert_eq!(allowed("intent_attempts_error_class_known").await, classes);
-    assert_eq!(allowed("intents_last_error_class_known").await, classes);
-    let mut outcomes: Vec<String> = intents::AttemptOutcome::ALL.iter().map(|o| o.as_str().to_owned()).collect();
-    outcomes.push("running".into()); // the default of a row being written, never an outcome
-    outcomes.sort();
-    assert_eq!(allowed("intent_attempts_outcome_known").await, outcomes);
-    let mut verdicts: Vec<String> =
-        relay_core::profile::Reconciled::ALL.iter().map(|v| v.as_str().to_owned()).collect();
-    verdicts.sort();
-    assert_eq!(allowed("intent_reconciliations_verdict_known").await, verdicts);
-    let mut inbox: Vec<String> = relay_store::inbox::InboxOutcome::ALL.iter().map(|o| o.as_str().to_owned()).collect();
-    inbox.sort();
-    assert_eq!(allowed("inbox_outcome_known").await, inbox);
+    let checks: Vec<(String, String)> = sqlx::query_as(
+        "SELECT conname::text, pg_get_constraintdef(oid) FROM pg_constraint
+          WHERE contype = 'c' AND connamespace = 'relay'::regnamespace AND pg_get_constraintdef(oid) LIKE '%ARRAY[%'",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let mut seen = Vec::new();
+    for (name, def) in &checks {
+        let mut allowed: Vec<String> = def.split('\'').skip(1).step_by(2).map(str::to_owned).collect();
+        allowed.sort();
+        let Some(want) = expected.get(name.as_str()) else {
+            panic!("CHECK {name} lists names no enum of relay_core::stored answers for: {def}");
+        };
+        assert_eq!(&allowed, want, "{name}");
+        seen.push(name.as_str());
+    }
+    seen.sort();
+    assert_eq!(seen, expected.keys().copied().collect::<Vec<_>>(), "every enum's constraint exists");
 }

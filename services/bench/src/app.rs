@@ -44,8 +44,8 @@ impl Enqueue {
     /// What drains its rows: the components, the table and the state done.
     fn drained_by(self) -> (Components, Work, &'static str) {
         match self {
-            Enqueue::Call => (DISPATCH, Work::Intents, "succeeded"),
-            _ => (PUBLISH, Work::Outbox, "published"),
+            Enqueue::Call => (DISPATCH, Work::Intents, relay_core::IntentState::Succeeded.as_str()),
+            _ => (PUBLISH, Work::Outbox, relay_core::OutboxState::Published.as_str()),
         }
     }
 }

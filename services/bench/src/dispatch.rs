@@ -51,7 +51,9 @@ pub(super) async fn dispatch_relay(
         let relay = Relay::new(config(env, &s, concurrency)?, Handlers::default(), Faults::none()).await?;
         UnderTest::start(relay, DISPATCH)
     };
-    let took = wait_drained(&mut relay, &s.db.pool, Work::Intents, "succeeded", m as i64, t0).await?;
+    let took =
+        wait_drained(&mut relay, &s.db.pool, Work::Intents, relay_core::IntentState::Succeeded.as_str(), m as i64, t0)
+            .await?;
     // Timed from the first call: separate processes first start, connect
     // and prepare, which the dispatcher in this process did before `t0`.
     let started = s.sink.first.get().map_or(Duration::ZERO, |first| first.duration_since(t0));
@@ -153,7 +155,7 @@ pub(super) async fn dispatch_database_only(
         r?;
     }
     let took = t0.elapsed();
-    let done = seed::in_state(&s.db.pool, Work::Intents, "succeeded").await?;
+    let done = seed::in_state(&s.db.pool, Work::Intents, relay_core::IntentState::Succeeded.as_str()).await?;
     anyhow::ensure!(done == m as i64, "database-only dispatch finished {done} of {m} intents");
     Ok((m as f64 / took.as_secs_f64(), None))
 }

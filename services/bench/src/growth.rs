@@ -27,12 +27,15 @@ pub(super) async fn growth_case(
     let ingest = ingest_into(env, &s, n, 0).await?;
     // Claim/dispatch the intents just written plus `m` more.
     insert_intents(&s.db.pool, m).await?;
-    let pending = seed::in_state(&s.db.pool, Work::Intents, "pending").await?;
-    let target = seed::in_state(&s.db.pool, Work::Intents, "succeeded").await? + pending;
+    let pending = seed::in_state(&s.db.pool, Work::Intents, relay_core::IntentState::Pending.as_str()).await?;
+    let target =
+        seed::in_state(&s.db.pool, Work::Intents, relay_core::IntentState::Succeeded.as_str()).await? + pending;
     let relay = Relay::new(config(env, &s, 64)?, Handlers::default(), Faults::none()).await?;
     let t0 = Instant::now();
     let mut relay = UnderTest::start(relay, DISPATCH);
-    let took = wait_drained(&mut relay, &s.db.pool, Work::Intents, "succeeded", target, t0).await?;
+    let took =
+        wait_drained(&mut relay, &s.db.pool, Work::Intents, relay_core::IntentState::Succeeded.as_str(), target, t0)
+            .await?;
     let claim = pending as f64 / took.as_secs_f64();
     relay.stop().await?;
     if let Some(conn) = holder {

@@ -42,14 +42,24 @@ pub(super) async fn memory(env: &Env, backlog: usize) -> anyhow::Result<Vec<Meas
     // Dispatcher with the resulting `backlog` pending intents.
     let mut d = process(&["dispatch", "--intents-only"])?;
     let t0 = Instant::now();
-    let took = wait_drained(&mut d, &s.db.pool, Work::Intents, "succeeded", backlog as i64, t0).await?;
+    let took = wait_drained(
+        &mut d,
+        &s.db.pool,
+        Work::Intents,
+        relay_core::IntentState::Succeeded.as_str(),
+        backlog as i64,
+        t0,
+    )
+    .await?;
     let dispatch_rate = backlog as f64 / took.as_secs_f64();
     let dispatcher_mib = d.peak_rss_mib()?;
     d.stop().await?;
     // Publisher with the `backlog` outbox rows.
     let mut p = process(&["dispatch", "--outbox-only"])?;
     let t0 = Instant::now();
-    let took = wait_drained(&mut p, &s.db.pool, Work::Outbox, "published", backlog as i64, t0).await?;
+    let took =
+        wait_drained(&mut p, &s.db.pool, Work::Outbox, relay_core::OutboxState::Published.as_str(), backlog as i64, t0)
+            .await?;
     let publish_rate = backlog as f64 / took.as_secs_f64();
     let publisher_mib = p.peak_rss_mib()?;
     p.stop().await?;

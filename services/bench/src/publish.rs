@@ -11,7 +11,9 @@ pub(super) async fn publish_relay(env: &Env, k: usize, snapshot: bool) -> anyhow
     let relay = Relay::new(config(env, &s, 64)?, Handlers::default(), Faults::none()).await?;
     let t0 = Instant::now();
     let mut relay = UnderTest::start(relay, PUBLISH);
-    let took = wait_drained(&mut relay, &s.db.pool, Work::Outbox, "published", k as i64, t0).await?;
+    let took =
+        wait_drained(&mut relay, &s.db.pool, Work::Outbox, relay_core::OutboxState::Published.as_str(), k as i64, t0)
+            .await?;
     let rate = k as f64 / took.as_secs_f64();
     relay.stop().await?;
     if let Some(conn) = holder {
@@ -98,7 +100,7 @@ pub(super) async fn publish_database_only(env: &Env, k: usize) -> anyhow::Result
         r?;
     }
     let took = t0.elapsed();
-    let done = seed::in_state(&s.db.pool, Work::Outbox, "published").await?;
+    let done = seed::in_state(&s.db.pool, Work::Outbox, relay_core::OutboxState::Published.as_str()).await?;
     anyhow::ensure!(done == k as i64, "database-only publishing marked {done} of {k} rows");
     Ok((k as f64 / took.as_secs_f64(), None))
 }

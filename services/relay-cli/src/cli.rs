@@ -7,6 +7,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use relay_core::RelayConfig;
+use relay_core::retry::AttemptOutcome;
 use relay_store::dead_letters::Resolution;
 use relay_store::intents::IntentState;
 use relay_store::ops::{PauseKind, Paused, Resumed};
@@ -648,7 +649,7 @@ fn print_stats(s: &Stats) {
         println!("  {outcome:<22} {n}");
     }
     println!("intents (by state):");
-    for state in IntentState::ALL.map(IntentState::as_str) {
+    for state in IntentState::ALL {
         println!("  {state:<22} {}", Stats::count(&s.intents, state));
     }
     match s.oldest_pending_intent_secs {
@@ -656,7 +657,7 @@ fn print_stats(s: &Stats) {
         None => println!("  oldest unfinished        -"),
     }
     println!("outbox (by state):");
-    for state in OutboxState::ALL.map(OutboxState::as_str) {
+    for state in OutboxState::ALL {
         println!("  {state:<22} {}", Stats::count(&s.outbox, state));
     }
     if let Some(age) = s.oldest_unpublished_outbox_secs {
@@ -946,7 +947,7 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
             if i.ever_uncertain {
                 println!("  uncertain  an attempt may have been applied: it ends succeeded or uncertain, never dead");
             }
-            if let (Some(key), true) = (&i.ordering_key, i.holds_key && i.state == "dead") {
+            if let (Some(key), true) = (&i.ordering_key, i.holds_key && i.state == IntentState::Dead) {
                 println!(
                     "  holds key  {}: its later intents wait until it is replayed or skipped (`relay intents skip`)",
                     safe(key)
@@ -961,14 +962,24 @@ async fn intent_command(cfg: RelayConfig, cmd: IntentCommand) -> anyhow::Result<
             println!("  attempts");
             for a in attempts {
                 let at = a.started_at.unwrap_or(a.claimed_at);
-                println!("{}", history_line(a.attempt, &a.outcome, a.status, at, &a.worker, a.error.as_deref()));
+                println!(
+                    "{}",
+                    history_line(
+                        a.attempt,
+                        a.outcome.map_or("unfinished", AttemptOutcome::as_str),
+                        a.status,
+                        at,
+                        &a.worker,
+                        a.error.as_deref()
+                    )
+                );
             }
             if !reconciliations.is_empty() {
                 println!("  reconciliations (the provider asked what became of an unknown outcome)");
             }
             for r in reconciliations {
                 let at = r.started_at.unwrap_or(r.finished_at);
-                println!("{}", history_line(r.n, &r.verdict, r.status, at, &r.worker, r.error.as_deref()));
+                println!("{}", history_line(r.n, r.verdict.as_str(), r.status, at, &r.worker, r.error.as_deref()));
             }
         }
         IntentCommand::Resolve { id, succeeded, failed: _, note } => {

@@ -18,7 +18,7 @@ use rdkafka::config::ClientConfig;
 use rdkafka::message::{Header as KHeader, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use relay_core::RelayConfig;
+use relay_core::{InboxOutcome, RelayConfig};
 use relay_store::audit;
 use relay_store::intents::IntentState;
 use relay_store::outbox::OutboxState;
@@ -205,17 +205,14 @@ pub async fn run() -> anyhow::Result<()> {
     let snapshot = loop {
         let s = stats::snapshot(&mut *pool.acquire().await?).await?;
         let inbox: i64 = s.inbox.iter().map(|(_, n)| n).sum();
-        let unfinished = Stats::count(&s.intents, IntentState::Pending.as_str())
-            + Stats::count(&s.intents, IntentState::Running.as_str());
-        let unpublished = Stats::count(&s.outbox, OutboxState::Pending.as_str())
-            + Stats::count(&s.outbox, OutboxState::Running.as_str());
+        let unfinished =
+            Stats::count(&s.intents, IntentState::Pending) + Stats::count(&s.intents, IntentState::Running);
+        let unpublished = Stats::count(&s.outbox, OutboxState::Pending) + Stats::count(&s.outbox, OutboxState::Running);
         let done = inbox >= expected_inbox
             && s.dead_letters_total >= 3
             && unfinished == 0
             && unpublished == 0
-            && Stats::count(&s.intents, IntentState::Succeeded.as_str())
-                + Stats::count(&s.intents, IntentState::Dead.as_str())
-                >= 6;
+            && Stats::count(&s.intents, IntentState::Succeeded) + Stats::count(&s.intents, IntentState::Dead) >= 6;
         if done {
             break s;
         }
@@ -257,8 +254,8 @@ async fn report(pool: &sqlx::PgPool, consumer: &str, provider: &Provider, s: &St
     println!("  keys applied twice     {}", p.double_applied().len());
     println!(
         "\nintents: {} succeeded, {} dead",
-        Stats::count(&s.intents, IntentState::Succeeded.as_str()),
-        Stats::count(&s.intents, IntentState::Dead.as_str())
+        Stats::count(&s.intents, IntentState::Succeeded),
+        Stats::count(&s.intents, IntentState::Dead)
     );
     let dead = audit::dead_intents(pool).await?;
     for (key, status, err) in &dead {
@@ -308,15 +305,13 @@ async fn report(pool: &sqlx::PgPool, consumer: &str, provider: &Provider, s: &St
     if p.applied != 5 {
         problems.push(format!("expected 5 captures applied at the provider, saw {} (keys: {captured})", p.applied));
     }
-    if Stats::count(&s.intents, IntentState::Succeeded.as_str()) != 5
-        || Stats::count(&s.intents, IntentState::Dead.as_str()) != 1
-    {
+    if Stats::count(&s.intents, IntentState::Succeeded) != 5 || Stats::count(&s.intents, IntentState::Dead) != 1 {
         problems.push(format!("expected 5 succeeded and 1 dead intent, saw {:?}", s.intents));
     }
     if dls.len() != 3 {
         problems.push(format!("expected 3 dead letters, saw {}", dls.len()));
     }
-    if Stats::count(&s.inbox, "duplicate_key") != 1 || Stats::count(&s.inbox, "stale") != 1 {
+    if Stats::count(&s.inbox, InboxOutcome::DuplicateKey) != 1 || Stats::count(&s.inbox, InboxOutcome::Stale) != 1 {
         problems.push(format!("expected 1 duplicate_key and 1 stale inbox row, saw {:?}", s.inbox));
     }
     if problems.is_empty() {

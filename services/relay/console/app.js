@@ -63,7 +63,8 @@ async function refresh() {
       ["skipped", count(stats.outbox, "skipped")],
       ["oldest unpublished (s)", stats.oldest_unpublished_outbox_secs === null ? "–" : stats.oldest_unpublished_outbox_secs.toFixed(1)],
     ]);
-    fill($("#inbox-counts"), stats.inbox.length ? stats.inbox.map(([k, v]) => [k, est("inbox", v)]) : [["(empty)", ""]]);
+    fill($("#inbox-counts"), stats.inbox_estimated !== null ? [["all", est("inbox", stats.inbox_estimated)]]
+      : stats.inbox.length ? stats.inbox.map(([k, v]) => [k, v]) : [["(empty)", ""]]);
     fill($("#dl-counts"), [["unresolved", stats.dead_letters_unresolved], ["all", stats.dead_letters_total],
       ["held keys", stats.held_keys], ["records held", stats.records_held]]);
     renderPauses(pauses);

@@ -18,6 +18,7 @@
 
 use crate::profile::{KeyAnswer, Profile, ProfileName};
 use crate::retry::AttemptResult;
+use crate::stored::IntentState;
 
 /// The kinds of answer the outcome table tells apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -112,34 +113,25 @@ pub fn statuses_that_may_have_applied(profile: &Profile, also_retry: &[u16]) -> 
         .collect()
 }
 
-/// How an intent ends when an attempt gets this answer and no attempt is
-/// left (or at once, for an answer that is not retried), given no earlier
-/// attempt may have been applied.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ends {
-    /// The call took effect.
-    Succeeded,
-    /// Failed, never applied: `on_dead` is recorded.
-    Dead,
-    /// May have been applied: no outcome effect until reconciled or resolved.
-    Uncertain,
-}
-
 /// One cell of the contract's table: what `answer` does under `profile`.
 fn cell(profile: &Profile, answer: Answer) -> String {
     let m = answer.meaning();
+    // Where the intent ends when this answer comes with no attempt left (or
+    // at once, for an answer not retried), no earlier attempt having applied.
     let ends = match answer {
-        Answer::Success => Ends::Succeeded,
-        _ if m.may_have_applied => Ends::Uncertain,
-        _ => Ends::Dead,
+        Answer::Success => IntentState::Succeeded,
+        _ if m.may_have_applied => IntentState::Uncertain,
+        _ => IntentState::Dead,
     };
     match (answer, ends) {
-        (Answer::Success, _) => "succeeded".into(),
-        (Answer::KeyMismatch, _) => "not retried · key used by another request · dead".into(),
-        (_, Ends::Uncertain) if !profile.resends_unknown() => "not sent again · may have applied · uncertain".into(),
-        (_, Ends::Uncertain) => "retried · may have applied · uncertain".into(),
-        _ if m.retried => "retried · not applied · dead".into(),
-        _ => "not retried · not applied · dead".into(),
+        (Answer::Success, _) => ends.to_string(),
+        (Answer::KeyMismatch, _) => format!("not retried · key used by another request · {ends}"),
+        (_, IntentState::Uncertain) if !profile.resends_unknown() => {
+            format!("not sent again · may have applied · {ends}")
+        }
+        (_, IntentState::Uncertain) => format!("retried · may have applied · {ends}"),
+        _ if m.retried => format!("retried · not applied · {ends}"),
+        _ => format!("not retried · not applied · {ends}"),
     }
 }
 

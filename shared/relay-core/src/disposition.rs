@@ -2,58 +2,31 @@
 //! stored with its inbox row ([`InboxOutcome`]).
 
 use crate::envelope::{Poison, PoisonClass};
+use crate::stored::stored_names;
 
-/// The recorded result of an event, stored in `inbox.outcome`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum InboxOutcome {
-    /// The route's effects were written.
-    Applied,
-    /// Another event with the same business idempotency key came first.
-    DuplicateKey,
-    /// Its aggregate version is lower than one already applied.
-    Stale,
-    /// Its aggregate version equals the one already applied.
-    DuplicateVersion,
-    /// The saga was already in the target state.
-    DuplicateTransition,
-    /// The saga is in a state the transition may not start from.
-    InvalidTransition,
-    /// Its sequence number was already applied.
-    DuplicateSequence,
-    /// No route for its type (non-strict consumer).
-    Unrouted,
-    /// Never applied: an operator skipped its dead letter, which held its
-    /// key (`on_poison = "hold_key"`); its key's later records went ahead.
-    Skipped,
-}
-
-impl InboxOutcome {
-    /// Every outcome (the `inbox_outcome_known` check lists their names).
-    pub const ALL: [InboxOutcome; 9] = [
-        InboxOutcome::Applied,
-        InboxOutcome::DuplicateKey,
-        InboxOutcome::Stale,
-        InboxOutcome::DuplicateVersion,
-        InboxOutcome::DuplicateTransition,
-        InboxOutcome::InvalidTransition,
-        InboxOutcome::DuplicateSequence,
-        InboxOutcome::Unrouted,
-        InboxOutcome::Skipped,
-    ];
-
-    /// Stored / logged name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            InboxOutcome::Applied => "applied",
-            InboxOutcome::DuplicateKey => "duplicate_key",
-            InboxOutcome::Stale => "stale",
-            InboxOutcome::DuplicateVersion => "duplicate_version",
-            InboxOutcome::DuplicateTransition => "duplicate_transition",
-            InboxOutcome::InvalidTransition => "invalid_transition",
-            InboxOutcome::DuplicateSequence => "duplicate_sequence",
-            InboxOutcome::Unrouted => "unrouted",
-            InboxOutcome::Skipped => "skipped",
-        }
+stored_names! {
+    /// The recorded result of an event, stored in `inbox.outcome` (the
+    /// `inbox_outcome_known` check lists the same names).
+    pub enum InboxOutcome ("inbox outcome") {
+        /// The route's effects were written.
+        Applied = "applied",
+        /// Another event with the same business idempotency key came first.
+        DuplicateKey = "duplicate_key",
+        /// Its aggregate version is lower than one already applied.
+        Stale = "stale",
+        /// Its aggregate version equals the one already applied.
+        DuplicateVersion = "duplicate_version",
+        /// The saga was already in the target state.
+        DuplicateTransition = "duplicate_transition",
+        /// The saga is in a state the transition may not start from.
+        InvalidTransition = "invalid_transition",
+        /// Its sequence number was already applied.
+        DuplicateSequence = "duplicate_sequence",
+        /// No route for its type (non-strict consumer).
+        Unrouted = "unrouted",
+        /// Never applied: an operator skipped its dead letter, which held its
+        /// key (`on_poison = "hold_key"`); its key's later records went ahead.
+        Skipped = "skipped",
     }
 }
 

@@ -35,6 +35,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::limits::{MAX_HEADERS, MAX_KEY_BYTES, MAX_REASON_BYTES, bounded, check_key, is_blank};
+use crate::stored::stored_names;
 
 /// `content-type` of a structured-mode CloudEvent.
 pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json";
@@ -193,79 +194,49 @@ impl RawRecord {
     }
 }
 
-/// Why a record can never be processed as it is. Each class is a
-/// dead-letter `error_class` and a metric label.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PoisonClass {
-    /// Larger than `consumer.max_record_bytes`.
-    Oversized,
-    /// The value or data is not valid JSON (or not valid UTF-8 where text is needed).
-    BadJson,
-    /// No usable event id (R3).
-    MissingId,
-    /// No usable event type.
-    MissingType,
-    /// Not a CloudEvent on a CloudEvents topic, or an invalid one.
-    NotCloudEvent,
-    /// A header has no value or is not UTF-8 where text is required.
-    BadHeader,
-    /// A guard field (version, sequence, …) has the wrong type.
-    BadField,
-    /// The data does not validate against the route's JSON Schema.
-    SchemaInvalid,
-    /// No route for the event type and the consumer is strict.
-    UnknownType,
-    /// A route template could not be rendered from this event.
-    TemplateError,
-    /// The database rejected the event's data (constraint, type), or a
-    /// handler rejected it as permanently invalid.
-    Rejected,
-    /// A referenced aggregate never appeared within the retry budget (R19).
-    MissingReference,
-    /// A sequence gap never closed within the retry budget (R6).
-    SequenceGap,
-    /// The Kafka client could not read the batch holding it (its bytes do
-    /// not decompress): its offsets are parked as one dead letter, without
-    /// bytes, and the partition goes on after them.
-    Unreadable,
-    /// Not poison itself: an earlier record of its key on its partition was
-    /// dead-lettered by a route with `on_poison = "hold_key"`, so it waits,
-    /// parked behind that one, until it is replayed or skipped.
-    Held,
-    /// The value is not in its topic's Schema Registry format: a wrong magic
-    /// byte, a schema id the registry does not know, or bytes that do not
-    /// decode with the registered schema.
-    BadEncoding,
-}
-
-impl PoisonClass {
-    /// Stable snake_case name, as stored and logged.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PoisonClass::Oversized => "oversized",
-            PoisonClass::BadJson => "bad_json",
-            PoisonClass::MissingId => "missing_id",
-            PoisonClass::MissingType => "missing_type",
-            PoisonClass::NotCloudEvent => "not_cloudevent",
-            PoisonClass::BadHeader => "bad_header",
-            PoisonClass::BadField => "bad_field",
-            PoisonClass::SchemaInvalid => "schema_invalid",
-            PoisonClass::UnknownType => "unknown_type",
-            PoisonClass::TemplateError => "template_error",
-            PoisonClass::Rejected => "rejected",
-            PoisonClass::MissingReference => "missing_reference",
-            PoisonClass::SequenceGap => "sequence_gap",
-            PoisonClass::Unreadable => "unreadable",
-            PoisonClass::Held => "held",
-            PoisonClass::BadEncoding => "bad_encoding",
-        }
-    }
-}
-
-impl fmt::Display for PoisonClass {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+stored_names! {
+    /// Why a record can never be processed as it is. Each class is a
+    /// dead-letter `error_class` and a metric label.
+    pub enum PoisonClass ("poison class") {
+        /// Larger than `consumer.max_record_bytes`.
+        Oversized = "oversized",
+        /// The value or data is not valid JSON (or not valid UTF-8 where text is needed).
+        BadJson = "bad_json",
+        /// No usable event id (R3).
+        MissingId = "missing_id",
+        /// No usable event type.
+        MissingType = "missing_type",
+        /// Not a CloudEvent on a CloudEvents topic, or an invalid one.
+        NotCloudEvent = "not_cloudevent",
+        /// A header has no value or is not UTF-8 where text is required.
+        BadHeader = "bad_header",
+        /// A guard field (version, sequence, …) has the wrong type.
+        BadField = "bad_field",
+        /// The data does not validate against the route's JSON Schema.
+        SchemaInvalid = "schema_invalid",
+        /// No route for the event type and the consumer is strict.
+        UnknownType = "unknown_type",
+        /// A route template could not be rendered from this event.
+        TemplateError = "template_error",
+        /// The database rejected the event's data (constraint, type), or a
+        /// handler rejected it as permanently invalid.
+        Rejected = "rejected",
+        /// A referenced aggregate never appeared within the retry budget (R19).
+        MissingReference = "missing_reference",
+        /// A sequence gap never closed within the retry budget (R6).
+        SequenceGap = "sequence_gap",
+        /// The Kafka client could not read the batch holding it (its bytes do
+        /// not decompress): its offsets are parked as one dead letter, without
+        /// bytes, and the partition goes on after them.
+        Unreadable = "unreadable",
+        /// Not poison itself: an earlier record of its key on its partition was
+        /// dead-lettered by a route with `on_poison = "hold_key"`, so it waits,
+        /// parked behind that one, until it is replayed or skipped.
+        Held = "held",
+        /// The value is not in its topic's Schema Registry format: a wrong magic
+        /// byte, a schema id the registry does not know, or bytes that do not
+        /// decode with the registered schema.
+        BadEncoding = "bad_encoding",
     }
 }
 

@@ -13,6 +13,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::stored::stored_names;
+
 /// A built-in profile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -329,30 +331,16 @@ fn default_reconcile_attempts() -> u32 {
     5
 }
 
-/// What a reconciliation learnt (`intent_reconciliations.verdict`; a CHECK
-/// constraint holds the same names).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Reconciled {
-    /// The provider applied the call.
-    Succeeded,
-    /// The provider did not apply it: it may be sent again.
-    NotApplied,
-    /// Still not known.
-    Unknown,
-}
-
-impl Reconciled {
-    /// Every verdict.
-    pub const ALL: [Reconciled; 3] = [Reconciled::Succeeded, Reconciled::NotApplied, Reconciled::Unknown];
-
-    /// The stored name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reconciled::Succeeded => "succeeded",
-            Reconciled::NotApplied => "not_applied",
-            Reconciled::Unknown => "unknown",
-        }
+stored_names! {
+    /// What a reconciliation learnt (`intent_reconciliations.verdict`; a CHECK
+    /// constraint holds the same names).
+    pub enum Reconciled ("reconciliation verdict") {
+        /// The provider applied the call.
+        Succeeded = "succeeded",
+        /// The provider did not apply it: it may be sent again.
+        NotApplied = "not_applied",
+        /// Still not known.
+        Unknown = "unknown",
     }
 }
 

@@ -22,6 +22,7 @@ use rand::Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::profile::KeyAnswer;
+use crate::stored::{IntentState, stored_names};
 
 /// What one attempt at an external call produced, as far as retrying cares.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -112,46 +113,26 @@ pub fn parse_retry_after(value: &str, now: chrono::DateTime<chrono::Utc>) -> Opt
     Some((at - now).to_std().unwrap_or(Duration::ZERO))
 }
 
-/// How one attempt ended, as `intent_attempts.outcome` stores it (a CHECK
-/// constraint holds the same names, and `tests/plans.rs` checks that they
-/// match). Whether the provider may have applied it is decided here and
-/// nowhere else ([`AttemptOutcome::may_have_applied`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AttemptOutcome {
-    /// The call took effect.
-    Succeeded,
-    /// Failed, known not to have taken effect, and worth another attempt.
-    Retryable,
-    /// Failed for good (a client error), or no attempt left.
-    Permanent,
-    /// No answer after the request may have reached the provider.
-    Uncertain,
-    /// The worker lost its lease (crashed or stalled) with the call maybe sent.
-    LeaseExpired,
+stored_names! {
+    /// How one attempt ended, as `intent_attempts.outcome` stores it (a CHECK
+    /// constraint holds the same names, and `tests/plans.rs` checks that they
+    /// match). Whether the provider may have applied it is decided here and
+    /// nowhere else ([`AttemptOutcome::may_have_applied`]).
+    pub enum AttemptOutcome ("attempt outcome") {
+        /// The call took effect.
+        Succeeded = "succeeded",
+        /// Failed, known not to have taken effect, and worth another attempt.
+        Retryable = "retryable",
+        /// Failed for good (a client error), or no attempt left.
+        Permanent = "permanent",
+        /// No answer after the request may have reached the provider.
+        Uncertain = "uncertain",
+        /// The worker lost its lease (crashed or stalled) with the call maybe sent.
+        LeaseExpired = "lease_expired",
+    }
 }
 
 impl AttemptOutcome {
-    /// Every outcome.
-    pub const ALL: [AttemptOutcome; 5] = [
-        AttemptOutcome::Succeeded,
-        AttemptOutcome::Retryable,
-        AttemptOutcome::Permanent,
-        AttemptOutcome::Uncertain,
-        AttemptOutcome::LeaseExpired,
-    ];
-
-    /// The stored name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AttemptOutcome::Succeeded => "succeeded",
-            AttemptOutcome::Retryable => "retryable",
-            AttemptOutcome::Permanent => "permanent",
-            AttemptOutcome::Uncertain => "uncertain",
-            AttemptOutcome::LeaseExpired => "lease_expired",
-        }
-    }
-
     /// Whether the provider may have applied the call in this attempt: once
     /// one attempt of an intent may have, the intent can end succeeded or
     /// uncertain, never dead (no `on_dead` effect for money that may have moved).
@@ -160,92 +141,34 @@ impl AttemptOutcome {
     }
 }
 
-impl std::str::FromStr for AttemptOutcome {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        AttemptOutcome::ALL
-            .into_iter()
-            .find(|o| o.as_str() == s)
-            .ok_or_else(|| format!("unknown attempt outcome {s:?}"))
-    }
-}
-
-/// What went wrong in an attempt, as `intent_attempts.error_class` and
-/// `intents.last_error_class` store it (CHECK constraints hold the same names).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ErrorClass {
-    /// The provider answered with a status that is not 2xx.
-    HttpStatus,
-    /// No answer within the endpoint's timeout.
-    Timeout,
-    /// The connection could not be made.
-    Connect,
-    /// Another transport error (reset mid-exchange, TLS).
-    Transport,
-    /// The request could not be expressed (a bad header, method or body).
-    Request,
-    /// No attempt: the budget (attempts or max age) was spent at the claim.
-    Budget,
-    /// The worker holding the lease was lost.
-    LeaseExpired,
-    /// The dispatcher had no client for the intent's endpoint. No longer
-    /// written (claims take only the dispatcher's own endpoints since issue
-    /// 28, D3); rows written before keep it.
-    EndpointUnknown,
-    /// An operator resolved an uncertain intent, having asked the provider
-    /// (as failed: its `on_dead` effects are the operator's word, not a
-    /// guess; as succeeded: the class marks the note kept as its last error).
-    /// Migration 0016's comment predates the second use.
-    Resolved,
-    /// The provider said the key was used with a different request.
-    KeyMismatch,
-}
-
-impl ErrorClass {
-    /// Every class.
-    pub const ALL: [ErrorClass; 10] = [
-        ErrorClass::HttpStatus,
-        ErrorClass::Timeout,
-        ErrorClass::Connect,
-        ErrorClass::Transport,
-        ErrorClass::Request,
-        ErrorClass::Budget,
-        ErrorClass::LeaseExpired,
-        ErrorClass::EndpointUnknown,
-        ErrorClass::Resolved,
-        ErrorClass::KeyMismatch,
-    ];
-
-    /// The stored name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ErrorClass::HttpStatus => "http_status",
-            ErrorClass::Timeout => "timeout",
-            ErrorClass::Connect => "connect",
-            ErrorClass::Transport => "transport",
-            ErrorClass::Request => "request",
-            ErrorClass::Budget => "budget",
-            ErrorClass::LeaseExpired => "lease_expired",
-            ErrorClass::EndpointUnknown => "endpoint_unknown",
-            ErrorClass::Resolved => "resolved",
-            ErrorClass::KeyMismatch => "key_mismatch",
-        }
-    }
-}
-
-impl std::fmt::Display for ErrorClass {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for ErrorClass {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        ErrorClass::ALL.into_iter().find(|c| c.as_str() == s).ok_or_else(|| format!("unknown error class {s:?}"))
+stored_names! {
+    /// What went wrong in an attempt, as `intent_attempts.error_class` and
+    /// `intents.last_error_class` store it (CHECK constraints hold the same names).
+    pub enum ErrorClass ("error class") {
+        /// The provider answered with a status that is not 2xx.
+        HttpStatus = "http_status",
+        /// No answer within the endpoint's timeout.
+        Timeout = "timeout",
+        /// The connection could not be made.
+        Connect = "connect",
+        /// Another transport error (reset mid-exchange, TLS).
+        Transport = "transport",
+        /// The request could not be expressed (a bad header, method or body).
+        Request = "request",
+        /// No attempt: the budget (attempts or max age) was spent at the claim.
+        Budget = "budget",
+        /// The worker holding the lease was lost.
+        LeaseExpired = "lease_expired",
+        /// The dispatcher had no client for the intent's endpoint. No longer
+        /// written, since claims take only the dispatcher's own endpoints;
+        /// rows written before keep it.
+        EndpointUnknown = "endpoint_unknown",
+        /// An operator resolved an uncertain intent, having asked the provider
+        /// (as failed: its `on_dead` effects are the operator's word, not a
+        /// guess; as succeeded: the class marks the note kept as its last error).
+        Resolved = "resolved",
+        /// The provider said the key was used with a different request.
+        KeyMismatch = "key_mismatch",
     }
 }
 
@@ -262,6 +185,64 @@ pub enum NextState {
     /// Budget spent on an attempt whose outcome is unknown (the provider may
     /// have applied it): no outcome effects until an operator decides.
     Uncertain,
+}
+
+/// How a dispatcher's claim of an intent ended: where its attempt left the
+/// intent, or why nothing was recorded. The `result` label of the call metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finished {
+    /// The call took effect.
+    Succeeded,
+    /// Scheduled for another attempt.
+    Retrying,
+    /// Dead.
+    Dead,
+    /// Out of budget after an attempt whose outcome is unknown.
+    Uncertain,
+    /// The lease was lost before the outcome was recorded.
+    LeaseLost,
+    /// Not recorded yet: another transaction holds an ordering key of its
+    /// events (an application's open transaction, say). The completer
+    /// records it once the key is free, keeping its lease meanwhile.
+    KeyHeld,
+}
+
+impl Finished {
+    /// The metric label.
+    pub const fn label(self) -> &'static str {
+        match self {
+            Finished::Succeeded => "succeeded",
+            Finished::Retrying => "retrying",
+            Finished::Dead => "dead",
+            Finished::Uncertain => "uncertain",
+            Finished::LeaseLost => "lease_lost",
+            Finished::KeyHeld => "key_held",
+        }
+    }
+}
+
+impl From<NextState> for Finished {
+    fn from(next: NextState) -> Finished {
+        match next {
+            NextState::Succeeded => Finished::Succeeded,
+            NextState::Retry(_) => Finished::Retrying,
+            NextState::Dead => Finished::Dead,
+            NextState::Uncertain => Finished::Uncertain,
+        }
+    }
+}
+
+impl NextState {
+    /// The state the intent is stored in after it: one attempt's end is one
+    /// of an intent's states, a retry being `pending` again.
+    pub fn state(self) -> IntentState {
+        match self {
+            NextState::Succeeded => IntentState::Succeeded,
+            NextState::Retry(_) => IntentState::Pending,
+            NextState::Dead => IntentState::Dead,
+            NextState::Uncertain => IntentState::Uncertain,
+        }
+    }
 }
 
 /// What [`decide`] needs to know about an intent.

@@ -63,7 +63,7 @@ pub async fn insert(
     .bind(key)
     .bind(payload)
     .bind(headers::to_json(&record.headers))
-    .bind(poison.class.as_str())
+    .bind(poison.class)
     .bind(reason)
     .bind(attempts)
     .bind(held)
@@ -247,7 +247,7 @@ pub async fn resolved_at(conn: &mut PgConnection, consumer: &str, record: &RawRe
 
 /// The replay outcome of a dead letter an operator skipped (it held its
 /// key): resolved, never applied.
-pub const SKIPPED: &str = "skipped";
+pub const SKIPPED: &str = relay_core::InboxOutcome::Skipped.as_str();
 
 /// What was done with a dead letter before a replay or a skip, read under
 /// its lock ([`lock`]).

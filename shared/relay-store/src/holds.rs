@@ -246,7 +246,7 @@ pub async fn move_head(
 ) -> Result<(), sqlx::Error> {
     sqlx::query("UPDATE relay.dead_letters SET error_class = $2, reason = $3 WHERE id = $1")
         .bind(letter)
-        .bind(poison.class.as_str())
+        .bind(poison.class)
         .bind(&poison.reason)
         .execute(&mut *conn)
         .await?;

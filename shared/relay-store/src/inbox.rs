@@ -2,6 +2,7 @@
 //! dedup (R2), business idempotency keys (R4), version and sequence guards
 //! (R5, R6), history rows (R14) and business counters (R20).
 
+use relay_core::HistoryKind;
 use sqlx::PgConnection;
 
 /// What the inbox insert found.
@@ -58,7 +59,7 @@ pub async fn insert(conn: &mut PgConnection, row: &NewInboxRow<'_>) -> Result<In
     .bind(row.idempotency_key)
     .bind(row.aggregate_id)
     .bind(row.correlation_id)
-    .bind(row.outcome.as_str())
+    .bind(row.outcome)
     .execute(conn)
     .await?;
     Ok(if done.rows_affected() == 1 { InboxInsert::Inserted } else { InboxInsert::Duplicate })
@@ -174,7 +175,7 @@ pub async fn record_history(
     consumer: &str,
     source_id: &str,
     action: &str,
-    kind: &str,
+    kind: HistoryKind,
     subject: Option<&str>,
     detail: &serde_json::Value,
 ) -> Result<bool, sqlx::Error> {
@@ -244,7 +245,7 @@ pub async fn insert_many<'a>(conn: &mut PgConnection, rows: &[NewInboxRow<'a>]) 
     .bind(col(|r| r.idempotency_key))
     .bind(col(|r| r.aggregate_id))
     .bind(col(|r| r.correlation_id))
-    .bind(rows.iter().map(|r| r.outcome.as_str()).collect::<Vec<_>>())
+    .bind(rows.iter().map(|r| r.outcome).collect::<Vec<_>>())
     .fetch_all(conn)
     .await
 }
@@ -285,7 +286,7 @@ pub async fn set_outcome_many(
     sqlx::query("UPDATE relay.inbox SET outcome = $3 WHERE consumer = $1 AND event_id = ANY($2)")
         .bind(consumer)
         .bind(event_ids)
-        .bind(outcome.as_str())
+        .bind(outcome)
         .execute(conn)
         .await?;
     Ok(())

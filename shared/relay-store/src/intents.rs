@@ -24,50 +24,8 @@ use uuid::Uuid;
 
 use crate::{Claim, ClaimConnection, Position, Unreadable};
 
+pub use relay_core::IntentState;
 pub use relay_core::effects::{Intent, NewIntent};
-
-/// Where an intent is, as `intents.state` stores it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum IntentState {
-    /// Waiting for a claim (new, or scheduled for another attempt).
-    Pending,
-    /// Claimed by a worker under a lease.
-    Running,
-    /// The call took effect.
-    Succeeded,
-    /// Never again: a permanent error or a spent budget.
-    Dead,
-    /// Budget spent on an attempt whose outcome is unknown.
-    Uncertain,
-}
-
-impl IntentState {
-    /// Every state, in lifecycle order.
-    pub const ALL: [IntentState; 5] =
-        [IntentState::Pending, IntentState::Running, IntentState::Succeeded, IntentState::Dead, IntentState::Uncertain];
-
-    /// The stored name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            IntentState::Pending => "pending",
-            IntentState::Running => "running",
-            IntentState::Succeeded => "succeeded",
-            IntentState::Dead => "dead",
-            IntentState::Uncertain => "uncertain",
-        }
-    }
-}
-
-impl std::str::FromStr for IntentState {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        IntentState::ALL.into_iter().find(|st| st.as_str() == s).ok_or_else(|| {
-            let names: Vec<&str> = IntentState::ALL.iter().map(|st| st.as_str()).collect();
-            format!("unknown intent state {s:?} (one of: {})", names.join(", "))
-        })
-    }
-}
 
 /// A claimed intent: the intent and what the claim adds — everything a
 /// worker needs to make the call and record its outcome.
@@ -471,12 +429,6 @@ pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Ve
     if items.is_empty() {
         return Ok(Vec::new());
     }
-    let state = |f: &Finish| match f.next {
-        NextState::Succeeded => "succeeded",
-        NextState::Retry(_) => "pending",
-        NextState::Dead => "dead",
-        NextState::Uncertain => "uncertain",
-    };
     let delay = |f: &Finish| match f.next {
         NextState::Retry(d) => d.as_secs_f64(),
         _ => 0.0,
@@ -484,12 +436,12 @@ pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Ve
     sqlx::query_as(FINISH)
         .bind(items.iter().map(|f| f.id).collect::<Vec<_>>())
         .bind(items.iter().map(|f| f.token).collect::<Vec<_>>())
-        .bind(items.iter().map(state).collect::<Vec<_>>())
+        .bind(items.iter().map(|f| f.next.state()).collect::<Vec<_>>())
         .bind(items.iter().map(delay).collect::<Vec<_>>())
         .bind(items.iter().map(|f| f.attempt.status).collect::<Vec<_>>())
         .bind(items.iter().map(|f| f.attempt.error.clone()).collect::<Vec<_>>())
-        .bind(items.iter().map(|f| f.attempt.error_class.map(ErrorClass::as_str)).collect::<Vec<_>>())
-        .bind(items.iter().map(|f| f.attempt.outcome.as_str()).collect::<Vec<_>>())
+        .bind(items.iter().map(|f| f.attempt.error_class).collect::<Vec<_>>())
+        .bind(items.iter().map(|f| f.attempt.outcome).collect::<Vec<_>>())
         .bind(items.iter().map(|f| f.attempt.started_at).collect::<Vec<_>>())
         .bind(items.iter().map(|f| f.attempt_no).collect::<Vec<_>>())
         .bind(items.iter().map(|f| f.worker.as_str()).collect::<Vec<_>>())
@@ -527,7 +479,7 @@ pub async fn finish_unreadable(conn: &mut PgConnection, rows: &[Unreadable]) -> 
     .bind(rows.iter().map(|u| u.id).collect::<Vec<_>>())
     .bind(rows.iter().map(|u| u.lease_token).collect::<Vec<_>>())
     .bind(rows.iter().map(Unreadable::reason).collect::<Vec<_>>())
-    .bind(ErrorClass::Request.as_str());
+    .bind(ErrorClass::Request);
     Ok(crate::execute_by_key(conn, finish).await?.rows_affected())
 }
 
@@ -617,8 +569,8 @@ pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<Vec<U
          RETURNING i.id",
     )
     .bind(limit)
-    .bind(lost.as_str())
-    .bind(ErrorClass::LeaseExpired.as_str())
+    .bind(lost)
+    .bind(ErrorClass::LeaseExpired)
     .bind(lost.may_have_applied())
     .fetch_all(conn)
     .await
@@ -643,8 +595,8 @@ pub struct IntentView {
     pub path: String,
     /// Idempotency key.
     pub idempotency_key: String,
-    /// State.
-    pub state: String,
+    /// Where it is.
+    pub state: IntentState,
     /// Attempts so far.
     pub attempts: i32,
     /// Budget.
@@ -653,8 +605,8 @@ pub struct IntentView {
     pub last_status: Option<i32>,
     /// Last error.
     pub last_error: Option<String>,
-    /// Last error class.
-    pub last_error_class: Option<String>,
+    /// What went wrong last.
+    pub last_error_class: Option<ErrorClass>,
     /// Some attempt may have been applied: it can no longer end dead.
     pub ever_uncertain: bool,
     /// Next attempt.
@@ -691,12 +643,13 @@ pub struct AttemptView {
     pub started_at: Option<DateTime<Utc>>,
     /// Finished.
     pub finished_at: Option<DateTime<Utc>>,
-    /// Outcome.
-    pub outcome: String,
+    /// How it ended; none for a row the first versions wrote at the claim
+    /// and never finished.
+    pub outcome: Option<AttemptOutcome>,
     /// HTTP status.
     pub status: Option<i32>,
-    /// Error class.
-    pub error_class: Option<String>,
+    /// What went wrong.
+    pub error_class: Option<ErrorClass>,
     /// Error.
     pub error: Option<String>,
 }
@@ -704,7 +657,8 @@ pub struct AttemptView {
 /// The attempts of an intent, oldest first.
 pub async fn attempts(conn: &mut PgConnection, id: Uuid) -> Result<Vec<AttemptView>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT attempt, worker, claimed_at, started_at, finished_at, outcome, status, error_class, error
+        "SELECT attempt, worker, claimed_at, started_at, finished_at, NULLIF(outcome, 'running') AS outcome,
+                status, error_class, error
            FROM relay.intent_attempts WHERE intent_id = $1 ORDER BY attempt",
     )
     .bind(id)
@@ -1185,18 +1139,4 @@ pub async fn requeue(
     sqlx::query(requeue).bind(id).bind(runs_until).execute(&mut *tx).await?;
     tx.commit().await?;
     Ok(if behind { Requeue::QueuedBehindItsKey } else { Requeue::Queued })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::IntentState;
-
-    #[test]
-    fn a_state_filter_names_a_known_state_or_says_which_there_are() {
-        for st in IntentState::ALL {
-            assert_eq!(st.as_str().parse::<IntentState>(), Ok(st));
-        }
-        let err = "deadd".parse::<IntentState>().unwrap_err();
-        assert!(err.contains("\"deadd\"") && err.contains("pending, running, succeeded, dead, uncertain"), "{err}");
-    }
 }

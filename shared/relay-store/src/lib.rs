@@ -48,6 +48,8 @@ pub mod stats;
 pub mod write;
 
 mod compose;
+#[cfg(test)]
+mod names_in_sql;
 mod session;
 
 pub(crate) use compose::{PgQuery, param_count, shift_params};

@@ -4,31 +4,14 @@ use std::time::Duration;
 
 use sqlx::{FromRow, PgConnection};
 
-/// What can be paused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PauseKind {
-    /// A route (by its name): its partitions wait at its first event.
-    Route,
-    /// An endpoint: its intents are not claimed.
-    Endpoint,
-}
-
-impl PauseKind {
-    /// Stored name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PauseKind::Route => "route",
-            PauseKind::Endpoint => "endpoint",
-        }
-    }
-}
+use relay_core::IntentState;
+pub use relay_core::PauseKind;
 
 /// A pause.
 #[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
 pub struct Pause {
-    /// `route` or `endpoint`.
-    pub kind: String,
+    /// What is paused.
+    pub kind: PauseKind,
     /// Route or endpoint name.
     pub name: String,
     /// Why.
@@ -67,7 +50,7 @@ pub async fn pause(
     let done = sqlx::query(
         "INSERT INTO relay.pauses (consumer, kind, name, reason) VALUES ($4, $1, $2, $3) ON CONFLICT DO NOTHING",
     )
-    .bind(kind.as_str())
+    .bind(kind)
     .bind(name)
     .bind(reason)
     .bind(consumer)
@@ -85,7 +68,7 @@ pub async fn resume(
     name: &str,
 ) -> Result<Resumed, sqlx::Error> {
     let done = sqlx::query("DELETE FROM relay.pauses WHERE consumer IN ('', $3) AND kind = $1 AND name = $2")
-        .bind(kind.as_str())
+        .bind(kind)
         .bind(name)
         .bind(consumer)
         .execute(conn)
@@ -228,8 +211,8 @@ pub fn delete_sql(what: Cleanup, limit: i64) -> String {
         // A letter of a held key is its unfinished business (`holds`).
         Cleanup::DeadLetters => ("dead_letters", "id", "hold_id IS NULL AND ", "created_at"),
         Cleanup::SucceededIntents | Cleanup::DeadIntents => {
-            let state = if what == Cleanup::DeadIntents { "dead" } else { "succeeded" };
-            return FINISHED_INTENTS.replace("{state}", state).replace("{limit}", &limit.to_string());
+            let state = if what == Cleanup::DeadIntents { IntentState::Dead } else { IntentState::Succeeded };
+            return FINISHED_INTENTS.replace("{state}", state.as_str()).replace("{limit}", &limit.to_string());
         }
     };
     format!(

@@ -10,50 +10,7 @@ use uuid::Uuid;
 
 use crate::{Claim, ClaimConnection, FinishConnection, headers};
 
-/// Where an outbox row is, as `outbox.state` stores it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OutboxState {
-    /// Waiting for a publisher.
-    Pending,
-    /// Claimed by a publisher under a lease.
-    Running,
-    /// Acknowledged by the broker.
-    Published,
-    /// The broker refuses it for good (too large, …): never retried as it
-    /// is, and the later rows of its key wait until an operator replays
-    /// ([`replay`]) or skips ([`skip`]) it.
-    Dead,
-    /// A dead row an operator chose not to publish: the rows after it go on.
-    Skipped,
-}
-
-impl OutboxState {
-    /// Every state, in lifecycle order.
-    pub const ALL: [OutboxState; 5] =
-        [OutboxState::Pending, OutboxState::Running, OutboxState::Published, OutboxState::Dead, OutboxState::Skipped];
-
-    /// The stored name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OutboxState::Pending => "pending",
-            OutboxState::Running => "running",
-            OutboxState::Published => "published",
-            OutboxState::Dead => "dead",
-            OutboxState::Skipped => "skipped",
-        }
-    }
-}
-
-impl std::str::FromStr for OutboxState {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        OutboxState::ALL.into_iter().find(|st| st.as_str() == s).ok_or_else(|| {
-            let names: Vec<&str> = OutboxState::ALL.iter().map(|st| st.as_str()).collect();
-            format!("unknown outbox state {s:?} (one of: {})", names.join(", "))
-        })
-    }
-}
+pub use relay_core::OutboxState;
 
 /// An outbox row as shown to operators (its payload's size, not its bytes).
 #[derive(Debug, Clone, FromRow, serde::Serialize)]
@@ -74,8 +31,8 @@ pub struct OutboxView {
     pub event_type: Option<String>,
     /// Ordering key.
     pub ordering_key: Option<String>,
-    /// State.
-    pub state: String,
+    /// Where it is.
+    pub state: OutboxState,
     /// Attempts so far.
     pub attempts: i32,
     /// Last error.

@@ -86,7 +86,7 @@ pub async fn take_due(
         .bind(unreadable.iter().map(crate::Unreadable::reason).collect::<Vec<_>>())
         .bind(i32::try_from(max).unwrap_or(i32::MAX))
         .bind(worker)
-        .bind(Reconciled::Unknown.as_str())
+        .bind(Reconciled::Unknown)
         .execute(&mut *conn)
         .await?;
     }
@@ -153,7 +153,7 @@ pub async fn record(
         .bind(&asked.worker)
         .bind(asked.started_at)
         .bind(asked.status)
-        .bind(asked.verdict.as_str())
+        .bind(asked.verdict)
         .bind(&asked.error)
         .bind(interval.as_secs_f64())
         .bind(max_age.as_secs_f64())
@@ -176,8 +176,8 @@ pub struct ReconciliationView {
     pub finished_at: DateTime<Utc>,
     /// The answer's status.
     pub status: Option<i32>,
-    /// What it said (`succeeded`, `not_applied`, `unknown`).
-    pub verdict: String,
+    /// What it said.
+    pub verdict: Reconciled,
     /// What went wrong, or what the answer said.
     pub error: Option<String>,
 }

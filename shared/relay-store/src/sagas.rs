@@ -1,7 +1,7 @@
 //! Saga state moved by guarded transitions (R5): the `WHERE state = ANY(from)`
 //! is the guard, and zero affected rows is classified, never ignored.
 
-use relay_core::SagaMove;
+use relay_core::{HistoryKind, SagaMove};
 use sqlx::PgConnection;
 
 /// What a guarded transition did.
@@ -30,7 +30,7 @@ pub async fn apply(
     consumer: &str,
     m: &SagaMove,
     source_id: &str,
-    kind: &str,
+    kind: HistoryKind,
     detail: &serde_json::Value,
 ) -> Result<Transition, sqlx::Error> {
     let moved = if m.start {

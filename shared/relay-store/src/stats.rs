@@ -3,20 +3,24 @@
 //! their sizes estimated once they are not) and for the metrics gauges
 //! ([`gauges`]: cheap enough to run every few seconds in every process).
 
+use relay_core::{InboxOutcome, IntentState, OutboxState};
 use serde::Serialize;
 use sqlx::PgConnection;
 
 /// A snapshot of the relay's tables.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Stats {
-    /// Inbox rows by outcome.
-    pub inbox: Vec<(String, i64)>,
+    /// Inbox rows by outcome (empty when [`Stats::inbox_estimated`] is set).
+    pub inbox: Vec<(InboxOutcome, i64)>,
+    /// All inbox rows, PostgreSQL's estimate, where counting them by
+    /// outcome would read too large a table ([`overview`]).
+    pub inbox_estimated: Option<i64>,
     /// Intents by state.
-    pub intents: Vec<(String, i64)>,
+    pub intents: Vec<(IntentState, i64)>,
     /// Age in seconds of the oldest pending or running intent.
     pub oldest_pending_intent_secs: Option<f64>,
     /// Outbox rows by state.
-    pub outbox: Vec<(String, i64)>,
+    pub outbox: Vec<(OutboxState, i64)>,
     /// Age in seconds of the oldest unpublished outbox row.
     pub oldest_unpublished_outbox_secs: Option<f64>,
     /// Dead letters not yet replayed successfully.
@@ -35,9 +39,9 @@ pub struct Stats {
 }
 
 impl Stats {
-    /// Count in a `(label, count)` list, 0 when absent.
-    pub fn count(list: &[(String, i64)], label: &str) -> i64 {
-        list.iter().find(|(l, _)| l == label).map_or(0, |(_, n)| *n)
+    /// The count of `key` in a `(key, count)` list, 0 when absent.
+    pub fn count<K: PartialEq>(list: &[(K, i64)], key: K) -> i64 {
+        list.iter().find(|(k, _)| *k == key).map_or(0, |(_, n)| *n)
     }
 }
 
@@ -73,6 +77,7 @@ pub async fn snapshot(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
         sqlx::query_as(HOLDING_KEYS).fetch_one(&mut *conn).await?;
     Ok(Stats {
         inbox,
+        inbox_estimated: None,
         intents,
         oldest_pending_intent_secs,
         outbox,
@@ -111,24 +116,29 @@ pub const EXACT_UP_TO: i64 = 100_000;
 /// (`pg_stat_user_tables.n_live_tup`, kept up by every insert and delete;
 /// no ANALYZE needed) less the exact backlog. The returned list names the
 /// figures that are estimates: `inbox`, `intents.succeeded`,
-/// `outbox.published`; an estimated inbox is one `("all", n)` entry.
+/// `outbox.published`; an estimated inbox is [`Stats::inbox_estimated`].
 pub async fn overview(conn: &mut PgConnection, exact_up_to: i64) -> Result<(Stats, Vec<&'static str>), sqlx::Error> {
-    let live: Vec<(String, i64)> = sqlx::query_as(
+    let live: Vec<(&'static str, i64)> = sqlx::query_as::<_, (String, i64)>(
         "SELECT relname::text, n_live_tup FROM pg_stat_user_tables
           WHERE schemaname = 'relay' AND relname IN ('inbox', 'intents', 'outbox')",
     )
     .fetch_all(&mut *conn)
-    .await?;
-    let big = |table: &str| Stats::count(&live, table) > exact_up_to;
+    .await?
+    .into_iter()
+    .filter_map(|(table, n)| ["inbox", "intents", "outbox"].into_iter().find(|t| *t == table).map(|t| (t, n)))
+    .collect();
+    let big = |table: &'static str| Stats::count(&live, table) > exact_up_to;
     let mut stats = backlog(&mut *conn).await?;
     let mut estimated = Vec::new();
-    stats.inbox = if big("inbox") {
+    if big("inbox") {
         estimated.push("inbox");
-        vec![("all".to_owned(), Stats::count(&live, "inbox"))]
+        stats.inbox_estimated = Some(Stats::count(&live, "inbox"));
     } else {
-        inbox_by_outcome(&mut *conn).await?
-    };
-    let sum = |list: &[(String, i64)]| list.iter().map(|(_, n)| n).sum::<i64>();
+        stats.inbox = inbox_by_outcome(&mut *conn).await?;
+    }
+    fn sum<K>(list: &[(K, i64)]) -> i64 {
+        list.iter().map(|(_, n)| n).sum()
+    }
     let succeeded = if big("intents") {
         estimated.push("intents.succeeded");
         (Stats::count(&live, "intents") - sum(&stats.intents)).max(0)
@@ -141,9 +151,9 @@ pub async fn overview(conn: &mut PgConnection, exact_up_to: i64) -> Result<(Stat
     } else {
         sqlx::query_scalar("SELECT count(*) FROM relay.outbox WHERE state = 'published'").fetch_one(&mut *conn).await?
     };
-    stats.intents.push((crate::intents::IntentState::Succeeded.as_str().into(), succeeded));
+    stats.intents.push((IntentState::Succeeded, succeeded));
     stats.intents.sort();
-    stats.outbox.push((crate::outbox::OutboxState::Published.as_str().into(), published));
+    stats.outbox.push((OutboxState::Published, published));
     stats.outbox.sort();
     Ok((stats, estimated))
 }
@@ -227,14 +237,15 @@ async fn backlog(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
     let oldest = |a: Option<f64>, b: Option<f64>| a.into_iter().chain(b).reduce(f64::max);
     Ok(Stats {
         inbox: Vec::new(),
+        inbox_estimated: None,
         intents: vec![
-            ("pending".into(), pending),
-            ("running".into(), running),
-            ("dead".into(), dead),
-            ("uncertain".into(), uncertain),
+            (IntentState::Pending, pending),
+            (IntentState::Running, running),
+            (IntentState::Dead, dead),
+            (IntentState::Uncertain, uncertain),
         ],
         oldest_pending_intent_secs: oldest(oldest_p, oldest_r),
-        outbox: vec![("pending".into(), o_pending), ("running".into(), o_running), ("dead".into(), o_dead)],
+        outbox: vec![(OutboxState::Pending, o_pending), (OutboxState::Running, o_running), (OutboxState::Dead, o_dead)],
         oldest_unpublished_outbox_secs: oldest(o_oldest_p, o_oldest_r),
         dead_letters_unresolved: unresolved,
         dead_letters_total: letters,
@@ -246,7 +257,7 @@ async fn backlog(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
 }
 
 /// Inbox rows by outcome, counted exactly (reads the whole table).
-async fn inbox_by_outcome(conn: &mut PgConnection) -> Result<Vec<(String, i64)>, sqlx::Error> {
+async fn inbox_by_outcome(conn: &mut PgConnection) -> Result<Vec<(InboxOutcome, i64)>, sqlx::Error> {
     sqlx::query_as("SELECT outcome, count(*) FROM relay.inbox GROUP BY outcome ORDER BY outcome").fetch_all(conn).await
 }
 

@@ -26,7 +26,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
-use relay_core::{Disposition, Effects, NewIntent, PoisonClass};
+use relay_core::{Disposition, Effects, HistoryKind, NewIntent, PoisonClass};
 use serde_json::json;
 use sqlx::PgConnection;
 
@@ -225,7 +225,7 @@ async fn check(conn: &mut PgConnection, consumer: &str, p: &Planned<'_>) -> Resu
     for m in p.effects.map(|e| e.sagas.as_slice()).unwrap_or_default() {
         let detail = json!({"from": m.from, "to": m.to, "start": m.start});
         let subject = format!("{}/{}", m.saga_type, m.saga_id);
-        match sagas::apply(conn, consumer, m, p.inbox.event_id, "saga", &detail).await? {
+        match sagas::apply(conn, consumer, m, p.inbox.event_id, HistoryKind::Saga, &detail).await? {
             Transition::Applied => {}
             Transition::AlreadyThere => {
                 return no_op(InboxOutcome::DuplicateTransition, format!("saga {subject} is already {:?}", m.to));

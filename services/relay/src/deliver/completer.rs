@@ -10,7 +10,7 @@ use relay_core::effects::encode_event;
 use relay_core::ids::{KeySpace, outcome_id};
 use relay_core::retry::BackoffPolicy;
 use relay_core::router::Encoders;
-use relay_core::{Outcome, Provenance};
+use relay_core::{HistoryKind, IntentState, Outcome, Provenance};
 use relay_store::FinishPool;
 use relay_store::intents::{self, ClaimedIntent, Finish, NextState};
 use relay_store::sagas::{self, Transition};
@@ -275,8 +275,8 @@ impl Completer {
     /// schema changed since) that does not fit.
     fn effects_of(&self, c: &mut Completion) -> Option<(Outcome, &'static str)> {
         let (stored, label, which) = match c.next {
-            NextState::Succeeded => (&c.intent.intent.on_success, "succeeded", "on_success"),
-            NextState::Dead => (&c.intent.intent.on_dead, "dead", "on_dead"),
+            NextState::Succeeded => (&c.intent.intent.on_success, IntentState::Succeeded.as_str(), "on_success"),
+            NextState::Dead => (&c.intent.intent.on_dead, IntentState::Dead.as_str(), "on_dead"),
             // Nothing is known, so nothing is told: no on_dead, no on_success.
             NextState::Retry(_) | NextState::Uncertain => return None,
         };
@@ -350,13 +350,8 @@ impl Completer {
         let mine = |c: &Completion, ours: &Ours| {
             ours.contains(&(c.intent.id, c.intent.lease_token)) || (by_id && ours.iter().any(|o| o.0 == c.intent.id))
         };
-        let finished = |c: &Completion, ours: &Ours| match c.next {
-            _ if !mine(c, ours) => Finished::LeaseLost,
-            NextState::Succeeded => Finished::Succeeded,
-            NextState::Dead => Finished::Dead,
-            NextState::Uncertain => Finished::Uncertain,
-            NextState::Retry(_) => Finished::Retrying,
-        };
+        let finished =
+            |c: &Completion, ours: &Ours| if mine(c, ours) { Finished::from(c.next) } else { Finished::LeaseLost };
         let mut conn = self.finishes.acquire().await?;
         if outcomes.iter().all(Option::is_none) && batch.iter().all(|c| c.answer.is_none()) {
             // Only states and audit rows: one statement, its own transaction (FinishPool).
@@ -432,7 +427,7 @@ impl Completer {
         label: &str,
     ) -> Result<(), sqlx::Error> {
         let detail = serde_json::json!({"from": m.from, "to": m.to, "intent": intent.id, "outcome": label});
-        let t = sagas::apply(tx, &intent.intent.consumer, m, source_id, "outcome", &detail).await?;
+        let t = sagas::apply(tx, &intent.intent.consumer, m, source_id, HistoryKind::Outcome, &detail).await?;
         if t != Transition::Applied {
             let saga = format!("{}/{}", m.saga_type, m.saga_id);
             warn!(intent_id = %intent.id, %saga, action = %m.action, result = ?t, "outcome saga move was a no-op");

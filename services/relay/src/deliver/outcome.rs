@@ -7,24 +7,7 @@ use relay_store::intents::{AttemptRecord, ClaimedIntent, NextState};
 
 use super::http::CallResult;
 
-/// How an intent's claim ended, for the log and the tests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Finished {
-    /// Succeeded.
-    Succeeded,
-    /// Scheduled for another attempt.
-    Retrying,
-    /// Dead.
-    Dead,
-    /// Out of budget after an attempt whose outcome is unknown.
-    Uncertain,
-    /// The lease was lost before the outcome was recorded.
-    LeaseLost,
-    /// Not recorded yet: another transaction holds an ordering key of its
-    /// events (an application's open transaction, say). The completer
-    /// records it once the key is free, keeping its lease meanwhile.
-    KeyHeld,
-}
+pub use relay_core::retry::Finished;
 
 /// An attempt's outcome on its way to the finalizer.
 pub struct Completion {
@@ -53,18 +36,10 @@ impl Completion {
     /// (and count it in the metrics).
     pub(super) fn log(&self, worker: &str, finished: Finished) {
         let (intent, result, took) = (&self.intent, &self.result, self.started.elapsed());
-        let label = match finished {
-            Finished::Succeeded => "succeeded",
-            Finished::Retrying => "retrying",
-            Finished::Dead => "dead",
-            Finished::Uncertain => "uncertain",
-            Finished::LeaseLost => "lease_lost",
-            Finished::KeyHeld => "key_held",
-        };
         // The attempt's outcome as classified when it ended (`uncertain` for a
         // timeout after sending, even when it left the intent dead).
-        let outcome = if finished == Finished::LeaseLost { "" } else { self.attempt.outcome.as_str() };
-        crate::runtime::metrics::call(&intent.intent.endpoint, label, outcome, took.as_secs_f64());
+        let outcome = (finished != Finished::LeaseLost).then_some(self.attempt.outcome);
+        crate::runtime::metrics::call(&intent.intent.endpoint, finished, outcome, took.as_secs_f64());
         let mismatch = result.error_class == Some(ErrorClass::KeyMismatch) && finished != Finished::LeaseLost;
         if mismatch {
             crate::runtime::metrics::key_mismatch(&intent.intent.endpoint);
@@ -81,7 +56,7 @@ impl Completion {
                     $lvl, worker = %worker, intent_id = %intent.id, endpoint = %call.endpoint,
                     action = %call.action, event_id = %call.source_event_id, idempotency_key = %call.idempotency_key,
                     aggregate_id = agg, correlation_id = corr, attempt = intent.attempts, status, error_class = class,
-                    result = label, duration_ms = ms, $($msg)+
+                    result = finished.label(), duration_ms = ms, $($msg)+
                 )
             };
         }

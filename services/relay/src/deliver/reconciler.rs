@@ -217,7 +217,7 @@ impl Dispatcher {
             verdict,
             error: Some(said.clone()),
         };
-        crate::runtime::metrics::reconciled(&endpoint, verdict.as_str());
+        crate::runtime::metrics::reconciled(&endpoint, verdict);
         let recorded = match self.inner.pool.acquire().await {
             Ok(mut conn) => {
                 let max_age = client.config().max_age;
@@ -278,7 +278,7 @@ impl Dispatcher {
         client: &super::http::EndpointClient,
     ) {
         warn!(intent_id = %id, endpoint = %endpoint, why = asked.error.as_deref().unwrap_or(""), "reconciliation not asked");
-        crate::runtime::metrics::reconciled(endpoint, asked.verdict.as_str());
+        crate::runtime::metrics::reconciled(endpoint, asked.verdict);
         let recorded = match self.inner.pool.acquire().await {
             Ok(mut conn) => {
                 reconciliations::record(&mut conn, id, token, &asked, r.interval, client.config().max_age).await

@@ -795,8 +795,11 @@ struct IntentQuery {
     )
 )]
 async fn list_intents(State(s): State<Shared>, Query(q): Query<IntentQuery>) -> ApiResult {
-    let state =
-        q.state.map(|st| st.parse::<IntentState>()).transpose().map_err(|e| ApiError(StatusCode::BAD_REQUEST, e))?;
+    let state = q
+        .state
+        .map(|st| st.parse::<IntentState>())
+        .transpose()
+        .map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.to_string()))?;
     let items = s.operator.intents(state, q.endpoint, q.before, q.limit.unwrap_or(100).clamp(1, 1000)).await?;
     Ok(Json(json!({"items": items})))
 }
@@ -940,7 +943,7 @@ async fn list_outbox(State(s): State<Shared>, Query(q): Query<OutboxQuery>) -> A
         .state
         .map(|st| st.parse::<relay_store::outbox::OutboxState>())
         .transpose()
-        .map_err(|e| ApiError(StatusCode::BAD_REQUEST, e))?;
+        .map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.to_string()))?;
     let limit = q.limit.unwrap_or(100).clamp(1, 1000);
     let items = s.operator.outbox_rows(state, q.topic.as_deref(), q.before, limit).await?;
     Ok(Json(json!({"items": items})))
@@ -1080,11 +1083,7 @@ async fn pause(State(s): State<Shared>, Json(p): Json<PauseRequest>) -> ApiResul
     )
 )]
 async fn resume(State(s): State<Shared>, Path((kind, name)): Path<(String, String)>) -> ApiResult {
-    let kind = match kind.as_str() {
-        "route" => PauseKind::Route,
-        "endpoint" => PauseKind::Endpoint,
-        other => return Err(ApiError(StatusCode::BAD_REQUEST, format!("kind {other:?}: use route or endpoint"))),
-    };
+    let kind = kind.parse::<PauseKind>().map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.to_string()))?;
     let done = s.operator.resume(kind, &name).await?;
     info!(kind = kind.as_str(), %name, "resumed through the admin API");
     Ok(Json(json!({"resumed": done == Resumed::Resumed})))

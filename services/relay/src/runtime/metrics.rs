@@ -12,6 +12,8 @@ use std::sync::OnceLock;
 
 use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use relay_core::profile::Reconciled;
+use relay_core::retry::{AttemptOutcome, Finished};
 use relay_store::stats;
 use sqlx::PgPool;
 
@@ -116,22 +118,24 @@ pub fn buffered(consumer: &str, bytes: usize) {
     gauge!("relay_consumer_buffered_bytes", "consumer" => consumer.to_owned()).set(bytes as f64);
 }
 
-/// One finished call attempt. `result` is succeeded, retrying, dead, uncertain or lease_lost.
-pub fn call(endpoint: &str, result: &'static str, outcome: &str, seconds: f64) {
+/// One finished call attempt, and how its attempt was classified (none when
+/// its lease was lost before that was recorded).
+pub fn call(endpoint: &str, finished: Finished, outcome: Option<AttemptOutcome>, seconds: f64) {
     let e = endpoint.to_owned();
-    counter!("relay_calls_total", "endpoint" => e.clone(), "result" => result).increment(1);
-    match result {
-        "retrying" => {
+    counter!("relay_calls_total", "endpoint" => e.clone(), "result" => finished.label()).increment(1);
+    let failure = match finished {
+        Finished::Retrying => {
             counter!("relay_call_retries_total", "endpoint" => e.clone()).increment(1);
-            counter!("relay_call_failures_total", "endpoint" => e.clone(), "kind" => "retryable").increment(1);
+            Some("retryable")
         }
-        "dead" => counter!("relay_call_failures_total", "endpoint" => e.clone(), "kind" => "permanent").increment(1),
-        "uncertain" => {
-            counter!("relay_call_failures_total", "endpoint" => e.clone(), "kind" => "uncertain").increment(1)
-        }
-        _ => {}
+        Finished::Dead => Some("permanent"),
+        Finished::Uncertain => Some("uncertain"),
+        Finished::Succeeded | Finished::LeaseLost | Finished::KeyHeld => None,
+    };
+    if let Some(kind) = failure {
+        counter!("relay_call_failures_total", "endpoint" => e.clone(), "kind" => kind).increment(1);
     }
-    if outcome == "uncertain" {
+    if outcome == Some(AttemptOutcome::Uncertain) {
         counter!("relay_call_uncertain_total", "endpoint" => e.clone()).increment(1);
     }
     histogram!("relay_dispatch_seconds", "endpoint" => e).record(seconds);
@@ -173,8 +177,9 @@ pub fn key_mismatch(endpoint: &str) {
 }
 
 /// Reconciliations of uncertain intents, by what they learnt.
-pub fn reconciled(endpoint: &str, verdict: &'static str) {
-    counter!("relay_reconciliations_total", "endpoint" => endpoint.to_owned(), "verdict" => verdict).increment(1);
+pub fn reconciled(endpoint: &str, verdict: Reconciled) {
+    counter!("relay_reconciliations_total", "endpoint" => endpoint.to_owned(), "verdict" => verdict.as_str())
+        .increment(1);
 }
 
 /// Outbox records acknowledged by the broker, or failed.
@@ -193,14 +198,14 @@ pub fn publish_dead(topic: &str) {
 pub async fn refresh_gauges(pool: &PgPool) -> Result<(), sqlx::Error> {
     let stats::Gauges { backlog: g, table_rows_estimated } = stats::gauges(&mut *pool.acquire().await?).await?;
     for (state, n) in &g.intents {
-        gauge!("relay_intents", "state" => state.clone()).set(*n as f64);
+        gauge!("relay_intents", "state" => state.as_str()).set(*n as f64);
     }
     gauge!("relay_intents_holding_keys").set(g.intents_holding_keys as f64);
     gauge!("relay_held_keys").set(g.held_keys as f64);
     gauge!("relay_records_held").set(g.records_held as f64);
     gauge!("relay_intent_oldest_unfinished_seconds").set(g.oldest_pending_intent_secs.unwrap_or(0.0));
     for (state, n) in &g.outbox {
-        gauge!("relay_outbox_rows", "state" => state.clone()).set(*n as f64);
+        gauge!("relay_outbox_rows", "state" => state.as_str()).set(*n as f64);
     }
     gauge!("relay_outbox_oldest_unpublished_seconds").set(g.oldest_unpublished_outbox_secs.unwrap_or(0.0));
     gauge!("relay_dead_letters", "state" => "unresolved").set(g.dead_letters_unresolved as f64);
