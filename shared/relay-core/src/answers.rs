@@ -16,9 +16,35 @@
 //! on. A provider's "a request with this key is still in progress" proves
 //! that a request with the key reached it.
 
+use std::time::Duration;
+
 use crate::profile::{KeyAnswer, Profile, ProfileName};
-use crate::retry::AttemptResult;
 use crate::stored::IntentState;
+
+/// What one attempt at an external call produced, as far as retrying cares.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AttemptResult {
+    /// The provider answered.
+    Response {
+        /// HTTP status code.
+        status: u16,
+        /// `Retry-After`, when present and parseable.
+        retry_after: Option<Duration>,
+        /// What the answer says about the idempotency key, by the
+        /// endpoint's profile ([`crate::profile::Profile::key_answer`]).
+        key: Option<KeyAnswer>,
+    },
+    /// No answer in time. `sent` is true when the request may have reached the
+    /// provider (the connection was up): the outcome is then unknown.
+    Timeout {
+        /// Whether the request may have been delivered.
+        sent: bool,
+    },
+    /// The connection could not be made: the request was not delivered.
+    Connect,
+    /// Any other transport error (reset mid-response, TLS, …): may have been delivered.
+    Transport,
+}
 
 /// The kinds of answer the outcome table tells apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -21,33 +21,9 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
-use crate::profile::KeyAnswer;
 use crate::stored::{IntentState, stored_names};
 
-/// What one attempt at an external call produced, as far as retrying cares.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum AttemptResult {
-    /// The provider answered.
-    Response {
-        /// HTTP status code.
-        status: u16,
-        /// `Retry-After`, when present and parseable.
-        retry_after: Option<Duration>,
-        /// What the answer says about the idempotency key, by the
-        /// endpoint's profile ([`crate::profile::Profile::key_answer`]).
-        key: Option<KeyAnswer>,
-    },
-    /// No answer in time. `sent` is true when the request may have reached the
-    /// provider (the connection was up): the outcome is then unknown.
-    Timeout {
-        /// Whether the request may have been delivered.
-        sent: bool,
-    },
-    /// The connection could not be made: the request was not delivered.
-    Connect,
-    /// Any other transport error (reset mid-response, TLS, …): may have been delivered.
-    Transport,
-}
+pub use crate::answers::AttemptResult;
 
 /// The decision for one attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,7 +91,7 @@ pub fn parse_retry_after(value: &str, now: chrono::DateTime<chrono::Utc>) -> Opt
 
 stored_names! {
     /// How one attempt ended, as `intent_attempts.outcome` stores it (a CHECK
-    /// constraint holds the same names, and `tests/plans.rs` checks that they
+    /// constraint holds the same names, and `tests/e2e/plans.rs` checks that they
     /// match). Whether the provider may have applied it is decided here and
     /// nowhere else ([`AttemptOutcome::may_have_applied`]).
     pub enum AttemptOutcome ("attempt outcome") {
@@ -475,6 +451,7 @@ impl BackoffPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::profile::KeyAnswer;
     use rand::SeedableRng;
     use rand::rngs::StdRng;
 

@@ -75,7 +75,7 @@ pub async fn insert(
     let keys = new_intents
         .iter()
         .filter_map(|i| i.borrow().intent.ordering_key.as_deref().map(crate::ordering::Key::Intent))
-        .chain(outbox::ordering_keys(new_outbox.iter().map(|(_, r)| *r)));
+        .chain(crate::ordering::outbox_keys(new_outbox.iter().map(|(_, r)| *r)));
     crate::ordering::lock(&mut *conn, consumer, keys).await?;
     if select.is_empty() {
         select.push(

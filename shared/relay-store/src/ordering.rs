@@ -68,7 +68,7 @@ pub fn keys_of(effects: &relay_core::Effects) -> impl Iterator<Item = Key<'_>> {
         .intents
         .iter()
         .filter_map(|i| i.intent.ordering_key.as_deref().map(Key::Intent))
-        .chain(crate::outbox::ordering_keys(effects.events.iter()))
+        .chain(outbox_keys(effects.events.iter()))
 }
 
 impl Key<'_> {
@@ -211,4 +211,9 @@ pub async fn try_lock_singleton(conn: &mut PgConnection, which: Singleton) -> Re
             .fetch_optional(conn)
             .await?;
     Ok(got.is_some())
+}
+
+/// The ordering keys of outbox records `rows`.
+pub fn outbox_keys<'a>(rows: impl Iterator<Item = &'a relay_core::OutboxRecord>) -> impl Iterator<Item = Key<'a>> {
+    rows.filter_map(|r| r.ordering_key.as_deref().map(|key| Key::Outbox { topic: &r.topic, key }))
 }

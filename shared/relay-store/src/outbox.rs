@@ -134,7 +134,7 @@ pub async fn insert(
     source_id: &str,
     r: &OutboxRecord,
 ) -> Result<bool, sqlx::Error> {
-    crate::ordering::lock(&mut *conn, consumer, ordering_keys(std::iter::once(r))).await?;
+    crate::ordering::lock(&mut *conn, consumer, crate::ordering::outbox_keys(std::iter::once(r))).await?;
     let done = sqlx::query(
         "INSERT INTO relay.outbox
              (id, consumer, source_id, action, topic, key, headers, payload, event_type, ordering_key)
@@ -381,7 +381,7 @@ pub async fn insert_many(
     if rows.is_empty() {
         return Ok(Vec::new());
     }
-    crate::ordering::lock(&mut *conn, consumer, ordering_keys(rows.iter().map(|(_, r)| *r))).await?;
+    crate::ordering::lock(&mut *conn, consumer, crate::ordering::outbox_keys(rows.iter().map(|(_, r)| *r))).await?;
     insert_locked(conn, consumer, rows).await
 }
 
@@ -426,11 +426,4 @@ pub(crate) fn bind_many<'q>(
         .bind(rows.iter().map(|(_, r)| r.payload.as_deref()).collect::<Vec<_>>())
         .bind(rows.iter().map(|(_, r)| r.event_type.as_deref()).collect::<Vec<_>>())
         .bind(rows.iter().map(|(_, r)| r.ordering_key.as_deref()).collect::<Vec<_>>())
-}
-
-/// The ordering keys of `rows` ([`crate::ordering`]).
-pub fn ordering_keys<'a>(
-    rows: impl Iterator<Item = &'a OutboxRecord>,
-) -> impl Iterator<Item = crate::ordering::Key<'a>> {
-    rows.filter_map(|r| r.ordering_key.as_deref().map(|key| crate::ordering::Key::Outbox { topic: &r.topic, key }))
 }

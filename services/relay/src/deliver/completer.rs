@@ -167,7 +167,7 @@ impl Completer {
             c.intent.intent.headers = serde_json::Value::Null;
             // The smaller count is taken before the first is given back, so
             // the room never looks empty in between.
-            let smaller = super::dispatcher::Counted::add(&self.held_bytes, c.intent.intent.json_bytes() as u64);
+            let smaller = super::counted::Counted::add(&self.held_bytes, c.intent.intent.json_bytes() as u64);
             c.counted = Some(smaller);
         }
         Held { completion: c, tries: tries + 1 }
@@ -370,7 +370,9 @@ impl Completer {
             .zip(&events)
             .map(|(c, rows)| {
                 let consumer = c.intent.intent.consumer.as_str();
-                outbox::ordering_keys(rows.iter().map(|r| &r.1)).map(|k| (consumer, k.slot(consumer))).collect()
+                relay_store::ordering::outbox_keys(rows.iter().map(|r| &r.1))
+                    .map(|k| (consumer, k.slot(consumer)))
+                    .collect()
             })
             .collect();
         // Keys another transaction holds are skipped, never waited for: an

@@ -25,6 +25,7 @@
 //! rescued finds its token gone and records nothing (C17).
 
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -33,15 +34,20 @@ use relay_core::retry::BackoffPolicy;
 use relay_store::intents::{self, ClaimedIntent, Room, Scope};
 use relay_store::{Claim, ClaimCommit, ClaimPool, Claimer, Position, Unreadable};
 use sqlx::PgPool;
+use sqlx::postgres::PgListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
-use tokio::task::JoinSet;
+use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
+use super::busy::Busy;
 use super::completer::Completer;
+use super::counted::Counted;
 use super::executor::Executor;
 use super::outcome::{Completion, Finished};
-use super::reconciler::Reconcilers;
+use super::reconciler::{Reconciler, Reconcilers};
+use super::rescuer::{Rescuer, rescue_once};
+use super::throttle::RateSync;
 use crate::deliver::handoff::{self, Desk, Handed, Handoff};
 use crate::runtime::claim_loop::{Resume, default_worker_id, listen, notified, until_due};
 use crate::runtime::faults::{FaultInjected, Faults, point};
@@ -52,66 +58,48 @@ pub const CHANNEL: &str = "relay_intents";
 /// The intent dispatcher of one process.
 #[derive(Clone)]
 pub struct Dispatcher {
-    pub(super) inner: Arc<Inner>,
+    inner: Arc<Inner>,
 }
 
-pub(super) struct Inner {
-    pub(super) pool: PgPool,
+struct Inner {
+    pool: PgPool,
     /// The claim loop's connection ([`ClaimPool`]: one round trip a claim).
-    pub(super) claims: ClaimPool,
-    pub(super) settings: DispatcherConfig,
-    pub(super) worker: String,
+    claims: ClaimPool,
+    settings: DispatcherConfig,
+    worker: String,
     /// The consumer whose intents this dispatcher calls ([`Scope`]).
-    pub(super) consumer: String,
+    consumer: String,
     /// Makes the calls.
-    pub(super) executor: Executor,
+    executor: Arc<Executor>,
     /// Records their outcomes.
-    pub(super) completer: Arc<Completer>,
+    completer: Arc<Completer>,
     /// Per endpoint, its calls started and not ended, and how many there
     /// may be before its intents are left out of claims and of holds at
     /// ingest ([`Busy`]).
-    pub(super) busy: Arc<HashMap<String, Busy>>,
-    pub(super) faults: Faults,
+    busy: Arc<HashMap<String, Busy>>,
+    faults: Faults,
     /// Signalled when this worker made intents claimable that no NOTIFY
     /// announces: an outcome recorded for an intent with an ordering key (its
     /// successor may be due now), a retry scheduled, a claim given back,
     /// expired leases rescued, a full endpoint's call ended.
-    pub(super) progress: Arc<tokio::sync::Notify>,
+    progress: Arc<tokio::sync::Notify>,
     /// Where a consumer of this process hands over what it claimed at
     /// ingest, once [`Dispatcher::handoff`] opened it; taken by the claim loop.
-    pub(super) desk: std::sync::Mutex<Option<Desk>>,
+    desk: std::sync::Mutex<Option<Desk>>,
     /// The endpoints that reconcile uncertain intents, if any do.
-    pub(super) reconcilers: Option<Arc<Reconcilers>>,
+    reconcilers: Option<Arc<Reconcilers>>,
     /// JSON bytes ([`relay_core::Intent::json_bytes`]) of the claimed
     /// intents whose tasks run, bounded by `max_claimed_bytes` through each
     /// claim's room.
-    pub(super) held_bytes: Arc<AtomicU64>,
+    held_bytes: Arc<AtomicU64>,
     /// JSON bytes of outcomes the completer holds for an ordering key another
     /// transaction holds (an application's): a room of their own, which only
     /// applications' calls can fill, so that one application holding a key
     /// stops its own calls once it is full, and no one else's.
-    pub(super) held_outcomes: Arc<AtomicU64>,
+    held_outcomes: Arc<AtomicU64>,
     /// Tasks of intents handed over at ingest, running: bounded by the
     /// hand-over's room, and not by the claim loop's (see `run`).
-    pub(super) handed_running: Arc<AtomicU64>,
-}
-
-/// A share of a count ([`Inner::held_bytes`], [`Inner::held_outcomes`],
-/// [`Inner::handed_running`]), given back when it is dropped: when its task
-/// ends, or when the outcome it travels with is recorded.
-pub(super) struct Counted(Arc<AtomicU64>, u64);
-
-impl Counted {
-    pub(super) fn add(count: &Arc<AtomicU64>, n: u64) -> Counted {
-        count.fetch_add(n, Ordering::Relaxed);
-        Counted(count.clone(), n)
-    }
-}
-
-impl Drop for Counted {
-    fn drop(&mut self) {
-        self.0.fetch_sub(self.1, Ordering::Relaxed);
-    }
+    handed_running: Arc<AtomicU64>,
 }
 
 impl Dispatcher {
@@ -128,7 +116,7 @@ impl Dispatcher {
     ) -> anyhow::Result<Dispatcher> {
         let worker = settings.worker_id.clone().unwrap_or_else(default_worker_id);
         let batch = settings.claim_batch as usize;
-        let executor = Executor::new(endpoints, settings.lease, faults.clone())?;
+        let executor = Arc::new(Executor::new(endpoints, settings.lease, faults.clone())?);
         let adaptive: HashMap<&str, Arc<super::throttle::Adaptive>> =
             executor.adaptive().map(|(name, a)| (name, a.clone())).collect();
         let busy = Arc::new(
@@ -207,207 +195,278 @@ impl Dispatcher {
     /// consumer claimed at ingest for us; stopping, it gives back to pending
     /// what was handed over and not started.
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
-        let mut desk = self.inner.desk.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        let desk = self.inner.desk.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
         let s = &self.inner.settings;
         info!(worker = %self.inner.worker, concurrency = s.concurrency, lease = ?s.lease, "dispatcher started");
         self.warn_of_intents_it_cannot_call().await;
-        let mut listener = listen(&self.inner.pool, CHANNEL).await;
-        let rescuer = tokio::spawn(self.clone().rescue_loop(shutdown.clone()));
-        let (done_tx, done_rx) = mpsc::channel::<Completion>(s.concurrency * 2);
+        let (done, done_rx) = mpsc::channel::<Completion>(s.concurrency * 2);
         let finalizer = tokio::spawn(self.inner.completer.clone().run(done_rx));
-        let permits = Arc::new(Semaphore::new(s.concurrency));
-        let reconciler = tokio::spawn(self.clone().reconcile_loop(shutdown.clone(), permits.clone()));
-        let rates = tokio::spawn(self.clone().rate_loop(shutdown.clone()));
-        let mut tasks: JoinSet<Result<(), FaultInjected>> = JoinSet::new();
-        let mut failures = 0u32;
-        let mut claimer = self.inner.claims.claimer();
-        // Where the next claim may start (see `crate::runtime::claim_loop`).
-        let mut resume: Resume<Position> = Resume::default();
-        let mut out_of_room = false;
-        let result = 'claiming: loop {
-            if shutdown.is_cancelled() {
-                break Ok(());
-            }
-            // Reap finished calls; a failed fault point means "crash now".
-            let mut crashed = None;
-            while let Some(done) = tasks.try_join_next() {
-                if let Ok(Err(f)) = done {
-                    crashed = Some(f);
-                }
-            }
-            if let Some(f) = crashed {
-                break Err(f.into());
-            }
-            while let Some(handed) = desk.as_mut().and_then(Desk::try_recv) {
-                self.start_handed(&mut tasks, handed, &done_tx, &permits);
-            }
-            // Claim ahead: up to one claim batch waits for a free call slot, so
-            // the next calls start the moment slots free up instead of after a
-            // round trip to the database. And claim only once a quarter of a
-            // batch has room: until then at least three quarters of one wait
-            // for slots, enough to cover the claim's round trip, and a claim
-            // for every call or two that ends cost a statement and a commit
-            // each (at concurrency 1: 0.25 commits per call, 0.12 with this;
-            // 9 800 → 16 800 calls/s in one bench run, BENCHMARKS.md).
-            // And claim only what fits in the byte room: after a claim cut
-            // short by it, wait for a call to end first.
-            // Handed-over calls do not count: they have a room of their own,
-            // and intents of one slow endpoint handed over faster than it
-            // answers would otherwise fill this one and stop every claim —
-            // keyed intents, retries and the other endpoints' with them.
-            if out_of_room && tasks.is_empty() {
-                // The room is held by outcomes the completer has not recorded
-                // yet (waiting for a commit, or for a key another transaction
-                // holds): no call of ours will end to free it, so wait for
-                // an outcome to be recorded, or the poll interval, rather
-                // than claim again at once, and again.
-                tokio::select! {
-                    _ = shutdown.cancelled() => break Ok(()),
-                    _ = self.inner.progress.notified() => resume.back_to(None),
-                    _ = tokio::time::sleep(s.poll_interval) => {}
-                    handed = handed_over(&mut desk) => self.start_handed(&mut tasks, handed, &done_tx, &permits),
-                }
-                out_of_room = false;
-                continue;
-            }
-            let handed = usize::try_from(self.inner.handed_running.load(Ordering::Relaxed)).unwrap_or(usize::MAX);
-            let claimed = tasks.len().saturating_sub(handed);
-            let free = (s.concurrency + s.claim_batch as usize).saturating_sub(claimed);
-            if free < (s.claim_batch as usize / 4).max(1) || (out_of_room && !tasks.is_empty()) {
-                tokio::select! {
-                    _ = shutdown.cancelled() => break Ok(()),
-                    done = tasks.join_next() => {
-                        if let Some(Ok(Err(f))) = done { break Err(f.into()); }
-                    }
-                    handed = handed_over(&mut desk) => self.start_handed(&mut tasks, handed, &done_tx, &permits),
-                }
-                out_of_room = false;
-                continue;
-            }
-            let want = free.min(s.claim_batch as usize);
-            // Our own progress (a retry scheduled, a key's earlier intent
-            // finished, a claim given back) may have made rows due behind
-            // the position: look from the start.
-            if futures::FutureExt::now_or_never(self.inner.progress.notified()).is_some() {
-                resume.back_to(None);
-            }
-            let (after, back) = resume.next(s.poll_interval);
-            // The lease clock starts before the claim is sent (D2): the
-            // database's lease starts at the statement, and every moment the
-            // claim takes to come back is a moment less of it.
-            let claimed_at = std::time::Instant::now();
-            let Claim { rows: claimed, unreadable, next_due, last, cut, .. } =
-                match self.claim(&mut claimer, want, after).await {
-                    Ok(c) => {
-                        failures = 0;
-                        c
-                    }
-                    Err(e) => {
-                        resume.back_to(None);
-                        failures += 1;
-                        let delay = s.poll_interval.min(BackoffPolicy::DATABASE.delay(failures, &mut rand::rng()));
-                        error!(worker = %self.inner.worker, error = %e, "claiming intents failed; retrying");
-                        tokio::select! { _ = shutdown.cancelled() => break Ok(()), _ = tokio::time::sleep(delay) => {} }
-                        continue;
-                    }
-                };
-            // Rows that cannot be read count as claimed: a claim that took
-            // `want` rows was full, whatever it could read of them.
-            let n = claimed.len() + unreadable.len();
-            if n > 0 {
-                crate::runtime::metrics::claimed("claim", n as u64);
-                if let Err(f) = self.inner.faults.hit(point::DISPATCHER_AFTER_CLAIM).await {
-                    break Err(f.into());
-                }
-            }
-            // Deliberately wrong (D2): the lease clock starts after the claim.
-            let claimed_at = if self.inner.faults.sabotage().lease_clock_after_claim {
-                std::time::Instant::now()
-            } else {
-                claimed_at
-            };
-            for intent in claimed {
-                self.start(&mut tasks, intent, claimed_at, None, &done_tx, &permits);
-            }
-            if !unreadable.is_empty() {
-                self.finish_unreadable(&unreadable).await;
-            }
-            if n == want || cut {
-                // A full claim has rows, so a last one (one cut by its room
-                // may have none).
-                if let Some(last) = last {
-                    resume.claimed(back, last);
-                }
-                out_of_room = cut;
-                continue; // more may be due right now
-            }
-            // Nothing more after the position either: the next claim looks
-            // from the start. Not at once: what a claim after the position
-            // passed over is a row whose wake-up is still to come (a NOTIFY
-            // buffered while this loop claimed without waiting, our own
-            // progress) or one the poll interval covers, as before.
-            resume.back_to(None);
-            // Nothing more is due: wait for new intents (NOTIFY), for our own
-            // progress, or for the next retry to come due. A call ending does not
-            // wake the claim by itself: the claim just took fewer than it had
-            // room for, so a freed slot changes nothing, and re-claiming after
-            // every call would cost two queries per call under a steady load.
-            let until = tokio::time::Instant::now() + until_due(next_due, s.poll_interval);
-            loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => break 'claiming Ok(()),
-                    _ = notified(&mut listener) => break,
-                    _ = self.inner.progress.notified() => break,
-                    _ = tokio::time::sleep_until(until) => break,
-                    Some(done) = tasks.join_next(), if !tasks.is_empty() => {
-                        if let Ok(Err(f)) = done { break 'claiming Err(f.into()); }
-                    }
-                    // Already claimed: no reason to claim again.
-                    handed = handed_over(&mut desk) => self.start_handed(&mut tasks, handed, &done_tx, &permits),
-                }
-            }
+        let slots = Arc::new(Semaphore::new(s.concurrency));
+        let helpers = self.spawn_helpers(&shutdown, &slots);
+        let mut calls = Calls { tasks: JoinSet::new(), desk, done, slots };
+        let result = self.claim_loop(&mut calls, &shutdown).await;
+        self.stop(calls, result.is_ok()).await;
+        let _ = finalizer.await;
+        helpers.stop(result.is_ok()).await;
+        info!(worker = %self.inner.worker, "dispatcher stopped");
+        result
+    }
+
+    /// The rescuer, the reconciler (if an endpoint reconciles) and the
+    /// rate sync, each a task of its own until `shutdown`.
+    fn spawn_helpers(&self, shutdown: &CancellationToken, slots: &Arc<Semaphore>) -> Helpers {
+        let i = &self.inner;
+        let rescuer = Rescuer {
+            pool: i.pool.clone(),
+            worker: i.worker.clone(),
+            every: i.settings.rescue_interval,
+            progress: i.progress.clone(),
         };
-        if result.is_ok() {
+        let reconciler = i.reconcilers.clone().map(|reconcilers| {
+            let r = Reconciler {
+                pool: i.pool.clone(),
+                worker: i.worker.clone(),
+                consumer: i.consumer.clone(),
+                lease: i.settings.lease,
+                every: i.settings.poll_interval,
+                executor: i.executor.clone(),
+                completer: i.completer.clone(),
+                progress: i.progress.clone(),
+                reconcilers,
+            };
+            tokio::spawn(Arc::new(r).run(shutdown.clone(), slots.clone()))
+        });
+        let rates = RateSync {
+            pool: i.pool.clone(),
+            worker: i.worker.clone(),
+            endpoints: i.executor.adaptive().map(|(n, a)| (n.to_owned(), a.clone())).collect(),
+        };
+        Helpers {
+            rescuer: tokio::spawn(rescuer.run(shutdown.clone())),
+            reconciler,
+            rates: tokio::spawn(rates.run(shutdown.clone())),
+        }
+    }
+
+    /// Claim and start calls until `shutdown` (`Ok`) or a fault point fails
+    /// (`Err`: a crash).
+    async fn claim_loop(&self, calls: &mut Calls, shutdown: &CancellationToken) -> anyhow::Result<()> {
+        let mut at = Between {
+            listener: listen(&self.inner.pool, CHANNEL).await,
+            claimer: self.inner.claims.claimer(),
+            resume: Resume::default(),
+            failures: 0,
+            out_of_room: false,
+        };
+        loop {
+            if shutdown.is_cancelled() {
+                return Ok(());
+            }
+            calls.reap()?;
+            while let Some(handed) = calls.desk.as_mut().and_then(Desk::try_recv) {
+                self.start_handed(calls, handed);
+            }
+            let step = if at.out_of_room && calls.tasks.is_empty() {
+                self.wait_for_an_outcome(calls, &mut at, shutdown).await
+            } else if let Some(want) = self.room_to_claim(calls, at.out_of_room) {
+                self.claim_and_start(calls, &mut at, want, shutdown).await
+            } else {
+                self.wait_for_a_call_to_end(calls, &mut at, shutdown).await
+            };
+            if let ControlFlow::Break(result) = step {
+                return result;
+            }
+        }
+    }
+
+    /// How many intents the next claim may take, if it should claim now.
+    ///
+    /// Claim ahead: up to one claim batch waits for a free call slot, so the
+    /// next calls start the moment slots free up instead of after a round
+    /// trip to the database. And claim only once a quarter of a batch has
+    /// room: until then at least three quarters of one wait for slots,
+    /// enough to cover the claim's round trip, and a claim for every call or
+    /// two that ends cost a statement and a commit each (at concurrency 1:
+    /// 0.25 commits per call, 0.12 with this; BENCHMARKS.md). After a claim
+    /// cut short by the byte room, wait for a call to end first.
+    /// Handed-over calls do not count: they have a room of their own, and
+    /// intents of one slow endpoint handed over faster than it answers would
+    /// otherwise fill this one and stop every claim — keyed intents, retries
+    /// and the other endpoints' with them.
+    fn room_to_claim(&self, calls: &Calls, out_of_room: bool) -> Option<usize> {
+        let s = &self.inner.settings;
+        let handed = usize::try_from(self.inner.handed_running.load(Ordering::Relaxed)).unwrap_or(usize::MAX);
+        let claimed = calls.tasks.len().saturating_sub(handed);
+        let free = (s.concurrency + s.claim_batch as usize).saturating_sub(claimed);
+        let wait = free < (s.claim_batch as usize / 4).max(1) || (out_of_room && !calls.tasks.is_empty());
+        (!wait).then(|| free.min(s.claim_batch as usize))
+    }
+
+    /// The byte room is held by outcomes the completer has not recorded yet
+    /// (waiting for a commit, or for a key another transaction holds): no
+    /// call of ours will end to free it, so wait for an outcome to be
+    /// recorded, or the poll interval, rather than claim again at once.
+    async fn wait_for_an_outcome(&self, calls: &mut Calls, at: &mut Between, shutdown: &CancellationToken) -> Step {
+        tokio::select! {
+            _ = shutdown.cancelled() => return ControlFlow::Break(Ok(())),
+            _ = self.inner.progress.notified() => at.resume.back_to(None),
+            _ = tokio::time::sleep(self.inner.settings.poll_interval) => {}
+            handed = handed_over(&mut calls.desk) => self.start_handed(calls, handed),
+        }
+        at.out_of_room = false;
+        ControlFlow::Continue(())
+    }
+
+    /// Too many calls wait for a slot to claim more: wait for one to end (or
+    /// for intents handed over).
+    async fn wait_for_a_call_to_end(&self, calls: &mut Calls, at: &mut Between, shutdown: &CancellationToken) -> Step {
+        tokio::select! {
+            _ = shutdown.cancelled() => return ControlFlow::Break(Ok(())),
+            done = calls.tasks.join_next() => {
+                if let Some(Ok(Err(f))) = done { return ControlFlow::Break(Err(f.into())); }
+            }
+            handed = handed_over(&mut calls.desk) => self.start_handed(calls, handed),
+        }
+        at.out_of_room = false;
+        ControlFlow::Continue(())
+    }
+
+    /// Claim up to `want` due intents and start their calls; after a claim
+    /// that found fewer, wait for more to come due.
+    async fn claim_and_start(
+        &self,
+        calls: &mut Calls,
+        at: &mut Between,
+        want: usize,
+        shutdown: &CancellationToken,
+    ) -> Step {
+        let s = &self.inner.settings;
+        // Our own progress (a retry scheduled, a key's earlier intent
+        // finished, a claim given back) may have made rows due behind the
+        // position: look from the start.
+        if futures::FutureExt::now_or_never(self.inner.progress.notified()).is_some() {
+            at.resume.back_to(None);
+        }
+        let (after, back) = at.resume.next(s.poll_interval);
+        // The lease clock starts before the claim is sent (D2): the
+        // database's lease starts at the statement, and every moment the
+        // claim takes to come back is a moment less of it.
+        let claimed_at = std::time::Instant::now();
+        let Claim { rows: claimed, unreadable, next_due, last, cut, .. } =
+            match self.claim(&mut at.claimer, want, after).await {
+                Ok(c) => {
+                    at.failures = 0;
+                    c
+                }
+                Err(e) => {
+                    at.resume.back_to(None);
+                    at.failures += 1;
+                    let delay = s.poll_interval.min(BackoffPolicy::DATABASE.delay(at.failures, &mut rand::rng()));
+                    error!(worker = %self.inner.worker, error = %e, "claiming intents failed; retrying");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return ControlFlow::Break(Ok(())),
+                        _ = tokio::time::sleep(delay) => return ControlFlow::Continue(()),
+                    }
+                }
+            };
+        // Rows that cannot be read count as claimed: a claim that took
+        // `want` rows was full, whatever it could read of them.
+        let n = claimed.len() + unreadable.len();
+        if n > 0 {
+            crate::runtime::metrics::claimed("claim", n as u64);
+            if let Err(f) = self.inner.faults.hit(point::DISPATCHER_AFTER_CLAIM).await {
+                return ControlFlow::Break(Err(f.into()));
+            }
+        }
+        // Deliberately wrong (D2): the lease clock starts after the claim.
+        let claimed_at =
+            if self.inner.faults.sabotage().lease_clock_after_claim { std::time::Instant::now() } else { claimed_at };
+        for intent in claimed {
+            self.start(calls, intent, claimed_at, None);
+        }
+        if !unreadable.is_empty() {
+            self.finish_unreadable(&unreadable).await;
+        }
+        if n == want || cut {
+            // A full claim has rows, so a last one (one cut by its room may have none).
+            if let Some(last) = last {
+                at.resume.claimed(back, last);
+            }
+            at.out_of_room = cut;
+            return ControlFlow::Continue(()); // more may be due right now
+        }
+        // Nothing more after the position either: the next claim looks from
+        // the start. Not at once: what a claim after the position passed
+        // over is a row whose wake-up is still to come (a NOTIFY buffered
+        // while this loop claimed without waiting, our own progress) or one
+        // the poll interval covers, as before.
+        at.resume.back_to(None);
+        self.wait_for_work(calls, at, next_due, shutdown).await
+    }
+
+    /// Nothing more is due: wait for new intents (NOTIFY), for our own
+    /// progress, or for the next retry to come due. A call ending does not
+    /// wake the claim by itself: the claim just took fewer than it had room
+    /// for, so a freed slot changes nothing, and re-claiming after every call
+    /// would cost two queries per call under a steady load.
+    async fn wait_for_work(
+        &self,
+        calls: &mut Calls,
+        at: &mut Between,
+        next_due: Option<chrono::DateTime<chrono::Utc>>,
+        shutdown: &CancellationToken,
+    ) -> Step {
+        let until = tokio::time::Instant::now() + until_due(next_due, self.inner.settings.poll_interval);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return ControlFlow::Break(Ok(())),
+                _ = notified(&mut at.listener) => return ControlFlow::Continue(()),
+                _ = self.inner.progress.notified() => return ControlFlow::Continue(()),
+                _ = tokio::time::sleep_until(until) => return ControlFlow::Continue(()),
+                Some(done) = calls.tasks.join_next(), if !calls.tasks.is_empty() => {
+                    if let Ok(Err(f)) = done { return ControlFlow::Break(Err(f.into())); }
+                }
+                // Already claimed: no reason to claim again.
+                handed = handed_over(&mut calls.desk) => self.start_handed(calls, handed),
+            }
+        }
+    }
+
+    /// Stopping: after a clean end, give back what was handed over and not
+    /// started, let the calls in flight finish and those not sent come back
+    /// unsent; after a crash, drop every call where it is.
+    async fn stop(&self, calls: Calls, clean: bool) {
+        let Calls { mut tasks, desk, done, .. } = calls;
+        if clean {
             if let Some(desk) = desk {
                 desk.close(&self.inner.pool).await;
             }
             info!(worker = %self.inner.worker, in_flight = tasks.len(),
                   "dispatcher stopping; finishing calls in flight, giving back those not sent yet");
             self.inner.executor.stop();
-            while let Some(done) = tasks.join_next().await {
-                if let Ok(Err(f)) = done {
+            while let Some(ended) = tasks.join_next().await {
+                if let Ok(Err(f)) = ended {
                     warn!(error = %f, "fault during shutdown");
                 }
             }
         } else {
             tasks.abort_all();
         }
-        drop(done_tx);
-        let _ = finalizer.await;
-        if result.is_ok() {
-            let _ = reconciler.await;
-        } else {
-            reconciler.abort();
-        }
-        rescuer.abort();
-        rates.abort();
-        info!(worker = %self.inner.worker, "dispatcher stopped");
-        result
+        // The completer ends once every sender is gone.
+        drop(done);
     }
 
     /// Start a task that calls `intent` when a call slot is free, then hands
     /// its outcome to the finalizer. `room`: the handed-over intent's unit of
     /// room, given back when the task ends.
-    pub(super) fn start(
+    fn start(
         &self,
-        tasks: &mut JoinSet<Result<(), FaultInjected>>,
+        calls: &mut Calls,
         intent: ClaimedIntent,
         claimed_at: std::time::Instant,
         room: Option<OwnedSemaphorePermit>,
-        done_tx: &mpsc::Sender<Completion>,
-        permits: &Arc<Semaphore>,
     ) {
-        let (me, done_tx, permits) = (self.clone(), done_tx.clone(), permits.clone());
+        let (me, done_tx, permits) = (self.clone(), calls.done.clone(), calls.slots.clone());
         let busy = self.inner.busy.get(&intent.intent.endpoint).map(|b| b.enter(&self.inner.progress));
         // What was claimed counts against the claims' room; what was handed
         // over has the hand-over's own (counted in intents), and counted here
@@ -418,7 +477,7 @@ impl Dispatcher {
         };
         // A claimed intent's bytes stay counted until its outcome is recorded.
         let keeps_bytes = room.is_none();
-        tasks.spawn(async move {
+        calls.tasks.spawn(async move {
             let _room = room;
             let mut completion = {
                 let _busy = busy;
@@ -448,15 +507,9 @@ impl Dispatcher {
     }
 
     /// Start the calls of intents claimed at ingest and handed over.
-    pub(super) fn start_handed(
-        &self,
-        tasks: &mut JoinSet<Result<(), FaultInjected>>,
-        handed: Vec<Handed>,
-        done_tx: &mpsc::Sender<Completion>,
-        permits: &Arc<Semaphore>,
-    ) {
+    fn start_handed(&self, calls: &mut Calls, handed: Vec<Handed>) {
         for Handed { intent, since, room } in handed {
-            self.start(tasks, intent, since, Some(room), done_tx, permits);
+            self.start(calls, intent, since, Some(room));
         }
     }
 
@@ -496,7 +549,7 @@ impl Dispatcher {
     }
 
     /// Return an unstarted claim to pending (its attempt is not counted).
-    pub(super) async fn release(&self, intent: &ClaimedIntent) {
+    async fn release(&self, intent: &ClaimedIntent) {
         let released = match self.inner.pool.acquire().await {
             Ok(mut conn) => intents::release(&mut conn, intent.id, intent.lease_token).await,
             Err(e) => Err(e),
@@ -536,7 +589,7 @@ impl Dispatcher {
     /// not due yet comes due, for the sleep after it (at most the poll
     /// interval; NOTIFY wakes us earlier for new intents, and `progress` for
     /// what our own outcomes made due).
-    pub(super) async fn claim(
+    async fn claim(
         &self,
         claimer: &mut Claimer,
         limit: usize,
@@ -573,106 +626,70 @@ impl Dispatcher {
         self.inner.busy.iter().filter(|(_, b)| b.has_room()).map(|(name, _)| name.as_str()).collect()
     }
 
-    pub(super) async fn rescue_loop(self, shutdown: CancellationToken) {
-        let every = self.inner.settings.rescue_interval;
-        loop {
-            tokio::select! { _ = shutdown.cancelled() => return, _ = tokio::time::sleep(every) => {} }
-            match self.rescue_once().await {
-                Ok(ids) if !ids.is_empty() => {
-                    self.inner.progress.notify_one();
-                    crate::runtime::metrics::rescued("intent", ids.len() as u64);
-                    warn!(worker = %self.inner.worker, rescued = ids.len(), intents = ?ids,
-                          "rescued intents whose lease expired; they will be sent again with the same idempotency key")
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    warn!(worker = %self.inner.worker, error = %e, "rescuing expired leases failed; retrying")
-                }
-            }
-        }
-    }
-
     /// Return intents with expired leases to pending (normally run by the rescue loop).
     pub async fn rescue_once(&self) -> Result<Vec<uuid::Uuid>, sqlx::Error> {
-        let mut conn = self.inner.pool.acquire().await?;
-        intents::rescue_expired(&mut conn, 500).await
+        rescue_once(&self.inner.pool).await
     }
 }
 
-/// An endpoint's calls started and not ended in this dispatcher. Once there
-/// are as many as it can make at once and a claim batch more — or, rate
-/// limited (a fixed or an adaptive rate), as many as it may start in two
-/// seconds at its rate now — claims leave its intents out: more of them
-/// would only wait at its limits while other endpoints' intents stay
-/// unclaimed behind them (D10). A call ending at the bound wakes the claim loop.
-#[derive(Debug)]
-pub(super) struct Busy {
-    now: Arc<std::sync::atomic::AtomicUsize>,
-    /// The bound, as last computed (an adaptive rate moves it).
-    most: Arc<std::sync::atomic::AtomicUsize>,
-    at_once: usize,
-    rate_limited: bool,
-    adaptive: Option<Arc<super::throttle::Adaptive>>,
+/// What a step of the claim loop says: go on, or stop with this result.
+type Step = ControlFlow<anyhow::Result<()>>;
+
+/// The calls the claim loop started, and what each needs: a call slot, and
+/// the way to the completer.
+struct Calls {
+    tasks: JoinSet<Result<(), FaultInjected>>,
+    /// Where a consumer of this process hands over what it claimed at ingest.
+    desk: Option<Desk>,
+    done: mpsc::Sender<Completion>,
+    slots: Arc<Semaphore>,
 }
 
-/// As many calls as start in two seconds at `rate` calls/s: at least one
-/// and at most `at_once`, twice.
-fn two_seconds_at(rate: f64, at_once: usize) -> usize {
-    (rate.ceil().clamp(1.0, at_once as f64) as usize).saturating_mul(2)
-}
-
-impl Busy {
-    fn new(cfg: &EndpointConfig, claim_batch: usize, adaptive: Option<Arc<super::throttle::Adaptive>>) -> Busy {
-        let at_once = cfg.concurrency.max(1);
-        let most = match (cfg.rate_limit_per_second, &adaptive) {
-            (Some(r), _) => two_seconds_at(r as f64, at_once),
-            (None, Some(a)) => two_seconds_at(a.share(), at_once),
-            (None, None) => at_once.saturating_add(claim_batch),
-        };
-        Busy {
-            now: Arc::default(),
-            most: Arc::new(most.into()),
-            at_once,
-            rate_limited: cfg.rate_limit_per_second.is_some() || adaptive.is_some(),
-            adaptive,
+impl Calls {
+    /// Reap the ended calls; one whose fault point failed means "crash now".
+    fn reap(&mut self) -> Result<(), FaultInjected> {
+        let mut crashed = None;
+        while let Some(done) = self.tasks.try_join_next() {
+            if let Ok(Err(f)) = done {
+                crashed = Some(f);
+            }
         }
-    }
-
-    fn has_room(&self) -> bool {
-        self.room() > 0
-    }
-
-    /// How many more calls may start before the endpoint is full.
-    fn room(&self) -> usize {
-        use std::sync::atomic::Ordering::Relaxed;
-        if let Some(a) = &self.adaptive {
-            self.most.store(two_seconds_at(a.share(), self.at_once), Relaxed);
-        }
-        self.most.load(Relaxed).saturating_sub(self.now.load(Relaxed))
-    }
-
-    /// Count one call of this endpoint in until the returned guard is
-    /// dropped, which notifies `progress` if the endpoint was full.
-    fn enter(&self, progress: &Arc<tokio::sync::Notify>) -> BusyGuard {
-        self.now.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        BusyGuard { now: self.now.clone(), most: self.most.clone(), progress: progress.clone() }
+        crashed.map_or(Ok(()), Err)
     }
 }
 
-/// One call counted in [`Busy`]; dropped, it counts the call out and wakes
-/// the claim loop if the endpoint was full until then.
-pub(super) struct BusyGuard {
-    now: Arc<std::sync::atomic::AtomicUsize>,
-    most: Arc<std::sync::atomic::AtomicUsize>,
-    progress: Arc<tokio::sync::Notify>,
+/// Where the claim loop stands between two claims.
+struct Between {
+    listener: Option<PgListener>,
+    claimer: Claimer,
+    /// Where the next claim may start (see `crate::runtime::claim_loop`).
+    resume: Resume<Position>,
+    /// Claims failed in a row, for the backoff.
+    failures: u32,
+    /// The last claim was cut short by the byte room.
+    out_of_room: bool,
 }
 
-impl Drop for BusyGuard {
-    fn drop(&mut self) {
-        use std::sync::atomic::Ordering::Relaxed;
-        if self.now.fetch_sub(1, Relaxed) >= self.most.load(Relaxed) {
-            self.progress.notify_one();
+/// The dispatcher's helper tasks.
+struct Helpers {
+    rescuer: JoinHandle<()>,
+    reconciler: Option<JoinHandle<()>>,
+    rates: JoinHandle<()>,
+}
+
+impl Helpers {
+    /// After a clean stop the reconciler finishes the questions it asked;
+    /// after a crash it is dropped where it is, as the others always are.
+    async fn stop(self, clean: bool) {
+        if let Some(reconciler) = self.reconciler {
+            if clean {
+                let _ = reconciler.await;
+            } else {
+                reconciler.abort();
+            }
         }
+        self.rescuer.abort();
+        self.rates.abort();
     }
 }
 
@@ -681,32 +698,5 @@ async fn handed_over(desk: &mut Option<Desk>) -> Vec<Handed> {
     match desk {
         Some(d) => d.recv().await,
         None => std::future::pending().await,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn endpoint(extra: serde_json::Value) -> EndpointConfig {
-        let mut v = serde_json::json!({"base_url": "http://provider.test/", "concurrency": 16});
-        v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-        serde_json::from_value(v).unwrap()
-    }
-
-    #[test]
-    fn a_throttled_adaptive_endpoint_counts_as_rate_limited_at_its_rate_now() {
-        let cfg = endpoint(serde_json::json!({"adaptive": {"start": 50, "min": 1, "max": 50}}));
-        let adaptive = Arc::new(super::super::throttle::Adaptive::new(cfg.adaptive.unwrap()));
-        let busy = Busy::new(&cfg, 64, Some(adaptive.clone()));
-        assert!(busy.rate_limited, "its calls wait at its rate line: no hand-over room beyond its own");
-        assert_eq!(busy.room(), 32, "two seconds at 50/s, at most its concurrency (16), twice");
-        adaptive.set(1.0);
-        assert_eq!(busy.room(), 2, "throttled down to 1/s: two seconds' calls, not 16 + a claim batch");
-        let unlimited = Busy::new(&endpoint(serde_json::json!({})), 64, None);
-        assert!(!unlimited.rate_limited);
-        assert_eq!(unlimited.room(), 16 + 64);
-        let fixed = Busy::new(&endpoint(serde_json::json!({"rate_limit_per_second": 5})), 64, None);
-        assert_eq!((fixed.rate_limited, fixed.room()), (true, 10));
     }
 }

@@ -4,10 +4,13 @@
 //! * [`dispatcher`] — the claim loop (`FOR UPDATE SKIP LOCKED` and a lease),
 //!   which starts each claimed intent on the [`executor`] (one attempt) and
 //!   sends its [`outcome::Completion`] to the [`completer`] (outcomes
-//!   recorded in batches, fenced by the lease). The executor and the
-//!   completer own their state and know nothing of each other or of the
-//!   dispatcher; [`outcome`] holds the messages between them. An intent's
-//!   next state is decided in [`relay_core::retry::decide`].
+//!   recorded in batches, fenced by the lease). Beside it run the rescuer
+//!   (expired leases back to pending), the [`reconciler`] and the rate sync
+//!   of [`throttle`], each a type of its own built from the handles it
+//!   needs. None of these imports the dispatcher or each other but for the
+//!   reconciler, which records through the completer; [`outcome`] holds the
+//!   messages between executor and completer. An intent's next state is
+//!   decided in [`relay_core::retry::decide`].
 //! * [`http`] — one endpoint's client: limits, timeout, the stable
 //!   idempotency key; [`auth`] — its OAuth2 tokens and request signing.
 //! * [`handoff`] — intents claimed at ingest: the dispatcher owns the
@@ -17,11 +20,14 @@
 //!   endpoints that say how.
 
 pub mod auth;
+mod busy;
 pub mod completer;
+mod counted;
 pub mod dispatcher;
 pub mod executor;
 pub mod handoff;
 pub mod http;
 pub mod outcome;
 pub mod reconciler;
+mod rescuer;
 pub mod throttle;

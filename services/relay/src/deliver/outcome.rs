@@ -28,7 +28,7 @@ pub struct Completion {
     pub(super) effects_dropped: Option<String>,
     /// Its claimed JSON's share of the claims' byte room, given back once
     /// the outcome is recorded (or dropped).
-    pub(super) counted: Option<super::dispatcher::Counted>,
+    pub(super) counted: Option<super::counted::Counted>,
 }
 
 impl Completion {

@@ -1,4 +1,4 @@
-//! Reconciling uncertain intents (issue 29, part 2): for an endpoint with
+//! Reconciling uncertain intents: for an endpoint with
 //! `[endpoints.NAME.reconcile]`, ask its provider what became of each call
 //! whose outcome is unknown — a lookup, or the call again with its key where
 //! the provider answers a known key with the stored result — after a delay,
@@ -26,7 +26,8 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use super::dispatcher::Dispatcher;
+use super::completer::Completer;
+use super::executor::Executor;
 use super::http::Request;
 use super::outcome::{Completion, Finished};
 
@@ -70,13 +71,31 @@ impl Reconcilers {
     }
 }
 
-impl Dispatcher {
+/// Asks providers about a dispatcher's uncertain intents, through the
+/// dispatcher's endpoint clients and call slots, and records what they say
+/// as the completer records a call's outcome.
+pub(super) struct Reconciler {
+    pub(super) pool: sqlx::PgPool,
+    pub(super) worker: String,
+    pub(super) consumer: String,
+    /// The lease of a taken intent, as of a claim's.
+    pub(super) lease: std::time::Duration,
+    /// How often due intents are looked for.
+    pub(super) every: std::time::Duration,
+    pub(super) executor: Arc<Executor>,
+    pub(super) completer: Arc<Completer>,
+    /// Woken when an intent goes back to pending, for the claim loop.
+    pub(super) progress: Arc<tokio::sync::Notify>,
+    pub(super) reconcilers: Arc<Reconcilers>,
+}
+
+impl Reconciler {
     /// Until `shutdown`: every poll interval, take the uncertain intents due
     /// for a reconciliation and ask about each one, in `slots` (the
     /// dispatcher's call slots).
-    pub(super) async fn reconcile_loop(self, shutdown: CancellationToken, slots: Arc<Semaphore>) {
-        let Some(rec) = self.inner.reconcilers.clone() else { return };
-        let every = self.inner.settings.poll_interval;
+    pub(super) async fn run(self: Arc<Self>, shutdown: CancellationToken, slots: Arc<Semaphore>) {
+        let rec = self.reconcilers.clone();
+        let every = self.every;
         let mut tasks = JoinSet::new();
         loop {
             tokio::select! { _ = shutdown.cancelled() => break, _ = tokio::time::sleep(every) => {} }
@@ -86,10 +105,9 @@ impl Dispatcher {
                     break;
                 }
                 let taken_at = std::time::Instant::now();
-                let taken = match self.inner.pool.acquire().await {
+                let taken = match self.pool.acquire().await {
                     Ok(mut conn) => {
-                        let s = &self.inner.settings;
-                        let (consumer, worker) = (&self.inner.consumer, &self.inner.worker);
+                        let (consumer, worker) = (&self.consumer, &self.worker);
                         reconciliations::take_due(
                             &mut conn,
                             consumer,
@@ -98,7 +116,7 @@ impl Dispatcher {
                             r.max_attempts,
                             TAKE,
                             worker,
-                            s.lease,
+                            self.lease,
                         )
                         .await
                     }
@@ -127,14 +145,14 @@ impl Dispatcher {
         slots: &Semaphore,
     ) {
         let (id, token, endpoint) = (intent.id, intent.lease_token, intent.intent.endpoint.clone());
-        let (Some((r, path)), Some(client)) = (rec.of(&endpoint), self.inner.executor.client(&endpoint)) else {
+        let (Some((r, path)), Some(client)) = (rec.of(&endpoint), self.executor.client(&endpoint)) else {
             return self.give_back(id, token).await;
         };
         // Questions that cannot be asked are answered "unknown" with why:
         // they count against the budget and show in the history, instead of
         // being taken again every round ahead of the others.
         let unasked = |why: String| Asked {
-            worker: self.inner.worker.clone(),
+            worker: self.worker.clone(),
             started_at: None,
             status: None,
             verdict: Reconciled::Unknown,
@@ -149,8 +167,7 @@ impl Dispatcher {
             }
         };
         // As of the latest moment the resend may leave (the lease's end).
-        let latest_send =
-            chrono::Utc::now() + chrono::Duration::from_std(self.inner.settings.lease).unwrap_or_default();
+        let latest_send = chrono::Utc::now() + chrono::Duration::from_std(self.lease).unwrap_or_default();
         if lookup_path.is_none() && client.profile().key_forgotten(intent.created_at, latest_send) {
             // Sent again now, the call would be a new request to the provider.
             let why = format!("not sent again: {}", relay_core::retry::KEY_FORGOTTEN);
@@ -187,8 +204,8 @@ impl Dispatcher {
                 keep_body: ANSWER_BYTES.max(client.config().response_bytes),
             },
         };
-        let send_by = self.inner.executor.send_by(&intent, taken_at);
-        let Ok(answer) = client.call(request, send_by, slots, self.inner.executor.stopping()).await else {
+        let send_by = self.executor.send_by(&intent, taken_at);
+        let Ok(answer) = client.call(request, send_by, slots, self.executor.stopping()).await else {
             return self.give_back(id, token).await;
         };
         let json = answer.body.as_deref().and_then(|b| serde_json::from_slice(b).ok());
@@ -211,14 +228,14 @@ impl Dispatcher {
             (_, None) => format!("{how} got no answer: {}", answer.error.as_deref().unwrap_or("")),
         };
         let asked = Asked {
-            worker: self.inner.worker.clone(),
+            worker: self.worker.clone(),
             started_at: answer.started_at,
             status: answer.status.map(i32::from),
             verdict,
             error: Some(said.clone()),
         };
         crate::runtime::metrics::reconciled(&endpoint, verdict);
-        let recorded = match self.inner.pool.acquire().await {
+        let recorded = match self.pool.acquire().await {
             Ok(mut conn) => {
                 let max_age = client.config().max_age;
                 reconciliations::record(&mut conn, id, token, &asked, r.interval, max_age).await
@@ -241,7 +258,7 @@ impl Dispatcher {
                 let via = if lookup_path.is_some() { "lookup" } else { "resend" };
                 let data = super::outcome::answer_of(&answer, client.config().response_bytes, via);
                 let mut done = [Completion::reconciled(intent, status, said.clone(), data)];
-                let finished = self.inner.completer.finalize(&mut done).await;
+                let finished = self.completer.finalize(&mut done).await;
                 if finished.as_slice() == [Finished::Succeeded]
                     && let Some(why) = done[0].effects_dropped()
                 {
@@ -257,7 +274,7 @@ impl Dispatcher {
                 }
             }
             Reconciled::NotApplied => {
-                self.inner.progress.notify_one();
+                self.progress.notify_one();
                 info!(intent_id = %id, endpoint = %endpoint, "{said}");
             }
             Reconciled::Unknown => {
@@ -279,7 +296,7 @@ impl Dispatcher {
     ) {
         warn!(intent_id = %id, endpoint = %endpoint, why = asked.error.as_deref().unwrap_or(""), "reconciliation not asked");
         crate::runtime::metrics::reconciled(endpoint, asked.verdict);
-        let recorded = match self.inner.pool.acquire().await {
+        let recorded = match self.pool.acquire().await {
             Ok(mut conn) => {
                 reconciliations::record(&mut conn, id, token, &asked, r.interval, client.config().max_age).await
             }
@@ -293,7 +310,7 @@ impl Dispatcher {
     /// Return a taken intent to uncertain at once (the rescuer would when
     /// the lease expires: never to pending, never a call).
     async fn give_back(&self, id: uuid::Uuid, token: uuid::Uuid) {
-        if let Ok(mut conn) = self.inner.pool.acquire().await {
+        if let Ok(mut conn) = self.pool.acquire().await {
             let _ = intents::give_back_uncertain(&mut conn, id, token).await;
         }
     }

@@ -1,4 +1,4 @@
-//! Throttling that adapts and is shared (issue 29, part 5): an endpoint with
+//! Throttling that adapts and is shared: an endpoint with
 //! `[endpoints.NAME.adaptive]` calls at one rate for all dispatcher processes
 //! together, kept in the database (`relay_store::rates`): each process says
 //! every [`TICK`] whether its calls were throttled (429, 503), and calls at
@@ -88,40 +88,47 @@ fn limiter(rate: f64) -> Arc<DefaultDirectRateLimiter> {
     Arc::new(RateLimiter::direct(quota.allow_burst(std::num::NonZeroU32::MIN)))
 }
 
-impl super::dispatcher::Dispatcher {
-    /// Every [`TICK`] until `shutdown`: for each endpoint whose rate adapts,
-    /// report whether this process was throttled, read the shared rate and
-    /// the processes sharing it, and call at this process's share. A
-    /// database error keeps the share as it was (and the throttle, reported
-    /// next time).
-    pub(super) async fn rate_loop(self, shutdown: tokio_util::sync::CancellationToken) {
-        let endpoints: Vec<(String, Arc<Adaptive>)> =
-            self.inner.executor.adaptive().map(|(n, a)| (n.to_owned(), a.clone())).collect();
-        if endpoints.is_empty() {
+/// Keeps this process's share of every adaptive rate it calls at: every
+/// [`TICK`], for each endpoint whose rate adapts, it reports whether this
+/// process was throttled, reads the shared rate and the processes sharing
+/// it, and sets this process's share.
+pub(super) struct RateSync {
+    pub(super) pool: sqlx::PgPool,
+    pub(super) worker: String,
+    pub(super) endpoints: Vec<(String, Arc<Adaptive>)>,
+}
+
+impl RateSync {
+    /// Until `shutdown`. A database error keeps the share as it was (and
+    /// the throttle, reported next time).
+    pub(super) async fn run(self, shutdown: tokio_util::sync::CancellationToken) {
+        if self.endpoints.is_empty() {
             return;
         }
         loop {
             tokio::select! { _ = shutdown.cancelled() => return, _ = tokio::time::sleep(TICK) => {} }
-            for (endpoint, a) in &endpoints {
-                let throttled = a.take_throttled();
-                let adjusted = match self.inner.pool.acquire().await {
-                    Ok(mut conn) => {
-                        relay_store::rates::adjust(&mut conn, endpoint, &self.inner.worker, throttled, &a.rule()).await
-                    }
-                    Err(e) => Err(e),
-                };
-                match adjusted {
-                    Ok((rate, members)) => {
-                        a.set(rate / members as f64);
-                        crate::runtime::metrics::adaptive_rate(endpoint, rate, a.share());
-                    }
-                    Err(e) => {
-                        if throttled {
-                            a.throttled();
-                        }
-                        tracing::warn!(endpoint = %endpoint, error = %e, "could not read the shared call rate; keeping this process's share");
-                    }
+            for (endpoint, a) in &self.endpoints {
+                self.sync(endpoint, a).await;
+            }
+        }
+    }
+
+    async fn sync(&self, endpoint: &str, a: &Adaptive) {
+        let throttled = a.take_throttled();
+        let adjusted = match self.pool.acquire().await {
+            Ok(mut conn) => relay_store::rates::adjust(&mut conn, endpoint, &self.worker, throttled, &a.rule()).await,
+            Err(e) => Err(e),
+        };
+        match adjusted {
+            Ok((rate, members)) => {
+                a.set(rate / members as f64);
+                crate::runtime::metrics::adaptive_rate(endpoint, rate, a.share());
+            }
+            Err(e) => {
+                if throttled {
+                    a.throttled();
                 }
+                tracing::warn!(endpoint = %endpoint, error = %e, "could not read the shared call rate; keeping this process's share");
             }
         }
     }
