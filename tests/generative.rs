@@ -43,7 +43,7 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use relay::ops::admin::ReplayOutcome;
-use relay::runtime::faults::{Sabotage, point};
+use relay::runtime::faults::{Sabotage, Sabotaged, point};
 use relay::{Components, FaultAction, Faults, Handlers};
 use relay_cli::verify::{ProviderEffect, VerifyOptions, verify};
 use relay_core::RelayConfig;
@@ -596,7 +596,7 @@ async fn reintroducing_the_lease_check_before_the_wait_is_caught() {
     assert_eq!(s.inputs.len(), 16, "seed 1 draws enough calls");
     let sound = run(&s, no_faults()).await;
     assert!(sound.is_empty(), "{sound:?}");
-    let sabotage = Sabotage { lease_checked_before_wait: true, ..Sabotage::default() };
+    let sabotage = Sabotaged::of(&[Sabotage::LeaseCheckedBeforeWait]);
     let wrong = run(&s, Faults::none().with_sabotage(sabotage)).await;
     assert!(wrong.iter().any(|w| w.contains("lease(s) expired")), "the checks missed it: {wrong:?}");
 }
@@ -608,7 +608,7 @@ async fn reintroducing_null_as_text_is_caught() {
     let mut s = draw(1);
     s.rate_limit = None;
     assert!(s.inputs.iter().any(|i| i.event.data["order_id"].is_null()), "seed 1 draws a null order id");
-    let sabotage = Sabotage { null_as_text: true, ..Sabotage::default() };
+    let sabotage = Sabotaged::of(&[Sabotage::NullAsText]);
     let wrong = run(&s, Faults::none().with_sabotage(sabotage)).await;
     let shared = |w: &String| w.to_lowercase().contains("capture:none") && w.contains("the model wants");
     assert!(wrong.iter().any(shared), "the checks missed it: {wrong:?}");
@@ -657,7 +657,7 @@ async fn reintroducing_insert_order_for_ordering_keys_is_caught() {
         || Faults::new(&[(point::CONSUMER_BEFORE_DB_COMMIT, FaultAction::Pause(Duration::from_secs(4)), 1)]);
     let sound = run(&s, slow_first()).await;
     assert!(sound.is_empty(), "{sound:?}");
-    let sabotage = Sabotage { ordering_by_insert: true, ..Sabotage::default() };
+    let sabotage = Sabotaged::of(&[Sabotage::OrderingByInsert]);
     let wrong = run(&s, slow_first().with_sabotage(sabotage)).await;
     assert!(wrong.iter().any(|w| w.contains("applied after a later intent")), "the checks missed it: {wrong:?}");
 }
@@ -696,7 +696,7 @@ async fn reintroducing_key_checks_of_printed_values_only_is_caught() {
     let s = with_inputs(Templates::Concatenated, nulls);
     let sound = run(&s, no_faults()).await;
     assert!(sound.is_empty(), "{sound:?}");
-    let sabotage = Sabotage { printed_values_only: true, ..Sabotage::default() };
+    let sabotage = Sabotaged::of(&[Sabotage::PrintedValuesOnly]);
     let wrong = run(&s, Faults::none().with_sabotage(sabotage)).await;
     let shared = |w: &String| w.to_lowercase().contains("capture:none") && w.contains("the model wants");
     assert!(wrong.iter().any(shared), "the checks missed it: {wrong:?}");
@@ -709,7 +709,7 @@ async fn reintroducing_control_characters_in_keys_is_caught() {
     let s = with_inputs(Templates::Printed, vec![placed("evt-cr", data, Fate::Dead("template_error"))]);
     let sound = run(&s, no_faults()).await;
     assert!(sound.is_empty(), "{sound:?}");
-    let sabotage = Sabotage { controls_unchecked: true, ..Sabotage::default() };
+    let sabotage = Sabotaged::of(&[Sabotage::ControlsUnchecked]);
     let wrong = run(&s, Faults::none().with_sabotage(sabotage)).await;
     assert!(
         wrong.iter().any(|w| w.contains("dead letters") && w.contains("the model wants")),
@@ -741,7 +741,7 @@ async fn reintroducing_empty_idempotency_keys_as_keys_is_caught() {
     let s = with_inputs(Templates::Printed, blank);
     let sound = run(&s, no_faults()).await;
     assert!(sound.is_empty(), "{sound:?}");
-    let sabotage = Sabotage { blank_keys_as_keys: true, ..Sabotage::default() };
+    let sabotage = Sabotaged::of(&[Sabotage::BlankKeysAsKeys]);
     let wrong = run(&s, Faults::none().with_sabotage(sabotage)).await;
     assert!(wrong.iter().any(|w| w.contains("intents (key → path)")), "the checks missed it: {wrong:?}");
 }

@@ -7,7 +7,7 @@ pub mod support;
 use std::time::Duration;
 
 use example_provider::{FaultKind, FaultRule};
-use relay::runtime::faults::{Sabotage, point};
+use relay::runtime::faults::{Sabotage, Sabotaged, point};
 use relay::{Components, FaultAction, Faults};
 use relay_cli::verify::{Report, VerifyOptions, verify};
 use relay_core::RelayConfig;
@@ -57,7 +57,7 @@ async fn committing_the_offset_before_the_database_loses_an_event_and_the_checke
     let cfg = h.config(CAPTURE_ROUTE);
     // Planted bug: offset first, then the crash before the DB commit.
     let broken = Faults::new(&[(point::CONSUMER_BEFORE_DB_COMMIT, FaultAction::Fail, 1)])
-        .with_sabotage(Sabotage { offset_before_commit: true, ..Sabotage::default() });
+        .with_sabotage(Sabotaged::of(&[Sabotage::OffsetBeforeCommit]));
     let crashed =
         h.start(cfg.clone(), Components { consumer: true, dispatcher: false, publisher: false }, broken).await;
     assert!(crashed.finished().await.is_err());
@@ -97,7 +97,7 @@ async fn applying_duplicates_again_is_caught_by_the_business_counter_check() {
     }
     let cfg = h.config(COUNTED_ROUTE);
     // Planted bug: the inbox's "already recorded" is ignored.
-    let broken = no_faults().with_sabotage(Sabotage { no_inbox_dedup: true, ..Sabotage::default() });
+    let broken = no_faults().with_sabotage(Sabotaged::of(&[Sabotage::NoInboxDedup]));
     let run = h.start(cfg.clone(), Components::ALL, broken).await;
     h.await_committed(0, 10).await;
     h.await_published(5).await;
@@ -120,7 +120,7 @@ async fn a_new_idempotency_key_per_attempt_double_applies_and_the_checker_names_
     }]);
     h.send(&order("evt-1", "o-1")).await;
     let cfg = h.config(CAPTURE_ROUTE);
-    let broken = no_faults().with_sabotage(Sabotage { fresh_idempotency_key: true, ..Sabotage::default() });
+    let broken = no_faults().with_sabotage(Sabotaged::of(&[Sabotage::FreshIdempotencyKey]));
     let run = h.start(cfg.clone(), Components::ALL, broken).await;
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
@@ -207,7 +207,7 @@ async fn an_intent_that_ended_dead_after_an_attempt_that_may_have_been_applied_i
     h.send(&order("evt-1", "o-1")).await;
     let mut cfg = h.config(CAPTURE_ROUTE);
     cfg.endpoints.get_mut("psp").unwrap().max_attempts = 2;
-    let broken = no_faults().with_sabotage(Sabotage { uncertainty_forgotten: true, ..Sabotage::default() });
+    let broken = no_faults().with_sabotage(Sabotaged::of(&[Sabotage::UncertaintyForgotten]));
     let run = h.start(cfg.clone(), Components::ALL, broken).await;
     h.await_intents_finished(1).await;
     h.await_published(1).await;
@@ -230,7 +230,7 @@ async fn an_intent_that_ended_dead_after_a_5xx_is_reported_whatever_its_attempts
     h.send(&order("evt-1", "o-1")).await;
     let mut cfg = h.config(CAPTURE_ROUTE);
     cfg.endpoints.get_mut("psp").unwrap().max_attempts = 2;
-    let broken = no_faults().with_sabotage(Sabotage { server_errors_certain: true, ..Sabotage::default() });
+    let broken = no_faults().with_sabotage(Sabotaged::of(&[Sabotage::ServerErrorsCertain]));
     let run = h.start(cfg.clone(), Components::ALL, broken).await;
     h.await_intents_finished(1).await;
     h.await_published(1).await;

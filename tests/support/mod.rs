@@ -411,7 +411,7 @@ pub fn order(id: &str, order: &str) -> TestEvent {
 pub fn no_faults() -> Faults {
     match std::env::var("RELAY_SABOTAGE") {
         Ok(spec) => {
-            Faults::none().with_sabotage(relay::runtime::faults::Sabotage::parse(&spec).expect("RELAY_SABOTAGE"))
+            Faults::none().with_sabotage(relay::runtime::faults::Sabotaged::parse(&spec).expect("RELAY_SABOTAGE"))
         }
         Err(_) => Faults::none(),
     }

@@ -482,7 +482,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 }
                 // Build its client as a dispatcher would: TLS files parsed,
                 // the token's variable read.
-                if let Err(err) = relay::deliver::http::EndpointClient::new(name, e) {
+                if let Err(err) = relay::deliver::http::EndpointClient::new(name, e, Default::default()) {
                     problems.push(format!("{err:#}"));
                 }
             }

@@ -91,23 +91,14 @@ impl Relay {
             tracing::warn!("{warning}");
         }
         #[cfg(feature = "faults")]
-        let router = match faults.sabotage().core() {
-            core if core.any() => Router::sabotaged(&cfg, core)?,
+        let router = match faults.sabotage() {
+            s if s.any() => Router::sabotaged(&cfg, s)?,
             _ => Router::new(&cfg)?,
         };
         #[cfg(not(feature = "faults"))]
         let router = Router::new(&cfg)?;
         #[cfg(feature = "faults")]
-        {
-            use relay_store::sabotage::{Broken, set};
-            let (s, consumer) = (faults.sabotage(), &cfg.consumer.name);
-            if s.ordering_by_insert {
-                set(consumer, Broken::OrderingByInsert);
-            }
-            if s.no_inbox_dedup {
-                set(consumer, Broken::NoInboxDedup);
-            }
-        }
+        relay_store::sabotage::set(&cfg.consumer.name, faults.sabotage());
         let wanted = cfg.routes.iter().filter_map(|r| r.handler.as_deref());
         let missing = handlers.missing(wanted);
         if !missing.is_empty() {

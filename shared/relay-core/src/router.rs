@@ -119,7 +119,7 @@ pub struct Router {
     profiles: HashMap<String, crate::profile::Profile>,
     templates: Templates,
     /// Defects put back on purpose (tests only; all off otherwise).
-    sabotage: crate::sabotage::Sabotage,
+    sabotage: crate::sabotage::Sabotaged,
     /// The encoders of topics written with a `format`; `None`: not given
     /// (a router that only routes, as `relay verify`'s).
     encoders: Option<Encoders>,
@@ -157,7 +157,7 @@ impl Router {
     /// prove the checks catch it (`RELAY_SABOTAGE=null-as-text`; only with
     /// the `sabotage` feature).
     #[cfg(feature = "sabotage")]
-    pub fn sabotaged(cfg: &RelayConfig, sabotage: crate::sabotage::Sabotage) -> Result<Router, RouterError> {
+    pub fn sabotaged(cfg: &RelayConfig, sabotage: crate::sabotage::Sabotaged) -> Result<Router, RouterError> {
         let mut router = Router::build(cfg, TemplateBuilder::default().sabotaged(sabotage))?;
         router.sabotage = sabotage;
         Ok(router)
@@ -334,7 +334,7 @@ impl Router {
         #[cfg_attr(not(feature = "sabotage"), allow(unused_mut))]
         let mut event = resolve(record, decoded, &route.fields)?;
         #[cfg(feature = "sabotage")]
-        if self.sabotage.blank_keys_as_keys && event.idempotency_key.is_none() {
+        if self.sabotage.has(crate::sabotage::Sabotage::BlankKeysAsKeys) && event.idempotency_key.is_none() {
             event.idempotency_key = event.extensions.get("idempotencykey").cloned();
         }
         if let Some(schema) = &route.schema {
@@ -415,7 +415,8 @@ impl Router {
         now: chrono::DateTime<chrono::Utc>,
     ) -> Result<Effects, Poison> {
         let consumer = self.consumer();
-        let checked = if self.sabotage.controls_unchecked { Ok(()) } else { check_plan(&plan) };
+        let checked =
+            if self.sabotage.has(crate::sabotage::Sabotage::ControlsUnchecked) { Ok(()) } else { check_plan(&plan) };
         checked.map_err(|why| {
             Poison::new(PoisonClass::TemplateError, why).with_identity(Some(&event.id), Some(&event.event_type))
         })?;

@@ -47,7 +47,7 @@ use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
 use serde_json::{Map, Value};
 
 use crate::limits::{MAX_KEY_BYTES, control_char, is_blank};
-use crate::sabotage::Sabotage;
+use crate::sabotage::{Sabotage, Sabotaged};
 
 /// An error while compiling a template from configuration.
 #[derive(Debug, thiserror::Error)]
@@ -138,7 +138,7 @@ pub struct TemplateBuilder {
     answer_reads: HashSet<String>,
     /// Deliberately wrong behaviour put back, for tests that prove the
     /// checks catch it. Never set outside them.
-    sabotage: Sabotage,
+    sabotage: Sabotaged,
 }
 
 impl Default for TemplateBuilder {
@@ -153,7 +153,7 @@ impl Default for TemplateBuilder {
             errors: Vec::new(),
             answer_allowed: false,
             answer_reads: HashSet::new(),
-            sabotage: Sabotage::default(),
+            sabotage: Sabotaged::default(),
         }
     }
 }
@@ -163,7 +163,7 @@ impl TemplateBuilder {
     /// issue 22 item 3 (only for tests that prove the checks catch it; only
     /// with the `sabotage` feature).
     #[cfg(feature = "sabotage")]
-    pub fn sabotaged(mut self, sabotage: Sabotage) -> Self {
+    pub fn sabotaged(mut self, sabotage: Sabotaged) -> Self {
         self.sabotage = sabotage;
         self
     }
@@ -245,18 +245,18 @@ impl TemplateBuilder {
         if !self.errors.is_empty() {
             return Err(self.errors);
         }
-        let sabotage = if cfg!(feature = "sabotage") { self.sabotage } else { Sabotage::default() };
-        let sabotaged = sabotage.null_as_text;
+        let sabotage = self.sabotage;
+        let sabotaged = sabotage.has(Sabotage::NullAsText);
         let mut reads = HashMap::new();
         for (name, kind) in &self.kinds {
             let fields = match (kind, self.env.get_template(name)) {
-                (Kind::Key | Kind::Path, Ok(t)) if !sabotaged && !sabotage.printed_values_only => {
+                (Kind::Key | Kind::Path, Ok(t)) if !sabotaged && !sabotage.has(Sabotage::PrintedValuesOnly) => {
                     t.undeclared_variables(true).into_iter().collect()
                 }
                 _ => Vec::new(),
             };
             // Sabotaged, every template is checked as free text.
-            let kind = if sabotaged || sabotage.controls_unchecked { Kind::Text } else { *kind };
+            let kind = if sabotaged || sabotage.has(Sabotage::ControlsUnchecked) { Kind::Text } else { *kind };
             reads.insert(name.clone(), (kind, fields));
         }
         // minijinja marks `tojson` and `escape` output safe, which would skip

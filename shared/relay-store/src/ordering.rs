@@ -102,7 +102,7 @@ pub async fn lock<'a>(
     keys: impl IntoIterator<Item = Key<'a>>,
 ) -> Result<(), sqlx::Error> {
     let slots = slots(consumer, keys);
-    if slots.is_empty() || crate::sabotage::is(consumer, crate::sabotage::Broken::OrderingByInsert) {
+    if slots.is_empty() || crate::sabotage::is(consumer, relay_core::sabotage::Sabotage::OrderingByInsert) {
         return Ok(());
     }
     sqlx::query("SELECT relay.lock_keys($1, $2)").bind(consumer).bind(&slots).execute(conn).await?;

@@ -1,40 +1,37 @@
-//! Deliberately wrong behaviour, per consumer, for the tests that prove the
-//! checks catch it (`RELAY_SABOTAGE`). Per consumer, so a sabotaged relay
-//! beside a sound one in one test process breaks only itself. Switching it
-//! on needs the `sabotage` feature; without it nothing is ever broken and
-//! the checks compile to `false`.
+//! The defects put back ([`relay_core::sabotage`]) that live in this
+//! crate's statements, per consumer: a sabotaged relay beside a sound one in
+//! one test process breaks only itself. A registry rather than a parameter:
+//! the statements are free functions that callers compose, and a test-only
+//! argument on each writer would thread the switch through every production
+//! signature. Without the `sabotage` feature nothing is ever registered.
 
+use relay_core::sabotage::{Sabotage, Sabotaged};
 #[cfg(feature = "sabotage")]
-use std::collections::HashSet;
+use std::collections::HashMap;
 #[cfg(feature = "sabotage")]
 use std::sync::{LazyLock, RwLock};
 
-/// What can be broken.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Broken {
-    /// Ordering keys are not locked: `seq` follows insert order, not commit
-    /// order (issue 22 item 5 put back).
-    OrderingByInsert,
-    /// The inbox's "already recorded" is ignored: duplicates are applied again (R2).
-    NoInboxDedup,
+#[cfg(feature = "sabotage")]
+static REGISTERED: LazyLock<RwLock<HashMap<String, Sabotaged>>> = LazyLock::new(RwLock::default);
+
+/// The defects `consumer`'s relay runs with, in this process.
+#[cfg(feature = "sabotage")]
+pub fn set(consumer: &str, sabotaged: Sabotaged) {
+    let mut all = REGISTERED.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+    all.insert(consumer.to_owned(), sabotaged);
 }
 
-#[cfg(feature = "sabotage")]
-static BROKEN: LazyLock<RwLock<HashSet<(String, Broken)>>> = LazyLock::new(RwLock::default);
-
-/// Break `what` for `consumer` in this process: for tests only.
-#[cfg(feature = "sabotage")]
-pub fn set(consumer: &str, what: Broken) {
-    BROKEN.write().unwrap_or_else(std::sync::PoisonError::into_inner).insert((consumer.to_owned(), what));
-}
-
-/// Whether `what` is broken for `consumer`.
-pub(crate) fn is(consumer: &str, what: Broken) -> bool {
+/// Whether `defect` is on for `consumer`.
+pub(crate) fn is(consumer: &str, defect: Sabotage) -> bool {
     #[cfg(feature = "sabotage")]
-    return BROKEN.read().unwrap_or_else(std::sync::PoisonError::into_inner).contains(&(consumer.to_owned(), what));
+    return REGISTERED
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(consumer)
+        .is_some_and(|s| s.has(defect));
     #[cfg(not(feature = "sabotage"))]
     {
-        let _ = (consumer, what);
+        let _ = (consumer, defect, Sabotaged::default());
         false
     }
 }

@@ -112,7 +112,7 @@ pub async fn admit(
     consumer: &str,
     batch: &[Planned<'_>],
 ) -> Result<Vec<Option<Disposition>>, sqlx::Error> {
-    let dedup = !sabotage::is(consumer, sabotage::Broken::NoInboxDedup);
+    let dedup = !sabotage::is(consumer, relay_core::sabotage::Sabotage::NoInboxDedup);
     let mut out: Vec<Option<Disposition>> = vec![None; batch.len()];
     // 1. Inbox rows; a second occurrence of an id in the batch is a duplicate.
     let mut first = HashSet::new();

@@ -22,7 +22,7 @@ use tokio::task::JoinSet;
 use tracing::{error, warn};
 
 use super::outcome::{Completion, Finished};
-use crate::runtime::faults::{Faults, point};
+use crate::runtime::faults::{Faults, Sabotage, point};
 
 /// How many batches of outcomes are written at once ([`Completer::run`]).
 pub(super) const FINALIZERS: usize = 2;
@@ -346,7 +346,7 @@ impl Completer {
         // (intent id, lease token), so a stale completion beside a fresh one
         // of the same intent matches nothing (D9).
         type Ours = HashSet<(uuid::Uuid, uuid::Uuid)>;
-        let by_id = self.faults.sabotage().fenced_by_id; // Deliberately wrong (D9) when set.
+        let by_id = self.faults.sabotage().has(Sabotage::FencedById); // Deliberately wrong (D9) when set.
         let mine = |c: &Completion, ours: &Ours| {
             ours.contains(&(c.intent.id, c.intent.lease_token)) || (by_id && ours.iter().any(|o| o.0 == c.intent.id))
         };

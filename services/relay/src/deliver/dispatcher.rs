@@ -50,7 +50,7 @@ use super::rescuer::{Rescuer, rescue_once};
 use super::throttle::RateSync;
 use crate::deliver::handoff::{self, Desk, Handed, Handoff};
 use crate::runtime::claim_loop::{Resume, default_worker_id, listen, notified, until_due};
-use crate::runtime::faults::{FaultInjected, Faults, point};
+use crate::runtime::faults::{FaultInjected, Faults, Sabotage, point};
 
 /// Channel the intents trigger notifies.
 pub const CHANNEL: &str = "relay_intents";
@@ -138,7 +138,8 @@ impl Dispatcher {
         ));
         // Intent claims wait for the disk (D5): see ClaimCommit. Deliberately
         // wrong when sabotaged.
-        let commit = if faults.sabotage().claims_async { ClaimCommit::Async } else { ClaimCommit::Durable };
+        let commit =
+            if faults.sabotage().has(Sabotage::ClaimsAsync) { ClaimCommit::Async } else { ClaimCommit::Durable };
         let claims = ClaimPool::beside(&pool, 1, commit);
         let desk = std::sync::Mutex::default();
         let consumer = consumer.to_owned();
@@ -379,8 +380,11 @@ impl Dispatcher {
             }
         }
         // Deliberately wrong (D2): the lease clock starts after the claim.
-        let claimed_at =
-            if self.inner.faults.sabotage().lease_clock_after_claim { std::time::Instant::now() } else { claimed_at };
+        let claimed_at = if self.inner.faults.sabotage().has(Sabotage::LeaseClockAfterClaim) {
+            std::time::Instant::now()
+        } else {
+            claimed_at
+        };
         for intent in claimed {
             self.start(calls, intent, claimed_at, None);
         }

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::http::{CallResult, EndpointClient, Request};
 use super::outcome::Completion;
-use crate::runtime::faults::{FaultInjected, Faults, point};
+use crate::runtime::faults::{FaultInjected, Faults, Sabotage, point};
 
 /// Makes the calls of one dispatcher: its endpoints' clients, the lease
 /// they must be sent within, and the signal to stop waiting.
@@ -37,20 +37,9 @@ impl Executor {
         lease: Duration,
         faults: Faults,
     ) -> anyhow::Result<Executor> {
-        let sabotage = faults.sabotage();
         let endpoints = endpoints
             .iter()
-            .map(|(name, cfg)| {
-                // Deliberately wrong (D7, D12, N4) when sabotaged: redirects
-                // followed, rate tokens taken before permits, a slot kept
-                // while waiting for a token.
-                let client = EndpointClient::new(name, cfg)?
-                    .following_redirects(sabotage.redirects_followed)?
-                    .tokens_first(sabotage.token_before_permit)
-                    .slots_kept(sabotage.slot_kept_for_token)
-                    .key_answers_ignored(sabotage.key_answers_ignored);
-                Ok((name.clone(), client))
-            })
+            .map(|(name, cfg)| Ok((name.clone(), EndpointClient::new(name, cfg, faults.sabotage())?)))
             .collect::<anyhow::Result<_>>()?;
         Ok(Executor { endpoints, lease, faults, stopping: CancellationToken::new() })
     }
@@ -115,14 +104,15 @@ impl Executor {
         };
         let now = Utc::now();
         let mut budget = intent.budget();
-        // Deliberately wrong (issue 29) when sabotaged: re-sent without keys.
-        budget.resends_unknown = client.profile().resends_unknown() || self.faults.sabotage().unknown_resent;
+        // Deliberately wrong when sabotaged: re-sent without keys.
+        budget.resends_unknown =
+            client.profile().resends_unknown() || self.faults.sabotage().has(Sabotage::UnknownResent);
         // As of the latest moment the request may leave (the lease's end),
         // not of the claim: the waits before the send may outlast the window.
         let latest_send = now + chrono::Duration::from_std(self.lease).unwrap_or_default();
         budget.key_forgotten = client.profile().key_forgotten(intent.created_at, latest_send);
-        if self.faults.sabotage().uncertainty_forgotten {
-            // Deliberately wrong (D1): only this attempt's outcome counts.
+        if self.faults.sabotage().has(Sabotage::UncertaintyForgotten) {
+            // Deliberately wrong: only this attempt's outcome counts.
             budget.uncertain_before = false;
         }
         // The answer is read and kept only for an on_success that reads it.
@@ -149,11 +139,8 @@ impl Executor {
                 intent.intent.traceparent.as_deref(),
                 attrs,
             );
-            let fresh_key = self
-                .faults
-                .sabotage()
-                .fresh_idempotency_key
-                // Deliberately wrong (R8): a new key per attempt.
+            // Deliberately wrong when sabotaged (breaks R8): a new key per attempt.
+            let fresh_key = (self.faults.sabotage().has(Sabotage::FreshIdempotencyKey))
                 .then(|| format!("{}:{}", intent.intent.idempotency_key, uuid::Uuid::new_v4()));
             let request = Request {
                 method: &intent.intent.method,
@@ -168,7 +155,7 @@ impl Executor {
                 keep_body: if reads_answer { client.config().response_bytes } else { 0 },
             };
             // Deliberately wrong (C17): the waits at the endpoint's limits are not bounded by the lease.
-            let send_by = if self.faults.sabotage().lease_checked_before_wait {
+            let send_by = if self.faults.sabotage().has(Sabotage::LeaseCheckedBeforeWait) {
                 tokio::time::Instant::now() + Duration::from_secs(86_400)
             } else {
                 send_by
@@ -186,7 +173,7 @@ impl Executor {
             let mut verdict = classify(&r.attempt, client.also_retry());
             if let Verdict::Retry { retry_after, uncertain: true } = verdict
                 && r.status.is_some()
-                && self.faults.sabotage().server_errors_certain
+                && self.faults.sabotage().has(Sabotage::ServerErrorsCertain)
             {
                 // Deliberately wrong: an answer is taken as proof that nothing was applied.
                 verdict = Verdict::Retry { retry_after, uncertain: false };

@@ -13,6 +13,7 @@ use std::time::Duration;
 use relay_core::config::EndpointConfig;
 use relay_core::profile::{KeyAnswer, KeyPlacement, Profile};
 use relay_core::retry::{AttemptResult, ErrorClass, parse_retry_after};
+use relay_core::sabotage::{Sabotage, Sabotaged};
 use reqwest::header::{AUTHORIZATION, HeaderName, HeaderValue, RETRY_AFTER};
 use secrecy::{ExposeSecret, SecretString};
 use std::sync::Arc;
@@ -125,15 +126,10 @@ pub struct EndpointClient {
     rate_line: Arc<tokio::sync::Mutex<()>>,
     /// The adaptive rate, shared by every process, instead of `limiter`.
     adaptive: Option<Arc<super::throttle::Adaptive>>,
-    /// Take the rate token before the concurrency permit (only ever for the
-    /// sabotage that puts issue 28's D12 back).
-    token_first: bool,
-    /// Keep a call slot while waiting for the fresh token after a slot wait
-    /// (only ever for the sabotage that puts the second review's N4 back).
-    slot_kept: bool,
-    /// Read no answer as the profile says (only ever for the sabotage
-    /// `key-answers-ignored`, issue 29).
-    answers_ignored: bool,
+    /// Defects put back on purpose, for the tests that prove they are caught
+    /// (none outside them): tokens before permits, a slot kept for a token,
+    /// key answers ignored, redirects followed.
+    sabotage: Sabotaged,
 }
 
 impl std::fmt::Debug for EndpointClient {
@@ -147,7 +143,7 @@ impl std::fmt::Debug for EndpointClient {
 
 impl EndpointClient {
     /// Build the client for endpoint `name`. Must be called inside a tokio runtime.
-    pub fn new(name: &str, cfg: &EndpointConfig) -> anyhow::Result<EndpointClient> {
+    pub fn new(name: &str, cfg: &EndpointConfig, sabotage: Sabotaged) -> anyhow::Result<EndpointClient> {
         let token = crate::config::endpoint_token(cfg).map_err(|e| anyhow::anyhow!("endpoints.{name}: {e}"))?;
         let oauth2 = match &cfg.oauth2 {
             Some(o) => {
@@ -165,13 +161,15 @@ impl EndpointClient {
             Some(s) => Some(Arc::new(super::auth::Signer::new(name, s)?)),
             None => None,
         };
-        let http = client_builder(name, cfg)?
-            // A redirect is an answer, classified like any other 3xx
-            // (permanent): followed, a 302 to a login page would count as
-            // the call's success, and a 307 would re-send the body and the
-            // idempotency key to another host.
-            .redirect(reqwest::redirect::Policy::none())
-            .build()?;
+        // A redirect is an answer, classified like any other 3xx (permanent):
+        // followed, a 302 to a login page would count as the call's success,
+        // and a 307 would re-send the body and the idempotency key to another
+        // host. Deliberately wrong when sabotaged: followed.
+        let redirects = match sabotage.has(Sabotage::RedirectsFollowed) {
+            true => reqwest::redirect::Policy::default(),
+            false => reqwest::redirect::Policy::none(),
+        };
+        let http = client_builder(name, cfg)?.redirect(redirects).build()?;
         let svc = ServiceBuilder::new().concurrency_limit(cfg.concurrency).timeout(cfg.timeout).service(http.clone());
         let limiter = cfg
             .rate_limit_per_second
@@ -206,43 +204,8 @@ impl EndpointClient {
             svc,
             limiter,
             rate_line: Arc::default(),
-            token_first: false,
-            slot_kept: false,
-            answers_ignored: false,
+            sabotage,
         })
-    }
-
-    /// The same client, following redirects if `follow` (only ever for the
-    /// sabotage that puts issue 28's D7 back).
-    pub fn following_redirects(self, follow: bool) -> anyhow::Result<EndpointClient> {
-        if !follow {
-            return Ok(self);
-        }
-        let http = client_builder(&self.name, &self.cfg)?.build()?;
-        let svc = ServiceBuilder::new()
-            .concurrency_limit(self.cfg.concurrency)
-            .timeout(self.cfg.timeout)
-            .service(http.clone());
-        Ok(EndpointClient { http, svc, ..self })
-    }
-
-    /// The same client, taking rate tokens before concurrency permits if
-    /// `first` (only ever for the sabotage that puts issue 28's D12 back).
-    pub fn tokens_first(self, first: bool) -> EndpointClient {
-        EndpointClient { token_first: first, ..self }
-    }
-
-    /// The same client, keeping a call slot while it waits for a rate token
-    /// if `kept` (only ever for the sabotage that puts the second review's
-    /// N4 back).
-    pub fn slots_kept(self, kept: bool) -> EndpointClient {
-        EndpointClient { slot_kept: kept, ..self }
-    }
-
-    /// The same client, reading no answer as its profile says if `ignored`
-    /// (only ever for the sabotage `key-answers-ignored`, issue 29).
-    pub fn key_answers_ignored(self, ignored: bool) -> EndpointClient {
-        EndpointClient { answers_ignored: ignored, ..self }
     }
 
     /// Whether calls wait for a rate token.
@@ -374,51 +337,62 @@ impl EndpointClient {
         slots: &tokio::sync::Semaphore,
         stop: &tokio_util::sync::CancellationToken,
     ) -> Result<CallResult, NotSent> {
-        // Every wait before the send ends by `send_by`, or when told to stop.
-        async fn bounded<T>(
-            send_by: tokio::time::Instant,
-            stop: &tokio_util::sync::CancellationToken,
-            wait: impl std::future::Future<Output = T>,
-        ) -> Result<T, NotSent> {
-            tokio::select! {
-                done = tokio::time::timeout_at(send_by, wait) => done.map_err(|_| NotSent),
-                _ = stop.cancelled() => Err(NotSent),
-            }
-        }
+        let waits = Waits { send_by, stop };
         let keep_body = request.keep_body;
         let message_id = message_id(&request);
         let req = match self.request(request) {
             Ok(r) => r,
-            Err(e) => {
-                // The request cannot be expressed at all: as permanent as a 400.
-                return Ok(CallResult {
-                    attempt: AttemptResult::Response { status: 400, retry_after: None, key: None },
-                    status: None,
-                    error_class: Some(ErrorClass::Request),
-                    error: Some(e),
-                    ..CallResult::not_sent()
-                });
-            }
+            // The request cannot be expressed at all: as permanent as a 400.
+            Err(e) => return Ok(inexpressible(e)),
         };
+        let turn = match self.wait_for_turn(&waits, slots).await? {
+            Ok(turn) => turn,
+            Err(answer) => return Ok(answer),
+        };
+        let req = match self.authorize(req, turn.token.as_ref(), &message_id) {
+            Ok(req) => req,
+            Err(answer) => return Ok(answer),
+        };
+        let sent = match self.send_once(turn, req, &message_id, &waits).await? {
+            Ok(sent) => sent,
+            Err(answer) => return Ok(answer),
+        };
+        let Sent { response, at, started_at, _slot } = sent;
+        Ok(match response {
+            Ok(resp) => self.read_answer(resp, at, started_at, keep_body).await,
+            Err(e) => classify_transport(e, self.cfg.timeout, started_at),
+        })
+    }
+
+    /// Wait for the call's turn: the endpoint's concurrency permit, then its
+    /// rate token, then an OAuth2 token, then a call slot of `slots` — each
+    /// wait bounded by `w`. `Ok(Err(answer))`: the call ends here with that
+    /// answer (no connection, no token).
+    async fn wait_for_turn<'s>(
+        &self,
+        w: &Waits<'_>,
+        slots: &'s tokio::sync::Semaphore,
+    ) -> Result<Result<Turn<'s>, CallResult>, NotSent> {
         let limited = self.rate_limited();
-        if limited && self.token_first {
-            bounded(send_by, stop, self.rate_token()).await?;
+        // Deliberately wrong when sabotaged: the token before the permit.
+        let token_first = self.sabotage.has(Sabotage::TokenBeforePermit);
+        if limited && token_first {
+            w.bounded(self.rate_token()).await?;
         }
-        let mut svc = match bounded(send_by, stop, self.svc.clone().ready_oneshot()).await {
-            Err(NotSent) => return Err(NotSent),
-            Ok(Ok(svc)) => svc,
-            Ok(Err(e)) => return Ok(classify_transport(e, self.cfg.timeout, None)),
+        let svc = match w.bounded(self.svc.clone().ready_oneshot()).await? {
+            Ok(svc) => svc,
+            Err(e) => return Ok(Err(classify_transport(e, self.cfg.timeout, None))),
         };
-        if limited && !self.token_first {
-            bounded(send_by, stop, self.rate_token()).await?;
+        if limited && !token_first {
+            w.bounded(self.rate_token()).await?;
         }
         // The token before the slot: a wait for the token endpoint holds no
         // slot that another endpoint's calls need (D10).
         let token = match &self.oauth2 {
             None => None,
-            Some(o) => match bounded(send_by, stop, o.token()).await? {
+            Some(o) => match w.bounded(o.token()).await? {
                 Ok(t) => Some(t),
-                Err(why) => return Ok(unauthenticated(why, None)),
+                Err(why) => return Ok(Err(unauthenticated(why, None))),
             },
         };
         // The slot, with the token taken before it: a call never waits for a
@@ -429,142 +403,209 @@ impl EndpointClient {
         // each time: it was never made while other endpoints kept waiters.)
         // Calls that waited for slots together may then go close together:
         // at most the endpoint's `concurrency`, whose permits they hold.
-        let _slot = match slots.try_acquire() {
+        let slot = match slots.try_acquire() {
             Ok(slot) => slot,
             Err(_) => {
-                let free = bounded(send_by, stop, slots.acquire()).await?.expect("the call slots are never closed");
-                if limited && self.slot_kept {
+                let free = w.bounded(slots.acquire()).await?.expect("the call slots are never closed");
+                if limited && self.sabotage.has(Sabotage::SlotKeptForToken) {
                     // Deliberately wrong: a second token waited for while holding the slot.
-                    bounded(send_by, stop, self.rate_token()).await?;
+                    w.bounded(self.rate_token()).await?;
                 }
                 free
             }
         };
-        let mut req = req;
-        if let Some(t) = &token {
-            match t.header() {
-                Ok(v) => req.headers_mut().insert(AUTHORIZATION, v),
-                Err(why) => return Ok(unauthenticated(why, None)),
-            };
+        Ok(Ok(Turn { svc, token, slot }))
+    }
+
+    /// The request with its bearer token, signed last, just before it leaves:
+    /// a signature's timestamp must not have aged in the waits (receivers
+    /// allow minutes, leases may be longer).
+    fn authorize(
+        &self,
+        mut req: reqwest::Request,
+        token: Option<&super::auth::Token>,
+        message_id: &str,
+    ) -> Result<reqwest::Request, CallResult> {
+        if let Some(t) = token {
+            let header = t.header().map_err(|why| unauthenticated(why, None))?;
+            req.headers_mut().insert(AUTHORIZATION, header);
         }
-        // Signed last, just before it leaves: a signature's timestamp must
-        // not have aged in the waits (receivers allow minutes, leases may be longer).
-        if let Err(why) = self.sign(&mut req, &message_id) {
-            return Ok(CallResult {
-                attempt: AttemptResult::Response { status: 400, retry_after: None, key: None },
-                error_class: Some(ErrorClass::Request),
-                error: Some(why),
-                ..CallResult::not_sent()
-            });
-        }
+        self.sign(&mut req, message_id).map_err(inexpressible)?;
+        Ok(req)
+    }
+
+    /// Send the request, if it can still leave by the deadline; after a 401
+    /// to an OAuth2 token the provider no longer takes (revoked, or expired
+    /// early), once more with a new token, within the same bound: a 401 then
+    /// counts as the answer. The first 401 means not applied, so an attempt
+    /// that cannot go on is retried.
+    async fn send_once<'s>(
+        &self,
+        turn: Turn<'s>,
+        req: reqwest::Request,
+        message_id: &str,
+        w: &Waits<'_>,
+    ) -> Result<Result<Sent<'s>, CallResult>, NotSent> {
+        let Turn { mut svc, token, slot } = turn;
         // Kept to be sent once more, with a new token, after a 401.
         let again = token.as_ref().and_then(|_| req.try_clone());
-        if tokio::time::Instant::now() > send_by {
+        if tokio::time::Instant::now() > w.send_by {
             return Err(NotSent);
         }
-        let mut sent_at = tokio::time::Instant::now();
+        let at = tokio::time::Instant::now();
         let started_at = Some(chrono::Utc::now());
-        let mut sent = svc.call(req).await;
-        let unauthorized = matches!(&sent, Ok(r) if r.status() == reqwest::StatusCode::UNAUTHORIZED);
+        let response = svc.call(req).await;
+        let unauthorized = matches!(&response, Ok(r) if r.status() == reqwest::StatusCode::UNAUTHORIZED);
         if let (Some(o), Some(used), true) = (&self.oauth2, &token, unauthorized) {
             o.refused(used).await;
         }
-        if let (Some(o), Some(_), Some(mut again), true) = (&self.oauth2, &token, again, unauthorized) {
-            // A token the provider no longer takes (revoked, or expired
-            // early): one new token and one more send, within the lease's
-            // bound; a 401 then counts as the answer. The first 401 means
-            // not applied, so an attempt that cannot go on is retried.
-            let refused = |why: &str| unauthenticated(format!("HTTP 401 with the cached token; {why}"), started_at);
-            let fresh = match bounded(send_by, stop, o.token()).await {
-                Ok(Ok(t)) => t,
-                Ok(Err(why)) => return Ok(refused(&why)),
-                Err(NotSent) => return Ok(refused("no new token by the lease's deadline")),
-            };
-            match fresh.header() {
-                Ok(v) => again.headers_mut().insert(AUTHORIZATION, v),
-                Err(why) => return Ok(refused(&why)),
-            };
-            if let Err(why) = self.sign(&mut again, &message_id) {
-                return Ok(refused(&why));
-            }
-            let mut svc = match bounded(send_by, stop, self.svc.clone().ready_oneshot()).await {
-                Ok(Ok(svc)) => svc,
-                Ok(Err(e)) => return Ok(classify_transport(e, self.cfg.timeout, started_at)),
-                Err(NotSent) => return Ok(refused("not sent again by the lease's deadline")),
-            };
-            if tokio::time::Instant::now() > send_by {
-                return Ok(refused("not sent again by the lease's deadline"));
-            }
-            sent_at = tokio::time::Instant::now();
-            sent = svc.call(again).await;
+        let (Some(o), Some(mut again), true) = (&self.oauth2, again, unauthorized) else {
+            return Ok(Ok(Sent { response, at, started_at, _slot: slot }));
+        };
+        let refused = |why: &str| unauthenticated(format!("HTTP 401 with the cached token; {why}"), started_at);
+        let fresh = match w.bounded(o.token()).await {
+            Ok(Ok(t)) => t,
+            Ok(Err(why)) => return Ok(Err(refused(&why))),
+            Err(NotSent) => return Ok(Err(refused("no new token by the lease's deadline"))),
+        };
+        match fresh.header() {
+            Ok(v) => again.headers_mut().insert(AUTHORIZATION, v),
+            Err(why) => return Ok(Err(refused(&why))),
+        };
+        if let Err(why) = self.sign(&mut again, message_id) {
+            return Ok(Err(refused(&why)));
         }
-        Ok(match sent {
-            Ok(resp) => {
-                let status = resp.status().as_u16();
-                if let (Some(a), 429 | 503) = (&self.adaptive, status) {
-                    a.throttled();
-                }
-                let retry_after = resp
-                    .headers()
-                    .get(RETRY_AFTER)
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| parse_retry_after(v, chrono::Utc::now()));
-                let success = resp.status().is_success();
-                // An error's headline, with where a redirect would have gone.
-                let headline = (!success).then(|| {
-                    let reason = resp.status().canonical_reason().unwrap_or("");
-                    let redirect = resp
-                        .status()
-                        .is_redirection()
-                        .then(|| resp.headers().get(reqwest::header::LOCATION))
-                        .flatten()
-                        .map(|l| format!(" (redirect to {:?} not followed)", String::from_utf8_lossy(l.as_bytes())));
-                    (format!("HTTP {status} {reason}"), redirect.unwrap_or_default())
-                });
-                let headers = if keep_body > 0 { kept_headers(resp.headers()) } else { Vec::new() };
-                // Within the same timeout as the response, not a second one;
-                // an error's start for its text, further when the profile
-                // looks into it or the caller keeps it.
-                let reads = self.profile.reads_body(status);
-                let limit = match (success, reads) {
-                    (true, _) => keep_body,
-                    (false, true) => KEY_ANSWER_BYTES.max(keep_body),
-                    (false, false) => ERROR_BODY_BYTES.max(keep_body),
-                };
-                // What arrived by the deadline is kept, even if the rest never
-                // comes; one byte more than kept tells a body that was longer.
-                let mut body = Vec::new();
-                let mut complete = false;
-                if limit > 0 {
-                    let read = body_start(resp, limit + 1, &mut body);
-                    complete = tokio::time::timeout_at(sent_at + self.cfg.timeout, read).await.unwrap_or(false);
-                    if body.len() > limit {
-                        body.truncate(limit);
-                        complete = false;
-                    }
-                }
-                let mut key = None;
-                let error = headline.map(|(headline, redirect)| {
-                    let json = reads.then(|| serde_json::from_slice(&body).ok()).flatten();
-                    key = self.profile.key_answer(status, json.as_ref()).filter(|_| !self.answers_ignored);
-                    let snippet = text(&body[..body.len().min(ERROR_BODY_BYTES)]);
-                    format!("{headline}: {redirect}{snippet}").trim_end_matches([' ', ':']).to_owned()
-                });
-                let class =
-                    if key == Some(KeyAnswer::Mismatch) { ErrorClass::KeyMismatch } else { ErrorClass::HttpStatus };
-                CallResult {
-                    attempt: AttemptResult::Response { status, retry_after, key },
-                    status: Some(status),
-                    error_class: error.as_ref().map(|_| class),
-                    error,
-                    started_at,
-                    body_complete: complete && body.len() <= keep_body,
-                    body: (keep_body > 0).then_some(body),
-                    headers,
-                }
+        let mut svc = match w.bounded(self.svc.clone().ready_oneshot()).await {
+            Ok(Ok(svc)) => svc,
+            Ok(Err(e)) => return Ok(Err(classify_transport(e, self.cfg.timeout, started_at))),
+            Err(NotSent) => return Ok(Err(refused("not sent again by the lease's deadline"))),
+        };
+        if tokio::time::Instant::now() > w.send_by {
+            return Ok(Err(refused("not sent again by the lease's deadline")));
+        }
+        let at = tokio::time::Instant::now();
+        Ok(Ok(Sent { response: svc.call(again).await, at, started_at, _slot: slot }))
+    }
+
+    /// What the provider answered: its status, `Retry-After`, what the
+    /// profile reads about the key, and as much of the body and headers as
+    /// the caller keeps (`keep_body`) or the error's text needs, read within
+    /// the response's timeout from `sent_at`.
+    async fn read_answer(
+        &self,
+        resp: reqwest::Response,
+        sent_at: tokio::time::Instant,
+        started_at: Option<chrono::DateTime<chrono::Utc>>,
+        keep_body: usize,
+    ) -> CallResult {
+        let status = resp.status().as_u16();
+        if let (Some(a), 429 | 503) = (&self.adaptive, status) {
+            a.throttled();
+        }
+        let retry_after = resp
+            .headers()
+            .get(RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| parse_retry_after(v, chrono::Utc::now()));
+        let success = resp.status().is_success();
+        // An error's headline, with where a redirect would have gone.
+        let headline = (!success).then(|| {
+            let reason = resp.status().canonical_reason().unwrap_or("");
+            let redirect = resp
+                .status()
+                .is_redirection()
+                .then(|| resp.headers().get(reqwest::header::LOCATION))
+                .flatten()
+                .map(|l| format!(" (redirect to {:?} not followed)", String::from_utf8_lossy(l.as_bytes())));
+            (format!("HTTP {status} {reason}"), redirect.unwrap_or_default())
+        });
+        let headers = if keep_body > 0 { kept_headers(resp.headers()) } else { Vec::new() };
+        // Within the same timeout as the response, not a second one; an
+        // error's start for its text, further when the profile looks into
+        // it or the caller keeps it.
+        let reads = self.profile.reads_body(status);
+        let limit = match (success, reads) {
+            (true, _) => keep_body,
+            (false, true) => KEY_ANSWER_BYTES.max(keep_body),
+            (false, false) => ERROR_BODY_BYTES.max(keep_body),
+        };
+        // What arrived by the deadline is kept, even if the rest never
+        // comes; one byte more than kept tells a body that was longer.
+        let mut body = Vec::new();
+        let mut complete = false;
+        if limit > 0 {
+            let read = body_start(resp, limit + 1, &mut body);
+            complete = tokio::time::timeout_at(sent_at + self.cfg.timeout, read).await.unwrap_or(false);
+            if body.len() > limit {
+                body.truncate(limit);
+                complete = false;
             }
-            Err(e) => classify_transport(e, self.cfg.timeout, started_at),
-        })
+        }
+        // Deliberately wrong when sabotaged: what the profile says of keys ignored.
+        let ignored = self.sabotage.has(Sabotage::KeyAnswersIgnored);
+        let mut key = None;
+        let error = headline.map(|(headline, redirect)| {
+            let json = reads.then(|| serde_json::from_slice(&body).ok()).flatten();
+            key = self.profile.key_answer(status, json.as_ref()).filter(|_| !ignored);
+            let snippet = text(&body[..body.len().min(ERROR_BODY_BYTES)]);
+            format!("{headline}: {redirect}{snippet}").trim_end_matches([' ', ':']).to_owned()
+        });
+        let class = if key == Some(KeyAnswer::Mismatch) { ErrorClass::KeyMismatch } else { ErrorClass::HttpStatus };
+        CallResult {
+            attempt: AttemptResult::Response { status, retry_after, key },
+            status: Some(status),
+            error_class: error.as_ref().map(|_| class),
+            error,
+            started_at,
+            body_complete: complete && body.len() <= keep_body,
+            body: (keep_body > 0).then_some(body),
+            headers,
+        }
+    }
+}
+
+/// The bounds of every wait before a request is sent: `send_by`, or `stop`.
+struct Waits<'a> {
+    send_by: tokio::time::Instant,
+    stop: &'a tokio_util::sync::CancellationToken,
+}
+
+impl Waits<'_> {
+    /// `wait`, unless the deadline passes or the dispatcher stops first.
+    async fn bounded<T>(&self, wait: impl std::future::Future<Output = T>) -> Result<T, NotSent> {
+        tokio::select! {
+            done = tokio::time::timeout_at(self.send_by, wait) => done.map_err(|_| NotSent),
+            _ = self.stop.cancelled() => Err(NotSent),
+        }
+    }
+}
+
+/// A call whose turn came: the endpoint's permit (in its ready service), its
+/// OAuth2 token if it has one, and a call slot, held until it is sent.
+struct Turn<'s> {
+    svc: HttpService,
+    token: Option<super::auth::Token>,
+    slot: tokio::sync::SemaphorePermit<'s>,
+}
+
+/// A request sent: its response or transport error, when it left, and its
+/// call slot, held until the answer is read.
+struct Sent<'s> {
+    response: Result<reqwest::Response, BoxError>,
+    at: tokio::time::Instant,
+    started_at: Option<chrono::DateTime<chrono::Utc>>,
+    _slot: tokio::sync::SemaphorePermit<'s>,
+}
+
+/// A request that cannot be expressed (a bad header, a signing failure):
+/// never sent, as permanent as a 400.
+fn inexpressible(why: String) -> CallResult {
+    CallResult {
+        attempt: AttemptResult::Response { status: 400, retry_after: None, key: None },
+        status: None,
+        error_class: Some(ErrorClass::Request),
+        error: Some(why),
+        ..CallResult::not_sent()
     }
 }
 
@@ -814,7 +855,7 @@ mod tests {
             "tls": {"ca_file": path},
         }))
         .unwrap();
-        let err = EndpointClient::new("psp", &cfg).unwrap_err().to_string();
+        let err = EndpointClient::new("psp", &cfg, Sabotaged::default()).unwrap_err().to_string();
         assert!(err.contains("endpoints.psp.tls.ca_file") && err.contains("holds no PEM certificate"), "{err}");
         std::fs::remove_file(&path).unwrap();
     }
@@ -825,7 +866,7 @@ mod tests {
             serde_json::json!({"base_url": "http://provider.test/api/", "rate_limit_per_second": 200}),
         )
         .unwrap();
-        let client = EndpointClient::new("psp", &cfg).unwrap();
+        let client = EndpointClient::new("psp", &cfg, Sabotaged::default()).unwrap();
         let passed = Arc::new(std::sync::Mutex::new(Vec::new()));
         // Spawned in order on one thread: each asks in its first poll, in
         // spawn order, before the next runs.
@@ -851,7 +892,7 @@ mod tests {
         let cfg: EndpointConfig =
             serde_json::from_value(serde_json::json!({"base_url": "http://provider.test/api/", "adaptive": adaptive}))
                 .unwrap();
-        let client = EndpointClient::new("psp", &cfg).unwrap();
+        let client = EndpointClient::new("psp", &cfg, Sabotaged::default()).unwrap();
         client.rate_token().await; // the one token a fresh limiter has
         let started = std::time::Instant::now();
         let calls: Vec<_> = (0..6)
@@ -874,7 +915,7 @@ mod tests {
     fn client() -> EndpointClient {
         let cfg: EndpointConfig = serde_json::from_value(serde_json::json!({"base_url": "http://provider.test/api/"}))
             .expect("an endpoint with defaults");
-        EndpointClient::new("psp", &cfg).unwrap()
+        EndpointClient::new("psp", &cfg, Sabotaged::default()).unwrap()
     }
 
     fn request<'a>(headers: &'a serde_json::Value, body: Option<&'a serde_json::Value>) -> Request<'a> {
@@ -917,7 +958,8 @@ mod tests {
         }))
         .unwrap();
         let headers = serde_json::json!({"x-api-key": "from-the-call", "x-tenant": "t-1"});
-        let req = EndpointClient::new("psp", &cfg).unwrap().request(request(&headers, None)).unwrap();
+        let req =
+            EndpointClient::new("psp", &cfg, Sabotaged::default()).unwrap().request(request(&headers, None)).unwrap();
         let values = |name: &str| -> Vec<String> {
             req.headers().get_all(name).iter().map(|v| v.to_str().unwrap().to_owned()).collect()
         };
@@ -941,7 +983,7 @@ mod tests {
             let mut e = serde_json::json!({"base_url": "http://provider.test/api/"});
             e.as_object_mut().unwrap().extend(endpoint.as_object().unwrap().clone());
             let cfg: EndpointConfig = serde_json::from_value(e).unwrap();
-            let mut client = EndpointClient::new("psp", &cfg).unwrap();
+            let mut client = EndpointClient::new("psp", &cfg, Sabotaged::default()).unwrap();
             if cfg.signing.is_none() && cfg.token_env.is_none() && cfg.profile.is_none() {
                 let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
                 let hooks =
@@ -974,7 +1016,7 @@ mod tests {
     fn client_with(endpoint: serde_json::Value) -> EndpointClient {
         let mut e = serde_json::json!({"base_url": "http://provider.test/api/"});
         e.as_object_mut().unwrap().extend(endpoint.as_object().unwrap().clone());
-        EndpointClient::new("psp", &serde_json::from_value(e).unwrap()).unwrap()
+        EndpointClient::new("psp", &serde_json::from_value(e).unwrap(), Sabotaged::default()).unwrap()
     }
 
     #[tokio::test]

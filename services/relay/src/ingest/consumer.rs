@@ -57,7 +57,7 @@ use relay_core::Disposition;
 use crate::ingest::partitions::{Done, Filed, Limits, PartitionResult, PartitionRun, Partitions, Resume, Start, Tp};
 use crate::ingest::processor::{Processed, Processor};
 use crate::ingest::unreadable::{self, Unreadable};
-use crate::runtime::faults::{FaultInjected, Faults, point};
+use crate::runtime::faults::{FaultInjected, Faults, Sabotage, point};
 use crate::runtime::kafka::{Role, client_config, forward_error, forward_log};
 
 /// Consumer context: commits on revoke, forwards librdkafka logs to tracing.
@@ -1048,7 +1048,7 @@ impl InboxConsumer {
         }
         let done = processed.len() - usize::from(stopped.is_some() || paused.is_some());
         let took = started.elapsed() / u32::try_from(processed.len().max(1)).unwrap_or(1);
-        if self.faults.sabotage().offset_before_commit && done > 0 {
+        if self.faults.sabotage().has(Sabotage::OffsetBeforeCommit) && done > 0 {
             // Deliberately wrong (R1): the offset goes out before the data is safe.
             self.advance(tp, generation, records[done - 1].offset + 1, 0, CommitMode::Sync);
         }

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use relay_core::RawRecord;
 use tokio_util::sync::CancellationToken;
 
-use crate::runtime::faults::FaultInjected;
+use crate::runtime::faults::{FaultInjected, Sabotage, Sabotaged};
 
 /// A topic and partition.
 pub(super) type Tp = (String, i32);
@@ -142,17 +142,6 @@ pub(super) struct Resume {
     pub(super) seek: Option<i64>,
 }
 
-/// Fixed defects put back, for the tests that prove the model check catches them.
-#[derive(Debug, Clone, Copy, Default)]
-pub(super) struct PartitionSabotage {
-    /// A partition paused as slow while given back to this member stays
-    /// paused when the old task ends (stalls it for good).
-    pub(super) pause_kept_after_regrant: bool,
-    /// An unreadable batch's stand-in is queued even while records before it
-    /// were dropped or are not fetched yet (commits past them, breaking R1).
-    pub(super) stand_in_before_dropped: bool,
-}
-
 /// Every partition this member was given, and the bounds.
 #[derive(Debug)]
 pub(super) struct Partitions {
@@ -162,16 +151,18 @@ pub(super) struct Partitions {
     limits: Limits,
     /// Partitions assigned (for each one's share of the bound).
     assigned: usize,
-    sabotage: PartitionSabotage,
+    /// Defects put back for the model check ([`Sabotage::PauseKeptAfterRegrant`],
+    /// [`Sabotage::StandInBeforeDropped`]); none outside it.
+    sabotage: Sabotaged,
 }
 
 impl Partitions {
     pub(super) fn new(limits: Limits) -> Partitions {
-        Partitions::sabotaged(limits, PartitionSabotage::default())
+        Partitions::sabotaged(limits, Sabotaged::default())
     }
 
     /// With fixed defects put back.
-    pub(super) fn sabotaged(limits: Limits, sabotage: PartitionSabotage) -> Partitions {
+    pub(super) fn sabotaged(limits: Limits, sabotage: Sabotaged) -> Partitions {
         Partitions { generation: 0, parts: HashMap::new(), limits, assigned: 1, sabotage }
     }
 
@@ -349,7 +340,7 @@ impl Partitions {
             // Given back to this member while this task ran, the partition
             // may have been paused as slow since: that pause waited for this
             // task, so it ends with it, or nothing would ever resume it.
-            if p.paused == Some(Paused::Waiting) && !self.sabotage.pause_kept_after_regrant {
+            if p.paused == Some(Paused::Waiting) && !self.sabotage.has(Sabotage::PauseKeptAfterRegrant) {
                 p.paused = None;
                 return Done::Resume(p.resume(tp));
             }
@@ -436,7 +427,7 @@ impl Partitions {
         let behind = p.paused.is_some()
             || p.resume_at.is_some_and(|at| at < offset)
             || p.expect.is_some_and(|next| next != offset);
-        if behind && !self.sabotage.stand_in_before_dropped {
+        if behind && !self.sabotage.has(Sabotage::StandInBeforeDropped) {
             return false;
         }
         p.expect = Some(until);

@@ -84,127 +84,11 @@ struct Fault {
 #[error("fault injected at {0}")]
 pub struct FaultInjected(pub String);
 
-/// Deliberately broken behaviour, to prove that `relay verify` and the soak
-/// catch the bugs the relay's design exists to prevent. Never set in
-/// production: every process that has one logs it at ERROR when it starts.
-/// `RELAY_SABOTAGE=offset-before-commit,no-inbox-dedup,…` (the items are
-/// this struct's fields, in kebab case).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Sabotage {
-    /// Commit the Kafka offset *before* the database transaction (breaks R1).
-    pub offset_before_commit: bool,
-    /// Ignore the inbox's "already recorded" and apply duplicates again (breaks R2).
-    pub no_inbox_dedup: bool,
-    /// Send a new idempotency key on every attempt (breaks R8).
-    pub fresh_idempotency_key: bool,
-    /// Check the lease only before the waits for the endpoint's rate and
-    /// concurrency limits, not when the request is sent (breaks C17: issue 22 item 4).
-    pub lease_checked_before_wait: bool,
-    /// Render a JSON null as `none` into keys and paths, and let empty values
-    /// through (breaks R8's one key per operation: issue 22 item 3).
-    pub null_as_text: bool,
-    /// Draw ordering keys' `seq` in insert order, not commit order (breaks
-    /// R13 across partitions: issue 22 item 5).
-    pub ordering_by_insert: bool,
-    /// Key and path templates check only what they print, not every field
-    /// they read (breaks R8's one key per operation: issue 27, D6).
-    pub printed_values_only: bool,
-    /// Let control characters into keys, paths and headers: such a call
-    /// dies unsent and fires `on_dead` (issue 27, D4).
-    pub controls_unchecked: bool,
-    /// Take an empty idempotency key as a key shared by every event that has
-    /// one (breaks R4: issue 27, D3).
-    pub blank_keys_as_keys: bool,
-    /// Decide an intent's end from the last attempt alone, forgetting that an
-    /// earlier one may have been applied (fires on_dead for money that may
-    /// have moved: issue 28, D1).
-    pub uncertainty_forgotten: bool,
-    /// Start the lease clock when the claim returns, not before it is sent
-    /// (two calls of one intent in flight: issue 28, D2).
-    pub lease_clock_after_claim: bool,
-    /// Follow the provider's redirects (a 302 to a login page counts as
-    /// success: issue 28, D7).
-    pub redirects_followed: bool,
-    /// Fence outcome effects by intent id alone, not by (id, lease token)
-    /// (issue 28, D9).
-    pub fenced_by_id: bool,
-    /// Commit intent claims without waiting for the disk, as outbox claims
-    /// do: a claim lost in a database crash lets a second call of the intent
-    /// start while the first is in flight (issue 28, D5).
-    pub claims_async: bool,
-    /// Take an endpoint's rate token before its concurrency permit: calls
-    /// queued behind a stalled provider spend tokens, then all go at once
-    /// when it answers again (issue 28, D12).
-    pub token_before_permit: bool,
-    /// Keep a call slot while waiting for a rate token after a wait for the
-    /// slot: a throttled endpoint's calls hold the slots the others need
-    /// (second review of issue 28, N4).
-    pub slot_kept_for_token: bool,
-    /// Provider profiles' answers about keys ignored: "in progress" and "same
-    /// key, other request" are read as plain statuses (issue 29, part 1).
-    pub key_answers_ignored: bool,
-    /// An unknown outcome re-sent to a provider without keys (issue 29, part 1).
-    pub unknown_resent: bool,
-    /// A 5xx or a provider's "in progress" read as "not applied": a spent
-    /// budget then ends dead and announces failures for calls that went through.
-    pub server_errors_certain: bool,
-}
-
-impl Sabotage {
-    /// Parse the comma-separated list.
-    pub fn parse(spec: &str) -> Result<Sabotage, String> {
-        let mut s = Sabotage::default();
-        for item in spec.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-            match item {
-                "offset-before-commit" => s.offset_before_commit = true,
-                "no-inbox-dedup" => s.no_inbox_dedup = true,
-                "fresh-idempotency-key" => s.fresh_idempotency_key = true,
-                "lease-checked-before-wait" => s.lease_checked_before_wait = true,
-                "null-as-text" => s.null_as_text = true,
-                "ordering-by-insert" => s.ordering_by_insert = true,
-                "printed-values-only" => s.printed_values_only = true,
-                "controls-unchecked" => s.controls_unchecked = true,
-                "blank-keys-as-keys" => s.blank_keys_as_keys = true,
-                "uncertainty-forgotten" => s.uncertainty_forgotten = true,
-                "lease-clock-after-claim" => s.lease_clock_after_claim = true,
-                "redirects-followed" => s.redirects_followed = true,
-                "fenced-by-id" => s.fenced_by_id = true,
-                "claims-async" => s.claims_async = true,
-                "token-before-permit" => s.token_before_permit = true,
-                "slot-kept-for-token" => s.slot_kept_for_token = true,
-                "key-answers-ignored" => s.key_answers_ignored = true,
-                "unknown-resent" => s.unknown_resent = true,
-                "server-errors-certain" => s.server_errors_certain = true,
-                other => {
-                    return Err(format!(
-                        "RELAY_SABOTAGE: unknown item {other:?} (offset-before-commit, no-inbox-dedup, \
-                         fresh-idempotency-key, lease-checked-before-wait, null-as-text, ordering-by-insert, \
-                         printed-values-only, controls-unchecked, blank-keys-as-keys, uncertainty-forgotten, \
-                         lease-clock-after-claim, redirects-followed, fenced-by-id, claims-async, \
-                         token-before-permit, slot-kept-for-token, key-answers-ignored, unknown-resent, \
-                         server-errors-certain)"
-                    ));
-                }
-            }
-        }
-        Ok(s)
-    }
-
-    /// Any sabotage on.
-    pub fn any(&self) -> bool {
-        *self != Sabotage::default()
-    }
-
-    /// The part of it that relay-core's router and templates put back.
-    pub fn core(&self) -> relay_core::sabotage::Sabotage {
-        relay_core::sabotage::Sabotage {
-            null_as_text: self.null_as_text,
-            printed_values_only: self.printed_values_only,
-            controls_unchecked: self.controls_unchecked,
-            blank_keys_as_keys: self.blank_keys_as_keys,
-        }
-    }
-}
+/// The defects that can be put back, and a process's set of them
+/// (`RELAY_SABOTAGE=offset-before-commit,no-inbox-dedup,…`): see
+/// [`relay_core::sabotage`]. Never set in production: every process that
+/// has one logs it at ERROR when it starts.
+pub use relay_core::sabotage::{Sabotage, Sabotaged};
 
 /// The configured faults. Cheap to clone.
 #[derive(Debug, Clone, Default)]
@@ -212,7 +96,7 @@ pub struct Faults {
     #[cfg(feature = "faults")]
     points: Arc<HashMap<String, Fault>>,
     #[cfg(feature = "faults")]
-    sabotage: Sabotage,
+    sabotage: Sabotaged,
 }
 
 impl Faults {
@@ -228,22 +112,22 @@ impl Faults {
             .iter()
             .map(|(p, a, n)| ((*p).to_owned(), Fault { action: *a, on_hit: *n, hits: AtomicU64::new(0) }))
             .collect();
-        Faults { points: Arc::new(points), sabotage: Sabotage::default() }
+        Faults { points: Arc::new(points), sabotage: Sabotaged::default() }
     }
 
     #[cfg(feature = "faults")]
     /// The same faults with `sabotage` switched on.
-    pub fn with_sabotage(mut self, sabotage: Sabotage) -> Faults {
+    pub fn with_sabotage(mut self, sabotage: Sabotaged) -> Faults {
         self.sabotage = sabotage;
         self
     }
 
     /// The sabotage in effect (none, without the `faults` feature).
-    pub fn sabotage(&self) -> Sabotage {
+    pub fn sabotage(&self) -> Sabotaged {
         #[cfg(feature = "faults")]
         return self.sabotage;
         #[cfg(not(feature = "faults"))]
-        Sabotage::default()
+        Sabotaged::default()
     }
 
     #[cfg(feature = "faults")]
@@ -294,12 +178,12 @@ impl Faults {
             Err(_) => Faults::none(),
         };
         let sabotage = match std::env::var("RELAY_SABOTAGE") {
-            Ok(s) => Sabotage::parse(&s)?,
-            Err(_) => Sabotage::default(),
+            Ok(s) => Sabotaged::parse(&s)?,
+            Err(_) => Sabotaged::default(),
         };
         if sabotage.any() {
             tracing::error!(
-                ?sabotage,
+                sabotage = ?sabotage.names(),
                 "RELAY_SABOTAGE is set: this process is deliberately broken (for checker tests only)"
             );
         }

@@ -130,7 +130,7 @@ struct World {
 }
 
 impl World {
-    fn new(sabotage: PartitionSabotage) -> World {
+    fn new(sabotage: Sabotaged) -> World {
         let mut s =
             Partitions::sabotaged(Limits { batch_size: BATCH, max_buffered_bytes: 8 * record(0, 0).size() }, sabotage);
         s.set_assigned(PARTS as usize);
@@ -358,7 +358,7 @@ impl World {
 }
 
 /// Runs `ops`, checking after each; then drains.
-fn run(ops: &[Op], sabotage: PartitionSabotage) -> Result<(), String> {
+fn run(ops: &[Op], sabotage: Sabotaged) -> Result<(), String> {
     let mut w = World::new(sabotage);
     for (step, op) in ops.iter().enumerate() {
         w.apply(*op);
@@ -367,7 +367,7 @@ fn run(ops: &[Op], sabotage: PartitionSabotage) -> Result<(), String> {
     w.drain()
 }
 
-fn check_all(sabotage: PartitionSabotage, cases: u32) -> Result<(), String> {
+fn check_all(sabotage: Sabotaged, cases: u32) -> Result<(), String> {
     let mut runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
     runner
         .run(&prop::collection::vec(op(), 1..80), |ops| run(&ops, sabotage).map_err(TestCaseError::fail))
@@ -382,7 +382,7 @@ fn cases() -> u32 {
 
 #[test]
 fn partitions_keep_r1_and_the_bound_and_never_stay_paused() {
-    if let Err(e) = check_all(PartitionSabotage::default(), cases()) {
+    if let Err(e) = check_all(Sabotaged::default(), cases()) {
         panic!("{e}");
     }
 }
@@ -398,19 +398,19 @@ fn stand_ins_found_once_the_buffer_is_full_stay_within_the_bound() {
         Step(1), Start, Fetch(1), Finish(1), Step(0), Step(0), Fetch(1), Fetch(0), Fetch(1), Start, Fetch(1),
         Fetch(0), Fetch(1), Fetch(0), ProbeFound(1), Fetch(1), ProbeFound(0),
     ];
-    run(&ops, PartitionSabotage::default()).unwrap();
+    run(&ops, Sabotaged::default()).unwrap();
 }
 
 #[test]
 fn the_model_check_catches_a_pause_kept_after_the_partition_was_given_back() {
-    let sabotage = PartitionSabotage { pause_kept_after_regrant: true, ..PartitionSabotage::default() };
+    let sabotage = Sabotaged::of(&[Sabotage::PauseKeptAfterRegrant]);
     let found = check_all(sabotage, 4000).expect_err("the defect must be found");
     assert!(found.contains("stopped short"), "{found}");
 }
 
 #[test]
 fn the_model_check_catches_a_stand_in_parked_before_records_dropped_ahead_of_it() {
-    let sabotage = PartitionSabotage { stand_in_before_dropped: true, ..PartitionSabotage::default() };
+    let sabotage = Sabotaged::of(&[Sabotage::StandInBeforeDropped]);
     let found = check_all(sabotage, 4000).expect_err("the defect must be found");
     assert!(found.contains("never processed"), "{found}");
 }
