@@ -86,11 +86,11 @@ SQL
 ensure_python_example_deps() {
   local venv="$CACHE/python"
   # confluent-kafka with its Avro, JSON Schema and Protobuf serializers: an independent
-  # writer (and reader) of the Schema Registry wire format for tests/registry.rs; protoc
+  # writer (and reader) of the Schema Registry wire format for tests/e2e/registry.rs; protoc
   # from grpcio-tools compiles the tests' .proto files into Python classes;
-  # openapi-spec-validator checks the admin API's OpenAPI description (tests/admin.rs);
+  # openapi-spec-validator checks the admin API's OpenAPI description (tests/e2e/admin.rs);
   # kubernetes-validate checks the Helm chart's manifests against Kubernetes' schemas,
-  # which it bundles (tests/helm.rs).
+  # which it bundles (tests/e2e/helm.rs).
   if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import psycopg, confluent_kafka.schema_registry.avro, confluent_kafka.schema_registry.json_schema, confluent_kafka.schema_registry.protobuf, grpc_tools.protoc, openapi_spec_validator, kubernetes_validate' 2>/dev/null; then
     command -v python3 >/dev/null || die "Python 3 is needed for the examples/python test (apt-get install python3-venv)"
     say "installing the Python test dependencies (psycopg, confluent-kafka, protoc, validators) into $venv"
@@ -291,13 +291,13 @@ stop_schema_registry() {
   REGISTRY_PID=""
 }
 
-# Helm for tests/helm.rs, built from its Go module once into $CACHE/bin: the Go
+# Helm for tests/e2e/helm.rs, built from its Go module once into $CACHE/bin: the Go
 # module proxy is reachable where Helm's release downloads are not.
 HELM_VERSION=v4.3.2
 ensure_helm() {
   local bin="$CACHE/bin/helm-$HELM_VERSION"
   if [ ! -x "$bin" ]; then
-    command -v go >/dev/null || die "Go is needed to build Helm for the chart test (tests/helm.rs); install Go 1.26"
+    command -v go >/dev/null || die "Go is needed to build Helm for the chart test (tests/e2e/helm.rs); install Go 1.26"
     say "building Helm $HELM_VERSION from its Go module into $CACHE/bin (about 2 minutes, once)"
     mkdir -p "$CACHE/bin/build"
     GOBIN="$CACHE/bin/build" go install "helm.sh/helm/v4/cmd/helm@$HELM_VERSION" \

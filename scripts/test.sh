@@ -9,7 +9,7 @@
 # parallel against one PostgreSQL and one broker; crash tests that restart a
 # server start a private one.
 #
-# Usage: scripts/test.sh [cargo test args…]   e.g. scripts/test.sh -p relay-cli --test crash_matrix -- c10
+# Usage: scripts/test.sh [cargo test args…]   e.g. scripts/test.sh -p relay-cli --test e2e -- crash_matrix::c10
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 cd "$ROOT"

@@ -2,7 +2,7 @@
 // a dead intent is visible, Replay (confirmed) makes it succeed, and the
 // counts on the page update; an uncertain intent is resolved as succeeded
 // (with a note); one dead outbox row is replayed and another skipped. Run by
-// tests/admin.rs, which sets CONSOLE_URL, CONSOLE_TOKEN, INTENT_ID,
+// tests/e2e/admin.rs, which sets CONSOLE_URL, CONSOLE_TOKEN, INTENT_ID,
 // UNCERTAIN_ID, OUTBOX_REPLAY_ID and OUTBOX_SKIP_ID; exits non-zero on failure.
 import { chromium } from "playwright-core";
 

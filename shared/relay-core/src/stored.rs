@@ -3,7 +3,7 @@
 //! which gives it its list of values, its stored name, parsing, serde in the
 //! same names and (with the `sqlx` feature) binding to and reading from a
 //! `text` column. A CHECK constraint in the migrations holds the same names;
-//! the parity test in `tests/plans.rs` compares each constraint with its enum.
+//! the parity test in `tests/e2e/plans.rs` compares each constraint with its enum.
 //!
 //! Written here rather than derived: `sqlx::Type`'s derive binds an enum as a
 //! PostgreSQL `ENUM` type of its own name, and relay's columns are `text` with

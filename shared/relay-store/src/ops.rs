@@ -190,7 +190,7 @@ pub async fn delete_batch(
 /// The limit is written into the statement, not bound: with `LIMIT $n` a
 /// generic plan (which PostgreSQL may pick for a prepared statement after
 /// five runs) guesses a tenth of the table and joins it by scanning the whole
-/// table; a constant keeps every plan at the batch size (`tests/plans.rs`).
+/// table; a constant keeps every plan at the batch size (`tests/e2e/plans.rs`).
 pub fn delete_sql(what: Cleanup, limit: i64) -> String {
     const FINISHED_INTENTS: &str = "WITH gone AS (
              DELETE FROM relay.intents WHERE state = '{state}' AND NOT (state = 'dead' AND holds_key) AND id IN (

@@ -2,7 +2,7 @@
 //! ([`ClaimPool`], [`Claimer`]) and the dispatcher's finalizers'
 //! ([`FinishPool`]), and transactions that find rows by key
 //! ([`begin_by_key`]). Why the planner is steered here, and where it is
-//! checked: `tests/plans.rs` asserts the plans these settings give, and
+//! checked: `tests/e2e/plans.rs` asserts the plans these settings give, and
 //! BENCHMARKS.md has the measurements (a claim from a 20 000-row backlog
 //! took 13 ms per batch of 50 with the planner free to read and sort the
 //! backlog, 1 ms by index order).
@@ -83,7 +83,7 @@ pub enum ClaimCommit {
 /// a burst after a quiet spell, until autoanalyze catches up. Draining a
 /// 20 000-intent backlog, that plan cost 13 ms per claim of 50 instead of
 /// 1 ms, most of the dispatcher's database time. With sorting off, the index
-/// order is the only plan left that needs no sort (`tests/plans.rs` checks
+/// order is the only plan left that needs no sort (`tests/e2e/plans.rs` checks
 /// the plans).
 #[derive(Clone, Debug)]
 pub struct ClaimPool(PgPool);
@@ -246,7 +246,7 @@ impl Claimer {
 pub struct ClaimConnection(sqlx::pool::PoolConnection<Postgres>);
 
 impl ClaimConnection {
-    /// The connection itself, to read a claim's plan (`tests/plans.rs`).
+    /// The connection itself, to read a claim's plan (`tests/e2e/plans.rs`).
     /// Anything run on it runs with the claim settings.
     pub fn as_conn(&mut self) -> &mut PgConnection {
         &mut self.0

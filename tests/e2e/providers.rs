@@ -4,13 +4,11 @@
 //! ingest; the key window checked by `relay check-config`, at start, and at
 //! a replay.
 
-pub mod support;
-
+use crate::support::ops::*;
+use crate::support::*;
 use example_provider::{Dialect, FaultKind, FaultRule, Settings};
 use relay::Components;
 use serde_json::json;
-use support::ops::*;
-use support::*;
 
 fn settings(dialect: Dialect) -> Settings {
     Settings { dialect, ..Settings::default() }

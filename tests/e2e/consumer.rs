@@ -3,11 +3,10 @@
 //! contiguous offsets, missing references (R19), sequence guard (R6),
 //! code handlers, dead-letter replay.
 
-pub mod support;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
+use crate::support::*;
 use async_trait::async_trait;
 use relay::ops::admin::ReplayOutcome;
 use relay::{Components, FaultAction, Faults, Handler, HandlerError, Handlers};
@@ -15,7 +14,6 @@ use relay_core::{CallSpec, InputEvent, Plan, RelayConfig};
 use relay_store::inbox;
 use relay_testkit::{TestEvent, read_topic, unique};
 use serde_json::json;
-use support::*;
 
 const CONSUMER_ONLY: Components = Components { consumer: true, dispatcher: false, publisher: false };
 

@@ -3,10 +3,9 @@
 //! (C9, C10), timeouts (C11), retryable and permanent failures (C12, C13),
 //! fencing and concurrent dispatchers (C17), per-key ordering (R13), NOTIFY.
 
-pub mod support;
-
 use std::time::Duration;
 
+use crate::support::*;
 use example_provider::{FaultKind, FaultRule};
 use relay::ops::admin::KeyWindow;
 use relay::runtime::faults::point;
@@ -15,7 +14,6 @@ use relay_store::intents::{self, AttemptOutcome, AttemptRecord, Fenced, Finish, 
 use relay_store::{ClaimCommit, ClaimPool, outbox};
 use relay_testkit::read_topic;
 use serde_json::json;
-use support::*;
 
 const INGEST: Components = Components { consumer: true, dispatcher: false, publisher: true };
 const DISPATCH: Components = Components { consumer: false, dispatcher: true, publisher: false };
@@ -350,7 +348,7 @@ async fn with_an_ordering_key_no_call_starts_before_the_earlier_one_for_the_key_
         FaultKind::Status { status: 503, retry_after_secs: None },
     )]);
     let placed = |id: &str, order: &str, customer: &str| {
-        support::TestEvent::new(id, "order.placed", json!({"order_id": order, "customer": customer}))
+        crate::support::TestEvent::new(id, "order.placed", json!({"order_id": order, "customer": customer}))
     };
     h.send(&placed("e-1", "first", "c-1")).await;
     h.send(&placed("e-2", "second", "c-1")).await;
@@ -413,7 +411,7 @@ async fn new_intents_wake_the_dispatcher_through_notify_long_before_the_poll_int
 /// Orders o-1 … o-`n` (events e-1 … e-`n`), all of customer c-1.
 async fn send_orders_of_one_customer(h: &Harness, n: i64) {
     for i in 1..=n {
-        h.send(&support::TestEvent::new(
+        h.send(&crate::support::TestEvent::new(
             &format!("e-{i}"),
             "order.placed",
             json!({"order_id": format!("o-{i}"), "customer": "c-1"}),

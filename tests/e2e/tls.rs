@@ -4,16 +4,14 @@
 //! of the test's own, with certificates the test makes (openssl). A wrong CA
 //! fails the start with an error naming the CA file and the server.
 
-pub mod support;
-
 use std::path::Path;
 use std::time::Duration;
 
+use crate::support::*;
 use relay_core::config::KafkaConfig;
 use relay_testkit::process::{PrivateKafka, PrivatePostgres, SASL_PASSWORD, SASL_USER};
 use relay_testkit::tls::TestPki;
 use relay_testkit::{TestProducer, create_topics, read_topic, unique};
-use support::*;
 
 /// The environment variable the relay reads the SASL password from.
 const PASSWORD_ENV: &str = "RELAY_TEST_SASL_PASSWORD";

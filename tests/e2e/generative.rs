@@ -29,17 +29,16 @@
 //! [`reintroducing_control_characters_in_keys_is_caught`],
 //! [`reintroducing_key_checks_of_printed_values_only_is_caught`]). D1 and D2
 //! put back crash or stall the consumer rather than leave a wrong state to
-//! check: `tests/hostile.rs` proves those (each test there fails with its
+//! check: `tests/e2e/hostile.rs` proves those (each test there fails with its
 //! fix taken out). What it does
 //! not do yet: kill OS processes (the abort drops the relay's task in this
 //! process; the chaos soak and the crash matrix SIGKILL real processes, with
 //! one configuration shape).
 
-pub mod support;
-
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
+use crate::support::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use relay::ops::admin::ReplayOutcome;
@@ -49,7 +48,6 @@ use relay_cli::verify::{ProviderEffect, VerifyOptions, verify};
 use relay_core::RelayConfig;
 use relay_testkit::TestEvent;
 use serde_json::{Value, json};
-use support::*;
 
 const CONSUMER_ONLY: Components = Components { consumer: true, dispatcher: false, publisher: false };
 

@@ -3,16 +3,14 @@
 //! console driven in headless Chromium, retention cleanup and its start-up
 //! check against the topics' retention.
 
-pub mod support;
-
 use std::time::Duration;
 
+use crate::support::ops::*;
+use crate::support::*;
 use example_provider::{FaultKind, FaultRule};
 use relay_core::config::Shortfall;
 use relay_store::ops::Cleanup;
 use serde_json::{Value, json};
-use support::ops::*;
-use support::*;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_admin_server_serves_metrics_health_and_readiness() {
@@ -138,7 +136,7 @@ async fn the_admin_api_needs_its_token_and_pauses_hold_work_without_skipping_it(
         )
         .await;
     h.send(&order("evt-1", "o-1").partition(0)).await;
-    h.send(&support::TestEvent::new("evt-2", "order.shipped", json!({"order_id": "o-2"})).partition(1)).await;
+    h.send(&crate::support::TestEvent::new("evt-2", "order.shipped", json!({"order_id": "o-2"})).partition(1)).await;
     eventually("the unpaused endpoint's call", DEADLINE, || async {
         (h.provider.stats().applied_for("notify:o-2") == 1).then_some(())
     })
@@ -159,8 +157,8 @@ async fn the_admin_api_needs_its_token_and_pauses_hold_work_without_skipping_it(
     // A route pause: its partition waits at the route's event; other partitions go on.
     admin.api(reqwest::Method::POST, "/api/pauses", Some(json!({"kind": "route", "name": "placed"}))).await;
     h.send(&order("evt-3", "o-3").partition(0)).await;
-    h.send(&support::TestEvent::new("evt-4", "order.shipped", json!({"order_id": "o-4"})).partition(0)).await;
-    h.send(&support::TestEvent::new("evt-5", "order.shipped", json!({"order_id": "o-5"})).partition(1)).await;
+    h.send(&crate::support::TestEvent::new("evt-4", "order.shipped", json!({"order_id": "o-4"})).partition(0)).await;
+    h.send(&crate::support::TestEvent::new("evt-5", "order.shipped", json!({"order_id": "o-5"})).partition(1)).await;
     eventually("the other partition's event", DEADLINE, || async { h.outcome("evt-5").await.map(|_| ()) }).await;
     assert_eq!(h.outcome("evt-3").await, None, "the paused route's event waits");
     assert_eq!(h.outcome("evt-4").await, None, "so does everything behind it in its partition");

@@ -4,17 +4,15 @@
 //! of the format: Confluent's own Python serializer (`confluent-kafka` from
 //! PyPI, `tests/registry/produce.py`).
 
-pub mod support;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
+use crate::support::ops::*;
+use crate::support::*;
 use relay::Components;
 use relay_cli::verify::{VerifyOptions, verify};
 use relay_testkit::{read_topic, unique};
 use serde_json::{Value, json};
-use support::ops::*;
-use support::*;
 
 /// The registry the test scripts started (`start_schema_registry`).
 fn registry_url() -> String {

@@ -5,14 +5,12 @@
 //! finding of the ingest review (`D1`…`D10`), each with the record that
 //! stopped the relay before.
 
-pub mod support;
-
+use crate::support::*;
 use async_trait::async_trait;
 use relay::{Components, Handler, HandlerError, Handlers};
 use relay_core::{InputEvent, Plan};
 use relay_testkit::{TestEvent, read_topic};
 use serde_json::json;
-use support::*;
 
 const CONSUMER_ONLY: Components = Components { consumer: true, dispatcher: false, publisher: false };
 

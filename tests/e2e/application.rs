@@ -5,17 +5,15 @@
 //! or the application killed right after its commit), relay publishes and
 //! calls once. The examples in `examples/` are run as they are.
 
-pub mod support;
-
 use std::time::Duration;
 
+use crate::support::*;
 use relay::{Components, Handlers};
 use relay_cli::verify::{VerifyOptions, verify};
 use relay_core::ids::app_id;
 use relay_testkit::process::PrivatePostgres;
 use relay_testkit::read_topic;
 use sqlx::{Connection, PgConnection};
-use support::*;
 
 const DELIVERY: Components = Components { consumer: false, dispatcher: true, publisher: true };
 

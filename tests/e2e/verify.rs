@@ -2,16 +2,14 @@
 //! each planted bug (a guard disabled on purpose) or damaged state is reported
 //! with the ids involved.
 
-pub mod support;
-
 use std::time::Duration;
 
+use crate::support::*;
 use example_provider::{FaultKind, FaultRule};
 use relay::runtime::faults::{Sabotage, Sabotaged, point};
 use relay::{Components, FaultAction, Faults};
 use relay_cli::verify::{Report, VerifyOptions, verify};
 use relay_core::RelayConfig;
-use support::*;
 
 async fn check(h: &Harness, cfg: &RelayConfig) -> Report {
     let report =

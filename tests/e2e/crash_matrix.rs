@@ -6,19 +6,17 @@
 //! C15 and C16 run against a PostgreSQL / Kafka of their own, which the test
 //! crashes and restarts.
 
-pub mod support;
-
 use std::collections::HashSet;
 use std::path::Path;
 use std::time::Duration;
 
+use crate::support::*;
 use example_provider::{FaultKind, FaultRule};
 use relay_cli::verify::{VerifyOptions, verify};
 use relay_core::RelayConfig;
 use relay_testkit::process::{PrivateKafka, PrivatePostgres, RelayProcess};
 use relay_testkit::{TestEvent, TestProducer, create_topics, read_topic};
 use serde_json::json;
-use support::*;
 
 const PAUSE: &str = "pause:60s";
 
