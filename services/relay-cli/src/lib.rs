@@ -22,8 +22,8 @@ pub mod verify;
 
 /// `text` with its control characters escaped (`\u{1b}` for ESC): what a
 /// record or a provider put in an id, a reason or a value must not move the
-/// cursor, rewrite lines or set the clipboard of the operator's terminal
-/// (security review L3). JSON output (`--json`) is escaped by serde.
+/// cursor, rewrite lines or set the clipboard of the operator's terminal.
+/// JSON output (`--json`) is escaped by serde.
 pub fn printable(text: &str) -> String {
     if !text.chars().any(char::is_control) {
         return text.to_owned();

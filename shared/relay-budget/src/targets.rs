@@ -55,10 +55,10 @@ const MAX_RECORD_BYTES: usize = 960 * 1024;
 
 /// A record as the broker holds it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct WireRecord {
-    /// Its key.
     pub key: Option<Vec<u8>>,
-    /// Its value.
     pub value: Option<Vec<u8>>,
     /// Its headers: names as bytes, values or null.
     pub headers: Vec<(Vec<u8>, Option<Vec<u8>>)>,
@@ -302,8 +302,8 @@ impl Registered {
 }
 
 /// The route [`Templates`] renders: a call whose path, key, header and body
-/// read the event, and events on success and on death, as a route of the
-/// README's shape does.
+/// read the event, and events on success and on death, as the routes of
+/// relay.example.toml do.
 const ROUTE: &str = r#"
 [consumer]
 name = "budget"
@@ -332,7 +332,7 @@ topic = "payments"
 data = { order_id = "{{ data.order_id }}" }
 "#;
 
-/// [`TEMPLATE`]: records routed by one route of the README's shape (a call
+/// [`TEMPLATE`]: records routed by one route shaped like relay.example.toml's (a call
 /// with events on success and on death).
 pub struct Templates {
     router: Router,

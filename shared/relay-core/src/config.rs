@@ -287,7 +287,7 @@ impl Default for ConsumerConfig {
             strict: false,
             // 960 KiB: a record this large still has its dead-letter copy
             // (its relay_dlq_* headers added) fit under the producer's
-            // default message.max.bytes of 1 000 000 (security review L9).
+            // default message.max.bytes of 1 000 000.
             max_record_bytes: 960 * 1024,
             batch_size: 200,
             max_buffered_bytes: 64 * 1024 * 1024,
@@ -726,8 +726,9 @@ impl EmitAction {
 /// `relay_registry::Registry::encoder` builds an encoder from, and what
 /// every emit to one topic must agree on.
 #[derive(Debug, Clone, PartialEq, Eq)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct EmitFormat {
-    /// The format.
     pub format: TopicFormat,
     /// The subject whose latest schema encodes it.
     pub subject: String,
@@ -1754,7 +1755,7 @@ mod tests {
         assert!(err.contains("dispatcher.lease"), "{err}");
     }
 
-    // Issue 22 item 4: the check at start-up is the one the dispatcher makes
+    // The check at start-up is the one the dispatcher makes
     // when it sends, so a lease that passes it leaves time to send.
     #[test]
     fn the_shortest_lease_accepted_leaves_the_dispatcher_time_to_send() {
@@ -1911,7 +1912,7 @@ mod tests {
         }
     }
 
-    // Ingest review D9: each of these validated, then broke a guarantee.
+    // Each of these validated, then broke a guarantee.
     #[test]
     fn configurations_that_would_break_a_guarantee_are_refused_each_naming_its_key() {
         let cases: &[(&str, &[&str])] = &[

@@ -18,12 +18,12 @@ use crate::envelope::{Header, Poison, RawRecord};
 
 /// A guarded saga transition.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct SagaMove {
     /// Action name (history key).
     pub action: String,
-    /// Saga type.
     pub saga_type: String,
-    /// Saga id.
     pub saga_id: String,
     /// Allowed current states (ignored when `start`).
     pub from: Vec<String>,
@@ -147,6 +147,8 @@ fn without_nul(v: &mut Value) {
 
 /// An event to emit through the outbox.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct EmitSpec {
     /// Action name; part of the event's derived id.
     pub action: String,
@@ -158,7 +160,6 @@ pub struct EmitSpec {
     pub key: Option<String>,
     /// CloudEvents subject.
     pub subject: Option<String>,
-    /// Data.
     pub data: Value,
     /// Publish after earlier unpublished events of the same topic and key.
     pub ordered: bool,
@@ -216,6 +217,8 @@ impl Plan {
 /// id and age budget to it ([`NewIntent`]), a claim its lease and attempt
 /// count (`relay_store::intents::ClaimedIntent`).
 #[derive(Debug, Clone, Default, PartialEq)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct Intent {
     /// Consumer that produced it.
     pub consumer: String,
@@ -240,7 +243,6 @@ pub struct Intent {
     /// Whether it holds its ordering key once dead (its route's
     /// `on_poison = "hold_key"`), until replayed or skipped.
     pub holds_key: bool,
-    /// Fairness key.
     pub fairness_key: Option<String>,
     /// Attempt budget.
     pub max_attempts: i32,
@@ -250,9 +252,7 @@ pub struct Intent {
     pub on_dead: Value,
     /// CloudEvents source for outcome events.
     pub emit_source: String,
-    /// Aggregate id.
     pub aggregate_id: Option<String>,
-    /// Correlation id.
     pub correlation_id: Option<String>,
     /// Causation id (the input event).
     pub causation_id: Option<String>,
@@ -555,7 +555,7 @@ mod tests {
         assert_eq!(header(&r, dlq_headers::OMITTED), None);
     }
 
-    // Issue 22 item 7: the copy of an oversized record could never be published.
+    // The copy of an oversized record could never be published.
     #[test]
     fn a_record_larger_than_the_limit_is_copied_without_its_bytes_and_says_so() {
         let rec = RawRecord {
@@ -607,7 +607,7 @@ mod tests {
         assert!(r.headers.iter().all(|h| h.name.starts_with("relay_dlq_")));
     }
 
-    // Security review L9: the 1 MiB default was above what the default
+    // The 1 MiB default was above what the default
     // producer sends (message.max.bytes = 1 000 000), so the copy of any
     // record between the two could never be published.
     #[test]

@@ -407,10 +407,11 @@ impl FieldOverrides {
 /// (id, type, data, …) and leaves the guard fields empty; [`resolve`] reads
 /// them once the route, and with it their sources, is known.
 #[derive(Debug, Clone, Default, PartialEq)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct InputEvent {
     /// Event id (R3); the inbox key together with the consumer name.
     pub id: String,
-    /// Event type.
     pub event_type: String,
     /// CloudEvents `source`.
     pub source: String,
@@ -430,9 +431,7 @@ pub struct InputEvent {
     pub sequence: Option<i64>,
     /// Business idempotency key (R4).
     pub idempotency_key: Option<String>,
-    /// Correlation id.
     pub correlation_id: Option<String>,
-    /// Causation id.
     pub causation_id: Option<String>,
     /// W3C `traceparent`.
     pub traceparent: Option<String>,
@@ -662,7 +661,7 @@ fn decode_binary(record: &RawRecord) -> Result<CloudEvent, Poison> {
     }
     // One pass over the headers, the last of a repeated name winning (as
     // `RawRecord::header` has it): looking each one up again was quadratic
-    // in the header count (security review M4).
+    // in the header count.
     let mut last: HashMap<String, usize> = HashMap::new();
     for (i, h) in record.headers.iter().enumerate() {
         let lower = h.name.to_ascii_lowercase();
@@ -813,7 +812,7 @@ pub fn resolve(record: &RawRecord, decoded: InputEvent, fields: &FieldOverrides)
     let source = |src: &Option<FieldSource>, default_ext: &str| {
         src.clone().unwrap_or_else(|| FieldSource::Extension(default_ext.to_owned()))
     };
-    // An empty or blank value is no value (ingest review D3): a producer
+    // An empty or blank value is no value: a producer
     // that always sends the header and leaves it empty when it has no key
     // must not make every such event share one idempotency key or aggregate.
     let text = |src: &Option<FieldSource>, default_ext: &str| -> Result<Option<String>, Poison> {
@@ -961,7 +960,7 @@ mod tests {
         assert_eq!(decode(&rec, &opts(&FieldOverrides::default())).unwrap_err().class, PoisonClass::MissingId);
     }
 
-    // Issue 22 item 10.
+    // Another CloudEvents version's attributes mean other things: refused, not guessed at.
     #[test]
     fn only_cloudevents_1_0_is_valid_input_in_either_mode() {
         let none = FieldOverrides::default();
@@ -1070,7 +1069,7 @@ mod tests {
         resolve(rec, decode(rec, &opts(&none))?, &none)
     }
 
-    // Ingest review D1 / security H1: a header name that is not UTF-8.
+    // A header name that is not UTF-8.
     #[test]
     fn a_header_name_that_is_not_utf8_is_bad_header_poison() {
         let mut rec = binary(&[], b"{}");
@@ -1081,7 +1080,7 @@ mod tests {
         assert_eq!(rec.headers.last().unwrap().name_bytes(), b"\xff\xfe", "the bytes are kept");
     }
 
-    // Ingest review D2 / security H2: an id longer than an index entry holds.
+    // An id longer than an index entry holds.
     #[test]
     fn an_id_or_key_longer_than_an_index_entry_holds_is_a_bad_field_naming_it() {
         let long = "A1b2".repeat(750);
@@ -1096,7 +1095,7 @@ mod tests {
         }
     }
 
-    // Ingest review D3: an empty key is no key, never one shared by every such event.
+    // An empty key is no key, never one shared by every such event.
     #[test]
     fn an_empty_or_blank_idempotency_key_aggregate_or_correlation_id_counts_as_absent() {
         for blank in ["", "   ", "\t"] {
@@ -1111,7 +1110,7 @@ mod tests {
         assert_eq!(e.idempotency_key, None, "an empty pointer value too");
     }
 
-    // Ingest review D4 / security M2: control characters never reach a header.
+    // Control characters never reach a header.
     #[test]
     fn control_characters_in_ids_are_poison_and_a_malformed_traceparent_is_dropped() {
         let err = decode(&binary(&[("ce_id", "evt-1\r")], b"{}"), &opts(&FieldOverrides::default())).unwrap_err();
@@ -1126,7 +1125,7 @@ mod tests {
         assert_eq!(resolved(&binary(&[("ce_traceparent", good)], b"{}")).unwrap().traceparent.as_deref(), Some(good));
     }
 
-    // Security review M3: reasons are bounded and quote no value.
+    // Reasons are bounded and quote no value.
     #[test]
     fn a_reason_is_bounded_and_never_quotes_the_value_at_fault() {
         let value = format!("4111-1111-{}", "x".repeat(100_000));
@@ -1136,7 +1135,7 @@ mod tests {
         assert!(huge.reason.len() <= MAX_REASON_BYTES);
     }
 
-    // Security review M4: decoding was quadratic in the header count.
+    // Decoding was quadratic in the header count.
     #[test]
     fn a_record_with_more_headers_than_the_relay_reads_is_bad_header_and_decoding_stays_linear() {
         let many: Vec<(String, String)> = (0..100_000).map(|i| (format!("ce_x{i}"), String::new())).collect();

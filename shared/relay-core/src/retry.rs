@@ -684,7 +684,7 @@ mod tests {
         assert_eq!(budget(1, 3, 1, false).spent(at()), None);
     }
 
-    // Issue 28 D1: a timeout after sending, then "409 still in progress" or
+    // A timeout after sending, then "409 still in progress" or
     // 503 until the budget or the max age ends: the capture may have gone
     // through, so the intent is uncertain and on_dead is never recorded.
     #[test]

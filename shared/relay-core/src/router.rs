@@ -152,8 +152,8 @@ impl Router {
         Router::build(cfg, TemplateBuilder::default())
     }
 
-    /// [`Router::new`] with templates that let null and empty values through,
-    /// as before issue 22 item 3: deliberately wrong, for the tests that
+    /// [`Router::new`] with the defects of `sabotage` put back in its templates
+    /// (null and empty values let through, say): deliberately wrong, for the tests that
     /// prove the checks catch it (`RELAY_SABOTAGE=null-as-text`; only with
     /// the `sabotage` feature).
     #[cfg(feature = "sabotage")]
@@ -304,7 +304,7 @@ impl Router {
     /// Decode and route a record; a record of a route `paused` says is
     /// paused is [`Routed::Paused`] before its fields are resolved and its
     /// data validated, so an operator who pauses a route to fix its schema
-    /// or field sources gets its events held, not dead-lettered (D10).
+    /// or field sources gets its events held, not dead-lettered.
     pub fn route_unless_paused<'a>(
         &'a self,
         record: &RawRecord,
@@ -1194,7 +1194,7 @@ mod tests {
         assert!(err.reason.contains("/amount"), "{err}");
     }
 
-    // Issue 22 item 9: reasons name the path and the rule, never the value.
+    // Reasons name the path and the rule, never the value.
     #[test]
     fn schema_reasons_never_quote_the_data() {
         let mut c = cfg("");

@@ -159,9 +159,9 @@ impl Default for TemplateBuilder {
 }
 
 impl TemplateBuilder {
-    /// The same builder with null and empty values let through, as before
-    /// issue 22 item 3 (only for tests that prove the checks catch it; only
-    /// with the `sabotage` feature).
+    /// The same builder with the defects of `sabotage` put back (null and
+    /// empty values let through, say): only for tests that prove the checks
+    /// catch them, only with the `sabotage` feature.
     #[cfg(feature = "sabotage")]
     pub fn sabotaged(mut self, sabotage: Sabotaged) -> Self {
         self.sabotage = sabotage;
@@ -260,7 +260,7 @@ impl TemplateBuilder {
             reads.insert(name.clone(), (kind, fields));
         }
         // minijinja marks `tojson` and `escape` output safe, which would skip
-        // a path's encoding (security review L1): the same filters here give
+        // a path's encoding: the same filters here give
         // the same text, not marked safe.
         self.env.add_filter(
             "tojson",
@@ -332,6 +332,8 @@ fn single_expression(s: &str) -> Option<&str> {
 /// kept unrendered in the intent with the event fields it reads, and
 /// rendered when the call succeeds ([`render_deferred`]).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct Deferred {
     /// Where its value goes: a JSON Pointer into the serialized outcome.
     pub at: String,
@@ -341,7 +343,6 @@ pub struct Deferred {
     pub kind: Kind,
     /// Whether its value keeps its JSON type (a single-expression leaf).
     pub json: bool,
-    /// Its source.
     pub source: String,
     /// The event fields it reads, as a sparse context.
     pub context: Value,
@@ -474,7 +475,7 @@ impl Templates {
     /// Render a string template against `ctx`.
     pub fn render(&self, t: &TextTemplate, ctx: &Context) -> Result<String, RenderError> {
         let (kind, reads) = self.reads.get(&t.name).map_or((Kind::Text, &[][..]), |(k, r)| (*k, r.as_slice()));
-        // Every field a key or path reads, not only what it prints (D6).
+        // Every field a key or path reads, not only what it prints.
         let mut null = Vec::new();
         let mut blank = Vec::new();
         for path in reads {
@@ -506,7 +507,7 @@ impl Templates {
         // (`data['order-id']`, `data.items[0].id`) counts as its parent. So
         // the template is rendered once more with every null or blank value
         // of the event replaced by a marker; if the marker shows, such a
-        // value made the key or path (D6).
+        // value made the key or path.
         if let (Some(marked), false) = (&ctx.marked, reads.is_empty()) {
             let tmpl = self.env.get_template(&t.name).map_err(|e| RenderError(format!("{}: {e}", t.name)))?;
             if tmpl.render(marked).is_ok_and(|out| out.contains(MARKER)) {
@@ -794,7 +795,7 @@ mod tests {
         assert_eq!(ts.render(&t, &json!({"data": {"q": "a&b<c>"}}).into()).unwrap(), "/a?x=a&b<c>");
     }
 
-    // Issue 22 item 3: strict mode alone let a null render as "none".
+    // Strict mode alone let a null render as "none".
     #[test]
     fn a_null_where_text_needs_a_value_is_an_error_that_names_the_field() {
         let mut b = TemplateBuilder::default();
@@ -832,7 +833,7 @@ mod tests {
         assert_eq!(ts.render_json(&t, &json!({"data": {"note": null}}).into()).unwrap(), json!({"note": null}));
     }
 
-    // Issue 22 item 14: event data must not rewrite the request URL.
+    // Event data must not rewrite the request URL.
     #[test]
     fn path_values_are_percent_encoded_as_one_segment_unless_marked_safe() {
         let mut b = TemplateBuilder::default();
@@ -853,7 +854,7 @@ mod tests {
         assert_eq!(ts.render(&raw, &json!({"data": {"prefix": "v2/api"}}).into()).unwrap(), "/v2/api/x");
     }
 
-    // Ingest review D6: the check held only for a value printed directly.
+    // The check held only for a value printed directly.
     #[test]
     fn a_key_or_path_template_checks_every_field_it_reads_whatever_concatenates_or_filters_it() {
         let mut b = TemplateBuilder::default();
@@ -879,7 +880,7 @@ mod tests {
         assert_eq!(ts.render(&keys[0], &c).unwrap(), "capture:o-1");
     }
 
-    // Security review L1: `escape` and `tojson` output was marked safe and skipped encoding.
+    // `escape` and `tojson` output must not be marked safe and skip the encoding.
     #[test]
     fn escape_and_tojson_output_is_still_encoded_in_a_path() {
         let mut b = TemplateBuilder::default();
@@ -896,7 +897,7 @@ mod tests {
         }
     }
 
-    // Ingest review D4 / security M2: control characters and over-long keys
+    // Control characters and over-long keys
     // are errors at render, never a request that cannot be built.
     #[test]
     fn control_characters_in_keys_paths_and_headers_and_over_long_keys_are_errors_naming_the_field() {
@@ -924,7 +925,7 @@ mod tests {
         assert_eq!(ts.render(&header, &tab).unwrap(), "a\tb", "a header may hold a tab");
     }
 
-    // Security review M3: minijinja's own error text quotes operand values.
+    // Minijinja's own error text quotes operand values.
     #[test]
     fn a_failing_expression_is_reported_without_the_values_it_failed_on() {
         let mut b = TemplateBuilder::default();
@@ -934,7 +935,7 @@ mod tests {
         assert!(!err.0.contains("4111") && err.0.contains("template t failed"), "{err}");
     }
 
-    // Security review L1: code handlers had no way to encode a path segment.
+    // Code handlers had no way to encode a path segment.
     #[test]
     fn a_handler_encodes_a_path_segment_as_templates_do() {
         assert_eq!(path_segment("acct-2/captures#").as_deref(), Some("acct-2%2Fcaptures%23"));
@@ -944,7 +945,7 @@ mod tests {
         }
     }
 
-    // Review of issue 27: `undeclared_variables` names a subscripted
+    // `undeclared_variables` names a subscripted
     // field's parent only, so `data.items[0].id` slipped past the reads.
     #[test]
     fn a_null_reached_by_subscript_or_index_is_an_error_naming_the_field_but_unrelated_nulls_are_not() {

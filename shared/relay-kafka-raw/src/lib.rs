@@ -4,7 +4,7 @@
 //! UTF-8 check inside the library (`BorrowedHeaders::try_get`), so a record
 //! whose header name is not UTF-8 — which Go's sarama and franz-go, or
 //! librdkafka's C API, produce legally — panicked the consumer, and every
-//! member the partition moved to after it (ingest review D1). Here the
+//! member the partition moved to after it. Here the
 //! headers are read through librdkafka's C API as bytes, and the relay
 //! decides what such a record is (`bad_header` poison).
 //!

@@ -73,10 +73,10 @@ pub async fn insert(
 
 /// A dead letter.
 #[derive(Debug, Clone, FromRow, serde::Serialize)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct DeadLetter {
-    /// Id.
     pub id: i64,
-    /// Consumer.
     pub consumer: String,
     /// Source topic.
     pub topic: String,
@@ -88,9 +88,7 @@ pub struct DeadLetter {
     pub event_id: Option<String>,
     /// Event type, if it could be read.
     pub event_type: Option<String>,
-    /// Error class.
     pub error_class: String,
-    /// Reason.
     pub reason: String,
     /// Attempts made.
     pub attempts: i32,

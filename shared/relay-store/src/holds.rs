@@ -87,19 +87,18 @@ fn serialize_preview<S: serde::Serializer>(key: &[u8], s: S) -> Result<S::Ok, S:
 
 /// A held key.
 #[derive(Debug, Clone, FromRow, serde::Serialize)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct HeldKey {
     /// Id of the hold.
     pub id: i64,
-    /// Topic.
     pub topic: String,
-    /// Partition.
     pub partition: i32,
     /// The Kafka record key held (serialized as its [`preview`]).
     #[serde(serialize_with = "serialize_preview")]
     pub key: Vec<u8>,
     /// The dead letter that holds it: replay or skip it to release the key.
     pub head: i64,
-    /// Its offset.
     pub head_offset: i64,
     /// Held since.
     pub since: DateTime<Utc>,
@@ -120,6 +119,8 @@ const HELD_KEY: &str = r#"h.id, h.topic, h.partition, h.key, h.head, h.head_offs
 /// A hold, as a release works on it: without [`HeldKey`]'s counts, which
 /// read the whole backlog.
 #[derive(Debug, Clone, FromRow)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct Hold {
     /// Id of the hold.
     pub id: i64,
@@ -127,7 +128,6 @@ pub struct Hold {
     pub key: Vec<u8>,
     /// The dead letter that holds it.
     pub head: i64,
-    /// Its offset.
     pub head_offset: i64,
 }
 

@@ -18,12 +18,12 @@ pub use relay_core::disposition::InboxOutcome;
 
 /// One inbox row to write.
 #[derive(Debug, Clone)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct NewInboxRow<'a> {
     /// Consumer name.
     pub consumer: &'a str,
-    /// Event id.
     pub event_id: &'a str,
-    /// Event type.
     pub event_type: &'a str,
     /// Source topic.
     pub topic: &'a str,
@@ -33,9 +33,7 @@ pub struct NewInboxRow<'a> {
     pub offset: i64,
     /// Business idempotency key.
     pub idempotency_key: Option<&'a str>,
-    /// Aggregate id.
     pub aggregate_id: Option<&'a str>,
-    /// Correlation id.
     pub correlation_id: Option<&'a str>,
     /// Outcome to record.
     pub outcome: InboxOutcome,

@@ -578,22 +578,17 @@ pub async fn rescue_expired(conn: &mut PgConnection, limit: i64) -> Result<Vec<U
 
 /// An intent as shown to operators.
 #[derive(Debug, Clone, FromRow, serde::Serialize)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct IntentView {
-    /// Id.
     pub id: Uuid,
-    /// Consumer.
     pub consumer: String,
     /// Input event id.
     pub source_event_id: String,
-    /// Action.
     pub action: String,
-    /// Endpoint.
     pub endpoint: String,
-    /// Method.
     pub method: String,
-    /// Path.
     pub path: String,
-    /// Idempotency key.
     pub idempotency_key: String,
     /// Where it is.
     pub state: IntentState,
@@ -603,17 +598,14 @@ pub struct IntentView {
     pub max_attempts: i32,
     /// Last HTTP status.
     pub last_status: Option<i32>,
-    /// Last error.
     pub last_error: Option<String>,
     /// What went wrong last.
     pub last_error_class: Option<ErrorClass>,
     /// Some attempt may have been applied: it can no longer end dead.
     pub ever_uncertain: bool,
-    /// Next attempt.
     pub next_attempt_at: DateTime<Utc>,
     /// Written at.
     pub created_at: DateTime<Utc>,
-    /// Finished at.
     pub finished_at: Option<DateTime<Utc>>,
     /// Per-key ordering.
     pub ordering_key: Option<String>,
@@ -632,16 +624,15 @@ pub async fn get(conn: &mut PgConnection, consumer: &str, id: Uuid) -> Result<Op
 
 /// One attempt, for audit.
 #[derive(Debug, Clone, FromRow, serde::Serialize)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct AttemptView {
     /// Attempt number.
     pub attempt: i32,
-    /// Worker.
     pub worker: String,
-    /// Claimed.
     pub claimed_at: DateTime<Utc>,
     /// Request sent.
     pub started_at: Option<DateTime<Utc>>,
-    /// Finished.
     pub finished_at: Option<DateTime<Utc>>,
     /// How it ended; none for a row the first versions wrote at the claim
     /// and never finished.
@@ -650,7 +641,6 @@ pub struct AttemptView {
     pub status: Option<i32>,
     /// What went wrong.
     pub error_class: Option<ErrorClass>,
-    /// Error.
     pub error: Option<String>,
 }
 
@@ -707,10 +697,11 @@ pub(crate) const INSERT_MANY: &str = "INSERT INTO relay.intents
 /// Rows of a multi-row intent insert to write as already claimed by a
 /// dispatcher (see `INSERT_MANY`).
 #[derive(Debug, Clone, Copy)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct Hold<'a> {
     /// The dispatcher's worker id (`locked_by`).
     pub worker: &'a str,
-    /// Its lease.
     pub lease: Duration,
     /// One flag per row: hold this one if it can be.
     pub take: &'a [bool],

@@ -310,7 +310,7 @@ pub fn classify_error(e: &sqlx::Error) -> DbErrorKind {
 /// privileges (42501: an operator's grant mends it). A code handler's error
 /// that is none of these is its record's — its own SQL, a constraint, a row
 /// it expected and did not find, a value it could not decode —, never
-/// retried as an outage (ingest review D5).
+/// retried as an outage.
 pub fn is_outage(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Database(db) => db.code().as_deref().is_some_and(|c| {

@@ -14,28 +14,26 @@ pub use relay_core::OutboxState;
 
 /// An outbox row as shown to operators (its payload's size, not its bytes).
 #[derive(Debug, Clone, FromRow, serde::Serialize)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct OutboxView {
     /// Id (the CloudEvents id of events).
     pub id: Uuid,
     /// Write order.
     pub seq: i64,
-    /// Consumer.
     pub consumer: String,
     /// What wrote it: an event id, or `intent id:outcome`.
     pub source_id: String,
     /// The route's emit or dead-letter action.
     pub action: String,
-    /// Topic.
     pub topic: String,
     /// Event type, for events.
     pub event_type: Option<String>,
-    /// Ordering key.
     pub ordering_key: Option<String>,
     /// Where it is.
     pub state: OutboxState,
     /// Attempts so far.
     pub attempts: i32,
-    /// Last error.
     pub last_error: Option<String>,
     /// Payload size in bytes.
     pub payload_bytes: Option<i32>,
@@ -43,7 +41,6 @@ pub struct OutboxView {
     pub waiting_behind: i64,
     /// Written at.
     pub created_at: chrono::DateTime<chrono::Utc>,
-    /// Published at.
     pub published_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
@@ -158,6 +155,8 @@ pub async fn insert(
 
 /// A claimed outbox row.
 #[derive(Debug, Clone, FromRow)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct ClaimedRow {
     /// Id (the CloudEvents id of events).
     pub id: Uuid,
@@ -165,15 +164,12 @@ pub struct ClaimedRow {
     pub seq: i64,
     /// Fencing token.
     pub lease_token: Uuid,
-    /// Topic.
     pub topic: String,
-    /// Key.
     pub key: Option<Vec<u8>>,
     /// Headers (see [`crate::headers`]).
     pub headers: Value,
     /// Value.
     pub payload: Option<Vec<u8>>,
-    /// Event type.
     pub event_type: Option<String>,
     /// Ordering key: the next row of this topic and key becomes claimable
     /// once this one is published.
@@ -259,7 +255,7 @@ pub const WINDOW: i64 = 1;
 /// examined a full window without filling its batch says where the window
 /// ended (`passed`), and the next claim goes on from there.
 ///
-/// A `dead` row holds its key like an unpublished one (issue 28, D8): the
+/// A `dead` row holds its key like an unpublished one: the
 /// rows after it wait until an operator replays or skips it (`relay
 /// outbox`), so a replayed row is never published after rows written after it.
 pub const CLAIM: &str = "WITH win AS MATERIALIZED (

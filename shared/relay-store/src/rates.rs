@@ -1,4 +1,4 @@
-//! The shared adaptive rate of an endpoint (issue 29, part 5): one row per
+//! The shared adaptive rate of an endpoint: one row per
 //! endpoint in `relay.endpoint_rates`, adjusted by every dispatcher process
 //! that calls it, and `relay.rate_members`, where each beats so the rate
 //! can be divided among the live ones.

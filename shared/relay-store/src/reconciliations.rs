@@ -1,4 +1,4 @@
-//! Reconciling uncertain intents (issue 29, part 2): take the ones due for a
+//! Reconciling uncertain intents: take the ones due for a
 //! question to their provider, record each question and its answer, and
 //! move the intent as the answer says. A succeeded one is finished like a
 //! call's outcome, by the dispatcher's completer (fenced, with its

@@ -69,12 +69,12 @@ pub enum ClaimCommit {
 /// it, and a publisher still holding the lost claim finds its token gone when
 /// it marks the row (the record may then be published twice under one id,
 /// R10). Every later committed write makes the claim durable with it, since
-/// the log is flushed in order. Intent claims are not allowed that loss
-/// (issue 28, D5): the call is made right after the claim, and a claim lost
+/// the log is flushed in order. Intent claims are not allowed that loss:
+/// the call is made right after the claim, and a claim lost
 /// while it is in flight makes the row due again at once — a second call with
 /// the same key, concurrent with the first, long before the lease would have
-/// expired. Waiting for the flush costs intent claims what BENCHMARKS.md
-/// ("Issue 28") measures.
+/// expired. What waiting for the flush costs intent claims is measured in
+/// BENCHMARKS.md.
 ///
 /// A claim takes the first due rows of its partial index in the index's
 /// order, reading only the rows it takes. The other plan — read every due row

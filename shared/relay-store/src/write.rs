@@ -62,10 +62,11 @@ impl Planned<'_> {
 /// for (a throttled endpoint's intents are written pending rather than
 /// held to wait at its limits while other endpoints' wait for room).
 #[derive(Clone, Copy)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct HoldRoom<'a> {
     /// The dispatcher's worker id.
     pub worker: &'a str,
-    /// Its lease.
     pub lease: Duration,
     /// How many intents it has room for.
     pub room: usize,

@@ -13,7 +13,7 @@ use super::throttle::Adaptive;
 /// limited (a fixed or an adaptive rate), as many as it may start in two
 /// seconds at its rate now — claims leave its intents out: more of them
 /// would only wait at its limits while other endpoints' intents stay
-/// unclaimed behind them (D10). A call ending at the bound wakes the claim loop.
+/// unclaimed behind them. A call ending at the bound wakes the claim loop.
 #[derive(Debug)]
 pub(super) struct Busy {
     now: Arc<AtomicUsize>,

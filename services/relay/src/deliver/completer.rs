@@ -344,7 +344,7 @@ impl Completer {
             .collect();
         // An outcome counts only under the claim it was made under: fenced by
         // (intent id, lease token), so a stale completion beside a fresh one
-        // of the same intent matches nothing (D9).
+        // of the same intent matches nothing.
         type Ours = HashSet<(uuid::Uuid, uuid::Uuid)>;
         let by_id = self.faults.sabotage().has(Sabotage::FencedById); // Deliberately wrong (D9) when set.
         let mine = |c: &Completion, ours: &Ours| {

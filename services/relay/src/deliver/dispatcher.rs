@@ -136,7 +136,7 @@ impl Dispatcher {
             encoders,
             held_outcomes.clone(),
         ));
-        // Intent claims wait for the disk (D5): see ClaimCommit. Deliberately
+        // Intent claims wait for the disk: see ClaimCommit. Deliberately
         // wrong when sabotaged.
         let commit =
             if faults.sabotage().has(Sabotage::ClaimsAsync) { ClaimCommit::Async } else { ClaimCommit::Durable };
@@ -349,7 +349,7 @@ impl Dispatcher {
             at.resume.back_to(None);
         }
         let (after, back) = at.resume.next(s.poll_interval);
-        // The lease clock starts before the claim is sent (D2): the
+        // The lease clock starts before the claim is sent: the
         // database's lease starts at the statement, and every moment the
         // claim takes to come back is a moment less of it.
         let claimed_at = std::time::Instant::now();
@@ -379,7 +379,7 @@ impl Dispatcher {
                 return ControlFlow::Break(Err(f.into()));
             }
         }
-        // Deliberately wrong (D2): the lease clock starts after the claim.
+        // Deliberately wrong: the lease clock starts after the claim.
         let claimed_at = if self.inner.faults.sabotage().has(Sabotage::LeaseClockAfterClaim) {
             std::time::Instant::now()
         } else {
@@ -531,7 +531,7 @@ impl Dispatcher {
     }
 
     /// Say so when this consumer has pending intents of endpoints this
-    /// dispatcher does not have: it never claims them (D3), so they would
+    /// dispatcher does not have: it never claims them, so they would
     /// wait unnoticed but for `relay verify`'s stuck check.
     async fn warn_of_intents_it_cannot_call(&self) {
         let ours: Vec<&str> = self.inner.executor.endpoints().collect();
@@ -625,7 +625,7 @@ impl Dispatcher {
     }
 
     /// The endpoints whose intents the next claim may take: ours, less those
-    /// with as many calls started and not ended as they may have (D10).
+    /// with as many calls started and not ended as they may have.
     fn claimable_endpoints(&self) -> Vec<&str> {
         self.inner.busy.iter().filter(|(_, b)| b.has_room()).map(|(name, _)| name.as_str()).collect()
     }

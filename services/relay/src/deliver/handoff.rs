@@ -114,7 +114,7 @@ pub fn room(claim_batch: usize, consumer_batch: usize) -> usize {
 }
 
 /// A connected pair: `room` intents at most on their way at a time, and of
-/// each endpoint at most `endpoint_room` says (issue 28, D10).
+/// each endpoint at most `endpoint_room` says.
 pub fn channel(worker: &str, lease: Duration, room: usize, endpoint_room: EndpointRoom) -> (Handoff, Desk) {
     let (tx, rx) = mpsc::unbounded_channel();
     let room = Arc::new(Semaphore::new(room));

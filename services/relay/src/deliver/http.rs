@@ -322,9 +322,9 @@ impl EndpointClient {
     ///
     /// The waits come in this order: the endpoint's concurrency permit, its
     /// rate limit, then the dispatcher's call slot. A call waiting at its own
-    /// endpoint's limits holds no slot that another endpoint's calls need
-    /// (issue 28, D10), and a rate token is only taken by a call that holds
-    /// its endpoint's permit (D12) — and taken again after a wait for a slot,
+    /// endpoint's limits holds no slot that another endpoint's calls need,
+    /// and a rate token is only taken by a call that holds
+    /// its endpoint's permit — and taken again after a wait for a slot,
     /// without holding it, so calls that queued for slots do not all go at once.
     ///
     /// `stop` ends the waits too: a dispatcher stopping gives back what has
@@ -387,7 +387,7 @@ impl EndpointClient {
             w.bounded(self.rate_token()).await?;
         }
         // The token before the slot: a wait for the token endpoint holds no
-        // slot that another endpoint's calls need (D10).
+        // slot that another endpoint's calls need.
         let token = match &self.oauth2 {
             None => None,
             Some(o) => match w.bounded(o.token()).await? {

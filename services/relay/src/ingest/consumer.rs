@@ -982,7 +982,7 @@ impl InboxConsumer {
         let max = self.pool.options().get_max_connections();
         if matches!(e, sqlx::Error::PoolTimedOut) && self.pool.size() >= max {
             // Not an outage: more partitions (and dispatcher work) than
-            // connections, each waiting its turn (ingest review, pool starvation).
+            // connections, each waiting its turn.
             warn!(
                 consumer = %self.settings.name, attempt = failures, retry_in_ms = delay.as_millis() as u64,
                 "every one of the {max} database connections was busy for database.acquire_timeout; this partition \

@@ -547,7 +547,7 @@ mod tests {
         assert_eq!(s.receive(record(0, 5, 10), 1), Filed::Queued);
     }
 
-    // Ingest review D7: running tasks' records were not counted at all.
+    // Running tasks' records were not counted at all.
     #[test]
     fn records_handed_to_a_running_task_count_until_they_are_committed() {
         let one = record(0, 0, 100).size();
@@ -564,7 +564,7 @@ mod tests {
         assert_eq!(s.buffered_bytes(), 3 * one);
     }
 
-    // D7: four partitions each blocked in their task hold at most the bound.
+    // Four partitions each blocked in their task hold at most the bound.
     #[test]
     fn blocked_tasks_and_their_waiting_records_never_hold_more_than_the_bound() {
         let (max, parts) = (1000, 4);
@@ -650,7 +650,7 @@ mod tests {
         assert!(!s.holding());
     }
 
-    // Ingest review D8: a revoke left a task asleep in its retry wait, its
+    // A revoke left a task asleep in its retry wait, its
     // partition busy and (given back to this member) counted against the bound.
     #[test]
     fn a_revoke_wakes_the_partitions_task_forgets_its_queue_and_pause_and_returns_its_offset() {
@@ -674,7 +674,7 @@ mod tests {
         assert_eq!(s.start_ready().pop().unwrap().not_yet, 3);
     }
 
-    // Review of issue 27: a task stuck in a transaction (a row lock) was
+    // A task stuck in a transaction (a row lock) was
     // neither waiting out a retry nor paused, and its partition's queue
     // filled the buffer every partition shares.
     #[test]
@@ -693,7 +693,7 @@ mod tests {
         assert_eq!(s.task_done(&tp(0), 0, None), Done::Resume(Resume { tp: tp(0), seek: Some(2) }));
     }
 
-    // Review of issue 27: a failed seek left the partition paused for good.
+    // A failed seek left the partition paused for good.
     #[test]
     fn a_failed_seek_keeps_the_partition_paused_and_is_tried_again() {
         let mut s = partitions(10, 1000, 1);

@@ -39,20 +39,18 @@ use crate::runtime::trace::Hop;
 
 /// The identity of a processed event, for logs (R16). Never the payload.
 #[derive(Debug, Clone, Default)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct EventInfo {
     /// Event id.
     pub id: Option<String>,
-    /// Event type.
     pub event_type: Option<String>,
     /// Route name.
     pub route: Option<String>,
     /// Business idempotency key.
     pub idempotency_key: Option<String>,
-    /// Aggregate id.
     pub aggregate_id: Option<String>,
-    /// Correlation id.
     pub correlation_id: Option<String>,
-    /// Causation id.
     pub causation_id: Option<String>,
 }
 
@@ -894,7 +892,7 @@ impl Processor {
                     return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
                 }
                 // An outage is retried; any other database error is the
-                // handler's own (its SQL, a constraint): its record's (D5).
+                // handler's own (its SQL, a constraint): its record's.
                 Err(HandlerError::Db(e)) if relay_store::is_outage(&e) => return Err(e),
                 Err(HandlerError::Db(e)) => {
                     let why = format!("handler {name:?} failed with a database error: {}", relay_store::rejection(&e));
@@ -917,7 +915,7 @@ impl Processor {
             };
             let mut all = item.effects.clone().unwrap_or_default();
             // The same action name gets the same derived id, and the second
-            // row would be dropped on insert without a word (D9).
+            // row would be dropped on insert without a word.
             let taken: std::collections::HashSet<uuid::Uuid> =
                 all.intents.iter().map(|i| i.id).chain(all.events.iter().map(|e| e.id)).collect();
             let clash = extra
@@ -1276,7 +1274,7 @@ mod tests {
         }
     }
 
-    // Review of issue 27: every partition task stores the pause set it read
+    // Every partition task stores the pause set it read
     // into one shared set; a slow read from before a pause could undo it.
     #[test]
     fn a_pause_set_read_before_a_newer_one_does_not_replace_it() {

@@ -243,8 +243,9 @@ pub struct Operator {
 
 /// An intent and what was done about it.
 #[derive(Debug, Clone, serde::Serialize)]
+// Fields named for what they hold carry no doc that would repeat the name.
+#[allow(missing_docs)]
 pub struct IntentHistory {
-    /// The intent.
     pub intent: IntentView,
     /// Its call attempts, oldest first.
     pub attempts: Vec<AttemptView>,

@@ -28,7 +28,7 @@ pub type Deleted = Vec<(Cleanup, u64)>;
 /// Proof that [`check_topic_retention`] passed (or warned, as configured)
 /// for this process: [`cleanup_once`] and [`run`] take it, so no process
 /// deletes inbox rows without the R15 check — `relay consume`, `relay
-/// dispatch` and `relay cleanup` alike (issue 28, D6).
+/// dispatch` and `relay cleanup` alike.
 #[derive(Debug, Clone, Copy)]
 pub struct RetentionChecked(());
 
@@ -205,7 +205,7 @@ mod tests {
 
     const DAY: i64 = 86_400_000;
 
-    // Issue 22 item 6: a record lives up to retention.ms + segment.ms, and a
+    // A record lives up to retention.ms + segment.ms, and a
     // compacted topic keeps records indefinitely.
     #[test]
     fn the_broker_keeps_records_for_retention_plus_a_segment_or_forever_when_compacted() {

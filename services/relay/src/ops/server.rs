@@ -64,10 +64,9 @@ struct Readiness {
 }
 
 /// Connections the admin server's own pool may open: its API, gauges and
-/// readiness checks share them, never the pool ingestion and dispatch use
-/// (security review M5).
+/// readiness checks share them, never the pool ingestion and dispatch use.
 const ADMIN_CONNECTIONS: u32 = 2;
-/// The shortest admin token accepted (security review L4).
+/// The shortest admin token accepted.
 const MIN_TOKEN_BYTES: usize = 16;
 /// Connections served at once; more wait in the kernel's accept queue.
 const MAX_CONNECTIONS: usize = 256;
@@ -118,7 +117,7 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let Some(addr) = cfg.admin.listen else { return Ok(()) };
-    // The admin server's own few connections (M5): its callers cannot take
+    // The admin server's own few connections: its callers cannot take
     // those ingestion and dispatch wait for.
     let pool = pool
         .options()
@@ -171,7 +170,7 @@ pub async fn serve(
 /// `axum::serve`, which sets no timer, so hyper would apply no header-read
 /// timeout, and which limits neither connections nor request time: a few
 /// thousand connections that never finish their headers would hold file
-/// descriptors and tasks for ever (security review M5).
+/// descriptors and tasks for ever.
 async fn accept_loop(listener: tokio::net::TcpListener, app: Router, shutdown: CancellationToken) {
     use hyper_util::rt::{TokioIo, TokioTimer};
     use tower::ServiceExt;
@@ -259,7 +258,7 @@ fn router(state: Shared) -> Router {
         .layer(axum::middleware::map_response(hardened))
 }
 
-/// Headers every admin answer carries (security review L4): the console runs
+/// Headers every admin answer carries: the console runs
 /// only its own script and style, is never framed (clickjacking the Replay
 /// and Purge buttons), and nothing of it is cached or sniffed.
 async fn hardened(mut resp: axum::response::Response) -> axum::response::Response {
@@ -479,7 +478,7 @@ fn authorize(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     // Compared without an early exit, so the time taken does not tell how
     // much of a guess was right.
     // Nor how long the token is: every byte of the token is compared,
-    // whatever the guess's length (security review L4).
+    // whatever the guess's length.
     let ok = given.is_some_and(|g| {
         let (a, b) = (g.as_bytes(), token.expose_secret().as_bytes());
         let diff =

@@ -63,7 +63,7 @@ pub struct Publisher {
     settings: PublisherConfig,
     /// The consumer whose outbox rows these are: publishers of other
     /// consumers sharing the database publish theirs with their own Kafka
-    /// configuration (D3).
+    /// configuration.
     consumer: String,
     faults: Faults,
     /// Where the lanes' next claim may start, shared by the lanes: after

@@ -376,8 +376,8 @@ fn refused(c: &ClientConfig, code: RDKafkaErrorCode, reason: &str) -> String {
 mod tests {
     use super::*;
 
-    /// Security review H3: librdkafka was built without OpenSSL or zstd, so
-    /// every TLS or SCRAM setting failed when the client was created.
+    /// A librdkafka built without OpenSSL or zstd fails every TLS or SCRAM
+    /// setting when the client is created.
     #[test]
     fn clients_take_tls_every_sasl_mechanism_and_every_compression_codec() {
         for (protocol, mechanism) in [
@@ -418,7 +418,7 @@ mod tests {
         assert!(err.contains("enable.auto.commit"), "{err}");
     }
 
-    // Issue 22 item 17.
+    // An offset reset to the end would skip records never processed (R1).
     #[test]
     fn an_offset_reset_that_skips_records_is_refused() {
         for bad in ["latest", "largest", "end"] {
@@ -440,7 +440,7 @@ mod tests {
         }
     }
 
-    // Ingest review D9: read_uncommitted would apply records of aborted transactions.
+    // Read_uncommitted would apply records of aborted transactions.
     #[test]
     fn records_of_aborted_transactions_cannot_be_read() {
         let mut cfg = KafkaConfig::default();
