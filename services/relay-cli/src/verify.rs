@@ -310,7 +310,7 @@ async fn check_inputs(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -> 
             continue;
         }
         let position = format!("{}[{}]@{}", r.topic, r.partition, r.offset);
-        let view = relay::ingest::processor::view_of(&router, registry.as_ref(), r).await.map_err(|why| {
+        let view = relay::ingest::decode::view_of(&router, registry.as_ref(), r).await.map_err(|why| {
             anyhow::anyhow!("cannot verify {position}: {why}; run relay verify again when the registry answers")
         })?;
         let event_id = match view.of(r).and_then(|r| router.route(r)) {

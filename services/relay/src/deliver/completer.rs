@@ -346,7 +346,7 @@ impl Completer {
         // (intent id, lease token), so a stale completion beside a fresh one
         // of the same intent matches nothing.
         type Ours = HashSet<(uuid::Uuid, uuid::Uuid)>;
-        let by_id = self.faults.sabotage().has(Sabotage::FencedById); // Deliberately wrong (D9) when set.
+        let by_id = self.faults.sabotage().has(Sabotage::FencedById); // Deliberately wrong when set.
         let mine = |c: &Completion, ours: &Ours| {
             ours.contains(&(c.intent.id, c.intent.lease_token)) || (by_id && ours.iter().any(|o| o.0 == c.intent.id))
         };

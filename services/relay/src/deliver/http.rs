@@ -8,8 +8,6 @@
 //! rustc's higher-ranked `Send` check when the dispatcher spawns the call.
 //! governor's limiter is shared behind an `Arc` and awaited before the call.
 
-use std::time::Duration;
-
 use relay_core::config::EndpointConfig;
 use relay_core::profile::{KeyAnswer, KeyPlacement, Profile};
 use relay_core::retry::{AttemptResult, ErrorClass, parse_retry_after};
@@ -21,53 +19,10 @@ use std::sync::Arc;
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use tower::{BoxError, Service, ServiceBuilder, ServiceExt};
 
+pub use super::call_result::{CallResult, KEPT_HEADER_BYTES, KEPT_HEADERS, NotSent};
+use super::call_result::{classify_transport, inexpressible, unauthenticated};
+
 type HttpService = tower::limit::ConcurrencyLimit<tower::timeout::Timeout<reqwest::Client>>;
-
-/// What one attempt produced, for classification, the audit row and the log.
-#[derive(Debug, Clone)]
-pub struct CallResult {
-    /// For [`relay_core::retry::classify`].
-    pub attempt: AttemptResult,
-    /// HTTP status, if the provider answered.
-    pub status: Option<u16>,
-    /// What went wrong, for the audit row.
-    pub error_class: Option<ErrorClass>,
-    /// Short error text (a status line and at most 256 bytes of the response body).
-    pub error: Option<String>,
-    /// When the request was handed to the HTTP client (`None`: never sent).
-    pub started_at: Option<chrono::DateTime<chrono::Utc>>,
-    /// The start of the answer's body, whatever its status, when the
-    /// request asked for it ([`Request::keep_body`]).
-    pub body: Option<Vec<u8>>,
-    /// Whether `body` is the whole body: not cut at the limit, nor by the
-    /// deadline.
-    pub body_complete: bool,
-    /// The answer's headers when the request asked for its body (at most
-    /// [`KEPT_HEADERS`], none longer than [`KEPT_HEADER_BYTES`], never
-    /// `Set-Cookie`).
-    pub headers: Vec<(String, String)>,
-}
-
-/// How many of an answer's headers are kept with its body.
-pub const KEPT_HEADERS: usize = 64;
-/// The longest header value kept with an answer's body.
-pub const KEPT_HEADER_BYTES: usize = 1024;
-
-impl CallResult {
-    /// A result for an attempt that made no request.
-    pub fn not_sent() -> CallResult {
-        CallResult {
-            attempt: AttemptResult::Connect,
-            status: None,
-            error_class: None,
-            error: None,
-            started_at: None,
-            body: None,
-            body_complete: false,
-            headers: Vec::new(),
-        }
-    }
-}
 
 /// One request to make: what the endpoint's client sends, described apart
 /// from where it came from (an intent's row).
@@ -597,18 +552,6 @@ struct Sent<'s> {
     _slot: tokio::sync::SemaphorePermit<'s>,
 }
 
-/// A request that cannot be expressed (a bad header, a signing failure):
-/// never sent, as permanent as a 400.
-fn inexpressible(why: String) -> CallResult {
-    CallResult {
-        attempt: AttemptResult::Response { status: 400, retry_after: None, key: None },
-        status: None,
-        error_class: Some(ErrorClass::Request),
-        error: Some(why),
-        ..CallResult::not_sent()
-    }
-}
-
 /// A signature's message id (Standard Webhooks `webhook-id`): the
 /// idempotency key, the same on every attempt and across versions of relay
 /// (receivers deduplicate on it: one changed between two attempts would be
@@ -628,18 +571,6 @@ fn client_builder(name: &str, cfg: &EndpointConfig) -> anyhow::Result<reqwest::C
         .pool_max_idle_per_host(cfg.concurrency)
         .user_agent(concat!("relay/", env!("CARGO_PKG_VERSION")));
     relay_registry::with_tls(b, &format!("endpoints.{name}.tls"), &cfg.tls)
-}
-
-/// An attempt that could not authenticate: retried, as nothing was applied
-/// (no token, so not sent; or a 401, which is a refusal).
-fn unauthenticated(why: String, started_at: Option<chrono::DateTime<chrono::Utc>>) -> CallResult {
-    CallResult {
-        attempt: AttemptResult::Connect,
-        error_class: Some(ErrorClass::Connect),
-        error: Some(why),
-        started_at,
-        ..CallResult::not_sent()
-    }
 }
 
 /// Read the first `limit` bytes of a response's body into `kept`; the rest
@@ -762,89 +693,10 @@ pub const ERROR_BODY_BYTES: usize = 256;
 /// after a long message).
 pub const KEY_ANSWER_BYTES: usize = 16 * 1024;
 
-/// The request was not sent: it could not start in time to end within the lease.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct NotSent;
-
-fn classify_transport(e: BoxError, timeout: Duration, started_at: Option<chrono::DateTime<chrono::Utc>>) -> CallResult {
-    let (attempt, class, text) = if e.is::<tower::timeout::error::Elapsed>() {
-        (
-            AttemptResult::Timeout { sent: true },
-            ErrorClass::Timeout,
-            format!("no response within {timeout:?}; the request may have been applied (uncertain)"),
-        )
-    } else if let Some(re) = e.downcast_ref::<reqwest::Error>() {
-        if refused_handshake(re) {
-            // TLS 1.3 clients send the request before the server has checked
-            // their certificate, so this is not a connect error to reqwest;
-            // but a server that refuses the handshake processes nothing.
-            let why =
-                format!("the server refused the TLS handshake (client certificate?): {}", relay_core::error_chain(re));
-            (AttemptResult::Connect, ErrorClass::Connect, format!("could not connect: {why}"))
-        } else if re.is_connect() {
-            (AttemptResult::Connect, ErrorClass::Connect, format!("could not connect: {}", relay_core::error_chain(re)))
-        } else if re.is_timeout() {
-            (
-                AttemptResult::Timeout { sent: true },
-                ErrorClass::Timeout,
-                format!("timed out: {}", relay_core::error_chain(re)),
-            )
-        } else {
-            (
-                AttemptResult::Transport,
-                ErrorClass::Transport,
-                format!("transport error: {}", relay_core::error_chain(re)),
-            )
-        }
-    } else {
-        (AttemptResult::Transport, ErrorClass::Transport, format!("transport error: {e}"))
-    };
-    CallResult {
-        attempt,
-        status: None,
-        error_class: Some(class),
-        error: Some(text),
-        started_at,
-        ..CallResult::not_sent()
-    }
-}
-
-/// Whether `e` carries a TLS alert only a handshake sends (the server
-/// refused our certificate, or the handshake itself): the request was never
-/// processed, whatever reached the socket. rustls clients support neither
-/// renegotiation nor post-handshake authentication, so such an alert can
-/// only answer the connection's handshake. rustls errors travel inside
-/// `io::Error`s, whose `source` skips them, so those are opened too.
-fn refused_handshake(e: &(dyn std::error::Error + 'static)) -> bool {
-    use rustls::AlertDescription as A;
-    let mut cur = Some(e);
-    while let Some(err) = cur {
-        let tls = err.downcast_ref::<rustls::Error>().or_else(|| {
-            err.downcast_ref::<std::io::Error>().and_then(std::io::Error::get_ref).and_then(|i| i.downcast_ref())
-        });
-        if let Some(rustls::Error::AlertReceived(alert)) = tls
-            && matches!(
-                alert,
-                A::CertificateRequired
-                    | A::BadCertificate
-                    | A::UnsupportedCertificate
-                    | A::CertificateRevoked
-                    | A::CertificateExpired
-                    | A::CertificateUnknown
-                    | A::UnknownCA
-                    | A::HandshakeFailure
-            )
-        {
-            return true;
-        }
-        cur = err.source();
-    }
-    false
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[tokio::test]
     async fn an_endpoint_ca_file_without_a_certificate_is_refused_naming_the_key_and_the_file() {

@@ -21,6 +21,7 @@
 
 pub mod auth;
 mod busy;
+mod call_result;
 pub mod completer;
 mod counted;
 pub mod dispatcher;

@@ -868,7 +868,7 @@ impl InboxConsumer {
                         match self.park_alone(record, &poison, not_yet, route.as_deref()).await {
                             Ok(()) => {
                                 // The records after it naming the same missing schema need no budget each.
-                                self.processor.gave_up(record);
+                                self.processor.decoder().gave_up(record);
                                 crate::runtime::metrics::dead_lettered(
                                     &self.settings.name,
                                     &record.topic,
@@ -1006,7 +1006,7 @@ impl InboxConsumer {
         // max_buffered_bytes, as their bytes did, and the batch ends where
         // it is spent (the loop goes on with the rest).
         let share = self.state.lock().expect("partition state lock").share();
-        let views = self.processor.views_within(records, share).await.map_err(BatchError::Registry)?;
+        let views = self.processor.decoder().views_within(records, share).await.map_err(BatchError::Registry)?;
         let records = &records[..views.len()];
         let mut conn = self.pool.acquire().await?;
         // A pause applies to every batch that starts after it was recorded:
@@ -1014,7 +1014,7 @@ impl InboxConsumer {
         // receive loop, which a slow pool would hold up).
         let read_at = Instant::now();
         let gates = relay_store::ops::batch_gates(&mut conn, self.processor.consumer(), &tp.0, tp.1).await?;
-        self.processor.set_paused_as_of(gates.paused, read_at);
+        self.processor.paused().set_as_of(gates.paused, read_at);
         let mut tx = conn.begin_with(relay_store::BEGIN_BOUNDED).await?;
         let started = Instant::now();
         // Intents written already claimed by this process's dispatcher: handed
@@ -1039,7 +1039,15 @@ impl InboxConsumer {
         for (record, p) in records.iter().zip(&processed) {
             match &p.disposition {
                 Disposition::DeadLetter(poison) | Disposition::Held(poison) => {
-                    self.processor.park(&mut tx, record, poison, 1, p.info.route.as_deref()).await?;
+                    crate::ingest::park::park(
+                        &mut tx,
+                        self.processor.router(),
+                        record,
+                        poison,
+                        1,
+                        p.info.route.as_deref(),
+                    )
+                    .await?;
                 }
                 Disposition::RetryLater(poison) => stopped = Some((poison.clone(), p.info.route.clone())),
                 Disposition::Paused { route } => paused = Some(route.clone()),
@@ -1073,7 +1081,7 @@ impl InboxConsumer {
     ) -> Result<(), ParkError> {
         let mut conn = self.pool.acquire().await?;
         let mut tx = conn.begin_with(relay_store::BEGIN_BOUNDED).await?;
-        self.processor.park(&mut tx, record, poison, attempts, route).await?;
+        crate::ingest::park::park(&mut tx, self.processor.router(), record, poison, attempts, route).await?;
         self.faults.hit(point::CONSUMER_BEFORE_DB_COMMIT).await?;
         tx.commit().await?;
         self.faults.hit(point::CONSUMER_AFTER_DB_COMMIT).await?;

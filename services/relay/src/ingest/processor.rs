@@ -22,19 +22,21 @@ use std::sync::Arc;
 
 use chrono::Utc;
 use futures::FutureExt;
-use relay_core::effects::encode_dead_letter;
 use relay_core::{
     CompiledRoute, Disposition, Effects, InputEvent, Poison, PoisonClass, Provenance, RawRecord, Routed, Router,
 };
 use relay_store::inbox::{self, InboxInsert, InboxOutcome, NewInboxRow};
 use relay_store::write::{self, HoldRoom, Planned};
-use relay_store::{DbErrorKind, classify_error, dead_letters, holds, outbox};
+use relay_store::{DbErrorKind, classify_error, holds};
 use sqlx::{Connection, PgConnection};
 use tracing::{Instrument, warn};
 
 use crate::deliver::handoff::{Handed, Handoff, Reserved};
+use crate::ingest::decode::{Decoder, View};
 use crate::ingest::handler::{HandlerError, Handlers};
-use crate::runtime::faults::{Faults, point};
+use crate::ingest::held::HeldKeys;
+use crate::ingest::pauses::PausedRoutes;
+use crate::runtime::faults::Faults;
 use crate::runtime::trace::Hop;
 
 /// The identity of a processed event, for logs (R16). Never the payload.
@@ -149,171 +151,32 @@ impl Prepared<'_, '_> {
     }
 }
 
-/// The held keys of one partition batch, each with its head's offset: those
-/// found held when the batch began, and those a record of it held since.
-#[derive(Debug, Default)]
-struct HeldKeys {
-    /// A route on the topic holds keys.
-    on: bool,
-    keys: std::collections::HashMap<Vec<u8>, i64>,
-}
-
-impl HeldKeys {
-    /// Whether `record` is held: its key is, and it comes after the head (a
-    /// redelivery of the head or of a record before it is not).
-    fn holds(&self, record: &RawRecord) -> bool {
-        let head = record.key.as_deref().and_then(|k| self.keys.get(k));
-        head.is_some_and(|head| record.offset > *head)
-    }
-}
-
-/// The paused routes as last read, and when that read started.
-#[derive(Debug, Default)]
-struct PausedRoutes {
-    routes: std::collections::HashSet<String>,
-    read_at: Option<std::time::Instant>,
-}
-
 /// Turns records into database writes. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Processor {
     router: Arc<Router>,
     handlers: Handlers,
-    /// Names of paused routes, refreshed by the consumer from `relay.pauses`.
-    paused: Arc<std::sync::RwLock<PausedRoutes>>,
+    /// The paused routes, refreshed by the consumer from `relay.pauses`.
+    paused: PausedRoutes,
     /// The dispatcher of this process, when intents are claimed at ingest.
     handoff: Option<Handoff>,
     faults: Faults,
     /// Decodes the values of topics in a Schema Registry format.
-    registry: Option<Arc<relay_registry::Registry>>,
-}
-
-/// A record as routing reads it: itself, or for a topic in a Schema
-/// Registry format its value decoded to JSON — or why that can never be.
-/// The record itself is what is stored (inbox, dead letter), so a replay
-/// decodes it again.
-#[derive(Debug, Clone)]
-pub enum View {
-    /// The record as it came.
-    Raw,
-    /// The record with its value decoded to JSON.
-    Decoded(RawRecord),
-    /// The value can never be decoded as it is.
-    Poison(Poison),
-    /// The registry does not have the schema the value names, yet: tried
-    /// again within the consumer's reference budget, then dead-lettered.
-    NotYet(Poison),
-}
-
-impl View {
-    /// The record routing reads, or why there is none.
-    pub fn of<'r>(&'r self, record: &'r RawRecord) -> Result<&'r RawRecord, Poison> {
-        match self {
-            View::Raw => Ok(record),
-            View::Decoded(r) => Ok(r),
-            View::Poison(p) | View::NotYet(p) => Err(p.clone()),
-        }
-    }
-}
-
-/// How routing reads `record` ([`View`]) under `router`, its value decoded
-/// with `registry` when its topic is in a Schema Registry format. `Err`
-/// when the registry could not be asked (nothing is decided).
-pub async fn view_of(
-    router: &Router,
-    registry: Option<&relay_registry::Registry>,
-    record: &RawRecord,
-) -> Result<View, String> {
-    let format = router.topic_format(&record.topic);
-    if !format.uses_registry() {
-        return Ok(View::Raw);
-    }
-    // The limit is on the record as produced; its JSON may be larger (names
-    // repeated per item, bytes as base64), up to `relay_registry::max_json_bytes`
-    // of the value's size, past which the registry refuses it as oversized.
-    let (size, max) = (record.content_size(), router.max_record_bytes());
-    if size > max {
-        let why = format!("record is {size} bytes, over consumer.max_record_bytes = {max}");
-        return Ok(View::Poison(Poison::new(PoisonClass::Oversized, why)));
-    }
-    let Some(registry) = registry else {
-        return Err(format!(
-            "topic {:?} has format = {:?} and this process has no [schema_registry]",
-            record.topic,
-            format.as_str()
-        ));
-    };
-    match registry.decode(format, &record.topic, record.payload.as_deref()).await {
-        Ok(json) => {
-            let mut decoded = record.clone();
-            decoded.payload = Some(json);
-            // The value is JSON now, whatever the producer declared (no
-            // content type reads as JSON too, so none is added).
-            if decoded.header("content-type").is_some() {
-                decoded.headers.retain(|h| !h.name.eq_ignore_ascii_case("content-type"));
-                decoded.headers.push(relay_core::envelope::Header::text("content-type", "application/json"));
-            }
-            Ok(View::Decoded(decoded))
-        }
-        Err(relay_registry::Failure::Poison(why)) => Ok(View::Poison(Poison::new(PoisonClass::BadEncoding, why))),
-        Err(relay_registry::Failure::NotYet(why)) => Ok(View::NotYet(Poison::new(PoisonClass::BadEncoding, why))),
-        Err(relay_registry::Failure::Unavailable(why)) => Err(why),
-        Err(relay_registry::Failure::Oversized(why)) => Ok(View::Poison(Poison::new(PoisonClass::Oversized, why))),
-    }
+    decoder: Decoder,
 }
 
 impl Processor {
     /// A processor over compiled routes and registered handlers.
     pub fn new(router: Arc<Router>, handlers: Handlers) -> Processor {
-        Processor { router, handlers, paused: Arc::default(), handoff: None, faults: Faults::none(), registry: None }
+        let decoder = Decoder::new(router.clone(), None);
+        Processor { router, handlers, paused: PausedRoutes::default(), handoff: None, faults: Faults::none(), decoder }
     }
 
     /// The same processor, decoding topics in a Schema Registry format
     /// with `registry`.
     pub fn with_registry(mut self, registry: Option<Arc<relay_registry::Registry>>) -> Processor {
-        self.registry = registry;
+        self.decoder = Decoder::new(self.router.clone(), registry);
         self
-    }
-
-    /// Say that `record` was dead-lettered after its budget for "not yet":
-    /// if the registry did not have its schema, the records naming the same
-    /// id are dead-lettered after one ask for a while
-    /// ([`relay_registry::Registry::gave_up`]).
-    pub fn gave_up(&self, record: &RawRecord) {
-        if let Some(registry) = &self.registry
-            && self.router.topic_format(&record.topic).uses_registry()
-        {
-            registry.gave_up(record.payload.as_deref());
-        }
-    }
-
-    /// How routing reads each record ([`View`]) from the start of `records`
-    /// while their decoded values take `budget` bytes together, and always
-    /// the first. `Err` when the registry could not be asked: nothing is
-    /// decided, the partition waits. A value in a Schema Registry format is held as JSON for the
-    /// whole batch, up to `relay_registry::max_json_bytes` of its size (16
-    /// times and more): bounded by record, a batch of 200 records under 1
-    /// MiB each could hold gigabytes. The record that does not fit is
-    /// decoded again by the next batch.
-    pub async fn views_within(&self, records: &[RawRecord], budget: usize) -> Result<Vec<View>, String> {
-        let mut out = Vec::with_capacity(records.len());
-        let mut held = 0usize;
-        for record in records {
-            let view = self.view(record).await?;
-            if let View::Decoded(r) = &view {
-                held = held.saturating_add(r.payload.as_ref().map_or(0, Vec::len));
-            }
-            if held > budget && !out.is_empty() {
-                break;
-            }
-            out.push(view);
-        }
-        Ok(out)
-    }
-
-    /// [`Processor::views_within`] of one record.
-    pub async fn view(&self, record: &RawRecord) -> Result<View, String> {
-        view_of(&self.router, self.registry.as_deref(), record).await
     }
 
     /// The same processor, passing the fault points of a batch (tests).
@@ -335,27 +198,14 @@ impl Processor {
         self.handoff.as_ref()
     }
 
-    /// Replace the set of paused routes.
-    pub fn set_paused(&self, routes: impl IntoIterator<Item = String>) {
-        self.set_paused_as_of(routes, std::time::Instant::now());
+    /// How it reads records in a Schema Registry format.
+    pub fn decoder(&self) -> &Decoder {
+        &self.decoder
     }
 
-    /// Replace the set of paused routes with one whose read started at
-    /// `read_at`, unless a read that started later was stored already:
-    /// partition tasks read the set at once, and a slow read from before a
-    /// pause must not undo a newer one that has it.
-    pub fn set_paused_as_of(&self, routes: impl IntoIterator<Item = String>, read_at: std::time::Instant) {
-        let mut p = self.paused.write().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if p.read_at.is_some_and(|at| at > read_at) {
-            return;
-        }
-        p.read_at = Some(read_at);
-        p.routes.clear();
-        p.routes.extend(routes);
-    }
-
-    fn is_paused(&self, route: &CompiledRoute) -> bool {
-        self.paused.read().unwrap_or_else(std::sync::PoisonError::into_inner).routes.contains(&route.name)
+    /// The paused routes it leaves records of waiting.
+    pub fn paused(&self) -> &PausedRoutes {
+        &self.paused
     }
 
     /// The fault points it passes (tests).
@@ -391,7 +241,7 @@ impl Processor {
 
     /// Process the records of one partition, in order, inside the caller's
     /// transaction, and return one [`Processed`] per record handled, each
-    /// routed as its `views` entry reads it ([`Processor::views_within`]). Stops
+    /// routed as its `views` entry reads it ([`Decoder::views_within`]). Stops
     /// after the first [`Disposition::RetryLater`] or [`Disposition::Paused`] (the records
     /// after it are left to the caller). `Err` only for transient database errors.
     ///
@@ -489,7 +339,7 @@ impl Processor {
             })
             .flat_map(relay_store::ordering::keys_of);
         relay_store::ordering::lock(&mut *conn, self.router.consumer(), keys).await?;
-        let mut holds = self.held_keys(conn, records, keys_held).await?;
+        let mut holds = HeldKeys::read(conn, &self.router, &self.faults, records, keys_held).await?;
         let mut i = 0;
         while i < records.len() {
             // The run from here, and the record that ends it.
@@ -523,7 +373,15 @@ impl Processor {
                             } else {
                                 self.write_alone(conn, item, Some(&mut *held)).await?
                             };
-                            self.note_hold(conn, &mut holds, record, &processed).await?;
+                            holds
+                                .note(
+                                    conn,
+                                    &self.router,
+                                    record,
+                                    &processed.disposition,
+                                    processed.info.route.as_deref(),
+                                )
+                                .await?;
                             out.push(processed);
                         }
                     }
@@ -535,7 +393,9 @@ impl Processor {
                 Some(Prepared::Done(p)) => self.unless_applied(conn, p).await?,
                 Some(Prepared::Ready(item)) => self.write_alone(conn, item, Some(&mut *held)).await?,
             };
-            self.note_hold(conn, &mut holds, &records[i], &processed).await?;
+            holds
+                .note(conn, &self.router, &records[i], &processed.disposition, processed.info.route.as_deref())
+                .await?;
             let stop = matches!(processed.disposition, Disposition::RetryLater(_) | Disposition::Paused { .. });
             out.push(processed);
             i += 1;
@@ -544,57 +404,6 @@ impl Processor {
             }
         }
         Ok(Some(out))
-    }
-
-    /// The keys of `records` (one partition's) held now, locked until the
-    /// transaction ends ([`relay_store::holds`]). No query unless some key
-    /// of the partition is held (`keys_held`): holds opened before a
-    /// `hold_key` route was taken out of the config hold still.
-    async fn held_keys(
-        &self,
-        conn: &mut PgConnection,
-        records: &[RawRecord],
-        keys_held: bool,
-    ) -> Result<HeldKeys, sqlx::Error> {
-        let Some(first) = records.first() else { return Ok(HeldKeys::default()) };
-        let mut held = HeldKeys { on: self.router.holds_keys_on(&first.topic), keys: std::collections::HashMap::new() };
-        if !keys_held {
-            return Ok(held);
-        }
-        let mut keys: Vec<&[u8]> = records.iter().filter_map(|r| r.key.as_deref()).collect();
-        keys.sort_unstable();
-        keys.dedup();
-        if !keys.is_empty() {
-            let found = holds::held(conn, self.router.consumer(), &first.topic, first.partition, &keys).await?;
-            held.keys.extend(found);
-        }
-        let fault = self.faults.hit(point::CONSUMER_AFTER_HOLD_READ).await;
-        fault.map_err(|e| sqlx::Error::Io(std::io::Error::other(e)))?;
-        Ok(held)
-    }
-
-    /// `record` was processed: if it was dead-lettered on a route that holds
-    /// keys, its key is held from here, as the consumer's park will hold it
-    /// in this transaction ([`relay_store::holds::open`]) — unless an
-    /// operator resolved its dead letter before (the topic is read again).
-    async fn note_hold(
-        &self,
-        conn: &mut PgConnection,
-        holds: &mut HeldKeys,
-        record: &RawRecord,
-        p: &Processed,
-    ) -> Result<(), sqlx::Error> {
-        if !holds.on || !matches!(p.disposition, Disposition::DeadLetter(_)) {
-            return Ok(());
-        }
-        let Some(key) = &record.key else { return Ok(()) };
-        if holds.keys.contains_key(key) || !self.router.holds_key(&record.topic, p.info.route.as_deref()) {
-            return Ok(());
-        }
-        if !dead_letters::resolved_at(conn, self.router.consumer(), record).await? {
-            holds.keys.insert(key.clone(), record.offset);
-        }
-        Ok(())
     }
 
     /// `p`, found poison before the inbox was asked, unless its event is in
@@ -648,7 +457,8 @@ impl Processor {
             let disposition = Disposition::RetryLater(p.clone());
             return Prepared::Done(Processed { info: EventInfo::of_poison(p), disposition });
         }
-        let routed = view.of(record).and_then(|r| self.router.route_unless_paused(r, |r| self.is_paused(r)));
+        let routed =
+            view.of(record).and_then(|r| self.router.route_unless_paused(r, |r| self.paused.contains(&r.name)));
         let (route, event) = match routed {
             Err(p) => {
                 return Prepared::Done(Processed {
@@ -961,68 +771,6 @@ impl Processor {
         }
         (prov, hop)
     }
-
-    /// Park `record` as a dead letter (and queue its copy to the dead-letter
-    /// topic) in the caller's transaction. `false` if it was parked already.
-    /// Dead-lettered on `route` (`None`: not routed), it may hold its key
-    /// ([`Router::holds_key`]); a [`PoisonClass::Held`] one is parked
-    /// behind the hold of its key.
-    pub async fn park(
-        &self,
-        conn: &mut PgConnection,
-        record: &RawRecord,
-        poison: &Poison,
-        attempts: u32,
-        route: Option<&str>,
-    ) -> Result<bool, sqlx::Error> {
-        let consumer = self.router.consumer();
-        let clean = sanitized(poison);
-        let attempts_i32 = i32::try_from(attempts).unwrap_or(i32::MAX);
-        let held = poison.class == PoisonClass::Held;
-        let keep = self.router.max_record_bytes();
-        let parked = dead_letters::insert(conn, consumer, record, &clean, attempts_i32, held, keep).await?;
-        if !held && self.router.holds_key(&record.topic, route) {
-            if record.key.is_some() {
-                // Also when it was parked already (a redelivery, or hold_key
-                // set since): the batch holds the records of its key behind it.
-                holds::open(conn, consumer, record).await?;
-            } else if parked.is_some() {
-                // A Kafka record key is what is held: with none, nothing can
-                // wait behind this record. Said once, when it is parked.
-                warn!(consumer, topic = %record.topic, partition = record.partition, offset = record.offset,
-                      "a record without a Kafka key was dead-lettered on a route with on_poison = \"hold_key\": \
-                       no key is held, and the records after it go on");
-                crate::runtime::metrics::keyless_not_held(consumer, &record.topic);
-            }
-        }
-        if parked.is_none() {
-            return Ok(false);
-        }
-        // A held record is not poison: it is applied once its key is released.
-        if !held {
-            self.copy_to_dead_letter_topic(conn, record, &clean, attempts).await?;
-        }
-        Ok(true)
-    }
-
-    /// Queue the copy of dead-lettered `record` to the dead-letter topic, if
-    /// there is one, in the caller's transaction: when it is parked, or when
-    /// a record held behind its key fails in its turn as the key is released.
-    pub async fn copy_to_dead_letter_topic(
-        &self,
-        conn: &mut PgConnection,
-        record: &RawRecord,
-        poison: &Poison,
-        attempts: u32,
-    ) -> Result<(), sqlx::Error> {
-        let Some(topic) = self.router.dead_letter_topic() else { return Ok(()) };
-        let consumer = self.router.consumer();
-        let copy =
-            encode_dead_letter(consumer, topic, record, &sanitized(poison), attempts, self.router.max_record_bytes());
-        outbox::insert(conn, consumer, &format!("{}/{}/{}", record.topic, record.partition, record.offset), &copy)
-            .await?;
-        Ok(())
-    }
 }
 
 fn identified(p: Poison, event: &InputEvent) -> Poison {
@@ -1043,19 +791,6 @@ fn rejected(e: &sqlx::Error, item: &Item<'_, '_>) -> Poison {
         _ => format!("the database rejected the event: {}", relay_store::rejection(e)),
     };
     identified(Poison::new(PoisonClass::Rejected, why), &item.event)
-}
-
-/// PostgreSQL text cannot hold U+0000, and an index entry no more than
-/// ~2.7 kB: a dead letter must always be storable, whoever built the poison.
-fn sanitized(p: &Poison) -> Poison {
-    use relay_core::limits::{MAX_KEY_BYTES, MAX_REASON_BYTES, bounded};
-    let clean = |s: &str, max: usize| bounded(&s.replace('\0', "\u{fffd}"), max).into_owned();
-    Poison {
-        class: p.class,
-        reason: clean(&p.reason, MAX_REASON_BYTES),
-        event_id: p.event_id.as_deref().map(|s| clean(s, MAX_KEY_BYTES)),
-        event_type: p.event_type.as_deref().map(|s| clean(s, MAX_KEY_BYTES)),
-    }
 }
 
 #[cfg(test)]
@@ -1167,10 +902,10 @@ mod tests {
         assert!(item.route.is_none() && item.effects.is_none());
         assert_eq!(p.planned(&item, None).inbox.outcome, InboxOutcome::Unrouted);
 
-        p.set_paused(["placed".to_string()]);
+        p.paused().set(["placed".to_string()]);
         let paused = done(p.prepare(&record("order.placed", "evt-3", &[]), &View::Raw));
         assert_eq!(paused, Disposition::Paused { route: "placed".into() });
-        p.set_paused(Vec::new());
+        p.paused().set(Vec::new());
         ready(p.prepare(&record("order.placed", "evt-3", &[]), &View::Raw));
     }
 
@@ -1205,73 +940,7 @@ mod tests {
             panic!("a dead letter stays one");
         };
         assert_eq!((named.event_id.as_deref(), named.event_type.as_deref()), (Some("evt-1"), Some("order.placed")));
-        assert_eq!(sanitized(&named).reason, "bad\u{fffd}byte");
-    }
-
-    /// A stand-in registry whose schema id 1 is an order of lines of eight
-    /// fields, none with presence.
-    async fn order_lines_registry() -> String {
-        const SCHEMA: &str = "syntax = \"proto3\"; message Order { string order_id = 1; repeated Line lines = 2; } \
-            message Line { string sku = 1; string name = 2; int64 quantity = 3; int64 unit_minor = 4; \
-            string currency = 5; int64 tax_minor = 6; string warehouse = 7; bool gift = 8; }";
-        let app = axum::Router::new().route(
-            "/schemas/ids/{id}",
-            axum::routing::get(|| async { json!({"schema": SCHEMA, "schemaType": "PROTOBUF"}).to_string() }),
-        );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        format!("http://{addr}")
-    }
-
-    #[tokio::test]
-    async fn a_registry_value_that_decodes_past_its_bound_is_oversized_poison_and_a_normal_one_its_json() {
-        let cfg = RelayConfig::from_toml(&format!(
-            r#"
-            consumer = {{ name = "c" }}
-            [schema_registry]
-            url = "{}"
-            [topics.orders]
-            format = "protobuf"
-            fields.id = {{ pointer = "/order_id" }}
-            fields.type = {{ value = "order.placed" }}
-            "#,
-            order_lines_registry().await
-        ))
-        .unwrap();
-        let router = Router::new(&cfg).unwrap();
-        let registry = relay_registry::Registry::new(cfg.schema_registry.as_ref().unwrap()).unwrap();
-        // Schema id 1, indexes [0], order_id "o-1", one line with sku "A".
-        let mut value = vec![0, 0, 0, 0, 1, 0, 0x0a, 3, b'o', b'-', b'1', 0x12, 3, 0x0a, 1, b'A'];
-        let normal = RawRecord {
-            topic: "orders".into(),
-            partition: 0,
-            offset: 0,
-            key: None,
-            payload: Some(value.clone()),
-            headers: Vec::new(),
-        };
-        let View::Decoded(decoded) = view_of(&router, Some(&registry), &normal).await.unwrap() else {
-            panic!("a normal value decodes");
-        };
-        let line = json!({"sku": "A", "name": "", "quantity": 0, "unit_minor": 0, "currency": "", "tax_minor": 0,
-                          "warehouse": "", "gift": false});
-        let data: serde_json::Value = serde_json::from_slice(decoded.payload.as_deref().unwrap()).unwrap();
-        assert_eq!(data, json!({"order_id": "o-1", "lines": [line]}));
-        // 100 000 empty lines: 200 kB on the wire, 10 MB of JSON.
-        for _ in 0..100_000 {
-            value.extend([0x12, 0x00]);
-        }
-        let bound = relay_registry::max_json_bytes(value.len());
-        let hostile = RawRecord { payload: Some(value), ..normal };
-        match view_of(&router, Some(&registry), &hostile).await.unwrap() {
-            View::Poison(p) => {
-                assert_eq!(p.class, PoisonClass::Oversized, "{p}");
-                assert!(p.reason.contains(&format!("decodes to more than {bound} bytes of JSON")), "{p}");
-                assert!(p.reason.contains("fewer items per record"), "{p}");
-            }
-            other => panic!("{other:?}"),
-        }
+        assert_eq!(crate::ingest::park::sanitized(&named).reason, "bad\u{fffd}byte");
     }
 
     // Every partition task stores the pause set it read
@@ -1281,8 +950,8 @@ mod tests {
         let p = processor();
         let (older, newer) =
             (std::time::Instant::now(), std::time::Instant::now() + std::time::Duration::from_millis(5));
-        p.set_paused_as_of(["placed".to_string()], newer);
-        p.set_paused_as_of(Vec::new(), older);
+        p.paused().set_as_of(["placed".to_string()], newer);
+        p.paused().set_as_of(Vec::new(), older);
         let paused = done(p.prepare(&record("order.placed", "evt-1", &[]), &View::Raw));
         assert_eq!(paused, Disposition::Paused { route: "placed".into() }, "the newer read stands");
     }

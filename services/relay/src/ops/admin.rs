@@ -396,7 +396,7 @@ impl Operator {
             // short. Go on with it; the head itself was applied (or skipped)
             // once, and its inbox row may be gone by now.
             (Some(outcome), Some(h)) if h.head == id => {
-                processor.set_paused(ops::paused_routes(&mut tx, &self.consumer).await?);
+                processor.paused().set(ops::paused_routes(&mut tx, &self.consumer).await?);
                 let released = Some(self.release(tx, processor, h).await?);
                 Ok(Replayed { outcome, released })
             }
@@ -418,8 +418,8 @@ impl Operator {
                     return Ok(Replayed { outcome: ReplayOutcome::NotFound, released: None });
                 };
                 // The pauses as they are now, not as a consumer of this process last read them (if any does).
-                processor.set_paused(ops::paused_routes(&mut tx, &self.consumer).await?);
-                let view = processor.view(&dl.record).await.map_err(OpsError::Unavailable)?;
+                processor.paused().set(ops::paused_routes(&mut tx, &self.consumer).await?);
+                let view = processor.decoder().view(&dl.record).await.map_err(OpsError::Unavailable)?;
                 let processed = processor.process(&mut tx, &dl.record, &view).await?;
                 let outcome = replay_outcome(processed.disposition);
                 dead_letters::mark_replayed(&mut tx, &self.consumer, id, &outcome.stored()).await?;
@@ -486,7 +486,7 @@ impl Operator {
             }
         };
         // The pauses as they are now, for the release's first chunk.
-        processor.set_paused(ops::paused_routes(&mut tx, &self.consumer).await?);
+        processor.paused().set(ops::paused_routes(&mut tx, &self.consumer).await?);
         match state {
             // Applied by a replay, or skipped, before the release was cut
             // short: only the release is taken up.
@@ -555,7 +555,7 @@ impl Operator {
                 let dl = dead_letters::get(&mut tx, &self.consumer, id)
                     .await?
                     .ok_or_else(|| OpsError::Conflict(format!("held dead letter {id} vanished during the release")))?;
-                let view = processor.view(&dl.record).await.map_err(OpsError::Unavailable)?;
+                let view = processor.decoder().view(&dl.record).await.map_err(OpsError::Unavailable)?;
                 let processed = processor.process(&mut tx, &dl.record, &view).await?;
                 let failed = match &processed.disposition {
                     // Poison now, as if it had failed when it came: its copy
@@ -564,7 +564,8 @@ impl Operator {
                     // counts too: a release has no retry budget, the
                     // operator's next replay of it is the retry.
                     Disposition::DeadLetter(p) | Disposition::RetryLater(p) | Disposition::Held(p) => {
-                        processor.copy_to_dead_letter_topic(&mut tx, &dl.record, p, 1).await?;
+                        crate::ingest::park::copy_to_dead_letter_topic(&mut tx, processor.router(), &dl.record, p, 1)
+                            .await?;
                         Some((p.clone(), true))
                     }
                     // Not poison: it waits for its route, still held (class `held`).
@@ -604,7 +605,7 @@ impl Operator {
                 .await
                 .map_err(anyhow::Error::from)?;
             tx = self.pool.begin().await?;
-            processor.set_paused(ops::paused_routes(&mut tx, &self.consumer).await?);
+            processor.paused().set(ops::paused_routes(&mut tx, &self.consumer).await?);
             match holds::lock(&mut tx, hold.id).await? {
                 // Another release of the key (taken up beside this one)
                 // finished it, or moved it to a record that failed.
