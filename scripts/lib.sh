@@ -55,7 +55,7 @@ SQL
 
 # What a DBA does for applications that enqueue through relay.publish and
 # relay.call: the enqueue role relay grants EXECUTE to, and a login role of
-# an application in it (README "From your application").
+# an application in it (docs/applications.md, docs/security.md "Who may enqueue").
 ensure_application_roles() {
   su postgres -c "psql -q -v ON_ERROR_STOP=1" <<SQL >/dev/null
 DO \$\$ BEGIN

@@ -656,7 +656,7 @@ async fn a_dispatcher_holds_no_more_claimed_json_than_its_byte_room() {
 
 // sqlx names its migrations table without a schema, and it was found on
 // the default path, "$user", public: once a schema named like relay's login
-// existed (relay's own, for the README's login `relay`), the next `relay
+// existed (relay's own, for the login `relay` docs/production.md uses), the next `relay
 // migrate` made an empty table there and ran migration 1 again, which failed
 // for good. The table is relay's now, wherever the path points.
 #[tokio::test]

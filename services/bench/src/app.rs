@@ -62,7 +62,7 @@ async fn enqueue(
     let query = match how {
         Enqueue::Publish => sqlx::query(
             // In key order: concurrent transactions that lock the same keys
-            // in different orders would deadlock (README).
+            // in different orders would deadlock (docs/applications.md).
             "SELECT count(relay.publish($1, 'k-' || (n % $4), 'order.placed', jsonb_build_object('n', n),
                                         id => 'e-' || n))
                FROM (SELECT n FROM generate_series($2::int8, $3::int8) AS n ORDER BY n % $4, n) AS s",

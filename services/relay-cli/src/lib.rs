@@ -16,6 +16,8 @@
 
 pub mod cli;
 pub mod demo;
+#[cfg(test)]
+mod docs_examples;
 mod explain;
 mod telemetry;
 pub mod verify;
