@@ -54,6 +54,7 @@ use tracing::{Level, debug, error, info, warn};
 
 use relay_core::Disposition;
 
+use crate::ingest::next::{Ended, InARow, Next, WaitFor, next};
 use crate::ingest::partitions::{Done, Filed, Limits, PartitionResult, PartitionRun, Partitions, Resume, Start, Tp};
 use crate::ingest::processor::{Processed, Processor};
 use crate::ingest::unreadable::{self, Unreadable};
@@ -784,163 +785,101 @@ impl InboxConsumer {
     /// (a database error, a record waiting, …) names the partition.
     #[tracing::instrument(name = "partition", skip_all, fields(consumer = %self.settings.name, topic = %start.tp.0, partition = start.tp.1))]
     async fn process_partition(&self, start: Start, shutdown: &CancellationToken) -> PartitionResult {
-        let Start { tp, records, generation, revoke, mut not_yet } = start;
+        let Start { tp, records, generation, revoke, not_yet } = start;
         let mut run = PartitionRun { tp: tp.clone(), generation, interrupted: false, held: None };
         let mut i = 0;
-        let (mut db_failures, mut registry_failures) = (0u32, 0u32);
+        let mut row = InARow { not_yet, ..InARow::default() };
         let mut rng = StdRng::from_os_rng();
+        let max_attempts = self.settings.reference_retry.max_attempts;
         while i < records.len() {
             // A return of the database after this attempt starts wakes its wait.
             let mut db_back = self.db_back.subscribe();
-            let mut db_wait = false;
-            if self.state.lock().expect("partition state lock").revoked_since(&tp, generation) {
+            if self.revoked(&tp, generation) {
                 // R13: stop taking work for it; the new owner starts at the committed offset.
                 debug!(topic = %tp.0, partition = tp.1, left = records.len() - i, "partition revoked; its remaining records are left to the new owner");
                 return Ok(run);
             }
             // A stand-in for a batch the client could not read: parked alone.
-            let unreadable_at =
-                |r: &RawRecord| self.state.lock().expect("partition state lock").unreadable_at(&tp, r.offset);
-            if let Some((until, why)) = unreadable_at(&records[i]) {
-                let record = &records[i];
-                match self.park_alone(record, &Poison::new(PoisonClass::Unreadable, why), 1, None).await {
-                    Ok(()) => {
-                        crate::runtime::metrics::dead_lettered(
-                            &self.settings.name,
-                            &record.topic,
-                            PoisonClass::Unreadable.as_str(),
-                        );
-                        i += 1;
-                        // Past the whole batch: a new owner starting inside it
-                        // would park the same loss again.
-                        self.advance(&tp, generation, until, record.size(), CommitMode::Async);
-                        continue;
-                    }
+            if let Some((until, why)) = self.unreadable_at(&tp, &records[i]) {
+                match self.park_stand_in(&records[i], until, why, &tp, generation).await {
+                    Ok(()) => i += 1,
                     Err(ParkError::Fault(f)) => return Err(f),
                     Err(ParkError::Db(e)) => {
-                        db_failures += 1;
-                        let wait = self.db_unavailable(&e, db_failures, &mut rng);
+                        let Next::Wait(_, n) = next(&Ended::Database, &mut row, max_attempts, false) else { continue };
+                        let wait = self.db_unavailable(&e, n, &mut rng);
                         tokio::select! {
                             _ = shutdown.cancelled() => { run.interrupted = true; return Ok(run); }
                             _ = revoke.cancelled() => {}
                             _ = db_back.changed() => {}
                             _ = tokio::time::sleep(wait) => {}
                         }
-                        continue;
                     }
                 }
+                continue;
             }
-            let end = (i + 1..records.len().min(i + self.settings.batch_size))
-                .find(|&j| unreadable_at(&records[j]).is_some())
-                .unwrap_or(records.len().min(i + self.settings.batch_size));
-            let wait = match self.run_batch(&tp, generation, &records[i..end]).await {
+            let batch_end = records.len().min(i + self.settings.batch_size);
+            let end = (i + 1..batch_end).find(|&j| self.unreadable_at(&tp, &records[j]).is_some()).unwrap_or(batch_end);
+            let (ended, stopped, failure) = match self.run_batch(&tp, generation, &records[i..end]).await {
                 Ok(BatchRun { done, stopped, paused }) => {
-                    (db_failures, registry_failures) = (0, 0);
                     if done > 0 {
                         let bytes = records[i..i + done].iter().map(RawRecord::size).sum();
                         i += done;
                         self.advance(&tp, generation, records[i - 1].offset + 1, bytes, CommitMode::Async);
-                        not_yet = 0;
                     }
-                    if let Some(route) = paused {
-                        // Hold this partition from here (no retry budget is
-                        // spent); the other partitions keep flowing.
-                        warn!(consumer = %self.settings.name, topic = %tp.0, partition = tp.1, offset = records[i].offset,
-                              route = %route, "route is paused: this partition is held at its next event of the route until it is resumed");
-                        run.held = Some((route, records[i].offset));
-                        return Ok(run);
-                    }
-                    let Some((poison, route)) = stopped else { continue };
-                    crate::runtime::metrics::not_yet(&self.settings.name, poison.class.as_str());
-                    not_yet += 1;
-                    let record = &records[i];
-                    // Kept beside the partition, so a new task (after a
-                    // rebalance that gives it back) goes on counting.
-                    self.state.lock().expect("partition state lock").not_yet(&tp, record.offset, not_yet);
-                    let budget = self.settings.reference_retry;
-                    if not_yet >= budget.max_attempts
-                        && self.state.lock().expect("partition state lock").revoked_since(&tp, generation)
-                    {
-                        // Its new owner may have applied it since: not ours to park.
-                        return Ok(run);
-                    }
-                    if not_yet >= budget.max_attempts {
-                        match self.park_alone(record, &poison, not_yet, route.as_deref()).await {
-                            Ok(()) => {
-                                // The records after it naming the same missing schema need no budget each.
-                                self.processor.decoder().gave_up(record);
-                                crate::runtime::metrics::dead_lettered(
-                                    &self.settings.name,
-                                    &record.topic,
-                                    poison.class.as_str(),
-                                );
-                                warn!(
-                                    consumer = %self.settings.name, topic = %record.topic, partition = record.partition,
-                                    offset = record.offset, event_id = poison.event_id.as_deref().unwrap_or(""),
-                                    error_class = %poison.class, attempts = not_yet,
-                                    "record parked after its retry budget: {}", poison.reason
-                                );
-                                i += 1;
-                                self.advance(&tp, generation, record.offset + 1, record.size(), CommitMode::Async);
-                                not_yet = 0;
-                                continue;
-                            }
-                            Err(ParkError::Fault(f)) => return Err(f),
-                            Err(ParkError::Db(e)) => {
-                                db_failures += 1;
-                                db_wait = true;
-                                self.db_unavailable(&e, db_failures, &mut rng)
-                            }
-                        }
-                    } else {
-                        let delay = budget.backoff.delay(not_yet, &mut rng);
-                        warn!(
-                            consumer = %self.settings.name, topic = %record.topic, partition = record.partition,
-                            offset = record.offset, event_id = poison.event_id.as_deref().unwrap_or(""),
-                            error_class = %poison.class, attempt = not_yet, retry_in_ms = delay.as_millis() as u64,
-                            "record not processable yet; the partition waits for it: {}", poison.reason
-                        );
-                        delay
-                    }
+                    (Ended::Ran { done, paused, not_yet: stopped.is_some() }, stopped, None)
                 }
                 Err(BatchError::Fault(f)) => return Err(f),
-                Err(BatchError::Db(e)) => {
-                    db_failures += 1;
-                    db_wait = true;
-                    self.db_unavailable(&e, db_failures, &mut rng)
-                }
-                Err(BatchError::Registry(why)) => {
-                    registry_failures += 1;
-                    let delay = self
-                        .settings
-                        .database_backoff
-                        .delay(registry_failures, &mut rng)
-                        .max(Duration::from_millis(50));
-                    crate::runtime::metrics::registry_unavailable(&self.settings.name, &tp.0);
-                    warn!(
-                        consumer = %self.settings.name, topic = %tp.0, partition = tp.1, offset = records[i].offset,
-                        attempt = registry_failures, retry_in_ms = delay.as_millis() as u64,
-                        "the Schema Registry could not be asked; nothing was written for this batch and the \
-                         partition waits for it (a registry outage never dead-letters a record): {why}"
-                    );
-                    delay
-                }
+                Err(BatchError::Db(e)) => (Ended::Database, None, Some(BatchError::Db(e))),
+                Err(BatchError::Registry(why)) => (Ended::Registry, None, Some(BatchError::Registry(why))),
             };
-            // Waiting: what else is buffered for this partition is dropped
-            // and it is paused at the broker until this task is done, so it
-            // holds no more than its batch meanwhile.
-            if self.state.lock().expect("partition state lock").wait_out(&tp, generation) {
-                self.pause(std::slice::from_ref(&tp));
+            let mut decided = next(&ended, &mut row, max_attempts, self.revoked(&tp, generation));
+            if let (Ended::Ran { not_yet: true, .. }, Some((poison, _)), false) =
+                (&ended, &stopped, matches!(decided, Next::Hold(_)))
+            {
+                crate::runtime::metrics::not_yet(&self.settings.name, poison.class.as_str());
+                // Kept beside the partition, so a new task (after a
+                // rebalance that gives it back) goes on counting.
+                self.state.lock().expect("partition state lock").not_yet(&tp, records[i].offset, row.not_yet);
             }
-            self.waits_changed.notify_one();
-            let interrupted = tokio::select! {
-                _ = shutdown.cancelled() => true,
-                // Revoked: the loop's next turn sees it and leaves the records to the new owner.
-                _ = revoke.cancelled() => false,
-                _ = db_back.changed(), if db_wait => false,
-                _ = tokio::time::sleep(wait) => false,
+            let mut failure = failure;
+            if decided == Next::Park {
+                let (poison, route) = stopped.as_ref().expect("a record stopped the batch");
+                match self.park_spent(&records[i], poison, route.as_deref(), row.not_yet, &tp, generation).await {
+                    Ok(()) => {
+                        i += 1;
+                        decided = next(&Ended::Parked, &mut row, max_attempts, false);
+                    }
+                    Err(ParkError::Fault(f)) => return Err(f),
+                    Err(ParkError::Db(e)) => {
+                        decided = next(&Ended::Database, &mut row, max_attempts, false);
+                        failure = Some(BatchError::Db(e));
+                    }
+                }
+            }
+            let (wait_for, n) = match decided {
+                Next::Go => continue,
+                Next::Leave => return Ok(run),
+                Next::Park => unreachable!("parked above"),
+                Next::Hold(route) => {
+                    // Hold this partition from here; the other partitions keep flowing.
+                    warn!(consumer = %self.settings.name, topic = %tp.0, partition = tp.1, offset = records[i].offset,
+                          route = %route, "route is paused: this partition is held at its next event of the route until it is resumed");
+                    run.held = Some((route, records[i].offset));
+                    return Ok(run);
+                }
+                Next::Wait(wait_for, n) => (wait_for, n),
             };
-            if interrupted {
+            let wait = match (wait_for, failure) {
+                (WaitFor::Database, Some(BatchError::Db(e))) => self.db_unavailable(&e, n, &mut rng),
+                (WaitFor::Registry, Some(BatchError::Registry(why))) => {
+                    self.registry_unavailable(&tp, &records[i], n, &why, &mut rng)
+                }
+                (_, _) => {
+                    let poison = stopped.as_ref().map(|(p, _)| p);
+                    self.not_processable_yet(&records[i], poison, n, &mut rng)
+                }
+            };
+            if self.wait(&tp, generation, wait, wait_for == WaitFor::Database, &revoke, shutdown, &mut db_back).await {
                 run.interrupted = true;
                 return Ok(run);
             }
@@ -948,8 +887,118 @@ impl InboxConsumer {
         Ok(run)
     }
 
-    fn db_unavailable(&self, e: &sqlx::Error, failures: u32, rng: &mut impl rand::Rng) -> Duration {
-        let delay = self.settings.database_backoff.delay(failures, rng).max(Duration::from_millis(50));
+    /// Whether `tp` was revoked since generation `generation`.
+    fn revoked(&self, tp: &Tp, generation: u64) -> bool {
+        self.state.lock().expect("partition state lock").revoked_since(tp, generation)
+    }
+
+    /// Where an unreadable batch's stand-in `record` stands for, if it is one.
+    fn unreadable_at(&self, tp: &Tp, record: &RawRecord) -> Option<(i64, String)> {
+        self.state.lock().expect("partition state lock").unreadable_at(tp, record.offset)
+    }
+
+    /// Park the stand-in of a batch the client could not read, and commit
+    /// past the whole batch: a new owner starting inside it would park the
+    /// same loss again.
+    async fn park_stand_in(
+        &self,
+        record: &RawRecord,
+        until: i64,
+        why: String,
+        tp: &Tp,
+        generation: u64,
+    ) -> Result<(), ParkError> {
+        self.park_alone(record, &Poison::new(PoisonClass::Unreadable, why), 1, None).await?;
+        crate::runtime::metrics::dead_lettered(&self.settings.name, &record.topic, PoisonClass::Unreadable.as_str());
+        self.advance(tp, generation, until, record.size(), CommitMode::Async);
+        Ok(())
+    }
+
+    /// Park `record`, not processable yet after `attempts`, and go past it.
+    async fn park_spent(
+        &self,
+        record: &RawRecord,
+        poison: &Poison,
+        route: Option<&str>,
+        attempts: u32,
+        tp: &Tp,
+        generation: u64,
+    ) -> Result<(), ParkError> {
+        self.park_alone(record, poison, attempts, route).await?;
+        // The records after it naming the same missing schema need no budget each.
+        self.processor.decoder().gave_up(record);
+        crate::runtime::metrics::dead_lettered(&self.settings.name, &record.topic, poison.class.as_str());
+        warn!(
+            consumer = %self.settings.name, topic = %record.topic, partition = record.partition,
+            offset = record.offset, event_id = poison.event_id.as_deref().unwrap_or(""),
+            error_class = %poison.class, attempts,
+            "record parked after its retry budget: {}", poison.reason
+        );
+        self.advance(tp, generation, record.offset + 1, record.size(), CommitMode::Async);
+        Ok(())
+    }
+
+    /// How long to wait for `record`, not processable yet at its `n`-th attempt.
+    fn not_processable_yet(&self, record: &RawRecord, poison: Option<&Poison>, n: u32, rng: &mut StdRng) -> Duration {
+        let s = &self.settings;
+        let delay = WaitFor::NotYet.delay(n, &s.database_backoff, &s.reference_retry.backoff, rng);
+        let (event_id, class, reason) =
+            poison.map_or(("", "", ""), |p| (p.event_id.as_deref().unwrap_or(""), p.class.as_str(), p.reason.as_str()));
+        warn!(
+            consumer = %s.name, topic = %record.topic, partition = record.partition,
+            offset = record.offset, event_id, error_class = class, attempt = n,
+            retry_in_ms = delay.as_millis() as u64,
+            "record not processable yet; the partition waits for it: {reason}"
+        );
+        delay
+    }
+
+    /// How long to wait for the Schema Registry, its `n`-th failure in a row.
+    fn registry_unavailable(&self, tp: &Tp, record: &RawRecord, n: u32, why: &str, rng: &mut StdRng) -> Duration {
+        let s = &self.settings;
+        let delay = WaitFor::Registry.delay(n, &s.database_backoff, &s.reference_retry.backoff, rng);
+        crate::runtime::metrics::registry_unavailable(&s.name, &tp.0);
+        warn!(
+            consumer = %s.name, topic = %tp.0, partition = tp.1, offset = record.offset,
+            attempt = n, retry_in_ms = delay.as_millis() as u64,
+            "the Schema Registry could not be asked; nothing was written for this batch and the \
+             partition waits for it (a registry outage never dead-letters a record): {why}"
+        );
+        delay
+    }
+
+    /// Wait `wait` before the partition's next try, or until the database is
+    /// back (`for_database`), the partition is revoked or the consumer stops
+    /// (then `true`). Meanwhile what else is buffered for the partition is
+    /// dropped and it is paused at the broker, so it holds no more than its
+    /// batch.
+    #[allow(clippy::too_many_arguments)]
+    async fn wait(
+        &self,
+        tp: &Tp,
+        generation: u64,
+        wait: Duration,
+        for_database: bool,
+        revoke: &CancellationToken,
+        shutdown: &CancellationToken,
+        db_back: &mut tokio::sync::watch::Receiver<u64>,
+    ) -> bool {
+        if self.state.lock().expect("partition state lock").wait_out(tp, generation) {
+            self.pause(std::slice::from_ref(tp));
+        }
+        self.waits_changed.notify_one();
+        tokio::select! {
+            _ = shutdown.cancelled() => true,
+            // Revoked: the loop's next turn sees it and leaves the records to the new owner.
+            _ = revoke.cancelled() => false,
+            _ = db_back.changed(), if for_database => false,
+            _ = tokio::time::sleep(wait) => false,
+        }
+    }
+
+    fn db_unavailable(&self, e: &sqlx::Error, failures: u32, rng: &mut StdRng) -> Duration {
+        let s = &self.settings;
+        let delay = WaitFor::Database.delay(failures, &s.database_backoff, &s.reference_retry.backoff, rng);
         // The database gone (a connection error, an admin shutdown, no
         // resources), not a conflict between transactions: watch for its return.
         let gone = match e {

@@ -9,7 +9,8 @@
 //!   [`decode`] (values in a Schema Registry format read as JSON),
 //!   [`pauses`] (the routes an operator paused, as last read) and [`park`]
 //!   (dead letters, key holds and dead-letter topic copies).
-//! * `partitions` — what the consumer knows of each partition it owns.
+//! * `partitions` — what the consumer knows of each partition it owns;
+//!   `next` — what a partition task does after each batch (a pure decision).
 //! * `unreadable` — finds a batch the Kafka client cannot read, to park it.
 //! * [`handler`] — the code handler trait: a database connection in, more
 //!   effects out, never an external client.
@@ -18,6 +19,7 @@ pub mod consumer;
 pub mod decode;
 pub mod handler;
 mod held;
+mod next;
 pub mod park;
 mod partitions;
 pub mod pauses;
