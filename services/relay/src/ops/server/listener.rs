@@ -1,0 +1,91 @@
+//! The admin server's socket: connections limited in number, time to send
+//! headers, time to be answered and lifetime; and the headers every answer
+//! carries.
+
+use super::*;
+
+/// Connections served at once; more wait in the kernel's accept queue.
+const MAX_CONNECTIONS: usize = 256;
+/// A client must send its request's headers within this.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// A request must be answered within this (a bulk replay of many dead
+/// letters is paged by its caller).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// The longest a connection is served (a keep-alive one is closed when
+/// idle for [`HEADER_READ_TIMEOUT`] anyway).
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(300);
+
+/// Serve `app` on `listener` until `shutdown`, then let the requests in
+/// flight finish (up to [`REQUEST_TIMEOUT`]). Written out instead of
+/// `axum::serve`, which sets no timer, so hyper would apply no header-read
+/// timeout, and which limits neither connections nor request time: a few
+/// thousand connections that never finish their headers would hold file
+/// descriptors and tasks for ever.
+pub(super) async fn accept_loop(listener: tokio::net::TcpListener, app: Router, shutdown: CancellationToken) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use tower::ServiceExt;
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
+    loop {
+        let slot = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            slot = slots.clone().acquire_owned() => slot.expect("never closed"),
+        };
+        let stream = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors, say: wait a little rather than spin.
+                    warn!(error = %e, "admin server: accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let app = app.clone();
+        let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+            let app = app.clone();
+            async move {
+                let answer = match tokio::time::timeout(REQUEST_TIMEOUT, app.oneshot(req)).await {
+                    Ok(answered) => answered.unwrap_or_else(|never| match never {}),
+                    Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "the request took too long\n").into_response(),
+                };
+                Ok::<_, std::convert::Infallible>(answer)
+            }
+        });
+        let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        tokio::spawn(async move {
+            // A client that never reads its answers would otherwise keep its
+            // slot for ever: the header timeout only covers reading requests.
+            let _ = tokio::time::timeout(CONNECTION_LIFETIME, conn).await;
+            drop(slot);
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(REQUEST_TIMEOUT, graceful.shutdown()).await.is_err() {
+        warn!("admin server: connections still open at shutdown were dropped");
+    }
+}
+
+/// Headers every admin answer carries: the console runs
+/// only its own script and style, is never framed (clickjacking the Replay
+/// and Purge buttons), and nothing of it is cached or sniffed.
+pub(super) async fn hardened(mut resp: axum::response::Response) -> axum::response::Response {
+    use axum::http::HeaderValue;
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; \
+             frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
+        ),
+    );
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    h.entry(header::CACHE_CONTROL).or_insert(HeaderValue::from_static("no-store"));
+    resp
+}

@@ -1,0 +1,63 @@
+//! `/api/pauses`: routes and endpoints held on purpose.
+
+use super::*;
+
+#[utoipa::path(
+    get,
+    path = "/api/pauses",
+    tag = "pauses",
+    summary = "What is paused",
+    responses(
+        (status = 200, description = "Pauses", body = Object, example = json!({"pauses": [{"kind": "endpoint", "name": "psp", "reason": "provider incident", "paused_at": "2026-12-05T10:00:00Z"}]})),
+    )
+)]
+pub(super) async fn list_pauses(State(s): State<Shared>) -> ApiResult {
+    Ok(Json(json!({"pauses": s.operator.pauses().await?})))
+}
+
+#[derive(Deserialize, ToSchema)]
+pub(super) struct PauseRequest {
+    /// What to pause.
+    #[schema(schema_with = pause_kinds)]
+    kind: PauseKind,
+    /// The route's or endpoint's name in the configuration.
+    name: String,
+    /// Shown with the pause.
+    reason: Option<String>,
+}
+
+#[utoipa::path(
+    post,
+    path = "/api/pauses",
+    tag = "pauses",
+    summary = "Pause a route or an endpoint",
+    request_body = PauseRequest,
+    responses(
+        (status = 200, description = "Paused (already: it was)", body = Object, example = json!({"paused": true, "already": false})),
+        (status = 400, description = "A malformed id or parameter", body = ErrorBody),
+        (status = 404, description = "No such route or endpoint", body = ErrorBody),
+    )
+)]
+pub(super) async fn pause(State(s): State<Shared>, Json(p): Json<PauseRequest>) -> ApiResult {
+    let done = s.operator.pause(p.kind, &p.name, p.reason.as_deref()).await?;
+    info!(kind = p.kind.as_str(), name = %p.name, "paused through the admin API");
+    Ok(Json(json!({"paused": true, "already": done == Paused::AlreadyPaused})))
+}
+
+#[utoipa::path(
+    delete,
+    path = "/api/pauses/{kind}/{name}",
+    tag = "pauses",
+    summary = "Resume a route or an endpoint",
+    params(("kind" = String, Path, description = "route or endpoint"), ("name" = String, Path, description = "Name of the route or endpoint")),
+    responses(
+        (status = 200, description = "Resumed (false: it was not paused)", body = Object, example = json!({"resumed": true})),
+        (status = 400, description = "A malformed id or parameter", body = ErrorBody),
+    )
+)]
+pub(super) async fn resume(State(s): State<Shared>, Path((kind, name)): Path<(String, String)>) -> ApiResult {
+    let kind = kind.parse::<PauseKind>().map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.to_string()))?;
+    let done = s.operator.resume(kind, &name).await?;
+    info!(kind = kind.as_str(), %name, "resumed through the admin API");
+    Ok(Json(json!({"resumed": done == Resumed::Resumed})))
+}
