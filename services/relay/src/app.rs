@@ -97,8 +97,12 @@ impl Relay {
         };
         #[cfg(not(feature = "faults"))]
         let router = Router::new(&cfg)?;
+        // Only a sabotaged relay registers: a sound one beside it in the same
+        // test process must not clear its defects.
         #[cfg(feature = "faults")]
-        relay_store::sabotage::set(&cfg.consumer.name, faults.sabotage());
+        if faults.sabotage().any() {
+            relay_store::sabotage::set(&cfg.consumer.name, faults.sabotage());
+        }
         let wanted = cfg.routes.iter().filter_map(|r| r.handler.as_deref());
         let missing = handlers.missing(wanted);
         if !missing.is_empty() {

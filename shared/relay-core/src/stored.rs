@@ -153,7 +153,7 @@ stored_names! {
 }
 
 stored_names! {
-    /// What an `effect_history` row records (`history.kind`).
+    /// What a `relay.history` row records (`history.kind`).
     pub enum HistoryKind ("history kind") {
         /// A saga moved.
         Saga = "saga",

@@ -278,9 +278,9 @@ impl EndpointClient {
     /// The waits come in this order: the endpoint's concurrency permit, its
     /// rate limit, then the dispatcher's call slot. A call waiting at its own
     /// endpoint's limits holds no slot that another endpoint's calls need,
-    /// and a rate token is only taken by a call that holds
-    /// its endpoint's permit — and taken again after a wait for a slot,
-    /// without holding it, so calls that queued for slots do not all go at once.
+    /// and a rate token is only taken by a call that holds its endpoint's
+    /// permit. Calls that waited for slots together may then leave close
+    /// together: at most the endpoint's `concurrency`.
     ///
     /// `stop` ends the waits too: a dispatcher stopping gives back what has
     /// not been sent rather than wait at a throttled endpoint until the

@@ -7,10 +7,10 @@
 //!   recorded in batches, fenced by the lease). Beside it run the rescuer
 //!   (expired leases back to pending), the [`reconciler`] and the rate sync
 //!   of [`throttle`], each a type of its own built from the handles it
-//!   needs. None of these imports the dispatcher or each other but for the
-//!   reconciler, which records through the completer; [`outcome`] holds the
-//!   messages between executor and completer. An intent's next state is
-//!   decided in [`relay_core::retry::decide`].
+//!   needs. None of them imports the dispatcher, and no file here imports
+//!   one that imports it back; [`outcome`] holds the messages between
+//!   executor and completer. An intent's next state is decided in
+//!   [`relay_core::retry::decide`].
 //! * [`http`] — one endpoint's client: limits, timeout, the stable
 //!   idempotency key; [`auth`] — its OAuth2 tokens and request signing.
 //! * [`handoff`] — intents claimed at ingest: the dispatcher owns the
