@@ -103,18 +103,7 @@ impl Executor {
             return Ok(Err(intent));
         };
         let now = Utc::now();
-        let mut budget = intent.budget();
-        // Deliberately wrong when sabotaged: re-sent without keys.
-        budget.resends_unknown =
-            client.profile().resends_unknown() || self.faults.sabotage().has(Sabotage::UnknownResent);
-        // As of the latest moment the request may leave (the lease's end),
-        // not of the claim: the waits before the send may outlast the window.
-        let latest_send = now + chrono::Duration::from_std(self.lease).unwrap_or_default();
-        budget.key_forgotten = client.profile().key_forgotten(intent.created_at, latest_send);
-        if self.faults.sabotage().has(Sabotage::UncertaintyForgotten) {
-            // Deliberately wrong: only this attempt's outcome counts.
-            budget.uncertain_before = false;
-        }
+        let budget = self.budget_of(&intent, client, now);
         // The answer is read and kept only for an on_success that reads it.
         let reads_answer = relay_core::Outcome::reads_answer(&intent.intent.on_success);
         let (tried, result) = if budget.spent(now).is_some() {
@@ -125,74 +114,10 @@ impl Executor {
             };
             (Tried::Spent, r)
         } else {
-            let attrs = || {
-                vec![
-                    opentelemetry::KeyValue::new("relay.intent_id", intent.id.to_string()),
-                    opentelemetry::KeyValue::new("relay.endpoint", intent.intent.endpoint.clone()),
-                    opentelemetry::KeyValue::new("relay.attempt", i64::from(intent.attempts)),
-                    opentelemetry::KeyValue::new("relay.idempotency_key", intent.intent.idempotency_key.clone()),
-                ]
-            };
-            let hop = crate::runtime::trace::Hop::start(
-                "relay.call",
-                opentelemetry::trace::SpanKind::Client,
-                intent.intent.traceparent.as_deref(),
-                attrs,
-            );
-            // Deliberately wrong when sabotaged (breaks R8): a new key per attempt.
-            let fresh_key = (self.faults.sabotage().has(Sabotage::FreshIdempotencyKey))
-                .then(|| format!("{}:{}", intent.intent.idempotency_key, uuid::Uuid::new_v4()));
-            let request = Request {
-                method: &intent.intent.method,
-                path: &intent.intent.path,
-                body: intent.intent.body.as_ref(),
-                headers: &intent.intent.headers,
-                idempotency_key: Some(fresh_key.as_deref().unwrap_or(&intent.intent.idempotency_key)),
-                traceparent: hop.traceparent.as_deref().or(intent.intent.traceparent.as_deref()),
-                correlation_id: intent.intent.correlation_id.as_deref(),
-                intent_id: intent.id,
-                attempt: intent.attempts,
-                keep_body: if reads_answer { client.config().response_bytes } else { 0 },
-            };
-            // Deliberately wrong (C17): the waits at the endpoint's limits are not bounded by the lease.
-            let send_by = if self.faults.sabotage().has(Sabotage::LeaseCheckedBeforeWait) {
-                tokio::time::Instant::now() + Duration::from_secs(86_400)
-            } else {
-                send_by
-            };
-            let Ok(mut r) = client.call(request, send_by, slots, &self.stopping).await else {
-                hop.end("not_sent");
-                return Ok(Err(intent));
-            };
-            hop.end(
-                r.status
-                    .map_or_else(|| r.error_class.map_or("error", ErrorClass::as_str).to_owned(), |s| s.to_string())
-                    .as_str(),
-            );
-            self.faults.hit(point::DISPATCHER_AFTER_CALL).await?;
-            let mut verdict = classify(&r.attempt, client.also_retry());
-            if let Verdict::Retry { retry_after, uncertain: true } = verdict
-                && r.status.is_some()
-                && self.faults.sabotage().has(Sabotage::ServerErrorsCertain)
-            {
-                // Deliberately wrong: an answer is taken as proof that nothing was applied.
-                verdict = Verdict::Retry { retry_after, uncertain: false };
+            match self.attempt(&intent, client, send_by, slots, reads_answer).await? {
+                Some((verdict, r)) => (Tried::Attempt(verdict), r),
+                None => return Ok(Err(intent)),
             }
-            let keep = client.config().response_bytes;
-            let cut = r.body.as_ref().is_some_and(|b| b.len() < keep) && !r.body_complete;
-            if reads_answer && cut && r.status.is_some_and(|s| (200..300).contains(&s)) {
-                // Applied, but the answer its effects read was cut off (the
-                // timeout, a broken connection): asked again with the same
-                // key, the provider gives its stored answer; without keys it
-                // is uncertain at once.
-                verdict = Verdict::Retry { retry_after: None, uncertain: true };
-                r.error_class = Some(ErrorClass::Timeout);
-                r.error = Some(format!(
-                    "HTTP {} but its body was cut off before its end, and on_success reads it",
-                    r.status.unwrap_or_default()
-                ));
-            }
-            (Tried::Attempt(verdict), r)
         };
         let decision = retry::decide(&budget, tried, &client.config().backoff, Utc::now(), &mut rand::rng());
         let attempt = attempt_record(&decision, &result);
@@ -211,6 +136,109 @@ impl Executor {
             counted: None,
         };
         Ok(Ok(done.answered(answer.flatten())))
+    }
+
+    /// What `intent`'s budget allows at `now`, with what its endpoint's
+    /// profile says about resending and the key window (as of the latest
+    /// moment the request may leave, the lease's end, not of the claim: the
+    /// waits before the send may outlast the window).
+    fn budget_of(&self, intent: &ClaimedIntent, client: &EndpointClient, now: chrono::DateTime<Utc>) -> retry::Budget {
+        let mut budget = intent.budget();
+        // Deliberately wrong when sabotaged: re-sent without keys.
+        budget.resends_unknown =
+            client.profile().resends_unknown() || self.faults.sabotage().has(Sabotage::UnknownResent);
+        let latest_send = now + chrono::Duration::from_std(self.lease).unwrap_or_default();
+        budget.key_forgotten = client.profile().key_forgotten(intent.created_at, latest_send);
+        if self.faults.sabotage().has(Sabotage::UncertaintyForgotten) {
+            // Deliberately wrong: only this attempt's outcome counts.
+            budget.uncertain_before = false;
+        }
+        budget
+    }
+
+    /// Send `intent`'s request by `send_by` and classify the answer; `None`
+    /// when it was not sent (the caller gives the claim back).
+    async fn attempt(
+        &self,
+        intent: &ClaimedIntent,
+        client: &EndpointClient,
+        send_by: tokio::time::Instant,
+        slots: &Semaphore,
+        reads_answer: bool,
+    ) -> Result<Option<(Verdict, CallResult)>, FaultInjected> {
+        let attrs = || {
+            vec![
+                opentelemetry::KeyValue::new("relay.intent_id", intent.id.to_string()),
+                opentelemetry::KeyValue::new("relay.endpoint", intent.intent.endpoint.clone()),
+                opentelemetry::KeyValue::new("relay.attempt", i64::from(intent.attempts)),
+                opentelemetry::KeyValue::new("relay.idempotency_key", intent.intent.idempotency_key.clone()),
+            ]
+        };
+        let hop = crate::runtime::trace::Hop::start(
+            "relay.call",
+            opentelemetry::trace::SpanKind::Client,
+            intent.intent.traceparent.as_deref(),
+            attrs,
+        );
+        // Deliberately wrong when sabotaged (breaks R8): a new key per attempt.
+        let fresh_key = (self.faults.sabotage().has(Sabotage::FreshIdempotencyKey))
+            .then(|| format!("{}:{}", intent.intent.idempotency_key, uuid::Uuid::new_v4()));
+        let request = Request {
+            method: &intent.intent.method,
+            path: &intent.intent.path,
+            body: intent.intent.body.as_ref(),
+            headers: &intent.intent.headers,
+            idempotency_key: Some(fresh_key.as_deref().unwrap_or(&intent.intent.idempotency_key)),
+            traceparent: hop.traceparent.as_deref().or(intent.intent.traceparent.as_deref()),
+            correlation_id: intent.intent.correlation_id.as_deref(),
+            intent_id: intent.id,
+            attempt: intent.attempts,
+            keep_body: if reads_answer { client.config().response_bytes } else { 0 },
+        };
+        // Deliberately wrong (C17): the waits at the endpoint's limits are not bounded by the lease.
+        let send_by = if self.faults.sabotage().has(Sabotage::LeaseCheckedBeforeWait) {
+            tokio::time::Instant::now() + Duration::from_secs(86_400)
+        } else {
+            send_by
+        };
+        let Ok(mut r) = client.call(request, send_by, slots, &self.stopping).await else {
+            hop.end("not_sent");
+            return Ok(None);
+        };
+        hop.end(
+            r.status
+                .map_or_else(|| r.error_class.map_or("error", ErrorClass::as_str).to_owned(), |s| s.to_string())
+                .as_str(),
+        );
+        self.faults.hit(point::DISPATCHER_AFTER_CALL).await?;
+        let verdict = self.verdict_of(&mut r, client, reads_answer);
+        Ok(Some((verdict, r)))
+    }
+
+    /// What the answer `r` means for retrying ([`classify`]); an applied
+    /// call whose answer was cut off where `on_success` reads it counts as
+    /// a timeout (`r` says so): asked again with the same key, the provider
+    /// gives its stored answer; without keys it is uncertain at once.
+    fn verdict_of(&self, r: &mut CallResult, client: &EndpointClient, reads_answer: bool) -> Verdict {
+        let mut verdict = classify(&r.attempt, client.also_retry());
+        if let Verdict::Retry { retry_after, uncertain: true } = verdict
+            && r.status.is_some()
+            && self.faults.sabotage().has(Sabotage::ServerErrorsCertain)
+        {
+            // Deliberately wrong: an answer is taken as proof that nothing was applied.
+            verdict = Verdict::Retry { retry_after, uncertain: false };
+        }
+        let keep = client.config().response_bytes;
+        let cut = r.body.as_ref().is_some_and(|b| b.len() < keep) && !r.body_complete;
+        if reads_answer && cut && r.status.is_some_and(|s| (200..300).contains(&s)) {
+            verdict = Verdict::Retry { retry_after: None, uncertain: true };
+            r.error_class = Some(ErrorClass::Timeout);
+            r.error = Some(format!(
+                "HTTP {} but its body was cut off before its end, and on_success reads it",
+                r.status.unwrap_or_default()
+            ));
+        }
+        verdict
     }
 }
 

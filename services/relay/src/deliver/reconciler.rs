@@ -28,7 +28,7 @@ use tracing::{error, info, warn};
 
 use super::completer::Completer;
 use super::executor::Executor;
-use super::http::Request;
+use super::http::{CallResult, Request};
 use super::outcome::{Completion, Finished};
 
 /// How much of a lookup's answer is read to tell what it says.
@@ -148,85 +148,19 @@ impl Reconciler {
         let (Some((r, path)), Some(client)) = (rec.of(&endpoint), self.executor.client(&endpoint)) else {
             return self.give_back(id, token).await;
         };
-        // Questions that cannot be asked are answered "unknown" with why:
-        // they count against the budget and show in the history, instead of
-        // being taken again every round ahead of the others.
-        let unasked = |why: String| Asked {
-            worker: self.worker.clone(),
-            started_at: None,
-            status: None,
-            verdict: Reconciled::Unknown,
-            error: Some(why),
+        let lookup_path = match self.lookup_path(rec, path, &intent, client) {
+            Ok(p) => p,
+            // Questions that cannot be asked are answered "unknown" with why:
+            // they count against the budget and show in the history, instead
+            // of being taken again every round ahead of the others.
+            Err(why) => return self.settle_unasked(id, token, &endpoint, self.unasked(why), r, client).await,
         };
-        let lookup_path = match path.map(|t| rec.templates.render(t, &Context::from(lookup_context(&intent)))) {
-            Some(Ok(p)) => Some(p),
-            None => None,
-            Some(Err(e)) => {
-                let why = format!("the reconcile path cannot be rendered for this intent: {}", e.0);
-                return self.settle_unasked(id, token, &endpoint, unasked(why), r, client).await;
-            }
-        };
-        // As of the latest moment the resend may leave (the lease's end).
-        let latest_send = chrono::Utc::now() + chrono::Duration::from_std(self.lease).unwrap_or_default();
-        if lookup_path.is_none() && client.profile().key_forgotten(intent.created_at, latest_send) {
-            // Sent again now, the call would be a new request to the provider.
-            let why = format!("not sent again: {}", relay_core::retry::KEY_FORGOTTEN);
-            return self.settle_unasked(id, token, &endpoint, unasked(why), r, client).await;
-        }
-        let call = &intent.intent;
-        let request = match &lookup_path {
-            // Resend: the call itself, its key, its body and headers.
-            None => Request {
-                method: &call.method,
-                path: &call.path,
-                body: call.body.as_ref(),
-                headers: &call.headers,
-                idempotency_key: Some(&call.idempotency_key),
-                traceparent: call.traceparent.as_deref(),
-                correlation_id: call.correlation_id.as_deref(),
-                intent_id: id,
-                attempt: intent.attempts,
-                keep_body: ANSWER_BYTES.max(client.config().response_bytes),
-            },
-            // The intent's own headers go with a lookup too: they may scope
-            // it (an account header), and without them a lookup could find
-            // nothing and take the call for not applied.
-            Some(path) => Request {
-                method: &r.method,
-                path,
-                body: None,
-                headers: &call.headers,
-                idempotency_key: None,
-                traceparent: call.traceparent.as_deref(),
-                correlation_id: call.correlation_id.as_deref(),
-                intent_id: id,
-                attempt: intent.attempts,
-                keep_body: ANSWER_BYTES.max(client.config().response_bytes),
-            },
-        };
+        let request = request_of(&intent, r, lookup_path.as_deref(), client);
         let send_by = self.executor.send_by(&intent, taken_at);
         let Ok(answer) = client.call(request, send_by, slots, self.executor.stopping()).await else {
             return self.give_back(id, token).await;
         };
-        let json = answer.body.as_deref().and_then(|b| serde_json::from_slice(b).ok());
-        let mut verdict = r.verdict(answer.status, json.as_ref());
-        // An applied call whose answer was cut off, where on_success reads
-        // it: its effects could not be rendered. Asked again later, as a
-        // call's cut-off answer is.
-        let keep = ANSWER_BYTES.max(client.config().response_bytes);
-        let cut = answer.body.as_ref().is_some_and(|b| b.len() < keep) && !answer.body_complete;
-        if verdict == Reconciled::Succeeded && cut && relay_core::Outcome::reads_answer(&intent.intent.on_success) {
-            verdict = Reconciled::Unknown;
-        }
-        let how = if r.resend { "the call sent again with its key" } else { "a lookup" };
-        let said = match (verdict, answer.status) {
-            (Reconciled::Succeeded, Some(s)) => format!("reconciled by {how}: the provider applied it (HTTP {s})"),
-            (Reconciled::NotApplied, Some(s)) => {
-                format!("reconciled by {how}: the provider did not apply it (HTTP {s}); queued to be sent again")
-            }
-            (_, Some(s)) => format!("{how} answered HTTP {s}, which says neither applied nor not applied"),
-            (_, None) => format!("{how} got no answer: {}", answer.error.as_deref().unwrap_or("")),
-        };
+        let (verdict, said) = verdict_of(r, &intent, &answer, client);
         let asked = Asked {
             worker: self.worker.clone(),
             started_at: answer.started_at,
@@ -235,28 +169,97 @@ impl Reconciler {
             error: Some(said.clone()),
         };
         crate::runtime::metrics::reconciled(&endpoint, verdict);
+        if self.record(id, token, &asked, r, client).await {
+            let via = if lookup_path.is_some() { "lookup" } else { "resend" };
+            self.act_on(verdict, intent, &answer, said, via, r, client).await;
+        }
+    }
+
+    /// The lookup path rendered for `intent` (`None`: the provider is asked
+    /// by sending the call again with its key), or why it cannot be asked.
+    fn lookup_path(
+        &self,
+        rec: &Reconcilers,
+        path: Option<&TextTemplate>,
+        intent: &ClaimedIntent,
+        client: &super::http::EndpointClient,
+    ) -> Result<Option<String>, String> {
+        let lookup_path = match path.map(|t| rec.templates.render(t, &Context::from(lookup_context(intent)))) {
+            Some(Ok(p)) => Some(p),
+            None => None,
+            Some(Err(e)) => return Err(format!("the reconcile path cannot be rendered for this intent: {}", e.0)),
+        };
+        // As of the latest moment the resend may leave (the lease's end).
+        let latest_send = chrono::Utc::now() + chrono::Duration::from_std(self.lease).unwrap_or_default();
+        if lookup_path.is_none() && client.profile().key_forgotten(intent.created_at, latest_send) {
+            // Sent again now, the call would be a new request to the provider.
+            return Err(format!("not sent again: {}", relay_core::retry::KEY_FORGOTTEN));
+        }
+        Ok(lookup_path)
+    }
+
+    /// A question that could not be asked, answered "unknown" with `why`.
+    fn unasked(&self, why: String) -> Asked {
+        Asked {
+            worker: self.worker.clone(),
+            started_at: None,
+            status: None,
+            verdict: Reconciled::Unknown,
+            error: Some(why),
+        }
+    }
+
+    /// Record what a question learnt, fenced by the take's lease token:
+    /// `false` when nothing was recorded (the lease was lost, or the
+    /// database failed, and the intent is given back).
+    async fn record(
+        &self,
+        id: uuid::Uuid,
+        token: uuid::Uuid,
+        asked: &Asked,
+        r: &ReconcileConfig,
+        client: &super::http::EndpointClient,
+    ) -> bool {
         let recorded = match self.pool.acquire().await {
             Ok(mut conn) => {
                 let max_age = client.config().max_age;
-                reconciliations::record(&mut conn, id, token, &asked, r.interval, max_age).await
+                reconciliations::record(&mut conn, id, token, asked, r.interval, max_age).await
             }
             Err(e) => Err(e),
         };
         match recorded {
-            Ok(Fenced::Done) => {}
+            Ok(Fenced::Done) => true,
             Ok(Fenced::LeaseLost) => {
-                return warn!(intent_id = %id, "reconciliation answered after its lease was lost; nothing recorded");
+                warn!(intent_id = %id, "reconciliation answered after its lease was lost; nothing recorded");
+                false
             }
             Err(e) => {
                 error!(intent_id = %id, error = %e, "recording a reconciliation failed; it is asked again later");
-                return self.give_back(id, token).await;
+                self.give_back(id, token).await;
+                false
             }
         }
+    }
+
+    /// Move the intent as `verdict` says, once it is recorded: a success
+    /// through the completer (its effects once), not applied back to
+    /// pending (the claim loop is woken), unknown left uncertain.
+    #[allow(clippy::too_many_arguments)]
+    async fn act_on(
+        &self,
+        verdict: Reconciled,
+        intent: ClaimedIntent,
+        answer: &CallResult,
+        said: String,
+        via: &str,
+        r: &ReconcileConfig,
+        client: &super::http::EndpointClient,
+    ) {
+        let (id, token, endpoint) = (intent.id, intent.lease_token, intent.intent.endpoint.clone());
         match verdict {
             Reconciled::Succeeded => {
                 let status = answer.status.map(i32::from);
-                let via = if lookup_path.is_some() { "lookup" } else { "resend" };
-                let data = super::outcome::answer_of(&answer, client.config().response_bytes, via);
+                let data = super::outcome::answer_of(answer, client.config().response_bytes, via);
                 let mut done = [Completion::reconciled(intent, status, said.clone(), data)];
                 let finished = self.completer.finalize(&mut done).await;
                 if finished.as_slice() == [Finished::Succeeded]
@@ -314,6 +317,76 @@ impl Reconciler {
             let _ = intents::give_back_uncertain(&mut conn, id, token).await;
         }
     }
+}
+
+/// The question's request: a lookup at `lookup_path`, or the call itself
+/// sent again with its key, body and headers.
+fn request_of<'i>(
+    intent: &'i ClaimedIntent,
+    r: &'i ReconcileConfig,
+    lookup_path: Option<&'i str>,
+    client: &super::http::EndpointClient,
+) -> Request<'i> {
+    let call = &intent.intent;
+    let keep_body = ANSWER_BYTES.max(client.config().response_bytes);
+    match lookup_path {
+        None => Request {
+            method: &call.method,
+            path: &call.path,
+            body: call.body.as_ref(),
+            headers: &call.headers,
+            idempotency_key: Some(&call.idempotency_key),
+            traceparent: call.traceparent.as_deref(),
+            correlation_id: call.correlation_id.as_deref(),
+            intent_id: intent.id,
+            attempt: intent.attempts,
+            keep_body,
+        },
+        // The intent's own headers go with a lookup too: they may scope it
+        // (an account header), and without them a lookup could find nothing
+        // and take the call for not applied.
+        Some(path) => Request {
+            method: &r.method,
+            path,
+            body: None,
+            headers: &call.headers,
+            idempotency_key: None,
+            traceparent: call.traceparent.as_deref(),
+            correlation_id: call.correlation_id.as_deref(),
+            intent_id: intent.id,
+            attempt: intent.attempts,
+            keep_body,
+        },
+    }
+}
+
+/// What `answer` says of `intent`, and the sentence that says it. An
+/// applied call whose answer was cut off, where `on_success` reads it,
+/// stays unknown: its effects could not be rendered, so it is asked again
+/// later, as a call's cut-off answer is.
+fn verdict_of(
+    r: &ReconcileConfig,
+    intent: &ClaimedIntent,
+    answer: &CallResult,
+    client: &super::http::EndpointClient,
+) -> (Reconciled, String) {
+    let json = answer.body.as_deref().and_then(|b| serde_json::from_slice(b).ok());
+    let mut verdict = r.verdict(answer.status, json.as_ref());
+    let keep = ANSWER_BYTES.max(client.config().response_bytes);
+    let cut = answer.body.as_ref().is_some_and(|b| b.len() < keep) && !answer.body_complete;
+    if verdict == Reconciled::Succeeded && cut && relay_core::Outcome::reads_answer(&intent.intent.on_success) {
+        verdict = Reconciled::Unknown;
+    }
+    let how = if r.resend { "the call sent again with its key" } else { "a lookup" };
+    let said = match (verdict, answer.status) {
+        (Reconciled::Succeeded, Some(s)) => format!("reconciled by {how}: the provider applied it (HTTP {s})"),
+        (Reconciled::NotApplied, Some(s)) => {
+            format!("reconciled by {how}: the provider did not apply it (HTTP {s}); queued to be sent again")
+        }
+        (_, Some(s)) => format!("{how} answered HTTP {s}, which says neither applied nor not applied"),
+        (_, None) => format!("{how} got no answer: {}", answer.error.as_deref().unwrap_or("")),
+    };
+    (verdict, said)
 }
 
 /// What a lookup path template sees of an intent.
