@@ -664,92 +664,109 @@ impl Processor {
             && let Some(route) = item.route
             && let Some(name) = &route.handler
         {
-            let poison = |class, why: String| identified(Poison::new(class, why), &item.event);
-            let Some(handler) = self.handlers.get(name) else {
-                let why = format!("handler {name:?} is not registered");
-                return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
-            };
-            // The handler's own log lines carry the record they handle.
-            let span = tracing::info_span!(
-                "handler",
-                handler = %name,
-                event_id = %item.event.id,
-                event_type = %item.event.event_type,
-                topic = %item.record.topic,
-                partition = item.record.partition,
-                offset = item.record.offset,
-            );
-            // A panic is this record's, like an error: unwinding out of the
-            // consumer would crash-loop every member given the partition.
-            // A handler's SQL finds its own tables on the database's default
-            // path; relay's statements search pg_catalog alone
-            // (app::connect), and do so again after it (a savepoint rolled
-            // back undoes the change too).
-            sqlx::query(HANDLER_SEARCH_PATH).execute(&mut *tx).await?;
-            let handled = std::panic::AssertUnwindSafe(handler.handle(tx, &item.event)).catch_unwind();
-            let handled = handled.instrument(span).await;
-            let _ = sqlx::query(RELAY_SEARCH_PATH).execute(&mut *tx).await;
-            let Ok(handled) = handled else {
-                let why = format!("handler {name:?} panicked; its message is in the process log");
-                return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
-            };
-            let more = match handled {
-                Ok(more) => more,
-                Err(HandlerError::NotYet(why)) => {
-                    return Ok(Err(Disposition::RetryLater(poison(PoisonClass::MissingReference, why))));
-                }
-                Err(HandlerError::Reject(why)) => {
-                    return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
-                }
-                // An outage is retried; any other database error is the
-                // handler's own (its SQL, a constraint): its record's.
-                Err(HandlerError::Db(e)) if relay_store::is_outage(&e) => return Err(e),
-                Err(HandlerError::Db(e)) => {
-                    let why = format!("handler {name:?} failed with a database error: {}", relay_store::rejection(&e));
-                    return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
-                }
-            };
-            if !more.sagas.is_empty() {
-                let why = format!(
-                    "handler {name:?} returned saga moves: a handler returns calls and events; saga moves belong in the route"
-                );
-                return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
+            match self.run_handler(tx, item, route, name).await? {
+                Ok(all) => merged = Some(all),
+                Err(disposition) => return Ok(Err(disposition)),
             }
-            let prov = item.prov.clone().unwrap_or_default();
-            let extra = match self.router.effects(route, &item.event, more, &prov, Utc::now()) {
-                Ok(extra) => extra,
-                Err(p) => {
-                    let why = format!("handler {name:?} returned effects that cannot be made: {}", p.reason);
-                    return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
-                }
-            };
-            let mut all = item.effects.clone().unwrap_or_default();
-            // The same action name gets the same derived id, and the second
-            // row would be dropped on insert without a word.
-            let taken: std::collections::HashSet<uuid::Uuid> =
-                all.intents.iter().map(|i| i.id).chain(all.events.iter().map(|e| e.id)).collect();
-            let clash = extra
-                .intents
-                .iter()
-                .map(|i| (i.id, &i.intent.action))
-                .chain(extra.events.iter().map(|e| (e.id, &e.action)));
-            let mut seen = std::collections::HashSet::new();
-            for (id, action) in clash {
-                if taken.contains(&id) || !seen.insert(id) {
-                    let why = format!(
-                        "handler {name:?} returned an action named {action:?}, a name the route or the handler already \
-                         uses: both would get one derived id and one would be lost; give each action its own name"
-                    );
-                    return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
-                }
-            }
-            all.intents.extend(extra.intents);
-            all.events.extend(extra.events);
-            merged = Some(all);
         }
         let planned = Planned { effects: merged.as_ref().or(planned.effects), ..planned };
         let batch = write::finish(tx, consumer, std::slice::from_ref(&planned), admitted, hold).await?;
         Ok(Ok(batch))
+    }
+
+    /// Run route `route`'s code handler `name` on `item`, in the record's
+    /// transaction: the route's effects with the handler's added, or what
+    /// became of the record instead (a dead letter, "not yet"). `Err` only
+    /// for an outage.
+    async fn run_handler(
+        &self,
+        tx: &mut PgConnection,
+        item: &Item<'_, '_>,
+        route: &CompiledRoute,
+        name: &str,
+    ) -> Result<Result<Effects, Disposition>, sqlx::Error> {
+        let poison = |class, why: String| identified(Poison::new(class, why), &item.event);
+        let Some(handler) = self.handlers.get(name) else {
+            let why = format!("handler {name:?} is not registered");
+            return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
+        };
+        // The handler's own log lines carry the record they handle.
+        let span = tracing::info_span!(
+            "handler",
+            handler = %name,
+            event_id = %item.event.id,
+            event_type = %item.event.event_type,
+            topic = %item.record.topic,
+            partition = item.record.partition,
+            offset = item.record.offset,
+        );
+        // A panic is this record's, like an error: unwinding out of the
+        // consumer would crash-loop every member given the partition.
+        // A handler's SQL finds its own tables on the database's default
+        // path; relay's statements search pg_catalog alone
+        // (app::connect), and do so again after it (a savepoint rolled
+        // back undoes the change too).
+        sqlx::query(HANDLER_SEARCH_PATH).execute(&mut *tx).await?;
+        let handled = std::panic::AssertUnwindSafe(handler.handle(tx, &item.event)).catch_unwind();
+        let handled = handled.instrument(span).await;
+        let _ = sqlx::query(RELAY_SEARCH_PATH).execute(&mut *tx).await;
+        let Ok(handled) = handled else {
+            let why = format!("handler {name:?} panicked; its message is in the process log");
+            return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
+        };
+        let more = match handled {
+            Ok(more) => more,
+            Err(HandlerError::NotYet(why)) => {
+                return Ok(Err(Disposition::RetryLater(poison(PoisonClass::MissingReference, why))));
+            }
+            Err(HandlerError::Reject(why)) => {
+                return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
+            }
+            // An outage is retried; any other database error is the
+            // handler's own (its SQL, a constraint): its record's.
+            Err(HandlerError::Db(e)) if relay_store::is_outage(&e) => return Err(e),
+            Err(HandlerError::Db(e)) => {
+                let why = format!("handler {name:?} failed with a database error: {}", relay_store::rejection(&e));
+                return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
+            }
+        };
+        if !more.sagas.is_empty() {
+            let why = format!(
+                "handler {name:?} returned saga moves: a handler returns calls and events; saga moves belong in the route"
+            );
+            return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
+        }
+        let prov = item.prov.clone().unwrap_or_default();
+        let extra = match self.router.effects(route, &item.event, more, &prov, Utc::now()) {
+            Ok(extra) => extra,
+            Err(p) => {
+                let why = format!("handler {name:?} returned effects that cannot be made: {}", p.reason);
+                return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
+            }
+        };
+        let mut all = item.effects.clone().unwrap_or_default();
+        // The same action name gets the same derived id, and the second
+        // row would be dropped on insert without a word.
+        let taken: std::collections::HashSet<uuid::Uuid> =
+            all.intents.iter().map(|i| i.id).chain(all.events.iter().map(|e| e.id)).collect();
+        let clash = extra
+            .intents
+            .iter()
+            .map(|i| (i.id, &i.intent.action))
+            .chain(extra.events.iter().map(|e| (e.id, &e.action)));
+        let mut seen = std::collections::HashSet::new();
+        for (id, action) in clash {
+            if taken.contains(&id) || !seen.insert(id) {
+                let why = format!(
+                    "handler {name:?} returned an action named {action:?}, a name the route or the handler already \
+                     uses: both would get one derived id and one would be lost; give each action its own name"
+                );
+                return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
+            }
+        }
+        all.intents.extend(extra.intents);
+        all.events.extend(extra.events);
+        Ok(Ok(all))
     }
 
     /// Provenance of what `event` causes, as a child hop of its trace: the
