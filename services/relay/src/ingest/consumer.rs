@@ -55,7 +55,9 @@ use tracing::{Level, debug, error, info, warn};
 use relay_core::Disposition;
 
 use crate::ingest::next::{Ended, InARow, Next, WaitFor, next};
-use crate::ingest::partitions::{Done, Filed, Limits, PartitionResult, PartitionRun, Partitions, Resume, Start, Tp};
+use crate::ingest::partitions::{
+    Done, Filed, Limits, PartitionResult, PartitionRun, Partitions, Resume, Start, TopicPartition,
+};
 use crate::ingest::processor::{Processed, Processor};
 use crate::ingest::unreadable::{self, Unreadable};
 use crate::runtime::faults::{FaultInjected, Faults, Sabotage, point};
@@ -67,14 +69,14 @@ pub struct RelayContext {
     name: String,
 }
 
-fn tps(tpl: &TopicPartitionList) -> Vec<Tp> {
-    tpl.elements().iter().map(|e| (e.topic().to_owned(), e.partition())).collect()
+fn tps(tpl: &TopicPartitionList) -> Vec<TopicPartition> {
+    tpl.elements().iter().map(|e| TopicPartition::new(e.topic(), e.partition())).collect()
 }
 
-fn tpl_of<'a>(tps: impl IntoIterator<Item = &'a Tp>) -> TopicPartitionList {
+fn tpl_of<'a>(tps: impl IntoIterator<Item = &'a TopicPartition>) -> TopicPartitionList {
     let mut tpl = TopicPartitionList::new();
-    for (topic, partition) in tps {
-        let _ = tpl.add_partition(topic, *partition);
+    for tp in tps {
+        let _ = tpl.add_partition(&tp.topic, tp.partition);
     }
     tpl
 }
@@ -108,8 +110,8 @@ impl ConsumerContext for RelayContext {
                 let revoked = tps(tpl);
                 let offsets = self.state.lock().expect("partition state lock").revoke(&revoked);
                 let mut commit = TopicPartitionList::new();
-                for ((topic, partition), next) in &offsets {
-                    let _ = commit.add_partition_offset(topic, *partition, Offset::Offset(*next));
+                for (tp, next) in &offsets {
+                    let _ = commit.add_partition_offset(&tp.topic, tp.partition, Offset::Offset(*next));
                 }
                 if commit.count() > 0
                     && let Err(e) = base.commit(&commit, CommitMode::Sync)
@@ -117,7 +119,7 @@ impl ConsumerContext for RelayContext {
                     warn!(consumer = %self.name, error = %e, "committing offsets of revoked partitions failed; \
                               their records will be redelivered and deduplicated by the inbox");
                 }
-                let names: Vec<String> = revoked.iter().map(|(t, p)| format!("{t}[{p}]")).collect();
+                let names: Vec<String> = revoked.iter().map(ToString::to_string).collect();
                 info!(consumer = %self.name, partitions = ?names, "partitions revoked; processed offsets committed");
             }
             Rebalance::Assign(_) => {}
@@ -139,7 +141,7 @@ impl ConsumerContext for RelayContext {
             {
                 warn!(consumer = %self.name, error = %e, "resuming assigned partitions failed; a partition paused before the rebalance may stay paused");
             }
-            let names: Vec<String> = assigned.iter().map(|(t, p)| format!("{t}[{p}]")).collect();
+            let names: Vec<String> = assigned.iter().map(ToString::to_string).collect();
             info!(consumer = %self.name, partitions = ?names, "partitions assigned");
         }
     }
@@ -394,7 +396,7 @@ impl InboxConsumer {
     /// its partition retries it with backoff for up to its budget while the
     /// others flow, holding no more than its share of the buffer).
     async fn run_loop(self: &Arc<Self>, shutdown: &CancellationToken) -> anyhow::Result<()> {
-        let mut tasks: JoinSet<(Tp, PartitionResult)> = JoinSet::new();
+        let mut tasks: JoinSet<(TopicPartition, PartitionResult)> = JoinSet::new();
         // One schedule for the checks of held and slow partitions: a sleep
         // made anew on every turn would never end while records keep coming.
         let mut found = self.found_rx.lock().expect("probe lock").take().expect("the loop runs once");
@@ -565,17 +567,20 @@ impl InboxConsumer {
     /// (next offset to hand over), else — nothing handed over yet — the
     /// committed offset, else none (the probe starts at the earliest).
     /// Blocking: asks the broker.
-    fn positions(&self) -> Vec<(Tp, Option<i64>)> {
+    fn positions(&self) -> Vec<(TopicPartition, Option<i64>)> {
         let Ok(tpl) = self.consumer.position() else { return Vec::new() };
         let committed = self.consumer.committed(Duration::from_secs(10)).ok();
-        let at = |tpl: &TopicPartitionList, tp: &Tp| match tpl.find_partition(&tp.0, tp.1).map(|e| e.offset()) {
+        let at = |tpl: &TopicPartitionList, tp: &TopicPartition| match tpl
+            .find_partition(&tp.topic, tp.partition)
+            .map(|e| e.offset())
+        {
             Some(Offset::Offset(o)) => Some(o),
             _ => None,
         };
         tpl.elements()
             .iter()
             .map(|e| {
-                let tp = (e.topic().to_owned(), e.partition());
+                let tp = TopicPartition::new(e.topic(), e.partition());
                 let from = at(&tpl, &tp).or_else(|| committed.as_ref().and_then(|c| at(c, &tp)));
                 (tp, from)
             })
@@ -598,9 +603,11 @@ impl InboxConsumer {
             if !self.state.lock().expect("partition state lock").unreadable(&u.tp, generation, u.from, u.until, why) {
                 continue;
             }
-            error!(consumer = %self.settings.name, topic = %u.tp.0, partition = u.tp.1, from = u.from, until = u.until,
+            error!(consumer = %self.settings.name, topic = %u.tp.topic, partition = u.tp.partition, from = u.from, until = u.until,
                    "a batch the Kafka client cannot read is parked as a dead letter; the partition goes on after it");
-            if let Err(e) = self.consumer.seek(&u.tp.0, u.tp.1, Offset::Offset(u.until), Duration::from_secs(1)) {
+            if let Err(e) =
+                self.consumer.seek(&u.tp.topic, u.tp.partition, Offset::Offset(u.until), Duration::from_secs(1))
+            {
                 // Paused and sought again every second, as a resume's failed
                 // seek is: the state already stands after the batch.
                 warn!(consumer = %self.settings.name, error = %e, "seeking past an unreadable batch failed; tried again");
@@ -627,15 +634,19 @@ impl InboxConsumer {
         }
         let mut s = self.state.lock().expect("partition state lock");
         for (record, generation) in received {
-            let (tp, offset) = ((record.topic.clone(), record.partition), record.offset);
+            let (tp, offset) = (TopicPartition::new(&record.topic, record.partition), record.offset);
             if s.receive(record, generation) == Filed::Dropped {
-                debug!(topic = %tp.0, partition = tp.1, offset, "a fetched record dropped: its partition is revoked or paused, it is fetched again");
+                debug!(topic = %tp.topic, partition = tp.partition, offset, "a fetched record dropped: its partition is revoked or paused, it is fetched again");
             }
         }
     }
 
     /// Start a task for every partition with waiting records and none running.
-    fn start_ready(self: &Arc<Self>, tasks: &mut JoinSet<(Tp, PartitionResult)>, shutdown: &CancellationToken) {
+    fn start_ready(
+        self: &Arc<Self>,
+        tasks: &mut JoinSet<(TopicPartition, PartitionResult)>,
+        shutdown: &CancellationToken,
+    ) {
         let starts = self.state.lock().expect("partition state lock").start_ready();
         for start in starts {
             let (me, shutdown) = (self.clone(), shutdown.clone());
@@ -665,11 +676,11 @@ impl InboxConsumer {
     /// A revoke and a new assignment may have come between that decision
     /// and this call (the assignment resumed the partition, this would
     /// pause it for good): what the state no longer has paused is resumed.
-    fn pause(&self, tps: &[Tp]) {
+    fn pause(&self, tps: &[TopicPartition]) {
         if let Err(e) = self.consumer.pause(&tpl_of(tps)) {
             warn!(error = %e, "pausing fetches failed; the partition's records are fetched and dropped meanwhile");
         }
-        let undone: Vec<Tp> = {
+        let undone: Vec<TopicPartition> = {
             let s = self.state.lock().expect("partition state lock");
             tps.iter().filter(|tp| !s.is_paused(tp)).cloned().collect()
         };
@@ -680,7 +691,7 @@ impl InboxConsumer {
 
     /// Fetch `r.tp` again, from `r.seek` if records of it were dropped.
     fn resume(&self, r: Resume) {
-        let (topic, partition) = &r.tp;
+        let TopicPartition { topic, partition } = &r.tp;
         if let Some(offset) = r.seek
             && let Err(e) = self.consumer.seek(topic, *partition, Offset::Offset(offset), Duration::from_secs(1))
         {
@@ -753,12 +764,12 @@ impl InboxConsumer {
     /// started): the revoke committed what was done before it, the new owner
     /// starts there, and what this task recorded since is a duplicate to the
     /// inbox when the new owner meets it.
-    fn advance(&self, tp: &Tp, generation: u64, next: i64, bytes: usize, mode: CommitMode) {
+    fn advance(&self, tp: &TopicPartition, generation: u64, next: i64, bytes: usize, mode: CommitMode) {
         if !self.state.lock().expect("partition state lock").advance(tp, generation, next, bytes) {
             return;
         }
         let mut tpl = TopicPartitionList::new();
-        if tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(next)).is_err() {
+        if tpl.add_partition_offset(&tp.topic, tp.partition, Offset::Offset(next)).is_err() {
             return;
         }
         if let Err(e) = self.consumer.store_offsets(&tpl) {
@@ -771,8 +782,8 @@ impl InboxConsumer {
 
     fn commit_all(&self, mode: CommitMode) {
         let mut tpl = TopicPartitionList::new();
-        for ((topic, partition), next) in self.state.lock().expect("partition state lock").next_offsets() {
-            let _ = tpl.add_partition_offset(&topic, partition, Offset::Offset(next));
+        for (tp, next) in self.state.lock().expect("partition state lock").next_offsets() {
+            let _ = tpl.add_partition_offset(&tp.topic, tp.partition, Offset::Offset(next));
         }
         if tpl.count() > 0
             && let Err(e) = self.consumer.commit(&tpl, mode)
@@ -783,7 +794,7 @@ impl InboxConsumer {
 
     /// Everything logged while a partition's records are worked through
     /// (a database error, a record waiting, …) names the partition.
-    #[tracing::instrument(name = "partition", skip_all, fields(consumer = %self.settings.name, topic = %start.tp.0, partition = start.tp.1))]
+    #[tracing::instrument(name = "partition", skip_all, fields(consumer = %self.settings.name, topic = %start.tp.topic, partition = start.tp.partition))]
     async fn process_partition(&self, start: Start, shutdown: &CancellationToken) -> PartitionResult {
         let Start { tp, records, generation, revoke, not_yet } = start;
         let mut run = PartitionRun { tp: tp.clone(), generation, interrupted: false, held: None };
@@ -796,7 +807,7 @@ impl InboxConsumer {
             let mut db_back = self.db_back.subscribe();
             if self.revoked(&tp, generation) {
                 // R13: stop taking work for it; the new owner starts at the committed offset.
-                debug!(topic = %tp.0, partition = tp.1, left = records.len() - i, "partition revoked; its remaining records are left to the new owner");
+                debug!(topic = %tp.topic, partition = tp.partition, left = records.len() - i, "partition revoked; its remaining records are left to the new owner");
                 return Ok(run);
             }
             // A stand-in for a batch the client could not read: parked alone.
@@ -862,7 +873,7 @@ impl InboxConsumer {
                 Next::Park => unreachable!("parked above"),
                 Next::Hold(route) => {
                     // Hold this partition from here; the other partitions keep flowing.
-                    warn!(consumer = %self.settings.name, topic = %tp.0, partition = tp.1, offset = records[i].offset,
+                    warn!(consumer = %self.settings.name, topic = %tp.topic, partition = tp.partition, offset = records[i].offset,
                           route = %route, "route is paused: this partition is held at its next event of the route until it is resumed");
                     run.held = Some((route, records[i].offset));
                     return Ok(run);
@@ -888,12 +899,12 @@ impl InboxConsumer {
     }
 
     /// Whether `tp` was revoked since generation `generation`.
-    fn revoked(&self, tp: &Tp, generation: u64) -> bool {
+    fn revoked(&self, tp: &TopicPartition, generation: u64) -> bool {
         self.state.lock().expect("partition state lock").revoked_since(tp, generation)
     }
 
     /// Where an unreadable batch's stand-in `record` stands for, if it is one.
-    fn unreadable_at(&self, tp: &Tp, record: &RawRecord) -> Option<(i64, String)> {
+    fn unreadable_at(&self, tp: &TopicPartition, record: &RawRecord) -> Option<(i64, String)> {
         self.state.lock().expect("partition state lock").unreadable_at(tp, record.offset)
     }
 
@@ -905,7 +916,7 @@ impl InboxConsumer {
         record: &RawRecord,
         until: i64,
         why: String,
-        tp: &Tp,
+        tp: &TopicPartition,
         generation: u64,
     ) -> Result<(), ParkError> {
         self.park_alone(record, &Poison::new(PoisonClass::Unreadable, why), 1, None).await?;
@@ -921,7 +932,7 @@ impl InboxConsumer {
         poison: &Poison,
         route: Option<&str>,
         attempts: u32,
-        tp: &Tp,
+        tp: &TopicPartition,
         generation: u64,
     ) -> Result<(), ParkError> {
         self.park_alone(record, poison, attempts, route).await?;
@@ -954,12 +965,19 @@ impl InboxConsumer {
     }
 
     /// How long to wait for the Schema Registry, its `n`-th failure in a row.
-    fn registry_unavailable(&self, tp: &Tp, record: &RawRecord, n: u32, why: &str, rng: &mut StdRng) -> Duration {
+    fn registry_unavailable(
+        &self,
+        tp: &TopicPartition,
+        record: &RawRecord,
+        n: u32,
+        why: &str,
+        rng: &mut StdRng,
+    ) -> Duration {
         let s = &self.settings;
         let delay = WaitFor::Registry.delay(n, &s.database_backoff, &s.reference_retry.backoff, rng);
-        crate::runtime::metrics::registry_unavailable(&s.name, &tp.0);
+        crate::runtime::metrics::registry_unavailable(&s.name, &tp.topic);
         warn!(
-            consumer = %s.name, topic = %tp.0, partition = tp.1, offset = record.offset,
+            consumer = %s.name, topic = %tp.topic, partition = tp.partition, offset = record.offset,
             attempt = n, retry_in_ms = delay.as_millis() as u64,
             "the Schema Registry could not be asked; nothing was written for this batch and the \
              partition waits for it (a registry outage never dead-letters a record): {why}"
@@ -975,7 +993,7 @@ impl InboxConsumer {
     #[allow(clippy::too_many_arguments)]
     async fn wait(
         &self,
-        tp: &Tp,
+        tp: &TopicPartition,
         generation: u64,
         wait: Duration,
         for_database: bool,
@@ -1048,7 +1066,12 @@ impl InboxConsumer {
     }
 
     /// One transaction over `records` (one partition, in order).
-    async fn run_batch(&self, tp: &Tp, generation: u64, records: &[RawRecord]) -> Result<BatchRun, BatchError> {
+    async fn run_batch(
+        &self,
+        tp: &TopicPartition,
+        generation: u64,
+        records: &[RawRecord],
+    ) -> Result<BatchRun, BatchError> {
         // Values in a Schema Registry format are decoded first, with no
         // connection or transaction held while the registry is asked; the
         // JSON they decode to counts against the partition's share of
@@ -1062,7 +1085,8 @@ impl InboxConsumer {
         // read on the batch's own connection, in its task (never in the
         // receive loop, which a slow pool would hold up).
         let read_at = Instant::now();
-        let gates = relay_store::ops::batch_gates(&mut conn, self.processor.consumer(), &tp.0, tp.1).await?;
+        let gates =
+            relay_store::ops::batch_gates(&mut conn, self.processor.consumer(), &tp.topic, tp.partition).await?;
         self.processor.paused().set_as_of(gates.paused, read_at);
         let mut tx = conn.begin_with(relay_store::BEGIN_BOUNDED).await?;
         let started = Instant::now();

@@ -33,7 +33,24 @@ use tokio_util::sync::CancellationToken;
 use crate::runtime::faults::{FaultInjected, Sabotage, Sabotaged};
 
 /// A topic and partition.
-pub(super) type Tp = (String, i32);
+/// One partition of one topic, as the consumer owns it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(super) struct TopicPartition {
+    pub(super) topic: String,
+    pub(super) partition: i32,
+}
+
+impl std::fmt::Display for TopicPartition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}[{}]", self.topic, self.partition)
+    }
+}
+
+impl TopicPartition {
+    pub(super) fn new(topic: impl Into<String>, partition: i32) -> TopicPartition {
+        TopicPartition { topic: topic.into(), partition }
+    }
+}
 
 /// The bounds the consumer keeps.
 #[derive(Debug, Clone, Copy)]
@@ -96,7 +113,7 @@ impl Partition {
     }
 
     /// Resume fetching, from the first offset dropped if any.
-    fn resume(&mut self, tp: &Tp) -> Resume {
+    fn resume(&mut self, tp: &TopicPartition) -> Resume {
         let seek = self.resume_at.take();
         if seek.is_some() {
             self.expect = seek;
@@ -126,7 +143,7 @@ pub(super) enum Filed {
 
 /// A task to start: a partition's next batch.
 pub(super) struct Start {
-    pub(super) tp: Tp,
+    pub(super) tp: TopicPartition,
     pub(super) records: Vec<RawRecord>,
     pub(super) generation: u64,
     /// Cancelled when the partition is revoked.
@@ -138,7 +155,7 @@ pub(super) struct Start {
 /// Resume fetching `tp`, from `seek` if records of it were dropped.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) struct Resume {
-    pub(super) tp: Tp,
+    pub(super) tp: TopicPartition,
     pub(super) seek: Option<i64>,
 }
 
@@ -147,7 +164,7 @@ pub(super) struct Resume {
 pub(super) struct Partitions {
     /// Bumped on every revoke.
     generation: u64,
-    parts: HashMap<Tp, Partition>,
+    parts: HashMap<TopicPartition, Partition>,
     limits: Limits,
     /// Partitions assigned (for each one's share of the bound).
     assigned: usize,
@@ -183,14 +200,17 @@ impl Partitions {
     }
 
     /// Whether `tp` was revoked after `generation`.
-    pub(super) fn revoked_since(&self, tp: &Tp, generation: u64) -> bool {
+    pub(super) fn revoked_since(&self, tp: &TopicPartition, generation: u64) -> bool {
         self.parts.get(tp).and_then(|p| p.revoked_at).is_some_and(|at| at > generation)
     }
 
     /// `tps` were revoked: forget what was waiting or held for them (the new
     /// owner fetches it from the committed offset), wake their tasks out of
     /// any retry wait, and return the offsets to commit for them.
-    pub(super) fn revoke<'a>(&mut self, tps: impl IntoIterator<Item = &'a Tp>) -> Vec<(Tp, i64)> {
+    pub(super) fn revoke<'a>(
+        &mut self,
+        tps: impl IntoIterator<Item = &'a TopicPartition>,
+    ) -> Vec<(TopicPartition, i64)> {
         self.generation += 1;
         let generation = self.generation;
         let mut commit = Vec::new();
@@ -215,13 +235,13 @@ impl Partitions {
     /// Of newly assigned `tps`, those to resume at the broker: librdkafka
     /// keeps a partition paused across a revoke and a new assignment, and a
     /// revoke forgot why it was paused.
-    pub(super) fn assigned<'a>(&self, tps: impl IntoIterator<Item = &'a Tp>) -> Vec<Tp> {
+    pub(super) fn assigned<'a>(&self, tps: impl IntoIterator<Item = &'a TopicPartition>) -> Vec<TopicPartition> {
         tps.into_iter().filter(|tp| self.parts.get(*tp).is_none_or(|p| p.paused.is_none())).cloned().collect()
     }
 
     /// File a received record fetched in `generation`.
     pub(super) fn receive(&mut self, record: RawRecord, generation: u64) -> Filed {
-        let tp = (record.topic.clone(), record.partition);
+        let tp = TopicPartition::new(&record.topic, record.partition);
         if self.revoked_since(&tp, generation) {
             return Filed::Dropped;
         }
@@ -290,7 +310,7 @@ impl Partitions {
     /// `tp`'s task, started in `generation`, committed up to `next` (the
     /// next offset to commit), finishing records of `bytes`. `false` if the
     /// partition was revoked since: nothing is to be committed for it.
-    pub(super) fn advance(&mut self, tp: &Tp, generation: u64, next: i64, bytes: usize) -> bool {
+    pub(super) fn advance(&mut self, tp: &TopicPartition, generation: u64, next: i64, bytes: usize) -> bool {
         if self.revoked_since(tp, generation) {
             return false;
         }
@@ -307,7 +327,7 @@ impl Partitions {
     }
 
     /// `tp`'s task made attempt `attempts` at the record at `offset`, which is not processable yet.
-    pub(super) fn not_yet(&mut self, tp: &Tp, offset: i64, attempts: u32) {
+    pub(super) fn not_yet(&mut self, tp: &TopicPartition, offset: i64, attempts: u32) {
         if let Some(p) = self.parts.get_mut(tp) {
             p.not_yet = Some((offset, attempts));
         }
@@ -316,7 +336,7 @@ impl Partitions {
     /// `tp`'s task, started in `generation`, starts waiting out a retry: its
     /// waiting records are dropped and the partition is paused at the broker
     /// until the task is done. `true` when the caller must pause it now.
-    pub(super) fn wait_out(&mut self, tp: &Tp, generation: u64) -> bool {
+    pub(super) fn wait_out(&mut self, tp: &TopicPartition, generation: u64) -> bool {
         if self.revoked_since(tp, generation) {
             return false;
         }
@@ -332,7 +352,7 @@ impl Partitions {
     /// `tp`'s task, started in `generation`, is done; `held` is where it
     /// stopped at a paused route, if it did. Returns whether to pause the
     /// partition now (held) or to resume it (it was waiting), and from where.
-    pub(super) fn task_done(&mut self, tp: &Tp, generation: u64, held: Option<(String, i64)>) -> Done {
+    pub(super) fn task_done(&mut self, tp: &TopicPartition, generation: u64, held: Option<(String, i64)>) -> Done {
         let revoked = self.revoked_since(tp, generation);
         let Some(p) = self.parts.get_mut(tp) else { return Done::Nothing };
         p.running = None;
@@ -368,7 +388,7 @@ impl Partitions {
     /// waiting out a retry — their waiting records dropped, paused at the
     /// broker until the task is done —, so a slow partition cannot fill the
     /// buffer every partition shares. The ones to pause now.
-    pub(super) fn slow(&mut self, now: Instant, after: Duration) -> Vec<Tp> {
+    pub(super) fn slow(&mut self, now: Instant, after: Duration) -> Vec<TopicPartition> {
         let mut out = Vec::new();
         for (tp, p) in &mut self.parts {
             let slow = p.running.is_some_and(|(_, since)| now.duration_since(since) > after);
@@ -417,12 +437,25 @@ impl Partitions {
     /// records before `offset` are then still to be fetched, and a stand-in
     /// parked ahead of them would commit past them (R1). Fetching reaches
     /// the batch again after them, and the search finds it again.
-    pub(super) fn unreadable(&mut self, tp: &Tp, generation: u64, offset: i64, until: i64, why: String) -> bool {
+    pub(super) fn unreadable(
+        &mut self,
+        tp: &TopicPartition,
+        generation: u64,
+        offset: i64,
+        until: i64,
+        why: String,
+    ) -> bool {
         if self.revoked_since(tp, generation) {
             return false;
         }
-        let stand_in =
-            RawRecord { topic: tp.0.clone(), partition: tp.1, offset, key: None, payload: None, headers: Vec::new() };
+        let stand_in = RawRecord {
+            topic: tp.topic.clone(),
+            partition: tp.partition,
+            offset,
+            key: None,
+            payload: None,
+            headers: Vec::new(),
+        };
         let p = self.parts.entry(tp.clone()).or_default();
         let behind = p.paused.is_some()
             || p.resume_at.is_some_and(|at| at < offset)
@@ -443,12 +476,12 @@ impl Partitions {
 
     /// Why the record of `tp` at `offset` could not be read, and the first
     /// offset after its batch, if it is a stand-in.
-    pub(super) fn unreadable_at(&self, tp: &Tp, offset: i64) -> Option<(i64, String)> {
+    pub(super) fn unreadable_at(&self, tp: &TopicPartition, offset: i64) -> Option<(i64, String)> {
         self.parts.get(tp).and_then(|p| p.unreadable.get(&offset).cloned())
     }
 
     /// Whether `tp` is paused at the broker by the relay.
-    pub(super) fn is_paused(&self, tp: &Tp) -> bool {
+    pub(super) fn is_paused(&self, tp: &TopicPartition) -> bool {
         self.parts.get(tp).is_some_and(|p| p.paused.is_some())
     }
 
@@ -480,7 +513,7 @@ impl Partitions {
     }
 
     /// Next offsets to commit, for every owned partition.
-    pub(super) fn next_offsets(&self) -> Vec<(Tp, i64)> {
+    pub(super) fn next_offsets(&self) -> Vec<(TopicPartition, i64)> {
         self.parts.iter().filter_map(|(tp, p)| p.next_offset.map(|n| (tp.clone(), n))).collect()
     }
 }
@@ -497,7 +530,7 @@ pub(super) enum Done {
 
 /// How one partition's task ended.
 pub(super) struct PartitionRun {
-    pub(super) tp: Tp,
+    pub(super) tp: TopicPartition,
     /// The revoke generation its task started in.
     pub(super) generation: u64,
     pub(super) interrupted: bool,
@@ -514,8 +547,8 @@ mod model;
 mod tests {
     use super::*;
 
-    fn tp(p: i32) -> Tp {
-        ("orders".into(), p)
+    fn tp(p: i32) -> TopicPartition {
+        TopicPartition::new("orders", p)
     }
 
     fn record(p: i32, offset: i64, bytes: usize) -> RawRecord {

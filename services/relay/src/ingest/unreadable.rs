@@ -23,13 +23,13 @@ use relay_core::config::KafkaConfig;
 use relay_kafka_raw::Fetched;
 use tracing::warn;
 
-use crate::ingest::partitions::Tp;
+use crate::ingest::partitions::TopicPartition;
 use crate::runtime::kafka::{Role, client_config};
 
 /// A run of offsets of one partition the client cannot read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Unreadable {
-    pub(super) tp: Tp,
+    pub(super) tp: TopicPartition,
     /// The first offset that cannot be read.
     pub(super) from: i64,
     /// The first offset after it that can (or the partition's end).
@@ -53,7 +53,7 @@ enum Read {
 /// Which of `positions` (partition, the consumer's next offset; `None`:
 /// the earliest, as the consumer starts without a committed offset) cannot
 /// be read there, and up to where. Blocking: run it off the async runtime.
-pub(super) fn probe(kafka: &KafkaConfig, positions: &[(Tp, Option<i64>)]) -> Vec<Unreadable> {
+pub(super) fn probe(kafka: &KafkaConfig, positions: &[(TopicPartition, Option<i64>)]) -> Vec<Unreadable> {
     let client = client_config(kafka, Role::Consumer).map(|mut c| {
         c.set("group.id", format!("relay-probe-{}", uuid::Uuid::new_v4()));
         c.set("enable.partition.eof", "true");
@@ -69,7 +69,9 @@ pub(super) fn probe(kafka: &KafkaConfig, positions: &[(Tp, Option<i64>)]) -> Vec
         };
     let mut found = Vec::new();
     for (tp, from) in positions {
-        let Ok((low, end)) = consumer.fetch_watermarks(&tp.0, tp.1, Duration::from_secs(10)) else { continue };
+        let Ok((low, end)) = consumer.fetch_watermarks(&tp.topic, tp.partition, Duration::from_secs(10)) else {
+            continue;
+        };
         let from = from.unwrap_or(low).max(low);
         let Read::Unreadable { base, error } = read(&consumer, tp, from) else { continue };
         if let Some(until) = first_readable_after(&consumer, tp, base, from, end) {
@@ -88,7 +90,7 @@ pub(super) fn probe(kafka: &KafkaConfig, positions: &[(Tp, Option<i64>)]) -> Vec
 /// thousands). It never passes the batch's end, so readable records after
 /// it, and a corrupt batch after those, are not taken into it. `None` if
 /// the broker stops answering.
-fn first_readable_after(consumer: &BaseConsumer, tp: &Tp, base: i64, bad: i64, end: i64) -> Option<i64> {
+fn first_readable_after(consumer: &BaseConsumer, tp: &TopicPartition, base: i64, bad: i64, end: i64) -> Option<i64> {
     search_batch_end(base, bad, end, |offset| read(consumer, tp, offset))
 }
 
@@ -135,21 +137,25 @@ fn search_batch_end(base: i64, bad: i64, end: i64, mut read: impl FnMut(i64) -> 
 }
 
 /// Read `tp` from `offset`.
-fn read(consumer: &BaseConsumer, tp: &Tp, offset: i64) -> Read {
+fn read(consumer: &BaseConsumer, tp: &TopicPartition, offset: i64) -> Read {
     let mut tpl = TopicPartitionList::new();
-    if tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(offset)).is_err() || consumer.assign(&tpl).is_err() {
+    if tpl.add_partition_offset(&tp.topic, tp.partition, Offset::Offset(offset)).is_err()
+        || consumer.assign(&tpl).is_err()
+    {
         return Read::Unknown;
     }
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while std::time::Instant::now() < deadline {
         match relay_kafka_raw::poll_fetched(consumer, Duration::from_millis(500)) {
-            Fetched::Record { partition, offset: at } if partition == tp.1 && at >= offset => return Read::Record(at),
+            Fetched::Record { partition, offset: at } if partition == tp.partition && at >= offset => {
+                return Read::Record(at);
+            }
             Fetched::Failed { partition, offset: base, code: code @ RDKafkaErrorCode::BadCompression }
-                if partition == tp.1 =>
+                if partition == tp.partition =>
             {
                 return Read::Unreadable { base, error: KafkaError::MessageConsumption(code).to_string() };
             }
-            Fetched::End { partition } if partition == tp.1 => return Read::End,
+            Fetched::End { partition } if partition == tp.partition => return Read::End,
             _ => {}
         }
     }

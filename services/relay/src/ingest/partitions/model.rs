@@ -27,8 +27,8 @@ const BAD: i64 = 6;
 const RECORD_BYTES: usize = 10;
 const BATCH: usize = 3;
 
-fn tp(p: i32) -> Tp {
-    ("orders".into(), p)
+fn tp(p: i32) -> TopicPartition {
+    TopicPartition::new("orders", p)
 }
 
 fn record(p: i32, offset: i64) -> RawRecord {
@@ -155,7 +155,7 @@ impl World {
 
     /// As `Consumer::resume`.
     fn resume(&mut self, r: Resume) {
-        let p = r.tp.1 as usize;
+        let p = r.tp.partition as usize;
         if let Some(offset) = r.seek {
             if self.seek_fails {
                 self.seek_fails = false;
@@ -196,7 +196,7 @@ impl World {
             Op::FetchLate(p) => self.fetch(p, true),
             Op::Start => {
                 for start in self.s.start_ready() {
-                    let p = start.tp.1;
+                    let p = start.tp.partition;
                     assert!(!self.tasks.contains_key(&p), "two tasks for partition {p}");
                     self.tasks.insert(p, Task { records: start.records.into(), generation: start.generation });
                 }
@@ -250,7 +250,7 @@ impl World {
             Op::Slow => {
                 let later = Instant::now() + Duration::from_secs(3600);
                 for t in self.s.slow(later, Duration::from_secs(5)) {
-                    self.pause(t.1);
+                    self.pause(t.partition);
                 }
             }
             Op::Revoke(p) => {
@@ -258,7 +258,7 @@ impl World {
                     return;
                 }
                 for (t, next) in self.s.revoke([&tp(p)]) {
-                    self.committed[t.1 as usize] = next;
+                    self.committed[t.partition as usize] = next;
                 }
                 self.owned[p as usize] = false;
                 self.probing[p as usize] = None;
@@ -279,7 +279,7 @@ impl World {
                         self.owned[i] = true;
                         self.fetch[i] = self.committed[i];
                         for t in self.s.assigned([&tp(p)]) {
-                            self.broker_paused[t.1 as usize] = false;
+                            self.broker_paused[t.partition as usize] = false;
                         }
                     }
                 }
