@@ -471,6 +471,48 @@ async fn connections_that_never_finish_their_headers_are_closed_and_health_still
     assert!(p.terminate(Duration::from_secs(30)).unwrap().success());
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn one_peer_holding_every_connection_it_may_leaves_the_health_probe_its_answer() {
+    // The liveness probe shares the admin server's connections with anyone
+    // who can reach the port: one peer that kept them all alive (a request
+    // now and then) made the probe wait unanswered, and the orchestrator
+    // restarted a healthy relay again and again.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let h = Harness::new(1).await;
+    let (mut p, admin) = run_with_admin(&h, CAPTURE_ROUTE).await;
+    let addr: std::net::SocketAddr = admin.url.trim_start_matches("http://").parse().unwrap();
+    async fn get_healthz(c: &mut tokio::net::TcpStream) -> bool {
+        if c.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").await.is_err() {
+            return false;
+        }
+        let mut buf = [0u8; 512];
+        matches!(c.read(&mut buf).await, Ok(n) if n > 0 && buf[..n].starts_with(b"HTTP/1.1 200"))
+    }
+    // One peer (127.0.0.1) opens more connections than the server serves
+    // at once and keeps each alive with a request.
+    let mut held = Vec::new();
+    for _ in 0..300 {
+        let Ok(mut c) = tokio::net::TcpStream::connect(addr).await else { continue };
+        let answered = tokio::time::timeout(Duration::from_millis(50), get_healthz(&mut c)).await;
+        held.push((c, answered.unwrap_or(false)));
+    }
+    let served = held.iter().filter(|(_, ok)| *ok).count();
+    // The probe comes from another address (the kubelet's node).
+    let probe = async {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        let mut c = socket.connect(addr).await.unwrap();
+        get_healthz(&mut c).await
+    };
+    let answered = tokio::time::timeout(Duration::from_secs(3), probe).await;
+    assert!(
+        matches!(answered, Ok(true)),
+        "the probe from another address got no answer while one peer held {served} served connections"
+    );
+    drop(held);
+    assert!(p.terminate(Duration::from_secs(30)).unwrap().success());
+}
+
 // Issue 28, D4 and D8: dead outbox rows hold their key and uncertain intents
 // wait for an operator, so both need commands that do not mean editing
 // `state` by hand — in the admin API and in the CLI, beside a running relay.

@@ -6,6 +6,11 @@ use super::*;
 
 /// Connections served at once; more wait in the kernel's accept queue.
 const MAX_CONNECTIONS: usize = 256;
+/// Connections one peer address may hold at once; more are closed at once.
+/// The liveness probe comes from its node's address: one client keeping
+/// every connection alive must not leave it waiting unanswered, and the
+/// orchestrator restarting a healthy relay.
+const MAX_PER_PEER: usize = 32;
 /// A client must send its request's headers within this.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// A request must be answered within this (a bulk replay of many dead
@@ -25,6 +30,7 @@ pub(super) async fn accept_loop(listener: tokio::net::TcpListener, app: Router, 
     use hyper_util::rt::{TokioIo, TokioTimer};
     use tower::ServiceExt;
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let peers: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>> = Arc::default();
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
@@ -33,10 +39,10 @@ pub(super) async fn accept_loop(listener: tokio::net::TcpListener, app: Router, 
             _ = shutdown.cancelled() => break,
             slot = slots.clone().acquire_owned() => slot.expect("never closed"),
         };
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             _ = shutdown.cancelled() => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok((stream, addr)) => (stream, addr.ip()),
                 Err(e) => {
                     // Out of file descriptors, say: wait a little rather than spin.
                     warn!(error = %e, "admin server: accepting a connection failed");
@@ -44,6 +50,10 @@ pub(super) async fn accept_loop(listener: tokio::net::TcpListener, app: Router, 
                     continue;
                 }
             },
+        };
+        let Some(peer) = PeerShare::take(&peers, peer) else {
+            // Closed unserved: this peer holds its share already.
+            continue;
         };
         let app = app.clone();
         let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
@@ -61,7 +71,7 @@ pub(super) async fn accept_loop(listener: tokio::net::TcpListener, app: Router, 
             // A client that never reads its answers would otherwise keep its
             // slot for ever: the header timeout only covers reading requests.
             let _ = tokio::time::timeout(CONNECTION_LIFETIME, conn).await;
-            drop(slot);
+            drop((slot, peer));
         });
     }
     drop(listener);
@@ -88,4 +98,38 @@ pub(super) async fn hardened(mut resp: axum::response::Response) -> axum::respon
     h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
     h.entry(header::CACHE_CONTROL).or_insert(HeaderValue::from_static("no-store"));
     resp
+}
+
+/// One connection counted against its peer's share, until dropped.
+struct PeerShare {
+    peers: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+    peer: std::net::IpAddr,
+}
+
+impl PeerShare {
+    /// A share for a connection of `peer`, if it holds fewer than [`MAX_PER_PEER`].
+    fn take(
+        peers: &Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+        peer: std::net::IpAddr,
+    ) -> Option<PeerShare> {
+        let mut held = peers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = held.entry(peer).or_default();
+        if *n >= MAX_PER_PEER {
+            return None;
+        }
+        *n += 1;
+        Some(PeerShare { peers: peers.clone(), peer })
+    }
+}
+
+impl Drop for PeerShare {
+    fn drop(&mut self) {
+        let mut held = self.peers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = held.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.peer);
+            }
+        }
+    }
 }
