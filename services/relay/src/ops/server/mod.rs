@@ -38,6 +38,8 @@ use crate::ingest::processor::Processor;
 use crate::ops::admin::{DeadLetters, Intents, KeyWindow, Operator, OpsError, Released, ReplayOutcome, Replayed};
 use crate::runtime::kafka::{Role, client_config};
 
+// The rooms below take these imports and the types beneath through
+// `use super::*`: one prelude for the server's files.
 mod auth;
 mod console;
 mod dead_letters;
