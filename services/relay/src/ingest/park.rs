@@ -3,7 +3,7 @@
 //! dead-letter topic, in the caller's transaction.
 
 use relay_core::effects::encode_dead_letter;
-use relay_core::{Poison, PoisonClass, RawRecord, Router};
+use relay_core::{InputEvent, Poison, PoisonClass, RawRecord, Router};
 use relay_store::{dead_letters, holds, outbox};
 use sqlx::PgConnection;
 use tracing::warn;
@@ -79,4 +79,25 @@ pub(crate) fn sanitized(p: &Poison) -> Poison {
         event_id: p.event_id.as_deref().map(|s| clean(s, MAX_KEY_BYTES)),
         event_type: p.event_type.as_deref().map(|s| clean(s, MAX_KEY_BYTES)),
     }
+}
+
+/// `p` with the identity of the event it is about.
+pub(crate) fn identified(p: Poison, event: &InputEvent) -> Poison {
+    p.with_identity(Some(&event.id), Some(&event.event_type))
+}
+
+/// The dead letter of a record the database rejected. The reason names the
+/// SQLSTATE and the constraint, never the message (it quotes values); a
+/// handler that left its savepoint aborted is named as the cause.
+pub(crate) fn rejected(e: &sqlx::Error, handler: Option<&str>, event: &InputEvent) -> Poison {
+    let swallowed = matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("25P02"));
+    let why = match handler {
+        Some(handler) if swallowed => format!(
+            "handler {handler:?} swallowed a database error: the transaction was left aborted ({}); \
+             a handler must return the errors of its statements",
+            relay_store::rejection(e)
+        ),
+        _ => format!("the database rejected the event: {}", relay_store::rejection(e)),
+    };
+    identified(Poison::new(PoisonClass::Rejected, why), event)
 }

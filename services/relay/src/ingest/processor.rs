@@ -35,6 +35,7 @@ use crate::deliver::handoff::{Handed, Handoff, Reserved};
 use crate::ingest::decode::{Decoder, View};
 use crate::ingest::handler::{HandlerError, Handlers};
 use crate::ingest::held::HeldKeys;
+use crate::ingest::park::{identified, rejected};
 use crate::ingest::pauses::PausedRoutes;
 use crate::runtime::faults::Faults;
 use crate::runtime::trace::Hop;
@@ -610,9 +611,11 @@ impl Processor {
                 Ok(()) => Ok(batch),
                 // The savepoint cannot be released: a code handler swallowed
                 // an error (25P02). Dropped, the savepoint is rolled back.
-                Err(e) if classify_error(&e) == DbErrorKind::Permanent => {
-                    Err(Disposition::DeadLetter(rejected(&e, &item)))
-                }
+                Err(e) if classify_error(&e) == DbErrorKind::Permanent => Err(Disposition::DeadLetter(rejected(
+                    &e,
+                    item.route.and_then(|r| r.handler.as_deref()),
+                    &item.event,
+                ))),
                 Err(e) => return Err(e),
             },
             Ok(Ok(mut batch)) => {
@@ -625,7 +628,7 @@ impl Processor {
             }
             Err(e) if classify_error(&e) == DbErrorKind::Permanent => {
                 sp.rollback().await?;
-                Err(Disposition::DeadLetter(rejected(&e, &item)))
+                Err(Disposition::DeadLetter(rejected(&e, item.route.and_then(|r| r.handler.as_deref()), &item.event)))
             }
             Err(e) => return Err(e),
         };
@@ -788,26 +791,6 @@ impl Processor {
         }
         (prov, hop)
     }
-}
-
-fn identified(p: Poison, event: &InputEvent) -> Poison {
-    p.with_identity(Some(&event.id), Some(&event.event_type))
-}
-
-/// The dead letter of a record the database rejected. The reason names the
-/// SQLSTATE and the constraint, never the message (it quotes values); a
-/// handler that left its savepoint aborted is named as the cause.
-fn rejected(e: &sqlx::Error, item: &Item<'_, '_>) -> Poison {
-    let swallowed = matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("25P02"));
-    let why = match item.route.and_then(|r| r.handler.as_deref()) {
-        Some(handler) if swallowed => format!(
-            "handler {handler:?} swallowed a database error: the transaction was left aborted ({}); \
-             a handler must return the errors of its statements",
-            relay_store::rejection(e)
-        ),
-        _ => format!("the database rejected the event: {}", relay_store::rejection(e)),
-    };
-    identified(Poison::new(PoisonClass::Rejected, why), &item.event)
 }
 
 #[cfg(test)]
