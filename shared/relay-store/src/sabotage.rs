@@ -5,7 +5,9 @@
 //! argument on each writer would thread the switch through every production
 //! signature. Without the `sabotage` feature nothing is ever registered.
 
-use relay_core::sabotage::{Sabotage, Sabotaged};
+use relay_core::sabotage::Sabotage;
+#[cfg(feature = "sabotage")]
+use relay_core::sabotage::Sabotaged;
 #[cfg(feature = "sabotage")]
 use std::collections::HashMap;
 #[cfg(feature = "sabotage")]
@@ -31,7 +33,7 @@ pub(crate) fn is(consumer: &str, defect: Sabotage) -> bool {
         .is_some_and(|s| s.has(defect));
     #[cfg(not(feature = "sabotage"))]
     {
-        let _ = (consumer, defect, Sabotaged::default());
+        let _ = (consumer, defect);
         false
     }
 }

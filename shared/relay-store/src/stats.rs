@@ -118,21 +118,19 @@ pub const EXACT_UP_TO: i64 = 100_000;
 /// figures that are estimates: `inbox`, `intents.succeeded`,
 /// `outbox.published`; an estimated inbox is [`Stats::inbox_estimated`].
 pub async fn overview(conn: &mut PgConnection, exact_up_to: i64) -> Result<(Stats, Vec<&'static str>), sqlx::Error> {
-    let live: Vec<(&'static str, i64)> = sqlx::query_as::<_, (String, i64)>(
+    let live: Vec<(String, i64)> = sqlx::query_as(
         "SELECT relname::text, n_live_tup FROM pg_stat_user_tables
           WHERE schemaname = 'relay' AND relname IN ('inbox', 'intents', 'outbox')",
     )
     .fetch_all(&mut *conn)
-    .await?
-    .into_iter()
-    .filter_map(|(table, n)| ["inbox", "intents", "outbox"].into_iter().find(|t| *t == table).map(|t| (t, n)))
-    .collect();
-    let big = |table: &'static str| Stats::count(&live, table) > exact_up_to;
+    .await?;
+    let rows = |table: &str| live.iter().find(|(t, _)| t == table).map_or(0, |(_, n)| *n);
+    let big = |table: &str| rows(table) > exact_up_to;
     let mut stats = backlog(&mut *conn).await?;
     let mut estimated = Vec::new();
     if big("inbox") {
         estimated.push("inbox");
-        stats.inbox_estimated = Some(Stats::count(&live, "inbox"));
+        stats.inbox_estimated = Some(rows("inbox"));
     } else {
         stats.inbox = inbox_by_outcome(&mut *conn).await?;
     }
@@ -141,13 +139,13 @@ pub async fn overview(conn: &mut PgConnection, exact_up_to: i64) -> Result<(Stat
     }
     let succeeded = if big("intents") {
         estimated.push("intents.succeeded");
-        (Stats::count(&live, "intents") - sum(&stats.intents)).max(0)
+        (rows("intents") - sum(&stats.intents)).max(0)
     } else {
         sqlx::query_scalar("SELECT count(*) FROM relay.intents WHERE state = 'succeeded'").fetch_one(&mut *conn).await?
     };
     let published = if big("outbox") {
         estimated.push("outbox.published");
-        (Stats::count(&live, "outbox") - sum(&stats.outbox)).max(0)
+        (rows("outbox") - sum(&stats.outbox)).max(0)
     } else {
         sqlx::query_scalar("SELECT count(*) FROM relay.outbox WHERE state = 'published'").fetch_one(&mut *conn).await?
     };

@@ -830,7 +830,7 @@ impl InboxConsumer {
             }
             let batch_end = records.len().min(i + self.settings.batch_size);
             let end = (i + 1..batch_end).find(|&j| self.unreadable_at(&tp, &records[j]).is_some()).unwrap_or(batch_end);
-            let (ended, stopped, failure) = match self.run_batch(&tp, generation, &records[i..end]).await {
+            let (ended, stopped, mut failure) = match self.run_batch(&tp, generation, &records[i..end]).await {
                 Ok(BatchRun { done, stopped, paused }) => {
                     if done > 0 {
                         let bytes = records[i..i + done].iter().map(RawRecord::size).sum();
@@ -852,7 +852,6 @@ impl InboxConsumer {
                 // rebalance that gives it back) goes on counting.
                 self.state.lock().expect("partition state lock").not_yet(&tp, records[i].offset, row.not_yet);
             }
-            let mut failure = failure;
             if decided == Next::Park {
                 let (poison, route) = stopped.as_ref().expect("a record stopped the batch");
                 match self.park_spent(&records[i], poison, route.as_deref(), row.not_yet, &tp, generation).await {

@@ -164,7 +164,7 @@ pub(super) fn one_of(values: impl IntoIterator<Item = &'static str>) -> utoipa::
 }
 
 pub(super) fn pause_kinds() -> utoipa::openapi::Object {
-    one_of([PauseKind::Route, PauseKind::Endpoint].map(PauseKind::as_str))
+    one_of(PauseKind::ALL.map(PauseKind::as_str))
 }
 
 pub(super) fn intent_states() -> utoipa::openapi::Object {
