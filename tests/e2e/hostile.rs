@@ -306,6 +306,12 @@ fn fix_batch_crc(bytes: &mut [u8], len: usize) {
     bytes[17..21].copy_from_slice(&crc.to_be_bytes());
 }
 
+/// A configuration that only warns of a topic kept in a codec relay refuses
+/// (zstd, say), for tests of what the client reads, not of that policy.
+fn warned_only(h: &Harness) -> String {
+    h.config_text(CAPTURE_ROUTE).replace("[kafka]\n", "[kafka]\non_unbounded_compression = \"warn\"\n")
+}
+
 /// A private broker holding five records in one batch, compressed with
 /// zstd or (`codec` = `uncompressed`) not, then one more (`evt-after`),
 /// with `corrupt` applied to the segment file's bytes while the broker is
@@ -359,7 +365,7 @@ async fn a_batch_the_client_cannot_decode_is_dead_lettered_and_its_partition_goe
         fix_batch_crc(bytes, len);
     })
     .await;
-    let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
+    let config = h.write_config(&warned_only(&h));
     let mut run = h.process(&config, &["run"], &[]);
     h.await_committed(0, 6).await;
     eventually("the dead letter's copy published", DEADLINE, || async {
@@ -382,7 +388,7 @@ async fn a_batch_the_client_cannot_decode_is_dead_lettered_and_its_partition_goe
 #[tokio::test(flavor = "multi_thread")]
 async fn a_batch_the_client_would_skip_stops_the_consumer_before_anything_after_it_is_committed() {
     let (_kafka, h) = broker_with_a_corrupt_batch("zstd", |bytes, _| bytes[16] = 3).await;
-    let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
+    let config = h.write_config(&warned_only(&h));
     let mut run = h.process(&config, &["consume"], &[]);
     let status = run.wait(DEADLINE).expect("the consumer stops by itself");
     assert!(!status.success());
@@ -412,30 +418,127 @@ async fn a_batch_failing_its_checksum_stops_the_consumer_before_its_records_are_
 }
 
 // librdkafka inflates gzip and lz4 batches without a cap (one 1 MB gzip
-// batch is about 1 GB inflated, before relay sees a record), so an input
-// topic that keeps them is refused at start, naming it and the fix.
+// batch is about 1 GB inflated, before relay sees a record), and zstd up to
+// a cap per batch but not per fetch, so an input topic that keeps them is
+// refused at start, naming it and the fix.
 #[tokio::test(flavor = "multi_thread")]
-async fn an_input_topic_that_keeps_gzip_or_lz4_batches_is_refused_at_start_naming_it() {
+async fn an_input_topic_that_keeps_zstd_gzip_or_lz4_batches_is_refused_at_start_naming_it() {
     let h = Harness::new(1).await;
-    h.set_topic_compression(&h.topic, "gzip").await;
     let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
-    let mut run = h.process(&config, &["run"], &[]);
-    let status = run.wait(DEADLINE).expect("the start is refused");
-    assert!(!status.success());
-    let log = run.log();
-    assert!(
-        log.contains(&format!("{} (compression.type = gzip)", h.topic)) && log.contains("compression.type = zstd"),
-        "{log}"
-    );
+    for codec in ["zstd", "gzip"] {
+        h.set_topic_compression(&h.topic, codec).await;
+        let mut run = h.process(&config, &["run"], &[]);
+        let status = run.wait(DEADLINE).expect("the start is refused");
+        assert!(!status.success(), "{codec}: {}", run.log());
+        let log = run.log();
+        assert!(
+            log.contains(&format!("{} (compression.type = {codec})", h.topic))
+                && log.contains("compression.type = snappy"),
+            "{log}"
+        );
+    }
     // Kafka's default keeps what producers sent: refused too, unless the
     // deployment asks to be warned only.
     h.set_topic_compression(&h.topic, "producer").await;
-    let warned = h.config_text(CAPTURE_ROUTE).replace("[kafka]\n", "[kafka]\non_unbounded_compression = \"warn\"\n");
-    let config = h.write_config(&warned);
+    let config = h.write_config(&warned_only(&h));
     h.send(&order("evt-1", "o-1")).await;
     let mut run = h.process(&config, &["run"], &[]);
     h.await_committed(0, 1).await;
     assert!(run.terminate(std::time::Duration::from_secs(30)).unwrap().success(), "{}", run.log());
     assert!(run.log().contains("(compression.type = producer)"), "{}", run.log());
     assert_eq!(h.outcome("evt-1").await.as_deref(), Some("applied"));
+}
+
+/// Poll until `done` holds of the committed offsets, failing at once if
+/// `run` stops or after [`DEADLINE`]; the most `run` held resident meanwhile.
+async fn until_committed(
+    h: &Harness,
+    run: &mut relay_testkit::process::RelayProcess,
+    done: impl Fn(&std::collections::HashMap<i32, Option<i64>>) -> bool,
+) -> u64 {
+    let end = std::time::Instant::now() + DEADLINE;
+    let mut peak = 0;
+    loop {
+        peak = peak.max(run.peak_resident_bytes().unwrap_or(0));
+        assert!(run.is_running(), "the consumer stopped: {}", run.log());
+        if h.try_committed().await.is_ok_and(|c| done(&c)) {
+            return peak;
+        }
+        assert!(std::time::Instant::now() < end, "not committed within {DEADLINE:?}: {}", run.log());
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+/// `n` bytes that no codec shrinks, as text.
+fn incompressible(n: usize) -> String {
+    use rand::Rng;
+    let mut rng = rand::rng();
+    (0..n).map(|_| char::from(rng.random_range(b'a'..=b'z'))).collect()
+}
+
+// The client drops a fetch response over receive.message.max.bytes and
+// reports it as a bad message, on which the consumer stops, at every start.
+// A topic may keep batches larger than a whole fetch (its max.message.bytes
+// raised): the broker sends such a batch alone, and the response must still
+// fit. The record is over max_record_bytes, so it is parked; the one after
+// it is applied.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_larger_than_a_whole_fetch_is_received_and_its_partition_goes_on() {
+    let h = Harness::new(1).await;
+    h.set_topic_config(&h.topic, "max.message.bytes", &(14 * 1024 * 1024).to_string()).await;
+    let big = relay_testkit::TestProducer::with_properties(
+        &h.bootstrap,
+        &[("message.max.bytes", "16000000"), ("compression.type", "none")],
+    )
+    .unwrap();
+    let payload = incompressible(12 * 1024 * 1024);
+    big.raw(&h.topic, Some(0), None, &order("evt-big", "o-big").headers(), Some(payload.as_bytes())).await.unwrap();
+    h.send(&order("evt-after", "o-after").partition(0)).await;
+    let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
+    let mut run = h.process(&config, &["consume"], &[]);
+    until_committed(&h, &mut run, |c| c.get(&0).copied().flatten() == Some(2)).await;
+    assert!(run.terminate(std::time::Duration::from_secs(30)).unwrap().success(), "{}", run.log());
+    assert_eq!(h.outcome("evt-after").await.as_deref(), Some("applied"));
+    let dead = dead_letters(&h).await;
+    assert_eq!((dead.len(), dead[0].1.as_str()), (1, "oversized"), "{dead:?}");
+}
+
+// Snappy inflates at most ~21 times, so a topic kept in snappy bounds what
+// one fetch inflates to however producers compress. Here 100 zstd batches of
+// ~150 bytes each inflate to 3 MiB: a topic kept in zstd stores them as
+// sent, one 64 KiB partition fetch carries them all, and the client inflates
+// 300 MiB at once; kept in snappy, the broker re-encodes each to ~150 KB,
+// which comes one per fetch. What stays is what the two queues hold (the
+// client's 64 MiB, relay's `max_buffered_bytes`) and the process itself.
+#[tokio::test(flavor = "multi_thread")]
+async fn batches_that_inflate_twenty_thousandfold_stay_within_a_bound_on_a_snappy_topic() {
+    let codec = std::env::var("RELAY_TEST_CODEC").unwrap_or("snappy".into());
+    let peak = peak_while_reading_inflating_batches(&codec).await;
+    assert!(peak < 240 * 1024 * 1024, "the consumer held {} MiB at its peak", peak / (1024 * 1024));
+}
+
+/// The most the consumer held resident while reading 100 batches that each
+/// inflate to 3 MiB (zstd grows its buffer threefold from an unknown size,
+/// so a batch past ~3.4 MiB does not fit 9 MiB), from an input topic kept
+/// in `codec`.
+async fn peak_while_reading_inflating_batches(codec: &str) -> u64 {
+    let h = Harness::new(1).await;
+    h.set_topic_compression(&h.topic, codec).await;
+    let zstd = relay_testkit::TestProducer::with_properties(
+        &h.bootstrap,
+        &[("compression.type", "zstd"), ("message.max.bytes", "16000000"), ("linger.ms", "0")],
+    )
+    .unwrap();
+    let blank = vec![b' '; 3 * 1024 * 1024];
+    for i in 0..100 {
+        zstd.raw(&h.topic, Some(0), None, &order(&format!("evt-{i}"), "o").headers(), Some(&blank)).await.unwrap();
+    }
+    h.send(&order("evt-after", "o-after").partition(0)).await;
+    let config = h.write_config(&warned_only(&h));
+    let mut run = h.process(&config, &["consume"], &[]);
+    let peak = until_committed(&h, &mut run, |c| c.get(&0).copied().flatten() == Some(101)).await;
+    assert!(run.terminate(std::time::Duration::from_secs(30)).unwrap().success(), "{}", run.log());
+    assert_eq!(h.outcome("evt-after").await.as_deref(), Some("applied"));
+    eprintln!("topic kept in {codec}: the consumer held {} MiB at its peak", peak / (1024 * 1024));
+    peak
 }

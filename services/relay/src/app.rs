@@ -16,6 +16,7 @@ use crate::ingest::processor::Processor;
 use crate::ops::admin::Operator;
 use crate::publish::publisher::Publisher;
 use crate::runtime::faults::Faults;
+use crate::runtime::kafka::InputTopics;
 
 /// Which components to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,11 +147,11 @@ impl Relay {
 
     /// The inbox consumer.
     pub fn consumer(&self) -> anyhow::Result<InboxConsumer> {
-        self.consumer_with(self.processor())
+        self.consumer_with(self.processor(), InputTopics::default())
     }
 
-    /// The inbox consumer, processing with `processor`.
-    fn consumer_with(&self, processor: Processor) -> anyhow::Result<InboxConsumer> {
+    /// The inbox consumer of `inputs`, processing with `processor`.
+    fn consumer_with(&self, processor: Processor, inputs: InputTopics) -> anyhow::Result<InboxConsumer> {
         let c = &self.cfg.consumer;
         let topics = self.cfg.subscribed_topics();
         if topics.is_empty() {
@@ -164,6 +165,7 @@ impl Relay {
             max_buffered_bytes: c.max_buffered_bytes,
             reference_retry: c.reference_retry,
             database_backoff: c.database_backoff,
+            largest_batch: inputs.largest_batch,
         };
         InboxConsumer::new(&self.cfg.kafka, settings, processor, self.pool.clone(), self.faults.clone())
     }
@@ -190,9 +192,11 @@ impl Relay {
         if which.consumer || which.publisher {
             crate::runtime::kafka::preflight(&self.cfg.kafka).await?;
         }
-        if which.consumer {
-            crate::runtime::kafka::check_input_compression(&self.cfg).await?;
-        }
+        let inputs = if which.consumer {
+            crate::runtime::kafka::check_input_topics(&self.cfg).await?
+        } else {
+            InputTopics::default()
+        };
         // Every process that deletes inbox rows checks first (R15): the
         // consumer, and the dispatcher, beside which cleanup runs.
         let checked = if which.consumer || which.dispatcher {
@@ -223,10 +227,11 @@ impl Relay {
         };
         if which.consumer {
             let processor = self.processor();
-            let c = self.consumer_with(match handoff {
+            let processor = match handoff {
                 Some(h) => processor.claiming_for(h),
                 None => processor,
-            })?;
+            };
+            let c = self.consumer_with(processor, inputs)?;
             let t = inner.clone();
             set.spawn(async move { ("consumer", c.run(t).await) });
         }

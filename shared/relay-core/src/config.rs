@@ -396,11 +396,11 @@ pub struct KafkaConfig {
     pub producer_properties: BTreeMap<String, String>,
     /// librdkafka property → name of the environment variable holding its value.
     pub secret_properties: BTreeMap<String, String>,
-    /// What to do when an input topic keeps batches compressed with gzip or
-    /// lz4 (its `compression.type` is `gzip`, `lz4` or `producer`): the
-    /// Kafka client inflates those without a cap, so one small hostile
-    /// batch can take gigabytes. Refused by default; set the topics'
-    /// `compression.type = zstd`, whose output the client caps.
+    /// What to do when an input topic keeps batches compressed with zstd,
+    /// gzip or lz4 (its `compression.type` is none of `snappy` and
+    /// `uncompressed`): the Kafka client inflates those without a bound per
+    /// fetch, so a few small hostile batches can take gigabytes. Refused by
+    /// default; set the topics' `compression.type = snappy`.
     pub on_unbounded_compression: Shortfall,
 }
 

@@ -105,6 +105,15 @@ impl RelayProcess {
         self.child.as_ref().map(Child::id)
     }
 
+    /// The most memory it has held resident so far (Linux's `VmHWM`), while
+    /// running.
+    pub fn peak_resident_bytes(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()?)).ok()?;
+        let line = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?;
+        let kib: u64 = line.trim().trim_end_matches("kB").trim().parse().ok()?;
+        Some(kib * 1024)
+    }
+
     /// Whether it is running.
     pub fn is_running(&mut self) -> bool {
         match &mut self.child {
@@ -350,7 +359,7 @@ impl PrivateKafka {
                  inter.broker.listener.name=PLAINTEXT\nlog.dirs={}\nnum.partitions=1\n\
                  offsets.topic.replication.factor=1\noffsets.topic.num.partitions=2\n\
                  transaction.state.log.replication.factor=1\ntransaction.state.log.min.isr=1\n\
-                 group.initial.rebalance.delay.ms=0\ncompression.type=zstd\n{tls}",
+                 group.initial.rebalance.delay.ms=0\ncompression.type=snappy\n{tls}",
                 dir.join("data").display()
             ),
         )?;

@@ -359,10 +359,15 @@ backoff = {{ min_delay = "20ms", max_delay = "100ms", factor = 2.0 }}
 
     /// Sets `compression.type` of `topic` (the input topic, or another).
     pub async fn set_topic_compression(&self, topic: &str, codec: &str) {
+        self.set_topic_config(topic, "compression.type", codec).await;
+    }
+
+    /// Sets the topic configuration `name` of `topic` to `value`.
+    pub async fn set_topic_config(&self, topic: &str, name: &str, value: &str) {
         use rdkafka::admin::{AdminClient, AdminOptions, AlterConfig, ResourceSpecifier};
         let admin: AdminClient<rdkafka::client::DefaultClientContext> =
             rdkafka::ClientConfig::new().set("bootstrap.servers", &self.bootstrap).create().unwrap();
-        let change = AlterConfig::new(ResourceSpecifier::Topic(topic)).set("compression.type", codec);
+        let change = AlterConfig::new(ResourceSpecifier::Topic(topic)).set(name, value);
         for r in admin.alter_configs([&change], &AdminOptions::new()).await.unwrap() {
             r.unwrap();
         }

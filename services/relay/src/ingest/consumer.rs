@@ -61,7 +61,7 @@ use crate::ingest::partitions::{
 use crate::ingest::processor::{Processed, Processor};
 use crate::ingest::unreadable::{self, Unreadable};
 use crate::runtime::faults::{FaultInjected, Faults, Sabotage, point};
-use crate::runtime::kafka::{Role, client_config, forward_error, forward_log};
+use crate::runtime::kafka::{consumer_config, forward_error, forward_log};
 
 /// Consumer context: commits on revoke, forwards librdkafka logs to tracing.
 pub struct RelayContext {
@@ -172,6 +172,9 @@ pub struct ConsumerSettings {
     pub reference_retry: RetryBudget,
     /// Backoff while the database is down.
     pub database_backoff: BackoffPolicy,
+    /// The largest batch the topics keep (their `max.message.bytes`): a
+    /// fetch response must have room for it.
+    pub largest_batch: usize,
 }
 
 /// The inbox consumer.
@@ -257,7 +260,7 @@ impl InboxConsumer {
     ) -> anyhow::Result<InboxConsumer> {
         let limits = Limits { batch_size: settings.batch_size, max_buffered_bytes: settings.max_buffered_bytes };
         let state = Arc::new(Mutex::new(Partitions::new(limits)));
-        let mut cfg = client_config(kafka, Role::Consumer)?;
+        let mut cfg = consumer_config(kafka, settings.largest_batch)?;
         cfg.set("group.id", &settings.group);
         if cfg.get("statistics.interval.ms").is_none() {
             cfg.set("statistics.interval.ms", "5000");
@@ -559,7 +562,7 @@ impl InboxConsumer {
         let me = self.clone();
         tokio::task::spawn_blocking(move || {
             let positions = me.positions();
-            let _ = me.found.send((generation, unreadable::probe(&me.kafka, &positions)));
+            let _ = me.found.send((generation, unreadable::probe(&me.kafka, me.settings.largest_batch, &positions)));
         });
     }
 

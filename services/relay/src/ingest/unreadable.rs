@@ -24,7 +24,7 @@ use relay_kafka_raw::Fetched;
 use tracing::warn;
 
 use crate::ingest::partitions::TopicPartition;
-use crate::runtime::kafka::{Role, client_config};
+use crate::runtime::kafka::consumer_config;
 
 /// A run of offsets of one partition the client cannot read.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,9 +52,14 @@ enum Read {
 
 /// Which of `positions` (partition, the consumer's next offset; `None`:
 /// the earliest, as the consumer starts without a committed offset) cannot
-/// be read there, and up to where. Blocking: run it off the async runtime.
-pub(super) fn probe(kafka: &KafkaConfig, positions: &[(TopicPartition, Option<i64>)]) -> Vec<Unreadable> {
-    let client = client_config(kafka, Role::Consumer).map(|mut c| {
+/// be read there, and up to where (in topics whose largest batch is
+/// `largest_batch`). Blocking: run it off the async runtime.
+pub(super) fn probe(
+    kafka: &KafkaConfig,
+    largest_batch: usize,
+    positions: &[(TopicPartition, Option<i64>)],
+) -> Vec<Unreadable> {
+    let client = consumer_config(kafka, largest_batch).map(|mut c| {
         c.set("group.id", format!("relay-probe-{}", uuid::Uuid::new_v4()));
         c.set("enable.partition.eof", "true");
         c

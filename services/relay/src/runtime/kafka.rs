@@ -45,16 +45,53 @@ fn required(role: Role) -> &'static [(&'static str, &'static str)] {
     }
 }
 
-/// The most a consumer's compressed batch inflates to, and the most one
-/// fetch response holds.
+/// The least `receive.message.max.bytes` is, which is also the most a zstd
+/// batch inflates to: batches of topics kept in zstd before it became
+/// unbounded per fetch (see [`check_input_topics`]) still inflate this far.
 pub const MAX_INFLATED_BATCH: usize = 8 * 1024 * 1024;
+
+/// The most batch bytes one fetch response carries (`fetch.max.bytes`),
+/// unless a single batch is larger. With a topic stored in snappy, whose
+/// output is at most ~21.3 times its input, one response inflates to at
+/// most ~43 MiB.
+pub const FETCH_MAX_BYTES: usize = 2 * 1024 * 1024;
+
+/// Kafka's default `max.message.bytes`: the largest batch a topic keeps
+/// unless configured otherwise.
+pub const KAFKA_DEFAULT_LARGEST_BATCH: usize = 1_048_588;
+
+/// What a fetch response holds besides its batches: a header of about 50
+/// bytes per partition and, under read_committed, 16 bytes per aborted
+/// transaction overlapping the fetched range. librdkafka drops a response
+/// over `receive.message.max.bytes` and reports it as a bad message, and
+/// the broker only bounds the batch bytes, so the limit leaves this much
+/// room: ~20 000 partitions of one broker.
+const RESPONSE_HEADROOM: usize = 1024 * 1024;
+
+/// `receive.message.max.bytes` for a consumer of topics whose largest batch
+/// is `largest_batch` bytes: a response is at most one fetch's batch bytes,
+/// or one larger batch, plus its headers.
+pub fn receive_limit(largest_batch: usize) -> usize {
+    MAX_INFLATED_BATCH.max(FETCH_MAX_BYTES).max(largest_batch) + RESPONSE_HEADROOM
+}
 
 /// `auto.offset.reset` values that never skip records: librdkafka's names for
 /// the earliest offset, and `error` (no reset at all).
 const SAFE_OFFSET_RESETS: &[&str] = &["earliest", "smallest", "beginning", "error"];
 
-/// Build a client configuration.
+/// Build a client configuration (a consumer's for topics whose batches are
+/// at most Kafka's default size).
 pub fn client_config(cfg: &KafkaConfig, role: Role) -> Result<ClientConfig, ConfigError> {
+    configure(cfg, role, KAFKA_DEFAULT_LARGEST_BATCH)
+}
+
+/// The inbox consumer's configuration, for input topics whose largest batch
+/// is `largest_batch` bytes (their `max.message.bytes`).
+pub fn consumer_config(cfg: &KafkaConfig, largest_batch: usize) -> Result<ClientConfig, ConfigError> {
+    configure(cfg, Role::Consumer, largest_batch)
+}
+
+fn configure(cfg: &KafkaConfig, role: Role, largest_batch: usize) -> Result<ClientConfig, ConfigError> {
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", &cfg.bootstrap_servers);
     match role {
@@ -72,16 +109,11 @@ pub fn client_config(cfg: &KafkaConfig, role: Role) -> Result<ClientConfig, Conf
             // raise it (kafka.consumer_properties) for large records over a
             // slow link.
             c.set("max.partition.fetch.bytes", "65536");
-            // librdkafka inflates a zstd batch up to receive.message.max.bytes
-            // (100 MB by default) before relay sees any of its records, and a
-            // fetch of 64 KiB can carry twenty small batches that each inflate
-            // that far: gigabytes per partition from one hostile producer.
-            // 8 MiB per batch, and a fetch response (fetch.max.bytes) within
-            // it, as librdkafka requires. A batch that inflates past it is
-            // unreadable and parked; raise both for producers whose batches
-            // are larger uncompressed.
-            c.set("fetch.max.bytes", MAX_INFLATED_BATCH.to_string());
-            c.set("receive.message.max.bytes", (MAX_INFLATED_BATCH + 512).to_string());
+            // A response over receive.message.max.bytes is dropped and
+            // reported as a bad message, on which the consumer stops: the
+            // limit must hold the largest response the broker may send.
+            c.set("fetch.max.bytes", FETCH_MAX_BYTES.to_string());
+            c.set("receive.message.max.bytes", receive_limit(largest_batch).to_string());
         }
         Role::Producer => {
             c.set("linger.ms", "5");
@@ -275,24 +307,43 @@ pub async fn preflight(cfg: &KafkaConfig) -> anyhow::Result<()> {
     }
 }
 
-/// Input topic codecs whose batches librdkafka inflates without a cap:
-/// gzip (inflated once to learn its size, then again), lz4 (grown by
-/// realloc), and `producer`, which keeps whatever a producer sent. Only zstd
-/// is capped (by `receive.message.max.bytes`); snappy cannot grow more
-/// than a few dozen times.
-const UNBOUNDED_CODECS: &[&str] = &["producer", "gzip", "lz4"];
+/// Input topic codecs whose batches inflate within a bound per fetch:
+/// snappy's output is at most ~21.3 times its input (a 3-byte copy of 64
+/// bytes), and a topic set to either has the broker re-encode every batch
+/// producers send. librdkafka inflates gzip and lz4 without a cap; zstd is
+/// capped per batch (at `receive.message.max.bytes`), not per fetch, and a
+/// 300-byte zstd batch can inflate to the cap, so ~200 of them in one
+/// 64 KiB partition fetch take ~1.6 GiB; `producer` keeps whatever a
+/// producer sent.
+const BOUNDED_CODECS: &[&str] = &["snappy", "uncompressed"];
 
-/// Refuse (or warn about, per `kafka.on_unbounded_compression`) input
-/// topics whose batches the client would inflate without a cap: one 1 MB
-/// gzip batch inflates to about 1 GB before relay sees a record, which
-/// kills the process, and every member after it, on every restart.
-/// A broker that will not say (no DescribeConfigs, an ACL) is warned about.
-pub async fn check_input_compression(cfg: &relay_core::RelayConfig) -> anyhow::Result<()> {
+/// What the input topics' configurations say that the consumer's needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InputTopics {
+    /// The largest `max.message.bytes` among them: the largest batch a fetch
+    /// may have to carry whole.
+    pub largest_batch: usize,
+}
+
+impl Default for InputTopics {
+    fn default() -> Self {
+        InputTopics { largest_batch: KAFKA_DEFAULT_LARGEST_BATCH }
+    }
+}
+
+/// Read the input topics' configurations: refuse (or warn about, per
+/// `kafka.on_unbounded_compression`) topics whose batches the client would
+/// inflate without a bound per fetch (one 1 MB gzip batch inflates to about
+/// 1 GB before relay sees a record, which kills the process, and every
+/// member after it, on every restart), and learn their largest batch. A
+/// broker that will not say (no DescribeConfigs, an ACL) is warned about.
+pub async fn check_input_topics(cfg: &relay_core::RelayConfig) -> anyhow::Result<InputTopics> {
     use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
     use rdkafka::client::DefaultClientContext;
     let topics = cfg.subscribed_topics();
+    let mut found = InputTopics::default();
     if topics.is_empty() {
-        return Ok(());
+        return Ok(found);
     }
     let admin: AdminClient<DefaultClientContext> = client_config(&cfg.kafka, Role::Consumer)?.create()?;
     let specs: Vec<ResourceSpecifier<'_>> = topics.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
@@ -300,10 +351,12 @@ pub async fn check_input_compression(cfg: &relay_core::RelayConfig) -> anyhow::R
     let results = match admin.describe_configs(&specs, &opts).await {
         Ok(r) => r,
         Err(e) => {
-            warn!(error = %e, "cannot read the input topics' compression.type from the brokers; if a topic keeps \
-                   gzip or lz4 batches, one small hostile batch can inflate to gigabytes in the Kafka client: \
-                   set compression.type = zstd on the input topics");
-            return Ok(());
+            warn!(error = %e, "cannot read the input topics' configurations from the brokers; if a topic keeps \
+                   zstd, gzip or lz4 batches, a few small hostile batches can inflate to gigabytes in the Kafka \
+                   client: set compression.type = snappy on the input topics. A batch over {} bytes stops the \
+                   consumer unless kafka.consumer_properties raises receive.message.max.bytes",
+                   receive_limit(found.largest_batch));
+            return Ok(found);
         }
     };
     let mut unbounded = Vec::new();
@@ -311,22 +364,25 @@ pub async fn check_input_compression(cfg: &relay_core::RelayConfig) -> anyhow::R
         match result {
             Ok(resource) => {
                 let codec = resource.get("compression.type").and_then(|e| e.value.as_deref()).unwrap_or("producer");
-                if UNBOUNDED_CODECS.contains(&codec) {
+                if !BOUNDED_CODECS.contains(&codec) {
                     unbounded.push(format!("{topic} (compression.type = {codec})"));
                 }
+                let largest = resource.get("max.message.bytes").and_then(|e| e.value.as_deref()?.parse().ok());
+                found.largest_batch = found.largest_batch.max(largest.unwrap_or(KAFKA_DEFAULT_LARGEST_BATCH));
             }
-            Err(e) => warn!(topic = %topic, error = %e, "cannot read this input topic's compression.type"),
+            Err(e) => warn!(topic = %topic, error = %e, "cannot read this input topic's configuration"),
         }
     }
     if unbounded.is_empty() {
-        return Ok(());
+        return Ok(found);
     }
     let msg = format!(
-        "input topic(s) {} may hold gzip or lz4 batches, which the Kafka client inflates without any cap before \
-         relay sees a record: one hostile 1 MB batch can take gigabytes and crash every member that fetches it. \
-         Set compression.type = zstd on each (kafka-configs.sh --alter --entity-type topics --entity-name TOPIC \
-         --add-config compression.type=zstd): the broker then stores new batches as zstd, whose output the client \
-         caps at receive.message.max.bytes (batches written before the change keep their codec)",
+        "input topic(s) {} may hold zstd, gzip or lz4 batches, which the Kafka client inflates without a bound \
+         per fetch before relay sees a record: a few hostile batches of a few hundred bytes can take gigabytes \
+         and crash every member that fetches them. Set compression.type = snappy on each (kafka-configs.sh \
+         --alter --entity-type topics --entity-name TOPIC --add-config compression.type=snappy), or \
+         uncompressed: the broker then re-encodes every new batch into it, and snappy inflates at most ~21 times \
+         (batches written before the change keep their codec)",
         unbounded.join(", ")
     );
     match cfg.kafka.on_unbounded_compression {
@@ -335,7 +391,7 @@ pub async fn check_input_compression(cfg: &relay_core::RelayConfig) -> anyhow::R
         }
         relay_core::config::Shortfall::Warn => {
             warn!("{msg}");
-            Ok(())
+            Ok(found)
         }
     }
 }
@@ -497,13 +553,17 @@ mod tests {
     }
 
     #[test]
-    fn a_consumer_inflates_a_batch_to_8_mib_at_most_and_librdkafka_accepts_it() {
+    fn a_consumer_receives_a_full_fetch_or_its_largest_batch_with_room_for_headers() {
         let cfg = KafkaConfig { bootstrap_servers: "127.0.0.1:1".into(), ..KafkaConfig::default() };
         let c = client_config(&cfg, Role::Consumer).unwrap();
-        assert_eq!(c.get("receive.message.max.bytes"), Some("8389120"));
-        assert_eq!(c.get("fetch.max.bytes"), Some("8388608"));
+        assert_eq!(c.get("fetch.max.bytes"), Some("2097152"));
+        assert_eq!(c.get("receive.message.max.bytes"), Some("9437184"), "8 MiB for zstd, 1 MiB of headers");
+        let big = consumer_config(&cfg, 12 * 1024 * 1024).unwrap();
+        assert_eq!(big.get("receive.message.max.bytes"), Some("13631488"), "a 12 MiB batch and its headers");
         // librdkafka checks the two against each other and message.max.bytes.
-        let consumer: Result<rdkafka::consumer::BaseConsumer, _> = c.clone().set("group.id", "g").create();
-        assert!(consumer.is_ok(), "{:?}", consumer.err());
+        for c in [c, big] {
+            let consumer: Result<rdkafka::consumer::BaseConsumer, _> = c.clone().set("group.id", "g").create();
+            assert!(consumer.is_ok(), "{:?}", consumer.err());
+        }
     }
 }
