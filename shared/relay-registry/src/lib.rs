@@ -33,7 +33,18 @@ use serde::Deserialize;
 use serde_json::Value;
 
 mod avro;
+mod failure;
+mod json_schema;
+mod json_text;
 mod protobuf;
+mod tls;
+mod wire;
+
+use json_schema::*;
+pub use failure::*;
+pub use json_text::*;
+pub use tls::*;
+pub use wire::*;
 
 /// The wire format's first byte.
 pub const MAGIC: u8 = 0;
@@ -72,126 +83,6 @@ const MAX_REFERENCES: usize = 100;
 /// each is parsed and kept while the schema is, so a hundred references to
 /// one 8 MiB schema under a hundred names would otherwise be a hundred trees.
 const MAX_IMPORT_BYTES: usize = MAX_ANSWER_BYTES;
-
-/// How many times its size in the wire format a value may take as JSON: real
-/// values take a few times theirs (Avro repeats field names, Protobuf writes
-/// each default), a crafted one would take any amount of memory.
-pub const JSON_EXPANSION: usize = 16;
-
-/// JSON any value may take beyond [`JSON_EXPANSION`] times its size: room
-/// for the defaults of a small message.
-pub const JSON_SLACK_BYTES: usize = 64 * 1024;
-
-/// The most bytes of JSON text a value of `wire` bytes is decoded to; a
-/// value that would take more is [`Failure::Oversized`].
-pub fn max_json_bytes(wire: usize) -> usize {
-    wire.saturating_mul(JSON_EXPANSION).saturating_add(JSON_SLACK_BYTES)
-}
-
-/// Why a value could not be decoded.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum Failure {
-    /// The record can never be decoded as it is: dead-letter it.
-    #[error("{0}")]
-    Poison(String),
-    /// The registry does not have the schema the record names — yet, maybe:
-    /// a replica behind the one the producer registered with, a registry
-    /// restarted empty. Retried within the consumer's reference budget,
-    /// then dead-lettered; once a record has been ([`Registry::gave_up`]),
-    /// the records naming the same id are poison after one ask.
-    #[error("{0}")]
-    NotYet(String),
-    /// The registry could not answer now: wait and try the record again.
-    #[error("{0}")]
-    Unavailable(String),
-    /// The value decodes to more JSON than [`max_json_bytes`] of its size:
-    /// dead-letter it as oversized.
-    #[error("{0}")]
-    Oversized(String),
-}
-
-/// Why a value did not become JSON.
-#[derive(Debug)]
-pub(crate) enum Undecoded {
-    /// It is not a value of its schema.
-    Invalid(String),
-    /// Its JSON would take more than this many bytes.
-    TooLarge(usize),
-}
-
-impl From<String> for Undecoded {
-    fn from(why: String) -> Self {
-        Undecoded::Invalid(why)
-    }
-}
-
-impl From<&str> for Undecoded {
-    fn from(why: &str) -> Self {
-        Undecoded::Invalid(why.to_owned())
-    }
-}
-
-impl std::fmt::Display for Undecoded {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Undecoded::Invalid(why) => f.write_str(why),
-            Undecoded::TooLarge(limit) => write!(f, "oversized: its JSON is over {limit} bytes"),
-        }
-    }
-}
-
-/// JSON text kept in memory that refuses to grow past `limit` bytes, so a
-/// value is never expanded further than its bound, not even for a moment.
-struct Capped {
-    buf: Vec<u8>,
-    limit: usize,
-    over: bool,
-}
-
-impl std::io::Write for Capped {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        let need = self.buf.len() + bytes.len();
-        if need > self.limit {
-            self.over = true;
-            return Err(std::io::Error::other("over the bound"));
-        }
-        if need > self.buf.capacity() {
-            let want = need.max(self.buf.capacity() * 2).min(self.limit);
-            self.buf.reserve_exact(want - self.buf.len());
-        }
-        self.buf.extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-/// serde_json's compact text, with an `f32` written as the `f64` it widens
-/// to, as a `serde_json::Value` holds it: the text is what a value built
-/// first and written after gave.
-struct Widened;
-
-impl serde_json::ser::Formatter for Widened {
-    fn write_f32<W: ?Sized + std::io::Write>(&mut self, writer: &mut W, value: f32) -> std::io::Result<()> {
-        self.write_f64(writer, f64::from(value))
-    }
-}
-
-/// The JSON text `write` serializes, of at most `limit` bytes.
-pub(crate) fn json_text(
-    limit: usize,
-    write: impl FnOnce(&mut serde_json::Serializer<&mut Capped, Widened>) -> Result<(), serde_json::Error>,
-) -> Result<Vec<u8>, Undecoded> {
-    let mut out = Capped { buf: Vec::new(), limit, over: false };
-    let result = write(&mut serde_json::Serializer::with_formatter(&mut out, Widened));
-    match result {
-        Ok(()) => Ok(out.buf),
-        Err(_) if out.over => Err(Undecoded::TooLarge(limit)),
-        Err(e) => Err(Undecoded::Invalid(e.to_string())),
-    }
-}
 
 /// A client of one Schema Registry, with the schemas it has fetched.
 pub struct Registry {
@@ -354,16 +245,6 @@ enum Unfetched {
 impl From<Failure> for Unfetched {
     fn from(f: Failure) -> Self {
         Unfetched::Failed(f)
-    }
-}
-
-/// `f` of a record of `topic`.
-fn on_topic(f: Failure, topic: &str) -> Failure {
-    match f {
-        Failure::Unavailable(why) => Failure::Unavailable(format!("record of topic {topic:?}: {why}")),
-        Failure::Poison(why) => Failure::Poison(format!("record of topic {topic:?}, {why}")),
-        Failure::NotYet(why) => Failure::NotYet(format!("record of topic {topic:?}, {why}")),
-        Failure::Oversized(why) => Failure::Oversized(format!("record of topic {topic:?}, {why}")),
     }
 }
 
@@ -675,7 +556,7 @@ impl Registry {
                     .await
                     .map_err(|e| format!("subject {subject}: the schemas its JSON Schema refers to: {}", e.why()))?;
                 json_validator(&latest.schema, imports)
-                    .map(|validator| Arc::new(JsonEncoder { id: latest.id, validator, describe }) as Arc<_>)
+                    .map(|validator| Arc::new(JsonEncoder::new(latest.id, validator, describe)) as Arc<_>)
                     .map_err(|e| format!("subject {subject}: its JSON Schema cannot be used: {e}"))
             }
             (format, kind) => Err(format!(
@@ -851,48 +732,6 @@ impl ImportError {
     }
 }
 
-/// `b` with the TLS of `tls` (a private CA trusted alone, a client
-/// certificate), its files read now; errors name the key under `at` (e.g.
-/// `endpoints.psp.tls`) and the file. Shared by every HTTP client relay
-/// makes: the endpoints' and the registry's.
-pub fn with_tls(
-    mut b: reqwest::ClientBuilder,
-    at: &str,
-    tls: &relay_core::config::EndpointTls,
-) -> anyhow::Result<reqwest::ClientBuilder> {
-    let read = |key: &str, path: &std::path::Path| {
-        std::fs::read(path).map_err(|e| anyhow::anyhow!("{at}.{key}: cannot read {}: {e}", path.display()))
-    };
-    if let Some(path) = &tls.ca_file {
-        let certs = reqwest::Certificate::from_pem_bundle(&read("ca_file", path)?)
-            .map_err(|e| anyhow::anyhow!("{at}.ca_file: {} is not a PEM certificate bundle: {e}", path.display()))?;
-        anyhow::ensure!(
-            !certs.is_empty(),
-            "{at}.ca_file: {} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
-            path.display()
-        );
-        // Only these CAs: a server on a private PKI is not impersonated by any public one.
-        b = b.tls_built_in_root_certs(false);
-        for c in certs {
-            b = b.add_root_certificate(c);
-        }
-    }
-    if let (Some(cert), Some(key)) = (&tls.client_cert_file, &tls.client_key_file) {
-        let mut pem = read("client_cert_file", cert)?;
-        pem.push(b'\n');
-        pem.extend(read("client_key_file", key)?);
-        let identity = reqwest::Identity::from_pem(&pem).map_err(|e| {
-            anyhow::anyhow!(
-                "{at}: {} and {} are not a PEM certificate and its private key: {e}",
-                cert.display(),
-                key.display()
-            )
-        })?;
-        b = b.identity(identity);
-    }
-    Ok(b)
-}
-
 /// A subject as one path segment.
 fn utf8_percent(s: &str) -> String {
     url::form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>().replace('+', "%20")
@@ -907,142 +746,6 @@ fn shown_key(k: &str) -> String {
     let mut bytes = k.bytes();
     let first = bytes.next().is_some_and(|b| b.is_ascii_alphabetic() || b == b'_');
     if first && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_') { format!("{k:?}") } else { "*".to_owned() }
-}
-
-/// A validator of JSON Schema `schema`, the schemas it refers to
-/// (`imports`, by reference name) in its registry, read as Confluent's
-/// Python serializer reads them: a reference's name is the `$ref` that
-/// reaches it, and `$ref`s inside it resolve against that name (its own
-/// top-level `$id` is set aside, as `referencing` looks resources up by
-/// the name they were registered under); one without `$schema` is read in
-/// the schema's draft. A relative name is also found against the schema's
-/// own `$id`. Nothing is fetched ([`NoFetch`]).
-fn json_validator(schema: &str, imports: HashMap<String, String>) -> Result<jsonschema::Validator, String> {
-    use jsonschema::Draft;
-    let doc: Value = serde_json::from_str(schema).map_err(|e| e.to_string())?;
-    if imports.is_empty() {
-        return options().build(&doc).map_err(|e| e.to_string());
-    }
-    let draft = match Draft::default().detect(&doc) {
-        Draft::Unknown => Draft::default(),
-        known => known,
-    };
-    let base = doc.get("$id").and_then(Value::as_str).and_then(|id| jsonschema::uri::from_str(id).ok());
-    let mut imports: Vec<(String, String)> = imports.into_iter().collect();
-    imports.sort_unstable();
-    let (mut aliases, mut named) = (Vec::new(), Vec::with_capacity(imports.len()));
-    for (name, text) in imports {
-        let mut contents: Value = serde_json::from_str(&text)
-            .map_err(|e| format!("the schema it refers to as {name:?} is not JSON ({e})"))?;
-        let draft = draft.detect(&contents);
-        if let Some(top) = contents.as_object_mut() {
-            top.remove(draft.id_keyword());
-        }
-        let resource = draft.create_resource(contents);
-        if let Some(at) = base.as_ref().and_then(|b| jsonschema::uri::resolve_against(&b.borrow(), &name).ok()) {
-            aliases.push((at.to_string(), resource.clone()));
-        }
-        named.push((name, resource));
-    }
-    // Added later, a name wins over another's alias at the same address.
-    let registry = jsonschema::Registry::new()
-        .retriever(NoFetch)
-        .extend(aliases.into_iter().chain(named))
-        .and_then(jsonschema::RegistryBuilder::prepare)
-        .map_err(|e| format!("the schemas it refers to: {e}"))?;
-    options().with_registry(&registry).build(&doc).map_err(|e| e.to_string())
-}
-
-/// Most backtracking steps a `pattern` may take on one string. Patterns
-/// keep the backtracking engine (a schema Confluent's validators take may
-/// use lookarounds and backreferences), but its default of 1 000 000 steps
-/// a match let a value of tens of thousands of strings, each just under
-/// it, hold a worker thread for minutes; past this a string does not match.
-const PATTERN_BACKTRACK_LIMIT: usize = 10_000;
-
-/// How every validator is built: nothing fetched, patterns bounded.
-fn options() -> jsonschema::ValidationOptions<'static> {
-    jsonschema::options()
-        .with_retriever(NoFetch)
-        .with_pattern_options(jsonschema::PatternOptions::fancy_regex().backtrack_limit(PATTERN_BACKTRACK_LIMIT))
-}
-
-/// What a JSON Schema `$ref` no reference names gets: no schema is fetched
-/// from a URL or a file (Confluent's Python serializer would fetch a URL;
-/// a relay that did would let a registry entry make it call anywhere).
-struct NoFetch;
-
-impl jsonschema::Retrieve for NoFetch {
-    fn retrieve(&self, _uri: &jsonschema::Uri<String>) -> Result<Value, Box<dyn std::error::Error + Send + Sync>> {
-        Err("relay fetches no schema: a $ref reaches only the schema's references, by their names (register the \
-             schema it names and list it among the references)"
-            .into())
-    }
-}
-
-/// The wire format's header for schema `id`.
-fn header(id: u32) -> Vec<u8> {
-    let mut v = Vec::with_capacity(64);
-    v.push(MAGIC);
-    v.extend(id.to_be_bytes());
-    v
-}
-
-/// JSON checked against a JSON Schema, in the wire format.
-struct JsonEncoder {
-    id: u32,
-    validator: jsonschema::Validator,
-    describe: String,
-}
-
-impl std::fmt::Debug for JsonEncoder {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.describe)
-    }
-}
-
-impl relay_core::effects::DataEncoder for JsonEncoder {
-    fn encode(&self, data: &Value) -> Result<Vec<u8>, String> {
-        let errors: Vec<String> =
-            self.validator.iter_errors(data).take(5).map(|e| relay_core::router::schema_failure(&e)).collect();
-        if !errors.is_empty() {
-            return Err(errors.join("; "));
-        }
-        let mut v = header(self.id);
-        serde_json::to_writer(&mut v, data).map_err(|e| e.to_string())?;
-        Ok(v)
-    }
-
-    fn content_type(&self) -> &str {
-        "application/json"
-    }
-
-    fn describe(&self) -> String {
-        self.describe.clone()
-    }
-}
-
-/// The schema id and the encoded value of a value in the wire format.
-pub fn split(bytes: &[u8]) -> Result<(u32, &[u8]), String> {
-    match bytes {
-        // Registries take ids as 32-bit signed integers: one above that is
-        // no id (Confluent's and Apicurio's APIs answer it with a bare 404).
-        [MAGIC, a, b, c, d, rest @ ..] => match u32::from_be_bytes([*a, *b, *c, *d]) {
-            id if i32::try_from(id).is_err() => {
-                Err(format!("value names schema id {id}, above the largest a registry gives (2^31 - 1)"))
-            }
-            id => Ok((id, rest)),
-        },
-        [MAGIC, ..] => Err(format!(
-            "value of {} byte(s) is too short for the Schema Registry wire format (magic byte, 4-byte schema id)",
-            bytes.len()
-        )),
-        [first, ..] => Err(format!(
-            "value starts with byte {first:#04x}, not the Schema Registry wire format's magic byte 0x00 \
-             (produced without a registry serializer?)"
-        )),
-        [] => Err("value is empty, not in the Schema Registry wire format".into()),
-    }
 }
 
 fn snippet(body: &str) -> String {
