@@ -20,6 +20,12 @@ use crate::envelope::{
 use crate::ids::{KeySpace, derived_id};
 use crate::template::{CompileError, JsonTemplate, TemplateBuilder, Templates, TextTemplate, context};
 
+mod compile;
+mod schema_errors;
+
+use compile::*;
+pub use schema_errors::schema_failure;
+
 /// A route ready to apply.
 #[derive(Debug)]
 pub struct CompiledRoute {
@@ -663,209 +669,14 @@ impl Router {
     }
 }
 
-/// What a plan may hold, whoever made it (templates check as they render;
-/// a code handler's values are checked here): keys and ids bounded and free
-/// of control characters and not blank, paths and headers free of control
-/// characters, header names HTTP tokens. A request that could not be built
-/// would otherwise die unsent and fire `on_dead`.
-fn check_plan(plan: &Plan) -> Result<(), String> {
-    let key = |what: String, v: &str| {
-        if crate::limits::is_blank(v) {
-            return Err(format!("{what} is empty"));
-        }
-        crate::limits::check_key(&what, v)
-    };
-    let emits = |at: &str, emits: &[EmitSpec]| -> Result<(), String> {
-        for e in emits {
-            if let Some(k) = &e.key {
-                key(format!("{at}emit {:?} key", e.action), k)?;
-            }
-        }
-        Ok(())
-    };
-    let sagas = |at: &str, sagas: &[SagaMove]| -> Result<(), String> {
-        sagas.iter().try_for_each(|m| key(format!("{at}saga move {:?} id", m.action), &m.saga_id))
-    };
-    sagas("", &plan.sagas)?;
-    emits("", &plan.emits)?;
-    for c in &plan.calls {
-        let at = format!("call {:?}", c.action);
-        crate::limits::check_controls(&format!("{at} path"), &c.path)?;
-        for (name, value) in &c.headers {
-            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)) {
-                return Err(format!("{at} has a header name that is not an HTTP token"));
-            }
-            if let Some((_, ch)) = crate::limits::control_char(value).filter(|(_, ch)| *ch != '\t') {
-                return Err(format!(
-                    "{at} header {name:?} contains the control character U+{:04X}, which an HTTP header cannot carry",
-                    u32::from(ch)
-                ));
-            }
-        }
-        for (what, k) in [("idempotency key", &c.idempotency_key), ("ordering key", &c.ordering_key)] {
-            let Some(k) = k else { continue };
-            key(format!("{at} {what}"), k)?;
-            if k.starts_with(crate::ids::APP_KEY_PREFIX) {
-                return Err(format!(
-                    "{at} {what} starts with {:?}, which only keys applications give relay.call start with",
-                    crate::ids::APP_KEY_PREFIX
-                ));
-            }
-        }
-        if let Some(k) = &c.fairness_key {
-            key(format!("{at} fairness key"), k)?;
-        }
-        for (label, o) in [("on_success", &c.on_success), ("on_dead", &c.on_dead)] {
-            emits(&format!("{at} {label} "), &o.emit)?;
-            sagas(&format!("{at} {label} "), &o.saga)?;
-        }
-    }
-    Ok(())
-}
-
 fn missing_guard_field(route: &CompiledRoute, event: &InputEvent, guard: &str, what: &str) -> Poison {
     Poison::new(PoisonClass::BadField, format!("route {} has {guard} = true but the event has no {what}", route.name))
         .with_identity(Some(&event.id), Some(&event.event_type))
 }
 
-/// One schema failure, naming where in the data and which rule, never the
-/// value: jsonschema's own text quotes the failing value (a card number, or a
-/// whole double-encoded payload), and this reason goes to logs, the
-/// dead-letter table's reason, the dead-letter topic's header and the console
-/// (R16). A `required` failure names the property, which comes from the schema.
-pub fn schema_failure(e: &jsonschema::ValidationError<'_>) -> String {
-    let at = keyless_path(&e.instance_path().to_string(), &e.evaluation_path().to_string());
-    let rule = match e.kind() {
-        jsonschema::error::ValidationErrorKind::Required { property } => {
-            format!("required property {property} is missing")
-        }
-        kind => format!("fails \"{}\"", kind.keyword()),
-    };
-    format!("{at} {rule} (schema {})", e.schema_path())
-}
-
-/// Instance path `instance` of a schema failure with every token that is
-/// data shown as `*`: a map's keys (`additionalProperties`,
-/// `patternProperties`) are the data's own, an answer's or an event's, and
-/// may be a card number. Walks the evaluation path (`$ref`s followed)
-/// beside it, so a token is shown only where the schema names it
-/// (`properties/NAME`) or it is an array index of a few digits. Where the
-/// two paths do not step in lockstep (an evaluation path with a step too
-/// many, seen under nested `$ref`s), no token is shown.
-fn keyless_path(instance: &str, schema: &str) -> String {
-    /// How the evaluation path steps into the instance.
-    enum Step<'s> {
-        /// A property the schema declares.
-        Name(&'s str),
-        /// A key of the data's own.
-        Key,
-        /// An array's item.
-        Index,
-    }
-    let digits = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit());
-    let mut steps = Vec::new();
-    let mut keywords = schema.split('/').skip(1).peekable();
-    while let Some(keyword) = keywords.next() {
-        match keyword {
-            "properties" => steps.push(Step::Name(keywords.next().unwrap_or_default())),
-            "patternProperties" => {
-                keywords.next();
-                steps.push(Step::Key);
-            }
-            "additionalProperties" | "unevaluatedProperties" => steps.push(Step::Key),
-            "items" | "prefixItems" => {
-                // An array form (`items/0`, `prefixItems/0`) names its position.
-                if keywords.peek().is_some_and(|k| digits(k)) {
-                    keywords.next();
-                }
-                steps.push(Step::Index);
-            }
-            "additionalItems" | "unevaluatedItems" | "contains" => steps.push(Step::Index),
-            // Keywords whose next token is the schema's, not the data's.
-            "$defs" | "definitions" | "dependentSchemas" | "dependencies" | "allOf" | "anyOf" | "oneOf" => {
-                keywords.next();
-            }
-            _ => {}
-        }
-    }
-    // A failure of the object or array itself (`additionalProperties:
-    // false`, `contains`) ends with its keyword's step, for no token.
-    let own = [
-        "additionalProperties",
-        "unevaluatedProperties",
-        "items",
-        "prefixItems",
-        "additionalItems",
-        "unevaluatedItems",
-        "contains",
-    ];
-    if schema.rsplit('/').next().is_some_and(|k| own.contains(&k)) {
-        steps.pop();
-    }
-    let tokens: Vec<&str> = instance.split('/').skip(1).collect();
-    let lockstep = steps.len() == tokens.len();
-    let shown = tokens.iter().enumerate().map(|(n, t)| match steps.get(n) {
-        Some(Step::Name(name)) if lockstep && t == name => (*t).to_owned(),
-        // An index of a few digits: a card number is not one.
-        Some(Step::Index) if lockstep && digits(t) && t.len() <= 9 => (*t).to_owned(),
-        _ => "*".to_owned(),
-    });
-    let out: String = shown.map(|t| format!("/{t}")).collect();
-    if out.is_empty() { "/".to_owned() } else { out }
-}
-
-fn compile_emit(b: &mut TemplateBuilder, at: &str, e: &EmitAction) -> CompiledEmit {
-    CompiledEmit {
-        name: e.name.clone(),
-        event_type: e.event_type.clone(),
-        topic: e.topic.clone(),
-        key: e.key.as_ref().map(|k| b.key(&format!("{at}.key"), k)),
-        subject: e.subject.as_ref().map(|k| b.text(&format!("{at}.subject"), k)),
-        data: e.data.as_ref().map(|d| b.json(&format!("{at}.data"), d)),
-        ordered: e.ordered,
-    }
-}
-
-fn compile_saga(b: &mut TemplateBuilder, at: &str, s: &SagaAction) -> CompiledSaga {
-    CompiledSaga {
-        name: s.name.clone(),
-        saga_type: s.saga.clone(),
-        id: b.key(&format!("{at}.id"), &s.id),
-        from: s.from.clone(),
-        to: s.to.clone(),
-        start: s.start,
-    }
-}
-
-fn compile_outcome(b: &mut TemplateBuilder, at: &str, o: &OutcomeConfig) -> CompiledOutcome {
-    CompiledOutcome {
-        emit: o.emit.iter().enumerate().map(|(i, e)| compile_emit(b, &format!("{at}.emit[{i}]"), e)).collect(),
-        saga: o.saga.iter().enumerate().map(|(i, s)| compile_saga(b, &format!("{at}.saga[{i}]"), s)).collect(),
-    }
-}
-
-fn compile_action(b: &mut TemplateBuilder, at: &str, a: &ActionConfig) -> CompiledAction {
-    match a {
-        ActionConfig::Emit(e) => CompiledAction::Emit(compile_emit(b, at, e)),
-        ActionConfig::Saga(s) => CompiledAction::Saga(compile_saga(b, at, s)),
-        ActionConfig::Call(c) => CompiledAction::Call(CompiledCall {
-            name: c.name.clone(),
-            endpoint: c.endpoint.clone(),
-            method: c.method.to_ascii_uppercase(),
-            path: b.path(&format!("{at}.path"), &c.path),
-            body: c.body.as_ref().map(|d| b.json(&format!("{at}.body"), d)),
-            headers: c.headers.iter().map(|(k, v)| (k.clone(), b.header(&format!("{at}.headers.{k}"), v))).collect(),
-            idempotency_key: c.idempotency_key.as_ref().map(|k| b.key(&format!("{at}.idempotency_key"), k)),
-            ordering_key: c.ordering_key.as_ref().map(|k| b.key(&format!("{at}.ordering_key"), k)),
-            fairness_key: c.fairness_key.as_ref().map(|k| b.key(&format!("{at}.fairness_key"), k)),
-            on_success: b.with_answer(|b| compile_outcome(b, &format!("{at}.on_success"), &c.on_success)),
-            on_dead: compile_outcome(b, &format!("{at}.on_dead"), &c.on_dead),
-        }),
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::schema_errors::keyless_path;
     use super::*;
     use crate::envelope::Header;
 
