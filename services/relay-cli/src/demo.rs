@@ -184,7 +184,25 @@ pub async fn run() -> anyhow::Result<()> {
         tokio::spawn(async move { relay.run(Components::ALL, token).await })
     };
 
-    let producer: FutureProducer = ClientConfig::new().set("bootstrap.servers", &bootstrap).create()?;
+    produce_inputs(&bootstrap).await?;
+    let started = Instant::now();
+    let snapshot = match settled(&pool).await {
+        Ok(s) => s,
+        Err(e) => {
+            shutdown.cancel();
+            return Err(e);
+        }
+    };
+    println!("\nsettled after {:.1}s", started.elapsed().as_secs_f64());
+    shutdown.cancel();
+    running.await??;
+
+    report(&pool, &consumer, &provider, &snapshot).await
+}
+
+/// Produce the example records to topic `orders`, a line each.
+async fn produce_inputs(bootstrap: &str) -> anyhow::Result<()> {
+    let producer: FutureProducer = ClientConfig::new().set("bootstrap.servers", bootstrap).create()?;
     let inputs = inputs();
     println!("\nproducing {} records to topic \"orders\":", inputs.len());
     for input in &inputs {
@@ -197,12 +215,16 @@ pub async fn run() -> anyhow::Result<()> {
         let id = input.headers.iter().find(|(k, _)| k == "ce_id").map_or("-", |(_, v)| v.as_str());
         println!("  [{}@{:<2}] {:<12} {}", d.partition, d.offset, id, input.what);
     }
+    Ok(())
+}
 
-    // Wait for everything to settle: all recorded or parked, calls finished, outbox published.
+/// The counts once everything has settled (all recorded or parked, calls
+/// finished, outbox published), or an error after 90 s.
+async fn settled(pool: &sqlx::PgPool) -> anyhow::Result<Stats> {
     let started = Instant::now();
     // 6 orders + 1 upstream retry (duplicate_key) + 2 cancellations; the 2 duplicate deliveries add no row.
     let expected_inbox = 9;
-    let snapshot = loop {
+    loop {
         let s = stats::snapshot(&mut *pool.acquire().await?).await?;
         let inbox: i64 = s.inbox.iter().map(|(_, n)| n).sum();
         let unfinished =
@@ -214,19 +236,13 @@ pub async fn run() -> anyhow::Result<()> {
             && unpublished == 0
             && Stats::count(&s.intents, IntentState::Succeeded) + Stats::count(&s.intents, IntentState::Dead) >= 6;
         if done {
-            break s;
+            return Ok(s);
         }
         if started.elapsed() > Duration::from_secs(90) {
-            shutdown.cancel();
             anyhow::bail!("the demo did not settle within 90 s: {s:?}");
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
-    };
-    println!("\nsettled after {:.1}s", started.elapsed().as_secs_f64());
-    shutdown.cancel();
-    running.await??;
-
-    report(&pool, &consumer, &provider, &snapshot).await
+    }
 }
 
 async fn report(pool: &sqlx::PgPool, consumer: &str, provider: &Provider, s: &Stats) -> anyhow::Result<()> {
@@ -296,7 +312,12 @@ async fn report(pool: &sqlx::PgPool, consumer: &str, provider: &Provider, s: &St
         println!("  {name:<22} {v}");
     }
 
-    // The invariants, checked.
+    check_invariants(s, &p, dls.len())
+}
+
+/// The demo's invariants, checked against the counts, the provider's
+/// record and the dead letters parked.
+fn check_invariants(s: &Stats, p: &example_provider::Stats, dead_letters: usize) -> anyhow::Result<()> {
     let mut problems = Vec::new();
     let captured: Value = json!(p.by_key.keys().filter(|k| k.starts_with("capture:")).count());
     if !p.double_applied().is_empty() {
@@ -308,8 +329,8 @@ async fn report(pool: &sqlx::PgPool, consumer: &str, provider: &Provider, s: &St
     if Stats::count(&s.intents, IntentState::Succeeded) != 5 || Stats::count(&s.intents, IntentState::Dead) != 1 {
         problems.push(format!("expected 5 succeeded and 1 dead intent, saw {:?}", s.intents));
     }
-    if dls.len() != 3 {
-        problems.push(format!("expected 3 dead letters, saw {}", dls.len()));
+    if dead_letters != 3 {
+        problems.push(format!("expected 3 dead letters, saw {}", dead_letters));
     }
     if Stats::count(&s.inbox, InboxOutcome::DuplicateKey) != 1 || Stats::count(&s.inbox, InboxOutcome::Stale) != 1 {
         problems.push(format!("expected 1 duplicate_key and 1 stale inbox row, saw {:?}", s.inbox));

@@ -40,54 +40,16 @@ pub fn run(cfg: &RelayConfig, name: &str, given_record: &Given<'_>) -> anyhow::R
         }
     };
     let router = relay_core::Router::new(cfg)?;
-    let r = &cfg.routes[i];
-    let read = |p: &Path, what: &str| -> anyhow::Result<Vec<u8>> {
-        std::fs::read(p).map_err(|e| anyhow::anyhow!("--{what}: cannot read {}: {e}", p.display()))
-    };
     let mut out = String::new();
     let mut line = |s: String| {
         out.push_str(&s);
         out.push('\n');
     };
     let record = match event {
-        Some(path) => {
-            let mut rec = example_record(cfg, &router, i).map_err(anyhow::Error::msg)?;
-            rec.payload = Some(read(path, "event")?);
-            rec.headers.retain(|h| h.name == "content-type");
-            rec.key = given_record.key.map(|k| k.as_bytes().to_vec());
-            for h in given_record.headers {
-                let (name, value) =
-                    h.split_once('=').ok_or_else(|| anyhow::anyhow!("--header {h:?}: give NAME=VALUE"))?;
-                rec.headers.retain(|x| x.name != name);
-                rec.headers.push(relay_core::envelope::Header::text(name, value));
-            }
-            line(format!(
-                "route {}: topic {:?}, type {:?}, rendered against {} (no I/O)",
-                r.display_name(),
-                r.topic,
-                r.event_type,
-                path.display()
-            ));
-            rec
-        }
+        Some(path) => given_event(cfg, &router, i, path, given_record, &mut line)?,
         None => {
             let rec = example_record(given, &router, i).map_err(anyhow::Error::msg)?;
-            let reads = router.route_at(cfg, i).map(|(_, reads)| placeholders(&reads)).unwrap_or_default();
-            line(format!(
-                "route {}: topic {:?}, type {:?}, rendered against an example event (no I/O; --event FILE renders \
-                 your own record value)",
-                r.display_name(),
-                r.topic,
-                r.event_type
-            ));
-            if !reads.is_empty() {
-                line(format!("  the templates read: {}", reads.join(", ")));
-            }
-            if has_schema {
-                line(
-                    "  the example's data follows the route's JSON Schema's types; it is not checked against it".into(),
-                );
-            }
+            introduce_example(cfg, &router, i, has_schema, &mut line);
             rec
         }
     };
@@ -127,6 +89,67 @@ pub fn run(cfg: &RelayConfig, name: &str, given_record: &Given<'_>) -> anyhow::R
     Ok((out, true))
 }
 
+/// The file `--FLAG` names, or an error naming the flag and the file.
+fn read(p: &Path, flag: &str) -> anyhow::Result<Vec<u8>> {
+    std::fs::read(p).map_err(|e| anyhow::anyhow!("--{flag}: cannot read {}: {e}", p.display()))
+}
+
+/// The record `--event FILE` (with `--key` and `--header`) makes for route
+/// `i`, introduced by a line.
+fn given_event(
+    cfg: &RelayConfig,
+    router: &relay_core::Router,
+    i: usize,
+    path: &Path,
+    given: &Given<'_>,
+    line: &mut impl FnMut(String),
+) -> anyhow::Result<relay_core::RawRecord> {
+    let r = &cfg.routes[i];
+    let mut rec = example_record(cfg, router, i).map_err(anyhow::Error::msg)?;
+    rec.payload = Some(read(path, "event")?);
+    rec.headers.retain(|h| h.name == "content-type");
+    rec.key = given.key.map(|k| k.as_bytes().to_vec());
+    for h in given.headers {
+        let (name, value) = h.split_once('=').ok_or_else(|| anyhow::anyhow!("--header {h:?}: give NAME=VALUE"))?;
+        rec.headers.retain(|x| x.name != name);
+        rec.headers.push(relay_core::envelope::Header::text(name, value));
+    }
+    line(format!(
+        "route {}: topic {:?}, type {:?}, rendered against {} (no I/O)",
+        r.display_name(),
+        r.topic,
+        r.event_type,
+        path.display()
+    ));
+    Ok(rec)
+}
+
+/// The lines that introduce route `i`'s example event: what its templates
+/// read, and that a schema's patterns are not followed.
+fn introduce_example(
+    cfg: &RelayConfig,
+    router: &relay_core::Router,
+    i: usize,
+    has_schema: bool,
+    line: &mut impl FnMut(String),
+) {
+    let r = &cfg.routes[i];
+    let reads = router.route_at(cfg, i).map(|(_, reads)| placeholders(&reads)).unwrap_or_default();
+    line(format!(
+        "route {}: topic {:?}, type {:?}, rendered against an example event (no I/O; --event FILE renders your own \
+         record value)",
+        r.display_name(),
+        r.topic,
+        r.event_type
+    ));
+    if !reads.is_empty() {
+        line(format!("  the templates read: {}", reads.join(", ")));
+    }
+    if has_schema {
+        line("  the example's data follows the route's JSON Schema's types; it is not checked against it".into());
+    }
+}
+
 fn describe(
     x: &Explained,
     answer: Option<&Value>,
@@ -150,55 +173,7 @@ fn describe(
         line(format!("saga {:?}: {} {:?} {how}", s.action, s.saga_type, s.saga_id));
     }
     for n in &x.effects.intents {
-        let i = &n.intent;
-        let base = cfg.endpoints.get(&i.endpoint).map(|e| e.base_url.to_string()).unwrap_or_default();
-        line(format!(
-            "call {:?} -> endpoint {}: {} {}{}",
-            i.action,
-            i.endpoint,
-            i.method,
-            base.trim_end_matches('/'),
-            i.path
-        ));
-        line(format!("  intent id {}, idempotency key {:?}", n.id, i.idempotency_key));
-        if let Some(k) = &i.ordering_key {
-            line(format!("  ordering key {k:?}: one call of this key at a time, in commit order"));
-        }
-        if i.headers.as_object().is_some_and(|h| !h.is_empty()) {
-            line(format!("  headers {}", pretty(&i.headers, "  ")));
-        }
-        if let Some(b) = &i.body {
-            line(format!("  body {}", pretty(b, "  ")));
-        }
-        for (when, stored) in [("on success", &i.on_success), ("on dead", &i.on_dead)] {
-            if stored.is_null()
-                || stored.as_object().is_some_and(|o| o.values().all(|v| v.as_array().is_some_and(Vec::is_empty)))
-            {
-                continue;
-            }
-            match answer {
-                Some(a) if when == "on success" && Outcome::reads_answer(stored) => {
-                    let done = Outcome::answered(stored, a).map_err(|e| anyhow::anyhow!("--response: {e}"))?;
-                    line(format!("  {when} (with the --response answer) {}", pretty(&done, "  ")));
-                }
-                _ if Outcome::reads_answer(stored) => line(format!(
-                    "  {when} (templates reading `response` stay as written until the call succeeds; --response FILE \
-                     renders them) {}",
-                    pretty(stored, "  ")
-                )),
-                _ => line(format!("  {when} {}", pretty(stored, "  "))),
-            }
-            let emits = serde_json::from_value::<Outcome>(stored.clone()).map(|o| o.emit).unwrap_or_default();
-            for e in emits {
-                if let Some((_, f)) = formats.iter().find(|(t, _)| *t == e.topic) {
-                    line(format!(
-                        "  {when}: emit {:?} is written {f} with the subject's latest schema; its data is checked at \
-                         ingest, or if it reads `response` when the call is done (not here: no I/O)",
-                        e.action
-                    ));
-                }
-            }
-        }
+        describe_intent(n, answer, cfg, &formats, line)?;
     }
     for e in &x.effects.events {
         let key =
@@ -223,6 +198,67 @@ fn describe(
     }
     if let Some(h) = &x.handler {
         line(format!("code handler {h:?} also runs for this route: what it writes is not shown"));
+    }
+    Ok(())
+}
+
+/// The lines of one intent a route writes: the call, its key, what it
+/// sends, what its outcomes write.
+fn describe_intent(
+    n: &relay_core::effects::NewIntent,
+    answer: Option<&Value>,
+    cfg: &RelayConfig,
+    formats: &[(String, relay_core::config::EmitFormat)],
+    line: &mut impl FnMut(String),
+) -> anyhow::Result<()> {
+    let i = &n.intent;
+    let base = cfg.endpoints.get(&i.endpoint).map(|e| e.base_url.to_string()).unwrap_or_default();
+    line(format!(
+        "call {:?} -> endpoint {}: {} {}{}",
+        i.action,
+        i.endpoint,
+        i.method,
+        base.trim_end_matches('/'),
+        i.path
+    ));
+    line(format!("  intent id {}, idempotency key {:?}", n.id, i.idempotency_key));
+    if let Some(k) = &i.ordering_key {
+        line(format!("  ordering key {k:?}: one call of this key at a time, in commit order"));
+    }
+    if i.headers.as_object().is_some_and(|h| !h.is_empty()) {
+        line(format!("  headers {}", pretty(&i.headers, "  ")));
+    }
+    if let Some(b) = &i.body {
+        line(format!("  body {}", pretty(b, "  ")));
+    }
+    for (when, stored) in [("on success", &i.on_success), ("on dead", &i.on_dead)] {
+        if stored.is_null()
+            || stored.as_object().is_some_and(|o| o.values().all(|v| v.as_array().is_some_and(Vec::is_empty)))
+        {
+            continue;
+        }
+        match answer {
+            Some(a) if when == "on success" && Outcome::reads_answer(stored) => {
+                let done = Outcome::answered(stored, a).map_err(|e| anyhow::anyhow!("--response: {e}"))?;
+                line(format!("  {when} (with the --response answer) {}", pretty(&done, "  ")));
+            }
+            _ if Outcome::reads_answer(stored) => line(format!(
+                "  {when} (templates reading `response` stay as written until the call succeeds; --response FILE \
+                 renders them) {}",
+                pretty(stored, "  ")
+            )),
+            _ => line(format!("  {when} {}", pretty(stored, "  "))),
+        }
+        let emits = serde_json::from_value::<Outcome>(stored.clone()).map(|o| o.emit).unwrap_or_default();
+        for e in emits {
+            if let Some((_, f)) = formats.iter().find(|(t, _)| *t == e.topic) {
+                line(format!(
+                    "  {when}: emit {:?} is written {f} with the subject's latest schema; its data is checked at \
+                     ingest, or if it reads `response` when the call is done (not here: no I/O)",
+                    e.action
+                ));
+            }
+        }
     }
     Ok(())
 }

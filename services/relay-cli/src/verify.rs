@@ -347,6 +347,14 @@ async fn check_inputs(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -> 
     }
     report.unique_events = seen.len();
     report.parked_events = parked_events.len();
+    report_inputs(report, lost, unparked);
+    let by_outcome = audit::inbox_by_outcome(pool, consumer).await?;
+    report.inbox_by_outcome = by_outcome.into_iter().collect();
+    Ok(())
+}
+
+/// What the input check found, as a warning and violations.
+fn report_inputs(report: &mut Report, lost: Vec<String>, unparked: Vec<String>) {
     if report.not_yet_committed > 0 {
         report.warnings.push(format!(
             "{} input record(s) are at or past the group's committed offset (still being processed?); they were not checked",
@@ -367,9 +375,6 @@ async fn check_inputs(cfg: &RelayConfig, pool: &PgPool, report: &mut Report) -> 
             unparked,
         );
     }
-    let by_outcome = audit::inbox_by_outcome(pool, consumer).await?;
-    report.inbox_by_outcome = by_outcome.into_iter().collect();
-    Ok(())
 }
 
 /// An intent (its id, state, idempotency key and source event), as the checks read it.

@@ -1136,6 +1136,23 @@ impl RelayConfig {
     /// Check everything that can be checked without I/O to the broker or database.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut p = Vec::new();
+        self.check_consumer(&mut p);
+        self.check_application(&mut p);
+        self.check_workers(&mut p);
+        self.check_topics(&mut p);
+        if let Some(r) = &self.schema_registry {
+            check_schema_registry(r, &mut p);
+        }
+        self.check_emit_formats(&mut p);
+        for (name, e) in &self.endpoints {
+            self.check_endpoint(name, e, &mut p);
+        }
+        self.check_routes(&mut p);
+        if p.is_empty() { Ok(()) } else { Err(ConfigError::Invalid { problems: p }) }
+    }
+
+    /// The consumer's settings, and retention's batch.
+    fn check_consumer(&self, p: &mut Vec<String>) {
         let c = &self.consumer;
         if c.name.trim().is_empty() {
             p.push("consumer.name: must not be empty (it namespaces the inbox)".into());
@@ -1156,45 +1173,52 @@ impl RelayConfig {
         if self.retention.batch_size == 0 {
             p.push("retention.batch_size: must be at least 1".into());
         }
-        if let Some(app) = &self.application {
-            for e in app.endpoints.iter().filter(|e| !self.endpoints.contains_key(*e)) {
-                p.push(format!("application.endpoints: {e:?} is not an endpoint of [endpoints]"));
-            }
-            for t in &app.topics {
-                let valid = !t.is_empty()
-                    && t.len() <= 249
-                    && t.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
-                if !valid {
-                    p.push(format!("application.topics: {t:?} is not a Kafka topic name (1 to 249 of [a-zA-Z0-9._-])"));
-                }
-            }
-            for s in app.sagas.iter().filter(|s| s.is_empty() || s.len() > crate::limits::MAX_KEY_BYTES) {
-                p.push(format!("application.sagas: {s:?} must be a saga type of 1 to 1024 bytes"));
-            }
-            if app.max_payload_bytes == 0 {
-                p.push("application.max_payload_bytes: must be at least 1".into());
-            }
-            let producer_max = self
-                .kafka
-                .producer_properties
-                .get("message.max.bytes")
-                .or_else(|| self.kafka.properties.get("message.max.bytes"))
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(PRODUCER_MESSAGE_MAX_BYTES);
-            if u64::from(app.max_payload_bytes) + APPLICATION_RECORD_HEADROOM > producer_max {
-                p.push(format!(
-                    "application.max_payload_bytes ({}) with {} bytes of headers and key does not fit the \
-                     producer's message.max.bytes ({producer_max}): an event that large could never be published, \
-                     and its dead outbox row would hold its key for every later event; lower it to at most {}",
-                    app.max_payload_bytes,
-                    APPLICATION_RECORD_HEADROOM,
-                    producer_max.saturating_sub(APPLICATION_RECORD_HEADROOM)
-                ));
-            }
-            if app.role.is_empty() || app.role.len() > 63 {
-                p.push("application.role: must be a role name of 1 to 63 bytes".into());
+    }
+
+    /// The front door for applications, if there is one.
+    fn check_application(&self, p: &mut Vec<String>) {
+        let Some(app) = &self.application else { return };
+        for e in app.endpoints.iter().filter(|e| !self.endpoints.contains_key(*e)) {
+            p.push(format!("application.endpoints: {e:?} is not an endpoint of [endpoints]"));
+        }
+        for t in &app.topics {
+            let valid = !t.is_empty()
+                && t.len() <= 249
+                && t.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+            if !valid {
+                p.push(format!("application.topics: {t:?} is not a Kafka topic name (1 to 249 of [a-zA-Z0-9._-])"));
             }
         }
+        for s in app.sagas.iter().filter(|s| s.is_empty() || s.len() > crate::limits::MAX_KEY_BYTES) {
+            p.push(format!("application.sagas: {s:?} must be a saga type of 1 to 1024 bytes"));
+        }
+        if app.max_payload_bytes == 0 {
+            p.push("application.max_payload_bytes: must be at least 1".into());
+        }
+        let producer_max = self
+            .kafka
+            .producer_properties
+            .get("message.max.bytes")
+            .or_else(|| self.kafka.properties.get("message.max.bytes"))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(PRODUCER_MESSAGE_MAX_BYTES);
+        if u64::from(app.max_payload_bytes) + APPLICATION_RECORD_HEADROOM > producer_max {
+            p.push(format!(
+                "application.max_payload_bytes ({}) with {} bytes of headers and key does not fit the \
+                 producer's message.max.bytes ({producer_max}): an event that large could never be published, \
+                 and its dead outbox row would hold its key for every later event; lower it to at most {}",
+                app.max_payload_bytes,
+                APPLICATION_RECORD_HEADROOM,
+                producer_max.saturating_sub(APPLICATION_RECORD_HEADROOM)
+            ));
+        }
+        if app.role.is_empty() || app.role.len() > 63 {
+            p.push("application.role: must be a role name of 1 to 63 bytes".into());
+        }
+    }
+
+    /// The dispatcher's and the publisher's settings.
+    fn check_workers(&self, p: &mut Vec<String>) {
         if self.dispatcher.concurrency == 0 {
             p.push("dispatcher.concurrency: must be at least 1".into());
         }
@@ -1211,12 +1235,16 @@ impl RelayConfig {
                 self.publisher.in_flight_bound()
             ));
         }
+    }
+
+    /// Input and dead-letter topic names, and each topic's fields and format.
+    fn check_topics(&self, p: &mut Vec<String>) {
         let subscribed = self.subscribed_topics();
         for topic in &subscribed {
-            check_topic_name(&format!("the input topic {topic:?}"), topic, &mut p);
+            check_topic_name(&format!("the input topic {topic:?}"), topic, p);
         }
-        if let Some(dlq) = &c.dead_letter_topic {
-            check_topic_name("consumer.dead_letter_topic", dlq, &mut p);
+        if let Some(dlq) = &self.consumer.dead_letter_topic {
+            check_topic_name("consumer.dead_letter_topic", dlq, p);
             if subscribed.contains(dlq) {
                 p.push(format!(
                     "consumer.dead_letter_topic: {dlq:?} is also an input topic: every dead-lettered \
@@ -1225,7 +1253,7 @@ impl RelayConfig {
             }
         }
         for (topic, t) in &self.topics {
-            check_fields(&format!("topics.{topic:?}.fields"), &t.fields, &mut p);
+            check_fields(&format!("topics.{topic:?}.fields"), &t.fields, p);
             if let Some(FieldSource::Value(_)) = &t.fields.id {
                 p.push(format!(
                     "topics.{topic:?}.fields.id: a constant gives every event the same id, and all but \
@@ -1253,56 +1281,55 @@ impl RelayConfig {
                 ));
             }
         }
-        if let Some(r) = &self.schema_registry {
-            check_schema_registry(r, &mut p);
+    }
+
+    /// Endpoint `name`'s settings.
+    fn check_endpoint(&self, name: &str, e: &EndpointConfig, p: &mut Vec<String>) {
+        let at = format!("endpoints.{name}");
+        if e.concurrency == 0 {
+            p.push(format!("{at}.concurrency: must be at least 1"));
         }
-        self.check_emit_formats(&mut p);
-        for (name, e) in &self.endpoints {
-            let at = format!("endpoints.{name}");
-            if e.concurrency == 0 {
-                p.push(format!("{at}.concurrency: must be at least 1"));
+        if e.max_attempts == 0 {
+            p.push(format!("{at}.max_attempts: must be at least 1"));
+        }
+        if e.fair_share_per_second.is_some_and(|r| !(r > 0.0 && r.is_finite())) {
+            p.push(format!("{at}.fair_share_per_second: must be more than 0"));
+        }
+        if let Some(a) = &e.adaptive {
+            if e.rate_limit_per_second.is_some() {
+                p.push(format!("{at}: adaptive and rate_limit_per_second both set the rate; keep one"));
             }
-            if e.max_attempts == 0 {
-                p.push(format!("{at}.max_attempts: must be at least 1"));
+            let ok = a.min > 0.0 && a.min <= a.start && a.start <= a.max && a.max.is_finite();
+            if !ok {
+                p.push(format!("{at}.adaptive: needs 0 < min ({}) <= start ({}) <= max ({})", a.min, a.start, a.max));
             }
-            if e.fair_share_per_second.is_some_and(|r| !(r > 0.0 && r.is_finite())) {
-                p.push(format!("{at}.fair_share_per_second: must be more than 0"));
+            if !(a.decrease > 0.0 && a.decrease < 1.0) {
+                p.push(format!("{at}.adaptive.decrease = {}: must be between 0 and 1", a.decrease));
             }
-            if let Some(a) = &e.adaptive {
-                if e.rate_limit_per_second.is_some() {
-                    p.push(format!("{at}: adaptive and rate_limit_per_second both set the rate; keep one"));
-                }
-                let ok = a.min > 0.0 && a.min <= a.start && a.start <= a.max && a.max.is_finite();
-                if !ok {
-                    p.push(format!(
-                        "{at}.adaptive: needs 0 < min ({}) <= start ({}) <= max ({})",
-                        a.min, a.start, a.max
-                    ));
-                }
-                if !(a.decrease > 0.0 && a.decrease < 1.0) {
-                    p.push(format!("{at}.adaptive.decrease = {}: must be between 0 and 1", a.decrease));
-                }
-                if !(a.increase >= 0.0 && a.increase.is_finite()) {
-                    p.push(format!("{at}.adaptive.increase = {}: must be 0 or more", a.increase));
-                }
-            }
-            if e.rate_limit_per_second == Some(0) {
-                p.push(format!("{at}.rate_limit_per_second: must be at least 1 (or leave it out)"));
-            }
-            check_profile(name, e, &mut p);
-            e.tls.check(&format!("{at}.tls"), "base_url", &e.base_url, &mut p);
-            if self.dispatcher.lease < e.min_lease() {
-                p.push(format!(
-                    "dispatcher.lease ({:?}) must be at least {at}.timeout + {:?} ({:?}): a request is sent \
-                     only while its timeout and {:?} to spare are left of the lease, or a rescued intent \
-                     could run twice at once; lengthen the lease or shorten the timeout",
-                    self.dispatcher.lease,
-                    2 * LEASE_SPARE,
-                    e.min_lease(),
-                    LEASE_SPARE
-                ));
+            if !(a.increase >= 0.0 && a.increase.is_finite()) {
+                p.push(format!("{at}.adaptive.increase = {}: must be 0 or more", a.increase));
             }
         }
+        if e.rate_limit_per_second == Some(0) {
+            p.push(format!("{at}.rate_limit_per_second: must be at least 1 (or leave it out)"));
+        }
+        check_profile(name, e, p);
+        e.tls.check(&format!("{at}.tls"), "base_url", &e.base_url, p);
+        if self.dispatcher.lease < e.min_lease() {
+            p.push(format!(
+                "dispatcher.lease ({:?}) must be at least {at}.timeout + {:?} ({:?}): a request is sent \
+                 only while its timeout and {:?} to spare are left of the lease, or a rescued intent \
+                 could run twice at once; lengthen the lease or shorten the timeout",
+                self.dispatcher.lease,
+                2 * LEASE_SPARE,
+                e.min_lease(),
+                LEASE_SPARE
+            ));
+        }
+    }
+
+    /// Each route: its topic and type once, its fields, its actions.
+    fn check_routes(&self, p: &mut Vec<String>) {
         let mut seen = BTreeMap::new();
         for (i, r) in self.routes.iter().enumerate() {
             let at = format!("routes[{i}]");
@@ -1318,7 +1345,7 @@ impl RelayConfig {
                     r.topic, r.event_type
                 ));
             }
-            check_fields(&format!("{at}.fields"), &r.fields, &mut p);
+            check_fields(&format!("{at}.fields"), &r.fields, p);
             if r.fields.id.is_some() || r.fields.event_type.is_some() {
                 p.push(format!(
                     "{at}.fields: id and type are read before routing; set them under [topics.{:?}.fields]",
@@ -1328,13 +1355,12 @@ impl RelayConfig {
             let mut names = BTreeMap::new();
             for (j, a) in r.actions.iter().enumerate() {
                 let aat = format!("{at}.actions[{j}]");
-                self.validate_action(&aat, a, &mut names, &mut p);
+                self.validate_action(&aat, a, &mut names, p);
             }
             if r.actions.is_empty() && r.handler.is_none() && r.counter.is_none() {
                 p.push(format!("{at}: has no actions, handler or counter; it would do nothing"));
             }
         }
-        if p.is_empty() { Ok(()) } else { Err(ConfigError::Invalid { problems: p }) }
     }
 
     /// What may start but should be looked at: a key window shorter than

@@ -112,13 +112,35 @@ pub fn example_record(cfg: &RelayConfig, router: &Router, i: usize) -> Result<Ra
             None => {}
         }
     }
-    let payload = match format {
+    let payload = envelope(format, id, &r.event_type, extensions, data, &mut headers);
+    Ok(RawRecord {
+        topic: r.topic.clone(),
+        partition: 0,
+        offset: 0,
+        key,
+        payload: Some(serde_json::to_vec(&payload).map_err(|e| e.to_string())?),
+        headers,
+    })
+}
+
+/// The record value of an example event `id` of type `event_type` in the
+/// topic's `format`: a structured CloudEvent, or the data with the
+/// extensions as binary-mode headers.
+fn envelope(
+    format: TopicFormat,
+    id: &str,
+    event_type: &str,
+    extensions: Map<String, Value>,
+    data: Value,
+    headers: &mut Vec<Header>,
+) -> Value {
+    match format {
         TopicFormat::Cloudevents => {
             headers.push(Header::text("content-type", "application/cloudevents+json"));
             let mut event = Map::new();
             event.insert("specversion".into(), json!("1.0"));
             event.insert("id".into(), json!(id));
-            event.insert("type".into(), json!(r.event_type));
+            event.insert("type".into(), json!(event_type));
             event.insert("source".into(), json!("urn:relay:explain"));
             event.insert("time".into(), json!("2026-01-01T00:00:00Z"));
             event.extend(extensions);
@@ -134,15 +156,7 @@ pub fn example_record(cfg: &RelayConfig, router: &Router, i: usize) -> Result<Ra
             }
             data
         }
-    };
-    Ok(RawRecord {
-        topic: r.topic.clone(),
-        partition: 0,
-        offset: 0,
-        key,
-        payload: Some(serde_json::to_vec(&payload).map_err(|e| e.to_string())?),
-        headers,
-    })
+    }
 }
 
 /// An instance of JSON Schema `schema` (named `name`, for placeholders):

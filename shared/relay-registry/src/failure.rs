@@ -1,7 +1,6 @@
 //! What goes wrong: a record that can never be decoded as it is, or a
 //! registry that could not be asked.
 
-
 /// Why a value could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Failure {

@@ -40,8 +40,8 @@ mod protobuf;
 mod tls;
 mod wire;
 
-use json_schema::*;
 pub use failure::*;
+use json_schema::*;
 pub use json_text::*;
 pub use tls::*;
 pub use wire::*;
@@ -630,34 +630,8 @@ impl Registry {
             true => poison(e.why),
             false => unavailable(e.why),
         })?;
-        if status == reqwest::StatusCode::NOT_FOUND {
-            // 40403: no schema under this id. A registry that answers 404
-            // for its whole API (a wrong url) says so in another code.
-            let code = serde_json::from_str::<Value>(&body).ok().and_then(|v| v.get("error_code")?.as_i64());
-            if code == Some(40403) {
-                return Err(Failure::NotYet(format!(
-                    "schema id {id}: the schema registry at {} does not have it (error 40403): produced against \
-                     another registry, the schema deleted, or a registry that has not caught up",
-                    self.base
-                ))
-                .into());
-            }
-            return Err(unavailable(format!(
-                "HTTP 404 without error code 40403 — is schema_registry.url the API's base (for Apicurio, \
-                 .../apis/ccompat/v7)? {}",
-                snippet(&body)
-            ))
-            .into());
-        }
-        if status == reqwest::StatusCode::UNAUTHORIZED || status == reqwest::StatusCode::FORBIDDEN {
-            return Err(unavailable(format!(
-                "HTTP {status}: check schema_registry.username/password_env or token_env; {}",
-                snippet(&body)
-            ))
-            .into());
-        }
-        if !status.is_success() {
-            return Err(unavailable(format!("HTTP {status}: {}", snippet(&body))).into());
+        if let Some(refused) = self.refusal(id, status, &body) {
+            return Err(refused);
         }
         let found: SchemaById = serde_json::from_str(&body).map_err(|e| {
             // JSON of another shape is what the registry holds under this id
@@ -709,6 +683,46 @@ impl Registry {
             }
         };
         Ok(parsed?)
+    }
+
+    /// Why an answer of `status` holds no schema id `id`, if it does not.
+    fn refusal(&self, id: u32, status: reqwest::StatusCode, body: &str) -> Option<Unfetched> {
+        let unavailable = |why: String| {
+            Failure::Unavailable(format!("the schema registry at {} could not give schema id {id}: {why}", self.base))
+        };
+        if status == reqwest::StatusCode::NOT_FOUND {
+            // 40403: no schema under this id. A registry that answers 404
+            // for its whole API (a wrong url) says so in another code.
+            let code = serde_json::from_str::<Value>(body).ok().and_then(|v| v.get("error_code")?.as_i64());
+            if code == Some(40403) {
+                return Some(
+                    Failure::NotYet(format!(
+                        "schema id {id}: the schema registry at {} does not have it (error 40403): produced against \
+                     another registry, the schema deleted, or a registry that has not caught up",
+                        self.base
+                    ))
+                    .into(),
+                );
+            }
+            return Some(
+                unavailable(format!(
+                    "HTTP 404 without error code 40403 — is schema_registry.url the API's base (for Apicurio, \
+                 .../apis/ccompat/v7)? {}",
+                    snippet(body)
+                ))
+                .into(),
+            );
+        }
+        if status == reqwest::StatusCode::UNAUTHORIZED || status == reqwest::StatusCode::FORBIDDEN {
+            return Some(
+                unavailable(format!(
+                    "HTTP {status}: check schema_registry.username/password_env or token_env; {}",
+                    snippet(body)
+                ))
+                .into(),
+            );
+        }
+        (!status.is_success()).then(|| unavailable(format!("HTTP {status}: {}", snippet(body))).into())
     }
 }
 

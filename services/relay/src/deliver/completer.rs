@@ -365,16 +365,7 @@ impl Completer {
             .zip(outcomes)
             .map(|(c, o)| o.as_ref().map_or_else(Vec::new, |o| events_of(c, o, now)))
             .collect();
-        let key_slots: Vec<Vec<ordering::Slot<'_>>> = batch
-            .iter()
-            .zip(&events)
-            .map(|(c, rows)| {
-                let consumer = c.intent.intent.consumer.as_str();
-                relay_store::ordering::outbox_keys(rows.iter().map(|r| &r.1))
-                    .map(|k| (consumer, k.slot(consumer)))
-                    .collect()
-            })
-            .collect();
+        let key_slots = key_slots_of(batch, &events);
         // Keys another transaction holds are skipped, never waited for: an
         // outcome with such a key waits for a later batch (KeyHeld), and the
         // others are recorded now.
@@ -403,15 +394,7 @@ impl Completer {
                 self.move_saga(&mut tx, &c.intent, m, &source_id, label).await?;
             }
         }
-        // Outcome events, grouped per consumer (one statement per consumer in the batch).
-        let mut consumers: Vec<&str> = records.iter().map(|r| r.0).collect();
-        consumers.sort_unstable();
-        consumers.dedup();
-        for consumer in consumers {
-            let rows: Vec<(&str, &relay_core::OutboxRecord)> =
-                records.iter().filter(|r| r.0 == consumer).map(|r| (r.1.as_str(), r.2)).collect();
-            outbox::insert_locked(&mut tx, consumer, &rows).await?;
-        }
+        insert_per_consumer(&mut tx, &records).await?;
         tx.commit().await?;
         Ok(batch
             .iter()
@@ -474,4 +457,38 @@ pub(super) fn outcome_effects(intent: &ClaimedIntent, effects: &serde_json::Valu
             None
         }
     }
+}
+
+/// The ordering-key slots each completion's outcome events take.
+fn key_slots_of<'a>(
+    batch: &'a [Completion],
+    events: &'a [Vec<(String, relay_core::OutboxRecord)>],
+) -> Vec<Vec<ordering::Slot<'a>>> {
+    batch
+        .iter()
+        .zip(events)
+        .map(|(c, rows)| {
+            let consumer = c.intent.intent.consumer.as_str();
+            relay_store::ordering::outbox_keys(rows.iter().map(|r| &r.1))
+                .map(|k| (consumer, k.slot(consumer)))
+                .collect()
+        })
+        .collect()
+}
+
+/// Outcome events (consumer, source id, record), one statement per consumer
+/// in the batch.
+async fn insert_per_consumer(
+    tx: &mut sqlx::PgConnection,
+    records: &[(&str, &String, &relay_core::OutboxRecord)],
+) -> Result<(), sqlx::Error> {
+    let mut consumers: Vec<&str> = records.iter().map(|r| r.0).collect();
+    consumers.sort_unstable();
+    consumers.dedup();
+    for consumer in consumers {
+        let rows: Vec<(&str, &relay_core::OutboxRecord)> =
+            records.iter().filter(|r| r.0 == consumer).map(|r| (r.1.as_str(), r.2)).collect();
+        outbox::insert_locked(tx, consumer, &rows).await?;
+    }
+    Ok(())
 }

@@ -117,3 +117,22 @@ impl Handlers {
         wanted.filter(|n| !self.by_name.contains_key(*n)).map(str::to_owned).collect()
     }
 }
+
+/// An action of `extra` whose derived id `route` (or `extra` itself)
+/// already has: the same action name gets the same derived id, and the
+/// second row would be dropped on insert without a word.
+pub(crate) fn reused_action<'a>(
+    route: &relay_core::effects::Effects,
+    extra: &'a relay_core::effects::Effects,
+) -> Option<&'a str> {
+    let taken: std::collections::HashSet<uuid::Uuid> =
+        route.intents.iter().map(|i| i.id).chain(route.events.iter().map(|e| e.id)).collect();
+    let mut seen = std::collections::HashSet::new();
+    extra
+        .intents
+        .iter()
+        .map(|i| (i.id, i.intent.action.as_str()))
+        .chain(extra.events.iter().map(|e| (e.id, e.action.as_str())))
+        .find(|(id, _)| taken.contains(id) || !seen.insert(*id))
+        .map(|(_, action)| action)
+}

@@ -328,18 +328,7 @@ impl Processor {
         let mut prepared: Vec<Option<Prepared<'_, '_>>> =
             self.prepared_within(records, views, budget).into_iter().map(Some).collect();
         let (records, views) = (&records[..prepared.len()], &views[..prepared.len()]);
-        // Every ordering key the batch writes, locked in one statement before
-        // anything is written: batches of two partitions then wait for each
-        // other's keys in one global order instead of deadlocking, as they
-        // did taking each run's keys as it was written.
-        let keys = prepared
-            .iter()
-            .filter_map(|p| match p {
-                Some(Prepared::Ready(item)) => item.effects.as_ref(),
-                _ => None,
-            })
-            .flat_map(relay_store::ordering::keys_of);
-        relay_store::ordering::lock(&mut *conn, self.router.consumer(), keys).await?;
+        self.lock_keys(conn, &prepared).await?;
         let mut holds = HeldKeys::read(conn, &self.router, &self.faults, records, keys_held).await?;
         let mut i = 0;
         while i < records.len() {
@@ -366,26 +355,7 @@ impl Processor {
                 match self.write_run(conn, run, bare, held).await? {
                     Ok(done) => out.extend(done),
                     Err(_) if bare => return Ok(None),
-                    Err(rejected) => {
-                        for item in rejected {
-                            let record = item.record;
-                            let processed = if holds.holds(record) {
-                                Self::held_as(item.info)
-                            } else {
-                                self.write_alone(conn, item, Some(&mut *held)).await?
-                            };
-                            holds
-                                .note(
-                                    conn,
-                                    &self.router,
-                                    record,
-                                    &processed.disposition,
-                                    processed.info.route.as_deref(),
-                                )
-                                .await?;
-                            out.push(processed);
-                        }
-                    }
+                    Err(rejected) => out.extend(self.write_each(conn, rejected, &mut holds, held).await?),
                 }
                 i += n;
             }
@@ -405,6 +375,48 @@ impl Processor {
             }
         }
         Ok(Some(out))
+    }
+
+    /// Lock every ordering key the batch writes, in one statement before
+    /// anything is written: batches of two partitions then wait for each
+    /// other's keys in one global order instead of deadlocking, as they did
+    /// taking each run's keys as it was written.
+    async fn lock_keys(
+        &self,
+        conn: &mut PgConnection,
+        prepared: &[Option<Prepared<'_, '_>>],
+    ) -> Result<(), sqlx::Error> {
+        let keys = prepared
+            .iter()
+            .filter_map(|p| match p {
+                Some(Prepared::Ready(item)) => item.effects.as_ref(),
+                _ => None,
+            })
+            .flat_map(relay_store::ordering::keys_of);
+        relay_store::ordering::lock(&mut *conn, self.router.consumer(), keys).await
+    }
+
+    /// The records of a run the database refused as a whole, each written
+    /// alone (or held behind its key), noting what became of each.
+    async fn write_each(
+        &self,
+        conn: &mut PgConnection,
+        rejected: Vec<Item<'_, '_>>,
+        holds: &mut HeldKeys,
+        held: &mut Vec<Handed>,
+    ) -> Result<Vec<Processed>, sqlx::Error> {
+        let mut out = Vec::with_capacity(rejected.len());
+        for item in rejected {
+            let record = item.record;
+            let processed = if holds.holds(record) {
+                Self::held_as(item.info)
+            } else {
+                self.write_alone(conn, item, Some(&mut *held)).await?
+            };
+            holds.note(conn, &self.router, record, &processed.disposition, processed.info.route.as_deref()).await?;
+            out.push(processed);
+        }
+        Ok(out)
     }
 
     /// `p`, found poison before the inbox was asked, unless its event is in
@@ -748,24 +760,12 @@ impl Processor {
             }
         };
         let mut all = item.effects.clone().unwrap_or_default();
-        // The same action name gets the same derived id, and the second
-        // row would be dropped on insert without a word.
-        let taken: std::collections::HashSet<uuid::Uuid> =
-            all.intents.iter().map(|i| i.id).chain(all.events.iter().map(|e| e.id)).collect();
-        let clash = extra
-            .intents
-            .iter()
-            .map(|i| (i.id, &i.intent.action))
-            .chain(extra.events.iter().map(|e| (e.id, &e.action)));
-        let mut seen = std::collections::HashSet::new();
-        for (id, action) in clash {
-            if taken.contains(&id) || !seen.insert(id) {
-                let why = format!(
-                    "handler {name:?} returned an action named {action:?}, a name the route or the handler already \
-                     uses: both would get one derived id and one would be lost; give each action its own name"
-                );
-                return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
-            }
+        if let Some(action) = crate::ingest::handler::reused_action(&all, &extra) {
+            let why = format!(
+                "handler {name:?} returned an action named {action:?}, a name the route or the handler already \
+                 uses: both would get one derived id and one would be lost; give each action its own name"
+            );
+            return Ok(Err(Disposition::DeadLetter(poison(PoisonClass::Rejected, why))));
         }
         all.intents.extend(extra.intents);
         all.events.extend(extra.events);

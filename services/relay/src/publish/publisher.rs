@@ -218,16 +218,7 @@ impl Publisher {
             swept: passed.is_some(),
         };
         if !unreadable.is_empty() {
-            // Left running, a row that cannot be read would be rescued and
-            // claimed again every lease, forever: it ends dead, saying why,
-            // where an operator sees it (`relay outbox list --state dead`).
-            let mut conn = self.marks.acquire().await?;
-            for u in &unreadable {
-                error!(outbox_id = %u.id, error = %u.error,
-                       "a claimed outbox row cannot be read: it ends dead, never published, and the later rows of \
-                        its key wait for it; `relay outbox skip ID` lets them go");
-                outbox::mark_dead(&mut conn, u.id, u.lease_token, &u.reason()).await?;
-            }
+            self.bury_unreadable(&unreadable).await?;
         }
         if rows.is_empty() {
             return Ok(batch);
@@ -256,25 +247,10 @@ impl Publisher {
                         batch.unblocked = Some(batch.unblocked.map_or(row.seq, |s| s.min(row.seq)));
                     }
                 }
-                Err(e) if is_permanent(&e) => {
-                    crate::runtime::metrics::published(&row.topic, false);
-                    crate::runtime::metrics::publish_dead(&row.topic);
-                    error!(outbox_id = %row.id, topic = %row.topic, attempt = row.attempts, error = %e,
-                           ordering_key = row.ordering_key.as_deref().unwrap_or(""),
-                           "the broker can never take this record (size limit, invalid topic, policy): the row is dead, \
-                            and the later rows of its key wait for it; fix the cause (e.g. raise the topic's \
-                            max.message.bytes and the producer's message.max.bytes), then `relay outbox replay ID`, \
-                            or `relay outbox skip ID` to let the later rows go without it");
-                    outbox::mark_dead(&mut conn, row.id, row.lease_token, &format!("permanent: {e}")).await?;
-                }
                 Err(e) => {
-                    crate::runtime::metrics::published(&row.topic, false);
-                    let delay = self.settings.backoff.delay(u32::try_from(row.attempts).unwrap_or(1), &mut rand::rng());
-                    warn!(outbox_id = %row.id, topic = %row.topic, attempt = row.attempts, retry_in_ms = delay.as_millis() as u64,
-                          error = %e, "publishing failed; it will be retried under the same id");
-                    outbox::schedule_retry(&mut conn, row.id, row.lease_token, delay, &e.to_string()).await?;
-                    let at = chrono::Utc::now() + delay;
-                    batch.retry_at = Some(batch.retry_at.map_or(at, |t| t.min(at)));
+                    if let Some(at) = self.failed(&mut conn, row, &e).await? {
+                        batch.retry_at = Some(batch.retry_at.map_or(at, |t| t.min(at)));
+                    }
                 }
             }
         }
@@ -293,6 +269,48 @@ impl Publisher {
             }
         }
         Ok(batch)
+    }
+
+    /// A row the broker did not take: dead if it never can (the later rows
+    /// of its key wait for it), else retried later; when, if retried.
+    async fn failed(
+        &self,
+        conn: &mut relay_store::FinishConnection,
+        row: &ClaimedRow,
+        e: &KafkaError,
+    ) -> Result<Option<chrono::DateTime<chrono::Utc>>, PublishError> {
+        if is_permanent(e) {
+            crate::runtime::metrics::published(&row.topic, false);
+            crate::runtime::metrics::publish_dead(&row.topic);
+            error!(outbox_id = %row.id, topic = %row.topic, attempt = row.attempts, error = %e,
+                   ordering_key = row.ordering_key.as_deref().unwrap_or(""),
+                   "the broker can never take this record (size limit, invalid topic, policy): the row is dead, \
+                    and the later rows of its key wait for it; fix the cause (e.g. raise the topic's \
+                    max.message.bytes and the producer's message.max.bytes), then `relay outbox replay ID`, \
+                    or `relay outbox skip ID` to let the later rows go without it");
+            outbox::mark_dead(conn, row.id, row.lease_token, &format!("permanent: {e}")).await?;
+            return Ok(None);
+        }
+        crate::runtime::metrics::published(&row.topic, false);
+        let delay = self.settings.backoff.delay(u32::try_from(row.attempts).unwrap_or(1), &mut rand::rng());
+        warn!(outbox_id = %row.id, topic = %row.topic, attempt = row.attempts, retry_in_ms = delay.as_millis() as u64,
+              error = %e, "publishing failed; it will be retried under the same id");
+        outbox::schedule_retry(conn, row.id, row.lease_token, delay, &e.to_string()).await?;
+        Ok(Some(chrono::Utc::now() + delay))
+    }
+
+    /// End claimed rows that cannot be read dead, saying why: left running,
+    /// each would be rescued and claimed again every lease, forever. An
+    /// operator sees them in `relay outbox list --state dead`.
+    async fn bury_unreadable(&self, unreadable: &[relay_store::Unreadable]) -> Result<(), PublishError> {
+        let mut conn = self.marks.acquire().await?;
+        for u in unreadable {
+            error!(outbox_id = %u.id, error = %u.error,
+                   "a claimed outbox row cannot be read: it ends dead, never published, and the later rows of \
+                    its key wait for it; `relay outbox skip ID` lets them go");
+            outbox::mark_dead(&mut conn, u.id, u.lease_token, &u.reason()).await?;
+        }
+        Ok(())
     }
 
     async fn produce(&self, row: &ClaimedRow) -> Result<(i32, i64), KafkaError> {

@@ -44,42 +44,48 @@ const MAX_SCHEMA_DEPTH: usize = 64;
 /// it takes on the wire ([`Decoder::heavy_items`]).
 const MAX_TREE_PER_BYTE: usize = 256;
 
+/// The levels inside one definition, and the named types it uses with
+/// the level each is used at. Recursion here is bounded by the nesting
+/// of one definition's JSON (serde_json stops at 128 levels).
+fn levels<'s>(schema: &'s Schema, level: usize, top: bool, uses: &mut Vec<(&'s Name, usize)>) -> usize {
+    match schema {
+        Schema::Record(r) if !top => {
+            uses.push((&r.name, level));
+            level
+        }
+        Schema::Record(r) => r.fields.iter().map(|f| levels(&f.schema, level + 1, false, uses)).max().unwrap_or(level),
+        Schema::Ref { name } => {
+            uses.push((name, level));
+            level
+        }
+        Schema::Array(a) => levels(&a.items, level + 1, false, uses),
+        Schema::Map(m) => levels(&m.types, level + 1, false, uses),
+        Schema::Union(u) => u.variants().iter().map(|v| levels(v, level + 1, false, uses)).max().unwrap_or(level),
+        _ => level,
+    }
+}
+/// A named type on the walk: its own depth so far, what it uses, and
+/// how far through them the walk is.
+struct Frame<'s> {
+    name: &'s Name,
+    depth: usize,
+    uses: Vec<(&'s Name, usize)>,
+    next: usize,
+}
+
+/// The frame of named type `name` as the walk starts it.
+fn begin<'s>(name: &'s Name, names: &'s HashMap<Name, Schema>) -> Frame<'s> {
+    let mut uses = Vec::new();
+    let own = names.get(name).map_or(0, |s| levels(s, 0, true, &mut uses));
+    Frame { name, depth: own, uses, next: 0 }
+}
+
 /// Refuse `schema` if it nests deeper than `max` levels or contains itself
 /// (a recursive type: each level costs a byte of the record and frames of
 /// the decoder's stack, so a record of a few hundred KiB would overflow
 /// it). Computed without recursion over the named types, each once: a walk
 /// that followed every path of shared types took exponential time.
 fn depth_within(schema: &Schema, names: &HashMap<Name, Schema>, max: usize) -> Result<(), String> {
-    /// The levels inside one definition, and the named types it uses with
-    /// the level each is used at. Recursion here is bounded by the nesting
-    /// of one definition's JSON (serde_json stops at 128 levels).
-    fn local<'s>(schema: &'s Schema, level: usize, top: bool, uses: &mut Vec<(&'s Name, usize)>) -> usize {
-        match schema {
-            Schema::Record(r) if !top => {
-                uses.push((&r.name, level));
-                level
-            }
-            Schema::Record(r) => {
-                r.fields.iter().map(|f| local(&f.schema, level + 1, false, uses)).max().unwrap_or(level)
-            }
-            Schema::Ref { name } => {
-                uses.push((name, level));
-                level
-            }
-            Schema::Array(a) => local(&a.items, level + 1, false, uses),
-            Schema::Map(m) => local(&m.types, level + 1, false, uses),
-            Schema::Union(u) => u.variants().iter().map(|v| local(v, level + 1, false, uses)).max().unwrap_or(level),
-            _ => level,
-        }
-    }
-    /// A named type on the walk: its own depth so far, what it uses, and
-    /// how far through them the walk is.
-    struct Frame<'s> {
-        name: &'s Name,
-        depth: usize,
-        uses: Vec<(&'s Name, usize)>,
-        next: usize,
-    }
     let mut depth: HashMap<&Name, usize> = HashMap::new();
     let mut on_walk: HashSet<&Name> = HashSet::new();
     for start in names.keys() {
@@ -87,11 +93,6 @@ fn depth_within(schema: &Schema, names: &HashMap<Name, Schema>, max: usize) -> R
             continue;
         }
         let mut stack: Vec<Frame<'_>> = Vec::new();
-        fn begin<'s>(name: &'s Name, names: &'s HashMap<Name, Schema>) -> Frame<'s> {
-            let mut uses = Vec::new();
-            let own = names.get(name).map_or(0, |s| local(s, 0, true, &mut uses));
-            Frame { name, depth: own, uses, next: 0 }
-        }
         on_walk.insert(start);
         stack.push(begin(start, names));
         while let Some(top) = stack.last_mut() {
@@ -125,7 +126,7 @@ fn depth_within(schema: &Schema, names: &HashMap<Name, Schema>, max: usize) -> R
         }
     }
     let mut uses = Vec::new();
-    let own = local(schema, 0, true, &mut uses);
+    let own = levels(schema, 0, true, &mut uses);
     let deepest = uses.iter().map(|(n, at)| at + depth.get(n).copied().unwrap_or(0)).max().unwrap_or(0).max(own);
     if deepest > max {
         return Err(format!("the schema nests {deepest} levels deep, more than the {max} relay decodes"));

@@ -161,10 +161,9 @@ impl Decoder {
             }
             Schema::Enum(e) => {
                 let symbol = w.text()?;
-                let i =
-                    e.symbols.iter().position(|s| s == symbol).ok_or_else(|| {
-                        format!("{}: not a symbol of enum {} ({})", w.here(), e.name, e.symbols.join(", "))
-                    })?;
+                let i = e.symbols.iter().position(|s| s == symbol).ok_or_else(|| {
+                    format!("{}: not a symbol of enum {} ({})", w.here(), e.name, e.symbols.join(", "))
+                })?;
                 Avro::Enum(u32::try_from(i).unwrap_or(u32::MAX), symbol.to_owned())
             }
             Schema::Union(u) => return self.union(&w, u),
@@ -293,8 +292,7 @@ impl Place<'_> {
     }
 
     fn decimal(&self, d: &apache_avro::schema::DecimalSchema) -> Result<Avro, String> {
-        let unscaled =
-            decimal_unscaled(self.v, d.scale).ok_or_else(|| self.want("a decimal (text like \"12.50\")"))?;
+        let unscaled = decimal_unscaled(self.v, d.scale).ok_or_else(|| self.want("a decimal (text like \"12.50\")"))?;
         let digits = unscaled.trim_start_matches('-').len();
         if digits > d.precision {
             return Err(format!("{}: {digits} digits, over the decimal's precision {}", self.here(), d.precision));

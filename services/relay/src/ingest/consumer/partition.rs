@@ -150,8 +150,7 @@ impl InboxConsumer {
         let max_attempts = self.settings.reference_retry.max_attempts;
         let (tp, generation, i) = (t.tp.clone(), t.generation, t.at);
         let batch_end = t.records.len().min(i + self.settings.batch_size);
-        let end =
-            (i + 1..batch_end).find(|&j| self.unreadable_at(&tp, &t.records[j]).is_some()).unwrap_or(batch_end);
+        let end = (i + 1..batch_end).find(|&j| self.unreadable_at(&tp, &t.records[j]).is_some()).unwrap_or(batch_end);
         let (ended, stopped, mut failure) = match self.run_batch(&tp, generation, &t.records[i..end]).await {
             Ok(BatchRun { done, stopped, paused }) => {
                 if done > 0 {

@@ -345,30 +345,7 @@ impl Operator {
                     .ok_or_else(|| OpsError::Conflict(format!("held dead letter {id} vanished during the release")))?;
                 let view = processor.decoder().view(&dl.record).await.map_err(OpsError::Unavailable)?;
                 let processed = processor.process(&mut tx, &dl.record, &view).await?;
-                let failed = match &processed.disposition {
-                    // Poison now, as if it had failed when it came: its copy
-                    // goes to the dead-letter topic and it is counted (once
-                    // committed). Not processable yet (a missing reference)
-                    // counts too: a release has no retry budget, the
-                    // operator's next replay of it is the retry.
-                    Disposition::DeadLetter(p) | Disposition::RetryLater(p) | Disposition::Held(p) => {
-                        crate::ingest::park::copy_to_dead_letter_topic(&mut tx, processor.router(), &dl.record, p, 1)
-                            .await?;
-                        Some((p.clone(), true))
-                    }
-                    // Not poison: it waits for its route, still held (class `held`).
-                    Disposition::Paused { route } => Some((
-                        relay_core::Poison::new(
-                            relay_core::PoisonClass::Held,
-                            format!(
-                                "route {route} was paused when its key was released: replay this one once the route \
-                                 is resumed, and the records after it follow"
-                            ),
-                        ),
-                        false,
-                    )),
-                    _ => None,
-                };
+                let failed = still_failing(&mut tx, processor, &dl.record, &processed.disposition).await?;
                 let outcome = replay_outcome(processed.disposition);
                 dead_letters::mark_replayed(&mut tx, &self.consumer, id, &outcome.stored()).await?;
                 if let Some((poison, dead)) = failed {
@@ -468,4 +445,38 @@ impl Operator {
         }
         Ok(deleted)
     }
+}
+
+/// What a released record's `disposition` leaves: its poison, and whether
+/// it is a dead letter again (then its copy goes to the dead-letter topic
+/// now), if it stops the release.
+async fn still_failing(
+    tx: &mut sqlx::PgConnection,
+    processor: &Processor,
+    record: &relay_core::RawRecord,
+    disposition: &Disposition,
+) -> Result<Option<(relay_core::Poison, bool)>, OpsError> {
+    Ok(match disposition {
+        // Poison now, as if it had failed when it came: its copy
+        // goes to the dead-letter topic and it is counted (once
+        // committed). Not processable yet (a missing reference)
+        // counts too: a release has no retry budget, the
+        // operator's next replay of it is the retry.
+        Disposition::DeadLetter(p) | Disposition::RetryLater(p) | Disposition::Held(p) => {
+            crate::ingest::park::copy_to_dead_letter_topic(tx, processor.router(), record, p, 1).await?;
+            Some((p.clone(), true))
+        }
+        // Not poison: it waits for its route, still held (class `held`).
+        Disposition::Paused { route } => Some((
+            relay_core::Poison::new(
+                relay_core::PoisonClass::Held,
+                format!(
+                    "route {route} was paused when its key was released: replay this one once the route \
+                     is resumed, and the records after it follow"
+                ),
+            ),
+            false,
+        )),
+        _ => None,
+    })
 }
