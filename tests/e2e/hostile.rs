@@ -503,6 +503,37 @@ async fn a_batch_larger_than_a_whole_fetch_is_received_and_its_partition_goes_on
     assert_eq!((dead.len(), dead[0].1.as_str()), (1, "oversized"), "{dead:?}");
 }
 
+// librdkafka reads ahead until its queue holds 64 MiB of record values or
+// 100 000 records, and counts no key or header bytes. While relay's buffer is
+// full it takes nothing, and records of empty values and 512 KiB keys (here
+// 400, 200 MiB inflated, behind a 16 MiB buffer) are read ahead into memory;
+// paused at the broker while the buffer is full, the client holds what relay
+// does and a fetch. (`RELAY_SABOTAGE=read-ahead-past-full-buffer` leaves it fetching.)
+#[tokio::test(flavor = "multi_thread")]
+async fn records_of_large_keys_and_empty_values_are_not_read_ahead_past_a_full_buffer() {
+    let h = Harness::new(1).await;
+    let producer = relay_testkit::TestProducer::with_properties(
+        &h.bootstrap,
+        &[("compression.type", "snappy"), ("message.max.bytes", "2000000")],
+    )
+    .unwrap();
+    let key = vec![b'k'; 512 * 1024];
+    for _ in 0..400 {
+        producer.raw(&h.topic, Some(0), Some(&key), &[], None).await.unwrap();
+    }
+    h.send(&order("evt-after", "o-after").partition(0)).await;
+    let small_buffer = h
+        .config_text(CAPTURE_ROUTE)
+        .replace("max_record_bytes = 65536\n", "max_record_bytes = 65536\nmax_buffered_bytes = 16777216\n");
+    let config = h.write_config(&small_buffer);
+    let mut run = h.process(&config, &["consume"], &[]);
+    let peak = until_committed(&h, &mut run, |c| c.get(&0).copied().flatten() == Some(401)).await;
+    assert!(run.terminate(std::time::Duration::from_secs(30)).unwrap().success(), "{}", run.log());
+    assert_eq!(h.outcome("evt-after").await.as_deref(), Some("applied"));
+    eprintln!("the consumer held {} MiB at its peak", peak / (1024 * 1024));
+    assert!(peak < 110 * 1024 * 1024, "the consumer held {} MiB at its peak", peak / (1024 * 1024));
+}
+
 // Snappy inflates at most ~21 times, so a topic kept in snappy bounds what
 // one fetch inflates to however producers compress. Here 100 zstd batches of
 // ~150 bytes each inflate to 3 MiB: a topic kept in zstd stores them as

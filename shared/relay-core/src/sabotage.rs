@@ -71,11 +71,15 @@ pub enum Sabotage {
     /// were dropped or are not fetched yet: commits past them, breaking R1
     /// (the partition model check).
     StandInBeforeDropped,
+    /// Leave partitions fetching while the consumer's buffer is full: the
+    /// client reads ahead records of large keys and empty values until the
+    /// process runs out of memory.
+    ReadAheadPastFullBuffer,
 }
 
 impl Sabotage {
     /// Every defect, with the name `RELAY_SABOTAGE` gives it.
-    pub const NAMES: [(Sabotage, &'static str); 21] = [
+    pub const NAMES: [(Sabotage, &'static str); 22] = [
         (Sabotage::OffsetBeforeCommit, "offset-before-commit"),
         (Sabotage::NoInboxDedup, "no-inbox-dedup"),
         (Sabotage::FreshIdempotencyKey, "fresh-idempotency-key"),
@@ -97,6 +101,7 @@ impl Sabotage {
         (Sabotage::ServerErrorsCertain, "server-errors-certain"),
         (Sabotage::PauseKeptAfterRegrant, "pause-kept-after-regrant"),
         (Sabotage::StandInBeforeDropped, "stand-in-before-dropped"),
+        (Sabotage::ReadAheadPastFullBuffer, "read-ahead-past-full-buffer"),
     ];
 
     /// Its name in `RELAY_SABOTAGE`.

@@ -105,6 +105,9 @@ struct Partition {
     /// Batches the client could not read: the first offset of each, with
     /// why. Its task parks a stand-in record at that offset.
     unreadable: HashMap<i64, (i64, String)>,
+    /// Paused at the broker because the buffer is full (besides any
+    /// `paused` reason): it fetches again once the buffer is half empty.
+    room_paused: bool,
 }
 
 impl Partition {
@@ -168,6 +171,9 @@ pub(super) struct Partitions {
     limits: Limits,
     /// Partitions assigned (for each one's share of the bound).
     assigned: usize,
+    /// Whether any partition may be paused for room (so that the check for
+    /// half empty is skipped on the turns when none is).
+    room_pauses: bool,
     /// Defects put back for the model check ([`Sabotage::PauseKeptAfterRegrant`],
     /// [`Sabotage::StandInBeforeDropped`]); none outside it.
     sabotage: Sabotaged,
@@ -180,7 +186,7 @@ impl Partitions {
 
     /// With fixed defects put back.
     pub(super) fn sabotaged(limits: Limits, sabotage: Sabotaged) -> Partitions {
-        Partitions { generation: 0, parts: HashMap::new(), limits, assigned: 1, sabotage }
+        Partitions { generation: 0, parts: HashMap::new(), limits, assigned: 1, room_pauses: false, sabotage }
     }
 
     /// The current revoke generation.
@@ -225,6 +231,7 @@ impl Partitions {
             p.revoke.cancel();
             p.revoke = CancellationToken::new();
             p.unreadable.clear();
+            p.room_paused = false;
             if let Some(next) = p.next_offset.take() {
                 commit.push((tp.clone(), next));
             }
@@ -272,6 +279,77 @@ impl Partitions {
     pub(super) fn room(&self) -> bool {
         self.waiting_records() < self.limits.batch_size * self.assigned
             && self.buffered_bytes() < self.limits.max_buffered_bytes
+    }
+
+    /// Whether the bytes buffered reached the bound.
+    pub(super) fn full(&self) -> bool {
+        self.buffered_bytes() >= self.limits.max_buffered_bytes
+    }
+
+    /// With the bytes buffered at the bound, every partition of `assigned`
+    /// not yet paused for room is, and those not paused already are
+    /// returned, to pause at the broker. librdkafka reads ahead until its
+    /// queue holds 64 MiB of record values or 100 000 records, and counts no
+    /// key or header bytes, so while relay takes nothing more only a pause
+    /// (which empties that partition's queue) bounds what it holds. Not on
+    /// the bound of records waiting: a resumed partition fetches again only
+    /// about a second later, and half a batch per partition of small
+    /// records drains far sooner.
+    pub(super) fn pause_for_room<'a>(
+        &mut self,
+        assigned: impl IntoIterator<Item = &'a TopicPartition>,
+    ) -> Vec<TopicPartition> {
+        if !self.full() {
+            return Vec::new();
+        }
+        let mut pause = Vec::new();
+        for tp in assigned {
+            self.room_pauses = true;
+            let p = self.parts.entry(tp.clone()).or_default();
+            if !p.room_paused {
+                p.room_paused = true;
+                if p.paused.is_none() {
+                    pause.push(tp.clone());
+                }
+            }
+        }
+        pause
+    }
+
+    /// Once the bytes buffered (but those of tasks waiting out a retry) are
+    /// down to half the bound, the partitions paused for room fetch again; returned are those to resume at the
+    /// broker (not paused for another reason). Half, so that a full buffer
+    /// does not pause and resume on every record.
+    pub(super) fn resume_for_room(&mut self) -> Vec<TopicPartition> {
+        if !self.room_pauses {
+            return Vec::new();
+        }
+        // A task waiting out a retry holds its batch (up to its share) until
+        // it ends, maybe minutes later: counted, it would keep every other
+        // partition paused as long.
+        let waiting_out: usize = self
+            .parts
+            .values()
+            .filter(|p| p.paused == Some(Paused::Waiting))
+            .map(|p| p.running.map_or(0, |(bytes, _)| bytes))
+            .sum();
+        if (self.buffered_bytes() - waiting_out) * 2 > self.limits.max_buffered_bytes {
+            return Vec::new();
+        }
+        self.room_pauses = false;
+        let mut resume = Vec::new();
+        for (tp, p) in &mut self.parts {
+            if std::mem::take(&mut p.room_paused) && p.paused.is_none() {
+                resume.push(tp.clone());
+            }
+        }
+        resume
+    }
+
+    /// Whether `tp` is paused because the buffer is full: a resume for
+    /// another reason seeks but leaves it paused.
+    pub(super) fn is_room_paused(&self, tp: &TopicPartition) -> bool {
+        self.parts.get(tp).is_some_and(|p| p.room_paused)
     }
 
     /// Hand every partition with waiting records and no task its next batch.
@@ -482,7 +560,7 @@ impl Partitions {
 
     /// Whether `tp` is paused at the broker by the relay.
     pub(super) fn is_paused(&self, tp: &TopicPartition) -> bool {
-        self.parts.get(tp).is_some_and(|p| p.paused.is_some())
+        self.parts.get(tp).is_some_and(|p| p.paused.is_some() || p.room_paused)
     }
 
     /// Whether any task runs.

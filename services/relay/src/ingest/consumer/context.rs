@@ -26,7 +26,7 @@ impl RelayContext {
     }
 }
 
-fn tps(tpl: &TopicPartitionList) -> Vec<TopicPartition> {
+pub(super) fn tps(tpl: &TopicPartitionList) -> Vec<TopicPartition> {
     tpl.elements().iter().map(|e| TopicPartition::new(e.topic(), e.partition())).collect()
 }
 

@@ -284,13 +284,15 @@ impl InboxConsumer {
         every_second.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let outcome = loop {
             self.start_ready(&mut tasks, shutdown);
-            let partitions = self.consumer.assignment().map_or(1, |a| a.count().max(1));
+            let assignment = self.consumer.assignment().ok();
+            let partitions = assignment.as_ref().map_or(1, |a| a.count().max(1));
             let (room, checks, buffered) = {
                 let mut s = self.state.lock().expect("partition state lock");
                 s.set_assigned(partitions);
                 (s.room(), s.holding() || s.running() || s.seeking(), s.buffered_bytes())
             };
             crate::runtime::metrics::buffered(&self.settings.name, buffered);
+            self.pause_or_resume_for_room(assignment.as_ref());
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break Ok(()),
@@ -608,8 +610,40 @@ impl InboxConsumer {
             self.state.lock().expect("partition state lock").seek_failed(r);
             return;
         }
+        if self.state.lock().expect("partition state lock").is_room_paused(&r.tp) {
+            return;
+        }
         if let Err(e) = self.consumer.resume(&tpl_of([&r.tp])) {
             warn!(consumer = %self.settings.name, error = %e, "resuming fetches failed");
+        }
+    }
+
+    /// Pause every assigned partition at the broker while the bytes
+    /// buffered are at their bound, and let them fetch again once down to
+    /// half ([`Partitions::pause_for_room`]).
+    fn pause_or_resume_for_room(&self, assignment: Option<&TopicPartitionList>) {
+        if self.faults.sabotage().has(Sabotage::ReadAheadPastFullBuffer) {
+            return;
+        }
+        let (pause, resume) = {
+            let mut s = self.state.lock().expect("partition state lock");
+            let assigned = match assignment {
+                Some(a) if s.full() => context::tps(a),
+                _ => Vec::new(),
+            };
+            (s.pause_for_room(&assigned), s.resume_for_room())
+        };
+        if !pause.is_empty() {
+            debug!(consumer = %self.settings.name, partitions = pause.len(), "buffer full: fetching paused");
+            if let Err(e) = self.consumer.pause(&tpl_of(&pause)) {
+                warn!(consumer = %self.settings.name, error = %e, "pausing fetches while the buffer is full failed");
+            }
+        }
+        if !resume.is_empty() {
+            debug!(consumer = %self.settings.name, partitions = resume.len(), "buffer half empty: fetching again");
+            if let Err(e) = self.consumer.resume(&tpl_of(&resume)) {
+                warn!(consumer = %self.settings.name, error = %e, "resuming fetches failed");
+            }
         }
     }
 

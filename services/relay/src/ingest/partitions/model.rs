@@ -2,8 +2,8 @@
 //! its answers: random sequences of records fetched (on time or after a
 //! pause), tasks started, stepping, finishing and held at a paused route,
 //! the slow tick, revokes and assignments (to this member or another), an
-//! unreadable batch found, seeks failing, and the database going down and
-//! coming back, run against a small world that plays the broker, the tasks
+//! unreadable batch found, seeks failing, the database going down and
+//! coming back, and the buffer's pauses for room, run against a small world that plays the broker, the tasks
 //! and the database the way `consumer.rs` drives them.
 //!
 //! After every step: the committed offset never passes a record that was
@@ -77,6 +77,9 @@ enum Op {
     RetrySeeks,
     DbDown,
     DbUp,
+    /// The loop's turn: with the bytes buffered at the bound every owned
+    /// partition is paused at the broker, and fetches again once down to half.
+    Room,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -101,6 +104,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::RetrySeeks),
         1 => Just(Op::DbDown),
         1 => Just(Op::DbUp),
+        4 => Just(Op::Room),
     ]
 }
 
@@ -164,7 +168,9 @@ impl World {
             }
             self.fetch[p] = offset;
         }
-        self.broker_paused[p] = false;
+        if !self.s.is_room_paused(&r.tp) {
+            self.broker_paused[p] = false;
+        }
     }
 
     fn done(&mut self, d: Done, p: i32) {
@@ -299,11 +305,25 @@ impl World {
             }
             Op::DbDown => self.db_down = true,
             Op::DbUp => self.db_down = false,
+            Op::Room => {
+                let owned: Vec<TopicPartition> = (0..PARTS).filter(|p| self.owned[*p as usize]).map(tp).collect();
+                for t in self.s.pause_for_room(&owned) {
+                    self.broker_paused[t.partition as usize] = true;
+                }
+                for t in self.s.resume_for_room() {
+                    self.broker_paused[t.partition as usize] = false;
+                }
+            }
         }
     }
 
-    /// R1 and the buffer bound.
+    /// R1, the buffer bound, and no partition paused for room fetching.
     fn check(&self, step: usize) -> Result<(), String> {
+        for p in 0..PARTS {
+            if self.owned[p as usize] && self.s.is_room_paused(&tp(p)) && !self.broker_paused[p as usize] {
+                return Err(format!("step {step}: partition {p} is paused for room but fetches at the broker"));
+            }
+        }
         for p in 0..PARTS as usize {
             if let Some(missing) = (0..self.committed[p]).find(|o| !self.processed[p].contains(o)) {
                 return Err(format!(
@@ -331,7 +351,7 @@ impl World {
             self.apply(Op::Assign(p, None));
         }
         for _ in 0..200 {
-            let mut ops = vec![Op::RetrySeeks, Op::ReleaseRoutes];
+            let mut ops = vec![Op::RetrySeeks, Op::ReleaseRoutes, Op::Room];
             for p in 0..PARTS {
                 ops.extend([Op::Fetch(p), Op::Fetch(p), Op::ProbeFound(p)]);
             }
