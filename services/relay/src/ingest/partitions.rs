@@ -316,10 +316,12 @@ impl Partitions {
         pause
     }
 
-    /// Once the bytes buffered (but those of tasks waiting out a retry) are
-    /// down to half the bound, the partitions paused for room fetch again; returned are those to resume at the
+    /// Once the bytes buffered are down to half of what the bound leaves
+    /// beside the batches of tasks waiting out a retry, the partitions
+    /// paused for room fetch again; returned are those to resume at the
     /// broker (not paused for another reason). Half, so that a full buffer
-    /// does not pause and resume on every record.
+    /// does not pause and resume on every record (a resumed partition
+    /// fetches again about a second later).
     pub(super) fn resume_for_room(&mut self) -> Vec<TopicPartition> {
         if !self.room_pauses {
             return Vec::new();
@@ -333,7 +335,8 @@ impl Partitions {
             .filter(|p| p.paused == Some(Paused::Waiting))
             .map(|p| p.running.map_or(0, |(bytes, _)| bytes))
             .sum();
-        if (self.buffered_bytes() - waiting_out) * 2 > self.limits.max_buffered_bytes {
+        let room = self.limits.max_buffered_bytes.saturating_sub(waiting_out);
+        if (self.buffered_bytes() - waiting_out) * 2 > room {
             return Vec::new();
         }
         self.room_pauses = false;
