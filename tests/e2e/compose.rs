@@ -160,3 +160,31 @@ fn every_image_is_pinned_to_an_exact_release() {
         );
     }
 }
+
+// relay refuses input topics kept in a codec that inflates without a bound
+// per fetch, and an inbox window shorter than a record's time in the log
+// (retention.ms + segment.ms); it reads the topics' configuration at start.
+// compose's broker must keep topics relay accepts, made before it starts.
+#[test]
+fn compose_s_broker_keeps_topics_the_relay_accepts_and_makes_them_before_it_starts() {
+    let c = compose();
+    let services = &c["services"];
+    let kafka = env(&services["kafka"]);
+    let get = |k: &str| kafka.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+    let codec = get("KAFKA_COMPRESSION_TYPE").unwrap_or_else(|| "producer".into());
+    assert!(["snappy", "uncompressed"].contains(&codec.as_str()), "compose's topics keep {codec}, which relay refuses");
+    // Kafka's defaults: 168 hours of retention, segments rolled weekly.
+    let hours = |k: &str| get(k).map_or(168, |v| v.parse::<u64>().expect("a number of hours"));
+    let in_log =
+        std::time::Duration::from_secs(3600 * (hours("KAFKA_LOG_RETENTION_HOURS") + hours("KAFKA_LOG_ROLL_HOURS")));
+    let example = std::fs::read_to_string(root().join("relay.example.toml")).unwrap();
+    let cfg = relay_core::RelayConfig::from_toml(&example).expect("the example configuration loads");
+    let inbox = cfg.retention.inbox.expect("the example keeps its inbox for a while");
+    assert!(inbox >= in_log, "the example's inbox window {inbox:?} is shorter than compose's {in_log:?} in the log");
+    let made = format!("{:?}", services["topics"]["command"]);
+    for topic in cfg.subscribed_topics().iter().chain(cfg.consumer.dead_letter_topic.iter()) {
+        assert!(made.contains(topic.as_str()), "compose does not make topic {topic} before relay starts: {made}");
+    }
+    let waits = format!("{:?}", services["relay"]["depends_on"]);
+    assert!(waits.contains("topics"), "relay does not wait for the topics: {waits}");
+}

@@ -10,14 +10,14 @@ pub enum Failure {
     /// The registry does not have the schema the record names — yet, maybe:
     /// a replica behind the one the producer registered with, a registry
     /// restarted empty. Retried within the consumer's reference budget,
-    /// then dead-lettered; once a record has been ([`Registry::gave_up`]),
+    /// then dead-lettered; once a record has been ([`Registry::gave_up`](crate::Registry::gave_up)),
     /// the records naming the same id are poison after one ask.
     #[error("{0}")]
     NotYet(String),
     /// The registry could not answer now: wait and try the record again.
     #[error("{0}")]
     Unavailable(String),
-    /// The value decodes to more JSON than [`max_json_bytes`] of its size:
+    /// The value decodes to more JSON than [`max_json_bytes`](crate::max_json_bytes) of its size:
     /// dead-letter it as oversized.
     #[error("{0}")]
     Oversized(String),
