@@ -171,9 +171,6 @@ pub(super) struct Partitions {
     limits: Limits,
     /// Partitions assigned (for each one's share of the bound).
     assigned: usize,
-    /// Whether any partition may be paused for room (so that the check for
-    /// half empty is skipped on the turns when none is).
-    room_pauses: bool,
     /// Defects put back for the model check ([`Sabotage::PauseKeptAfterRegrant`],
     /// [`Sabotage::StandInBeforeDropped`]); none outside it.
     sabotage: Sabotaged,
@@ -186,7 +183,7 @@ impl Partitions {
 
     /// With fixed defects put back.
     pub(super) fn sabotaged(limits: Limits, sabotage: Sabotaged) -> Partitions {
-        Partitions { generation: 0, parts: HashMap::new(), limits, assigned: 1, room_pauses: false, sabotage }
+        Partitions { generation: 0, parts: HashMap::new(), limits, assigned: 1, sabotage }
     }
 
     /// The current revoke generation.
@@ -304,7 +301,6 @@ impl Partitions {
         }
         let mut pause = Vec::new();
         for tp in assigned {
-            self.room_pauses = true;
             let p = self.parts.entry(tp.clone()).or_default();
             if !p.room_paused {
                 p.room_paused = true;
@@ -323,7 +319,7 @@ impl Partitions {
     /// does not pause and resume on every record (a resumed partition
     /// fetches again about a second later).
     pub(super) fn resume_for_room(&mut self) -> Vec<TopicPartition> {
-        if !self.room_pauses {
+        if !self.parts.values().any(|p| p.room_paused) {
             return Vec::new();
         }
         // A task waiting out a retry holds its batch (up to its share) until
@@ -339,7 +335,6 @@ impl Partitions {
         if (self.buffered_bytes() - waiting_out) * 2 > room {
             return Vec::new();
         }
-        self.room_pauses = false;
         let mut resume = Vec::new();
         for (tp, p) in &mut self.parts {
             if std::mem::take(&mut p.room_paused) && p.paused.is_none() {
