@@ -1251,6 +1251,41 @@ async fn while_the_database_is_down_nothing_is_committed_and_processing_resumes_
 }
 
 #[tokio::test]
+async fn a_database_that_goes_silent_mid_batch_is_given_up_on_and_the_partition_goes_on_once_it_answers() {
+    let h = Harness::new(1).await;
+    let proxy = relay_testkit::TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await.unwrap();
+    let mut cfg = h.config(CAPTURE_ROUTE);
+    cfg.database.url = Some(relay_testkit::url_via(&h.db.url, proxy.addr()).into());
+    cfg.database.acquire_timeout = std::time::Duration::from_millis(500);
+    cfg.database.transaction_timeout = std::time::Duration::from_secs(2);
+    h.send_orders(5).await;
+    let run = h.start(cfg, CONSUMER_ONLY, no_faults()).await;
+    h.await_committed(0, 5).await;
+
+    // The host goes silent without a reset (a failover, a frozen machine):
+    // the pooled connections stay open and never answer again.
+    proxy.stall();
+    let before = proxy.attempts();
+    for i in 5..10 {
+        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
+    }
+    // Connections given up on are replaced by new ones (unanswered too) ...
+    eventually("relay to give up on a silent connection and open another", DEADLINE, || async {
+        (proxy.attempts() >= before + 3).then_some(())
+    })
+    .await;
+    assert_eq!(h.committed().await.get(&0).copied().flatten(), Some(5));
+    assert_eq!(h.inbox().await, 5);
+
+    // ... and once the database answers again, the partition goes on.
+    proxy.restore();
+    h.await_committed(0, 10).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.inbox().await, 10, "nothing lost");
+    assert_eq!(h.db.count("intents", "true").await, 10, "nothing doubled");
+}
+
+#[tokio::test]
 async fn consumers_joining_and_leaving_the_group_mid_stream_lose_nothing_and_double_nothing() {
     let h = Harness::new(4).await;
     let n = 400;

@@ -166,6 +166,7 @@ impl Relay {
             reference_retry: c.reference_retry,
             database_backoff: c.database_backoff,
             largest_batch: inputs.largest_batch,
+            transaction_timeout: self.cfg.database.transaction_timeout,
         };
         InboxConsumer::new(&self.cfg.kafka, settings, processor, self.pool.clone(), self.faults.clone())
     }

@@ -350,11 +350,22 @@ pub struct DatabaseConfig {
     /// How long to wait for a pooled connection before the attempt fails.
     #[serde(with = "humantime_serde")]
     pub acquire_timeout: Duration,
+    /// How long one ingest transaction (a batch, or a parked record) may
+    /// take before its connection is dropped and the batch retried: a
+    /// database host that vanishes without a reset (a failover, a frozen
+    /// machine) never answers, and nothing else would end the wait.
+    #[serde(with = "humantime_serde")]
+    pub transaction_timeout: Duration,
 }
 
 impl Default for DatabaseConfig {
     fn default() -> Self {
-        DatabaseConfig { url: None, max_connections: 10, acquire_timeout: Duration::from_secs(5) }
+        DatabaseConfig {
+            url: None,
+            max_connections: 10,
+            acquire_timeout: Duration::from_secs(5),
+            transaction_timeout: Duration::from_secs(60),
+        }
     }
 }
 
@@ -363,6 +374,8 @@ impl fmt::Debug for DatabaseConfig {
         f.debug_struct("DatabaseConfig")
             .field("url", &self.url.as_ref().map(|_| "[redacted]"))
             .field("max_connections", &self.max_connections)
+            .field("acquire_timeout", &self.acquire_timeout)
+            .field("transaction_timeout", &self.transaction_timeout)
             .finish()
     }
 }
@@ -1219,6 +1232,13 @@ impl RelayConfig {
 
     /// The dispatcher's and the publisher's settings.
     fn check_workers(&self, p: &mut Vec<String>) {
+        if self.database.transaction_timeout < Duration::from_secs(1) {
+            p.push(format!(
+                "database.transaction_timeout ({:?}) must be at least 1s: a batch's transaction runs several \
+                 statements, and one that times out is rolled back and retried",
+                self.database.transaction_timeout
+            ));
+        }
         if self.dispatcher.concurrency == 0 {
             p.push("dispatcher.concurrency: must be at least 1".into());
         }
@@ -1748,6 +1768,17 @@ mod tests {
         assert!(err.contains("publisher.lease") && err.contains("37.5s"), "{err}");
         let text = format!("{VALID}\n[publisher]\nlease = \"38s\"\ndelivery_timeout = \"30s\"\n");
         assert!(RelayConfig::from_toml(&text).is_ok());
+    }
+
+    #[test]
+    fn a_transaction_timeout_has_a_default_and_a_floor() {
+        let cfg = RelayConfig::from_toml(VALID).unwrap();
+        assert_eq!(cfg.database.transaction_timeout, Duration::from_secs(60));
+        let text = format!("{VALID}\n[database]\ntransaction_timeout = \"500ms\"\n");
+        let err = RelayConfig::from_toml(&text).unwrap_err().to_string();
+        assert!(err.contains("database.transaction_timeout") && err.contains("at least 1s"), "{err}");
+        let text = format!("{VALID}\n[database]\ntransaction_timeout = \"2s\"\n");
+        assert_eq!(RelayConfig::from_toml(&text).unwrap().database.transaction_timeout, Duration::from_secs(2));
     }
 
     // An application event over the producer's limit could never be

@@ -203,6 +203,9 @@ pub struct TcpProxy {
     open: std::sync::Arc<std::sync::atomic::AtomicBool>,
     attempts: std::sync::Arc<std::sync::atomic::AtomicU64>,
     kill: tokio::sync::watch::Sender<u64>,
+    /// Whether connections are held open and silent (see [`TcpProxy::stall`]).
+    stalled: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    stall: tokio::sync::watch::Sender<u64>,
 }
 
 impl TcpProxy {
@@ -214,7 +217,9 @@ impl TcpProxy {
         let open = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
         let attempts = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
         let (kill, _) = tokio::sync::watch::channel(0u64);
-        let (o, a, k) = (open.clone(), attempts.clone(), kill.clone());
+        let stalled = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (stall, _) = tokio::sync::watch::channel(0u64);
+        let (o, a, k, st, sl) = (open.clone(), attempts.clone(), kill.clone(), stalled.clone(), stall.clone());
         tokio::spawn(async move {
             while let Ok((mut client, _)) = listener.accept().await {
                 a.fetch_add(1, Ordering::SeqCst);
@@ -222,17 +227,30 @@ impl TcpProxy {
                     drop(client);
                     continue;
                 }
-                let mut killed = k.subscribe();
+                let (mut killed, mut stalling) = (k.subscribe(), sl.subscribe());
+                let silent = st.load(Ordering::SeqCst);
                 tokio::spawn(async move {
+                    if silent {
+                        // Accepted, and never a byte back: held until cut.
+                        let _ = killed.changed().await;
+                        drop(client);
+                        return;
+                    }
                     let Ok(mut server) = tokio::net::TcpStream::connect(target).await else { return };
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
-                        _ = killed.changed() => {}
+                    let stalled = tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => false,
+                        _ = killed.changed() => false,
+                        _ = stalling.changed() => true,
+                    };
+                    if stalled {
+                        // Both ends stay open and nothing moves: a peer gone
+                        // without a reset. Restoring does not revive it.
+                        let _ = killed.changed().await;
                     }
                 });
             }
         });
-        Ok(TcpProxy { addr, open, attempts, kill })
+        Ok(TcpProxy { addr, open, attempts, kill, stalled, stall })
     }
 
     /// The proxy's address.
@@ -246,9 +264,18 @@ impl TcpProxy {
         self.kill.send_modify(|n| *n += 1);
     }
 
-    /// Accept connections again.
+    /// Go silent without a reset, as a database host that vanishes in a
+    /// failover or freezes: open connections stay open and nothing more
+    /// moves on them, and new ones are accepted and never answered.
+    pub fn stall(&self) {
+        self.stalled.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.stall.send_modify(|n| *n += 1);
+    }
+
+    /// Accept (and forward) connections again; connections stalled stay so.
     pub fn restore(&self) {
         self.open.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.stalled.store(false, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Connection attempts so far.

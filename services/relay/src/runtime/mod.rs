@@ -4,6 +4,7 @@
 //! trace propagation.
 
 pub mod claim_loop;
+pub mod db;
 pub mod faults;
 pub mod kafka;
 pub mod metrics;

@@ -59,6 +59,7 @@ use crate::ingest::partitions::{
 };
 use crate::ingest::processor::{Processed, Processor};
 use crate::ingest::unreadable::{self, Unreadable};
+use crate::runtime::db::bounded;
 use crate::runtime::faults::{FaultInjected, Faults, Sabotage, point};
 use crate::runtime::kafka::consumer_config;
 
@@ -96,6 +97,8 @@ pub struct ConsumerSettings {
     /// The largest batch the topics keep (their `max.message.bytes`): a
     /// fetch response must have room for it.
     pub largest_batch: usize,
+    /// Longest one batch's (or parked record's) transaction may take.
+    pub transaction_timeout: Duration,
 }
 
 /// The inbox consumer.
@@ -217,11 +220,10 @@ impl InboxConsumer {
                 continue;
             }
             loop {
-                let ask = async {
-                    let mut conn = this.pool.acquire().await?;
-                    sqlx::query("SELECT 1").execute(&mut *conn).await
-                };
-                if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(1), ask).await {
+                let ask = bounded(&this.pool, Duration::from_secs(1), async |conn: &mut sqlx::PgConnection| {
+                    sqlx::query("SELECT 1").execute(conn).await.map(drop)
+                });
+                if ask.await.is_ok() {
                     info!(consumer = %this.settings.name, "the database answers again; waking the partitions waiting for it");
                     this.db_back.send_modify(|n| *n += 1);
                     break;
@@ -239,11 +241,10 @@ impl InboxConsumer {
     /// operator who took `hold_key` out may not expect it.
     async fn warn_of_leftover_holds(&self) {
         let consumer = self.processor.consumer();
-        let read = async {
-            let mut conn = self.pool.acquire().await?;
-            relay_store::holds::count_by_topic(&mut conn, consumer).await
-        };
-        let Ok(Ok(counts)) = tokio::time::timeout(Duration::from_secs(5), read).await else { return };
+        let read = bounded(&self.pool, Duration::from_secs(5), async |conn: &mut sqlx::PgConnection| {
+            relay_store::holds::count_by_topic(conn, consumer).await
+        });
+        let Ok::<Vec<(String, i64, i64)>, _>(counts) = read.await else { return };
         for (topic, keys, cut_short) in counts {
             if !self.processor.router().holds_keys_on(&topic) {
                 warn!(
@@ -663,13 +664,13 @@ impl InboxConsumer {
     /// Held partitions whose route was resumed fetch again from where they were held.
     async fn release_held(&self) {
         // Bounded, so a database that is down never holds up the loop.
-        let read = async {
-            let mut conn = self.pool.acquire().await?;
-            relay_store::ops::paused_routes(&mut conn, &self.settings.name).await
-        };
-        let routes: Vec<String> = match tokio::time::timeout(Duration::from_millis(500), read).await {
-            Ok(Ok(routes)) => routes.into_iter().collect(),
-            _ => return,
+        let name = &self.settings.name;
+        let read = bounded(&self.pool, Duration::from_millis(500), async |conn: &mut sqlx::PgConnection| {
+            relay_store::ops::paused_routes(conn, name).await
+        });
+        let routes: Vec<String> = match read.await {
+            Ok(routes) => routes.into_iter().collect(),
+            Err(_) => return,
         };
         let released = self.state.lock().expect("partition state lock").release(&routes);
         if !released.is_empty() {

@@ -3,6 +3,30 @@
 //! is spent, the database waited out, each record logged.
 
 use super::*;
+use crate::deliver::handoff::Handed;
+use crate::ingest::decode::View;
+use sqlx::PgConnection;
+
+/// A batch to write: records of one partition, in order, with their decoded views.
+struct Batch<'a> {
+    tp: &'a TopicPartition,
+    generation: u64,
+    records: &'a [RawRecord],
+    views: &'a [View],
+    share: usize,
+}
+
+/// What a batch's committed transaction did.
+struct Written {
+    processed: Vec<Processed>,
+    /// Intents written claimed, for the dispatcher beside this consumer.
+    held: Vec<Handed>,
+    stopped: Option<(Poison, Option<String>)>,
+    paused: Option<String>,
+    done: usize,
+    /// Time per record.
+    took: Duration,
+}
 
 struct BatchRun {
     done: usize,
@@ -398,33 +422,51 @@ impl InboxConsumer {
         let views = self.processor.decoder().views_within(records, share).await.map_err(BatchError::Registry)?;
         let records = &records[..views.len()];
         let mut conn = self.pool.acquire().await?;
+        let limit = self.settings.transaction_timeout;
+        let batch = Batch { tp, generation, records, views: &views, share };
+        let written = match tokio::time::timeout(limit, self.write_batch(&mut conn, batch)).await {
+            Ok(written) => written?,
+            Err(_) => return Err(BatchError::Db(crate::runtime::db::abandon(conn, limit))),
+        };
+        drop(conn);
+        let Written { processed, held, stopped, paused, done, took } = written;
+        if let Some(handoff) = self.processor.handoff() {
+            handoff.send(&self.pool, held).await;
+        }
+        for (record, p) in records.iter().zip(&processed).take(done) {
+            self.log_record(record, p, took);
+        }
+        Ok(BatchRun { done, stopped, paused })
+    }
+
+    /// Write `b`'s records in one transaction on `conn`, and commit it.
+    async fn write_batch(&self, conn: &mut PgConnection, b: Batch<'_>) -> Result<Written, BatchError> {
+        let (tp, records, views, share) = (b.tp, b.records, b.views, b.share);
         // A pause applies to every batch that starts after it was recorded:
         // read on the batch's own connection, in its task (never in the
         // receive loop, which a slow pool would hold up).
         let read_at = Instant::now();
         let gates =
-            relay_store::ops::batch_gates(&mut conn, self.processor.consumer(), &tp.topic, tp.partition).await?;
+            relay_store::ops::batch_gates(&mut *conn, self.processor.consumer(), &tp.topic, tp.partition).await?;
         self.processor.paused().set_as_of(gates.paused, read_at);
         let mut tx = conn.begin_with(relay_store::BEGIN_BOUNDED).await?;
         let started = Instant::now();
         // Intents written already claimed by this process's dispatcher: handed
         // over after the commit, dropped (room given back) if there is none.
         let mut held = Vec::new();
-        let processed = match self
-            .processor
-            .process_batch_first(&mut tx, records, &views, share, gates.keys_held, &mut held)
-            .await?
-        {
-            Some(processed) => processed,
-            None => {
-                // The batch's first run was rejected; it was all the
-                // transaction held. Again, with a savepoint around each run.
-                tx.rollback().await?;
-                held.clear();
-                tx = conn.begin_with(relay_store::BEGIN_BOUNDED).await?;
-                self.processor.process_batch(&mut tx, records, &views, share, gates.keys_held, &mut held).await?
-            }
-        };
+        let processed =
+            match self.processor.process_batch_first(&mut tx, records, views, share, gates.keys_held, &mut held).await?
+            {
+                Some(processed) => processed,
+                None => {
+                    // The batch's first run was rejected; it was all the
+                    // transaction held. Again, with a savepoint around each run.
+                    tx.rollback().await?;
+                    held.clear();
+                    tx = conn.begin_with(relay_store::BEGIN_BOUNDED).await?;
+                    self.processor.process_batch(&mut tx, records, views, share, gates.keys_held, &mut held).await?
+                }
+            };
         let (mut stopped, mut paused) = (None, None);
         for (record, p) in records.iter().zip(&processed) {
             match &p.disposition {
@@ -448,18 +490,12 @@ impl InboxConsumer {
         let took = started.elapsed() / u32::try_from(processed.len().max(1)).unwrap_or(1);
         if self.faults.sabotage().has(Sabotage::OffsetBeforeCommit) && done > 0 {
             // Deliberately wrong (R1): the offset goes out before the data is safe.
-            self.advance(tp, generation, records[done - 1].offset + 1, 0, CommitMode::Sync);
+            self.advance(tp, b.generation, records[done - 1].offset + 1, 0, CommitMode::Sync);
         }
         self.faults.hit(point::CONSUMER_BEFORE_DB_COMMIT).await?;
         tx.commit().await?;
         self.faults.hit(point::CONSUMER_AFTER_DB_COMMIT).await?;
-        if let Some(handoff) = self.processor.handoff() {
-            handoff.send(&self.pool, held).await;
-        }
-        for (record, p) in records.iter().zip(&processed).take(done) {
-            self.log_record(record, p, took);
-        }
-        Ok(BatchRun { done, stopped, paused })
+        Ok(Written { processed, held, stopped, paused, done, took })
     }
 
     async fn park_alone(
@@ -470,12 +506,19 @@ impl InboxConsumer {
         route: Option<&str>,
     ) -> Result<(), ParkError> {
         let mut conn = self.pool.acquire().await?;
-        let mut tx = conn.begin_with(relay_store::BEGIN_BOUNDED).await?;
-        crate::ingest::park::park(&mut tx, self.processor.router(), record, poison, attempts, route).await?;
-        self.faults.hit(point::CONSUMER_BEFORE_DB_COMMIT).await?;
-        tx.commit().await?;
-        self.faults.hit(point::CONSUMER_AFTER_DB_COMMIT).await?;
-        Ok(())
+        let limit = self.settings.transaction_timeout;
+        let park = async {
+            let mut tx = conn.begin_with(relay_store::BEGIN_BOUNDED).await?;
+            crate::ingest::park::park(&mut tx, self.processor.router(), record, poison, attempts, route).await?;
+            self.faults.hit(point::CONSUMER_BEFORE_DB_COMMIT).await?;
+            tx.commit().await?;
+            self.faults.hit(point::CONSUMER_AFTER_DB_COMMIT).await?;
+            Ok::<_, ParkError>(())
+        };
+        match tokio::time::timeout(limit, park).await {
+            Ok(parked) => parked,
+            Err(_) => Err(ParkError::Db(crate::runtime::db::abandon(conn, limit))),
+        }
     }
 
     fn log_record(&self, record: &RawRecord, p: &Processed, took: Duration) {
