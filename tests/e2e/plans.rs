@@ -816,6 +816,49 @@ async fn dead_outbox_rows_an_earlier_version_left_behind_published_ones_are_skip
 }
 
 #[tokio::test]
+async fn dead_letters_replayed_before_the_upgrade_keep_whether_they_were_resolved() {
+    let db = TestDb::migrated_up_to(20261207000036).await.unwrap();
+    let outcomes = [
+        ("never", None),
+        ("applied", Some("applied")),
+        ("stale", Some("stale")),
+        ("still", Some("failed: not processable yet (missing_reference): no saga o-1")),
+        ("held", Some("failed: held behind dead letter 1 (offset 0) of its key")),
+        ("skipped", Some("skipped")),
+    ];
+    for (offset, (reason, outcome)) in outcomes.iter().enumerate() {
+        sqlx::query(
+            "INSERT INTO relay.dead_letters (consumer, topic, partition, \"offset\", error_class, reason, replay_outcome)
+             VALUES ('plans', 't', 0, $1, 'invalid_schema', $2, $3)",
+        )
+        .bind(offset as i64)
+        .bind(reason)
+        .bind(outcome)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    relay_store::migrate(&db.pool).await.unwrap();
+    let states: Vec<(String, String)> =
+        sqlx::query_as("SELECT reason, replay_state FROM relay.dead_letters ORDER BY \"offset\"")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let states: Vec<(&str, &str)> = states.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
+    assert_eq!(
+        states,
+        [
+            ("never", "open"),
+            ("applied", "resolved"),
+            ("stale", "resolved"),
+            ("still", "open"),
+            ("held", "open"),
+            ("skipped", "skipped")
+        ]
+    );
+}
+
+#[tokio::test]
 async fn sagas_an_earlier_version_shared_go_to_each_deployment_that_moved_them_at_the_upgrade() {
     let db = TestDb::migrated_up_to(20261207000032).await.unwrap();
     sqlx::raw_sql(
@@ -858,7 +901,9 @@ async fn every_check_constraint_on_names_accepts_exactly_its_enum_s_names() {
     // constraint of its column must accept exactly those names, and a CHECK
     // on a list of names that no enum answers for fails this test.
     use relay_core::retry::{AttemptOutcome, ErrorClass};
-    use relay_core::{HistoryKind, InboxOutcome, IntentState, OutboxState, PauseKind, profile::Reconciled};
+    use relay_core::{
+        HistoryKind, InboxOutcome, IntentState, OutboxState, PauseKind, ReplayState, profile::Reconciled,
+    };
     fn names<T: std::fmt::Display>(all: impl IntoIterator<Item = T>) -> Vec<String> {
         let mut v: Vec<String> = all.into_iter().map(|x| x.to_string()).collect();
         v.sort();
@@ -877,6 +922,7 @@ async fn every_check_constraint_on_names_accepts_exactly_its_enum_s_names() {
         ("inbox_outcome_known", names(InboxOutcome::ALL)),
         ("pauses_kind_known", names(PauseKind::ALL)),
         ("history_kind_known", names(HistoryKind::ALL)),
+        ("dead_letters_replay_state_known", names(ReplayState::ALL)),
     ]
     .into_iter()
     .collect();

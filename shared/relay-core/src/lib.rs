@@ -36,7 +36,7 @@ pub use disposition::{Disposition, InboxOutcome};
 pub use effects::{CallSpec, Effects, EmitSpec, Intent, NewIntent, OutboxRecord, Outcome, Plan, Provenance, SagaMove};
 pub use envelope::{Header, InputEvent, Poison, PoisonClass, RawRecord};
 pub use router::{CompiledRoute, Routed, Router};
-pub use stored::{HistoryKind, IntentState, OutboxState, PauseKind};
+pub use stored::{HistoryKind, IntentState, OutboxState, PauseKind, ReplayState};
 pub use template::path_segment;
 
 /// An error and every cause under it, `": "`-joined: a TLS or connection

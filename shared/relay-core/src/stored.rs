@@ -166,6 +166,18 @@ stored_names! {
     }
 }
 
+stored_names! {
+    /// What became of a dead letter (`dead_letters.replay_state`).
+    pub enum ReplayState ("dead-letter replay state") {
+        /// Not resolved: never replayed, or replayed and still failing.
+        Open = "open",
+        /// A replay went through (applied, a duplicate or a classified no-op).
+        Resolved = "resolved",
+        /// An operator skipped it (it held its key): never applied.
+        Skipped = "skipped",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,7 +3,7 @@
 //! same guards with their original event id.
 
 use chrono::{DateTime, Utc};
-use relay_core::{Poison, RawRecord};
+use relay_core::{Poison, RawRecord, ReplayState};
 use serde_json::Value;
 use sqlx::{FromRow, PgConnection};
 
@@ -96,7 +96,9 @@ pub struct DeadLetter {
     pub created_at: DateTime<Utc>,
     /// Last replay.
     pub replayed_at: Option<DateTime<Utc>>,
-    /// Last replay's outcome.
+    /// Whether it is resolved (by a replay, or a skip).
+    pub replay_state: ReplayState,
+    /// Last replay's outcome, in words.
     pub replay_outcome: Option<String>,
     /// Payload size in bytes.
     pub payload_bytes: Option<i32>,
@@ -155,12 +157,11 @@ impl Resolution {
     }
 }
 
-/// SQL predicate: the dead letter was resolved by a replay (or a skip).
-/// [`lock`] makes the same test in Rust ([`Locked::Resolved`]), under the lock.
-pub const RESOLVED: &str = "(replay_outcome IS NOT NULL AND replay_outcome NOT LIKE 'failed%')";
+/// SQL predicate: the dead letter was resolved by a replay or skipped.
+pub const RESOLVED: &str = "replay_state <> 'open'";
 
 const COLUMNS: &str = r#"id, consumer, topic, partition, "offset", event_id, event_type, error_class, reason,
-    attempts, created_at, replayed_at, replay_outcome, octet_length(payload) AS payload_bytes, hold_id,
+    attempts, created_at, replayed_at, replay_state, replay_outcome, octet_length(payload) AS payload_bytes, hold_id,
     (hold_id IS NOT NULL AND EXISTS (
         SELECT 1 FROM relay.held_keys h WHERE h.id = dead_letters.hold_id AND h.head = dead_letters.id)) AS holds_key,
     (SELECT h.head FROM relay.held_keys h WHERE h.id = dead_letters.hold_id AND h.head <> dead_letters.id)
@@ -168,7 +169,7 @@ const COLUMNS: &str = r#"id, consumer, topic, partition, "offset", event_id, eve
 
 const WHERE: &str = "($1::text IS NULL OR consumer = $1) AND ($2::text IS NULL OR error_class = $2)
     AND ($3::text IS NULL OR topic = $3)
-    AND ($4 = 'any' OR ($4 = 'resolved') = (replay_outcome IS NOT NULL AND replay_outcome NOT LIKE 'failed%'))";
+    AND ($4 = 'any' OR ($4 = 'resolved') = (replay_state <> 'open'))";
 
 /// List dead letters, oldest first, after id `after`.
 pub async fn list(conn: &mut PgConnection, f: &Filter, after: i64, limit: i64) -> Result<Vec<DeadLetter>, sqlx::Error> {
@@ -247,18 +248,6 @@ pub async fn resolved_at(conn: &mut PgConnection, consumer: &str, record: &RawRe
 /// key): resolved, never applied.
 pub const SKIPPED: &str = relay_core::InboxOutcome::Skipped.as_str();
 
-/// What was done with a dead letter before a replay or a skip, read under
-/// its lock ([`lock`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Locked {
-    /// It was skipped: it must never be applied.
-    Skipped,
-    /// A replay resolved it (applied, a duplicate or a classified no-op).
-    Resolved,
-    /// Not resolved yet.
-    Open,
-}
-
 /// Lock dead letter `id` of `consumer` (`FOR UPDATE`, until the
 /// transaction ends) so that two replays or skips of it run one after the
 /// other: what was done with it, and the hold it belongs to now. Lock its
@@ -267,31 +256,30 @@ pub async fn lock(
     conn: &mut PgConnection,
     consumer: &str,
     id: i64,
-) -> Result<Option<(Locked, Option<i64>)>, sqlx::Error> {
-    let found: Option<(Option<String>, Option<i64>)> = sqlx::query_as(
-        "SELECT replay_outcome, hold_id FROM relay.dead_letters WHERE id = $1 AND consumer = $2 FOR UPDATE",
-    )
-    .bind(id)
-    .bind(consumer)
-    .fetch_optional(conn)
-    .await?;
-    Ok(found.map(|(outcome, hold)| {
-        let state = match outcome.as_deref() {
-            Some(SKIPPED) => Locked::Skipped,
-            Some(o) if !o.starts_with("failed") => Locked::Resolved,
-            _ => Locked::Open,
-        };
-        (state, hold)
-    }))
+) -> Result<Option<(ReplayState, Option<i64>)>, sqlx::Error> {
+    sqlx::query_as("SELECT replay_state, hold_id FROM relay.dead_letters WHERE id = $1 AND consumer = $2 FOR UPDATE")
+        .bind(id)
+        .bind(consumer)
+        .fetch_optional(conn)
+        .await
 }
 
-/// Record the outcome of a replay.
-pub async fn mark_replayed(conn: &mut PgConnection, consumer: &str, id: i64, outcome: &str) -> Result<(), sqlx::Error> {
+/// Record a replay (or a skip) of dead letter `id`: where it stands now,
+/// and what happened, in words.
+pub async fn mark_replayed(
+    conn: &mut PgConnection,
+    consumer: &str,
+    id: i64,
+    state: ReplayState,
+    detail: &str,
+) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "UPDATE relay.dead_letters SET replayed_at = now(), replay_outcome = $2 WHERE id = $1 AND consumer = $3",
+        "UPDATE relay.dead_letters SET replayed_at = now(), replay_state = $2, replay_outcome = $3
+          WHERE id = $1 AND consumer = $4",
     )
     .bind(id)
-    .bind(outcome)
+    .bind(state)
+    .bind(detail)
     .bind(consumer)
     .execute(conn)
     .await?;

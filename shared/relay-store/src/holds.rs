@@ -112,8 +112,8 @@ pub struct HeldKey {
 
 const HELD_KEY: &str = r#"h.id, h.topic, h.partition, h.key, h.head, h.head_offset, h.since,
     (SELECT count(*) FROM relay.dead_letters d WHERE d.hold_id = h.id AND d."offset" > h.head_offset
-        AND (d.replay_outcome IS NULL OR d.replay_outcome LIKE 'failed%')) AS held,
-    coalesce((SELECT d.replay_outcome IS NOT NULL AND d.replay_outcome NOT LIKE 'failed%'
+        AND d.replay_state = 'open') AS held,
+    coalesce((SELECT d.replay_state <> 'open'
        FROM relay.dead_letters d WHERE d.id = h.head), false) AS head_resolved"#;
 
 /// A hold, as a release works on it: without [`HeldKey`]'s counts, which
@@ -144,12 +144,11 @@ pub async fn list(conn: &mut PgConnection, consumer: &str, limit: i64) -> Result
 /// short)`, where the last counts those whose head was resolved but whose
 /// release was cut short ([`HeldKey::head_resolved`]).
 pub async fn count_by_topic(conn: &mut PgConnection, consumer: &str) -> Result<Vec<(String, i64, i64)>, sqlx::Error> {
-    sqlx::query_as(&format!(
-        "SELECT h.topic, count(*), count(*) FILTER (WHERE {resolved})
+    sqlx::query_as(
+        "SELECT h.topic, count(*), count(*) FILTER (WHERE d.replay_state <> 'open')
            FROM relay.held_keys h JOIN relay.dead_letters d ON d.id = h.head
           WHERE h.consumer = $1 GROUP BY h.topic ORDER BY h.topic",
-        resolved = crate::dead_letters::RESOLVED.replace("replay_outcome", "d.replay_outcome")
-    ))
+    )
     .bind(consumer)
     .fetch_all(conn)
     .await
@@ -167,7 +166,7 @@ pub enum LetterLock {
     /// Locked until the transaction ends.
     Locked {
         /// What was done with it before.
-        state: crate::dead_letters::Locked,
+        state: relay_core::ReplayState,
         /// Its hold, locked (`FOR UPDATE`): the consumer's batches of the key
         /// wait until the transaction ends.
         hold: Option<Hold>,

@@ -4,7 +4,7 @@
 //! a column of stored names must be a name of that column's enum.
 
 use relay_core::retry::{AttemptOutcome, ErrorClass};
-use relay_core::{HistoryKind, InboxOutcome, IntentState, OutboxState, PauseKind, profile::Reconciled};
+use relay_core::{HistoryKind, InboxOutcome, IntentState, OutboxState, PauseKind, ReplayState, profile::Reconciled};
 
 /// The names a column of that name may hold, whichever table it is on.
 fn known(column: &str) -> Vec<&'static str> {
@@ -24,11 +24,12 @@ fn known(column: &str) -> Vec<&'static str> {
             [names(&PauseKind::ALL.map(PauseKind::as_str)), names(&HistoryKind::ALL.map(HistoryKind::as_str))].concat()
         }
         "verdict" => names(&Reconciled::ALL.map(Reconciled::as_str)),
+        "replay_state" => names(&ReplayState::ALL.map(ReplayState::as_str)),
         _ => names(&ErrorClass::ALL.map(ErrorClass::as_str)),
     }
 }
 
-const COLUMNS: [&str; 6] = ["state", "outcome", "kind", "verdict", "error_class", "last_error_class"];
+const COLUMNS: [&str; 7] = ["state", "outcome", "kind", "verdict", "replay_state", "error_class", "last_error_class"];
 
 /// `(column, literal)` for every comparison `column = 'x'`, `column <> 'x'`,
 /// `column IN ('x', …)` and every `THEN 'x'` / `ELSE 'x'` of a

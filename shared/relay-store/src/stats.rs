@@ -67,7 +67,7 @@ pub async fn snapshot(conn: &mut PgConnection) -> Result<Stats, sqlx::Error> {
     .fetch_one(&mut *conn)
     .await?;
     let (dead_letters_total, dead_letters_unresolved): (i64, i64) = sqlx::query_as(
-        "SELECT count(*), count(*) FILTER (WHERE NOT (replay_outcome IS NOT NULL AND replay_outcome NOT LIKE 'failed%'))
+        "SELECT count(*), count(*) FILTER (WHERE replay_state = 'open')
            FROM relay.dead_letters",
     )
     .fetch_one(&mut *conn)
@@ -99,7 +99,7 @@ const HOLDING_KEYS: &str = r#"SELECT
     (SELECT count(*) FROM relay.intents WHERE state = 'dead' AND holds_key),
     (SELECT count(*) FROM relay.held_keys),
     (SELECT count(*) FROM relay.held_keys h JOIN relay.dead_letters d ON d.hold_id = h.id AND d."offset" > h.head_offset
-      WHERE d.replay_outcome IS NULL OR d.replay_outcome LIKE 'failed%')"#;
+      WHERE d.replay_state = 'open')"#;
 
 /// A history table whose size the console shows as an estimate beyond this
 /// many rows (see [`overview`]).
@@ -194,8 +194,7 @@ pub const GAUGE_COUNTS: &str = "SELECT
     (SELECT count(*) FROM relay.outbox WHERE state = 'dead'),
     (SELECT extract(epoch FROM now() - min(created_at))::float8 FROM relay.outbox WHERE state = 'pending'),
     (SELECT extract(epoch FROM now() - min(created_at))::float8 FROM relay.outbox WHERE state = 'running'),
-    (SELECT count(*) FROM relay.dead_letters
-      WHERE NOT (replay_outcome IS NOT NULL AND replay_outcome NOT LIKE 'failed%')),
+    (SELECT count(*) FROM relay.dead_letters WHERE replay_state = 'open'),
     (SELECT count(*) FROM relay.dead_letters)";
 
 /// Take the gauges' counts and estimates (see [`Gauges`]).

@@ -46,7 +46,8 @@ async fn list(
         println!("{:>6}  {:<20} {:<28} {:<16} {:<20} reason", "id", "parked", "source", "class", "event id");
         for r in &rows {
             let source = format!("{}[{}]@{}", r.topic, r.partition, r.offset);
-            let replay = r.replay_outcome.as_deref().map(|o| format!(" (replayed: {o})")).unwrap_or_default();
+            let replay =
+                r.replay_outcome.as_deref().map(|o| format!(" ({}: {})", r.replay_state, safe(o))).unwrap_or_default();
             println!(
                 "{:>6}  {:<20} {:<28} {:<16} {:<20} {}{replay}",
                 r.id,
@@ -78,6 +79,7 @@ async fn show(ops: &Operator, id: i64) -> anyhow::Result<()> {
     println!("  parked at  {}", m.created_at);
     if let Some(at) = m.replayed_at {
         println!("  replayed   {at}: {}", safe(m.replay_outcome.as_deref().unwrap_or("")));
+        println!("  state      {}", m.replay_state);
     }
     println!(
         "  key        {}",

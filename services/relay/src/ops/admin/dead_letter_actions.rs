@@ -2,6 +2,7 @@
 //! original event id, skipped (releasing the keys they hold), purged.
 
 use super::*;
+use relay_core::{InboxOutcome, ReplayState};
 
 /// What a replay did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -12,7 +13,7 @@ pub enum ReplayOutcome {
     /// this dead letter before): nothing written.
     Duplicate,
     /// Processed as a classified no-op (stale, invalid transition, …).
-    NoOp(String),
+    NoOp(InboxOutcome),
     /// Still failing: stays a dead letter.
     StillFailing(String),
     /// Held behind an earlier dead letter of its key, which goes first:
@@ -28,10 +29,7 @@ pub enum ReplayOutcome {
 impl ReplayOutcome {
     /// Whether the dead letter is resolved.
     pub fn resolved(&self) -> bool {
-        matches!(
-            self,
-            ReplayOutcome::Applied | ReplayOutcome::Duplicate | ReplayOutcome::NoOp(_) | ReplayOutcome::Skipped
-        )
+        self.state() != ReplayState::Open
     }
 
     /// A label for the outcome (`applied`, `duplicate`, `no_op`,
@@ -40,7 +38,7 @@ impl ReplayOutcome {
         match self {
             ReplayOutcome::Applied => ("applied", ""),
             ReplayOutcome::Duplicate => ("duplicate", ""),
-            ReplayOutcome::NoOp(c) => ("no_op", c),
+            ReplayOutcome::NoOp(c) => ("no_op", c.as_str()),
             ReplayOutcome::StillFailing(why) => ("still_failing", why),
             ReplayOutcome::Held(why) => ("held", why),
             ReplayOutcome::Skipped => (
@@ -51,11 +49,20 @@ impl ReplayOutcome {
         }
     }
 
-    fn stored(&self) -> String {
+    /// Where the dead letter stands after this outcome.
+    pub fn state(&self) -> ReplayState {
         match self {
-            ReplayOutcome::NoOp(o) => o.clone(),
-            ReplayOutcome::StillFailing(why) => format!("failed: {why}"),
-            ReplayOutcome::Held(why) => format!("failed: {why}"),
+            ReplayOutcome::Applied | ReplayOutcome::Duplicate | ReplayOutcome::NoOp(_) => ReplayState::Resolved,
+            ReplayOutcome::Skipped => ReplayState::Skipped,
+            ReplayOutcome::StillFailing(_) | ReplayOutcome::Held(_) | ReplayOutcome::NotFound => ReplayState::Open,
+        }
+    }
+
+    /// The outcome in words, as the dead letter keeps it.
+    fn detail(&self) -> String {
+        match self {
+            ReplayOutcome::NoOp(o) => o.as_str().to_owned(),
+            ReplayOutcome::StillFailing(why) | ReplayOutcome::Held(why) => format!("failed: {why}"),
             other => other.label().0.into(),
         }
     }
@@ -103,7 +110,7 @@ fn replay_outcome(d: Disposition) -> ReplayOutcome {
     match d {
         Disposition::Applied { .. } => ReplayOutcome::Applied,
         Disposition::Duplicate => ReplayOutcome::Duplicate,
-        Disposition::NoOp { outcome, .. } => ReplayOutcome::NoOp(outcome.as_str().to_owned()),
+        Disposition::NoOp { outcome, .. } => ReplayOutcome::NoOp(outcome),
         Disposition::DeadLetter(p) | Disposition::RetryLater(p) | Disposition::Held(p) => {
             ReplayOutcome::StillFailing(p.to_string())
         }
@@ -175,9 +182,9 @@ impl Operator {
             return Ok(Replayed { outcome: ReplayOutcome::NotFound, released: None });
         };
         let outcome = match state {
-            dead_letters::Locked::Skipped => Some(ReplayOutcome::Skipped),
-            dead_letters::Locked::Resolved => Some(ReplayOutcome::Duplicate),
-            dead_letters::Locked::Open => None,
+            ReplayState::Skipped => Some(ReplayOutcome::Skipped),
+            ReplayState::Resolved => Some(ReplayOutcome::Duplicate),
+            ReplayState::Open => None,
         };
         match (outcome, hold) {
             // Dealt with before, its key still held: its release was cut
@@ -210,7 +217,7 @@ impl Operator {
                 let view = processor.decoder().view(&dl.record).await.map_err(OpsError::Unavailable)?;
                 let processed = processor.process(&mut tx, &dl.record, &view).await?;
                 let outcome = replay_outcome(processed.disposition);
-                dead_letters::mark_replayed(&mut tx, &self.consumer, id, &outcome.stored()).await?;
+                dead_letters::mark_replayed(&mut tx, &self.consumer, id, outcome.state(), &outcome.detail()).await?;
                 let released = match hold {
                     Some(h) if outcome.resolved() => Some(self.release(tx, processor, h).await?),
                     _ => {
@@ -229,8 +236,7 @@ impl Operator {
     async fn lock_letter(
         &self,
         id: i64,
-    ) -> Result<Option<(sqlx::Transaction<'static, sqlx::Postgres>, dead_letters::Locked, Option<holds::Hold>)>, OpsError>
-    {
+    ) -> Result<Option<(sqlx::Transaction<'static, sqlx::Postgres>, ReplayState, Option<holds::Hold>)>, OpsError> {
         // The hold changes under a read only when a consumer batch holds the
         // key behind this letter or a release lets go of it: rare, and done
         // by the next try.
@@ -261,7 +267,7 @@ impl Operator {
                     h.head
                 )));
             }
-            None if state != dead_letters::Locked::Open => {
+            None if state != ReplayState::Open => {
                 return Err(OpsError::Conflict(format!(
                     "dead letter {id} was replayed or skipped before and holds no key any more: nothing to skip"
                 )));
@@ -278,12 +284,14 @@ impl Operator {
         match state {
             // Applied by a replay, or skipped, before the release was cut
             // short: only the release is taken up.
-            dead_letters::Locked::Resolved | dead_letters::Locked::Skipped => {
+            ReplayState::Resolved | ReplayState::Skipped => {
                 tracing::info!(dead_letter = id, "dead letter resolved already; taking up the release of its key");
             }
-            dead_letters::Locked::Open => {
+            ReplayState::Open => {
                 let dl = dead_letters::get(&mut tx, &self.consumer, id).await?.ok_or_else(not_found)?;
-                dead_letters::mark_replayed(&mut tx, &self.consumer, id, dead_letters::SKIPPED).await?;
+                let skipped = ReplayOutcome::Skipped;
+                dead_letters::mark_replayed(&mut tx, &self.consumer, id, skipped.state(), dead_letters::SKIPPED)
+                    .await?;
                 // A record that could not be read has no event id; a redelivery
                 // of it fails as before, and is parked at its position already.
                 if let Some(event_id) = &dl.meta.event_id {
@@ -304,7 +312,7 @@ impl Operator {
             }
         }
         let released = self.release(tx, processor, hold).await?;
-        if state == dead_letters::Locked::Open {
+        if state == ReplayState::Open {
             tracing::info!(dead_letter = id, "dead letter skipped");
         }
         Ok(released)
@@ -347,7 +355,7 @@ impl Operator {
                 let processed = processor.process(&mut tx, &dl.record, &view).await?;
                 let failed = still_failing(&mut tx, processor, &dl.record, &processed.disposition).await?;
                 let outcome = replay_outcome(processed.disposition);
-                dead_letters::mark_replayed(&mut tx, &self.consumer, id, &outcome.stored()).await?;
+                dead_letters::mark_replayed(&mut tx, &self.consumer, id, outcome.state(), &outcome.detail()).await?;
                 if let Some((poison, dead)) = failed {
                     holds::move_head(&mut tx, &mut hold, id, dl.meta.offset, &poison).await?;
                     tx.commit().await?;

@@ -1,0 +1,11 @@
+-- Whether a dead letter is still open, resolved by a replay, or skipped,
+-- in a column of its own: it was read from a "failed" prefix of the replay
+-- outcome's text. replay_outcome keeps the detail for people.
+ALTER TABLE relay.dead_letters ADD COLUMN replay_state text NOT NULL DEFAULT 'open';
+
+UPDATE relay.dead_letters
+   SET replay_state = CASE WHEN replay_outcome = 'skipped' THEN 'skipped' ELSE 'resolved' END
+ WHERE replay_outcome IS NOT NULL AND replay_outcome NOT LIKE 'failed%';
+
+ALTER TABLE relay.dead_letters
+    ADD CONSTRAINT dead_letters_replay_state_known CHECK (replay_state IN ('open', 'resolved', 'skipped'));
