@@ -21,7 +21,7 @@ async fn the_admin_server_serves_metrics_health_and_readiness() {
     h.producer.raw(&h.topic, None, None, &[("ce_specversion".into(), b"1.0".to_vec())], Some(b"{")).await.unwrap();
     // Parked after its R19 budget: counted as dead-lettered too (issue 22 item 15).
     h.send(&TestEvent::new("p-1", "payment.confirmed", json!({"order_id": "o-missing"}))).await;
-    let routes = format!("{CAPTURE_ROUTE}{SAGA_ROUTE}");
+    let routes = format!("{}{}", *CAPTURE_ROUTE, *SAGA_ROUTE);
     let (mut p, admin) = run_with_admin(&h, &routes).await;
     h.await_intents_finished(2).await;
 
@@ -83,39 +83,21 @@ async fn the_admin_server_serves_metrics_health_and_readiness() {
     assert!(p.terminate(Duration::from_secs(30)).unwrap().success());
 }
 
-const TWO_ROUTES: &str = r#"
-[endpoints.psp2]
-base_url = "PROVIDER"
-timeout = "1s"
-connect_timeout = "500ms"
-
-[[routes]]
-name = "placed"
-topic = "{topic}"
-type = "order.placed"
-[[routes.actions]]
-kind = "call"
-name = "capture"
-endpoint = "psp"
-path = "/captures"
-idempotency_key = "capture:{{ data.order_id }}"
-
-[[routes]]
-name = "shipped"
-topic = "{topic}"
-type = "order.shipped"
-[[routes.actions]]
-kind = "call"
-name = "notify"
-endpoint = "psp2"
-path = "/notify"
-idempotency_key = "notify:{{ data.order_id }}"
-"#;
+fn two_routes() -> String {
+    [
+        "\n[endpoints.psp2]\nbase_url = \"PROVIDER\"\ntimeout = \"1s\"\nconnect_timeout = \"500ms\"\n",
+        &routes::route(Some("placed"), "order.placed", ""),
+        &routes::call("capture", "psp", "/captures", ""),
+        &routes::route(Some("shipped"), "order.shipped", ""),
+        &routes::call("notify", "psp2", "/notify", ""),
+    ]
+    .concat()
+}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_admin_api_needs_its_token_and_pauses_hold_work_without_skipping_it() {
     let h = Harness::new(2).await;
-    let routes = TWO_ROUTES.replace("PROVIDER", &h.provider.url());
+    let routes = two_routes().replace("PROVIDER", &h.provider.url());
     let (mut p, admin) = run_with_admin(&h, &routes).await;
     assert_eq!(admin.get("/api/counts", None).await.0, 401);
     assert_eq!(admin.get("/api/counts", Some("wrong")).await.0, 401);
@@ -300,7 +282,7 @@ async fn cleanup_deletes_only_rows_past_their_retention_in_bounded_batches() {
     for i in 0..30 {
         h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
     }
-    let run = h.start(h.config(CAPTURE_ROUTE), relay::Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), relay::Components::ALL, no_faults()).await;
     h.await_intents_finished(30).await;
     h.await_published(30).await;
     run.stop().await.unwrap();
@@ -323,7 +305,7 @@ async fn cleanup_deletes_only_rows_past_their_retention_in_bounded_batches() {
     };
     // The topic keeps records longer than a day: cleaning up is only allowed
     // because this configuration says "warn".
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.retention = retention.clone();
     let checked = relay::ops::retention::check_topic_retention(&cfg).await.unwrap();
     let mut batches = Vec::new();
@@ -381,7 +363,7 @@ async fn spans_are_exported_over_otlp_when_an_endpoint_is_configured() {
     h.send(&order("evt-1", "o-1").ext("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01"))).await;
     let text = format!(
         "{}\n[telemetry]\notlp_endpoint = \"{collector}\"\nservice_name = \"relay-test\"\n",
-        h.config_text(CAPTURE_ROUTE)
+        h.config_text(&CAPTURE_ROUTE)
     );
     let config = h.write_config(&text);
     let mut p = h.process(&config, &["run"], &[]);
@@ -411,7 +393,7 @@ async fn every_process_that_deletes_inbox_rows_refuses_an_inbox_retention_shorte
     .await
     .unwrap();
     // The topic keeps records for Kafka's default week; the inbox only an hour.
-    let text = format!("{}\n[retention]\ninbox = \"1h\"\ninterval = \"100ms\"\n", h.config_text(CAPTURE_ROUTE));
+    let text = format!("{}\n[retention]\ninbox = \"1h\"\ninterval = \"100ms\"\n", h.config_text(&CAPTURE_ROUTE));
     let config = h.write_config(&text);
 
     let mut cleanup = h.process(&config, &["cleanup"], &[]);
@@ -438,7 +420,7 @@ async fn connections_that_never_finish_their_headers_are_closed_and_health_still
     // ever. Now each is closed after 10 s, and at most 256 are served at once.
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let h = Harness::new(1).await;
-    let (mut p, admin) = run_with_admin(&h, CAPTURE_ROUTE).await;
+    let (mut p, admin) = run_with_admin(&h, &CAPTURE_ROUTE).await;
     let addr = admin.url.trim_start_matches("http://").to_owned();
     let mut slow = Vec::new();
     for _ in 0..300 {
@@ -479,7 +461,7 @@ async fn one_peer_holding_every_connection_it_may_leaves_the_health_probe_its_an
     // restarted a healthy relay again and again.
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let h = Harness::new(1).await;
-    let (mut p, admin) = run_with_admin(&h, CAPTURE_ROUTE).await;
+    let (mut p, admin) = run_with_admin(&h, &CAPTURE_ROUTE).await;
     let addr: std::net::SocketAddr = admin.url.trim_start_matches("http://").parse().unwrap();
     async fn get_healthz(c: &mut tokio::net::TcpStream) -> bool {
         if c.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").await.is_err() {
@@ -534,7 +516,7 @@ async fn operators_replay_and_skip_dead_outbox_rows_and_resolve_uncertain_intent
         times: None,
         kind: FaultKind::TimeoutAfterApply { delay_ms: 1_500 },
     }]);
-    let text = h.config_text(CAPTURE_ROUTE).replace("max_attempts = 5", "max_attempts = 1");
+    let text = h.config_text(&CAPTURE_ROUTE).replace("max_attempts = 5", "max_attempts = 1");
     let ((mut p, admin), config) = run_with_admin_config(&h, &text).await;
     h.send(&order("evt-u1", "o-unc1")).await;
     h.send(&order("evt-u2", "o-unc2")).await;
@@ -632,7 +614,7 @@ async fn operators_replay_and_skip_dead_outbox_rows_and_resolve_uncertain_intent
 #[tokio::test(flavor = "multi_thread")]
 async fn the_served_openapi_description_is_valid_and_names_only_served_routes() {
     let h = Harness::new(1).await;
-    let routes = TWO_ROUTES.replace("PROVIDER", &h.provider.url());
+    let routes = two_routes().replace("PROVIDER", &h.provider.url());
     let (mut p, admin) = run_with_admin(&h, &routes).await;
     let (status, served) = admin.get("/api/openapi.json", None).await;
     assert_eq!(status, 200, "{served}");

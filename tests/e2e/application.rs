@@ -583,7 +583,7 @@ async fn an_application_s_key_chosen_to_collide_with_a_route_s_lock_does_not_sto
 #[tokio::test]
 async fn an_application_s_dead_event_never_holds_a_route_s_events_of_its_key() {
     let h = Harness::new(1).await;
-    let cfg = h.config(&format!("{FRONT_DOOR}{CAPTURE_ROUTE}"));
+    let cfg = h.config(&format!("{FRONT_DOOR}{}", *CAPTURE_ROUTE));
     h.relay(cfg.clone(), Handlers::default(), no_faults()).await;
     let mut app = PgConnection::connect(&app_url(&h)).await.unwrap();
     sqlx::query("SELECT relay.publish($1, 'o-7', 'order.noted', '{}', id => 'note-7')")
@@ -1274,54 +1274,19 @@ async fn a_call_s_json_is_bounded_in_depth_and_its_outcomes_count_in_its_size() 
 
 /// The example's capture route: the order's saga waits for the payment,
 /// which the capture's outcome moves to paid or payment_failed.
-const CAPTURE_WITH_SAGA: &str = r#"
-[[routes]]
-name = "order-placed"
-topic = "{topic}"
-type = "order.placed"
-
-[[routes.actions]]
-kind = "saga"
-name = "start-order"
-saga = "order"
-id = "{{ data.order_id }}"
-start = true
-to = "payment_pending"
-
-[[routes.actions]]
-kind = "call"
-name = "capture"
-endpoint = "psp"
-path = "/captures/{{ data.order_id }}"
-idempotency_key = "capture:{{ data.order_id }}"
-ordering_key = "{{ data.customer }}"
-body = { order_id = "{{ data.order_id }}", amount = "{{ data.amount }}" }
-
-[[routes.actions.on_success.saga]]
-name = "order-paid"
-saga = "order"
-id = "{{ data.order_id }}"
-from = ["payment_pending"]
-to = "paid"
-
-[[routes.actions.on_dead.emit]]
-name = "failed"
-type = "payment.failed"
-topic = "{out}"
-key = "{{ data.order_id }}"
-data = { order_id = "{{ data.order_id }}" }
-
-[[routes.actions.on_dead.saga]]
-name = "order-payment-failed"
-saga = "order"
-id = "{{ data.order_id }}"
-from = ["payment_pending"]
-to = "payment_failed"
-
-[application]
-topics = ["{out}"]
-endpoints = ["psp"]
-"#;
+fn capture_with_saga() -> String {
+    let keyed = format!("ordering_key = \"{{{{ data.customer }}}}\"\n{}", routes::order_and_amount_body());
+    [
+        routes::order_placed(""),
+        routes::saga_start("start-order", "payment_pending"),
+        routes::capture(&keyed),
+        routes::saga_on("on_success", "order-paid", "payment_pending", "paid"),
+        routes::failed(),
+        routes::saga_on("on_dead", "order-payment-failed", "payment_pending", "payment_failed"),
+        "\n[application]\ntopics = [\"{out}\"]\nendpoints = [\"psp\"]\n".into(),
+    ]
+    .concat()
+}
 
 /// A harness whose provider answers as the IETF draft (422: a key reused
 /// with another body), and its configuration with that profile.
@@ -1331,7 +1296,8 @@ async fn ietf_harness() -> (Harness, relay_core::RelayConfig) {
         example_provider::Settings { dialect: example_provider::Dialect::Ietf, ..Default::default() },
     )
     .await;
-    let text = h.config_text(CAPTURE_WITH_SAGA).replace("[endpoints.psp]\n", "[endpoints.psp]\nprofile = \"ietf\"\n");
+    let text =
+        h.config_text(&capture_with_saga()).replace("[endpoints.psp]\n", "[endpoints.psp]\nprofile = \"ietf\"\n");
     let cfg = h.config_of(&text);
     (h, cfg)
 }

@@ -8,7 +8,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use example_provider::{Provider, Settings};
-use relay_testkit::{DEADLINE, TestDb, TestEvent, TestProducer, create_topics, eventually, kafka_bootstrap, unique};
+use relay_testkit::{
+    DEADLINE, TestDb, TestEvent, TestProducer, create_topics, eventually, kafka_bootstrap, routes, unique,
+};
 use serde_json::json;
 
 fn relay() -> Command {
@@ -127,6 +129,8 @@ async fn relay_run_processes_events_stops_cleanly_on_sigterm_and_logs_no_payload
     // A schema failure over a value (jsonschema's own text quotes it).
     let schema = std::env::temp_dir().join(format!("{}.json", unique("card-schema")));
     std::fs::write(&schema, r#"{"type":"object","properties":{"card":{"type":"integer"}}}"#).unwrap();
+    let card = "body = { order_id = \"{{ data.order_id }}\", card = \"{{ data.card }}\" }\n";
+    let capture = routes::route(None, "order.placed", "") + &routes::call("capture", "psp", "/captures", card);
     let config = write_config(&format!(
         r#"
 [consumer]
@@ -146,16 +150,7 @@ base_url = "{provider}"
 timeout = "1s"
 connect_timeout = "500ms"
 token_env = "PSP_TOKEN"
-[[routes]]
-topic = "{topic}"
-type = "order.placed"
-[[routes.actions]]
-kind = "call"
-name = "capture"
-endpoint = "psp"
-path = "/captures"
-idempotency_key = "capture:{{{{ data.order_id }}}}"
-body = {{ order_id = "{{{{ data.order_id }}}}", card = "{{{{ data.card }}}}" }}
+{capture}
 [[routes]]
 topic = "{topic}"
 type = "card.checked"
@@ -163,7 +158,8 @@ schema = "{schema}"
 counter = "cards_checked"
 "#,
         provider = provider.url(),
-        schema = schema.display()
+        schema = schema.display(),
+        capture = capture.replace("{topic}", &topic),
     ));
     let (ok, _, stderr) = output(relay().env("DATABASE_URL", &db.url).arg("--config").arg(&config).arg("migrate"));
     assert!(ok, "{stderr}");

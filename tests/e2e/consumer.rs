@@ -46,7 +46,7 @@ async fn a_duplicate_event_id_at_another_offset_causes_one_effect() {
     let second = h.send(&order("evt-1", "o-1")).await;
     assert_ne!(first.1, second.1, "the duplicate sits at another offset");
     h.send(&order("evt-2", "o-2")).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_committed(0, 3).await;
     h.await_intents_finished(2).await;
     h.await_published(2).await;
@@ -75,14 +75,14 @@ async fn a_duplicate_event_id_at_another_offset_causes_one_effect() {
 async fn replaying_the_topic_from_offset_zero_in_a_new_group_causes_no_new_effects() {
     let h = Harness::new(2).await;
     h.send_orders(20).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_inbox(20).await;
     h.await_intents_finished(20).await;
     run.stop().await.unwrap();
     let before = h.provider.stats();
 
     // Same consumer name, new group: reads the whole topic again from offset 0.
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     let new_group = unique("replay-group");
     cfg.consumer.group_id = Some(new_group.clone());
     let run = h.start(cfg, Components::ALL, no_faults()).await;
@@ -118,7 +118,7 @@ async fn a_new_event_id_with_the_same_idempotency_key_causes_one_effect() {
     h.send(&order("evt-1", "o-1").ext("idempotencykey", "place:o-1")).await;
     // An upstream retry minted a new event id for the same operation.
     h.send(&order("evt-1-retry", "o-1").ext("idempotencykey", "place:o-1")).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_committed(0, 2).await;
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
@@ -131,20 +131,9 @@ async fn a_new_event_id_with_the_same_idempotency_key_causes_one_effect() {
     assert_eq!(inbox::counter(&mut conn, &h.consumer, "orders").await.unwrap(), 1);
 }
 
-const VERSIONED_ROUTE: &str = r#"
-[[routes]]
-topic = "{topic}"
-type = "order.updated"
-version_guard = true
-counter = "updates"
-
-[[routes.actions]]
-kind = "emit"
-name = "changed"
-type = "order.changed"
-topic = "{out}"
-data = { version = "{{ aggregate_version }}" }
-"#;
+fn versioned_route() -> String {
+    routes::order_updated("data = { version = \"{{ aggregate_version }}\" }\n")
+}
 
 #[tokio::test]
 async fn an_older_version_after_a_newer_one_is_ignored_and_counted_as_stale() {
@@ -158,7 +147,7 @@ async fn an_older_version_after_a_newer_one_is_ignored_and_counted_as_stale() {
     h.send(&update("u-3", 3)).await;
     h.send(&update("u-2", 2)).await; // late
     h.send(&update("u-3b", 3)).await; // same version again, new id
-    let run = h.start(h.config(VERSIONED_ROUTE), CONSUMER_ONLY, no_faults()).await;
+    let run = h.start(h.config(&versioned_route()), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, 4).await;
     run.stop().await.unwrap();
 
@@ -272,13 +261,13 @@ async fn a_consumer_that_dies_after_the_db_commit_gets_the_record_again_and_appl
     h.send(&order("evt-1", "o-1")).await;
     // C2: stop right after the commit, before the offset is stored.
     let faults = Faults::new(&[(relay::runtime::faults::point::CONSUMER_AFTER_DB_COMMIT, FaultAction::Fail, 1)]);
-    let run = h.start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, faults).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), CONSUMER_ONLY, faults).await;
     assert!(run.finished().await.is_err(), "the fault stops the consumer like a crash");
     assert_eq!(h.inbox().await, 1, "the transaction committed");
     assert_eq!(h.committed().await.get(&0).copied().flatten(), None, "no offset was committed");
 
     // A new consumer in the same group gets the record again.
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_committed(0, 1).await;
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
@@ -299,11 +288,11 @@ async fn a_consumer_that_dies_before_the_db_commit_gets_the_record_again_and_app
     h.send(&order("evt-1", "o-1")).await;
     // C1: die with the batch written but not committed.
     let faults = Faults::new(&[(relay::runtime::faults::point::CONSUMER_BEFORE_DB_COMMIT, FaultAction::Fail, 1)]);
-    let run = h.start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, faults).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), CONSUMER_ONLY, faults).await;
     assert!(run.finished().await.is_err());
     assert_eq!(h.inbox().await, 0, "nothing was committed");
 
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_committed(0, 1).await;
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
@@ -506,7 +495,7 @@ async fn an_event_for_an_aggregate_that_never_appears_is_retried_then_parked_and
     let confirmed = |id: &str, order: &str| TestEvent::new(id, "payment.confirmed", json!({"order_id": order}));
     let (_, missing) = h.send(&confirmed("p-1", "o-missing")).await;
     let (_, last) = h.send(&confirmed("p-2", "o-missing-too")).await;
-    let cfg = h.config(SAGA_ROUTE);
+    let cfg = h.config(&SAGA_ROUTE);
     let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
@@ -549,33 +538,16 @@ async fn an_event_for_an_aggregate_that_never_appears_is_retried_then_parked_and
 }
 
 /// Two saga moves of one order, keyed by it; a dead letter of either holds the key.
-const HELD_SAGA_ROUTES: &str = r#"
-[[routes]]
-topic = "{topic}"
-type = "payment.confirmed"
-on_poison = "hold_key"
-
-[[routes.actions]]
-kind = "saga"
-name = "mark-paid"
-saga = "order"
-id = "{{ data.order_id }}"
-from = ["pending"]
-to = "paid"
-
-[[routes]]
-topic = "{topic}"
-type = "order.shipped"
-on_poison = "hold_key"
-
-[[routes.actions]]
-kind = "saga"
-name = "mark-shipped"
-saga = "order"
-id = "{{ data.order_id }}"
-from = ["paid"]
-to = "shipped"
-"#;
+static HELD_SAGA_ROUTES: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    let held = "on_poison = \"hold_key\"\n";
+    [
+        routes::route(None, "payment.confirmed", held),
+        routes::saga_move("mark-paid", "pending", "paid"),
+        routes::route(None, "order.shipped", held),
+        routes::saga_move("mark-shipped", "paid", "shipped"),
+    ]
+    .concat()
+});
 
 #[tokio::test]
 async fn a_parked_record_holds_its_key_and_a_replay_releases_the_held_records_in_order() {
@@ -595,7 +567,7 @@ async fn a_parked_record_holds_its_key_and_a_replay_releases_the_held_records_in
     h.send(&ev("p-3", "payment.confirmed", "o-3", "o-3")).await;
     h.send(&ev("s-3", "order.shipped", "o-missing", "o-3")).await; // held; on release it fails in its turn
     let (_, last) = h.send(&ev("s-3b", "order.shipped", "o-3", "o-3")).await; // held behind both
-    let mut cfg = h.config(HELD_SAGA_ROUTES);
+    let mut cfg = h.config(&HELD_SAGA_ROUTES);
     cfg.consumer.dead_letter_topic = Some(format!("{}-dlq", h.topic));
     let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
@@ -728,7 +700,7 @@ async fn a_key_held_before_hold_key_was_taken_out_of_the_config_stays_held() {
     let h = Harness::new(1).await;
     let ev = |id: &str, ty: &str| TestEvent::new(id, ty, json!({"order_id": "o-1"})).key("o-1");
     let (_, last) = h.send(&ev("p-1", "payment.confirmed")).await; // o-1 does not exist yet: parked, holds o-1
-    let run = h.start(h.config(HELD_SAGA_ROUTES), CONSUMER_ONLY, no_faults()).await;
+    let run = h.start(h.config(&HELD_SAGA_ROUTES), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
     assert_eq!(h.db.count("held_keys", "true").await, 1);
@@ -764,7 +736,7 @@ async fn a_record_without_a_key_holds_nothing_and_an_empty_key_is_held() {
     h.send(&ev("p-9", "payment.confirmed", "o-9").key("")).await; // empty key; parked, holds ""
     h.send(&ev("s-2", "order.shipped", "o-2")).await; // no key: goes on
     let (_, last) = h.send(&ev("s-2b", "order.shipped", "o-2").key("")).await; // held behind p-9
-    let run = h.start(h.config(HELD_SAGA_ROUTES), CONSUMER_ONLY, no_faults()).await;
+    let run = h.start(h.config(&HELD_SAGA_ROUTES), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
     assert_eq!(h.outcome("s-2").await.as_deref(), Some("applied"));
@@ -796,7 +768,7 @@ async fn a_release_cut_short_between_chunks_is_taken_up_by_replaying_or_skipping
         let key = if n < 4 { "k-1" } else { "k-2" };
         last = h.send(&pay(&format!("pay-{o}"), o, key)).await.1;
     }
-    let cfg = h.config(HELD_SAGA_ROUTES);
+    let cfg = h.config(&HELD_SAGA_ROUTES);
     let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
@@ -899,7 +871,7 @@ async fn a_replay_of_a_held_record_during_its_key_s_release_waits_for_it_and_doe
     let pay = |id: &str, order: &str| TestEvent::new(id, "payment.confirmed", json!({"order_id": order})).key("k-1");
     h.send(&pay("p-1", "o-1")).await; // o-1 does not exist yet: holds k-1
     let (_, last) = h.send(&pay("pay-a", "a")).await;
-    let cfg = h.config(HELD_SAGA_ROUTES);
+    let cfg = h.config(&HELD_SAGA_ROUTES);
     let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
@@ -971,7 +943,7 @@ async fn a_release_stops_at_a_held_record_of_a_paused_route_until_it_is_resumed(
     let ev = |id: &str, ty: &str| TestEvent::new(id, ty, json!({"order_id": "o-1"})).key("o-1");
     h.send(&ev("p-1", "payment.confirmed")).await; // o-1 does not exist yet: parked, holds o-1
     let (_, last) = h.send(&ev("s-1", "order.shipped")).await; // held
-    let cfg = h.config(HELD_SAGA_ROUTES);
+    let cfg = h.config(&HELD_SAGA_ROUTES);
     let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
@@ -1012,7 +984,7 @@ async fn a_skip_waits_for_a_batch_parking_a_record_behind_the_key_and_releases_i
     let h = Harness::new(1).await;
     let ev = |id: &str, ty: &str| TestEvent::new(id, ty, json!({"order_id": "o-1"})).key("o-1");
     let (_, last) = h.send(&ev("p-1", "payment.confirmed")).await; // o-1 does not exist yet: parked, holds o-1
-    let cfg = h.config(HELD_SAGA_ROUTES);
+    let cfg = h.config(&HELD_SAGA_ROUTES);
     let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
@@ -1048,7 +1020,7 @@ async fn a_skipped_head_is_never_applied_by_a_later_replay_or_a_redelivery() {
     let h = Harness::new(1).await;
     let p1 = TestEvent::new("p-1", "payment.confirmed", json!({"order_id": "o-1"})).key("o-1");
     let (_, last) = h.send(&p1).await; // o-1 does not exist yet: parked, holds o-1
-    let cfg = h.config(HELD_SAGA_ROUTES);
+    let cfg = h.config(&HELD_SAGA_ROUTES);
     let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
@@ -1098,7 +1070,7 @@ async fn saga_moves_are_guarded_and_every_no_op_is_classified() {
     h.send(&confirmed("p-1", "o-1")).await; // pending -> paid
     h.send(&confirmed("p-1-again", "o-1")).await; // already paid: duplicate transition
     let (_, last) = h.send(&confirmed("p-2", "o-2")).await; // shipped: invalid transition
-    let run = h.start(h.config(SAGA_ROUTE), CONSUMER_ONLY, no_faults()).await;
+    let run = h.start(h.config(&SAGA_ROUTE), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
 
@@ -1163,7 +1135,7 @@ async fn a_template_that_references_a_missing_field_dead_letters_the_event_namin
     let h = Harness::new(1).await;
     let (_, bad) = h.send(&TestEvent::new("evt-1", "order.placed", json!({"amount": 5}))).await;
     let (_, last) = h.send(&order("evt-2", "o-2")).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
     let (class, reason, offset): (String, String, i64) =
@@ -1220,41 +1192,25 @@ async fn an_applied_event_delivered_again_after_its_route_changed_is_a_duplicate
 
 #[tokio::test]
 async fn while_the_database_is_down_nothing_is_committed_and_processing_resumes_when_it_is_back() {
-    let h = Harness::new(1).await;
-    let proxy = relay_testkit::TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await.unwrap();
-    let mut cfg = h.config(CAPTURE_ROUTE);
-    cfg.database.url = Some(relay_testkit::url_via(&h.db.url, proxy.addr()).into());
-    cfg.database.acquire_timeout = std::time::Duration::from_millis(500);
-    h.send_orders(5).await;
-    let run = h.start(cfg, CONSUMER_ONLY, no_faults()).await;
-    h.await_committed(0, 5).await;
-
-    proxy.cut();
-    let before = proxy.attempts();
-    for i in 5..10 {
-        h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
-    }
-    // The consumer keeps trying to reach the database (with backoff) ...
-    eventually("the consumer to retry the database", DEADLINE, || async {
-        (proxy.attempts() >= before + 3).then_some(())
-    })
-    .await;
-    // ... and meanwhile commits no offset for the records it could not record.
-    assert_eq!(h.committed().await.get(&0).copied().flatten(), Some(5));
-    assert_eq!(h.inbox().await, 5);
-
-    proxy.restore();
-    h.await_committed(0, 10).await;
-    run.stop().await.unwrap();
-    assert_eq!(h.inbox().await, 10, "nothing lost");
-    assert_eq!(h.db.count("intents", "true").await, 10, "nothing doubled");
+    // Connections reset, and new ones refused.
+    outage_then_back(relay_testkit::TcpProxy::cut, "the consumer to retry the database").await;
 }
 
 #[tokio::test]
 async fn a_database_that_goes_silent_mid_batch_is_given_up_on_and_the_partition_goes_on_once_it_answers() {
+    // The host goes silent without a reset (a failover, a frozen machine):
+    // the pooled connections stay open and never answer again, and the
+    // connections opened instead are never answered either.
+    outage_then_back(relay_testkit::TcpProxy::stall, "relay to give up on a silent connection and open another").await;
+}
+
+/// Five records go through; the database goes away (`outage`) while five
+/// more arrive; nothing is committed until it is back, and then all ten are,
+/// once each.
+async fn outage_then_back(outage: fn(&relay_testkit::TcpProxy), retrying: &str) {
     let h = Harness::new(1).await;
     let proxy = relay_testkit::TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await.unwrap();
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.database.url = Some(relay_testkit::url_via(&h.db.url, proxy.addr()).into());
     cfg.database.acquire_timeout = std::time::Duration::from_millis(500);
     cfg.database.transaction_timeout = std::time::Duration::from_secs(2);
@@ -1262,22 +1218,17 @@ async fn a_database_that_goes_silent_mid_batch_is_given_up_on_and_the_partition_
     let run = h.start(cfg, CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, 5).await;
 
-    // The host goes silent without a reset (a failover, a frozen machine):
-    // the pooled connections stay open and never answer again.
-    proxy.stall();
+    outage(&proxy);
     let before = proxy.attempts();
     for i in 5..10 {
         h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
     }
-    // Connections given up on are replaced by new ones (unanswered too) ...
-    eventually("relay to give up on a silent connection and open another", DEADLINE, || async {
-        (proxy.attempts() >= before + 3).then_some(())
-    })
-    .await;
+    // The consumer keeps trying to reach the database (with backoff) ...
+    eventually(retrying, DEADLINE, || async { (proxy.attempts() >= before + 3).then_some(()) }).await;
+    // ... and meanwhile commits no offset for the records it could not record.
     assert_eq!(h.committed().await.get(&0).copied().flatten(), Some(5));
     assert_eq!(h.inbox().await, 5);
 
-    // ... and once the database answers again, the partition goes on.
     proxy.restore();
     h.await_committed(0, 10).await;
     run.stop().await.unwrap();
@@ -1292,7 +1243,7 @@ async fn consumers_joining_and_leaving_the_group_mid_stream_lose_nothing_and_dou
     for i in 0..n {
         h.send(&order(&format!("evt-{i}"), &format!("o-{i}")).partition(i % 4)).await;
     }
-    let mut small = h.config(CAPTURE_ROUTE);
+    let mut small = h.config(&CAPTURE_ROUTE);
     small.consumer.batch_size = 5; // many small batches: the rebalance lands mid-stream
     // Each instance counts its committed batches at a fault point; A is slowed
     // down so that B joins while most records are still unprocessed.
@@ -1310,7 +1261,7 @@ async fn consumers_joining_and_leaving_the_group_mid_stream_lose_nothing_and_dou
     assert!(h.inbox().await < i64::from(n), "B joined while records were still in flight");
     a.stop().await.unwrap(); // A leaves: B takes its partitions
     let dispatch = h
-        .start(h.config(CAPTURE_ROUTE), Components { consumer: false, dispatcher: true, publisher: true }, no_faults())
+        .start(h.config(&CAPTURE_ROUTE), Components { consumer: false, dispatcher: true, publisher: true }, no_faults())
         .await;
     h.await_inbox(i64::from(n)).await;
     eventually("every offset committed", DEADLINE, || async {
@@ -1344,7 +1295,7 @@ async fn consumers_joining_and_leaving_the_group_mid_stream_lose_nothing_and_dou
 #[tokio::test]
 async fn the_database_connection_uses_tls_when_the_url_asks_for_it() {
     let h = Harness::new(1).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     let sep = if h.db.url.contains('?') { '&' } else { '?' };
     cfg.database.url = Some(format!("{}{sep}sslmode=require", h.db.url).into());
     let relay = h.relay(cfg, relay::Handlers::default(), no_faults()).await;
@@ -1420,7 +1371,7 @@ async fn structured_mode_cloudevents_are_processed_like_binary_mode_ones() {
     h.producer.raw(&h.topic, None, Some(b"o-1"), &ct, Some(structured.to_string().as_bytes())).await.unwrap();
     // The same event again in binary mode: same id, so a duplicate.
     let (_, last) = h.send(&order("evt-s1", "o-1").ext("idempotencykey", "place:o-1")).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_committed(0, last + 1).await;
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
@@ -1438,7 +1389,7 @@ async fn a_record_the_database_rejects_inside_a_batch_is_parked_alone_and_its_ne
     let bad_amount = TestEvent::new("bad-id", "order.placed", json!({"order_id": "o-2", "amount": "1\u{0}"}));
     let (_, bad) = h.send(&bad_amount).await;
     let (_, last) = h.send(&order("ok-3", "o-3")).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
     assert_eq!(h.inbox().await, 2);
@@ -1502,7 +1453,7 @@ async fn an_unrouted_record_the_database_rejects_is_parked_and_its_partition_mov
     let (_, bad) = h.send(&TestEvent::new("odd\u{0}id", "something.else", json!({}))).await;
     h.send(&TestEvent::new("bad-corr", "something.else", json!({})).ext("correlationid", "c\u{0}1")).await;
     let (_, last) = h.send(&order("ok-3", "o-3")).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
     assert_eq!(h.inbox().await, 2, "the two routed events");
@@ -1525,7 +1476,7 @@ async fn a_partition_held_at_a_paused_route_flows_again_after_a_rebalance_and_a_
     ops::pause(&mut conn, &h.consumer, PauseKind::Route, "order-placed", None).await.unwrap();
     h.send(&TestEvent::new("first", "something.else", json!({}))).await;
     h.send(&order("evt-1", "o-1")).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), CONSUMER_ONLY, no_faults()).await;
     // Offset 0 is processed; the batch holds at offset 1 (the paused route).
     h.await_committed(0, 1).await;
     // Another member joins the group: ours gets its partition again.
@@ -1544,28 +1495,17 @@ async fn a_dead_letter_is_replayed_only_by_its_own_consumer_and_never_through_a_
     let h = Harness::new(1).await;
     // No order_id: the capture route's templates dead-letter it.
     let (_, last) = h.send(&TestEvent::new("evt-1", "order.placed", json!({"amount": 5}))).await;
-    let cfg = h.config(CAPTURE_ROUTE);
+    let cfg = h.config(&CAPTURE_ROUTE);
     let run = h.start(cfg.clone(), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
     let id: i64 = sqlx::query_scalar("SELECT id FROM relay.dead_letters").fetch_one(&h.db.pool).await.unwrap();
 
     // The operator fixes the route: keyed by the event id instead.
-    const FIXED: &str = r#"
-[[routes]]
-name = "order-placed"
-topic = "{topic}"
-type = "order.placed"
-
-[[routes.actions]]
-kind = "call"
-name = "capture"
-endpoint = "psp"
-path = "/captures/{{ id }}"
-idempotency_key = "capture:{{ id }}"
-"#;
+    let fixed =
+        routes::order_placed("") + &routes::call_keyed("capture", "psp", "/captures/{{ id }}", "capture:{{ id }}", "");
     // Another consumer sharing the database sees none of this consumer's dead letters.
-    let mut other_cfg = h.config(FIXED);
+    let mut other_cfg = h.config(&fixed);
     other_cfg.consumer.name = unique("other");
     let other = h.relay(other_cfg.clone(), Handlers::default(), no_faults()).await;
     assert_eq!(other.operator().replay(&other.processor(), id).await.unwrap(), ReplayOutcome::NotFound);
@@ -1574,7 +1514,7 @@ idempotency_key = "capture:{{ id }}"
     assert!(!relay_store::dead_letters::delete(&mut conn, &other_cfg.consumer.name, id).await.unwrap());
 
     // Its own consumer, with the route paused: the replay waits like the partition would.
-    let relay = h.relay(h.config(FIXED), Handlers::default(), no_faults()).await;
+    let relay = h.relay(h.config(&fixed), Handlers::default(), no_faults()).await;
     ops::pause(&mut conn, &h.consumer, PauseKind::Route, "order-placed", None).await.unwrap();
     let paused = relay.operator().replay(&relay.processor(), id).await.unwrap();
     assert!(matches!(&paused, ReplayOutcome::StillFailing(why) if why.contains("paused")), "{paused:?}");
@@ -1589,7 +1529,7 @@ async fn a_buffer_bounded_to_one_large_record_still_processes_every_record() {
     // Issue 22 item 18: the records waiting to start are bounded in bytes too;
     // at the tightest bound (one record's worth) nothing may stall.
     let h = Harness::new(2).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.consumer.max_record_bytes = 20_000;
     cfg.consumer.max_buffered_bytes = 20_000;
     let note = "n".repeat(15_000);
@@ -1701,7 +1641,7 @@ async fn records_compressed_with_zstd_snappy_lz4_and_gzip_are_all_consumed() {
             (0..10).map(|i| order(&format!("evt-{codec}-{i}"), &format!("o-{c}-{i}"))).collect();
         futures::future::join_all(orders.iter().map(|e| producer.event(&h.topic, e))).await;
     }
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.kafka.on_unbounded_compression = relay_core::config::Shortfall::Warn;
     let run = h.start(cfg, CONSUMER_ONLY, no_faults()).await;
     h.await_inbox(40).await;
@@ -1760,7 +1700,7 @@ async fn partitions_waiting_for_a_busy_pool_are_told_apart_from_an_outage_and_al
     let partitions = 8;
     let h = Harness::new(partitions).await;
     let text = h
-        .config_text(CAPTURE_ROUTE)
+        .config_text(&CAPTURE_ROUTE)
         .replace("[database]\nmax_connections = 8\n", "[database]\nmax_connections = 1\nacquire_timeout = \"250ms\"\n");
     assert!(text.contains("max_connections = 1"), "{text}");
     let config = h.write_config(&text);

@@ -70,7 +70,7 @@ async fn send_orders(h: &Harness, range: std::ops::Range<i32>, partitions: i32) 
 #[tokio::test(flavor = "multi_thread")]
 async fn c1_c2_a_consumer_killed_around_its_db_commit_and_at_random_moments_loses_and_doubles_nothing() {
     let h = Harness::new(2).await;
-    let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
+    let config = h.write_config(&h.config_text(&CAPTURE_ROUTE));
     send_orders(&h, 0..200, 2).await;
 
     // C1: killed with a batch written but not committed.
@@ -112,30 +112,16 @@ async fn c1_c2_a_consumer_killed_around_its_db_commit_and_at_random_moments_lose
     p.kill9().unwrap();
     drain(&h, &config, 300).await;
 
-    let cfg = h.config(CAPTURE_ROUTE);
+    let cfg = h.config(&CAPTURE_ROUTE);
     let r = assert_verified(&h, &cfg, &h.db.pool).await;
     assert_eq!(r.unique_events, 300);
     assert_eq!(h.provider.stats().applied, 300);
 }
 
-const VERSIONED: &str = r#"
-[[routes]]
-topic = "{topic}"
-type = "order.updated"
-version_guard = true
-counter = "updates"
-
-[[routes.actions]]
-kind = "emit"
-name = "changed"
-type = "order.changed"
-topic = "{out}"
-"#;
-
 #[tokio::test(flavor = "multi_thread")]
 async fn c3_to_c6_duplicates_upstream_retries_stale_versions_and_a_replay_at_volume_cause_no_extra_effect() {
     let h = Harness::new(3).await;
-    let routes = format!("{CAPTURE_ROUTE}\n{VERSIONED}");
+    let routes = format!("{}\n{}", *CAPTURE_ROUTE, routes::order_updated(""));
     let config = h.write_config(&h.config_text(&routes));
     let mut sent = 0i64;
     for i in 0..300 {
@@ -191,7 +177,7 @@ async fn c3_to_c6_duplicates_upstream_retries_stale_versions_and_a_replay_at_vol
 #[tokio::test(flavor = "multi_thread")]
 async fn c7_poison_mixed_into_a_busy_partition_is_parked_while_everything_after_it_is_processed() {
     let h = Harness::new(1).await;
-    let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
+    let config = h.write_config(&h.config_text(&CAPTURE_ROUTE));
     let mut poison = 0;
     for i in 0..300 {
         if i % 10 == 3 {
@@ -210,7 +196,7 @@ async fn c7_poison_mixed_into_a_busy_partition_is_parked_while_everything_after_
     assert_eq!(h.db.count("dead_letters", "true").await, poison);
     let dlq = read_topic(&h.bootstrap, &h.dlq, poison as usize).await.unwrap();
     assert_eq!(dlq.len(), poison as usize);
-    let cfg = h.config(CAPTURE_ROUTE);
+    let cfg = h.config(&CAPTURE_ROUTE);
     let r = assert_verified(&h, &cfg, &h.db.pool).await;
     assert_eq!((r.poison_records, r.unique_events), (30, 270));
 }
@@ -218,7 +204,7 @@ async fn c7_poison_mixed_into_a_busy_partition_is_parked_while_everything_after_
 #[tokio::test(flavor = "multi_thread")]
 async fn c8_three_consumer_processes_joining_and_leaving_while_records_are_in_flight_lose_and_double_nothing() {
     let h = Harness::new(6).await;
-    let mut text = h.config_text(CAPTURE_ROUTE);
+    let mut text = h.config_text(&CAPTURE_ROUTE);
     text = text.replace("batch_size = 50", "batch_size = 5");
     let config = h.write_config(&text);
     send_orders(&h, 0..600, 6).await;
@@ -235,7 +221,7 @@ async fn c8_three_consumer_processes_joining_and_leaving_while_records_are_in_fl
     assert!(p2.log().contains("partitions revoked") && p3.log().contains("partitions assigned"));
     p3.kill9().unwrap();
     drain(&h, &config, 600).await;
-    let cfg = h.config(CAPTURE_ROUTE);
+    let cfg = h.config(&CAPTURE_ROUTE);
     let r = assert_verified(&h, &cfg, &h.db.pool).await;
     assert_eq!(r.unique_events, 600);
     assert_eq!(h.provider.stats().applied, 600);
@@ -250,7 +236,7 @@ async fn c9_c10_dispatcher_processes_killed_after_claim_after_the_call_and_mid_b
         times: None,
         kind: FaultKind::TimeoutAfterApply { delay_ms: 30 },
     }]);
-    let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
+    let config = h.write_config(&h.config_text(&CAPTURE_ROUTE));
     send_orders(&h, 0..150, 2).await;
     let mut ingest = h.process(&config, &["consume"], &[]);
     eventually("150 intents", DEADLINE, || async { (h.db.count("intents", "true").await == 150).then_some(()) }).await;
@@ -279,7 +265,7 @@ async fn c9_c10_dispatcher_processes_killed_after_claim_after_the_call_and_mid_b
     assert_eq!(stats.applied, 150);
     assert!(stats.replayed >= 1, "at least the C10 call was re-sent and answered from the provider's record");
     assert!(h.db.count("intent_attempts", "outcome = 'lease_expired'").await >= 1);
-    let cfg = h.config(CAPTURE_ROUTE);
+    let cfg = h.config(&CAPTURE_ROUTE);
     assert_verified(&h, &cfg, &h.db.pool).await;
 }
 
@@ -298,7 +284,7 @@ async fn c11_to_c13_timeouts_throttling_server_errors_and_permanent_errors_end_w
         rule("capture:o-3", Some(1), FaultKind::Status { status: 429, retry_after_secs: Some(1) }),
         rule("capture:o-4", None, FaultKind::Status { status: 422, retry_after_secs: None }),
     ]);
-    let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
+    let config = h.write_config(&h.config_text(&CAPTURE_ROUTE));
     send_orders(&h, 0..60, 2).await;
     drain(&h, &config, 60).await;
     let dead = h.db.count("intents", "state = 'dead'").await;
@@ -306,14 +292,14 @@ async fn c11_to_c13_timeouts_throttling_server_errors_and_permanent_errors_end_w
     assert_eq!(h.db.count("intents", "state = 'dead' AND last_status = 422").await, 11);
     assert!(h.db.count("intent_attempts", "outcome = 'uncertain'").await >= 11);
     assert_eq!(h.provider.stats().applied, 49);
-    let cfg = h.config(CAPTURE_ROUTE);
+    let cfg = h.config(&CAPTURE_ROUTE);
     assert_verified(&h, &cfg, &h.db.pool).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn c14_a_publisher_killed_after_the_broker_ack_republishes_the_same_ids_and_downstream_dedup_keeps_one() {
     let h = Harness::new(1).await;
-    let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
+    let config = h.write_config(&h.config_text(&CAPTURE_ROUTE));
     send_orders(&h, 0..40, 1).await;
     let mut work = h.process(&config, &["run"], &[("RELAY_FAULTS", &format!("publisher.after_ack={PAUSE}@1"))]);
     kill_at_fault_point(&mut work).await;
@@ -322,7 +308,7 @@ async fn c14_a_publisher_killed_after_the_broker_ack_republishes_the_same_ids_an
     let ids: HashSet<&str> = out.iter().filter_map(|r| r.header("ce_id")).collect();
     assert_eq!(ids.len(), 40, "downstream, deduplicating on the CloudEvents id, sees every event once");
     assert!(out.len() > 40, "the acknowledged but unmarked batch was published again");
-    let cfg = h.config(CAPTURE_ROUTE);
+    let cfg = h.config(&CAPTURE_ROUTE);
     let r = assert_verified(&h, &cfg, &h.db.pool).await;
     assert!(r.republished_rows > 0);
 }
@@ -348,7 +334,7 @@ async fn private_postgres() -> (PrivatePostgres, sqlx::PgPool) {
 async fn c15_postgresql_crashed_and_restarted_mid_run_commits_no_offset_for_unrecorded_work_and_loses_nothing() {
     let h = Harness::new(2).await;
     let (pg, pool) = private_postgres().await;
-    let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
+    let config = h.write_config(&h.config_text(&CAPTURE_ROUTE));
     send_orders(&h, 0..200, 2).await;
     let count = || async {
         sqlx::query_scalar::<_, i64>("SELECT count(*) FROM relay.inbox").fetch_one(&pool).await.unwrap_or(-1)
@@ -402,7 +388,7 @@ async fn c15_postgresql_crashed_and_restarted_mid_run_commits_no_offset_for_unre
         committed_down <= recorded_at_crash,
         "offsets past what the database had recorded were committed: {committed_down} > {recorded_at_crash}"
     );
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.database.url = Some(pg.url().into());
     let r = assert_verified(&h, &cfg, &pool).await;
     assert_eq!(r.unique_events, 300);
@@ -429,7 +415,7 @@ async fn c17_a_claim_survives_a_postgresql_crash_while_its_call_is_in_flight() {
         kind: FaultKind::TimeoutAfterApply { delay_ms: 8_000 },
     }]);
     let text = h
-        .config_text(CAPTURE_ROUTE)
+        .config_text(&CAPTURE_ROUTE)
         .replacen("lease = \"3s\"", "lease = \"60s\"", 1)
         .replace("timeout = \"1s\"\nconnect_timeout", "timeout = \"30s\"\nconnect_timeout");
     let config = h.write_config(&text);
@@ -472,7 +458,7 @@ async fn c15_sabotaged_offsets_committed_before_the_data_are_caught_by_the_crash
     // before the database commit on purpose (RELAY_SABOTAGE).
     let h = Harness::new(1).await;
     let (pg, pool) = private_postgres().await;
-    let mut text = h.config_text(CAPTURE_ROUTE);
+    let mut text = h.config_text(&CAPTURE_ROUTE);
     text = text.replace("batch_size = 50", "batch_size = 10");
     let config = h.write_config(&text);
     send_orders(&h, 0..100, 1).await;
@@ -510,7 +496,7 @@ async fn c16_the_broker_killed_and_restarted_mid_run_is_reconnected_to_by_consum
     h.bootstrap = kafka.bootstrap();
     create_topics(&h.bootstrap, &[&h.topic, &h.out, &h.dlq], 2).await.unwrap();
     h.producer = TestProducer::new(&h.bootstrap).unwrap();
-    let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
+    let config = h.write_config(&h.config_text(&CAPTURE_ROUTE));
     send_orders(&h, 0..100, 2).await;
     let mut run = h.process(&config, &["run"], &[]);
     eventually("progress before the broker dies", DEADLINE, || async {
@@ -529,7 +515,7 @@ async fn c16_the_broker_killed_and_restarted_mid_run_is_reconnected_to_by_consum
     })
     .await;
     assert!(run.terminate(Duration::from_secs(30)).unwrap().success(), "{}", run.log());
-    let cfg = h.config(CAPTURE_ROUTE);
+    let cfg = h.config(&CAPTURE_ROUTE);
     let r = assert_verified(&h, &cfg, &h.db.pool).await;
     assert_eq!(r.unique_events, 200);
     assert_eq!(h.provider.stats().applied, 200);
@@ -544,7 +530,7 @@ async fn c17_four_dispatcher_processes_on_one_queue_never_run_an_intent_twice() 
         times: None,
         kind: FaultKind::TimeoutAfterApply { delay_ms: 15 },
     }]);
-    let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
+    let config = h.write_config(&h.config_text(&CAPTURE_ROUTE));
     send_orders(&h, 0..400, 4).await;
     let mut ingest = h.process(&config, &["consume"], &[]);
     eventually("400 intents", DEADLINE, || async { (h.db.count("intents", "true").await == 400).then_some(()) }).await;
@@ -565,7 +551,7 @@ async fn c17_four_dispatcher_processes_on_one_queue_never_run_an_intent_twice() 
         .unwrap();
     assert!(workers >= 2, "the work was shared ({workers} workers)");
     drain(&h, &config, 400).await;
-    let cfg = h.config(CAPTURE_ROUTE);
+    let cfg = h.config(&CAPTURE_ROUTE);
     assert_verified(&h, &cfg, &h.db.pool).await;
 }
 

@@ -50,18 +50,18 @@ async fn intent_state(h: &Harness, key: &str) -> (String, i32, Option<i32>, Opti
 async fn a_dispatcher_that_dies_after_the_call_is_replaced_and_the_provider_sees_one_effect() {
     let h = Harness::new(1).await;
     h.send(&order("evt-1", "o-1")).await;
-    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    let ingest = h.start(h.config(&CAPTURE_ROUTE), INGEST, no_faults()).await;
     h.await_inbox(1).await;
 
     // C10: the provider applied the capture, then the dispatcher died before recording it.
     let faults = Faults::new(&[(point::DISPATCHER_AFTER_CALL, FaultAction::Fail, 1)]);
-    let crashed = h.start(h.config(CAPTURE_ROUTE), DISPATCH, faults).await;
+    let crashed = h.start(h.config(&CAPTURE_ROUTE), DISPATCH, faults).await;
     assert!(crashed.finished().await.is_err(), "the fault stops the dispatcher like a crash");
     assert_eq!(h.provider.stats().applied_for("capture:o-1"), 1);
     assert_eq!(intent_state(&h, "capture:o-1").await.0, "running", "nothing recorded: the lease is still held");
 
     // Another dispatcher rescues the expired lease and sends the same key again.
-    let replacement = h.start(h.config(CAPTURE_ROUTE), DISPATCH, no_faults()).await;
+    let replacement = h.start(h.config(&CAPTURE_ROUTE), DISPATCH, no_faults()).await;
     h.await_intents_finished(1).await;
     h.await_published(1).await;
     replacement.stop().await.unwrap();
@@ -82,17 +82,17 @@ async fn a_dispatcher_that_dies_after_the_call_is_replaced_and_the_provider_sees
 async fn a_dispatcher_that_dies_after_claiming_leaves_the_intent_to_be_rescued_when_the_lease_expires() {
     let h = Harness::new(1).await;
     h.send_orders(5).await;
-    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    let ingest = h.start(h.config(&CAPTURE_ROUTE), INGEST, no_faults()).await;
     h.await_inbox(5).await;
 
     // C9: claimed, then died before any call.
     let faults = Faults::new(&[(point::DISPATCHER_AFTER_CLAIM, FaultAction::Fail, 1)]);
-    let crashed = h.start(h.config(CAPTURE_ROUTE), DISPATCH, faults).await;
+    let crashed = h.start(h.config(&CAPTURE_ROUTE), DISPATCH, faults).await;
     assert!(crashed.finished().await.is_err());
     assert_eq!(h.provider.stats().requests, 0, "no call was made");
     assert_eq!(h.intents_in("running").await, 5, "claimed and leased");
 
-    let replacement = h.start(h.config(CAPTURE_ROUTE), DISPATCH, no_faults()).await;
+    let replacement = h.start(h.config(&CAPTURE_ROUTE), DISPATCH, no_faults()).await;
     h.await_intents_finished(5).await;
     replacement.stop().await.unwrap();
     ingest.stop().await.unwrap();
@@ -109,7 +109,7 @@ async fn a_dispatcher_that_dies_after_claiming_leaves_the_intent_to_be_rescued_w
 async fn a_worker_whose_lease_was_rescued_cannot_finish_the_intent() {
     let h = Harness::new(1).await;
     h.send(&order("evt-1", "o-1")).await;
-    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    let ingest = h.start(h.config(&CAPTURE_ROUTE), INGEST, no_faults()).await;
     h.await_inbox(1).await;
     ingest.stop().await.unwrap();
 
@@ -207,7 +207,7 @@ async fn a_provider_timeout_after_applying_is_retried_with_the_same_key_and_appl
     // C11: the provider applies, then answers after the client's 1 s timeout.
     h.provider.set_faults(vec![rule("capture:o-1", Some(1), FaultKind::TimeoutAfterApply { delay_ms: 1500 })]);
     h.send(&order("evt-1", "o-1")).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
 
@@ -231,7 +231,7 @@ async fn server_errors_and_throttling_are_retried_with_backoff_until_the_call_su
     ]);
     h.send(&order("evt-1", "o-503")).await;
     h.send(&order("evt-2", "o-429")).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_intents_finished(2).await;
     run.stop().await.unwrap();
 
@@ -265,7 +265,7 @@ async fn a_permanent_client_error_or_a_spent_budget_leaves_the_intent_dead_with_
     h.send(&order("evt-1", "o-422")).await;
     h.send(&order("evt-2", "o-down")).await;
     h.send(&order("evt-3", "o-fine")).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_intents_finished(3).await;
     h.await_published(3).await;
     run.stop().await.unwrap();
@@ -296,12 +296,12 @@ async fn two_dispatchers_on_the_same_intents_never_run_one_twice() {
     for i in 0..n {
         h.send(&order(&format!("evt-{i}"), &format!("o-{i}")).partition(i % 4)).await;
     }
-    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    let ingest = h.start(h.config(&CAPTURE_ROUTE), INGEST, no_faults()).await;
     h.await_inbox(i64::from(n)).await;
     // C17: two dispatchers with different worker ids on one queue.
-    let mut a = h.config(CAPTURE_ROUTE);
+    let mut a = h.config(&CAPTURE_ROUTE);
     a.dispatcher.worker_id = Some("worker-a".into());
-    let mut b = h.config(CAPTURE_ROUTE);
+    let mut b = h.config(&CAPTURE_ROUTE);
     b.dispatcher.worker_id = Some("worker-b".into());
     let (ra, rb) = (h.start(a, DISPATCH, no_faults()).await, h.start(b, DISPATCH, no_faults()).await);
     h.await_intents_finished(i64::from(n)).await;
@@ -323,20 +323,10 @@ async fn two_dispatchers_on_the_same_intents_never_run_one_twice() {
     assert_eq!(h.db.count("intent_attempts", "outcome <> 'succeeded'").await, 0);
 }
 
-const ORDERED_ROUTE: &str = r#"
-[[routes]]
-topic = "{topic}"
-type = "order.placed"
-
-[[routes.actions]]
-kind = "call"
-name = "capture"
-endpoint = "psp"
-path = "/captures"
-idempotency_key = "capture:{{ data.order_id }}"
-ordering_key = "{{ data.customer }}"
-body = { order_id = "{{ data.order_id }}" }
-"#;
+fn ordered_route() -> String {
+    let keyed = format!("ordering_key = \"{{{{ data.customer }}}}\"\n{}", routes::order_body());
+    [routes::route(None, "order.placed", ""), routes::call("capture", "psp", "/captures", &keyed)].concat()
+}
 
 #[tokio::test]
 async fn with_an_ordering_key_no_call_starts_before_the_earlier_one_for_the_key_finished() {
@@ -353,7 +343,7 @@ async fn with_an_ordering_key_no_call_starts_before_the_earlier_one_for_the_key_
     h.send(&placed("e-1", "first", "c-1")).await;
     h.send(&placed("e-2", "second", "c-1")).await;
     h.send(&placed("e-3", "other", "c-2")).await;
-    let run = h.start(h.config(ORDERED_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&ordered_route()), Components::ALL, no_faults()).await;
     h.await_intents_finished(3).await;
     run.stop().await.unwrap();
 
@@ -374,11 +364,11 @@ async fn with_an_ordering_key_no_call_starts_before_the_earlier_one_for_the_key_
 #[tokio::test]
 async fn new_intents_wake_the_dispatcher_through_notify_long_before_the_poll_interval() {
     let h = Harness::new(1).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.dispatcher.poll_interval = Duration::from_secs(60);
     cfg.dispatcher.rescue_interval = Duration::from_secs(60);
     let dispatcher = h.start(cfg, DISPATCH, no_faults()).await;
-    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    let ingest = h.start(h.config(&CAPTURE_ROUTE), INGEST, no_faults()).await;
     h.await_inbox(0).await;
     // Give the dispatcher time to go idle on its first (empty) claim: wait for its LISTEN.
     eventually("the dispatcher to LISTEN", DEADLINE, || async {
@@ -434,10 +424,10 @@ async fn what_a_dispatcher_s_own_outcomes_make_due_is_claimed_at_once_not_at_the
     )]);
     let chain: i64 = 4;
     send_orders_of_one_customer(&h, chain).await;
-    let ingest = h.start(h.config(ORDERED_ROUTE), INGEST, no_faults()).await;
+    let ingest = h.start(h.config(&ordered_route()), INGEST, no_faults()).await;
     h.await_inbox(chain).await;
     ingest.stop().await.unwrap();
-    let mut cfg = h.config(ORDERED_ROUTE);
+    let mut cfg = h.config(&ordered_route());
     cfg.dispatcher.poll_interval = Duration::from_secs(60);
     // The rescuer keeps its short test interval: it only wakes the claim loop
     // when it rescued an expired lease, so it cannot stand in for the wake-ups
@@ -454,40 +444,16 @@ async fn what_a_dispatcher_s_own_outcomes_make_due_is_claimed_at_once_not_at_the
     assert_eq!(h.db.count("intent_attempts", "outcome = 'uncertain'").await, 1, "o-1 failed once, then was retried");
 }
 
-const SAGA_OUTCOME_ROUTE: &str = r#"
-[[routes]]
-topic = "{topic}"
-type = "order.placed"
-
-[[routes.actions]]
-kind = "saga"
-name = "start"
-saga = "order"
-id = "{{ data.order_id }}"
-start = true
-to = "payment_pending"
-
-[[routes.actions]]
-kind = "call"
-name = "capture"
-endpoint = "psp"
-path = "/captures"
-idempotency_key = "capture:{{ data.order_id }}"
-
-[[routes.actions.on_success.saga]]
-name = "paid"
-saga = "order"
-id = "{{ data.order_id }}"
-from = ["payment_pending"]
-to = "paid"
-
-[[routes.actions.on_dead.saga]]
-name = "failed"
-saga = "order"
-id = "{{ data.order_id }}"
-from = ["payment_pending"]
-to = "payment_failed"
-"#;
+fn saga_outcome_route() -> String {
+    [
+        routes::route(None, "order.placed", ""),
+        routes::saga_start("start", "payment_pending"),
+        routes::call("capture", "psp", "/captures", ""),
+        routes::saga_on("on_success", "paid", "payment_pending", "paid"),
+        routes::saga_on("on_dead", "failed", "payment_pending", "payment_failed"),
+    ]
+    .concat()
+}
 
 #[tokio::test]
 async fn call_outcomes_move_the_saga_in_the_transaction_that_records_them() {
@@ -495,7 +461,7 @@ async fn call_outcomes_move_the_saga_in_the_transaction_that_records_them() {
     h.provider.set_faults(vec![rule("capture:o-bad", None, FaultKind::Status { status: 400, retry_after_secs: None })]);
     h.send(&order("evt-1", "o-good")).await;
     h.send(&order("evt-2", "o-bad")).await;
-    let run = h.start(h.config(SAGA_OUTCOME_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&saga_outcome_route()), Components::ALL, no_faults()).await;
     h.await_intents_finished(2).await;
     run.stop().await.unwrap();
     let states: Vec<(String, String)> =
@@ -509,7 +475,7 @@ async fn outbox_rows_are_marked_published_only_after_the_ack_and_a_crash_republi
     let h = Harness::new(1).await;
     h.send_orders(3).await;
     let calls = h
-        .start(h.config(CAPTURE_ROUTE), Components { consumer: true, dispatcher: true, publisher: false }, no_faults())
+        .start(h.config(&CAPTURE_ROUTE), Components { consumer: true, dispatcher: true, publisher: false }, no_faults())
         .await;
     h.await_intents_finished(3).await;
     assert_eq!(h.db.count("outbox", "state = 'pending'").await, 3, "written, not yet published");
@@ -519,7 +485,7 @@ async fn outbox_rows_are_marked_published_only_after_the_ack_and_a_crash_republi
     // split the rows, and the lane that did not fail would otherwise mark its
     // share before the other's failure stops it.
     let faults = Faults::new(&[(point::PUBLISHER_AFTER_ACK, FaultAction::Fail, 0)]);
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.publisher.lease = Duration::from_secs(7);
     cfg.publisher.delivery_timeout = Duration::from_secs(5);
     let crashed =
@@ -558,7 +524,7 @@ async fn a_record_the_broker_can_never_take_ends_dead_holding_its_key_and_the_ot
     relay_testkit::seed::pending_outbox(&h.db.pool, &h.consumer, "no such topic!", 1).await.unwrap();
     relay_testkit::seed::pending_outbox(&h.db.pool, &h.consumer, "no such topic!", 1).await.unwrap();
     relay_testkit::seed::pending_outbox(&h.db.pool, &h.consumer, &h.out, 2).await.unwrap();
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.publisher.delivery_timeout = Duration::from_secs(20);
     let run = h.start(cfg, Components { consumer: false, dispatcher: false, publisher: true }, no_faults()).await;
     eventually("the bad row dead and the others published", DEADLINE, || async {
@@ -589,7 +555,7 @@ async fn a_fatal_producer_error_stops_the_publisher_naming_the_cause_and_marks_n
     // never delivers again; a publisher that went on claiming would stall
     // silently while the process looks alive.
     let h = Harness::new(1).await;
-    let cfg = h.config(CAPTURE_ROUTE);
+    let cfg = h.config(&CAPTURE_ROUTE);
     let publisher = relay::publish::publisher::Publisher::new(
         h.db.pool.clone(),
         &cfg.kafka,
@@ -777,7 +743,7 @@ async fn each_endpoint_keeps_to_its_concurrency_limit_and_rate_limit() {
     let h = Harness::new(1).await;
     h.provider.set_faults(vec![rule("capture:", None, FaultKind::TimeoutAfterApply { delay_ms: 100 })]);
     h.send_orders(12).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     let psp = cfg.endpoints.get_mut("psp").unwrap();
     psp.concurrency = 2;
     psp.rate_limit_per_second = Some(8);
@@ -801,7 +767,7 @@ async fn calls_queued_behind_a_stalled_provider_keep_the_rate_limit_when_it_answ
     let h = Harness::new(1).await;
     h.provider.set_faults(vec![rule("capture:", Some(1), FaultKind::HoldUntilReleased)]);
     h.send_orders(6).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.dispatcher.lease = Duration::from_secs(30);
     let psp = cfg.endpoints.get_mut("psp").unwrap();
     psp.concurrency = 2;
@@ -841,7 +807,7 @@ async fn an_error_answer_with_a_nul_byte_is_recorded_once_not_rescued_and_called
     let body = "amount\0invalid".to_string();
     h.provider.set_faults(vec![rule("capture:o-1", None, FaultKind::Body { status: 422, body })]);
     h.send(&order("evt-1", "o-1")).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
     let (state, _, status, error) = intent_state(&h, "capture:o-1").await;
@@ -860,7 +826,7 @@ async fn an_error_page_that_never_ends_is_read_only_as_far_as_the_error_text_nee
     let h = Harness::new(1).await;
     h.provider.set_faults(vec![rule("capture:o-1", Some(1), FaultKind::EndlessBody { status: 503 })]);
     h.send(&order("evt-1", "o-1")).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.endpoints.get_mut("psp").unwrap().timeout = Duration::from_secs(10);
     cfg.dispatcher.lease = Duration::from_secs(30);
     let run = h.start(cfg, Components::ALL, no_faults()).await;
@@ -891,7 +857,7 @@ async fn provider_answers_that_are_not_json_are_classified_by_status_alone() {
     h.send(&order("evt-1", "o-page")).await;
     h.send(&order("evt-2", "o-gateway")).await;
     h.send(&order("evt-3", "o-forbidden")).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_intents_finished(3).await;
     run.stop().await.unwrap();
     assert_eq!(intent_state(&h, "capture:o-page").await.0, "succeeded", "a 2xx HTML page is still a success");
@@ -909,7 +875,7 @@ async fn the_trace_of_an_event_continues_through_the_call_and_the_outcome_event(
     let h = Harness::new(1).await;
     let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     h.send(&order("evt-1", "o-1").ext("traceparent", parent)).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_intents_finished(1).await;
     h.await_published(1).await;
     run.stop().await.unwrap();
@@ -939,7 +905,7 @@ async fn a_claim_that_waited_too_long_for_a_call_slot_is_given_back_not_sent_lat
     // and the rescuer sent it again.
     h.provider.set_faults(vec![rule("capture:", None, FaultKind::TimeoutAfterApply { delay_ms: 900 })]);
     h.send_orders(6).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.dispatcher.concurrency = 1;
     cfg.dispatcher.claim_batch = 6;
     cfg.dispatcher.lease = Duration::from_secs(4);
@@ -962,9 +928,9 @@ async fn a_dispatcher_working_through_a_backlog_claims_a_quarter_batch_at_a_time
     h.provider.set_faults(vec![rule("capture:", None, FaultKind::TimeoutAfterApply { delay_ms: 20 })]);
     let n: usize = 60;
     h.send_orders(n).await;
-    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    let ingest = h.start(h.config(&CAPTURE_ROUTE), INGEST, no_faults()).await;
     h.await_inbox(n as i64).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.dispatcher.concurrency = 1;
     cfg.dispatcher.claim_batch = 16;
     let faults = Faults::new(&[(point::DISPATCHER_AFTER_CLAIM, FaultAction::Pause(Duration::ZERO), 0)]);
@@ -984,9 +950,9 @@ async fn calls_go_on_while_the_finalizers_are_busy_recording_outcomes() {
     let h = Harness::new(1).await;
     h.send_orders(20).await;
     // Every intent is waiting before the dispatcher starts.
-    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    let ingest = h.start(h.config(&CAPTURE_ROUTE), INGEST, no_faults()).await;
     h.await_inbox(20).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.dispatcher.concurrency = 1;
     cfg.dispatcher.claim_batch = 8;
     // Long enough that no lease runs out while its outcome waits.
@@ -1178,13 +1144,13 @@ async fn an_intent_claimed_at_ingest_whose_hand_over_a_crash_prevented_is_rescue
     let h = Harness::new(1).await;
     h.send(&order("evt-1", "o-1")).await;
     let faults = Faults::new(&[(point::CONSUMER_AFTER_DB_COMMIT, FaultAction::Fail, 1)]);
-    let crashed = h.start(h.config(CAPTURE_ROUTE), Components::ALL, faults).await;
+    let crashed = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, faults).await;
     assert!(crashed.finished().await.is_err(), "the fault stops the relay like a crash");
     assert_eq!(h.provider.stats().requests, 0, "nothing called");
     let (state, attempts_made, _, _) = intent_state(&h, "capture:o-1").await;
     assert_eq!((state.as_str(), attempts_made), ("running", 1), "written claimed, attempt counted");
 
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_intents_finished(1).await;
     h.await_published(1).await;
     run.stop().await.unwrap();
@@ -1208,7 +1174,7 @@ async fn a_consumer_batch_of_more_intents_than_a_claim_batch_is_claimed_at_inges
     for i in 0..n {
         h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await;
     }
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.consumer.batch_size = n;
     cfg.dispatcher.claim_batch = 2;
     // Only an insert that wrote a pending intent wakes the dispatchers (migration 0008).
@@ -1241,7 +1207,7 @@ async fn a_consumer_batch_of_more_intents_than_a_claim_batch_is_claimed_at_inges
 async fn without_claim_at_ingest_the_consumer_writes_every_intent_pending() {
     let h = Harness::new(1).await;
     h.send(&order("evt-1", "o-1")).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.dispatcher.claim_at_ingest = false;
     let faults = Faults::new(&[(point::CONSUMER_AFTER_DB_COMMIT, FaultAction::Fail, 1)]);
     let crashed = h.start(cfg, Components::ALL, faults).await;
@@ -1262,7 +1228,7 @@ async fn a_claim_waiting_at_the_rate_limit_is_given_back_before_its_lease_runs_o
     let h = Harness::new(1).await;
     let n = 8;
     h.send_orders(n).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.dispatcher.concurrency = 64;
     cfg.endpoints.get_mut("psp").unwrap().rate_limit_per_second = Some(1);
     let run = h.start(cfg, Components::ALL, no_faults()).await;
@@ -1343,7 +1309,7 @@ async fn an_intent_out_of_budget_after_an_uncertain_attempt_is_left_uncertain_wi
     let h = Harness::new(1).await;
     h.provider.set_faults(vec![rule("capture:o-1", None, FaultKind::TimeoutBeforeApply { delay_ms: 1_500 })]);
     h.send(&order("evt-1", "o-1")).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.endpoints.get_mut("psp").unwrap().max_attempts = 2;
     let run = h.start(cfg, Components::ALL, no_faults()).await;
     h.await_intents_finished(1).await;
@@ -1363,7 +1329,7 @@ async fn an_intent_out_of_budget_after_an_uncertain_attempt_is_left_uncertain_wi
         intents::Requeue::Queued,
         "an uncertain intent can be replayed"
     );
-    let run = h.start(h.config(CAPTURE_ROUTE), DISPATCH, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), DISPATCH, no_faults()).await;
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
     assert_eq!(h.intents_in("succeeded").await, 1);
@@ -1376,7 +1342,7 @@ async fn an_oversized_record_is_dead_lettered_with_a_copy_the_broker_takes_and_a
     // whole record, above the producer's limit; the publisher retried the
     // permanent MessageSizeTooLarge forever.
     let h = Harness::new(1).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.consumer.max_record_bytes = 10_000;
     cfg.kafka.producer_properties.insert("message.max.bytes".into(), "20000".into());
     // Not compressible to under the limit either way: the limit is on the record as given.
@@ -1434,7 +1400,7 @@ async fn an_absurd_retry_after_ends_its_intent_and_the_outcomes_recorded_with_it
     let absurd = FaultKind::Status { status: 429, retry_after_secs: Some(99_999_999_999_999_999) };
     h.provider.set_faults(vec![rule("capture:o-0", None, absurd)]);
     h.send_orders(8).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_intents_finished(8).await;
     run.stop().await.unwrap();
     let (state, error): (String, Option<String>) =
@@ -1557,7 +1523,7 @@ async fn once_an_attempt_may_have_been_applied_the_intent_never_ends_dead_whatev
         rule("capture:o-1", None, FaultKind::Status { status: 503, retry_after_secs: None }),
     ]);
     h.send(&order("evt-1", "o-1")).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.endpoints.get_mut("psp").unwrap().max_attempts = 3;
     let run = h.start(cfg.clone(), Components::ALL, no_faults()).await;
     h.await_intents_finished(1).await;
@@ -1591,12 +1557,12 @@ async fn a_claim_that_comes_back_late_has_the_lease_it_was_given_not_a_new_one()
     // Lease 3 s, timeout 1 s (the harness); the provider takes 900 ms.
     h.provider.set_faults(vec![rule("capture:o-1", None, FaultKind::TimeoutAfterApply { delay_ms: 900 })]);
     h.send(&order("evt-1", "o-1")).await;
-    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    let ingest = h.start(h.config(&CAPTURE_ROUTE), INGEST, no_faults()).await;
     h.await_inbox(1).await;
     let slow_claim =
         Faults::new(&[(point::DISPATCHER_AFTER_CLAIM, FaultAction::Pause(Duration::from_millis(2_500)), 1)])
             .with_sabotage(no_faults().sabotage());
-    let dispatch = h.start(h.config(CAPTURE_ROUTE), DISPATCH, slow_claim).await;
+    let dispatch = h.start(h.config(&CAPTURE_ROUTE), DISPATCH, slow_claim).await;
     h.await_intents_finished(1).await;
     h.await_published(1).await;
     dispatch.stop().await.unwrap();
@@ -1615,10 +1581,10 @@ async fn dispatchers_and_publishers_take_only_their_consumer_s_rows_of_endpoints
     // recorded payment.failed; B's publisher published A's outbox rows.
     let h = Harness::new(1).await;
     h.send_orders(5).await;
-    let ingest = h.start(h.config(CAPTURE_ROUTE), Components { publisher: false, ..INGEST }, no_faults()).await;
+    let ingest = h.start(h.config(&CAPTURE_ROUTE), Components { publisher: false, ..INGEST }, no_faults()).await;
     h.await_inbox(5).await;
     ingest.stop().await.unwrap();
-    let mut b = h.config(CAPTURE_ROUTE);
+    let mut b = h.config(&CAPTURE_ROUTE);
     b.consumer.name = format!("{}-b", h.consumer);
     let psp = b.endpoints.remove("psp").unwrap();
     b.endpoints.insert("other".into(), relay_core::config::EndpointConfig { max_attempts: 2, ..psp });
@@ -1642,7 +1608,7 @@ async fn dispatchers_and_publishers_take_only_their_consumer_s_rows_of_endpoints
     assert_eq!(h.provider.stats().requests, 1, "only B's call was made");
 
     // A's own dispatcher and publisher call and publish them, first attempt each.
-    let run_a = h.start(h.config(CAPTURE_ROUTE), Components { consumer: false, ..Components::ALL }, no_faults()).await;
+    let run_a = h.start(h.config(&CAPTURE_ROUTE), Components { consumer: false, ..Components::ALL }, no_faults()).await;
     h.await_intents_finished(6).await;
     run_a.stop().await.unwrap();
     assert_eq!(h.db.count("intents", &format!("{a} AND state = 'succeeded' AND attempts = 1")).await, 5);
@@ -1663,7 +1629,7 @@ async fn a_redirect_is_an_answer_not_followed_and_the_call_is_dead_with_its_stat
         kind: to_login,
     }]);
     h.send(&order("evt-1", "o-1")).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
     let (state, _, status, error) = intent_state(&h, "capture:o-1").await;
@@ -1680,7 +1646,7 @@ async fn a_stale_completion_beside_a_fresh_one_of_the_same_intent_records_nothin
     // same batch as the current claim's "retry" recorded payment.failed.
     let h = Harness::new(1).await;
     h.send(&order("evt-1", "o-1")).await;
-    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    let ingest = h.start(h.config(&CAPTURE_ROUTE), INGEST, no_faults()).await;
     h.await_inbox(1).await;
     ingest.stop().await.unwrap();
     let mut claims = ClaimPool::beside(&h.db.pool, 1, ClaimCommit::Durable).acquire().await.unwrap();
@@ -1695,7 +1661,7 @@ async fn a_stale_completion_beside_a_fresh_one_of_the_same_intent_records_nothin
     let fresh = intents::claim(&mut claims, &scope, "worker-b", 1, lease).await.unwrap().rows.remove(0);
     assert_ne!(stale.lease_token, fresh.lease_token);
 
-    let relay = h.relay(h.config(CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
+    let relay = h.relay(h.config(&CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
     let dispatcher = relay.dispatcher().unwrap();
     let record = |outcome, status| AttemptRecord {
         started_at: Some(chrono::Utc::now()),
@@ -1726,7 +1692,7 @@ async fn an_outcome_whose_event_key_is_held_waits_alone_and_the_rest_of_its_batc
     let h = Harness::new(1).await;
     h.send(&order("evt-1", "o-1")).await;
     h.send(&order("evt-2", "o-2")).await;
-    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    let ingest = h.start(h.config(&CAPTURE_ROUTE), INGEST, no_faults()).await;
     h.await_inbox(2).await;
     ingest.stop().await.unwrap();
     let mut claims = ClaimPool::beside(&h.db.pool, 1, ClaimCommit::Durable).acquire().await.unwrap();
@@ -1746,7 +1712,7 @@ async fn an_outcome_whose_event_key_is_held_waits_alone_and_the_rest_of_its_batc
     let mut holder = h.db.pool.begin().await.unwrap();
     lock(&mut holder, &h.consumer, [Key::Outbox { topic: &h.out, key: "o-1" }]).await.unwrap();
 
-    let relay = h.relay(h.config(CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
+    let relay = h.relay(h.config(&CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
     let dispatcher = relay.dispatcher().unwrap();
     let started = std::time::Instant::now();
     assert_eq!(dispatcher.finalize(&mut batch).await, vec![Finished::KeyHeld, Finished::Succeeded]);
@@ -1769,7 +1735,7 @@ async fn an_outcome_whose_event_key_is_held_waits_alone_and_the_rest_of_its_batc
 async fn an_intent_kept_unsent_past_its_max_age_is_sent_at_its_first_claim() {
     let h = Harness::new(1).await;
     h.send(&order("evt-1", "o-1")).await;
-    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    let ingest = h.start(h.config(&CAPTURE_ROUTE), INGEST, no_faults()).await;
     h.await_inbox(1).await;
     ingest.stop().await.unwrap();
     // Written two days ago and never claimed since.
@@ -1780,7 +1746,7 @@ async fn an_intent_kept_unsent_past_its_max_age_is_sent_at_its_first_claim() {
     .execute(&h.db.pool)
     .await
     .unwrap();
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
     let (state, _, status, error) = intent_state(&h, "capture:o-1").await;
@@ -1809,12 +1775,12 @@ async fn a_function_planted_in_public_is_never_called_by_relay() {
     .await
     .unwrap();
     h.send(&order("evt-1", "o-1")).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
     assert_eq!(intent_state(&h, "capture:o-1").await.0, "succeeded");
     // And a transaction a frozen relay leaves open ends after five minutes.
-    let relay = h.relay(h.config(CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
+    let relay = h.relay(h.config(&CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
     let (path, idle): (String, String) =
         sqlx::query_as("SELECT current_setting('search_path'), current_setting('idle_in_transaction_session_timeout')")
             .fetch_one(relay.pool())
@@ -1834,11 +1800,11 @@ async fn a_dead_intent_whose_failure_was_announced_is_not_replayed_into_a_succes
     let h = Harness::new(1).await;
     h.provider.set_faults(vec![rule("capture:o-1", None, FaultKind::Status { status: 422, retry_after_secs: None })]);
     h.send(&order("evt-1", "o-1")).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_intents_finished(1).await;
     h.await_published(1).await;
     h.provider.set_faults(vec![]);
-    let relay = h.relay(h.config(CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
+    let relay = h.relay(h.config(&CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
     let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents").fetch_one(&h.db.pool).await.unwrap();
     let refused = relay.operator().requeue(id, KeyWindow::Within).await.unwrap_err();
     assert!(refused.to_string().contains("on_dead effects were recorded"), "{refused}");
@@ -1865,7 +1831,7 @@ async fn a_throttled_endpoint_does_not_hold_up_the_calls_of_a_fast_one() {
     let consumer = h.consumer.clone();
     relay_testkit::seed::pending_intents(&h.db.pool, &consumer, "throttled", "a-", 30).await.unwrap();
     relay_testkit::seed::pending_intents(&h.db.pool, &consumer, "psp", "b-", 5).await.unwrap();
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.dispatcher.lease = Duration::from_secs(30);
     cfg.dispatcher.concurrency = 8;
     cfg.dispatcher.claim_batch = 8;
@@ -1897,7 +1863,7 @@ async fn a_stopping_dispatcher_gives_back_the_calls_it_has_not_sent_instead_of_s
     relay_testkit::seed::pending_intents(&h.db.pool, &consumer, "psp", "a-", 20).await.unwrap();
     // The provider holds the one call the endpoint allows at a time.
     h.provider.set_faults(vec![rule("capture:", None, FaultKind::HoldUntilReleased)]);
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.dispatcher.lease = Duration::from_secs(60);
     let psp = cfg.endpoints.get_mut("psp").unwrap();
     psp.concurrency = 1;
@@ -1933,7 +1899,7 @@ async fn a_throttled_call_waiting_for_its_token_leaves_the_only_call_slot_to_a_f
     // The fast endpoint keeps the slot busy (30 × 100 ms), so the throttled
     // calls mostly find it taken and wait for it.
     h.provider.set_faults(vec![rule("capture:b-", None, FaultKind::TimeoutAfterApply { delay_ms: 100 })]);
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.dispatcher.lease = Duration::from_secs(30);
     cfg.dispatcher.concurrency = 1;
     let psp = cfg.endpoints["psp"].clone();
@@ -1991,7 +1957,7 @@ async fn a_dead_outbox_row_holds_its_key_until_an_operator_replays_or_skips_it()
     for r in [&a, &b, &c, &other] {
         outbox::insert(&mut conn, &h.consumer, "src", r).await.unwrap();
     }
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.kafka.producer_properties.insert("message.max.bytes".into(), "20000".into());
     let publish = Components { consumer: false, dispatcher: false, publisher: true };
     let run = h.start(cfg.clone(), publish, no_faults()).await;
@@ -2051,7 +2017,7 @@ async fn an_outcome_whose_effects_the_database_rejects_is_recorded_without_them_
     // answered 201, with on_success never recorded.
     let h = Harness::new(1).await;
     h.send(&order("evt-1", "o-1")).await;
-    let ingest = h.start(h.config(CAPTURE_ROUTE), INGEST, no_faults()).await;
+    let ingest = h.start(h.config(&CAPTURE_ROUTE), INGEST, no_faults()).await;
     h.await_inbox(1).await;
     ingest.stop().await.unwrap();
     let mut claims = ClaimPool::beside(&h.db.pool, 1, ClaimCommit::Durable).acquire().await.unwrap();
@@ -2062,7 +2028,7 @@ async fn an_outcome_whose_effects_the_database_rejects_is_recorded_without_them_
     let bad =
         json!({"action": "m", "saga_type": "order", "saga_id": "o\u{0}1", "from": [], "to": "paid", "start": true});
     claimed.intent.on_success["saga"] = json!([bad]);
-    let relay = h.relay(h.config(CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
+    let relay = h.relay(h.config(&CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
     let done = AttemptRecord {
         started_at: Some(chrono::Utc::now()),
         outcome: AttemptOutcome::Succeeded,
@@ -2124,32 +2090,18 @@ async fn an_uncertain_intent_holds_its_ordering_key_and_a_replayed_dead_one_goes
     assert_eq!(claim().await, vec![rows[1].id]);
 }
 
-const THROTTLED_AND_FAST: &str = r#"
-[[routes]]
-name = "placed"
-topic = "{topic}"
-type = "order.placed"
-[[routes.actions]]
-kind = "call"
-name = "capture"
-endpoint = "throttled"
-path = "/captures/{{ data.order_id }}"
-idempotency_key = "capture:{{ data.order_id }}"
-
-[[routes]]
-name = "refund"
-topic = "{topic}"
-type = "refund.requested"
-[[routes.actions]]
-kind = "call"
-name = "refund"
-endpoint = "psp"
-path = "/refunds/{{ data.order_id }}"
-idempotency_key = "refund:{{ data.order_id }}"
-"#;
+fn throttled_and_fast() -> String {
+    [
+        routes::route(Some("placed"), "order.placed", ""),
+        routes::call("capture", "throttled", "/captures/{{ data.order_id }}", ""),
+        routes::route(Some("refund"), "refund.requested", ""),
+        routes::call("refund", "psp", "/refunds/{{ data.order_id }}", ""),
+    ]
+    .concat()
+}
 
 /// Refunds `r-0` … `r-{n-1}` (events `refund-…`), for the `refund` route of
-/// [`THROTTLED_AND_FAST`] and [`SLOW_AND_KEYED`].
+/// [`throttled_and_fast`] and [`slow_and_keyed`].
 async fn send_refunds(h: &Harness, n: usize) {
     for i in 0..n {
         h.send(&TestEvent::new(&format!("refund-{i}"), "refund.requested", json!({"order_id": format!("r-{i}")})))
@@ -2168,7 +2120,7 @@ async fn a_throttled_endpoint_does_not_hold_up_a_fast_one_when_intents_are_claim
     send_refunds(&h, 5).await;
     let text = format!(
         "{}\n[endpoints.throttled]\nbase_url = \"{}\"\ntimeout = \"1s\"\nrate_limit_per_second = 1\n",
-        h.config_text(THROTTLED_AND_FAST),
+        h.config_text(&throttled_and_fast()),
         h.provider.url()
     );
     let mut cfg = h.config_of(&text);
@@ -2190,31 +2142,15 @@ async fn a_throttled_endpoint_does_not_hold_up_a_fast_one_when_intents_are_claim
     assert!(throttled < 15, "the throttled endpoint kept to about 1 call/s: {throttled} in {took:?}");
 }
 
-const SLOW_AND_KEYED: &str = r#"
-[[routes]]
-name = "placed"
-topic = "{topic}"
-type = "order.placed"
-[[routes.actions]]
-kind = "call"
-name = "capture"
-endpoint = "slow"
-path = "/slow/{{ data.order_id }}"
-idempotency_key = "capture:{{ data.order_id }}"
-body = { pad = "{{ data.pad }}" }
-
-[[routes]]
-name = "refund"
-topic = "{topic}"
-type = "refund.requested"
-[[routes.actions]]
-kind = "call"
-name = "refund"
-endpoint = "psp"
-path = "/refunds/{{ data.order_id }}"
-idempotency_key = "refund:{{ data.order_id }}"
-ordering_key = "{{ data.order_id }}"
-"#;
+fn slow_and_keyed() -> String {
+    [
+        routes::route(Some("placed"), "order.placed", ""),
+        routes::call("capture", "slow", "/slow/{{ data.order_id }}", "body = { pad = \"{{ data.pad }}\" }\n"),
+        routes::route(Some("refund"), "refund.requested", ""),
+        routes::call("refund", "psp", "/refunds/{{ data.order_id }}", "ordering_key = \"{{ data.order_id }}\"\n"),
+    ]
+    .concat()
+}
 
 // Intents of a slow endpoint without a rate limit, handed over at ingest
 // faster than it answered, filled the claim loop's room, first its count
@@ -2240,7 +2176,7 @@ async fn a_slow_endpoint_s_handed_over_calls_do_not_stop_the_claims_of_keyed_int
     let text = format!(
         "{}\n[endpoints.slow]\nbase_url = \"{}\"\ntimeout = \"30s\"\nconcurrency = 2\n",
         // Handed calls give up at 60 s - 30 s - 1 s.
-        h.config_text(SLOW_AND_KEYED).replace("[dispatcher]\nlease = \"3s\"", "[dispatcher]\nlease = \"60s\""),
+        h.config_text(&slow_and_keyed()).replace("[dispatcher]\nlease = \"3s\"", "[dispatcher]\nlease = \"60s\""),
         h.provider.url()
     );
     let mut cfg = h.config_of(&text);
@@ -2270,7 +2206,7 @@ async fn a_provider_that_applied_a_call_and_replays_its_500_leaves_the_intent_un
     let h = Harness::new(1).await;
     h.provider.set_faults(vec![rule("capture:o-1", None, FaultKind::AppliedThenFail { status: 500 })]);
     h.send(&order("evt-1", "o-1")).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.endpoints.get_mut("psp").unwrap().max_attempts = 3;
     let run = h.start(cfg.clone(), Components::ALL, no_faults()).await;
     h.await_intents_finished(1).await;
@@ -2300,7 +2236,7 @@ async fn an_operator_resolves_an_uncertain_intent_as_the_provider_says_it_ended(
         rule("capture:o-", None, FaultKind::Status { status: 503, retry_after_secs: None }),
     ]);
     h.send_orders(2).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.endpoints.get_mut("psp").unwrap().max_attempts = 2;
     let run = h.start(cfg.clone(), Components::ALL, no_faults()).await;
     h.await_intents_finished(2).await;
@@ -2409,7 +2345,7 @@ async fn a_row_whose_json_cannot_be_read_ends_dead_and_the_rest_of_its_claim_is_
     let h = Harness::new(1).await;
     let deep = insert_unreadable_intent(&h).await;
     relay_testkit::seed::pending_intents(&h.db.pool, &h.consumer, "psp", "p-", 5).await.unwrap();
-    let run = h.start(h.config(CAPTURE_ROUTE), DISPATCH, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), DISPATCH, no_faults()).await;
     let healthy = "source_event_id <> 'deep'";
     eventually("the healthy intents called", DEADLINE, || async {
         let done = h.db.count("intents", &format!("{healthy} AND state = 'succeeded'")).await;
@@ -2514,7 +2450,7 @@ async fn an_uncertain_intent_resolved_failed_after_one_attempt_keeps_holding_its
     .await
     .unwrap();
     let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents").fetch_one(&h.db.pool).await.unwrap();
-    let relay = h.relay(h.config(CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
+    let relay = h.relay(h.config(&CAPTURE_ROUTE), relay::Handlers::default(), no_faults()).await;
     relay.operator().resolve(id, IntentResolution::Failed, Some("the provider has no capture")).await.unwrap();
     let (state, holds): (String, bool) = sqlx::query_as("SELECT state, holds_key FROM relay.intents WHERE id = $1")
         .bind(id)
@@ -2541,7 +2477,7 @@ async fn an_uncertain_intent_past_its_key_window_is_not_replayed_even_past_the_w
     .await
     .unwrap();
     let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents").fetch_one(&h.db.pool).await.unwrap();
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.endpoints.get_mut("psp").unwrap().profile = Some(relay_core::profile::ProfileName::Stripe);
     let relay = h.relay(cfg, relay::Handlers::default(), no_faults()).await;
     let err = relay.operator().requeue(id, KeyWindow::PastAllowed).await.unwrap_err().to_string();

@@ -119,29 +119,17 @@ impl Templates {
     }
 }
 
-const ROUTES: &str = r#"
-[[routes]]
-name = "order-placed"
-topic = "{topic}"
-type = "order.placed"
-counter = "orders"
-
-[[routes.actions]]
-kind = "call"
-name = "capture"
-endpoint = "psp"
-path = "PATH"
-idempotency_key = "KEY"
-ORDERING
-body = { order_id = "{{ data.order_id }}", amount = "{{ data.amount }}" }
-
-[[routes]]
-name = "order-updated"
-topic = "{topic}"
-type = "order.updated"
-version_guard = true
-counter = "updates"
-"#;
+/// The scenario's routes: its capture's path, key and ordering lines, and
+/// a versioned update of the order.
+fn scenario_routes(path: &str, key: &str, ordering: &str) -> String {
+    let more = format!("{ordering}\n{}", routes::order_and_amount_body());
+    [
+        routes::order_placed("counter = \"orders\"\n"),
+        routes::call_keyed("capture", "psp", path, key, &more),
+        routes::route(Some("order-updated"), "order.updated", "version_guard = true\ncounter = \"updates\"\n"),
+    ]
+    .concat()
+}
 
 /// Percent-encoding of one path segment, as the relay must do it (written
 /// out here, not taken from the relay, so the model is independent).
@@ -331,7 +319,7 @@ fn ce_headers(id: &str) -> Vec<(Vec<u8>, Vec<u8>)> {
 fn config(h: &Harness, s: &Scenario) -> RelayConfig {
     let ordering = if s.ordered { r#"ordering_key = "{{ data.customer_id }}""# } else { "" };
     let (path, key) = s.templates.path_and_key();
-    let mut cfg = h.config(&ROUTES.replace("ORDERING", ordering).replace("PATH", path).replace("KEY", key));
+    let mut cfg = h.config(&scenario_routes(path, key, ordering));
     cfg.consumer.strict = s.strict;
     cfg.kafka.on_unbounded_compression = relay_core::config::Shortfall::Warn;
     cfg.consumer.batch_size = s.batch_size;

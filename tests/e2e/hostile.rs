@@ -39,7 +39,7 @@ async fn a_header_name_that_is_not_utf8_is_dead_lettered_with_its_bytes_and_the_
     // names as UTF-8 and replaces these bytes: only a topic keeping what
     // producers send hands them to relay as written.
     h.set_topic_compression(&h.topic, "producer").await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.kafka.on_unbounded_compression = relay_core::config::Shortfall::Warn;
     let mut headers = ce_headers("evt-bad");
     headers.push((vec![0xff, 0xfe], b"v".to_vec()));
@@ -74,7 +74,7 @@ async fn an_id_or_key_longer_than_an_index_entry_holds_is_dead_lettered_naming_t
     h.send(&order(&long, "o-long")).await;
     h.send(&order("evt-key", "o-key").ext("idempotencykey", &long)).await;
     let (_, last) = h.send(&order("evt-1", "o-1")).await;
-    let run = h.start(h.config(CAPTURE_ROUTE), CONSUMER_ONLY, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), CONSUMER_ONLY, no_faults()).await;
     h.await_committed(0, last + 1).await;
     run.stop().await.unwrap();
     assert_eq!(h.outcome("evt-1").await.as_deref(), Some("applied"));
@@ -112,7 +112,7 @@ async fn events_with_an_empty_idempotency_key_are_each_applied_as_if_they_had_no
     for (i, key) in ["", "", " ", " "].into_iter().enumerate() {
         h.send(&order(&format!("evt-{i}"), &format!("o-{i}")).ext("idempotencykey", key)).await;
     }
-    let run = h.start(h.config(CAPTURE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&CAPTURE_ROUTE), Components::ALL, no_faults()).await;
     h.await_committed(0, 4).await;
     h.await_intents_finished(4).await;
     run.stop().await.unwrap();
@@ -123,26 +123,10 @@ async fn events_with_an_empty_idempotency_key_are_each_applied_as_if_they_had_no
     }
 }
 
-const NOTE_ROUTE: &str = r#"
-[[routes]]
-name = "order-placed"
-topic = "{topic}"
-type = "order.placed"
-
-[[routes.actions]]
-kind = "call"
-name = "capture"
-endpoint = "psp"
-path = "/captures/{{ data.order_id }}"
-idempotency_key = "capture:{{ data.order_id }}"
-headers = { x-note = "{{ data.note }}" }
-
-[[routes.actions.on_dead.emit]]
-name = "failed"
-type = "payment.failed"
-topic = "{out}"
-data = { order_id = "{{ data.order_id }}" }
-"#;
+fn note_route() -> String {
+    [routes::order_placed(""), routes::capture("headers = { x-note = \"{{ data.note }}\" }\n"), routes::failed()]
+        .concat()
+}
 
 // D4 / security M2: a control character reached an HTTP header; the request
 // could not be built, a fake 400 killed the intent and `payment.failed` went out.
@@ -155,7 +139,7 @@ async fn a_control_character_bound_for_a_header_is_a_template_error_at_ingest_an
     h.send(&note("evt-bad", "o-bad", "line one\nline two")).await;
     h.send(&note("evt-key", "o-k\r\n", "fine")).await;
     let (_, last) = h.send(&note("evt-1", "o-1", "fine")).await;
-    let run = h.start(h.config(NOTE_ROUTE), Components::ALL, no_faults()).await;
+    let run = h.start(h.config(&note_route()), Components::ALL, no_faults()).await;
     h.await_committed(0, last + 1).await;
     h.await_intents_finished(1).await;
     run.stop().await.unwrap();
@@ -309,7 +293,7 @@ fn fix_batch_crc(bytes: &mut [u8], len: usize) {
 /// A configuration that only warns of a topic kept in a codec relay refuses
 /// (zstd, say), for tests of what the client reads, not of that policy.
 fn warned_only(h: &Harness) -> String {
-    h.config_text(CAPTURE_ROUTE).replace("[kafka]\n", "[kafka]\non_unbounded_compression = \"warn\"\n")
+    h.config_text(&CAPTURE_ROUTE).replace("[kafka]\n", "[kafka]\non_unbounded_compression = \"warn\"\n")
 }
 
 /// A private broker holding five records in one batch, compressed with
@@ -408,7 +392,7 @@ async fn a_batch_failing_its_checksum_stops_the_consumer_before_its_records_are_
         batch[at + 2] = b'7';
     })
     .await;
-    let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
+    let config = h.write_config(&h.config_text(&CAPTURE_ROUTE));
     let mut run = h.process(&config, &["consume"], &[]);
     let status = run.wait(DEADLINE).expect("the consumer stops by itself");
     assert!(!status.success());
@@ -424,7 +408,7 @@ async fn a_batch_failing_its_checksum_stops_the_consumer_before_its_records_are_
 #[tokio::test(flavor = "multi_thread")]
 async fn an_input_topic_that_keeps_zstd_gzip_or_lz4_batches_is_refused_at_start_naming_it() {
     let h = Harness::new(1).await;
-    let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
+    let config = h.write_config(&h.config_text(&CAPTURE_ROUTE));
     for codec in ["zstd", "gzip"] {
         h.set_topic_compression(&h.topic, codec).await;
         let mut run = h.process(&config, &["run"], &[]);
@@ -494,7 +478,7 @@ async fn a_batch_larger_than_a_whole_fetch_is_received_and_its_partition_goes_on
     let payload = incompressible(12 * 1024 * 1024);
     big.raw(&h.topic, Some(0), None, &order("evt-big", "o-big").headers(), Some(payload.as_bytes())).await.unwrap();
     h.send(&order("evt-after", "o-after").partition(0)).await;
-    let config = h.write_config(&h.config_text(CAPTURE_ROUTE));
+    let config = h.write_config(&h.config_text(&CAPTURE_ROUTE));
     let mut run = h.process(&config, &["consume"], &[]);
     until_committed(&h, &mut run, |c| c.get(&0).copied().flatten() == Some(2)).await;
     assert!(run.terminate(std::time::Duration::from_secs(30)).unwrap().success(), "{}", run.log());
@@ -523,7 +507,7 @@ async fn records_of_large_keys_and_empty_values_are_not_read_ahead_past_a_full_b
     }
     h.send(&order("evt-after", "o-after").partition(0)).await;
     let small_buffer = h
-        .config_text(CAPTURE_ROUTE)
+        .config_text(&CAPTURE_ROUTE)
         .replace("max_record_bytes = 65536\n", "max_record_bytes = 65536\nmax_buffered_bytes = 16777216\n");
     let config = h.write_config(&small_buffer);
     let mut run = h.process(&config, &["consume"], &[]);

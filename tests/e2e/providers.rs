@@ -55,7 +55,7 @@ async fn a_provider_s_answers_about_keys_are_read_as_its_profile_says(dialect: D
     h.send(&order_for("evt-3a", "o-3", 100)).await;
     h.send(&order_for("evt-3b", "o-3", 999)).await;
     h.send(&order("evt-4", "o-4")).await;
-    let text = config_with(&h, CAPTURE_ROUTE, &format!("profile = \"{profile}\"\nmax_age = \"1h\""));
+    let text = config_with(&h, &CAPTURE_ROUTE, &format!("profile = \"{profile}\"\nmax_age = \"1h\""));
     let ((mut p, admin), _) = run_with_admin_config(&h, &text).await;
     h.await_intents_finished(5).await;
 
@@ -130,7 +130,7 @@ async fn without_keys_a_call_whose_outcome_is_unknown_is_never_sent_again() {
     h.send(&order("evt-1", "o-1")).await;
     h.send(&order("evt-2", "o-2")).await;
     h.send(&order("evt-3", "o-3")).await;
-    let config = h.write_config(&config_with(&h, CAPTURE_ROUTE, "profile = \"none\""));
+    let config = h.write_config(&config_with(&h, &CAPTURE_ROUTE, "profile = \"none\""));
     let mut p = h.process(&config, &["run"], &[]);
     h.await_intents_finished(3).await;
     let (state, attempts, _, error) = intent_row(&h, "evt-1").await;
@@ -161,7 +161,7 @@ async fn a_key_longer_than_the_provider_accepts_is_dead_lettered_at_ingest_namin
     let long = "o".repeat(60); // "capture:" + 60 = 68 characters; Adyen takes 64.
     h.send(&order("evt-1", &long)).await;
     h.send(&order("evt-2", "o-2")).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.endpoints.get_mut("psp").unwrap().profile = Some(relay_core::profile::ProfileName::Adyen);
     let run = h.start(cfg, Components::ALL, no_faults()).await;
     h.await_intents_finished(1).await;
@@ -178,26 +178,15 @@ async fn a_key_longer_than_the_provider_accepts_is_dead_lettered_at_ingest_namin
 }
 
 /// Capture without on_dead effects (a dead one may be replayed).
-const CAPTURE_ONLY: &str = r#"
-[[routes]]
-name = "order-placed"
-topic = "{topic}"
-type = "order.placed"
-
-[[routes.actions]]
-kind = "call"
-name = "capture"
-endpoint = "psp"
-path = "/captures/{{ data.order_id }}"
-idempotency_key = "capture:{{ data.order_id }}"
-body = { order_id = "{{ data.order_id }}" }
-"#;
+fn capture_only() -> String {
+    [routes::order_placed(""), routes::capture(&routes::order_body())].concat()
+}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn check_config_and_the_start_refuse_a_key_window_shorter_than_the_retry_horizon() {
     let h = Harness::new(1).await;
     // Stripe keeps keys 24 h; the default max_age (24 h) + replay_window (1 h) is longer.
-    let short = h.write_config(&config_with(&h, CAPTURE_ONLY, "profile = \"stripe\""));
+    let short = h.write_config(&config_with(&h, &capture_only(), "profile = \"stripe\""));
     let (ok, out) = cli(&h, &short, &["check-config"]).await;
     assert!(!ok, "{out}");
     for part in ["endpoints.psp", "for 1day (profile stripe)", "1day 1h (max_age 1day + replay_window 1h)"] {
@@ -206,16 +195,17 @@ async fn check_config_and_the_start_refuse_a_key_window_shorter_than_the_retry_h
     let (ok, out) = cli(&h, &short, &["run"]).await;
     assert!(!ok && out.contains("endpoints.psp: the provider remembers an idempotency key for 1day"), "{out}");
 
-    let warned = h.write_config(&config_with(&h, CAPTURE_ONLY, "profile = \"stripe\"\non_short_key_window = \"warn\""));
+    let warned =
+        h.write_config(&config_with(&h, &capture_only(), "profile = \"stripe\"\non_short_key_window = \"warn\""));
     let (ok, out) = cli(&h, &warned, &["check-config"]).await;
     assert!(ok, "{out}");
     assert!(out.contains("key window 1day is SHORTER than the retry horizon 1day 1h"), "{out}");
     assert!(out.contains("warning: endpoints.psp: the provider remembers"), "{out}");
 
-    let fits = h.write_config(&config_with(&h, CAPTURE_ONLY, "profile = \"stripe\"\nmax_age = \"20h\""));
+    let fits = h.write_config(&config_with(&h, &capture_only(), "profile = \"stripe\"\nmax_age = \"20h\""));
     let (ok, out) = cli(&h, &fits, &["check-config"]).await;
     assert!(ok && out.contains("profile stripe, key in header Idempotency-Key; key window 1day covers"), "{out}");
-    let unknown = h.write_config(&config_with(&h, CAPTURE_ONLY, "profile = \"ietf\""));
+    let unknown = h.write_config(&config_with(&h, &capture_only(), "profile = \"ietf\""));
     let (ok, out) = cli(&h, &unknown, &["check-config"]).await;
     assert!(ok && out.contains("key window unknown"), "{out}");
 }
@@ -226,7 +216,7 @@ async fn a_replay_whose_attempts_could_outlive_the_key_window_asks_for_past_key_
     h.provider.set_faults(vec![fault("capture:o-1", None, FaultKind::Status { status: 400, retry_after_secs: None })]);
     h.send(&order("evt-1", "o-1")).await;
     let lines = "profile = \"ietf\"\nidempotency = { window = \"3h\" }\nmax_age = \"1h\"\nreplay_window = \"1h\"";
-    let config = h.write_config(&config_with(&h, CAPTURE_ONLY, lines));
+    let config = h.write_config(&config_with(&h, &capture_only(), lines));
     let mut p = h.process(&config, &["run"], &[]);
     h.await_intents_finished(1).await;
     let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM relay.intents").fetch_one(&h.db.pool).await.unwrap();
@@ -300,7 +290,7 @@ async fn uncertain_calls_to_a_provider_without_keys_are_reconciled_by_a_lookup_a
     ]);
     h.send(&order("evt-1", "o-1")).await;
     h.send(&order("evt-2", "o-2")).await;
-    let text = format!("{}\n{LOOKUP}", config_with(&h, CAPTURE_WITH_ANSWER, "profile = \"none\""));
+    let text = format!("{}\n{LOOKUP}", config_with(&h, &capture_with_answer(), "profile = \"none\""));
     let ((mut p, admin), config) = run_with_admin_config(&h, &text).await;
     eventually("both intents settled", DEADLINE, || async {
         let done = h.db.count("intents", "state = 'succeeded'").await == 2;
@@ -348,7 +338,7 @@ async fn an_intent_whose_provider_cannot_say_stays_uncertain_once_its_reconcilia
         path_fault("/lookup/", None, FaultKind::Status { status: 503, retry_after_secs: None }),
     ]);
     h.send(&order("evt-1", "o-1")).await;
-    let text = format!("{}\n{LOOKUP}", config_with(&h, CAPTURE_ROUTE, "profile = \"none\""));
+    let text = format!("{}\n{LOOKUP}", config_with(&h, &CAPTURE_ROUTE, "profile = \"none\""));
     let cfg = h.config_of(&text);
     let run = h.start(cfg, Components::ALL, no_faults()).await;
     let spent = eventually("three reconciliations", DEADLINE, || async {
@@ -382,7 +372,7 @@ async fn a_stripe_call_left_uncertain_is_reconciled_by_sending_it_again_with_its
     h.provider.set_faults(vec![fault("capture:o-1", Some(1), FaultKind::TimeoutAfterApply { delay_ms: 1500 })]);
     h.send(&order("evt-1", "o-1")).await;
     // One attempt: its timeout leaves the intent uncertain at once.
-    let text = h.config_text(CAPTURE_WITH_ANSWER).replace("max_attempts = 5\n", "max_attempts = 1\n").replace(
+    let text = h.config_text(&capture_with_answer()).replace("max_attempts = 5\n", "max_attempts = 1\n").replace(
         "[endpoints.psp]\n",
         "[endpoints.psp]\nprofile = \"stripe\"\nmax_age = \"1h\"\nreconcile = { resend = true, after = \"200ms\" }\n",
     );
@@ -431,7 +421,7 @@ async fn a_paused_endpoint_s_uncertain_intents_are_not_asked_about() {
     h.send(&order("evt-1", "o-1")).await;
     // Not asked by the running relay within the test: `after` is an hour.
     let lookup = LOOKUP.replace("after = \"200ms\"", "after = \"1h\"");
-    let text = format!("{}\n{lookup}", config_with(&h, CAPTURE_ROUTE, "profile = \"none\""));
+    let text = format!("{}\n{lookup}", config_with(&h, &CAPTURE_ROUTE, "profile = \"none\""));
     let cfg = h.config_of(&text);
     let run = h.start(cfg, Components::ALL, no_faults()).await;
     h.await_intents_finished(1).await;
@@ -478,7 +468,7 @@ async fn a_resend_after_the_provider_forgot_the_key_is_not_made() {
     let endpoint = "[endpoints.psp]\nprofile = \"stripe\"\nmax_age = \"1h\"\non_short_key_window = \"warn\"\n\
                     idempotency = { window = \"1s\" }\nreconcile = { resend = true, after = \"2s\", max_attempts = 1 }\n";
     let text = h
-        .config_text(CAPTURE_ROUTE)
+        .config_text(&CAPTURE_ROUTE)
         .replace("max_attempts = 5\n", "max_attempts = 1\n")
         .replace("[endpoints.psp]\n", endpoint);
     let mut p = h.process(&h.write_config(&text), &["run"], &[]);
@@ -499,28 +489,15 @@ async fn a_resend_after_the_provider_forgot_the_key_is_not_made() {
 }
 
 /// Capture whose success event carries the provider's answer.
-const CAPTURE_WITH_ANSWER: &str = r#"
-[[routes]]
-name = "order-placed"
-topic = "{topic}"
-type = "order.placed"
-
-[[routes.actions]]
-kind = "call"
-name = "capture"
-endpoint = "psp"
-path = "/captures/{{ data.order_id }}"
-idempotency_key = "capture:{{ data.order_id }}"
-body = { order_id = "{{ data.order_id }}" }
-
-[[routes.actions.on_success.emit]]
-name = "captured"
-type = "payment.captured"
-topic = "{out}"
-key = "{{ data.order_id }}"
-subject = "payment {{ response.body.id }}"
-data = { order_id = "{{ data.order_id }}", payment_id = "{{ response.body.id }}", status = "{{ response.status }}", via = "{{ response.via }}" }
-"#;
+fn capture_with_answer() -> String {
+    let answer = "subject = \"payment {{ response.body.id }}\"\ndata = { order_id = \"{{ data.order_id }}\", payment_id = \"{{ response.body.id }}\", status = \"{{ response.status }}\", via = \"{{ response.via }}\" }\n";
+    [
+        routes::order_placed(""),
+        routes::capture(&routes::order_body()),
+        routes::emit_on("on_success", "captured", "payment.captured", answer),
+    ]
+    .concat()
+}
 
 /// The data and subject of the outbox event `event_type` that the call of
 /// input event `source` led to.
@@ -563,7 +540,7 @@ async fn a_success_event_carries_the_provider_s_answer_even_when_a_retry_got_it(
     for (evt, o) in [("evt-1", "o-1"), ("evt-2", "o-2"), ("evt-3", "o-3"), ("evt-4", "o-4"), ("evt-5", "o-5")] {
         h.send(&order(evt, o)).await;
     }
-    let text = config_with(&h, CAPTURE_WITH_ANSWER, "profile = \"stripe\"\nmax_age = \"1h\"");
+    let text = config_with(&h, &capture_with_answer(), "profile = \"stripe\"\nmax_age = \"1h\"");
     let ((mut p, admin), config) = run_with_admin_config(&h, &text).await;
     h.await_intents_finished(5).await;
     h.await_published(4).await;
@@ -647,7 +624,7 @@ async fn calls_share_one_oauth2_token_and_a_revoked_one_is_replaced_once() {
          scopes = [\"payments\"]\n",
         h.provider.url().trim_end_matches('/')
     );
-    let config = h.write_config(&format!("{}\n{oauth}", h.config_text(CAPTURE_ROUTE)));
+    let config = h.write_config(&format!("{}\n{oauth}", h.config_text(&CAPTURE_ROUTE)));
     let mut p = h.process(&config, &["run"], &[("PSP_CLIENT_SECRET", "s3cret")]);
     h.await_intents_finished(30).await;
     assert_eq!(h.intents_in("succeeded").await, 30);
@@ -688,7 +665,7 @@ async fn a_token_that_expires_quickly_is_replaced_before_it_expires_never_refuse
          client_secret_env = \"PSP_CLIENT_SECRET\"\nrefresh_before = \"1s\"\n",
         h.provider.url().trim_end_matches('/')
     );
-    let text = config_with(&h, CAPTURE_ROUTE, "rate_limit_per_second = 10");
+    let text = config_with(&h, &CAPTURE_ROUTE, "rate_limit_per_second = 10");
     let config = h.write_config(&format!("{text}\n{oauth}"));
     let mut p = h.process(&config, &["run"], &[("PSP_CLIENT_SECRET", "s3cret")]);
     h.await_intents_finished(40).await;
@@ -708,7 +685,7 @@ async fn calls_are_signed_as_standard_webhooks_and_a_wrong_secret_does_not_verif
     h.send(&order("evt-1", "o-1")).await;
     h.send(&order("evt-2", "o-2")).await;
     let signing = "[endpoints.psp.signing]\nscheme = \"standard_webhooks\"\nsecret_env = \"HOOKS_SECRET\"\n";
-    let config = h.write_config(&format!("{}\n{signing}", h.config_text(CAPTURE_ROUTE)));
+    let config = h.write_config(&format!("{}\n{signing}", h.config_text(&CAPTURE_ROUTE)));
     let mut p = h.process(&config, &["run"], &[("HOOKS_SECRET", secret)]);
     h.await_intents_finished(2).await;
     assert_eq!(h.intents_in("succeeded").await, 2);
@@ -739,7 +716,7 @@ async fn calls_are_signed_with_aws_sigv4_and_a_wrong_secret_does_not_verify() {
     h.send(&order("evt-2", "o-2")).await;
     let signing = "[endpoints.psp.signing]\nscheme = \"aws_sigv4\"\nregion = \"eu-west-1\"\nservice = \"execute-api\"\n\
                    access_key_id_env = \"PSP_AWS_KEY_ID\"\nsecret_access_key_env = \"PSP_AWS_SECRET\"\n";
-    let config = h.write_config(&format!("{}\n{signing}", h.config_text(CAPTURE_ROUTE)));
+    let config = h.write_config(&format!("{}\n{signing}", h.config_text(&CAPTURE_ROUTE)));
     let env = |secret: &'static str| [("PSP_AWS_KEY_ID", "AKIDRELAYTEST"), ("PSP_AWS_SECRET", secret)];
     let mut p = h.process(&config, &["run"], &env("wJalrXUtnFEMI/K7MDENG+bPxRfiCYRELAYKEY"));
     h.await_intents_finished(2).await;
@@ -759,22 +736,10 @@ async fn calls_are_signed_with_aws_sigv4_and_a_wrong_secret_does_not_verify() {
 }
 
 /// Captures ordered per customer, whose dead ones hold their customer's key.
-const HOLD_KEY_ROUTE: &str = r#"
-[[routes]]
-name = "order-placed"
-topic = "{topic}"
-type = "order.placed"
-on_poison = "hold_key"
-
-[[routes.actions]]
-kind = "call"
-name = "capture"
-endpoint = "psp"
-path = "/captures/{{ data.order_id }}"
-idempotency_key = "capture:{{ data.order_id }}"
-ordering_key = "{{ data.customer }}"
-body = { order_id = "{{ data.order_id }}" }
-"#;
+fn hold_key_route() -> String {
+    let keyed = format!("ordering_key = \"{{{{ data.customer }}}}\"\n{}", routes::order_body());
+    [routes::order_placed("on_poison = \"hold_key\"\n"), routes::capture(&keyed)].concat()
+}
 
 fn customer_order(id: &str, order: &str, customer: &str) -> TestEvent {
     TestEvent::new(id, "order.placed", json!({"order_id": order, "customer": customer})).key(customer)
@@ -803,7 +768,7 @@ async fn a_dead_intent_holds_its_key_until_skipped_or_replayed_while_other_keys_
     {
         h.send(&customer_order(evt, o, c)).await;
     }
-    let ((mut p, admin), config) = run_with_admin_config(&h, &h.config_text(HOLD_KEY_ROUTE)).await;
+    let ((mut p, admin), config) = run_with_admin_config(&h, &h.config_text(&hold_key_route())).await;
     eventually("c-2 done, the heads of c-1 and c-3 dead", DEADLINE, || async {
         let dead = h.db.count("intents", "state = 'dead'").await == 2;
         (dead && intent_row(&h, "evt-4").await.0 == "succeeded").then_some(())
@@ -861,7 +826,7 @@ async fn a_dead_lettered_record_holds_its_kafka_key_until_skipped_while_other_ke
     for (evt, o, c) in [("evt-2", "o-2", "c-1"), ("evt-3", "o-3", "c-1"), ("evt-4", "o-4", "c-2")] {
         h.send(&customer_order(evt, o, c)).await;
     }
-    let ((mut p, admin), config) = run_with_admin_config(&h, &h.config_text(HOLD_KEY_ROUTE)).await;
+    let ((mut p, admin), config) = run_with_admin_config(&h, &h.config_text(&hold_key_route())).await;
     eventually("c-2 done, c-1's later records held", DEADLINE, || async {
         let held = h.db.count("dead_letters", "error_class = 'held'").await == 2;
         (held && intent_row(&h, "evt-4").await.0 == "succeeded").then_some(())
@@ -929,7 +894,7 @@ async fn three_dispatchers_share_one_adapted_rate_near_what_the_provider_allows(
     h.send_orders(300).await;
     // Three times what the provider takes, to start with, in each process.
     let adaptive = "adaptive = { start = 60, max = 60, min = 2, increase = 2, decrease = 0.5, cooldown = \"1s\" }";
-    let config = h.write_config(&config_with(&h, CAPTURE_ROUTE, adaptive));
+    let config = h.write_config(&config_with(&h, &CAPTURE_ROUTE, adaptive));
     let started = std::time::Instant::now();
     let mut ps: Vec<_> = (0..3).map(|_| h.process(&config, &["run"], &[])).collect();
     h.await_intents_finished(300).await;
@@ -956,21 +921,10 @@ async fn three_dispatchers_share_one_adapted_rate_near_what_the_provider_allows(
 }
 
 /// Captures whose calls are shared fairly between tenants.
-const FAIR_ROUTE: &str = r#"
-[[routes]]
-name = "order-placed"
-topic = "{topic}"
-type = "order.placed"
-
-[[routes.actions]]
-kind = "call"
-name = "capture"
-endpoint = "psp"
-path = "/captures/{{ data.order_id }}"
-idempotency_key = "capture:{{ data.order_id }}"
-fairness_key = "{{ data.tenant }}"
-body = { order_id = "{{ data.order_id }}" }
-"#;
+fn fair_route() -> String {
+    let fair = format!("fairness_key = \"{{{{ data.tenant }}}}\"\n{}", routes::order_body());
+    [routes::order_placed(""), routes::capture(&fair)].concat()
+}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_small_tenant_s_calls_start_within_a_few_slots_of_a_big_tenant_s_burst() {
@@ -985,7 +939,7 @@ async fn a_small_tenant_s_calls_start_within_a_few_slots_of_a_big_tenant_s_burst
     for i in 0..10 {
         h.send(&tenant_order(format!("small-{i}"), format!("s-{i}"), "small")).await;
     }
-    let text = config_with(&h, FAIR_ROUTE, "rate_limit_per_second = 200\nfair_share_per_second = 100");
+    let text = config_with(&h, &fair_route(), "rate_limit_per_second = 200\nfair_share_per_second = 100");
     let mut p = h.process(&h.write_config(&text), &["run"], &[]);
     h.await_intents_finished(310).await;
     assert_eq!(h.intents_in("succeeded").await, 310, "all work completes");

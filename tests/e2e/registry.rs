@@ -778,47 +778,22 @@ const CAPTURED: &str = r#"{"type":"record","name":"Captured","namespace":"pay","
 /// A capture whose outcomes write Avro: two `on_success` events reading the
 /// provider's answer (o-2's second does not fit once answered), an
 /// `on_dead` one whose data is final at ingest (o-3's does not fit).
-const CAPTURE_IN_AVRO: &str = r#"
-[topics."{topic}"]
-format = "avro"
-fields.id = { pointer = "/event_id" }
-fields.type = { value = "order.placed" }
-
-[[routes]]
-topic = "{topic}"
-type = "order.placed"
-
-[[routes.actions]]
-kind = "call"
-name = "capture"
-endpoint = "psp"
-path = "/captures/{{ data.order_id }}"
-idempotency_key = "capture:{{ data.order_id }}"
-
-[[routes.actions.on_success.emit]]
-name = "captured"
-type = "payment.captured"
-topic = "{out}"
-format = "avro"
-key = "{{ data.order_id }}"
-data = { order_id = "{{ data.order_id }}", payment_id = "{{ response.body.id }}", status = "{{ response.status }}", cents = "{{ data.amount_cents }}" }
-
-[[routes.actions.on_success.emit]]
-name = "noted"
-type = "payment.noted"
-topic = "{out}"
-format = "avro"
-key = "{{ data.order_id }}-noted"
-data = { order_id = "{{ data.order_id }}", payment_id = "{{ response.body.id }}", status = "{% if data.order_id == 'o-2' %}x{% endif %}{{ response.status }}", cents = "{{ data.amount_cents }}" }
-
-[[routes.actions.on_dead.emit]]
-name = "failed"
-type = "payment.failed"
-topic = "{out}"
-format = "avro"
-key = "{{ data.order_id }}"
-data = { order_id = "{{ data.order_id }}", payment_id = "", status = 0, cents = "{% if data.order_id == 'o-3' %}x{% endif %}{{ data.amount_cents }}" }
-"#;
+fn capture_in_avro() -> String {
+    let avro = |data: &str| format!("format = \"avro\"\ndata = {{ order_id = \"{{{{ data.order_id }}}}\", {data} }}\n");
+    let noted = avro(
+        r#"payment_id = "{{ response.body.id }}", status = "{% if data.order_id == 'o-2' %}x{% endif %}{{ response.status }}", cents = "{{ data.amount_cents }}""#,
+    );
+    [
+        "\n[topics.\"{topic}\"]\nformat = \"avro\"\nfields.id = { pointer = \"/event_id\" }\nfields.type = { value = \"order.placed\" }\n".into(),
+        routes::route(None, "order.placed", ""),
+        routes::capture(""),
+        routes::emit_on("on_success", "captured", "payment.captured", &avro(r#"payment_id = "{{ response.body.id }}", status = "{{ response.status }}", cents = "{{ data.amount_cents }}""#)),
+        routes::emit_on("on_success", "noted", "payment.noted", &noted)
+            .replace("key = \"{{ data.order_id }}\"", "key = \"{{ data.order_id }}-noted\""),
+        routes::emit_on("on_dead", "failed", "payment.failed", &avro(r#"payment_id = "", status = 0, cents = "{% if data.order_id == 'o-3' %}x{% endif %}{{ data.amount_cents }}""#)),
+    ]
+    .concat()
+}
 
 /// A call's outcome events in Avro, read by Confluent's deserializer:
 /// `on_success` rendered from the provider's answer and encoded when the
@@ -847,7 +822,7 @@ async fn a_call_s_outcome_events_are_written_in_avro_with_the_provider_s_answer(
         })
         .collect();
     produce(&h, &registry, "avro", ORDER_V1, Value::Array(records)).await;
-    let routes = format!("[schema_registry]\nurl = \"{registry}\"\ntimeout = \"2s\"\n{CAPTURE_IN_AVRO}");
+    let routes = format!("[schema_registry]\nurl = \"{registry}\"\ntimeout = \"2s\"\n{}", capture_in_avro());
     let text = h.config_text(&routes).replace("max_attempts = 5\n", "max_attempts = 1\n");
     assert!(text.contains("max_attempts = 1\n"), "one attempt: {text}");
     let ((mut p, admin), config) = run_with_admin_config(&h, &text).await;

@@ -85,7 +85,7 @@ consumer_properties = {{ "session.timeout.ms" = "6000" }}
 
     /// The harness's configuration with its `[kafka]` section replaced by `kafka`.
     fn config(&self, kafka: &str) -> String {
-        let text = self.h.config_text(CAPTURE_ROUTE);
+        let text = self.h.config_text(&CAPTURE_ROUTE);
         let start = text.find("[kafka]").expect("a [kafka] section");
         let end = start + text[start..].find("[database]").expect("[database] after [kafka]");
         format!("{}{kafka}\n{}", &text[..start], &text[end..])
@@ -281,7 +281,7 @@ async fn an_endpoint_with_its_own_ca_and_client_certificate_is_called_and_a_wron
         relay_testkit::seed::pending_intents(&h.db.pool, &consumer, endpoint, prefix, 3).await.unwrap();
     }
     sqlx::query("UPDATE relay.intents SET max_attempts = 2").execute(&h.db.pool).await.unwrap();
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     let endpoint = |ca: &Path, client: bool| {
         let mut e = cfg.endpoints["psp"].clone();
         e.base_url = provider.url().parse().unwrap();

@@ -30,7 +30,7 @@ async fn a_clean_run_with_duplicates_and_poison_passes_every_check() {
     h.send_orders(30).await;
     h.send_orders(5).await; // duplicates
     h.producer.raw(&h.topic, Some(0), None, &[("ce_specversion".into(), b"1.0".to_vec())], Some(b"{")).await.unwrap();
-    let cfg = h.config(CAPTURE_ROUTE);
+    let cfg = h.config(&CAPTURE_ROUTE);
     let run = h.start(cfg.clone(), Components::ALL, no_faults()).await;
     h.await_intents_finished(30).await;
     h.await_published(31).await; // 30 outcome events + 1 dead-letter copy
@@ -52,7 +52,7 @@ async fn a_clean_run_with_duplicates_and_poison_passes_every_check() {
 async fn committing_the_offset_before_the_database_loses_an_event_and_the_checker_names_it() {
     let h = Harness::new(1).await;
     h.send_orders(3).await;
-    let cfg = h.config(CAPTURE_ROUTE);
+    let cfg = h.config(&CAPTURE_ROUTE);
     // Planted bug: offset first, then the crash before the DB commit.
     let broken = Faults::new(&[(point::CONSUMER_BEFORE_DB_COMMIT, FaultAction::Fail, 1)])
         .with_sabotage(Sabotaged::of(&[Sabotage::OffsetBeforeCommit]));
@@ -117,7 +117,7 @@ async fn a_new_idempotency_key_per_attempt_double_applies_and_the_checker_names_
         kind: FaultKind::TimeoutAfterApply { delay_ms: 1500 },
     }]);
     h.send(&order("evt-1", "o-1")).await;
-    let cfg = h.config(CAPTURE_ROUTE);
+    let cfg = h.config(&CAPTURE_ROUTE);
     let broken = no_faults().with_sabotage(Sabotaged::of(&[Sabotage::FreshIdempotencyKey]));
     let run = h.start(cfg.clone(), Components::ALL, broken).await;
     h.await_intents_finished(1).await;
@@ -135,7 +135,7 @@ async fn damaged_state_is_reported_check_by_check() {
     let h = Harness::new(1).await;
     h.send_orders(4).await;
     h.producer.raw(&h.topic, None, None, &[("ce_specversion".into(), b"1.0".to_vec())], Some(b"{")).await.unwrap();
-    let cfg = h.config(CAPTURE_ROUTE);
+    let cfg = h.config(&CAPTURE_ROUTE);
     let run = h.start(cfg.clone(), Components::ALL, no_faults()).await;
     h.await_intents_finished(4).await;
     h.await_published(5).await;
@@ -203,7 +203,7 @@ async fn an_intent_that_ended_dead_after_an_attempt_that_may_have_been_applied_i
         key_rule(None, FaultKind::Status { status: 429, retry_after_secs: None }),
     ]);
     h.send(&order("evt-1", "o-1")).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.endpoints.get_mut("psp").unwrap().max_attempts = 2;
     let broken = no_faults().with_sabotage(Sabotaged::of(&[Sabotage::UncertaintyForgotten]));
     let run = h.start(cfg.clone(), Components::ALL, broken).await;
@@ -226,7 +226,7 @@ async fn an_intent_that_ended_dead_after_a_5xx_is_reported_whatever_its_attempts
     let key_rule = |times, kind| FaultRule { path_prefix: None, key_prefix: Some("capture:o-1".into()), times, kind };
     h.provider.set_faults(vec![key_rule(None, FaultKind::AppliedThenFail { status: 500 })]);
     h.send(&order("evt-1", "o-1")).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.endpoints.get_mut("psp").unwrap().max_attempts = 2;
     let broken = no_faults().with_sabotage(Sabotaged::of(&[Sabotage::ServerErrorsCertain]));
     let run = h.start(cfg.clone(), Components::ALL, broken).await;
@@ -256,7 +256,7 @@ async fn an_intent_a_reconciliation_found_not_applied_may_end_dead_without_a_rep
         rule(None, FaultKind::Status { status: 400, retry_after_secs: None }),
     ]);
     h.send(&order("evt-1", "o-1")).await;
-    let mut cfg = h.config(CAPTURE_ROUTE);
+    let mut cfg = h.config(&CAPTURE_ROUTE);
     cfg.endpoints.get_mut("psp").unwrap().reconcile = Some(
         serde_json::from_value(serde_json::json!({
             "path": "/lookup/{{ intent_id }}", "after": "100ms", "interval": "100ms", "not_applied": [{"status": 404}],

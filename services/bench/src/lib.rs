@@ -299,18 +299,7 @@ base_url = "{sink}"
 timeout = "5s"
 concurrency = {dispatch_concurrency}
 
-[[routes]]
-topic = "{topic}"
-type = "order.placed"
-counter = "orders"
-
-[[routes.actions]]
-kind = "call"
-name = "capture"
-endpoint = "sink"
-path = "/captures"
-idempotency_key = "capture:{{{{ data.order_id }}}}"
-body = {{ order_id = "{{{{ data.order_id }}}}", amount = "{{{{ data.amount }}}}", produced_at_us = "{{{{ data.produced_at_us }}}}" }}
+{capture}
 
 [[routes.actions]]
 kind = "emit"
@@ -323,9 +312,19 @@ data = {{ order_id = "{{{{ data.order_id }}}}" }}
         group = s.group,
         bootstrap = env.bootstrap,
         sink = s.sink_url,
-        topic = s.topic,
         out = s.out,
+        capture = capture(&s.topic),
     )
+}
+
+/// The measured route on `topic`: a capture by the sink, carrying when its
+/// record was produced.
+fn capture(topic: &str) -> String {
+    use relay_testkit::routes;
+    let body = "body = { order_id = \"{{ data.order_id }}\", amount = \"{{ data.amount }}\", produced_at_us = \"{{ data.produced_at_us }}\" }\n";
+    [routes::route(None, "order.placed", "counter = \"orders\"\n"), routes::call("capture", "sink", "/captures", body)]
+        .concat()
+        .replace("{topic}", topic)
 }
 
 fn config(env: &Env, s: &Setup, dispatch_concurrency: usize) -> anyhow::Result<RelayConfig> {

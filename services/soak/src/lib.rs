@@ -142,34 +142,15 @@ impl Summary {
 }
 
 fn routes(topics: &[String], out: &str) -> String {
-    topics
-        .iter()
-        .map(|t| {
-            format!(
-                r#"
-[[routes]]
-topic = "{t}"
-type = "order.placed"
-counter = "orders"
-
-[[routes.actions]]
-kind = "call"
-name = "capture"
-endpoint = "psp"
-path = "/captures"
-idempotency_key = "capture:{{{{ data.order_id }}}}"
-body = {{ order_id = "{{{{ data.order_id }}}}", amount = "{{{{ data.amount }}}}" }}
-
-[[routes.actions.on_success.emit]]
-name = "captured"
-type = "payment.captured"
-topic = "{out}"
-key = "{{{{ data.order_id }}}}"
-data = {{ order_id = "{{{{ data.order_id }}}}" }}
-"#
-            )
-        })
-        .collect()
+    use relay_testkit::routes;
+    let capture = [
+        routes::route(None, "order.placed", "counter = \"orders\"\n"),
+        routes::call("capture", "psp", "/captures", &routes::order_and_amount_body()),
+        routes::captured(),
+    ]
+    .concat()
+    .replace("{out}", out);
+    topics.iter().map(|t| capture.replace("{topic}", t)).collect()
 }
 
 fn config(opts: &SoakOptions, group: &str, topics: &[String], out: &str, dlq: &str, provider: &str) -> String {

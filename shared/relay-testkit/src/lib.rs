@@ -12,6 +12,7 @@
 //! silently passes without one.
 
 pub mod process;
+pub mod routes;
 pub mod seed;
 pub mod tls;
 

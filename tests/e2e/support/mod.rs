@@ -19,54 +19,17 @@ use relay_testkit::{TestDb, TestProducer, create_topics, kafka_bootstrap, unique
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use relay_testkit::{DEADLINE, TestEvent, eventually};
+pub use relay_testkit::{DEADLINE, TestEvent, eventually, routes};
 
-/// Route used by most tests: order.placed → capture call (+ payment.captured on success).
-pub const CAPTURE_ROUTE: &str = r#"
-[[routes]]
-name = "order-placed"
-topic = "{topic}"
-type = "order.placed"
-counter = "orders"
-
-[[routes.actions]]
-kind = "call"
-name = "capture"
-endpoint = "psp"
-path = "/captures/{{ data.order_id }}"
-idempotency_key = "capture:{{ data.order_id }}"
-body = { order_id = "{{ data.order_id }}", amount = "{{ data.amount }}" }
-
-[[routes.actions.on_success.emit]]
-name = "captured"
-type = "payment.captured"
-topic = "{out}"
-key = "{{ data.order_id }}"
-data = { order_id = "{{ data.order_id }}" }
-
-[[routes.actions.on_dead.emit]]
-name = "failed"
-type = "payment.failed"
-topic = "{out}"
-key = "{{ data.order_id }}"
-data = { order_id = "{{ data.order_id }}" }
-"#;
+/// Route used by most tests: order.placed → capture call (+ payment.captured
+/// on success, payment.failed when it ends dead).
+pub static CAPTURE_ROUTE: std::sync::LazyLock<String> = std::sync::LazyLock::new(routes::capture_route);
 
 /// A saga move on `payment.confirmed`: order `data.order_id` from pending to
 /// paid (retried, then parked, while the saga does not exist: R19).
-pub const SAGA_ROUTE: &str = r#"
-[[routes]]
-topic = "{topic}"
-type = "payment.confirmed"
-
-[[routes.actions]]
-kind = "saga"
-name = "mark-paid"
-saga = "order"
-id = "{{ data.order_id }}"
-from = ["pending"]
-to = "paid"
-"#;
+pub static SAGA_ROUTE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    routes::route(None, "payment.confirmed", "") + &routes::saga_move("mark-paid", "pending", "paid")
+});
 
 /// One test's world: its own database, topics, provider and names.
 pub struct Harness {
