@@ -1,7 +1,8 @@
 //! JSON Schema validators built from a registered schema and the schemas it
 //! refers to by name; nothing is fetched from elsewhere.
 
-use super::*;
+use serde_json::Value;
+use std::collections::HashMap;
 
 /// A validator of JSON Schema `schema`, the schemas it refers to
 /// (`imports`, by reference name) in its registry, read as Confluent's

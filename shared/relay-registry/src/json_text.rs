@@ -1,7 +1,7 @@
 //! Decoded values written as JSON text within a bound of their size on the
 //! wire.
 
-use super::*;
+use crate::Undecoded;
 
 /// How many times its size in the wire format a value may take as JSON: real
 /// values take a few times theirs (Avro repeats field names, Protobuf writes

@@ -40,11 +40,14 @@ mod protobuf;
 mod tls;
 mod wire;
 
-pub use failure::*;
-use json_schema::*;
-pub use json_text::*;
-pub use tls::*;
-pub use wire::*;
+pub use failure::Failure;
+use failure::{Undecoded, on_topic};
+use json_schema::json_validator;
+use json_text::json_text;
+pub use json_text::{JSON_EXPANSION, JSON_SLACK_BYTES, max_json_bytes};
+pub use tls::with_tls;
+pub use wire::split;
+use wire::{JsonEncoder, header};
 
 /// The wire format's first byte.
 pub const MAGIC: u8 = 0;

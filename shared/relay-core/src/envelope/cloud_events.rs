@@ -1,7 +1,16 @@
 //! CloudEvents records, binary (attributes in `ce_` headers) and
 //! structured (one JSON document), read with the CloudEvents SDK.
 
-use super::*;
+use std::collections::HashMap;
+
+use cloudevents::event::SpecVersion;
+use cloudevents::message::{
+    BinaryDeserializer, BinarySerializer, Error as CeError, MessageAttributeValue, Result as CeResult,
+};
+use cloudevents::{AttributesReader, Data, Event as CloudEvent};
+use serde_json::Value;
+
+use super::{InputEvent, Poison, PoisonClass, RawRecord, STRUCTURED_CONTENT_TYPE, header_text, json_kind, value_text};
 
 pub(super) fn decode_cloudevent(record: &RawRecord) -> Result<InputEvent, Poison> {
     let content_type = header_text(record, "content-type")?;

@@ -22,15 +22,10 @@
 //! fresh one.
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
 
 use chrono::{DateTime, Utc};
-use cloudevents::event::SpecVersion;
-use cloudevents::message::{
-    BinaryDeserializer, BinarySerializer, Error as CeError, MessageAttributeValue, Result as CeResult,
-};
-use cloudevents::{AttributesReader, Data, Event as CloudEvent};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -39,7 +34,7 @@ use crate::stored::stored_names;
 
 mod cloud_events;
 
-use cloud_events::*;
+use cloud_events::decode_cloudevent;
 
 /// `content-type` of a structured-mode CloudEvent.
 pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json";

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use serde_json::{Value, json};
 
-use crate::config::{ActionConfig, EmitAction, EndpointConfig, OutcomeConfig, RelayConfig, SagaAction};
+use crate::config::{EndpointConfig, RelayConfig};
 use crate::effects::{
     CallSpec, Effects, EmitSpec, Intent, NewIntent, Outcome, Plan, Provenance, SagaMove, encode_event,
 };
@@ -23,7 +23,7 @@ use crate::template::{CompileError, JsonTemplate, TemplateBuilder, Templates, Te
 mod compile;
 mod schema_errors;
 
-use compile::*;
+use compile::{check_plan, compile_action};
 pub use schema_errors::schema_failure;
 
 /// A route ready to apply.
@@ -678,6 +678,7 @@ fn missing_guard_field(route: &CompiledRoute, event: &InputEvent, guard: &str, w
 mod tests {
     use super::schema_errors::keyless_path;
     use super::*;
+    use crate::config::ActionConfig;
     use crate::envelope::Header;
 
     fn cfg(extra: &str) -> RelayConfig {

@@ -1,8 +1,6 @@
 //! Recording what became of a claimed intent, fenced by its lease token;
 //! leases extended, released, rescued when they expire.
 
-use super::*;
-
 /// How one attempt ended, for the audit row and the intent's last_* columns.
 #[derive(Debug, Clone)]
 pub struct AttemptRecord {
@@ -27,7 +25,11 @@ pub enum Fenced {
     LeaseLost,
 }
 
+use crate::Unreadable;
+use chrono::{DateTime, Utc};
 pub use relay_core::retry::{AttemptOutcome, ErrorClass, NextState};
+use sqlx::PgConnection;
+use uuid::Uuid;
 
 /// The outcome of one claimed intent's attempt, to record.
 #[derive(Debug, Clone)]

@@ -22,7 +22,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{FromRow, PgConnection, Row};
 use uuid::Uuid;
 
-use crate::{Claim, ClaimConnection, Position, Unreadable};
+use crate::{Claim, ClaimConnection, Position};
 
 pub use relay_core::IntentState;
 pub use relay_core::effects::{Intent, NewIntent};
@@ -33,11 +33,15 @@ mod insert;
 mod operate;
 mod view;
 
-pub use claim::*;
-pub use finish::*;
-pub use insert::*;
-pub use operate::*;
-pub use view::*;
+pub use claim::{CLAIM, Room, Scope, claim, claim_after};
+pub use finish::{
+    AttemptOutcome, AttemptRecord, ErrorClass, FINISH, Fenced, Finish, NextState, answer, extend_leases, finish,
+    finish_many, finish_unreadable, keep_answers, release, rescue_expired,
+};
+pub use insert::{Held, Hold};
+pub(crate) use insert::{INSERT_MANY, bind_many, fair_delays};
+pub use operate::{ReplayRules, Requeue, Skip, give_back_uncertain, pending_elsewhere, requeue, skip, take_uncertain};
+pub use view::{AttemptView, IntentFilter, IntentView, attempts, get, ids, list};
 
 /// A claimed intent: the intent and what the claim adds — everything a
 /// worker needs to make the call and record its outcome.

@@ -1,6 +1,11 @@
 //! Reading intents and their attempts for operators.
 
-use super::*;
+use chrono::{DateTime, Utc};
+use relay_core::IntentState;
+use relay_core::retry::{AttemptOutcome, ErrorClass};
+use sqlx::FromRow;
+use sqlx::PgConnection;
+use uuid::Uuid;
 
 /// An intent as shown to operators.
 #[derive(Debug, Clone, FromRow, serde::Serialize)]
