@@ -1,8 +1,9 @@
 //! JSON Schema validators built from a registered schema and the schemas it
 //! refers to by name; nothing is fetched from elsewhere.
 
-use serde_json::Value;
 use std::collections::HashMap;
+
+use serde_json::Value;
 
 /// A validator of JSON Schema `schema`, the schemas it refers to
 /// (`imports`, by reference name) in its registry, read as Confluent's

@@ -1,8 +1,9 @@
 //! The wire format: a magic byte, the schema id, the encoded value; and the
 //! encoder that writes JSON data under a registered JSON Schema.
 
-use crate::MAGIC;
 use serde_json::Value;
+
+use crate::MAGIC;
 
 /// The wire format's header for schema `id`.
 pub(crate) fn header(id: u32) -> Vec<u8> {

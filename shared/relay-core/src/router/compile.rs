@@ -1,11 +1,10 @@
 //! Routes compiled once at load: their templates parsed, their actions
 //! checked, so that rendering an event does no parsing.
 
+use super::{CompiledAction, CompiledCall, CompiledEmit, CompiledOutcome, CompiledSaga};
 use crate::config::{ActionConfig, EmitAction, OutcomeConfig, SagaAction};
 use crate::effects::{EmitSpec, Plan, SagaMove};
 use crate::template::TemplateBuilder;
-
-use super::{CompiledAction, CompiledCall, CompiledEmit, CompiledOutcome, CompiledSaga};
 
 /// What a plan may hold, whoever made it (templates check as they render;
 /// a code handler's values are checked here): keys and ids bounded and free

@@ -1,13 +1,15 @@
 //! JSON data written as Avro under a registered schema: outcome events
 //! with a `format`, checked against the schema and encoded.
 
-use super::Decoder;
-use super::{base64, decimal_unscaled, kind, pointer_token};
+use std::collections::{HashMap, HashSet};
+
 use apache_avro::schema::{Name, Schema};
 use apache_avro::types::Value as Avro;
 use chrono::{DateTime, NaiveDate};
 use serde_json::Value;
-use std::collections::{HashMap, HashSet};
+
+use super::Decoder;
+use super::{base64, decimal_unscaled, kind, pointer_token};
 
 /// Data (JSON, as templates render it) encoded as an Avro datum of one
 /// schema, in the wire format. The mapping is the decoder's, backwards:

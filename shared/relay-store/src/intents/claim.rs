@@ -1,7 +1,10 @@
 //! Claiming intents: by due time, fairly across endpoints, within each
 //! endpoint's room, with a lease token.
 
-use super::*;
+use std::time::Duration;
+
+use super::{ClaimedIntent, claimed_columns};
+use crate::{Claim, ClaimConnection, Position};
 
 /// Claim up to `limit` due intents for `worker` with a lease of `lease`, in one
 /// statement: `FOR UPDATE SKIP LOCKED` picks rows no other dispatcher holds and

@@ -1,6 +1,12 @@
 //! Writing intents at ingest, claimed there or not, delayed fairly per key.
 
-use super::*;
+use std::borrow::Borrow;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use relay_core::effects::NewIntent;
+use sqlx::PgConnection;
+use uuid::Uuid;
 
 /// Insert many intents, `ON CONFLICT DO NOTHING`, returning the ids that
 /// were new ([`crate::effects::insert`]); `$1`…`$20`: one array per column.

@@ -14,15 +14,10 @@
 //! Every transition out of `running` names the lease token it holds; a worker
 //! whose lease was rescued and re-claimed finds zero rows and records nothing.
 
-use std::borrow::Borrow;
-use std::time::Duration;
-
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
-use sqlx::{FromRow, PgConnection, Row};
+use sqlx::{FromRow, Row};
 use uuid::Uuid;
-
-use crate::{Claim, ClaimConnection, Position};
 
 pub use relay_core::IntentState;
 pub use relay_core::effects::{Intent, NewIntent};

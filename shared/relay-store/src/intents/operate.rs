@@ -1,7 +1,14 @@
 //! The operator's moves and the reconciler's: uncertain intents taken and
 //! given back, skipped, queued again.
 
-use super::*;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use relay_core::IntentState;
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use super::{ClaimedIntent, Fenced, claimed_columns};
 
 /// Endpoints outside `endpoints` with pending intents of `consumer`, and
 /// how many each has: no dispatcher of this configuration claims them (an

@@ -35,32 +35,27 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use rand::SeedableRng;
-use rand::rngs::StdRng;
 use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Offset, TopicPartitionList};
+use relay_core::RawRecord;
 use relay_core::config::{KafkaConfig, RetryBudget};
 use relay_core::retry::BackoffPolicy;
-use relay_core::{Poison, PoisonClass, RawRecord};
-use sqlx::{Connection, PgPool};
+use sqlx::PgPool;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tracing::{Level, debug, error, info, warn};
+use tracing::{debug, error, info, warn};
 
-use relay_core::Disposition;
-
-use crate::ingest::next::{Ended, InARow, Next, WaitFor, next};
 use crate::ingest::partitions::{
-    Done, Filed, Limits, PartitionResult, PartitionRun, Partitions, Resume, Start, TopicPartition,
+    Done, Filed, Limits, PartitionResult, PartitionRun, Partitions, Resume, TopicPartition,
 };
-use crate::ingest::processor::{Processed, Processor};
+use crate::ingest::processor::Processor;
 use crate::ingest::unreadable::{self, Unreadable};
 use crate::runtime::db::bounded;
-use crate::runtime::faults::{FaultInjected, Faults, Sabotage, point};
+use crate::runtime::faults::{Faults, Sabotage};
 use crate::runtime::kafka::consumer_config;
 
 mod context;

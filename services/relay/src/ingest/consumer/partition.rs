@@ -2,10 +2,23 @@
 //! transactions, "not yet" records waited out and parked when their budget
 //! is spent, the database waited out, each record logged.
 
-use super::*;
+use std::time::{Duration, Instant};
+
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rdkafka::consumer::CommitMode;
+use relay_core::{Disposition, Poison, PoisonClass, RawRecord};
+use sqlx::{Connection, PgConnection};
+use tokio_util::sync::CancellationToken;
+use tracing::{Level, debug, error, warn};
+
+use super::InboxConsumer;
 use crate::deliver::handoff::Handed;
 use crate::ingest::decode::View;
-use sqlx::PgConnection;
+use crate::ingest::next::{Ended, InARow, Next, WaitFor, next};
+use crate::ingest::partitions::{PartitionResult, PartitionRun, Start, TopicPartition};
+use crate::ingest::processor::Processed;
+use crate::runtime::faults::{FaultInjected, Sabotage, point};
 
 /// A batch to write: records of one partition, in order, with their decoded views.
 struct Batch<'a> {

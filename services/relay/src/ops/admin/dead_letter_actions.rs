@@ -1,8 +1,13 @@
 //! Dead letters: listed, shown, replayed through the same guards with the
 //! original event id, skipped (releasing the keys they hold), purged.
 
-use super::*;
+use relay_core::Disposition;
 use relay_core::{InboxOutcome, ReplayState};
+use relay_store::dead_letters::{self, DeadLetter, DeadLetterRecord, Filter};
+use relay_store::{holds, inbox, ops};
+
+use super::{Operator, OpsError, PAGE};
+use crate::ingest::processor::Processor;
 
 /// What a replay did.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,7 +1,10 @@
 //! Intents: listed, shown with their history, queued again within the
 //! rules of their provider's key window, resolved or skipped by hand.
 
-use super::*;
+use relay_store::intents::{self, AttemptView, IntentFilter, IntentState, IntentView, Requeue};
+use uuid::Uuid;
+
+use super::{Operator, OpsError, PAGE};
 
 /// Which intents to queue again.
 #[derive(Debug, Clone)]

@@ -8,23 +8,23 @@
 
 use std::collections::HashMap;
 
-use relay_core::{Disposition, RelayConfig};
-use relay_store::dead_letters::{self, DeadLetter, DeadLetterRecord, Filter, Resolution};
-use relay_store::intents::{self, AttemptView, IntentFilter, IntentState, IntentView, Requeue};
+use relay_core::RelayConfig;
+use relay_store::dead_letters::{Filter, Resolution};
+use relay_store::intents::{self};
 use relay_store::ops::{self, Pause, PauseKind, Paused, Resumed};
 use relay_store::outbox::{self, Acted, OutboxState, OutboxView};
 use relay_store::stats::{self, Stats};
-use relay_store::{holds, inbox};
 use sqlx::PgPool;
 use uuid::Uuid;
-
-use crate::ingest::processor::Processor;
 
 mod dead_letter_actions;
 mod intent_actions;
 
-pub use dead_letter_actions::*;
-pub use intent_actions::*;
+pub use dead_letter_actions::{DeadLetters, Released, ReplayOutcome, Replayed};
+pub use intent_actions::{
+    IntentHistory, IntentResolution, Intents, KeyWindow, Requeued, UNCERTAIN_KEY_FORGOTTEN, UNCERTAIN_WITHOUT_KEYS,
+    on_dead_recorded,
+};
 
 /// Why an operator action was refused or failed.
 #[derive(Debug, thiserror::Error)]

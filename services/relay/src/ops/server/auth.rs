@@ -1,6 +1,11 @@
 //! The bearer token in front of every `/api` route.
 
-use super::*;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::Response;
+use secrecy::ExposeSecret;
+
+use super::{ApiError, AppState, Shared};
 
 /// The layer in front of every `/api` route.
 pub(super) async fn require_token(

@@ -1,7 +1,11 @@
 //! The web console: static files compiled into the binary, talking to the
 //! API from the browser (no build step, nothing fetched at run time).
 
-use super::*;
+use axum::Router;
+use axum::http::header;
+use axum::routing::get;
+
+use super::Shared;
 
 const INDEX_HTML: &str = include_str!("../../../console/index.html");
 const APP_JS: &str = include_str!("../../../console/app.js");

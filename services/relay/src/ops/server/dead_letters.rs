@@ -1,7 +1,18 @@
 //! `/api/dead-letters` and `/api/held-keys`: records that could not be
 //! applied, and the keys held behind them.
 
-use super::*;
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use relay_store::dead_letters::Resolution;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tracing::info;
+use utoipa::{IntoParams, ToSchema};
+
+use super::openapi::ErrorBody;
+use super::{ApiError, ApiResult, AppState, Shared};
+use crate::ops::admin::{DeadLetters, Released, ReplayOutcome, Replayed};
 
 #[derive(Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]

@@ -1,6 +1,17 @@
 //! `/api/intents`: external calls — list, show, replay, resolve, skip.
 
-use super::*;
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use relay_store::intents::IntentState;
+use serde::Deserialize;
+use serde_json::json;
+use tracing::info;
+use utoipa::{IntoParams, ToSchema};
+
+use super::openapi::{ErrorBody, intent_states};
+use super::{ApiError, ApiResult, Shared};
+use crate::ops::admin::{Intents, KeyWindow};
 
 #[derive(Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]

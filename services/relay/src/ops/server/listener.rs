@@ -2,7 +2,14 @@
 //! headers, time to be answered and lifetime; and the headers every answer
 //! carries.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
 
 /// Connections served at once; more wait in the kernel's accept queue.
 const MAX_CONNECTIONS: usize = 256;

@@ -14,29 +14,19 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
 use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
-use rdkafka::consumer::{BaseConsumer, Consumer};
 use relay_core::RelayConfig;
-use relay_store::dead_letters::Resolution;
-use relay_store::intents::IntentState;
-use relay_store::ops::{PauseKind, Paused, Resumed};
-use secrecy::{ExposeSecret, SecretString};
-use serde::Deserialize;
+use secrecy::SecretString;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
-use utoipa::{IntoParams, OpenApi, ToSchema};
-use utoipa_axum::{router::OpenApiRouter, routes};
 
 use crate::ingest::processor::Processor;
-use crate::ops::admin::{DeadLetters, Intents, KeyWindow, Operator, OpsError, Released, ReplayOutcome, Replayed};
-use crate::runtime::kafka::{Role, client_config};
+use crate::ops::admin::{Operator, OpsError};
 
 // The rooms below take these imports and the types beneath through
 // `use super::*`: one prelude for the server's files.
@@ -52,7 +42,6 @@ mod pauses;
 mod probes;
 
 pub use openapi::openapi_json;
-use openapi::{ErrorBody, intent_states, outbox_states, pause_kinds};
 
 struct AppState {
     operator: Operator,

@@ -2,7 +2,18 @@
 //! `routes!` per handler registers it at the path its `#[utoipa::path]`
 //! documents.
 
-use super::*;
+use axum::Router;
+use axum::http::header;
+use axum::response::IntoResponse;
+use relay_store::intents::IntentState;
+use relay_store::ops::PauseKind;
+use utoipa::{OpenApi, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use super::Shared;
+// Globs: `routes!` names the `__path_…` type `#[utoipa::path]` generates
+// beside each handler, which importing the handler by name does not bring in.
 use super::{dead_letters::*, intents::*, outbox::*, overview::*, pauses::*, probes::*};
 
 /// The operator API's routes and their OpenAPI description, from one

@@ -1,6 +1,15 @@
 //! `/api/outbox`: events to publish — list, show, replay, skip.
 
-use super::*;
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use serde::Deserialize;
+use serde_json::json;
+use tracing::info;
+use utoipa::IntoParams;
+
+use super::openapi::{ErrorBody, outbox_states};
+use super::{ApiError, ApiResult, Shared};
 
 #[derive(Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]

@@ -1,6 +1,10 @@
 //! `/api/counts`: rows of every table by state, and what is paused.
 
-use super::*;
+use axum::Json;
+use axum::extract::State;
+use serde_json::json;
+
+use super::{ApiResult, Shared};
 
 #[utoipa::path(
     get,

@@ -1,6 +1,16 @@
 //! `/api/pauses`: routes and endpoints held on purpose.
 
-use super::*;
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use relay_store::ops::{PauseKind, Paused, Resumed};
+use serde::Deserialize;
+use serde_json::json;
+use tracing::info;
+use utoipa::ToSchema;
+
+use super::openapi::{ErrorBody, pause_kinds};
+use super::{ApiError, ApiResult, Shared};
 
 #[utoipa::path(
     get,

@@ -1,7 +1,20 @@
 //! Liveness, readiness (checked in the background: a probe never touches
 //! the database or the broker itself) and Prometheus metrics.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use serde_json::json;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use super::{READINESS_EVERY, READINESS_STALE, Readiness, Shared};
+use crate::runtime::kafka::{Role, client_config};
 
 #[utoipa::path(get, path = "/healthz", tag = "probes", summary = "Liveness: the process answers",
     responses((status = 200, description = "Alive", body = String, content_type = "text/plain", example = "ok\n")))]
