@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 use tracing::info;
 use utoipa::{IntoParams, ToSchema};
 
-use super::openapi::ErrorBody;
+use super::schemas::ErrorBody;
 use super::{ApiError, ApiResult, AppState, Shared};
 use crate::ops::admin::{DeadLetters, Released, ReplayOutcome, Replayed};
 

@@ -9,7 +9,7 @@ use serde_json::json;
 use tracing::info;
 use utoipa::{IntoParams, ToSchema};
 
-use super::openapi::{ErrorBody, intent_states};
+use super::schemas::{ErrorBody, intent_states};
 use super::{ApiError, ApiResult, Shared};
 use crate::ops::admin::{Intents, KeyWindow};
 

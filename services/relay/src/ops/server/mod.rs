@@ -40,6 +40,7 @@ mod outbox;
 mod overview;
 mod pauses;
 mod probes;
+mod schemas;
 
 pub use openapi::openapi_json;
 

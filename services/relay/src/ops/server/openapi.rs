@@ -5,13 +5,12 @@
 use axum::Router;
 use axum::http::header;
 use axum::response::IntoResponse;
-use relay_store::intents::IntentState;
-use relay_store::ops::PauseKind;
-use utoipa::{OpenApi, ToSchema};
+use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::Shared;
+use super::schemas::ErrorBody;
 // Globs: `routes!` names the `__path_…` type `#[utoipa::path]` generates
 // beside each handler, which importing the handler by name does not bring in.
 use super::{dead_letters::*, intents::*, outbox::*, overview::*, pauses::*, probes::*};
@@ -163,35 +162,6 @@ impl utoipa::Modify for BearerAuth {
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
         );
     }
-}
-
-/// A text schema of `values`: the names an enum bound to SQL stores, taken
-/// from the enum so the description lists what the handler parses.
-pub(super) fn one_of(values: impl IntoIterator<Item = &'static str>) -> utoipa::openapi::Object {
-    utoipa::openapi::ObjectBuilder::new()
-        .schema_type(utoipa::openapi::schema::Type::String)
-        .enum_values(Some(values.into_iter().collect::<Vec<_>>()))
-        .build()
-}
-
-pub(super) fn pause_kinds() -> utoipa::openapi::Object {
-    one_of(PauseKind::ALL.map(PauseKind::as_str))
-}
-
-pub(super) fn intent_states() -> utoipa::openapi::Object {
-    one_of(IntentState::ALL.map(IntentState::as_str))
-}
-
-pub(super) fn outbox_states() -> utoipa::openapi::Object {
-    one_of(relay_store::outbox::OutboxState::ALL.map(relay_store::outbox::OutboxState::as_str))
-}
-
-/// What every failed `/api` call answers (`ApiError::into_response`).
-#[derive(ToSchema)]
-#[allow(dead_code)] // Only described: the answer is built with `json!`.
-pub(super) struct ErrorBody {
-    /// What went wrong and, where there is one, what to do about it.
-    error: String,
 }
 
 #[cfg(test)]

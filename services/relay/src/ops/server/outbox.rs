@@ -8,7 +8,7 @@ use serde_json::json;
 use tracing::info;
 use utoipa::IntoParams;
 
-use super::openapi::{ErrorBody, outbox_states};
+use super::schemas::{ErrorBody, outbox_states};
 use super::{ApiError, ApiResult, Shared};
 
 #[derive(Deserialize, IntoParams)]

@@ -9,7 +9,7 @@ use serde_json::json;
 use tracing::info;
 use utoipa::ToSchema;
 
-use super::openapi::{ErrorBody, pause_kinds};
+use super::schemas::{ErrorBody, pause_kinds};
 use super::{ApiError, ApiResult, Shared};
 
 #[utoipa::path(
