@@ -1204,6 +1204,62 @@ async fn a_database_that_goes_silent_mid_batch_is_given_up_on_and_the_partition_
     outage_then_back(relay_testkit::TcpProxy::stall, "relay to give up on a silent connection and open another").await;
 }
 
+/// A handler that takes its time over each record, on the database.
+struct Slow;
+
+#[async_trait]
+impl Handler for Slow {
+    async fn handle(&self, tx: &mut sqlx::PgConnection, _: &InputEvent) -> Result<Plan, HandlerError> {
+        sqlx::query("SELECT pg_sleep(0.3)").execute(&mut *tx).await?;
+        Ok(Plan::default())
+    }
+}
+
+// A batch that ran past database.transaction_timeout was taken for a silent
+// database and retried from the start, for ever: a slow batch is one the
+// database is still working on, and it goes on.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_slower_than_the_transaction_timeout_goes_on_while_the_database_works_on_it() {
+    let h = Harness::new(1).await;
+    let mut cfg = h.config(&routes::route(None, "order.placed", "handler = \"slow\"\n"));
+    cfg.consumer.batch_size = 10;
+    cfg.database.transaction_timeout = std::time::Duration::from_secs(1);
+    let mut last = 0;
+    for i in 0..10 {
+        last = h.send(&order(&format!("evt-{i}"), &format!("o-{i}"))).await.1;
+    }
+    let handlers = Handlers::default().register("slow", Slow);
+    let run = h.start_with(cfg, CONSUMER_ONLY, handlers, no_faults()).await;
+    h.await_committed(0, last + 1).await;
+    run.stop().await.unwrap();
+    assert_eq!(h.inbox().await, 10, "every record recorded once");
+}
+
+// The pool checks a connection given back with a round trip of no deadline,
+// holding its slot: a connection given back as the database went silent
+// kept the slot for good, and a pool of such slots never served again.
+#[tokio::test]
+async fn a_connection_given_back_as_the_database_goes_silent_does_not_keep_its_pool_slot() {
+    let db = relay_testkit::TestDb::new().await.unwrap();
+    let proxy = relay_testkit::TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await.unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(std::time::Duration::from_secs(1))
+        .connect(&relay_testkit::url_via(&db.url, proxy.addr()))
+        .await
+        .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::query("SELECT 1").execute(&mut *conn).await.unwrap();
+    proxy.stall();
+    relay::runtime::db::give_back(conn);
+    proxy.restore();
+    eventually("the pool to serve a connection again", DEADLINE, || async {
+        let mut conn = pool.acquire().await.ok()?;
+        sqlx::query("SELECT 1").execute(&mut *conn).await.ok().map(drop)
+    })
+    .await;
+}
+
 /// Five records go through; the database goes away (`outage`) while five
 /// more arrive; nothing is committed until it is back, and then all ten are,
 /// once each.

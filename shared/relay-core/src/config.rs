@@ -350,10 +350,11 @@ pub struct DatabaseConfig {
     /// How long to wait for a pooled connection before the attempt fails.
     #[serde(with = "humantime_serde")]
     pub acquire_timeout: Duration,
-    /// How long one ingest transaction (a batch, or a parked record) may
-    /// take before its connection is dropped and the batch retried: a
-    /// database host that vanishes without a reset (a failover, a frozen
-    /// machine) never answers, and nothing else would end the wait.
+    /// How long one ingest transaction (a batch, or a parked record) may go
+    /// unanswered before relay asks, on another connection, whether the
+    /// database still works on it: a database host that vanishes without a
+    /// reset (a failover, a frozen machine) never answers, and nothing else
+    /// would end the wait. A transaction still being worked on goes on.
     #[serde(with = "humantime_serde")]
     pub transaction_timeout: Duration,
 }

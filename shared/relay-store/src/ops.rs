@@ -95,6 +95,9 @@ pub struct BatchGates {
     /// Some key of the batch's partition is held ([`crate::holds`]): the
     /// batch looks its keys up, whether or not a route holds keys today.
     pub keys_held: bool,
+    /// The server process of the batch's connection, for
+    /// [`backend_working`] when the batch runs long.
+    pub pid: i32,
 }
 
 /// The [`BatchGates`] of a batch of `consumer` on `topic`/`partition`, in
@@ -111,13 +114,50 @@ pub async fn batch_gates(
 ) -> Result<BatchGates, sqlx::Error> {
     sqlx::query_as(
         "SELECT ARRAY(SELECT name FROM relay.pauses WHERE kind = 'route' AND consumer IN ('', $1)) AS paused,
-                EXISTS(SELECT 1 FROM relay.held_keys WHERE consumer = $1 AND topic = $2 AND partition = $3) AS keys_held",
+                EXISTS(SELECT 1 FROM relay.held_keys WHERE consumer = $1 AND topic = $2 AND partition = $3) AS keys_held,
+                pg_backend_pid() AS pid",
     )
     .bind(consumer)
     .bind(topic)
     .bind(partition)
     .fetch_one(conn)
     .await
+}
+
+/// The server process of `conn`.
+pub async fn backend_pid(conn: &mut PgConnection) -> Result<i32, sqlx::Error> {
+    sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(conn).await
+}
+
+/// Whether server process `pid` is still working for its client: running a
+/// statement (not blocked writing to a client that stopped reading), or
+/// between two statements for less than `idle`. Asked on another
+/// connection about one whose answer is late, it tells a slow transaction
+/// (wait for it) from a lost one (a client whose statements no longer
+/// arrive, or a process gone).
+pub async fn backend_working(
+    conn: &mut PgConnection,
+    pid: i32,
+    idle: std::time::Duration,
+) -> Result<bool, sqlx::Error> {
+    let idle = i64::try_from(idle.as_millis()).unwrap_or(i64::MAX);
+    sqlx::query_scalar(
+        "WITH b(backend_state, wait_event, since) AS (SELECT state, wait_event, state_change FROM pg_stat_activity WHERE pid = $1)
+         SELECT coalesce((SELECT (backend_state = 'active' AND wait_event IS DISTINCT FROM 'ClientWrite')
+                                 OR now() - since < make_interval(secs => $2 / 1000.0) FROM b), false)",
+    )
+    .bind(pid)
+    .bind(idle)
+    .fetch_one(conn)
+    .await
+}
+
+/// End server process `pid` (one of relay's own connections, given up on):
+/// its open transaction is rolled back and its locks let go at once, not
+/// when the server notices the client is gone.
+pub async fn end_backend(conn: &mut PgConnection, pid: i32) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT pg_terminate_backend($1)").bind(pid).execute(conn).await?;
+    Ok(())
 }
 
 /// Names of `consumer`'s paused routes.

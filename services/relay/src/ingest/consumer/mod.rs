@@ -92,7 +92,8 @@ pub struct ConsumerSettings {
     /// The largest batch the topics keep (their `max.message.bytes`): a
     /// fetch response must have room for it.
     pub largest_batch: usize,
-    /// Longest one batch's (or parked record's) transaction may take.
+    /// How long one batch's (or parked record's) transaction may go
+    /// unanswered before relay asks whether the database still works on it.
     pub transaction_timeout: Duration,
 }
 

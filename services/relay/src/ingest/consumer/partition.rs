@@ -9,6 +9,7 @@ use rand::rngs::StdRng;
 use rdkafka::consumer::CommitMode;
 use relay_core::{Disposition, Poison, PoisonClass, RawRecord};
 use sqlx::{Connection, PgConnection};
+use std::sync::atomic::{AtomicI32, Ordering};
 use tokio_util::sync::CancellationToken;
 use tracing::{Level, debug, error, warn};
 
@@ -18,6 +19,7 @@ use crate::ingest::decode::View;
 use crate::ingest::next::{Ended, InARow, Next, WaitFor, next};
 use crate::ingest::partitions::{PartitionResult, PartitionRun, Start, TopicPartition};
 use crate::ingest::processor::Processed;
+use crate::runtime::db;
 use crate::runtime::faults::{FaultInjected, Sabotage, point};
 
 /// A batch to write: records of one partition, in order, with their decoded views.
@@ -27,6 +29,8 @@ struct Batch<'a> {
     records: &'a [RawRecord],
     views: &'a [View],
     share: usize,
+    /// The connection's server process, once known (0 until then).
+    pid: &'a AtomicI32,
 }
 
 /// What a batch's committed transaction did.
@@ -373,10 +377,16 @@ impl InboxConsumer {
         let delay = WaitFor::Database.delay(failures, &s.database_backoff, &s.reference_retry.backoff, rng);
         // The database gone (a connection error, an admin shutdown, no
         // resources), not a conflict between transactions: watch for its return.
-        let gone = match e {
-            sqlx::Error::Database(db) => db.code().is_some_and(|c| ["08", "53", "57"].iter().any(|p| c.starts_with(p))),
-            _ => true,
-        };
+        let max = self.pool.options().get_max_connections();
+        // Every connection busy is a pool too small, not a database gone.
+        let saturated = matches!(e, sqlx::Error::PoolTimedOut) && self.pool.size() >= max;
+        let gone = !saturated
+            && match e {
+                sqlx::Error::Database(db) => {
+                    db.code().is_some_and(|c| ["08", "53", "57"].iter().any(|p| c.starts_with(p)))
+                }
+                _ => true,
+            };
         if gone {
             self.db_down.notify_one();
         }
@@ -400,8 +410,7 @@ impl InboxConsumer {
             );
             return delay;
         }
-        let max = self.pool.options().get_max_connections();
-        if matches!(e, sqlx::Error::PoolTimedOut) && self.pool.size() >= max {
+        if saturated {
             // Not an outage: more partitions (and dispatcher work) than
             // connections, each waiting its turn.
             warn!(
@@ -436,12 +445,23 @@ impl InboxConsumer {
         let records = &records[..views.len()];
         let mut conn = self.pool.acquire().await?;
         let limit = self.settings.transaction_timeout;
-        let batch = Batch { tp, generation, records, views: &views, share };
-        let written = match tokio::time::timeout(limit, self.write_batch(&mut conn, batch)).await {
-            Ok(written) => written?,
-            Err(_) => return Err(BatchError::Db(crate::runtime::db::abandon(conn, limit))),
+        let pid = AtomicI32::new(0);
+        let batch = Batch { tp, generation, records, views: &views, share, pid: &pid };
+        let mut work = Box::pin(self.write_batch(&mut conn, batch));
+        let written = loop {
+            match tokio::time::timeout(limit, &mut work).await {
+                Ok(written) => break written?,
+                Err(_) => {
+                    let pid = known(&pid);
+                    if !self.still_working(tp, pid, limit).await {
+                        drop(work);
+                        return Err(BatchError::Db(db::abandon(&self.pool, conn, pid, limit).await));
+                    }
+                }
+            }
         };
-        drop(conn);
+        drop(work);
+        db::give_back(conn);
         let Written { processed, held, stopped, paused, done, took } = written;
         if let Some(handoff) = self.processor.handoff() {
             handoff.send(&self.pool, held).await;
@@ -461,6 +481,7 @@ impl InboxConsumer {
         let read_at = Instant::now();
         let gates =
             relay_store::ops::batch_gates(&mut *conn, self.processor.consumer(), &tp.topic, tp.partition).await?;
+        b.pid.store(gates.pid, Ordering::Relaxed);
         self.processor.paused().set_as_of(gates.paused, read_at);
         let mut tx = conn.begin_with(relay_store::BEGIN_BOUNDED).await?;
         let started = Instant::now();
@@ -520,7 +541,9 @@ impl InboxConsumer {
     ) -> Result<(), ParkError> {
         let mut conn = self.pool.acquire().await?;
         let limit = self.settings.transaction_timeout;
+        let pid = AtomicI32::new(0);
         let park = async {
+            pid.store(relay_store::ops::backend_pid(&mut conn).await?, Ordering::Relaxed);
             let mut tx = conn.begin_with(relay_store::BEGIN_BOUNDED).await?;
             crate::ingest::park::park(&mut tx, self.processor.router(), record, poison, attempts, route).await?;
             self.faults.hit(point::CONSUMER_BEFORE_DB_COMMIT).await?;
@@ -528,10 +551,36 @@ impl InboxConsumer {
             self.faults.hit(point::CONSUMER_AFTER_DB_COMMIT).await?;
             Ok::<_, ParkError>(())
         };
-        match tokio::time::timeout(limit, park).await {
-            Ok(parked) => parked,
-            Err(_) => Err(ParkError::Db(crate::runtime::db::abandon(conn, limit))),
+        let mut park = Box::pin(park);
+        loop {
+            match tokio::time::timeout(limit, &mut park).await {
+                Ok(parked) => {
+                    drop(park);
+                    db::give_back(conn);
+                    return parked;
+                }
+                Err(_) => {
+                    let pid = known(&pid);
+                    if !self.still_working(&TopicPartition::new(&record.topic, record.partition), pid, limit).await {
+                        drop(park);
+                        return Err(ParkError::Db(db::abandon(&self.pool, conn, pid, limit).await));
+                    }
+                }
+            }
         }
+    }
+
+    /// Whether the transaction of `tp` on server process `pid`, running for
+    /// over a period of `limit`, is still being worked on (then it goes on,
+    /// and a slow batch is never taken for an outage), saying so.
+    async fn still_working(&self, tp: &TopicPartition, pid: Option<i32>, limit: Duration) -> bool {
+        let working = db::still_working(&self.pool, pid).await;
+        if working {
+            warn!(consumer = %self.settings.name, topic = %tp.topic, partition = tp.partition,
+                  "a transaction has run for another {}s (database.transaction_timeout); the database is still \
+                   working on it, so it goes on", limit.as_secs());
+        }
+        working
     }
 
     fn log_record(&self, record: &RawRecord, p: &Processed, took: Duration) {
@@ -597,4 +646,9 @@ impl InboxConsumer {
             _ => emit!(Level::DEBUG),
         }
     }
+}
+
+/// The server process an [`AtomicI32`] holds, if it was set.
+fn known(pid: &AtomicI32) -> Option<i32> {
+    Some(pid.load(Ordering::Relaxed)).filter(|&p| p > 0)
 }
