@@ -1,6 +1,14 @@
 -- Whether a dead letter is still open, resolved by a replay, or skipped,
 -- in a column of its own: it was read from a "failed" prefix of the replay
 -- outcome's text. replay_outcome keeps the detail for people.
+--
+-- The table is locked while this runs, kept short: the new column's
+-- default is stored once (no rewrite) and only replayed letters are
+-- updated. Waiting on another transaction's lock past 5 s fails the
+-- migration (the upgrade retries) instead of queueing every writer of
+-- dead letters behind it.
+SET LOCAL lock_timeout = '5s';
+
 ALTER TABLE relay.dead_letters ADD COLUMN replay_state text NOT NULL DEFAULT 'open';
 
 UPDATE relay.dead_letters

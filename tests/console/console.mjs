@@ -14,6 +14,7 @@ const outboxReplayId = process.env.OUTBOX_REPLAY_ID;
 const outboxSkipId = process.env.OUTBOX_SKIP_ID;
 const holdHeadId = process.env.HOLD_HEAD_ID;
 const heldId = process.env.HELD_ID;
+const cutShortId = process.env.CUT_SHORT_ID;
 const shot = process.env.SCREENSHOT || "/tmp/relay-console.png";
 if (!url || !token || !intentId || !uncertainId || !outboxReplayId || !outboxSkipId) {
   throw new Error("CONSOLE_URL, CONSOLE_TOKEN, INTENT_ID, UNCERTAIN_ID, OUTBOX_REPLAY_ID and OUTBOX_SKIP_ID are required");
@@ -93,6 +94,11 @@ try {
   await heldRow.waitFor({ timeout: 20000 });
   if (!(await headRow.textContent()).includes("holds its key")) throw new Error("the head is not shown holding its key");
   if ((await heldRow.getByRole("button").count()) !== 0) throw new Error("a held record offers actions of its own");
+  const cutShortRow = page.locator(`#dead-letters tbody tr[data-id="${cutShortId}"]`);
+  await cutShortRow.waitFor({ timeout: 20000 });
+  if (!(await cutShortRow.textContent()).includes("release cut short")) {
+    throw new Error("a head whose release was cut short is not shown as such");
+  }
   await page.waitForFunction(
     () => document.querySelector('#dl-counts dd[data-key="records held"]').textContent === "1", null, { timeout: 20000 });
   await headRow.getByRole("button", { name: "Skip" }).click();

@@ -222,7 +222,7 @@ async function renderDeadLetters() {
       }, "purge"));
     }
     // Replayed or skipped, but the release of its key was cut short (a crash).
-    const cutShort = d.holds_key && d.replay_outcome !== null && !d.replay_outcome.startsWith("failed");
+    const cutShort = d.holds_key && d.replay_state !== "open";
     const cls = cutShort ? `${d.error_class}, holds its key: release cut short, replay or skip it again`
       : d.holds_key ? `${d.error_class}, holds its key`
       : heldBehind ? `${d.error_class}, behind dead letter ${d.held_behind}` : d.error_class;

@@ -134,16 +134,19 @@ pub struct Filter {
     pub resolution: Resolution,
 }
 
-/// Dead letters by replay state. A dead letter is *resolved* once a replay
-/// processed it (applied, duplicate or a classified no-op).
+/// Dead letters by what they still ask of an operator. A dead letter is
+/// *resolved* once a replay went through (applied, a duplicate or a
+/// classified no-op) or it was skipped, and it no longer holds its key: a
+/// head whose key's release was cut short (a crash between two chunks)
+/// still waits for a replay or skip to finish it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Resolution {
     /// All of them.
     #[default]
     Any,
-    /// Not (yet) resolved by a replay.
+    /// Not (yet) resolved.
     Unresolved,
-    /// Resolved by a replay.
+    /// Resolved.
     Resolved,
 }
 
@@ -169,7 +172,8 @@ const COLUMNS: &str = r#"id, consumer, topic, partition, "offset", event_id, eve
 
 const WHERE: &str = "($1::text IS NULL OR consumer = $1) AND ($2::text IS NULL OR error_class = $2)
     AND ($3::text IS NULL OR topic = $3)
-    AND ($4 = 'any' OR ($4 = 'resolved') = (replay_state <> 'open'))";
+    AND ($4 = 'any' OR ($4 = 'resolved') = (replay_state <> 'open'
+        AND NOT EXISTS (SELECT 1 FROM relay.held_keys h WHERE h.head = dead_letters.id)))";
 
 /// List dead letters, oldest first, after id `after`.
 pub async fn list(conn: &mut PgConnection, f: &Filter, after: i64, limit: i64) -> Result<Vec<DeadLetter>, sqlx::Error> {
