@@ -34,6 +34,7 @@ macro_rules! stored_names {
     ) => {
         $(#[$meta])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+        #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
         $vis enum $name {
             $( $(#[$vmeta])* #[serde(rename = $stored)] $variant, )+
         }

@@ -73,6 +73,7 @@ pub async fn insert(
 
 /// A dead letter.
 #[derive(Debug, Clone, FromRow, serde::Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 // Fields named for what they hold carry no doc that would repeat the name.
 #[allow(missing_docs)]
 pub struct DeadLetter {

@@ -87,6 +87,7 @@ fn serialize_preview<S: serde::Serializer>(key: &[u8], s: S) -> Result<S::Ok, S:
 
 /// A held key.
 #[derive(Debug, Clone, FromRow, serde::Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 // Fields named for what they hold carry no doc that would repeat the name.
 #[allow(missing_docs)]
 pub struct HeldKey {
@@ -96,6 +97,7 @@ pub struct HeldKey {
     pub partition: i32,
     /// The Kafka record key held (serialized as its [`preview`]).
     #[serde(serialize_with = "serialize_preview")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
     pub key: Vec<u8>,
     /// The dead letter that holds it: replay or skip it to release the key.
     pub head: i64,

@@ -9,6 +9,7 @@ pub use relay_core::PauseKind;
 
 /// A pause.
 #[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Pause {
     /// What is paused.
     pub kind: PauseKind,

@@ -14,6 +14,7 @@ pub use relay_core::OutboxState;
 
 /// An outbox row as shown to operators (its payload's size, not its bytes).
 #[derive(Debug, Clone, FromRow, serde::Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 // Fields named for what they hold carry no doc that would repeat the name.
 #[allow(missing_docs)]
 pub struct OutboxView {

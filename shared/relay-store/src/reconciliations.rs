@@ -165,6 +165,7 @@ pub async fn record(
 
 /// A reconciliation as shown to operators.
 #[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ReconciliationView {
     /// Its number among the intent's reconciliations.
     pub n: i32,

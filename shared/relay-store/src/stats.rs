@@ -9,6 +9,7 @@ use sqlx::PgConnection;
 
 /// A snapshot of the relay's tables.
 #[derive(Debug, Clone, Default, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Stats {
     /// Inbox rows by outcome (empty when [`Stats::inbox_estimated`] is set).
     pub inbox: Vec<(InboxOutcome, i64)>,

@@ -9,6 +9,7 @@ use uuid::Uuid;
 
 /// An intent as shown to operators.
 #[derive(Debug, Clone, FromRow, serde::Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 // Fields named for what they hold carry no doc that would repeat the name.
 #[allow(missing_docs)]
 pub struct IntentView {
@@ -55,6 +56,7 @@ pub async fn get(conn: &mut PgConnection, consumer: &str, id: Uuid) -> Result<Op
 
 /// One attempt, for audit.
 #[derive(Debug, Clone, FromRow, serde::Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 // Fields named for what they hold carry no doc that would repeat the name.
 #[allow(missing_docs)]
 pub struct AttemptView {

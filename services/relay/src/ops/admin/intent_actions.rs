@@ -58,7 +58,7 @@ impl KeyWindow {
 }
 
 /// An intent and what was done about it.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
 // Fields named for what they hold carry no doc that would repeat the name.
 #[allow(missing_docs)]
 pub struct IntentHistory {

@@ -48,7 +48,7 @@ pub enum OpsError {
 }
 
 /// The counts the console shows.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
 pub struct Counts {
     /// Rows by table and state.
     pub stats: Stats,

@@ -4,9 +4,10 @@
 use axum::Json;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
+use relay_store::dead_letters::DeadLetter;
 use relay_store::dead_letters::Resolution;
-use serde::Deserialize;
-use serde_json::{Value, json};
+use relay_store::holds::HeldKey;
+use serde::{Deserialize, Serialize};
 use tracing::info;
 use utoipa::{IntoParams, ToSchema};
 
@@ -38,15 +39,18 @@ pub(super) struct DeadLetterQuery {
     summary = "Dead letters, oldest first, a page at a time",
     params(DeadLetterQuery),
     responses(
-        (status = 200, description = "A page and the total matching", body = Object, example = json!({"items": [{"id": 7, "topic": "orders", "partition": 0, "offset": 42, "error_class": "bad_json", "reason": "…"}], "total": 1})),
+        (status = 200, description = "A page and the total matching", body = DeadLetterPage),
     )
 )]
-pub(super) async fn list_dead_letters(State(s): State<Shared>, Query(q): Query<DeadLetterQuery>) -> ApiResult {
+pub(super) async fn list_dead_letters(
+    State(s): State<Shared>,
+    Query(q): Query<DeadLetterQuery>,
+) -> ApiResult<DeadLetterPage> {
     let resolution = if q.all { Resolution::Any } else { Resolution::Unresolved };
     let f = s.operator.filter(q.class, q.topic, resolution);
     let items = s.operator.dead_letters(&f, q.after, q.limit.unwrap_or(100).clamp(1, 1000)).await?;
     let total = s.operator.count_dead_letters(&f).await?;
-    Ok(Json(json!({"items": items, "total": total})))
+    Ok(Json(DeadLetterPage { items, total }))
 }
 
 #[utoipa::path(
@@ -56,34 +60,29 @@ pub(super) async fn list_dead_letters(State(s): State<Shared>, Query(q): Query<D
     summary = "One dead letter with its record (key, headers, value as text, first 64 KiB)",
     params(("id" = i64, Path, description = "Dead letter id")),
     responses(
-        (status = 200, description = "The dead letter", body = Object, example = json!({"dead_letter": {"id": 7, "error_class": "bad_json"}, "key": "o-1", "headers": [{"name": "ce_type", "value": "order.placed"}], "value": "{…"})),
+        (status = 200, description = "The dead letter", body = DeadLetterShown),
         (status = 404, description = "No such dead letter", body = ErrorBody),
     )
 )]
-pub(super) async fn show_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
+pub(super) async fn show_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult<DeadLetterShown> {
     let dl = s.operator.dead_letter(id).await?;
     let text =
         |b: &Option<Vec<u8>>| b.as_deref().map(|v| String::from_utf8_lossy(&v[..v.len().min(64 * 1024)]).into_owned());
-    let hdrs: Vec<Value> = dl
+    let headers = dl
         .record
         .headers
         .iter()
-        .map(|h| json!({"name": h.name, "value": h.value.as_deref().map(String::from_utf8_lossy)}))
+        .map(|h| HeaderText {
+            name: h.name.clone(),
+            value: h.value.as_deref().map(|v| String::from_utf8_lossy(v).into_owned()),
+        })
         .collect();
-    Ok(Json(
-        json!({"dead_letter": dl.meta, "key": text(&dl.record.key), "headers": hdrs, "value": text(&dl.record.payload)}),
-    ))
-}
-
-pub(super) fn outcome_json(id: i64, r: &Replayed) -> Value {
-    let (outcome, detail) = r.outcome.label();
-    let released = r.released.as_ref().map(released_json);
-    json!({"id": id, "outcome": outcome, "detail": detail, "resolved": r.outcome.resolved(), "released": released})
-}
-
-pub(super) fn released_json(r: &Released) -> Value {
-    json!({"key": relay_store::holds::preview(&r.key), "replayed": r.replayed, "held_behind": r.held_behind,
-           "detail": r.describe()})
+    Ok(Json(DeadLetterShown {
+        key: text(&dl.record.key),
+        headers,
+        value: text(&dl.record.payload),
+        dead_letter: dl.meta,
+    }))
 }
 
 #[utoipa::path(
@@ -93,16 +92,16 @@ pub(super) fn released_json(r: &Released) -> Value {
     summary = "Process a dead letter again, as the consumer would",
     params(("id" = i64, Path, description = "Dead letter id")),
     responses(
-        (status = 200, description = "What the replay did", body = Object, example = json!({"id": 7, "outcome": "applied", "detail": "", "resolved": true, "released": null})),
+        (status = 200, description = "What the replay did", body = ReplayAnswer),
         (status = 404, description = "No such dead letter", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
     )
 )]
-pub(super) async fn replay_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
+pub(super) async fn replay_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult<ReplayAnswer> {
     let r = s.operator.replay_releasing(&s.processor, id).await?;
     match r.outcome {
         ReplayOutcome::NotFound => Err(ApiError(StatusCode::NOT_FOUND, format!("no dead letter {id}"))),
-        _ => Ok(Json(outcome_json(id, &r))),
+        _ => Ok(Json(ReplayAnswer::new(id, &r))),
     }
 }
 
@@ -113,15 +112,15 @@ pub(super) async fn replay_dead_letter(State(s): State<Shared>, Path(id): Path<i
     summary = "Resolve a dead letter without applying it, releasing what waits behind it",
     params(("id" = i64, Path, description = "Dead letter id")),
     responses(
-        (status = 200, description = "Skipped", body = Object, example = json!({"id": 7, "skipped": true, "released": {"key": "o-1", "replayed": 2, "held_behind": 0, "detail": "…"}})),
+        (status = 200, description = "Skipped", body = SkipAnswer),
         (status = 404, description = "No such dead letter", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
     )
 )]
-pub(super) async fn skip_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
+pub(super) async fn skip_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult<SkipAnswer> {
     let released = s.operator.skip_dead_letter(&s.processor, id).await?;
     info!(dead_letter = id, "dead letter skipped through the admin API");
-    Ok(Json(json!({"id": id, "skipped": true, "released": released_json(&released)})))
+    Ok(Json(SkipAnswer { id, skipped: true, released: ReleaseAnswer::from(&released) }))
 }
 
 #[derive(Deserialize, IntoParams)]
@@ -138,12 +137,12 @@ pub(super) struct HeldKeysQuery {
     summary = "Keys held behind a dead letter (routes with on_poison = hold_key)",
     params(HeldKeysQuery),
     responses(
-        (status = 200, description = "Held keys", body = Object, example = json!({"held_keys": [{"topic": "orders", "partition": 0, "key": "o-1", "dead_letter_id": 7, "waiting": 3}]})),
+        (status = 200, description = "Held keys", body = HeldKeys),
     )
 )]
-pub(super) async fn held_keys(State(s): State<Shared>, Query(q): Query<HeldKeysQuery>) -> ApiResult {
-    let rows = s.operator.held_keys(q.limit.unwrap_or(200).clamp(1, 1000)).await?;
-    Ok(Json(json!({"held_keys": rows})))
+pub(super) async fn held_keys(State(s): State<Shared>, Query(q): Query<HeldKeysQuery>) -> ApiResult<HeldKeys> {
+    let held_keys = s.operator.held_keys(q.limit.unwrap_or(200).clamp(1, 1000)).await?;
+    Ok(Json(HeldKeys { held_keys }))
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -179,16 +178,16 @@ impl Bulk {
     summary = "Replay dead letters by id, or all unresolved ones (of a class)",
     request_body = Bulk,
     responses(
-        (status = 200, description = "One result per dead letter", body = Object, example = json!({"results": [{"id": 7, "outcome": "applied", "detail": "", "resolved": true, "released": null}], "resolved": 1})),
+        (status = 200, description = "One result per dead letter", body = ReplayResults),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
     )
 )]
-pub(super) async fn replay_dead_letters(State(s): State<Shared>, Json(b): Json<Bulk>) -> ApiResult {
+pub(super) async fn replay_dead_letters(State(s): State<Shared>, Json(b): Json<Bulk>) -> ApiResult<ReplayResults> {
     let which = b.select(&s, Resolution::Unresolved);
     let done = s.operator.replay_all(&s.processor, which, |_, _, _, _| {}).await?;
-    let results: Vec<Value> = done.iter().map(|(id, o)| outcome_json(*id, o)).collect();
-    let resolved = done.iter().filter(|(_, r)| r.outcome.resolved()).count();
-    Ok(Json(json!({"results": results, "resolved": resolved})))
+    let results: Vec<ReplayAnswer> = done.iter().map(|(id, r)| ReplayAnswer::new(*id, r)).collect();
+    let resolved = results.iter().filter(|r| r.resolved).count();
+    Ok(Json(ReplayResults { results, resolved }))
 }
 
 #[utoipa::path(
@@ -198,14 +197,14 @@ pub(super) async fn replay_dead_letters(State(s): State<Shared>, Json(b): Json<B
     summary = "Delete a resolved dead letter",
     params(("id" = i64, Path, description = "Dead letter id")),
     responses(
-        (status = 200, description = "Deleted", body = Object, example = json!({"deleted": 1})),
+        (status = 200, description = "Deleted", body = Deleted),
         (status = 404, description = "No such dead letter", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
     )
 )]
-pub(super) async fn delete_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult {
+pub(super) async fn delete_dead_letter(State(s): State<Shared>, Path(id): Path<i64>) -> ApiResult<Deleted> {
     s.operator.delete_dead_letter(id).await?;
-    Ok(Json(json!({"deleted": 1})))
+    Ok(Json(Deleted { deleted: 1 }))
 }
 
 #[utoipa::path(
@@ -215,13 +214,121 @@ pub(super) async fn delete_dead_letter(State(s): State<Shared>, Path(id): Path<i
     summary = "Delete dead letters by id, or all (resolved ones, of a class)",
     request_body = Bulk,
     responses(
-        (status = 200, description = "How many were deleted", body = Object, example = json!({"deleted": 12})),
+        (status = 200, description = "How many were deleted", body = Deleted),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
     )
 )]
-pub(super) async fn purge_dead_letters(State(s): State<Shared>, Json(b): Json<Bulk>) -> ApiResult {
+pub(super) async fn purge_dead_letters(State(s): State<Shared>, Json(b): Json<Bulk>) -> ApiResult<Deleted> {
     let resolution = if b.resolved { Resolution::Resolved } else { Resolution::Any };
     let deleted = s.operator.purge(b.select(&s, resolution), |_| {}).await?;
-    Ok(Json(json!({"deleted": deleted})))
+    Ok(Json(Deleted { deleted }))
+}
+
+/// A page of dead letters.
+#[derive(Serialize, ToSchema)]
+pub(super) struct DeadLetterPage {
+    /// Oldest first.
+    items: Vec<DeadLetter>,
+    /// How many match the filter, on every page.
+    total: i64,
+}
+
+/// One dead letter with its record.
+#[derive(Serialize, ToSchema)]
+pub(super) struct DeadLetterShown {
+    dead_letter: DeadLetter,
+    /// The record's key as text (first 64 KiB).
+    key: Option<String>,
+    /// The record's headers, values as text.
+    headers: Vec<HeaderText>,
+    /// The record's value as text (first 64 KiB).
+    value: Option<String>,
+}
+
+/// A record header, its value as text.
+#[derive(Serialize, ToSchema)]
+pub(super) struct HeaderText {
+    name: String,
+    value: Option<String>,
+}
+
+/// What a replay of one dead letter did.
+#[derive(Serialize, ToSchema)]
+pub(super) struct ReplayAnswer {
+    id: i64,
+    /// `applied`, `duplicate`, `no_op`, `still_failing`, `held`, `skipped` or `not_found`.
+    outcome: String,
+    /// What the outcome says besides its name (why it still fails, the no-op's class).
+    detail: String,
+    /// Whether the dead letter is resolved now.
+    resolved: bool,
+    /// The key it held, released, if it held one.
+    released: Option<ReleaseAnswer>,
+}
+
+impl ReplayAnswer {
+    fn new(id: i64, r: &Replayed) -> Self {
+        let (outcome, detail) = r.outcome.label();
+        ReplayAnswer {
+            id,
+            outcome: outcome.to_owned(),
+            detail: detail.to_owned(),
+            resolved: r.outcome.resolved(),
+            released: r.released.as_ref().map(ReleaseAnswer::from),
+        }
+    }
+}
+
+/// A held key let go: its held records replayed in order.
+#[derive(Serialize, ToSchema)]
+pub(super) struct ReleaseAnswer {
+    /// The Kafka record key, as text.
+    key: String,
+    /// Held records replayed.
+    replayed: u64,
+    /// The held record that failed in its turn and holds the key now.
+    held_behind: Option<i64>,
+    /// The release in words.
+    detail: String,
+}
+
+impl From<&Released> for ReleaseAnswer {
+    fn from(r: &Released) -> Self {
+        ReleaseAnswer {
+            key: relay_store::holds::preview(&r.key).into_owned(),
+            replayed: r.replayed,
+            held_behind: r.held_behind,
+            detail: r.describe(),
+        }
+    }
+}
+
+/// A skip: the dead letter stays, marked skipped, and its key is released.
+#[derive(Serialize, ToSchema)]
+pub(super) struct SkipAnswer {
+    id: i64,
+    skipped: bool,
+    released: ReleaseAnswer,
+}
+
+/// The held keys.
+#[derive(Serialize, ToSchema)]
+pub(super) struct HeldKeys {
+    held_keys: Vec<HeldKey>,
+}
+
+/// The results of a bulk replay.
+#[derive(Serialize, ToSchema)]
+pub(super) struct ReplayResults {
+    /// One per dead letter, in id order.
+    results: Vec<ReplayAnswer>,
+    /// How many are resolved now.
+    resolved: usize,
+}
+
+/// How many dead letters were deleted.
+#[derive(Serialize, ToSchema)]
+pub(super) struct Deleted {
+    deleted: u64,
 }

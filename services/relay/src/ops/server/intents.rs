@@ -4,14 +4,15 @@ use axum::Json;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use relay_store::intents::IntentState;
-use serde::Deserialize;
-use serde_json::json;
+use relay_store::intents::IntentView;
+use serde::{Deserialize, Serialize};
 use tracing::info;
 use utoipa::{IntoParams, ToSchema};
+use uuid::Uuid;
 
 use super::schemas::{ErrorBody, intent_states};
 use super::{ApiError, ApiResult, Shared};
-use crate::ops::admin::{Intents, KeyWindow};
+use crate::ops::admin::{IntentHistory, IntentResolution, Intents, KeyWindow};
 
 #[derive(Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -34,18 +35,18 @@ pub(super) struct IntentQuery {
     summary = "Intents, newest first",
     params(IntentQuery),
     responses(
-        (status = 200, description = "Intents", body = Object, example = json!({"items": [{"id": "0b9c…", "endpoint": "psp", "state": "dead", "attempts": 5, "last_error": "HTTP 500"}]})),
+        (status = 200, description = "Intents", body = IntentPage),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
     )
 )]
-pub(super) async fn list_intents(State(s): State<Shared>, Query(q): Query<IntentQuery>) -> ApiResult {
+pub(super) async fn list_intents(State(s): State<Shared>, Query(q): Query<IntentQuery>) -> ApiResult<IntentPage> {
     let state = q
         .state
         .map(|st| st.parse::<IntentState>())
         .transpose()
         .map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.to_string()))?;
     let items = s.operator.intents(state, q.endpoint, q.before, q.limit.unwrap_or(100).clamp(1, 1000)).await?;
-    Ok(Json(json!({"items": items})))
+    Ok(Json(IntentPage { items }))
 }
 
 pub(super) fn parse_id(id: &str) -> Result<uuid::Uuid, ApiError> {
@@ -59,13 +60,13 @@ pub(super) fn parse_id(id: &str) -> Result<uuid::Uuid, ApiError> {
     summary = "One intent with its attempts, reconciliations and response",
     params(("id" = String, Path, description = "Intent id (a UUID)")),
     responses(
-        (status = 200, description = "The intent", body = Object, example = json!({"intent": {"id": "0b9c…", "state": "succeeded"}, "attempts": [], "reconciliations": [], "response": null})),
+        (status = 200, description = "The intent", body = IntentHistory),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
         (status = 404, description = "No such intent", body = ErrorBody),
     )
 )]
-pub(super) async fn show_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
-    Ok(Json(json!(s.operator.intent(parse_id(&id)?).await?)))
+pub(super) async fn show_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult<IntentHistory> {
+    Ok(Json(s.operator.intent(parse_id(&id)?).await?))
 }
 
 #[derive(Deserialize, Default, IntoParams)]
@@ -83,7 +84,7 @@ pub(super) struct ReplayQuery {
     summary = "Queue a dead intent again, with the same idempotency key",
     params(("id" = String, Path, description = "Intent id (a UUID)"), ReplayQuery),
     responses(
-        (status = 200, description = "Queued", body = Object, example = json!({"id": "0b9c…", "requeued": true})),
+        (status = 200, description = "Queued", body = IntentRequeued),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
         (status = 404, description = "No such intent", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
@@ -93,10 +94,10 @@ pub(super) async fn replay_intent(
     State(s): State<Shared>,
     Path(id): Path<String>,
     Query(q): Query<ReplayQuery>,
-) -> ApiResult {
+) -> ApiResult<IntentRequeued> {
     let id = parse_id(&id)?;
     s.operator.requeue(id, KeyWindow::past_allowed(q.past_key_window)).await?;
-    Ok(Json(json!({"id": id, "requeued": true})))
+    Ok(Json(IntentRequeued { id, requeued: true }))
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -115,7 +116,7 @@ pub(super) struct Resolve {
     params(("id" = String, Path, description = "Intent id (a UUID)")),
     request_body = Resolve,
     responses(
-        (status = 200, description = "Resolved", body = Object, example = json!({"id": "0b9c…", "resolved": "succeeded", "effects_not_recorded": null})),
+        (status = 200, description = "Resolved", body = IntentResolved),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
         (status = 404, description = "No such intent", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
@@ -125,11 +126,11 @@ pub(super) async fn resolve_intent(
     State(s): State<Shared>,
     Path(id): Path<String>,
     Json(r): Json<Resolve>,
-) -> ApiResult {
+) -> ApiResult<IntentResolved> {
     let id = parse_id(&id)?;
-    let dropped = s.operator.resolve(id, r.resolution, r.note.as_deref()).await?;
+    let effects_not_recorded = s.operator.resolve(id, r.resolution, r.note.as_deref()).await?;
     info!(intent_id = %id, resolution = ?r.resolution, "uncertain intent resolved through the admin API");
-    Ok(Json(json!({"id": id, "resolved": r.resolution, "effects_not_recorded": dropped})))
+    Ok(Json(IntentResolved { id, resolved: r.resolution, effects_not_recorded }))
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -154,15 +155,15 @@ pub(super) struct IntentBulk {
     summary = "Queue dead intents again, by id or all (of an endpoint)",
     request_body = IntentBulk,
     responses(
-        (status = 200, description = "What was queued and what was not", body = Object, example = json!({"requeued": 3, "asked": 4, "refused": 0, "not_replayed": [{"id": "0b9c…", "why": "past the key window of the provider"}]})),
+        (status = 200, description = "What was queued and what was not", body = IntentsRequeued),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
     )
 )]
-pub(super) async fn replay_intents(State(s): State<Shared>, Json(b): Json<IntentBulk>) -> ApiResult {
+pub(super) async fn replay_intents(State(s): State<Shared>, Json(b): Json<IntentBulk>) -> ApiResult<IntentsRequeued> {
     let which = if b.all { Intents::Dead { endpoint: b.endpoint } } else { Intents::Ids(b.ids) };
     let done = s.operator.requeue_all(which, KeyWindow::past_allowed(b.past_key_window), |_| {}).await?;
-    let past: Vec<_> = done.not_replayed.iter().map(|(id, why)| json!({"id": id, "why": why})).collect();
-    Ok(Json(json!({"requeued": done.queued, "asked": done.asked, "refused": done.refused, "not_replayed": past})))
+    let not_replayed = done.not_replayed.into_iter().map(|(id, why)| NotReplayed { id, why }).collect();
+    Ok(Json(IntentsRequeued { requeued: done.queued, asked: done.asked, refused: done.refused, not_replayed }))
 }
 
 #[utoipa::path(
@@ -172,15 +173,66 @@ pub(super) async fn replay_intents(State(s): State<Shared>, Json(b): Json<Intent
     summary = "Give up a dead intent, releasing the key it holds",
     params(("id" = String, Path, description = "Intent id (a UUID)")),
     responses(
-        (status = 200, description = "Skipped", body = Object, example = json!({"id": "0b9c…", "released_key": "o-1", "waiting": 2})),
+        (status = 200, description = "Skipped", body = IntentSkipped),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
         (status = 404, description = "No such intent", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
     )
 )]
-pub(super) async fn skip_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
+pub(super) async fn skip_intent(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult<IntentSkipped> {
     let id = parse_id(&id)?;
-    let (key, waiting) = s.operator.intent_skip(id).await?;
+    let (released_key, waiting) = s.operator.intent_skip(id).await?;
     info!(intent_id = %id, "dead intent skipped through the admin API");
-    Ok(Json(json!({"id": id, "released_key": key, "waiting": waiting})))
+    Ok(Json(IntentSkipped { id, released_key, waiting }))
+}
+
+/// A page of intents.
+#[derive(Serialize, ToSchema)]
+pub(super) struct IntentPage {
+    /// Newest first.
+    items: Vec<IntentView>,
+}
+
+/// A dead intent queued again.
+#[derive(Serialize, ToSchema)]
+pub(super) struct IntentRequeued {
+    id: Uuid,
+    requeued: bool,
+}
+
+/// An uncertain intent resolved by an operator.
+#[derive(Serialize, ToSchema)]
+pub(super) struct IntentResolved {
+    id: Uuid,
+    resolved: IntentResolution,
+    /// Why the outcome's effects were not written, when they were not.
+    effects_not_recorded: Option<String>,
+}
+
+/// What a bulk replay queued and what it did not.
+#[derive(Serialize, ToSchema)]
+pub(super) struct IntentsRequeued {
+    requeued: usize,
+    /// Intents asked for.
+    asked: usize,
+    /// Dead ones whose `on_dead` effects were recorded, left dead.
+    refused: Vec<Uuid>,
+    not_replayed: Vec<NotReplayed>,
+}
+
+/// A dead intent a bulk replay left, and why.
+#[derive(Serialize, ToSchema)]
+pub(super) struct NotReplayed {
+    id: Uuid,
+    why: String,
+}
+
+/// A dead intent given up, its key released.
+#[derive(Serialize, ToSchema)]
+pub(super) struct IntentSkipped {
+    id: Uuid,
+    /// The ordering key it held.
+    released_key: String,
+    /// Intents of that key waiting behind it, now free to run.
+    waiting: i64,
 }

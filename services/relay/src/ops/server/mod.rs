@@ -20,7 +20,7 @@ use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use relay_core::RelayConfig;
 use secrecy::SecretString;
-use serde_json::{Value, json};
+use serde_json::Value;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -82,7 +82,7 @@ struct ApiError(StatusCode, String);
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.0, Json(json!({"error": self.1}))).into_response()
+        (self.0, Json(schemas::ErrorBody { error: self.1 })).into_response()
     }
 }
 
@@ -98,7 +98,8 @@ impl From<OpsError> for ApiError {
     }
 }
 
-type ApiResult = Result<Json<Value>, ApiError>;
+/// A handler's answer: `T` as JSON (its schema in the OpenAPI document), or an error.
+type ApiResult<T> = Result<Json<T>, ApiError>;
 
 /// Serve until `shutdown`. Also refreshes the table gauges.
 pub async fn serve(

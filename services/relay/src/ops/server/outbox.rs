@@ -3,10 +3,11 @@
 use axum::Json;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
-use serde::Deserialize;
-use serde_json::json;
+use relay_store::outbox::OutboxView;
+use serde::{Deserialize, Serialize};
 use tracing::info;
-use utoipa::IntoParams;
+use utoipa::{IntoParams, ToSchema};
+use uuid::Uuid;
 
 use super::schemas::{ErrorBody, outbox_states};
 use super::{ApiError, ApiResult, Shared};
@@ -32,11 +33,11 @@ pub(super) struct OutboxQuery {
     summary = "Outbox rows, newest first",
     params(OutboxQuery),
     responses(
-        (status = 200, description = "Rows", body = Object, example = json!({"items": [{"id": "5d1e…", "topic": "payments", "state": "dead", "attempts": 3}]})),
+        (status = 200, description = "Rows", body = OutboxPage),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
     )
 )]
-pub(super) async fn list_outbox(State(s): State<Shared>, Query(q): Query<OutboxQuery>) -> ApiResult {
+pub(super) async fn list_outbox(State(s): State<Shared>, Query(q): Query<OutboxQuery>) -> ApiResult<OutboxPage> {
     let state = q
         .state
         .map(|st| st.parse::<relay_store::outbox::OutboxState>())
@@ -44,7 +45,7 @@ pub(super) async fn list_outbox(State(s): State<Shared>, Query(q): Query<OutboxQ
         .map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.to_string()))?;
     let limit = q.limit.unwrap_or(100).clamp(1, 1000);
     let items = s.operator.outbox_rows(state, q.topic.as_deref(), q.before, limit).await?;
-    Ok(Json(json!({"items": items})))
+    Ok(Json(OutboxPage { items }))
 }
 
 pub(super) fn parse_outbox_id(id: &str) -> Result<uuid::Uuid, ApiError> {
@@ -58,13 +59,13 @@ pub(super) fn parse_outbox_id(id: &str) -> Result<uuid::Uuid, ApiError> {
     summary = "One outbox row",
     params(("id" = String, Path, description = "Outbox row id (a UUID)")),
     responses(
-        (status = 200, description = "The row", body = Object, example = json!({"row": {"id": "5d1e…", "topic": "payments", "state": "published"}})),
+        (status = 200, description = "The row", body = OutboxShown),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
         (status = 404, description = "No such outbox row", body = ErrorBody),
     )
 )]
-pub(super) async fn show_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
-    Ok(Json(json!({"row": s.operator.outbox_row(parse_outbox_id(&id)?).await?})))
+pub(super) async fn show_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult<OutboxShown> {
+    Ok(Json(OutboxShown { row: s.operator.outbox_row(parse_outbox_id(&id)?).await? }))
 }
 
 #[utoipa::path(
@@ -74,17 +75,17 @@ pub(super) async fn show_outbox(State(s): State<Shared>, Path(id): Path<String>)
     summary = "Queue a dead outbox row again",
     params(("id" = String, Path, description = "Outbox row id (a UUID)")),
     responses(
-        (status = 200, description = "Queued", body = Object, example = json!({"id": "5d1e…", "requeued": true})),
+        (status = 200, description = "Queued", body = OutboxActed),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
         (status = 404, description = "No such outbox row", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
     )
 )]
-pub(super) async fn replay_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
+pub(super) async fn replay_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult<OutboxActed> {
     let id = parse_outbox_id(&id)?;
     s.operator.outbox_replay(id).await?;
     info!(outbox_id = %id, "dead outbox row queued again through the admin API");
-    Ok(Json(json!({"id": id, "requeued": true})))
+    Ok(Json(OutboxActed { id, requeued: Some(true), skipped: None }))
 }
 
 #[utoipa::path(
@@ -94,15 +95,38 @@ pub(super) async fn replay_outbox(State(s): State<Shared>, Path(id): Path<String
     summary = "Give up a dead outbox row",
     params(("id" = String, Path, description = "Outbox row id (a UUID)")),
     responses(
-        (status = 200, description = "Skipped", body = Object, example = json!({"id": "5d1e…", "skipped": true})),
+        (status = 200, description = "Skipped", body = OutboxActed),
         (status = 400, description = "A malformed id or parameter", body = ErrorBody),
         (status = 404, description = "No such outbox row", body = ErrorBody),
         (status = 409, description = "Not in a state that allows it (the reason says which)", body = ErrorBody),
     )
 )]
-pub(super) async fn skip_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult {
+pub(super) async fn skip_outbox(State(s): State<Shared>, Path(id): Path<String>) -> ApiResult<OutboxActed> {
     let id = parse_outbox_id(&id)?;
     s.operator.outbox_skip(id).await?;
     info!(outbox_id = %id, "dead outbox row skipped through the admin API");
-    Ok(Json(json!({"id": id, "skipped": true})))
+    Ok(Json(OutboxActed { id, requeued: None, skipped: Some(true) }))
+}
+
+/// A page of outbox rows.
+#[derive(Serialize, ToSchema)]
+pub(super) struct OutboxPage {
+    /// Newest first.
+    items: Vec<OutboxView>,
+}
+
+/// One outbox row.
+#[derive(Serialize, ToSchema)]
+pub(super) struct OutboxShown {
+    row: OutboxView,
+}
+
+/// A dead outbox row queued again (`requeued`) or given up (`skipped`).
+#[derive(Serialize, ToSchema)]
+pub(super) struct OutboxActed {
+    id: Uuid,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    requeued: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    skipped: Option<bool>,
 }

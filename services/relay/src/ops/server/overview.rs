@@ -2,9 +2,9 @@
 
 use axum::Json;
 use axum::extract::State;
-use serde_json::json;
 
 use super::{ApiResult, Shared};
+use crate::ops::admin::Counts;
 
 #[utoipa::path(
     get,
@@ -12,9 +12,9 @@ use super::{ApiResult, Shared};
     tag = "overview",
     summary = "Rows of every table by state, and what is paused",
     responses(
-        (status = 200, description = "Counts", body = Object, example = json!({"stats": {"inbox": 120, "intents": {"pending": 2, "dead": 1}, "outbox": {"pending": 0}, "dead_letters": {"unresolved": 3}}, "estimated": [], "pauses": []})),
+        (status = 200, description = "Counts", body = Counts),
     )
 )]
-pub(super) async fn counts(State(s): State<Shared>) -> ApiResult {
-    Ok(Json(json!(s.operator.counts().await?)))
+pub(super) async fn counts(State(s): State<Shared>) -> ApiResult<Counts> {
+    Ok(Json(s.operator.counts().await?))
 }

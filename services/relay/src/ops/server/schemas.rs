@@ -4,6 +4,7 @@
 use relay_store::intents::IntentState;
 use relay_store::ops::PauseKind;
 use relay_store::outbox::OutboxState;
+use serde::Serialize;
 use utoipa::ToSchema;
 
 /// A text schema of `values`: the names an enum bound to SQL stores, taken
@@ -28,9 +29,8 @@ pub(super) fn outbox_states() -> utoipa::openapi::Object {
 }
 
 /// What every failed `/api` call answers (`ApiError::into_response`).
-#[derive(ToSchema)]
-#[allow(dead_code)] // Only described: the answer is built with `json!`.
+#[derive(Serialize, ToSchema)]
 pub(super) struct ErrorBody {
     /// What went wrong and, where there is one, what to do about it.
-    error: String,
+    pub(super) error: String,
 }
