@@ -16,6 +16,7 @@ use serde_json::Value;
 pub(crate) fn json_validator(schema: &str, imports: HashMap<String, String>) -> Result<jsonschema::Validator, String> {
     use jsonschema::Draft;
     let doc: Value = serde_json::from_str(schema).map_err(|e| e.to_string())?;
+    check_unfolded_size(&doc, &imports)?;
     if imports.is_empty() {
         return options().build(&doc).map_err(|e| e.to_string());
     }
@@ -47,6 +48,113 @@ pub(crate) fn json_validator(schema: &str, imports: HashMap<String, String>) -> 
         .and_then(jsonschema::RegistryBuilder::prepare)
         .map_err(|e| format!("the schemas it refers to: {e}"))?;
     options().with_registry(&registry).build(&doc).map_err(|e| e.to_string())
+}
+
+/// Most subschemas a schema may apply to one value once its `$ref`s are
+/// followed. The validator walks every branch of an `anyOf` or `oneOf` for a
+/// value that matches none, and builds an error for each: a 2 KB schema of
+/// thirty levels, each an `anyOf` of two `$ref`s to the level below, unfolds
+/// to 2^30 subschemas, and one 6-byte record would hold a worker and exhaust
+/// memory, on every member the partition goes to.
+pub(crate) const MAX_UNFOLDED_SUBSCHEMAS: u64 = 100_000;
+
+/// What a `$ref` back into its own chain counts for: the validator follows
+/// it once per level of the value, and values are at most this deep.
+const CYCLE_COST: u64 = 128;
+
+/// Refuse a schema that unfolds to more than [`MAX_UNFOLDED_SUBSCHEMAS`].
+fn check_unfolded_size(doc: &Value, imports: &HashMap<String, String>) -> Result<(), String> {
+    let imported: HashMap<&str, Value> =
+        imports.iter().filter_map(|(name, text)| Some((name.as_str(), serde_json::from_str(text).ok()?))).collect();
+    let mut unfold = Unfold { root: doc, imported: &imported, known: HashMap::new(), open: Vec::new() };
+    let size = unfold.size(doc, doc);
+    if size > MAX_UNFOLDED_SUBSCHEMAS {
+        return Err(format!(
+            "the schema unfolds to over {MAX_UNFOLDED_SUBSCHEMAS} subschemas once its $refs are followed (nested \
+             anyOf/oneOf/allOf branches that refer to each other): validating a value against it could take \
+             exponential time and memory, so relay does not use it"
+        ));
+    }
+    Ok(())
+}
+
+/// The unfolded size of a schema: each subschema counted once per path that
+/// reaches it, `$ref` targets measured once and remembered.
+struct Unfold<'a> {
+    root: &'a Value,
+    imported: &'a HashMap<&'a str, Value>,
+    /// Sizes of `$ref` targets, by the reference as written.
+    known: HashMap<String, u64>,
+    /// The `$ref`s being measured, to find a chain that comes back.
+    open: Vec<String>,
+}
+
+impl<'a> Unfold<'a> {
+    /// Keywords whose value is one subschema, an array of them, or a map of them.
+    const ONE: [&'static str; 11] = [
+        "not",
+        "if",
+        "then",
+        "else",
+        "items",
+        "additionalItems",
+        "additionalProperties",
+        "contains",
+        "propertyNames",
+        "unevaluatedItems",
+        "unevaluatedProperties",
+    ];
+    const MANY: [&'static str; 4] = ["allOf", "anyOf", "oneOf", "prefixItems"];
+    const MAP: [&'static str; 4] = ["properties", "patternProperties", "dependentSchemas", "dependencies"];
+
+    fn size(&mut self, node: &'a Value, doc: &'a Value) -> u64 {
+        let Value::Object(map) = node else { return 1 };
+        let mut total: u64 = 1;
+        let add = |n: u64, total: &mut u64| *total = total.saturating_add(n);
+        if let Some(Value::String(r)) = map.get("$ref") {
+            let n = self.reference(r, doc);
+            add(n, &mut total);
+        }
+        for key in Self::ONE {
+            match map.get(key) {
+                Some(v @ Value::Object(_)) => add(self.size(v, doc), &mut total),
+                Some(Value::Array(items)) => items.iter().for_each(|v| add(self.size(v, doc), &mut total)),
+                _ => {}
+            }
+        }
+        for key in Self::MANY {
+            if let Some(Value::Array(items)) = map.get(key) {
+                items.iter().for_each(|v| add(self.size(v, doc), &mut total));
+            }
+        }
+        for key in Self::MAP {
+            if let Some(Value::Object(members)) = map.get(key) {
+                members.values().for_each(|v| add(self.size(v, doc), &mut total));
+            }
+        }
+        total
+    }
+
+    /// The size of what `$ref` `r` (in `doc`) reaches; 1 where it reaches
+    /// nothing relay can find (the validator refuses those itself).
+    fn reference(&mut self, r: &str, doc: &'a Value) -> u64 {
+        let (name, pointer) = r.split_once('#').unwrap_or((r, ""));
+        let target_doc = if name.is_empty() { doc } else { self.imported.get(name).unwrap_or(self.root) };
+        // By document and place: two documents may have the same pointer.
+        let key = format!("{:p}#{pointer}", target_doc);
+        if let Some(&n) = self.known.get(&key) {
+            return n;
+        }
+        if self.open.contains(&key) {
+            return CYCLE_COST;
+        }
+        let Some(target) = target_doc.pointer(pointer) else { return 1 };
+        self.open.push(key.clone());
+        let n = self.size(target, target_doc);
+        self.open.pop();
+        self.known.insert(key, n);
+        n
+    }
 }
 
 /// Most backtracking steps a `pattern` may take on one string. Patterns

@@ -1060,6 +1060,40 @@ mod tests {
     }
 
     #[test]
+    fn a_json_schema_that_unfolds_exponentially_is_refused_and_a_deep_one_that_does_not_is_kept() {
+        // Level n is an anyOf of two $refs to level n - 1: 2^n subschemas
+        // for a value that matches no branch.
+        let levels = |n: usize| {
+            let mut defs = serde_json::Map::new();
+            defs.insert("d0".into(), serde_json::json!({"type": "null"}));
+            for i in 1..=n {
+                let below = format!("#/$defs/d{}", i - 1);
+                defs.insert(format!("d{i}"), serde_json::json!({"anyOf": [{"$ref": below}, {"$ref": below}]}));
+            }
+            serde_json::json!({"$defs": defs})
+        };
+        let mut forty = levels(40);
+        forty["allOf"] = serde_json::json!([{"$ref": "#/$defs/d40"}]);
+        let err = json_validator(&forty.to_string(), HashMap::new()).unwrap_err();
+        assert!(err.contains("unfolds to over 100000 subschemas"), "{err}");
+        // Through a schema it refers to by name, the same.
+        let imports = HashMap::from([("levels.json".to_owned(), levels(40).to_string())]);
+        let err = json_validator(r##"{"$ref": "levels.json#/$defs/d40"}"##, imports).unwrap_err();
+        assert!(err.contains("unfolds to over"), "{err}");
+        // Ten levels, and a chain of 200 single $refs, are kept.
+        let mut ten = levels(10);
+        ten["allOf"] = serde_json::json!([{"$ref": "#/$defs/d10"}]);
+        assert!(json_validator(&ten.to_string(), HashMap::new()).is_ok());
+        let mut chain = serde_json::Map::new();
+        chain.insert("c0".into(), serde_json::json!({"type": "integer"}));
+        for i in 1..200 {
+            chain.insert(format!("c{i}"), serde_json::json!({"$ref": format!("#/$defs/c{}", i - 1)}));
+        }
+        let chained = serde_json::json!({"$defs": chain, "$ref": "#/$defs/c199"});
+        assert!(json_validator(&chained.to_string(), HashMap::new()).unwrap().is_valid(&serde_json::json!(1)));
+    }
+
+    #[test]
     fn json_text_stops_at_its_bound_and_writes_as_a_value_would() {
         let value = serde_json::json!({"a": "x".repeat(100), "b": [1, 2.5, null]});
         let whole = json_text(1_000, |out| serde::Serialize::serialize(&value, out)).unwrap();
