@@ -194,7 +194,7 @@ pub(super) async fn replay_dead_letters(State(s): State<Shared>, Json(b): Json<B
     delete,
     path = "/api/dead-letters/{id}",
     tag = "dead letters",
-    summary = "Delete a resolved dead letter",
+    summary = "Delete a dead letter that holds no key (an open one is gone for good: its record was committed past)",
     params(("id" = i64, Path, description = "Dead letter id")),
     responses(
         (status = 200, description = "Deleted", body = Deleted),
