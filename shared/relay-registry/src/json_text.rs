@@ -13,7 +13,7 @@ pub const JSON_EXPANSION: usize = 16;
 pub const JSON_SLACK_BYTES: usize = 64 * 1024;
 
 /// The most bytes of JSON text a value of `wire` bytes is decoded to; a
-/// value that would take more is [`Failure::Oversized`].
+/// value that would take more is [`Failure::Oversized`](crate::Failure::Oversized).
 pub fn max_json_bytes(wire: usize) -> usize {
     wire.saturating_mul(JSON_EXPANSION).saturating_add(JSON_SLACK_BYTES)
 }

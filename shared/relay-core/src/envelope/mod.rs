@@ -12,7 +12,7 @@
 //! from ([`FieldSource`]).
 //!
 //! The attribute mapping itself is the CloudEvents SDK's: we implement its
-//! [`BinaryDeserializer`] over our own header list instead of enabling the SDK's
+//! [`BinaryDeserializer`](cloudevents::message::BinaryDeserializer) over our own header list instead of enabling the SDK's
 //! `rdkafka` feature, because that feature pins an older rdkafka (a second
 //! librdkafka build) and unwraps header values, so a record with a null header
 //! would panic the consumer instead of being dead-lettered.

@@ -13,8 +13,8 @@ use crate::{Claim, ClaimConnection, Position};
 /// one, are not due (R13; "earlier" is commit order, [`crate::ordering`]):
 /// an uncertain intent holds its key until an operator replays it, since
 /// the provider may have applied it. The
-/// attempt's audit row is written when it finishes ([`finish_many`]) or, if
-/// its worker is lost, by the rescuer ([`rescue_expired`]). Commits by
+/// attempt's audit row is written when it finishes ([`finish_many`](super::finish_many)) or, if
+/// its worker is lost, by the rescuer ([`rescue_expired`](super::rescue_expired)). Commits by
 /// itself, on a claim connection ([`crate::ClaimPool`]): one round trip. A
 /// short claim also says when the next intent comes due ([`Claim::next_due`]).
 pub async fn claim(

@@ -166,7 +166,7 @@ pub async fn finish_many(conn: &mut PgConnection, items: &[Finish]) -> Result<Ve
 }
 
 /// Finish claimed intents whose stored columns cannot be read
-/// ([`Claim::unreadable`]) as dead, fenced by their lease tokens, with
+/// ([`Claim::unreadable`](crate::Claim::unreadable)) as dead, fenced by their lease tokens, with
 /// [`Unreadable::reason`] as their last error (class `request`: a request
 /// that cannot be expressed); their `on_dead` effects, which are among
 /// what cannot be read, are not recorded. One an earlier attempt of which
@@ -253,7 +253,7 @@ pub async fn finish(conn: &mut PgConnection, item: Finish) -> Result<Fenced, sql
 /// Return intents whose lease expired (their worker crashed or stalled) to
 /// pending, recording the lost attempt as `lease_expired`. The attempt stays
 /// counted, so an intent that kills every worker still runs out of budget.
-/// An uncertain intent an operator's resolution took ([`take_uncertain`]:
+/// An uncertain intent an operator's resolution took ([`take_uncertain`](super::take_uncertain):
 /// the only running rows that keep their `finished_at`) goes back to
 /// uncertain, never to pending: a resolution cut off must not become a call.
 ///

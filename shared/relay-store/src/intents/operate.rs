@@ -36,9 +36,9 @@ pub async fn pending_elsewhere(
 /// outcome is recorded by the same fenced path as a call's, effects and all.
 /// `None` if it is not one of the consumer's uncertain intents. Its
 /// `finished_at` is kept: that is how the rescuer knows to return it to
-/// uncertain ([`rescue_expired`]), and [`give_back_uncertain`] does at once.
+/// uncertain ([`rescue_expired`](super::rescue_expired)), and [`give_back_uncertain`] does at once.
 /// One whose stored columns cannot be read is given back at once, and the
-/// error says why ([`Unreadable::reason`]).
+/// error says why ([`Unreadable::reason`](crate::Unreadable::reason)).
 pub async fn take_uncertain(
     conn: &mut PgConnection,
     consumer: &str,
