@@ -8,6 +8,7 @@
 //! connection given up on is closed, and connections go back to the pool
 //! through a bounded check.
 
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
@@ -46,6 +47,44 @@ pub async fn abandon(pool: &PgPool, conn: PoolConnection<Postgres>, pid: Option<
         let _ = bounded(pool, PROBE, end).await;
     }
     timed_out(limit)
+}
+
+/// Run `work` on `conn` for as long as the database works on it: each time
+/// it runs past another `limit`, [`still_working`] asks about its server
+/// process (`pid`, once `work` has stored it there) and `on_long` is told
+/// when it goes on. A transaction the database stopped on is
+/// [abandoned](abandon) (the error); one that ends, however it ends, gives
+/// `conn` [back](give_back).
+pub async fn watched<T>(
+    pool: &PgPool,
+    mut conn: PoolConnection<Postgres>,
+    limit: Duration,
+    pid: &AtomicI32,
+    mut on_long: impl FnMut(Duration),
+    work: impl AsyncFnOnce(&mut PgConnection) -> T,
+) -> Result<T, sqlx::Error> {
+    let done = {
+        let mut running = std::pin::pin!(work(&mut conn));
+        loop {
+            match tokio::time::timeout(limit, &mut running).await {
+                Ok(done) => break Some(done),
+                Err(_) if still_working(pool, known(pid)).await => on_long(limit),
+                Err(_) => break None,
+            }
+        }
+    };
+    match done {
+        Some(done) => {
+            give_back(conn);
+            Ok(done)
+        }
+        None => Err(abandon(pool, conn, known(pid), limit).await),
+    }
+}
+
+/// The server process an [`AtomicI32`] holds, once set (pids are positive).
+fn known(pid: &AtomicI32) -> Option<i32> {
+    Some(pid.load(Ordering::Relaxed)).filter(|&p| p > 0)
 }
 
 /// Give `conn` back to the pool through its check, within [`PROBE`]: a

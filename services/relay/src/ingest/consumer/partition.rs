@@ -443,25 +443,14 @@ impl InboxConsumer {
         let share = self.state.lock().expect("partition state lock").share();
         let views = self.processor.decoder().views_within(records, share).await.map_err(BatchError::Registry)?;
         let records = &records[..views.len()];
-        let mut conn = self.pool.acquire().await?;
-        let limit = self.settings.transaction_timeout;
+        let conn = self.pool.acquire().await?;
         let pid = AtomicI32::new(0);
         let batch = Batch { tp, generation, records, views: &views, share, pid: &pid };
-        let mut work = Box::pin(self.write_batch(&mut conn, batch));
-        let written = loop {
-            match tokio::time::timeout(limit, &mut work).await {
-                Ok(written) => break written?,
-                Err(_) => {
-                    let pid = known(&pid);
-                    if !self.still_working(tp, pid, limit).await {
-                        drop(work);
-                        return Err(BatchError::Db(db::abandon(&self.pool, conn, pid, limit).await));
-                    }
-                }
-            }
-        };
-        drop(work);
-        db::give_back(conn);
+        let write = async |c: &mut PgConnection| self.write_batch(c, batch).await;
+        let limit = self.settings.transaction_timeout;
+        let written = db::watched(&self.pool, conn, limit, &pid, |l| self.running_long(tp, l), write)
+            .await
+            .map_err(BatchError::Db)??;
         let Written { processed, held, stopped, paused, done, took } = written;
         if let Some(handoff) = self.processor.handoff() {
             handoff.send(&self.pool, held).await;
@@ -539,48 +528,28 @@ impl InboxConsumer {
         attempts: u32,
         route: Option<&str>,
     ) -> Result<(), ParkError> {
-        let mut conn = self.pool.acquire().await?;
-        let limit = self.settings.transaction_timeout;
+        let conn = self.pool.acquire().await?;
         let pid = AtomicI32::new(0);
-        let park = async {
-            pid.store(relay_store::ops::backend_pid(&mut conn).await?, Ordering::Relaxed);
-            let mut tx = conn.begin_with(relay_store::BEGIN_BOUNDED).await?;
+        let park = async |c: &mut PgConnection| {
+            pid.store(relay_store::ops::backend_pid(c).await?, Ordering::Relaxed);
+            let mut tx = c.begin_with(relay_store::BEGIN_BOUNDED).await?;
             crate::ingest::park::park(&mut tx, self.processor.router(), record, poison, attempts, route).await?;
             self.faults.hit(point::CONSUMER_BEFORE_DB_COMMIT).await?;
             tx.commit().await?;
             self.faults.hit(point::CONSUMER_AFTER_DB_COMMIT).await?;
             Ok::<_, ParkError>(())
         };
-        let mut park = Box::pin(park);
-        loop {
-            match tokio::time::timeout(limit, &mut park).await {
-                Ok(parked) => {
-                    drop(park);
-                    db::give_back(conn);
-                    return parked;
-                }
-                Err(_) => {
-                    let pid = known(&pid);
-                    if !self.still_working(&TopicPartition::new(&record.topic, record.partition), pid, limit).await {
-                        drop(park);
-                        return Err(ParkError::Db(db::abandon(&self.pool, conn, pid, limit).await));
-                    }
-                }
-            }
-        }
+        let tp = TopicPartition::new(&record.topic, record.partition);
+        let limit = self.settings.transaction_timeout;
+        db::watched(&self.pool, conn, limit, &pid, |l| self.running_long(&tp, l), park).await.map_err(ParkError::Db)?
     }
 
-    /// Whether the transaction of `tp` on server process `pid`, running for
-    /// over a period of `limit`, is still being worked on (then it goes on,
-    /// and a slow batch is never taken for an outage), saying so.
-    async fn still_working(&self, tp: &TopicPartition, pid: Option<i32>, limit: Duration) -> bool {
-        let working = db::still_working(&self.pool, pid).await;
-        if working {
-            warn!(consumer = %self.settings.name, topic = %tp.topic, partition = tp.partition,
-                  "a transaction has run for another {}s (database.transaction_timeout); the database is still \
-                   working on it, so it goes on", limit.as_secs());
-        }
-        working
+    /// Say that `tp`'s transaction ran past another `limit` and goes on, the
+    /// database still working on it (a slow batch is never an outage).
+    fn running_long(&self, tp: &TopicPartition, limit: Duration) {
+        warn!(consumer = %self.settings.name, topic = %tp.topic, partition = tp.partition,
+              "a transaction has run for another {}s (database.transaction_timeout); the database is still \
+               working on it, so it goes on", limit.as_secs());
     }
 
     fn log_record(&self, record: &RawRecord, p: &Processed, took: Duration) {
@@ -646,9 +615,4 @@ impl InboxConsumer {
             _ => emit!(Level::DEBUG),
         }
     }
-}
-
-/// The server process an [`AtomicI32`] holds, if it was set.
-fn known(pid: &AtomicI32) -> Option<i32> {
-    Some(pid.load(Ordering::Relaxed)).filter(|&p| p > 0)
 }
