@@ -107,6 +107,10 @@ async fn the_admin_api_needs_its_token_and_pauses_hold_work_without_skipping_it(
     let (status, body) = admin.get("/api/intents?state=deadd", Some(TOKEN)).await;
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("unknown intent state"), "{body}");
+    // A misspelt error class is refused, not an empty page.
+    let (status, body) = admin.get("/api/dead-letters?class=bad_jsonn", Some(TOKEN)).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("unknown poison class") && body.contains("bad_json"), "{body}");
     assert_eq!(admin.get("/api/intents?state=dead", Some(TOKEN)).await.0, 200);
 
     // An endpoint pause: its intents wait, the other endpoint's go out.

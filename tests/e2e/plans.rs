@@ -923,6 +923,7 @@ async fn every_check_constraint_on_names_accepts_exactly_its_enum_s_names() {
         ("pauses_kind_known", names(PauseKind::ALL)),
         ("history_kind_known", names(HistoryKind::ALL)),
         ("dead_letters_replay_state_known", names(ReplayState::ALL)),
+        ("dead_letters_error_class_known", names(relay_core::PoisonClass::ALL)),
     ]
     .into_iter()
     .collect();

@@ -3,7 +3,7 @@
 //! same guards with their original event id.
 
 use chrono::{DateTime, Utc};
-use relay_core::{Poison, RawRecord, ReplayState};
+use relay_core::{Poison, PoisonClass, RawRecord, ReplayState};
 use serde_json::Value;
 use sqlx::{FromRow, PgConnection};
 
@@ -89,7 +89,7 @@ pub struct DeadLetter {
     pub event_id: Option<String>,
     /// Event type, if it could be read.
     pub event_type: Option<String>,
-    pub error_class: String,
+    pub error_class: PoisonClass,
     pub reason: String,
     /// Attempts made.
     pub attempts: i32,
@@ -128,7 +128,7 @@ pub struct Filter {
     /// Only this consumer.
     pub consumer: Option<String>,
     /// Only this error class.
-    pub error_class: Option<String>,
+    pub error_class: Option<PoisonClass>,
     /// Only this topic.
     pub topic: Option<String>,
     /// Which ones by replay state.
@@ -180,7 +180,7 @@ const WHERE: &str = "($1::text IS NULL OR consumer = $1) AND ($2::text IS NULL O
 pub async fn list(conn: &mut PgConnection, f: &Filter, after: i64, limit: i64) -> Result<Vec<DeadLetter>, sqlx::Error> {
     sqlx::query_as(&format!("SELECT {COLUMNS} FROM relay.dead_letters WHERE {WHERE} AND id > $5 ORDER BY id LIMIT $6"))
         .bind(&f.consumer)
-        .bind(&f.error_class)
+        .bind(f.error_class)
         .bind(&f.topic)
         .bind(f.resolution.as_str())
         .bind(after)
@@ -193,7 +193,7 @@ pub async fn list(conn: &mut PgConnection, f: &Filter, after: i64, limit: i64) -
 pub async fn count(conn: &mut PgConnection, f: &Filter) -> Result<i64, sqlx::Error> {
     sqlx::query_scalar(&format!("SELECT count(*) FROM relay.dead_letters WHERE {WHERE}"))
         .bind(&f.consumer)
-        .bind(&f.error_class)
+        .bind(f.error_class)
         .bind(&f.topic)
         .bind(f.resolution.as_str())
         .fetch_one(conn)
@@ -309,7 +309,7 @@ pub async fn purge(conn: &mut PgConnection, f: &Filter, limit: i64) -> Result<u6
              SELECT id FROM relay.dead_letters WHERE {WHERE} AND hold_id IS NULL ORDER BY id LIMIT $5)"
     ))
     .bind(&f.consumer)
-    .bind(&f.error_class)
+    .bind(f.error_class)
     .bind(&f.topic)
     .bind(f.resolution.as_str())
     .bind(limit)

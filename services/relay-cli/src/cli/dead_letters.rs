@@ -4,7 +4,7 @@ use relay::app::Relay;
 use relay::ingest::handler::Handlers;
 use relay::ops::admin::{DeadLetters, Operator, ReplayOutcome};
 use relay::runtime::faults::Faults;
-use relay_core::RelayConfig;
+use relay_core::{PoisonClass, RelayConfig};
 use relay_store::dead_letters::Resolution;
 
 use super::{DeadLetterCommand, operator};
@@ -28,7 +28,7 @@ pub(super) async fn command(cfg: RelayConfig, cmd: DeadLetterCommand) -> anyhow:
 /// `relay dead-letters list`: newest first, a line each (or JSON lines).
 async fn list(
     ops: &Operator,
-    class: Option<String>,
+    class: Option<PoisonClass>,
     topic: Option<String>,
     all: bool,
     limit: i64,
@@ -102,7 +102,7 @@ async fn replay(
     cfg: RelayConfig,
     ids: Vec<i64>,
     all: bool,
-    class: Option<String>,
+    class: Option<PoisonClass>,
 ) -> anyhow::Result<()> {
     if ids.is_empty() && !all {
         anyhow::bail!("nothing to replay: give dead letter ids, or --all");
@@ -178,7 +178,7 @@ async fn purge(
     ops: &Operator,
     ids: Vec<i64>,
     all: bool,
-    class: Option<String>,
+    class: Option<PoisonClass>,
     resolved: bool,
     yes: bool,
 ) -> anyhow::Result<()> {

@@ -274,7 +274,7 @@ pub enum DeadLetterCommand {
     List {
         /// Only this error class (e.g. bad_json, missing_id, schema_invalid).
         #[arg(long)]
-        class: Option<String>,
+        class: Option<relay_core::PoisonClass>,
         /// Only this source topic.
         #[arg(long)]
         topic: Option<String>,
@@ -302,7 +302,7 @@ pub enum DeadLetterCommand {
         all: bool,
         /// With --all: only this error class.
         #[arg(long, requires = "all")]
-        class: Option<String>,
+        class: Option<relay_core::PoisonClass>,
     },
     /// Skip a dead letter that holds its Kafka key (route on_poison =
     /// "hold_key"): it stays a dead letter, marked skipped and never
@@ -330,7 +330,7 @@ pub enum DeadLetterCommand {
         all: bool,
         /// With --all: only this error class.
         #[arg(long, requires = "all")]
-        class: Option<String>,
+        class: Option<relay_core::PoisonClass>,
         /// With --all: only those already resolved by a replay.
         #[arg(long, requires = "all")]
         resolved: bool,

@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use relay_core::RelayConfig;
+use relay_core::{PoisonClass, RelayConfig};
 use relay_store::dead_letters::{Filter, Resolution};
 use relay_store::intents::{self};
 use relay_store::ops::{self, Pause, PauseKind, Paused, Resumed};
@@ -129,7 +129,7 @@ impl Operator {
     }
 
     /// A dead-letter filter of this consumer.
-    pub fn filter(&self, class: Option<String>, topic: Option<String>, resolution: Resolution) -> Filter {
+    pub fn filter(&self, class: Option<PoisonClass>, topic: Option<String>, resolution: Resolution) -> Filter {
         Filter { consumer: Some(self.consumer.clone()), error_class: class, topic, resolution }
     }
 

@@ -4,6 +4,7 @@
 use axum::Json;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
+use relay_core::PoisonClass;
 use relay_store::dead_letters::DeadLetter;
 use relay_store::dead_letters::Resolution;
 use relay_store::holds::HeldKey;
@@ -11,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use tracing::info;
 use utoipa::{IntoParams, ToSchema};
 
-use super::schemas::ErrorBody;
+use super::schemas::{ErrorBody, poison_classes};
 use super::{ApiError, ApiResult, AppState, Shared};
 use crate::ops::admin::{DeadLetters, Released, ReplayOutcome, Replayed};
 
@@ -19,6 +20,7 @@ use crate::ops::admin::{DeadLetters, Released, ReplayOutcome, Replayed};
 #[into_params(parameter_in = Query)]
 pub(super) struct DeadLetterQuery {
     /// Only this error class (e.g. `bad_json`, `schema_invalid`).
+    #[param(schema_with = poison_classes)]
     class: Option<String>,
     /// Only records of this topic.
     topic: Option<String>,
@@ -47,7 +49,7 @@ pub(super) async fn list_dead_letters(
     Query(q): Query<DeadLetterQuery>,
 ) -> ApiResult<DeadLetterPage> {
     let resolution = if q.all { Resolution::Any } else { Resolution::Unresolved };
-    let f = s.operator.filter(q.class, q.topic, resolution);
+    let f = s.operator.filter(parse_class(q.class)?, q.topic, resolution);
     let items = s.operator.dead_letters(&f, q.after, q.limit.unwrap_or(100).clamp(1, 1000)).await?;
     let total = s.operator.count_dead_letters(&f).await?;
     Ok(Json(DeadLetterPage { items, total }))
@@ -154,6 +156,7 @@ pub(super) struct Bulk {
     #[serde(default)]
     all: bool,
     /// With `all`: only this error class.
+    #[schema(schema_with = poison_classes)]
     class: Option<String>,
     /// Purge: only resolved ones.
     #[serde(default)]
@@ -162,13 +165,18 @@ pub(super) struct Bulk {
 
 impl Bulk {
     /// The dead letters a bulk request names: its ids, or all of `resolution` (of its class).
-    fn select(self, s: &AppState, resolution: Resolution) -> DeadLetters {
-        if self.all {
-            DeadLetters::Matching(s.operator.filter(self.class, None, resolution))
+    fn select(self, s: &AppState, resolution: Resolution) -> Result<DeadLetters, ApiError> {
+        Ok(if self.all {
+            DeadLetters::Matching(s.operator.filter(parse_class(self.class)?, None, resolution))
         } else {
             DeadLetters::Ids(self.ids)
-        }
+        })
     }
+}
+
+/// An error class named in a request, parsed (a 400 lists the known ones).
+fn parse_class(class: Option<String>) -> Result<Option<PoisonClass>, ApiError> {
+    class.map(|c| c.parse::<PoisonClass>()).transpose().map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.to_string()))
 }
 
 #[utoipa::path(
@@ -183,7 +191,7 @@ impl Bulk {
     )
 )]
 pub(super) async fn replay_dead_letters(State(s): State<Shared>, Json(b): Json<Bulk>) -> ApiResult<ReplayResults> {
-    let which = b.select(&s, Resolution::Unresolved);
+    let which = b.select(&s, Resolution::Unresolved)?;
     let done = s.operator.replay_all(&s.processor, which, |_, _, _, _| {}).await?;
     let results: Vec<ReplayAnswer> = done.iter().map(|(id, r)| ReplayAnswer::new(*id, r)).collect();
     let resolved = results.iter().filter(|r| r.resolved).count();
@@ -221,7 +229,7 @@ pub(super) async fn delete_dead_letter(State(s): State<Shared>, Path(id): Path<i
 )]
 pub(super) async fn purge_dead_letters(State(s): State<Shared>, Json(b): Json<Bulk>) -> ApiResult<Deleted> {
     let resolution = if b.resolved { Resolution::Resolved } else { Resolution::Any };
-    let deleted = s.operator.purge(b.select(&s, resolution), |_| {}).await?;
+    let deleted = s.operator.purge(b.select(&s, resolution)?, |_| {}).await?;
     Ok(Json(Deleted { deleted }))
 }
 

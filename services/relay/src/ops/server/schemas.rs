@@ -1,6 +1,7 @@
 //! Schema pieces the handlers' OpenAPI declarations share: the error
 //! answer, and the names an enum bound to SQL stores.
 
+use relay_core::PoisonClass;
 use relay_store::intents::IntentState;
 use relay_store::ops::PauseKind;
 use relay_store::outbox::OutboxState;
@@ -22,6 +23,10 @@ pub(super) fn pause_kinds() -> utoipa::openapi::Object {
 
 pub(super) fn intent_states() -> utoipa::openapi::Object {
     one_of(IntentState::ALL.map(IntentState::as_str))
+}
+
+pub(super) fn poison_classes() -> utoipa::openapi::Object {
+    one_of(PoisonClass::ALL.map(PoisonClass::as_str))
 }
 
 pub(super) fn outbox_states() -> utoipa::openapi::Object {
