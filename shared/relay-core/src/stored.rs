@@ -34,7 +34,6 @@ macro_rules! stored_names {
     ) => {
         $(#[$meta])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
-        #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
         $vis enum $name {
             $( $(#[$vmeta])* #[serde(rename = $stored)] $variant, )+
         }
@@ -50,6 +49,21 @@ macro_rules! stored_names {
                 }
             }
         }
+
+        // Written out: utoipa's derive does not see a `serde(rename)` whose
+        // name came through this macro, and described the variants' Rust names.
+        #[cfg(feature = "openapi")]
+        impl utoipa::PartialSchema for $name {
+            fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+                utoipa::openapi::ObjectBuilder::new()
+                    .schema_type(utoipa::openapi::schema::Type::String)
+                    .enum_values(Some([$($stored),+]))
+                    .into()
+            }
+        }
+
+        #[cfg(feature = "openapi")]
+        impl utoipa::ToSchema for $name {}
 
         impl std::fmt::Display for $name {
             fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -59,14 +59,17 @@ pub(crate) fn json_validator(schema: &str, imports: HashMap<String, String>) -> 
 pub(crate) const MAX_UNFOLDED_SUBSCHEMAS: u64 = 100_000;
 
 /// What a `$ref` back into its own chain counts for: the validator follows
-/// it once per level of the value, and values are at most this deep.
+/// it once per level of the value, and values are at most this deep. Two
+/// branches of one `anyOf`, `oneOf`, `allOf` or `if`/`then`/`else` that both
+/// come back double the work at every level of the value: such a schema is
+/// refused whatever its size.
 const CYCLE_COST: u64 = 128;
 
 /// Refuse a schema that unfolds to more than [`MAX_UNFOLDED_SUBSCHEMAS`].
 fn check_unfolded_size(doc: &Value, imports: &HashMap<String, String>) -> Result<(), String> {
     let imported: HashMap<&str, Value> =
         imports.iter().filter_map(|(name, text)| Some((name.as_str(), serde_json::from_str(text).ok()?))).collect();
-    let mut unfold = Unfold { root: doc, imported: &imported, known: HashMap::new(), open: Vec::new() };
+    let mut unfold = Unfold { imported: &imported, known: HashMap::new(), open: Vec::new(), cycles: 0 };
     let size = unfold.size(doc, doc);
     if size > MAX_UNFOLDED_SUBSCHEMAS {
         return Err(format!(
@@ -81,21 +84,20 @@ fn check_unfolded_size(doc: &Value, imports: &HashMap<String, String>) -> Result
 /// The unfolded size of a schema: each subschema counted once per path that
 /// reaches it, `$ref` targets measured once and remembered.
 struct Unfold<'a> {
-    root: &'a Value,
     imported: &'a HashMap<&'a str, Value>,
-    /// Sizes of `$ref` targets, by the reference as written.
-    known: HashMap<String, u64>,
+    /// Sizes of `$ref` targets, and the `$ref`s back into their own chain
+    /// inside them, by document and place.
+    known: HashMap<String, (u64, u64)>,
     /// The `$ref`s being measured, to find a chain that comes back.
     open: Vec<String>,
+    /// `$ref`s back into their own chain met so far.
+    cycles: u64,
 }
 
 impl<'a> Unfold<'a> {
     /// Keywords whose value is one subschema, an array of them, or a map of them.
-    const ONE: [&'static str; 11] = [
+    const ONE: [&'static str; 8] = [
         "not",
-        "if",
-        "then",
-        "else",
         "items",
         "additionalItems",
         "additionalProperties",
@@ -104,7 +106,6 @@ impl<'a> Unfold<'a> {
         "unevaluatedItems",
         "unevaluatedProperties",
     ];
-    const MANY: [&'static str; 4] = ["allOf", "anyOf", "oneOf", "prefixItems"];
     const MAP: [&'static str; 4] = ["properties", "patternProperties", "dependentSchemas", "dependencies"];
 
     fn size(&mut self, node: &'a Value, doc: &'a Value) -> u64 {
@@ -122,10 +123,21 @@ impl<'a> Unfold<'a> {
                 _ => {}
             }
         }
-        for key in Self::MANY {
-            if let Some(Value::Array(items)) = map.get(key) {
-                items.iter().for_each(|v| add(self.size(v, doc), &mut total));
-            }
+        // Branches applied to the same place of the value: two that both
+        // come back into their chain make the work exponential in its depth.
+        let mut recursing = 0;
+        let branches = ["allOf", "anyOf", "oneOf"].iter().filter_map(|k| map.get(*k)).filter_map(Value::as_array);
+        let conditional = ["if", "then", "else"].iter().filter_map(|k| map.get(*k));
+        for v in branches.flatten().chain(conditional) {
+            let before = self.cycles;
+            add(self.size(v, doc), &mut total);
+            recursing += u32::from(self.cycles > before);
+        }
+        if recursing >= 2 {
+            return u64::MAX;
+        }
+        if let Some(Value::Array(items)) = map.get("prefixItems") {
+            items.iter().for_each(|v| add(self.size(v, doc), &mut total));
         }
         for key in Self::MAP {
             if let Some(Value::Object(members)) = map.get(key) {
@@ -135,24 +147,36 @@ impl<'a> Unfold<'a> {
         total
     }
 
-    /// The size of what `$ref` `r` (in `doc`) reaches; 1 where it reaches
-    /// nothing relay can find (the validator refuses those itself).
+    /// The size of what `$ref` `r` (in `doc`) reaches: a JSON pointer in
+    /// this schema or in one it refers to by name. 1 where it reaches
+    /// nothing so written (an anchor, an `$id` inside the schema): the
+    /// validator resolves those, and this measure does not follow them.
     fn reference(&mut self, r: &str, doc: &'a Value) -> u64 {
         let (name, pointer) = r.split_once('#').unwrap_or((r, ""));
-        let target_doc = if name.is_empty() { doc } else { self.imported.get(name).unwrap_or(self.root) };
+        let target_doc = if name.is_empty() {
+            doc
+        } else {
+            match self.imported.get(name) {
+                Some(d) => d,
+                None => return 1,
+            }
+        };
         // By document and place: two documents may have the same pointer.
         let key = format!("{:p}#{pointer}", target_doc);
-        if let Some(&n) = self.known.get(&key) {
+        if let Some(&(n, cycles)) = self.known.get(&key) {
+            self.cycles += cycles;
             return n;
         }
         if self.open.contains(&key) {
+            self.cycles += 1;
             return CYCLE_COST;
         }
         let Some(target) = target_doc.pointer(pointer) else { return 1 };
         self.open.push(key.clone());
+        let before = self.cycles;
         let n = self.size(target, target_doc);
         self.open.pop();
-        self.known.insert(key, n);
+        self.known.insert(key, (n, self.cycles - before));
         n
     }
 }

@@ -1091,6 +1091,27 @@ mod tests {
         }
         let chained = serde_json::json!({"$defs": chain, "$ref": "#/$defs/c199"});
         assert!(json_validator(&chained.to_string(), HashMap::new()).unwrap().is_valid(&serde_json::json!(1)));
+        // Small, but two branches recurse at every level of the value: 2^depth.
+        let doubling = r##"{"type": "array", "anyOf": [{"items": {"$ref": "#"}}, {"items": {"$ref": "#"}}]}"##;
+        let err = json_validator(doubling, HashMap::new()).unwrap_err();
+        assert!(err.contains("unfolds to over"), "{err}");
+        // A tree recursing in one branch, or in two properties, is kept.
+        let tree = r##"{"anyOf": [{"type": "string"}, {"type": "array", "items": {"$ref": "#"}}]}"##;
+        assert!(json_validator(tree, HashMap::new()).is_ok());
+        let binary = r##"{"type": "object", "properties": {"left": {"$ref": "#"}, "right": {"$ref": "#"}}}"##;
+        assert!(json_validator(binary, HashMap::new()).is_ok());
+        // Many $refs to types bundled under their own $id are not taken
+        // for the whole schema each.
+        let mut bundled = serde_json::Map::new();
+        let mut props = serde_json::Map::new();
+        for i in 0..40 {
+            let id = format!("https://example.com/t{i}");
+            bundled.insert(format!("t{i}"), serde_json::json!({"$id": id, "type": "string"}));
+            props.insert(format!("p{i}"), serde_json::json!({"$ref": id}));
+        }
+        let schema = serde_json::json!({"$schema": "https://json-schema.org/draft/2020-12/schema",
+                                        "$defs": bundled, "properties": props});
+        assert!(json_validator(&schema.to_string(), HashMap::new()).is_ok());
     }
 
     #[test]

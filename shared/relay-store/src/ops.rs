@@ -130,30 +130,43 @@ pub async fn backend_pid(conn: &mut PgConnection) -> Result<i32, sqlx::Error> {
     sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(conn).await
 }
 
-/// Whether server process `pid` is still working for its client: running a
-/// statement (not blocked writing to a client that stopped reading), or
-/// between two statements for less than `idle`. Asked on another
+/// What a server process is doing for its client, as another connection sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// Running a statement (not blocked writing to a client that stopped
+    /// reading), or between two statements for less than the `idle` asked.
+    Working,
+    /// Waiting for a statement that has not come for longer than that, or
+    /// blocked writing to its client: the client's statements no longer
+    /// reach it.
+    Stuck,
+    /// No such process: it ended.
+    Gone,
+}
+
+/// What server process `pid` is doing ([`Backend`]). Asked on another
 /// connection about one whose answer is late, it tells a slow transaction
-/// (wait for it) from a lost one (a client whose statements no longer
-/// arrive, or a process gone).
-pub async fn backend_working(
-    conn: &mut PgConnection,
-    pid: i32,
-    idle: std::time::Duration,
-) -> Result<bool, sqlx::Error> {
+/// (wait for it) from a lost one.
+pub async fn backend(conn: &mut PgConnection, pid: i32, idle: std::time::Duration) -> Result<Backend, sqlx::Error> {
     let idle = i64::try_from(idle.as_millis()).unwrap_or(i64::MAX);
-    sqlx::query_scalar(
+    let working: Option<bool> = sqlx::query_scalar(
         "WITH b(backend_state, wait_event, since) AS (SELECT state, wait_event, state_change FROM pg_stat_activity WHERE pid = $1)
-         SELECT coalesce((SELECT (backend_state = 'active' AND wait_event IS DISTINCT FROM 'ClientWrite')
-                                 OR now() - since < make_interval(secs => $2 / 1000.0) FROM b), false)",
+         SELECT (backend_state = 'active' AND wait_event IS DISTINCT FROM 'ClientWrite')
+                OR now() - since < make_interval(secs => $2 / 1000.0) FROM b",
     )
     .bind(pid)
     .bind(idle)
-    .fetch_one(conn)
-    .await
+    .fetch_optional(conn)
+    .await?;
+    Ok(match working {
+        None => Backend::Gone,
+        Some(true) => Backend::Working,
+        Some(false) => Backend::Stuck,
+    })
 }
 
-/// End server process `pid` (one of relay's own connections, given up on):
+/// End server process `pid` (one of relay's own connections, found
+/// [`Backend::Stuck`]):
 /// its open transaction is rolled back and its locks let go at once, not
 /// when the server notices the client is gone.
 pub async fn end_backend(conn: &mut PgConnection, pid: i32) -> Result<(), sqlx::Error> {

@@ -24,25 +24,52 @@ pub const PROBE: Duration = Duration::from_secs(2);
 /// next in milliseconds, a code handler's in well under this.
 pub const IDLE_IN_WORK: Duration = Duration::from_secs(10);
 
-/// Whether the server process `pid` is still working on a transaction whose
-/// answer is late (asked on another connection, within [`PROBE`]). `None`
-/// (its process is not known yet), a database that does not answer, a
-/// process gone, or one waiting for a statement that never came: no.
-pub async fn still_working(pool: &PgPool, pid: Option<i32>) -> bool {
-    let Some(pid) = pid else { return false };
-    let ask = async |conn: &mut PgConnection| relay_store::ops::backend_working(conn, pid, IDLE_IN_WORK).await;
-    bounded(pool, PROBE, ask).await.unwrap_or(false)
+/// What became of a transaction whose answer is late.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    /// The database still works on it: wait.
+    Working,
+    /// Its server process waits for statements that no longer come: end it.
+    Stuck,
+    /// Its process is gone, or the database does not answer: let go.
+    Lost,
+}
+
+/// Ask about server process `pid` on a connection of its own (never one of
+/// the pool's, which may all be busy), within [`PROBE`]. A database that
+/// answers with an error (too many connections, say) is alive: ask again
+/// next time. One that does not answer in time is taken for gone.
+async fn ask_about(pool: &PgPool, pid: Option<i32>) -> Verdict {
+    use relay_store::ops::Backend;
+    use sqlx::ConnectOptions;
+    let Some(pid) = pid else { return Verdict::Lost };
+    let options = pool.connect_options();
+    let ask = async {
+        let mut conn = options.connect().await?;
+        relay_store::ops::backend(&mut conn, pid, IDLE_IN_WORK).await
+    };
+    match tokio::time::timeout(PROBE, ask).await {
+        Ok(Ok(Backend::Working)) | Ok(Err(sqlx::Error::Database(_))) => Verdict::Working,
+        Ok(Ok(Backend::Stuck)) => Verdict::Stuck,
+        Ok(Ok(Backend::Gone)) | Ok(Err(_)) | Err(_) => Verdict::Lost,
+    }
 }
 
 /// Let go of a pooled connection whose work ran out of `limit`, and say so
 /// as the error that work ends with. The connection is closed unread, not
-/// returned (the pool's check would wait on a silent peer); its server
-/// process, when known and the database answers, is ended, so that its
-/// transaction's locks and rows are let go now rather than when the server
-/// notices.
-pub async fn abandon(pool: &PgPool, conn: PoolConnection<Postgres>, pid: Option<i32>, limit: Duration) -> sqlx::Error {
+/// returned (the pool's check would wait on a silent peer). Its server
+/// process, when it was found stuck, is ended, so that its transaction's
+/// locks and rows are let go now rather than when the server notices; one
+/// found gone, or not asked about, is left alone (after a failover its pid
+/// may be another session's).
+pub async fn abandon(
+    pool: &PgPool,
+    conn: PoolConnection<Postgres>,
+    stuck: Option<i32>,
+    limit: Duration,
+) -> sqlx::Error {
     drop(conn.detach());
-    if let Some(pid) = pid {
+    if let Some(pid) = stuck {
         let end = async |c: &mut PgConnection| relay_store::ops::end_backend(c, pid).await;
         let _ = bounded(pool, PROBE, end).await;
     }
@@ -50,11 +77,11 @@ pub async fn abandon(pool: &PgPool, conn: PoolConnection<Postgres>, pid: Option<
 }
 
 /// Run `work` on `conn` for as long as the database works on it: each time
-/// it runs past another `limit`, [`still_working`] asks about its server
-/// process (`pid`, once `work` has stored it there) and `on_long` is told
-/// when it goes on. A transaction the database stopped on is
-/// [abandoned](abandon) (the error); one that ends, however it ends, gives
-/// `conn` [back](give_back).
+/// it runs past another `limit`, relay asks about its server process
+/// (`pid`, once `work` has stored it there) while `work` goes on, and
+/// `on_long` is told when it goes on. A transaction the database stopped on
+/// is [abandoned](abandon) (the error); one that ends, however it ends,
+/// gives `conn` [back](give_back).
 pub async fn watched<T>(
     pool: &PgPool,
     mut conn: PoolConnection<Postgres>,
@@ -63,22 +90,39 @@ pub async fn watched<T>(
     mut on_long: impl FnMut(Duration),
     work: impl AsyncFnOnce(&mut PgConnection) -> T,
 ) -> Result<T, sqlx::Error> {
-    let done = {
+    /// What came first while asking: the work's end, or the answer.
+    enum First<T> {
+        Done(T),
+        Asked(Verdict),
+    }
+    let ended = {
         let mut running = std::pin::pin!(work(&mut conn));
         loop {
-            match tokio::time::timeout(limit, &mut running).await {
-                Ok(done) => break Some(done),
-                Err(_) if still_working(pool, known(pid)).await => on_long(limit),
-                Err(_) => break None,
+            if let Ok(done) = tokio::time::timeout(limit, &mut running).await {
+                break Ok(done);
+            }
+            // The work is polled while the question is out: a connection
+            // left unread would block its server process writing to it.
+            let first = tokio::select! {
+                done = &mut running => First::Done(done),
+                verdict = ask_about(pool, known(pid)) => First::Asked(verdict),
+            };
+            match first {
+                First::Done(done) => break Ok(done),
+                First::Asked(Verdict::Working) => on_long(limit),
+                First::Asked(verdict) => break Err(verdict),
             }
         }
     };
-    match done {
-        Some(done) => {
+    match ended {
+        Ok(done) => {
             give_back(conn);
             Ok(done)
         }
-        None => Err(abandon(pool, conn, known(pid), limit).await),
+        Err(verdict) => {
+            let stuck = known(pid).filter(|_| verdict == Verdict::Stuck);
+            Err(abandon(pool, conn, stuck, limit).await)
+        }
     }
 }
 
