@@ -373,7 +373,7 @@ async fn every_cleanup_batch_reads_the_oldest_rows_through_an_index() {
                 now() - interval '30 days' + g * interval '1 s'
            FROM generate_series(1, $1) g",
         "INSERT INTO relay.dead_letters (consumer, topic, partition, \"offset\", error_class, reason, created_at)
-         SELECT 'plans', 'in', 0, g, 'decode', 'bad', now() - interval '30 days' + g * interval '1 s'
+         SELECT 'plans', 'in', 0, g, 'bad_json', 'bad', now() - interval '30 days' + g * interval '1 s'
            FROM generate_series(1, $1) g",
     ] {
         sqlx::query(sql).bind(OLD_ROWS).execute(&db.pool).await.unwrap();
@@ -829,7 +829,7 @@ async fn dead_letters_replayed_before_the_upgrade_keep_whether_they_were_resolve
     for (offset, (reason, outcome)) in outcomes.iter().enumerate() {
         sqlx::query(
             "INSERT INTO relay.dead_letters (consumer, topic, partition, \"offset\", error_class, reason, replay_outcome)
-             VALUES ('plans', 't', 0, $1, 'invalid_schema', $2, $3)",
+             VALUES ('plans', 't', 0, $1, 'schema_invalid', $2, $3)",
         )
         .bind(offset as i64)
         .bind(reason)
