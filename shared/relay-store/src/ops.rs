@@ -97,7 +97,7 @@ pub struct BatchGates {
     /// batch looks its keys up, whether or not a route holds keys today.
     pub keys_held: bool,
     /// The server process of the batch's connection, for
-    /// [`backend_working`] when the batch runs long.
+    /// [`backend`] when the batch runs long.
     pub pid: i32,
 }
 
